@@ -1,0 +1,206 @@
+"""grad_accum.py: K micro-steps equal one big batch (1 and 2/3 DP ranks), one sync per step, clear errors."""
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import grad_accum as ga
+from multirank import run_ranks
+
+# float64 everywhere: the accumulated and the one-batch gradients differ only by summation order, ~1e-16
+# relative; 1e-12 leaves four orders of magnitude for a handful of additions.
+TOL = 1e-12
+
+
+def _data(world, K, b=2, seq=6, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [[ga.make_batch(gen, b, seq) for _ in range(K)] for _ in range(world)]
+
+
+def _reference(state, all_micro):
+    torch.set_default_dtype(torch.float64)
+    model = ga.TinyLM()
+    model.load_state_dict(state)
+    big = ga.concat_batches([mb for mbs in all_micro for mb in mbs])
+    s, n = ga.token_loss(model, big)
+    (s / n).backward()
+    return model, (s / n).item()
+
+
+def _initial_state():
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    return ga.TinyLM().state_dict()
+
+
+def _max_grad_diff(a, b):
+    return max((p.grad - q.grad).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_k_micro_batches_equal_one_batch_of_k_times_b():
+    state = _initial_state()
+    mbs = _data(1, K=4)
+    ref, ref_loss = _reference(state, mbs)
+    model = ga.TinyLM()
+    model.load_state_dict(state)
+    loss = ga.accumulate_gradients(model, mbs[0], ga.token_loss)
+    assert loss == pytest.approx(ref_loss, abs=TOL)
+    assert _max_grad_diff(model, ref) < TOL
+    # and the update: one AdamW step from the accumulated gradient equals the big-batch step
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_opt.step()
+    model2 = ga.TinyLM()
+    model2.load_state_dict(state)
+    opt = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    ga.accumulate_and_step(model2, opt, mbs[0], ga.token_loss)
+    assert all(p.grad is None for p in model2.parameters())  # cleared after the step
+    assert max((p - q).abs().max().item() for p, q in zip(model2.parameters(), ref.parameters())) < TOL
+
+
+def test_equal_micro_batches_is_divide_by_k():
+    # equal token counts: the per-token normalisation is the textbook "mean loss / K"
+    state = _initial_state()
+    gen = torch.Generator().manual_seed(1)
+    mbs = []
+    for _ in range(3):
+        idx, tgt, _ = ga.make_batch(gen, 2, 5)
+        mbs.append((idx, tgt, torch.ones_like(idx, dtype=torch.bool)))
+    a, b = ga.TinyLM(), ga.TinyLM()
+    a.load_state_dict(state)
+    b.load_state_dict(state)
+    ga.accumulate_gradients(a, mbs, ga.token_loss)
+    for mb in mbs:
+        s, n = ga.token_loss(b, mb)
+        (s / n / len(mbs)).backward()
+    assert _max_grad_diff(a, b) < TOL
+
+
+def _dp_rank(rank, world, K, use_ddp, state, all_micro):
+    torch.set_default_dtype(torch.float64)
+    model = ga.TinyLM()
+    model.load_state_dict(state)
+    wrapped = DDP(model) if use_ddp else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss = ga.accumulate_gradients(wrapped, all_micro[rank], ga.token_loss, dp_group=dist.group.WORLD)
+    grads = [p.grad.clone() for p in model.parameters()]
+    opt.step()
+    return loss, grads, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("use_ddp", [False, True])
+def test_dp_ranks_with_variable_length_micro_batches_equal_one_process(world, use_ddp):
+    K = 3
+    state = _initial_state()
+    all_micro = _data(world, K, seed=world)
+    ref, ref_loss = _reference(state, all_micro)
+    n_tokens = [sum(int(mb[2].sum()) for mb in mbs) for mbs in all_micro]
+    assert len(set(n_tokens)) > 1  # the ranks really hold different numbers of tokens
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_opt.step()
+    out = run_ranks(_dp_rank, world, K, use_ddp, state, all_micro, timeout=90)
+    for loss, grads, params in out:
+        assert loss == pytest.approx(ref_loss, abs=TOL)
+        assert max((g - p.grad).abs().max().item() for g, p in zip(grads, ref.parameters())) < TOL
+        assert max((a - b).abs().max().item() for a, b in zip(params, ref.parameters())) < TOL
+
+
+def _count_collectives(rank, world, K):
+    torch.set_default_dtype(torch.float64)
+    all_micro = _data(world, K)
+    torch.manual_seed(0)
+    # DDP with a small bucket cap so that the model spans several buckets
+    ddp = DDP(ga.TinyLM(), bucket_cap_mb=0.01)
+    counter = ga.count_ddp_collectives(ddp)
+    for _ in range(2):  # DDP rebuilds its buckets after the first iteration: measure the steady state
+        ga.token_loss(ddp, all_micro[rank][0])[0].backward()
+    counter["allreduce"] = 0
+    ga.token_loss(ddp, all_micro[rank][0])[0].backward()
+    buckets = counter["allreduce"]
+    counts = {"buckets": buckets}
+    for name in ("right", "none", "trap"):
+        counter["allreduce"] = 0
+        if name == "right":
+            ga.accumulate_gradients(ddp, all_micro[rank], ga.token_loss)
+        elif name == "none":
+            for mb in all_micro[rank]:
+                ga.token_loss(ddp, mb)[0].backward()
+        else:
+            ga.ddp_sync_trap(ddp, all_micro[rank], ga.token_loss)
+        counts[name] = counter["allreduce"]
+    # the manual path: count every all_reduce issued during one accumulate_and_step
+    plain = ga.TinyLM()
+    issued = []
+    real_all_reduce = dist.all_reduce
+
+    def counting_all_reduce(tensor, *args, **kwargs):
+        issued.append(tensor.numel())
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting_all_reduce
+    try:
+        opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+        ga.accumulate_and_step(plain, opt, all_micro[rank], ga.token_loss, dp_group=dist.group.WORLD,
+                               bucket_bytes=4096)
+    finally:
+        dist.all_reduce = real_all_reduce
+    counts["manual"] = issued
+    counts["manual_buckets"] = len(ga.gradient_buckets(list(plain.parameters()), 4096))
+    counts["n_params"] = sum(p.numel() for p in plain.parameters())
+    return counts
+
+
+def test_gradient_collectives_counted():
+    K = 4
+    for c in run_ranks(_count_collectives, 2, K, timeout=90):
+        assert c["buckets"] >= 2
+        assert c["right"] == c["buckets"]            # one all-reduce per bucket per step
+        assert c["none"] == K * c["buckets"]         # syncing every micro-step
+        assert c["trap"] == K * c["buckets"]         # no_sync around the backward only does not help
+        # manual: one all-reduce per bucket, plus the 2-number loss/token total
+        assert len(c["manual"]) == c["manual_buckets"] + 1 and c["manual_buckets"] >= 2
+        assert sum(c["manual"][:-1]) == c["n_params"] and c["manual"][-1] == 2
+
+
+def test_single_rank_issues_no_gradient_collective():
+    model = ga.TinyLM()
+    assert ga.sync_gradients(list(model.parameters()), None) == 0
+
+
+def test_empty_micro_batches_raise():
+    with pytest.raises(ValueError, match="micro_batches is empty"):
+        ga.accumulate_gradients(ga.TinyLM(), [], ga.token_loss)
+
+
+def test_zero_tokens_raise_not_nan():
+    gen = torch.Generator().manual_seed(0)
+    idx, tgt, mask = ga.make_batch(gen, 2, 4)
+    with pytest.raises(ValueError, match="zero tokens"):
+        ga.accumulate_gradients(ga.TinyLM(), [(idx, tgt, torch.zeros_like(mask))], ga.token_loss)
+
+
+def _zero_tokens_somewhere(rank, world, everywhere):
+    torch.set_default_dtype(torch.float64)
+    gen = torch.Generator().manual_seed(rank)
+    idx, tgt, mask = ga.make_batch(gen, 2, 4)
+    if everywhere or rank == 0:
+        mask = torch.zeros_like(mask)
+    try:
+        loss = ga.accumulate_gradients(ga.TinyLM(), [(idx, tgt, mask)], ga.token_loss, dp_group=dist.group.WORLD)
+    except ValueError as e:
+        return str(e)
+    return loss
+
+
+def test_zero_tokens_over_the_global_batch_raise_on_every_rank():
+    assert all("zero tokens" in str(r) for r in run_ranks(_zero_tokens_somewhere, 3, True, timeout=60))
+    # one rank without tokens is fine: the others' tokens carry the mean
+    losses = run_ranks(_zero_tokens_somewhere, 3, False, timeout=60)
+    assert all(isinstance(x, float) and x == x for x in losses) and len(set(losses)) == 1
+
+
+def test_effective_batch_size():
+    assert ga.effective_batch_size(4, 8, 16) == 512
+    assert ga.effective_batch_size(1, 2, 2, pipeline_micro_batches=8) == 32
+    with pytest.raises(ValueError, match="accum_steps"):
+        ga.effective_batch_size(4, 8, 0)

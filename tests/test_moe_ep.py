@@ -1,0 +1,259 @@
+"""moe_ep.py: EP on 2/3/4 ranks equals the single-process MoE (float64), edge cases, losses, gradient placement."""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import moe_ep
+import topology
+from multirank import run_ranks
+
+# float64 throughout: EP moves the same rows to the same expert matmuls, so outputs and expert gradients agree
+# to the last bit or to summation-order rounding (~1e-16 relative); router gradients are summed over ranks in a
+# different order. 1e-12 is far below any routing or scaling mistake (those are O(1e-2) or more).
+TOL = 1e-12
+
+
+def naive_moe(moe, x):
+    """Token by token, expert by expert: the definition, written independently of the vectorised code."""
+    probs = torch.softmax(x @ moe.router.weight.t(), -1)
+    y = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        top = probs[t].topk(moe.top_k)
+        w = top.values / top.values.sum() if moe.router.normalize else top.values
+        for weight, e in zip(w, top.indices):
+            y[t] += weight * (F.gelu(x[t] @ moe.w1[e]) @ moe.w2[e])
+    return y
+
+
+def test_single_process_moe_matches_the_naive_definition():
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    for k, normalize in ((1, False), (2, True), (4, True)):
+        moe = moe_ep.MoE(8, 16, 4, k, normalize_topk=normalize)
+        x = torch.randn(20, 8)
+        assert (moe(x)[0] - naive_moe(moe, x)).abs().max() < TOL
+
+
+def _ep_rank(rank, P, E, k, T, route_to=None, seed=0):
+    torch.set_default_dtype(torch.float64)
+    group = dist.group.WORLD
+    d, h = 8, 12
+    torch.manual_seed(seed)
+    moe = moe_ep.MoE(d, h, E, k, ep_group=group, stats_group=group)
+    torch.manual_seed(seed)
+    ref = moe_ep.MoE(d, h, E, k)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x_all = torch.randn(P * T, d, generator=gen)
+    if route_to is not None:  # every token strongly prefers expert `route_to` (and k-1 others by chance)
+        for m in (moe, ref):
+            with torch.no_grad():
+                m.router.weight[route_to] = 50.0
+        x_all = x_all.abs()
+    g_all = torch.randn(P * T, d, generator=gen)
+    mine = slice(rank * T, (rank + 1) * T)
+    x = x_all[mine].clone().requires_grad_(True)
+    moe_ep.comm_log.clear()
+    y, aux = moe(x)
+    ((y * g_all[mine]).sum() + aux).backward()
+    x_ref = x_all.clone().requires_grad_(True)
+    y_ref, aux_ref = ref(x_ref)
+    ((y_ref * g_all).sum() + aux_ref).backward()
+    experts = slice(rank * (E // P), (rank + 1) * (E // P))
+    router_sum = moe.router.weight.grad.clone()
+    dist.all_reduce(router_sum)
+    return {
+        "y": (y - y_ref[mine]).abs().max().item(),
+        "x_grad": (x.grad - x_ref.grad[mine]).abs().max().item(),
+        "w1": (moe.w1 - ref.w1[experts]).abs().max().item(),     # layout-independent initialisation
+        "w1_grad": (moe.w1.grad - ref.w1.grad[experts]).abs().max().item(),
+        "w2_grad": (moe.w2.grad - ref.w2.grad[experts]).abs().max().item(),
+        "router_grad": (router_sum - ref.router.weight.grad).abs().max().item(),
+        "aux": abs(aux.item() - aux_ref.item()),
+        "log": dict(moe_ep.comm_log),
+    }
+
+
+@pytest.mark.parametrize("P, E", [(2, 4), (3, 6), (4, 8)])
+@pytest.mark.parametrize("k", [1, 2])
+def test_ep_equals_single_process_moe(P, E, k):
+    for r in run_ranks(_ep_rank, P, E, k, 10, timeout=120):
+        for key in ("y", "x_grad", "w1", "w1_grad", "w2_grad", "router_grad", "aux"):
+            assert r[key] < TOL, (key, r[key])
+        assert r["log"]["dispatch_fwd:count"] == 1 and r["log"]["combine_fwd:count"] == 1
+        assert r["log"]["dispatch_bwd:count"] == 1 and r["log"]["combine_bwd:count"] == 1
+
+
+def test_top_k_equal_to_num_experts():
+    for r in run_ranks(_ep_rank, 2, 4, 4, 6, timeout=120):
+        assert max(r[key] for key in ("y", "x_grad", "w1_grad", "w2_grad", "router_grad")) < TOL
+
+
+def test_all_tokens_to_one_expert_and_ranks_that_receive_nothing():
+    # k=1 and every token on expert 0 (EP rank 0): ranks 1-3 receive no token at all, their experts no gradient
+    for rank, r in enumerate(run_ranks(_ep_rank, 4, 8, 1, 8, 0, timeout=120)):
+        assert max(r[key] for key in ("y", "x_grad", "w1_grad", "w2_grad", "router_grad")) < TOL
+        sent_away = r["log"].get("dispatch_fwd:bytes", 0)
+        assert sent_away == (0 if rank == 0 else 8 * 8 * 8)  # T=8 rows of d=8 float64 leave ranks 1..3
+
+
+def _uniform_routing_bytes(rank, P):
+    torch.set_default_dtype(torch.float64)
+    E = d = 8
+    T = 16
+    moe = moe_ep.MoE(d, 4, E, 1, ep_group=dist.group.WORLD)
+    with torch.no_grad():
+        moe.router.weight.copy_(torch.eye(E))
+    x = 10 * torch.eye(E).repeat(T // E, 1)  # token t prefers expert t mod E: perfectly uniform routing
+    moe_ep.comm_log.clear()
+    moe(x)
+    return dict(moe_ep.comm_log)
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_all_to_all_bytes_equal_the_uniform_routing_formula(P):
+    T, k, d, e = 16, 1, 8, 8
+    for log in run_ranks(_uniform_routing_bytes, P, timeout=60):
+        assert log["dispatch_fwd:bytes"] == T * k * d * e * (P - 1) / P
+        assert log["combine_fwd:bytes"] == T * k * d * e * (P - 1) / P
+
+
+def test_capacity_drops_exactly_the_lowest_weight_assignments():
+    torch.set_default_dtype(torch.float64)
+    experts = torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0]])
+    weights = torch.tensor([[0.6, 0.4], [0.9, 0.1], [0.5, 0.5], [0.7, 0.3]])
+    # capacity 2: expert 0 has four assignments with weights 0.6, 0.9, 0.5, 0.3 -> keeps 0.9 and 0.6
+    keep = moe_ep.apply_capacity(experts, weights, 4, 2)
+    assert keep.tolist() == [[True, True], [True, True], [False, True], [True, False]]
+    assert moe_ep.expert_capacity(tokens=4, top_k=2, num_experts=4, capacity_factor=1.0) == 2
+    assert moe_ep.expert_capacity(tokens=10, top_k=2, num_experts=4, capacity_factor=1.25) == math.ceil(6.25)
+    # inside the layer: a dropped slot contributes nothing, the kept ones are unchanged
+    torch.manual_seed(0)
+    moe = moe_ep.MoE(8, 16, 4, 2, capacity_factor=0.5)
+    x = torch.randn(12, 8)
+    y, _ = moe(x)
+    logits, w, ex = moe.router(x)
+    keep = moe_ep.apply_capacity(ex, w, 4, moe_ep.expert_capacity(12, 2, 4, 0.5))
+    assert (~keep).sum() > 0
+    expected = torch.zeros_like(x)
+    for t in range(12):
+        for j in range(2):
+            if keep[t, j]:
+                e = ex[t, j]
+                expected[t] += w[t, j] * (F.gelu(x[t] @ moe.w1[e]) @ moe.w2[e])
+    assert (y - expected).abs().max() < TOL
+    assert torch.bincount(ex[keep], minlength=4).max() <= 3
+
+
+def test_auxiliary_losses_on_a_hand_computed_example():
+    torch.set_default_dtype(torch.float64)
+    logits = torch.tensor([[2.0, 0.0, 0.0], [0.0, 1.0, 0.0], [1.0, 0.0, 3.0], [0.5, 0.0, 0.0]])
+    p = torch.softmax(logits, -1)
+    # top-1 experts: 0, 1, 2, 0 -> f = [2/4, 1/4, 1/4]; P_i = column means of p
+    f = torch.tensor([0.5, 0.25, 0.25])
+    expected = 0.1 * 3 * (f * p.mean(0)).sum()
+    assert moe_ep.load_balancing_loss(logits, 1, 0.1).item() == pytest.approx(expected.item(), rel=1e-14)
+    # hand arithmetic for the first row: p0 = e^2 / (e^2 + 2)
+    assert p[0, 0].item() == pytest.approx(math.exp(2) / (math.exp(2) + 2), rel=1e-14)
+    lse = [math.log(math.exp(2) + 2), math.log(math.e + 2), math.log(math.e + 1 + math.exp(3)),
+           math.log(math.exp(0.5) + 2)]
+    assert moe_ep.z_loss(logits, 1e-3).item() == pytest.approx(1e-3 * sum(v * v for v in lse) / 4, rel=1e-14)
+    # top-2: f counts both choices of every token over T*k = 8 assignments
+    f2 = torch.bincount(p.topk(2).indices.reshape(-1), minlength=3) / 8
+    assert moe_ep.load_balancing_loss(logits, 2, 1.0).item() == pytest.approx(3 * (f2 * p.mean(0)).sum().item())
+    # uniform routing gives exactly coeff
+    assert moe_ep.load_balancing_loss(torch.zeros(8, 4), 1, 0.01, selected=torch.arange(8).remainder(4)[:, None]) \
+        .item() == pytest.approx(0.01)
+
+
+def test_balancing_bias_update_rule_and_selection_only():
+    bias = torch.zeros(4)
+    moe_ep.update_balancing_bias(bias, torch.tensor([10, 2, 4, 0]), rate=0.01)  # mean load 4
+    assert bias.tolist() == pytest.approx([-0.01, 0.01, 0.0, 0.01])
+    torch.set_default_dtype(torch.float64)
+    router = moe_ep.Router(4, 4, 1, normalize=False, balancing_bias=True)
+    x = torch.randn(6, 4)
+    _, w_before, e_before = router(x)
+    router.bias[:] = torch.tensor([0.0, 0.0, 0.0, 10.0])  # a huge bias: expert 3 always selected
+    _, w_after, e_after = router(x)
+    assert torch.all(e_after == 3)
+    assert torch.allclose(w_after[:, 0], torch.softmax(x @ router.weight.t(), -1)[:, 3])  # weights without bias
+    assert not any(n == "bias" for n, _ in router.named_parameters())
+
+
+def _split_invariant_aux(rank, P):
+    torch.set_default_dtype(torch.float64)
+    logits_all = torch.randn(12, 6, generator=torch.Generator().manual_seed(3))
+    sizes = [2, 4, 6][:P] if P == 3 else [5, 7]  # uneven splits of the same 12 tokens
+    start = sum(sizes[:rank])
+    mine = logits_all[start:start + sizes[rank]].clone().requires_grad_(True)
+    lb = moe_ep.load_balancing_loss(mine, 2, 0.1, group=dist.group.WORLD)
+    z = moe_ep.z_loss(mine, 0.01, group=dist.group.WORLD)
+    (lb + z).backward()
+    return lb.item(), z.item(), mine.grad, start
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_router_statistics_summed_over_a_group_do_not_depend_on_the_split(P):
+    logits = torch.randn(12, 6, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    full = logits.clone().requires_grad_(True)
+    lb, z = moe_ep.load_balancing_loss(full, 2, 0.1), moe_ep.z_loss(full, 0.01)
+    (lb + z).backward()
+    for lb_r, z_r, grad, start in run_ranks(_split_invariant_aux, P, timeout=60):
+        assert lb_r == pytest.approx(lb.item(), abs=1e-15) and z_r == pytest.approx(z.item(), abs=1e-15)
+        assert (grad - full.grad[start:start + grad.shape[0]]).abs().max() < TOL
+
+
+def _bad_moe(rank, P):
+    msgs = []
+    moe_ep.comm_log.clear()
+    for make in (lambda: moe_ep.MoE(8, 8, 5, 1, ep_group=dist.group.WORLD),
+                 lambda: moe_ep.MoE(8, 8, 4, 5, ep_group=dist.group.WORLD),
+                 lambda: moe_ep.MoE(8, 8, 4, 1, ep_group=dist.group.WORLD)(torch.randn(3, 7))):
+        try:
+            make()
+            msgs.append(None)
+        except ValueError as e:
+            msgs.append(str(e))
+    return msgs, dict(moe_ep.comm_log)
+
+
+def test_bad_input_raises_before_any_collective():
+    for msgs, log in run_ranks(_bad_moe, 2, timeout=60):
+        assert log == {}
+        assert "num_experts=5 is not divisible by the EP group size 2" in msgs[0]
+        assert "top_k=5 must be between 1 and num_experts=4" in msgs[1]
+        assert "d_model=8" in msgs[2]
+
+
+def _folded_layout(rank, world):
+    """4 ranks, DP=4, EP=2 -> EDP=2 (topology's folded expert grid); each rank a different batch."""
+    torch.set_default_dtype(torch.float64)
+    groups = topology.rank_groups(world, ep=2)
+    handles = {}
+    for kind in ("ep", "edp", "dp_cp"):
+        for ranks in groups[kind]:
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                handles[kind] = g
+    ep_rank = dist.get_rank(handles["ep"])
+    E, T, d = 4, 6, 8
+    torch.manual_seed(0)
+    moe = moe_ep.MoE(d, 8, E, 2, ep_group=handles["ep"], aux_loss_coeff=0.0, z_loss_coeff=0.0)
+    torch.manual_seed(0)
+    ref = moe_ep.MoE(d, 8, E, 2)
+    x_all = torch.randn(world, T, d, generator=torch.Generator().manual_seed(5))
+    moe(x_all[rank])[0].square().mean().backward()
+    moe_ep.reduce_moe_gradients(moe, handles["dp_cp"], handles["edp"], dense_world=world)
+    # the objective: the mean over the 4 data-parallel ranks of each rank's mean loss
+    sum(ref(x_all[r])[0].square().mean() for r in range(world)).div(world).backward()
+    mine = slice(ep_rank * (E // 2), (ep_rank + 1) * (E // 2))
+    return max((moe.router.weight.grad - ref.router.weight.grad).abs().max().item(),
+               (moe.w1.grad - ref.w1.grad[mine]).abs().max().item(),
+               (moe.w2.grad - ref.w2.grad[mine]).abs().max().item())
+
+
+def test_expert_gradients_reduced_over_edp_dense_over_dp_cp():
+    assert max(run_ranks(_folded_layout, 4, timeout=60)) < TOL

@@ -1,0 +1,352 @@
+"""Activation recomputation (checkpointing): trade FLOPs for memory, measured against the formulas.
+
+Backward needs activations from forward: autograd keeps ("saves") the inputs of every matmul, the output
+of every softmax, every dropout mask... Between the end of forward and the start of backward all of it is
+alive at once, for every layer. Korthikanti et al. 2022 count, per transformer layer in 16-bit:
+
+    attention   11 s b h + 5 a s^2 b     (QKV input 2, Q and K 4, V 2, projection input 2, dropout mask 1;
+                                          softmax output 2as^2b, its dropout mask as^2b, dropout output 2as^2b)
+    MLP         19 s b h                 (fc1 input 2, GELU input 8, fc2 input 8, dropout mask 1)
+    LayerNorms   4 s b h                 (two inputs of 2)
+    total       s b h (34 + 5 a s / h)   bytes per layer
+
+This file's block is that layer, so its kept bytes follow the same derivation with e bytes per element
+and m bytes per dropout-mask element (`kept_bytes_per_layer`, term by term):
+
+    none       s b h (16 e + 2 m) + a s^2 b (2 e + m) + 4 s b e_ln   (e = 2, m = 1: 34 sbh + 5 as^2b + LN stats)
+
+the extra 4 s b e_ln are the two LayerNorms' mean and 1/std per token, which the paper leaves out. On CUDA
+m = 1 (a bool mask) and e_ln = 4 (FP32 statistics); on CPU PyTorch's dropout multiplies by a mask in the
+input's dtype (m = e) and LayerNorm keeps its statistics in the input's dtype (e_ln = e). Policies:
+
+    full       keep each block's input only: s b h e per layer; recompute the whole block in backward.
+               FLOPs: one extra forward, 24 b s h^2 + 4 b s^2 h per layer: 72 -> 96, +33% of a step.
+    sqrt       Chen et al. 2016: checkpoint segments of ~sqrt(L) blocks: keep ceil(L / seg) segment inputs,
+               O(sqrt(L)); in backward each segment is recomputed once (one segment's activations at a time):
+               the same FLOPs as full.
+    selective  Korthikanti et al.: recompute only the attention core (QK^T, mask, softmax, dropout, xV), the
+               part whose memory grows with s^2 but whose FLOPs (4 b s^2 h per layer) are small. Kept:
+               s b h (16 e + 2 m) + 4 s b e_ln (34 sbh at e = 2, m = 1): the as^2 terms are gone. FLOPs: only
+               QK^T, 2 b s^2 h per layer, is redone: non-reentrant checkpointing stops recomputing as soon as the
+               tensors backward needs are rebuilt, and nothing needs xV's output (the paper counts both).
+    selective_sac  the same idea with PyTorch's selective-checkpoint policy API (torchtitan's op-level SAC):
+               the whole block is checkpointed, the outputs of its projection GEMMs (aten.addmm/mm) are
+               cached, every other op is recomputed. Kept: the block input and the 4 GEMM outputs,
+               s b h (1 + 3 + 1 + 4 + 1) e = 10 sbh e: less than `selective`, because LayerNorm, GELU and
+               dropout are recomputed as well (cheap element-wise work that FlopCounterMode does not count).
+               A checkpoint around the attention core needs a block that exposes its core; the policy API
+               works on any block, picks ops by name, and caches whole op outputs.
+
+FLOPs are matmul FLOPs (2 per multiply-add), as `torch.utils.flop_counter.FlopCounterMode` counts them:
+forward 24 b s h^2 + 4 b s^2 h per layer (QKV 6, projection 2, MLP 16 b s h^2; QK^T and xV 2 b s^2 h each),
+backward twice that. Recomputation runs inside backward, so the counter sees it.
+
+Implementation notes. Non-reentrant `torch.utils.checkpoint` (use_reentrant=False) is used throughout: it
+works with inputs that do not require grad, with keyword arguments and nested checkpoints, supports
+`torch.autograd.grad`, and stops recomputation as soon as the needed tensors are rebuilt; the reentrant
+variant re-runs forward inside backward under a new graph and has none of these. Both restore the RNG
+state, so recomputed dropout masks are the original ones and gradients are bit-identical to no
+recomputation. Kept bytes are measured as the storages created during forward and still alive when
+backward would start (weak references to storages, so the SAC cache, invisible to saved-tensor hooks, is
+counted too), plus the input, minus the output. Offloading (`torch.autograd.graph.save_on_cpu`) is the
+other lever: it keeps everything but moves it to host memory, costing PCIe bandwidth instead of FLOPs.
+
+Run `python checkpointing.py` for the table, `python checkpointing.py --json` for JSON.
+"""
+import argparse
+import gc
+import json
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.flop_counter import FlopCounterMode
+
+POLICIES = ("none", "full", "sqrt", "selective", "selective_sac")
+
+
+# ----------------------------------------------------------------------------------------------------
+# The block: pre-LN attention + MLP with dropout, written out so every saved tensor is visible
+# ----------------------------------------------------------------------------------------------------
+
+class Block(nn.Module):
+    def __init__(self, hidden, heads, seq_len, dropout=0.1):
+        super().__init__()
+        if hidden % heads:
+            raise ValueError(f"hidden={hidden} must be divisible by heads={heads}")
+        self.heads, self.dropout = heads, dropout
+        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+        self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+        self.register_buffer("future", torch.ones(seq_len, seq_len, dtype=torch.bool).triu(1), persistent=False)
+        self.recompute_attention_core = False  # set by the `selective` policy
+
+    def attention_core(self, q, k, v):
+        """softmax(QK^T / sqrt(d) + causal mask), dropout, times V: the O(s^2) part."""
+        s = q.shape[-2]
+        att = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
+        att = att.masked_fill(self.future[:s, :s], float("-inf"))
+        att = F.dropout(F.softmax(att, dim=-1), self.dropout, self.training)
+        return att @ v
+
+    def forward(self, x):
+        q, k, v = rearrange(self.qkv(self.ln1(x)), "b s (three a d) -> three b a s d", three=3, a=self.heads)
+        if self.recompute_attention_core:
+            core = checkpoint(self.attention_core, q, k, v, use_reentrant=False)
+        else:
+            core = self.attention_core(q, k, v)
+        x = x + F.dropout(self.proj(rearrange(core, "b a s d -> b s (a d)")), self.dropout, self.training)
+        return x + F.dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)))), self.dropout, self.training)
+
+
+def make_blocks(layers, hidden, heads, seq_len, dropout=0.1, seed=0):
+    torch.manual_seed(seed)
+    return nn.ModuleList(Block(hidden, heads, seq_len, dropout) for _ in range(layers))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The policies, for any nn.ModuleList of blocks
+# ----------------------------------------------------------------------------------------------------
+
+def sqrt_segment_size(layers):
+    return max(1, round(math.sqrt(layers)))
+
+
+def _run_segment(blocks, x):
+    for block in blocks:
+        x = block(x)
+    return x
+
+
+def _gemm_outputs_only(ctx, op, *args, **kwargs):
+    """torchtitan-style op-level SAC: cache the projection GEMMs, recompute everything else."""
+    if op in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def run_blocks(blocks, x, policy="none"):
+    """Forward through `blocks` with one recomputation policy."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy={policy!r}; choose one of {POLICIES}")
+    for block in blocks:
+        if hasattr(block, "recompute_attention_core"):
+            block.recompute_attention_core = policy == "selective"
+    if policy in ("none", "selective"):
+        return _run_segment(blocks, x)
+    if policy == "full":
+        for block in blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return x
+    if policy == "sqrt":
+        seg = sqrt_segment_size(len(blocks))
+        for start in range(0, len(blocks), seg):
+            x = checkpoint(_run_segment, blocks[start:start + seg], x, use_reentrant=False)
+        return x
+    for block in blocks:  # selective_sac
+        x = checkpoint(block, x, use_reentrant=False,
+                       context_fn=lambda: create_selective_checkpoint_contexts(_gemm_outputs_only))
+    return x
+
+
+# ----------------------------------------------------------------------------------------------------
+# The formulas
+# ----------------------------------------------------------------------------------------------------
+
+def kept_bytes_per_layer(policy, b, s, h, a, e, device="cpu"):
+    """Bytes one layer keeps from forward to backward, term by term (see the module docstring).
+
+    Device-dependent details of PyTorch's kernels: on CUDA dropout keeps a bool mask (1 byte) and LayerNorm
+    FP32 statistics; on CPU dropout is `x * bernoulli_mask` with the mask in x's dtype, and LayerNorm keeps
+    its statistics in x's dtype."""
+    mask = 1 if device == "cuda" else e
+    e_ln = 4 if device == "cuda" else e
+    sbh = s * b * h
+    attention_s2 = {"softmax output": a * s * s * b * e, "attention dropout mask": a * s * s * b * mask,
+                    "attention dropout output (input of xV)": a * s * s * b * e}
+    attention_sbh = {"LN1 input": sbh * e, "QKV input (LN1 output)": sbh * e, "Q and K (matmul copies)": 2 * sbh * e,
+                     "V (matmul copy)": sbh * e, "projection input": sbh * e, "projection dropout mask": sbh * mask}
+    mlp = {"LN2 input": sbh * e, "fc1 input (LN2 output)": sbh * e, "GELU input": 4 * sbh * e,
+           "fc2 input": 4 * sbh * e, "MLP dropout mask": sbh * mask}
+    ln_stats = {"LayerNorm mean and 1/std (2 LNs)": 4 * s * b * e_ln}
+    if policy == "none":
+        terms = {**attention_sbh, **attention_s2, **mlp, **ln_stats}
+    elif policy == "selective":
+        # the checkpointed core keeps its inputs q, k, v: views of the QKV output, one 3 sbh storage
+        terms = {**attention_sbh, **mlp, **ln_stats}
+        del terms["Q and K (matmul copies)"], terms["V (matmul copy)"]
+        terms["QKV output (the core's checkpointed inputs)"] = 3 * sbh * e
+    elif policy == "selective_sac":
+        terms = {"block input": sbh * e, "QKV GEMM output": 3 * sbh * e, "projection GEMM output": sbh * e,
+                 "fc1 GEMM output": 4 * sbh * e, "fc2 GEMM output": sbh * e}
+    elif policy == "full":
+        terms = {"block input": sbh * e}
+    else:
+        raise ValueError(f"per-layer bytes are not defined for policy {policy!r}; use kept_bytes()")
+    return terms
+
+
+def kept_bytes(policy, layers, b, s, h, a, e, device="cpu"):
+    if policy == "sqrt":  # one input per segment
+        return math.ceil(layers / sqrt_segment_size(layers)) * s * b * h * e
+    return layers * sum(kept_bytes_per_layer(policy, b, s, h, a, e, device).values())
+
+
+def korthikanti_bytes_per_layer(policy, b, s, h, a):
+    """The paper's 16-bit figures, for comparison (no TP: t = 1)."""
+    return {"none": s * b * h * (34 + 5 * a * s / h), "selective": 34 * s * b * h, "full": 2 * s * b * h}.get(policy)
+
+
+def training_flops(policy, layers, b, s, h):
+    """Matmul FLOPs of forward + backward (+ recomputation) for `layers` blocks."""
+    gemms = 24 * b * s * h * h          # QKV 6, projection 2, fc1 8, fc2 8
+    core = 4 * b * s * s * h            # QK^T 2, xV 2
+    step = 3 * (gemms + core)           # backward = 2 x forward
+    # non-reentrant checkpointing stops recomputing once every tensor backward needs is rebuilt: in the
+    # checkpointed attention core that is after softmax and dropout, so xV (whose output backward does not
+    # need) is skipped and only QK^T (2 b s^2 h) is redone. SAC must rebuild xV's output too (it is the input
+    # of the cached projection GEMM's saved copy), so it redoes both core matmuls.
+    extra = {"none": 0, "full": gemms + core, "sqrt": gemms + core, "selective": core // 2, "selective_sac": core}
+    return layers * (step + extra[policy])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Measuring: storages alive between forward and backward, FLOPs of a training step
+# ----------------------------------------------------------------------------------------------------
+
+class _StorageRecorder(TorchDispatchMode):
+    """Remember a weak reference to the storage of every tensor that an op creates. (Not keyed by address
+    while recording: a freed storage's memory is reused by the next allocation.)"""
+
+    def __init__(self):
+        super().__init__()
+        self.storages = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                self.storages.append((StorageWeakRef(st), st.data_ptr(), st.nbytes()))
+        return out
+
+
+def measure_kept_bytes(blocks, x, policy):
+    """Bytes alive between the end of forward and the start of backward: storages created in forward and
+    still referenced (by autograd, a checkpoint or the SAC cache), plus the input, minus the output."""
+    x = x.detach().requires_grad_(True)
+    # views of parameters, buffers (the causal mask) and the input are not activations
+    existing = {t.untyped_storage().data_ptr() for t in list(blocks.parameters()) + list(blocks.buffers()) + [x]}
+    with _StorageRecorder() as rec:
+        y = run_blocks(blocks, x, policy)
+    gc.collect()
+    alive = {ptr: n for ref, ptr, n in rec.storages if not ref.expired() and ptr not in existing}
+    alive.pop(y.untyped_storage().data_ptr(), None)
+    alive[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+    return sum(alive.values()), y
+
+
+def measure_flops(blocks, x, policy):
+    x = x.detach().requires_grad_(True)
+    with FlopCounterMode(display=False) as counter:
+        run_blocks(blocks, x, policy).sum().backward()
+    return counter.get_total_flops()
+
+
+def gradients(blocks, x, policy, seed=1234):
+    """Input and parameter gradients of one forward/backward under a fixed dropout seed."""
+    x = x.detach().requires_grad_(True)
+    for p in blocks.parameters():
+        p.grad = None
+    torch.manual_seed(seed)
+    out = run_blocks(blocks, x, policy)
+    out.backward(torch.ones_like(out))
+    return [x.grad] + [p.grad.clone() for p in blocks.parameters()]
+
+
+# ----------------------------------------------------------------------------------------------------
+# The report
+# ----------------------------------------------------------------------------------------------------
+
+def report(layers=4, b=2, s=64, h=64, a=4, dropout=0.1, dtype=torch.float32, sweep=(4, 16, 64)):
+    e = torch.empty(0, dtype=dtype).element_size()
+    x = torch.randn(b, s, h, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    blocks = make_blocks(layers, h, a, s, dropout).to(dtype)
+    rows = []
+    for policy in POLICIES:
+        kept, _ = measure_kept_bytes(blocks, x, policy)
+        rows.append({"policy": policy, "saved_bytes": kept, "formula_bytes": kept_bytes(policy, layers, b, s, h, a, e),
+                     "flops": measure_flops(blocks, x, policy),
+                     "formula_flops": training_flops(policy, layers, b, s, h),
+                     "korthikanti_16bit_bytes": None if korthikanti_bytes_per_layer(policy, b, s, h, a) is None
+                     else layers * korthikanti_bytes_per_layer(policy, b, s, h, a)})
+    sweep_rows = []
+    small = dict(b=1, s=16, h=32, a=2)
+    xs = torch.randn(small["b"], small["s"], small["h"], dtype=dtype)
+    for L in sweep:
+        bl = make_blocks(L, small["h"], small["a"], small["s"], dropout).to(dtype)
+        row = {"layers": L}
+        for policy in ("none", "full", "sqrt"):
+            row[policy] = measure_kept_bytes(bl, xs, policy)[0]
+            row[policy + "_formula"] = kept_bytes(policy, L, e=e, **small)
+        sweep_rows.append(row)
+    first, last = sweep_rows[0], sweep_rows[-1]
+    exponents = {p: math.log(last[p] / first[p]) / math.log(last["layers"] / first["layers"])
+                 for p in ("none", "full", "sqrt")}
+    return {"config": {"layers": layers, "batch": b, "seq": s, "hidden": h, "heads": a, "dropout": dropout,
+                       "dtype": str(dtype).replace("torch.", ""), "bytes_per_element": e},
+            "rows": rows, "sweep": {"config": {**small, "dtype": str(dtype).replace("torch.", "")},
+                                    "rows": sweep_rows, "growth_exponent": exponents}}
+
+
+def print_report(r):
+    c = r["config"]
+    print(f"== L={c['layers']} blocks, b={c['batch']}, s={c['seq']}, h={c['hidden']}, a={c['heads']}, "
+          f"{c['dtype']}, dropout {c['dropout']}")
+    print(f"{'policy':14s} {'kept bytes':>11s} {'formula':>11s} {'paper 16-bit':>12s} {'MFLOP':>9s} "
+          f"{'formula':>9s} {'vs none':>8s}")
+    base = r["rows"][0]["flops"]
+    for row in r["rows"]:
+        paper = "" if row["korthikanti_16bit_bytes"] is None else f"{row['korthikanti_16bit_bytes']:.0f}"
+        print(f"{row['policy']:14s} {row['saved_bytes']:11d} {row['formula_bytes']:11d} {paper:>12s} "
+              f"{row['flops'] / 1e6:9.2f} {row['formula_flops'] / 1e6:9.2f} {row['flops'] / base - 1:+8.1%}")
+    e = c["bytes_per_element"]
+    terms = kept_bytes_per_layer("none", c["batch"], c["seq"], c["hidden"], c["heads"], e)
+    cuda16 = kept_bytes_per_layer("none", c["batch"], c["seq"], c["hidden"], c["heads"], 2, device="cuda")
+    paper = korthikanti_bytes_per_layer("none", c["batch"], c["seq"], c["hidden"], c["heads"])
+    print(f"\nper-layer terms, policy none: here ({e}-byte elements; CPU dropout keeps {e}-byte masks) | "
+          "bf16 on CUDA (1-byte masks, FP32 LN statistics)")
+    for name, v in terms.items():
+        print(f"   {name:42s} {v:9d} | {cuda16[name]:9d}")
+    ln = cuda16["LayerNorm mean and 1/std (2 LNs)"]
+    print(f"   bf16/CUDA total {sum(cuda16.values())} = the paper's sbh(34 + 5as/h) = {paper:.0f} + {ln} bytes of "
+          "LayerNorm statistics, which the paper leaves out")
+    sw = r["sweep"]
+    print(f"\n== kept bytes against L (b={sw['config']['b']}, s={sw['config']['s']}, h={sw['config']['h']}): "
+          "measured (formula)")
+    for row in sw["rows"]:
+        print(f"   L={row['layers']:3d}  none {row['none']:9d} ({row['none_formula']})  full {row['full']:8d} "
+              f"({row['full_formula']})  sqrt {row['sqrt']:7d} ({row['sqrt_formula']})")
+    g = sw["growth_exponent"]
+    print(f"   growth exponent (kept ~ L^x): none {g['none']:.2f}, full {g['full']:.2f}, sqrt {g['sqrt']:.2f}")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description="Measure activation recomputation policies against the formulas.")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=2)
+    args = ap.parse_args()
+    result = report(args.layers, args.batch, args.seq, args.hidden, args.heads)
+    print(json.dumps(result, indent=1) if args.json else "", end="")
+    if not args.json:
+        print_report(result)

@@ -1,0 +1,84 @@
+"""checkpointing.py: identical gradients under every policy, kept bytes and FLOPs equal to the formulas."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import checkpointing as ck
+
+B, S, H, A, L = 2, 32, 32, 4, 4
+
+
+@pytest.fixture(scope="module")
+def setup():
+    blocks = ck.make_blocks(L, H, A, S, dropout=0.2)
+    x = torch.randn(B, S, H, generator=torch.Generator().manual_seed(0))
+    return blocks, x
+
+
+@pytest.mark.parametrize("policy", [p for p in ck.POLICIES if p != "none"])
+def test_gradients_identical_to_no_recomputation_with_dropout(setup, policy):
+    blocks, x = setup
+    reference = ck.gradients(blocks, x, "none")
+    got = ck.gradients(blocks, x, policy)
+    # recomputation replays the same ops on the same inputs with the RNG state restored: bit-identical
+    assert all(torch.equal(a, b) for a, b in zip(reference, got))
+    # and dropout really was on: another seed gives other gradients
+    assert not torch.equal(reference[0], ck.gradients(blocks, x, "none", seed=999)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kept_bytes_and_flops_equal_the_formulas(setup, dtype):
+    blocks, x = setup
+    blocks, x = ck.make_blocks(L, H, A, S, dropout=0.2).to(dtype), x.to(dtype)
+    e = x.element_size()
+    kept, flops = {}, {}
+    for policy in ck.POLICIES:
+        kept[policy] = ck.measure_kept_bytes(blocks, x, policy)[0]
+        flops[policy] = ck.measure_flops(blocks, x, policy)
+        assert kept[policy] == ck.kept_bytes(policy, L, B, S, H, A, e), policy
+        assert flops[policy] == ck.training_flops(policy, L, B, S, H), policy
+    assert kept["none"] > kept["selective"] > kept["full"]
+    assert flops["none"] < flops["selective"] < flops["full"]
+    assert flops["full"] / flops["none"] == pytest.approx(4 / 3)  # one extra forward: 72 -> 96
+    assert kept["full"] == L * B * S * H * e                        # one block input per layer
+
+
+def test_formula_at_16_bit_on_cuda_is_the_papers_plus_layernorm_statistics():
+    for b, s, h, a in ((1, 2048, 4096, 32), (2, 64, 64, 4)):
+        ours = sum(ck.kept_bytes_per_layer("none", b, s, h, a, e=2, device="cuda").values())
+        assert ours == ck.korthikanti_bytes_per_layer("none", b, s, h, a) + 4 * s * b * 4
+        sel = sum(ck.kept_bytes_per_layer("selective", b, s, h, a, e=2, device="cuda").values())
+        assert sel == ck.korthikanti_bytes_per_layer("selective", b, s, h, a) + 4 * s * b * 4
+
+
+def test_sqrt_policy_grows_sublinearly():
+    r = ck.report(layers=2, b=1, s=8, h=16, a=2, sweep=(4, 16, 64))
+    for row in r["sweep"]["rows"]:
+        for p in ("none", "full", "sqrt"):
+            assert row[p] == row[p + "_formula"]
+    g = r["sweep"]["growth_exponent"]
+    # measured: none 1.00, full 1.00, sqrt 0.50 (segments of sqrt(L): L / sqrt(L) inputs kept)
+    assert g["sqrt"] == pytest.approx(0.5, abs=0.05)
+    assert g["full"] == pytest.approx(1.0, abs=0.05) and g["none"] == pytest.approx(1.0, abs=0.05)
+
+
+def test_json_report_from_the_command_line():
+    out = subprocess.run([sys.executable, "checkpointing.py", "--json", "--layers", "2", "--seq", "16",
+                          "--hidden", "16", "--heads", "2", "--batch", "1"],
+                         capture_output=True, text=True, check=True, cwd=ck.__file__.rsplit("/", 1)[0])
+    r = json.loads(out.stdout)
+    assert r["config"]["layers"] == 2
+    rows = {row["policy"]: row for row in r["rows"]}
+    assert {"none", "full", "sqrt", "selective"} <= set(rows)
+    for row in rows.values():
+        assert set(row) >= {"policy", "saved_bytes", "formula_bytes", "flops", "formula_flops"}
+        assert row["saved_bytes"] == row["formula_bytes"] and row["flops"] == row["formula_flops"]
+
+
+def test_bad_policy_raises(setup):
+    blocks, x = setup
+    with pytest.raises(ValueError, match="policy='half'"):
+        ck.run_blocks(blocks, x, "half")

@@ -36,10 +36,14 @@ def _rank_main(fn, rank, world_size, store_path, conn, args, kwargs, collective_
         result = fn(rank, world_size, *args, **kwargs)
         buf = io.BytesIO()
         torch.save(result, buf)
-        conn.send(("ok", buf.getvalue()))
-        dist.destroy_process_group()
+        payload = ("ok", buf.getvalue())
     except BaseException:  # the parent must hear about every failure, even KeyboardInterrupt
-        conn.send(("error", traceback.format_exc()))
+        payload = ("error", traceback.format_exc())
+    try:
+        conn.send(payload)
+        if payload[0] == "ok":
+            dist.barrier()  # no rank tears its sockets down while a peer may still be talking to it
+        dist.destroy_process_group()
     finally:
         conn.close()
         os._exit(0)  # skip atexit handlers inherited from the parent (pytest's among them)

@@ -19,7 +19,7 @@ Two classic mistakes this file teaches away:
    the gradients after the last micro-step yourself: flatten them into buckets and all-reduce each bucket
    once (bucketing turns hundreds of small collectives into a few large, bandwidth-bound ones).
    Communication per step: one ring all-reduce of the gradient bytes, 2 (P-1)/P of them sent per rank,
-   whatever K is.
+   whatever K is (plus one 2-number all-reduce of the step's loss sum and token count).
 
 2. Normalising per micro-batch. If micro-batch i holds n_i tokens with summed loss S_i, the batch loss
    is sum_i S_i / sum_i n_i (every token weighs the same). Dividing each micro-batch by its own n_i and
@@ -101,11 +101,13 @@ def sync_gradients(params, group=None, bucket_bytes=DEFAULT_BUCKET_BYTES):
 # ---- the accumulation loop ---------------------------------------------------------------------------
 
 def _all_reduce_totals(loss_sum, n_tokens, group, device):
-    """Global loss sum and token count of the step: one small all-reduce over the DP group."""
-    totals = torch.tensor([float(loss_sum), float(n_tokens)], dtype=torch.float64, device=device)
+    """Global loss sum and token count of the step: one small all-reduce over the DP group, one host sync."""
+    totals = torch.stack([torch.as_tensor(loss_sum, dtype=torch.float64, device=device),
+                          torch.as_tensor(n_tokens, dtype=torch.float64, device=device)])
     if _group_size(group) > 1:
         dist.all_reduce(totals, group=group)
-    return totals[0].item(), totals[1].item()
+    global_loss, global_tokens = totals.tolist()
+    return global_loss, global_tokens
 
 
 def accumulate_gradients(model, micro_batches, loss_fn, dp_group=None, bucket_bytes=DEFAULT_BUCKET_BYTES):
@@ -128,8 +130,8 @@ def accumulate_gradients(model, micro_batches, loss_fn, dp_group=None, bucket_by
         with ctx:
             loss, n = loss_fn(model, batch)
             loss.backward()  # the SUM: normalised once below, by the global token count
-        loss_sum += loss.detach().item()
-        n_tokens += int(n)
+        loss_sum = loss_sum + loss.detach().double()  # stays on the device: no sync per micro-step
+        n_tokens = n_tokens + n
     if not is_ddp:
         sync_gradients(params, dp_group, bucket_bytes)
     device = params[0].device if params else torch.device("cpu")

@@ -39,7 +39,6 @@ needs no extra pass over the tensor, at the risk of saturating a sudden outlier.
 E5M2 gradients in the backward GEMMs, per-block scaling (MXFP8, DeepSeek-V3's 1x128 / 128x128 tiles) so
 an outlier spoils only its block, FP8 weight caches and FP8 all-gathers.
 """
-import io
 import math
 
 import numpy as np
@@ -97,17 +96,15 @@ class DynamicLossScaler:
 
     def unscale_and_check(self, params, group=None):
         """Divide every gradient by the scale in place; True if any gradient anywhere in `group` is inf/NaN."""
-        inv_scale = self._scale.double().reciprocal().float()  # as GradScaler: one rounding of 1/S
-        found = torch.zeros(1)
-        for p in params:
-            if p.grad is not None:
-                if not torch.isfinite(p.grad).all():
-                    found.fill_(1.0)
-                p.grad.mul_(inv_scale.to(p.grad.device))
+        grads = [p.grad for p in params if p.grad is not None]
+        device = grads[0].device if grads else torch.device("cpu")
+        inv_scale = self._scale.double().reciprocal().float().to(device)  # as GradScaler: one rounding of 1/S
+        found = torch.zeros(1, device=device)
+        for g in grads:  # no host sync per tensor: the flag stays on the device until the end
+            found = torch.maximum(found, (~torch.isfinite(g)).any().float())
+            g.mul_(inv_scale)
         if group is not None and dist.get_world_size(group) > 1:
             # every rank must skip together, or their weights diverge
-            device = next((p.grad.device for p in params if p.grad is not None), torch.device("cpu"))
-            found = found.to(device)
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         return bool(found.item())
 
@@ -160,14 +157,17 @@ class MixedPrecisionOptimizer:
             p.grad = None  # the 16-bit copy is no longer needed: do not hold both
 
     def _all_reduce_grads(self):
+        """Average the FP32 gradients over the DP group in one flat all-reduce (grad_accum.py shows buckets)."""
         if self.dp_group is None or dist.get_world_size(self.dp_group) == 1:
             return
-        world = dist.get_world_size(self.dp_group)
         for m in self.masters:
             if m.grad is None:
-                m.grad = torch.zeros_like(m)  # every rank must issue the same collectives
-            dist.all_reduce(m.grad, group=self.dp_group)
-            m.grad.div_(world)
+                m.grad = torch.zeros_like(m)  # every rank must send the same buffer
+        flat = torch.cat([m.grad.reshape(-1) for m in self.masters])
+        dist.all_reduce(flat, group=self.dp_group)
+        flat.div_(dist.get_world_size(self.dp_group))
+        for m, g in zip(self.masters, flat.split([m.numel() for m in self.masters])):
+            m.grad.copy_(g.view_as(m))
 
     def step(self):
         self._master_grads_fp32()
@@ -309,8 +309,8 @@ class FP8Linear(nn.Module):
         if not self.delayed_scaling:
             return fp8_scale(amax)
         history = self.amax_history[slot]
-        # first step: no history yet, fall back to the current amax
-        scale = fp8_scale(history.max() if history.max() > 0 else amax)
+        # first step: no history yet, fall back to the current amax (torch.where: no host sync)
+        scale = fp8_scale(torch.where(history.max() > 0, history.max(), amax))
         if self.training:
             self.amax_history[slot] = torch.roll(history, 1)
             self.amax_history[slot, 0] = amax

@@ -79,9 +79,8 @@ def validate_layout(world_size, tp=1, pp=1, cp=1, ep=1):
                          f"choose tp, pp, cp whose product divides {world_size} (with cp={cp}: {hint})")
     dp = world_size // model_parallel
     if (cp * dp) % ep != 0:
-        valid = [e for e in _divisors(cp * dp)]
         raise ValueError(f"ep={ep} must divide cp*dp={cp}*{dp}={cp * dp} (experts fold over the data- and "
-                         f"context-parallel ranks); valid ep values: {valid}")
+                         f"context-parallel ranks); valid ep values: {_divisors(cp * dp)}")
     return dp
 
 

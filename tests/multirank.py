@@ -91,7 +91,7 @@ def _collect(procs, conns, timeout):
             try:
                 status, payload = conn.recv()
             except EOFError:
-                raise RuntimeError(f"rank {rank} died without a result (exit code {procs[rank].exitcode})")
+                raise RuntimeError(f"rank {rank} died without a result (exit code {procs[rank].exitcode})") from None
             if status == "error":
                 raise RuntimeError(f"rank {rank} of {len(procs)} failed:\n{payload}")
             results[rank] = torch.load(io.BytesIO(payload), weights_only=False)

@@ -1,6 +1,5 @@
 """topology.py: Megatron-LM's layout, groups that reach exactly their ranks, the planner's arithmetic."""
 import itertools
-import math
 import random
 
 import pytest
@@ -165,7 +164,7 @@ def test_planner_terms_reproduced_by_hand():
     m = topology.ModelShape(layers=40, hidden=5120, heads=40, seq=2048, vocab=51200, global_batch=512,
                             recompute="selective")
     r = topology.estimate(c, m, tp=4, pp=8, cp=1)
-    L, h, a, s, V, B, b, t, p, d = 40, 5120, 40, 2048, 51200, 512, 1, 4, 8, 2
+    L, h, s, V, B, b, t, p, d = 40, 5120, 2048, 51200, 512, 1, 4, 8, 2
     GB = 1e9
     # memory: 16 bytes per parameter of the first stage, split 2 + 2 + 12
     params = ((12 * h * h + 13 * h) * (L // p) + (V + s) * h) / t

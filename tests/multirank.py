@@ -27,18 +27,23 @@ DEFAULT_TIMEOUT_S = 120
 
 
 def _rank_main(fn, rank, world_size, store_path, conn, args, kwargs, collective_timeout_s):
+    payload = None
     try:
         torch.set_num_threads(1)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=collective_timeout_s))
-        result = fn(rank, world_size, *args, **kwargs)
-        buf = io.BytesIO()
-        torch.save(result, buf)
-        payload = ("ok", buf.getvalue())
-    except BaseException:  # the parent must hear about every failure, even KeyboardInterrupt
-        payload = ("error", traceback.format_exc())
+    except BaseException:
+        payload = ("init_error", traceback.format_exc())  # the machine, not the code under test: retried
+    if payload is None:
+        try:
+            result = fn(rank, world_size, *args, **kwargs)
+            buf = io.BytesIO()
+            torch.save(result, buf)
+            payload = ("ok", buf.getvalue())
+        except BaseException:  # the parent must hear about every failure, even KeyboardInterrupt
+            payload = ("error", traceback.format_exc())
     try:
         conn.send(payload)
         if payload[0] == "ok":
@@ -49,10 +54,23 @@ def _rank_main(fn, rank, world_size, store_path, conn, args, kwargs, collective_
         os._exit(0)  # skip atexit handlers inherited from the parent (pytest's among them)
 
 
+class _InitError(RuntimeError):
+    pass
+
+
 def run_ranks(fn, world_size, *args, timeout=DEFAULT_TIMEOUT_S, **kwargs):
-    """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` gloo ranks; return the results by rank."""
+    """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` gloo ranks; return the results by rank.
+
+    A failure to set up the gloo group itself (before `fn` runs) is retried once with fresh processes."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    try:
+        return _launch(fn, world_size, args, kwargs, timeout)
+    except _InitError:
+        return _launch(fn, world_size, args, kwargs, timeout)
+
+
+def _launch(fn, world_size, args, kwargs, timeout):
     ctx = mp.get_context("fork")
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
@@ -92,6 +110,8 @@ def _collect(procs, conns, timeout):
                 status, payload = conn.recv()
             except EOFError:
                 raise RuntimeError(f"rank {rank} died without a result (exit code {procs[rank].exitcode})") from None
+            if status == "init_error":
+                raise _InitError(f"rank {rank} of {len(procs)} could not join the gloo group:\n{payload}")
             if status == "error":
                 raise RuntimeError(f"rank {rank} of {len(procs)} failed:\n{payload}")
             results[rank] = torch.load(io.BytesIO(payload), weights_only=False)

@@ -42,3 +42,28 @@ def _rank_zero_skips_collective(rank, world_size):
 def test_deadlock_becomes_timeout():
     with pytest.raises(TimeoutError, match="did not finish"):
         run_ranks(_rank_zero_skips_collective, 2, timeout=4)
+
+
+def test_a_failed_group_setup_is_retried_once(tmp_path, monkeypatch):
+    # forked ranks inherit this patch: the first launch cannot join the group, the relaunch can
+    marker = tmp_path / "first-launch-done"
+    real_init = dist.init_process_group
+
+    def flaky_init(*args, **kwargs):
+        if not marker.exists():
+            marker.touch()
+            raise RuntimeError("simulated: address already in use")
+        return real_init(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "init_process_group", flaky_init)
+    out = run_ranks(_sum_of_ranks, 2, timeout=30)
+    assert [o["sum"].item() for o in out] == [1.0, 1.0]
+
+
+def test_a_group_that_never_forms_fails_clearly(monkeypatch):
+    def broken_init(*args, **kwargs):
+        raise RuntimeError("simulated: no network")
+
+    monkeypatch.setattr(dist, "init_process_group", broken_init)
+    with pytest.raises(RuntimeError, match="(?s)could not join the gloo group.*simulated: no network"):
+        run_ranks(_sum_of_ranks, 2, timeout=30)

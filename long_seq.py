@@ -481,11 +481,26 @@ def demo():
     dist.all_gather(all_work, mine)
     say(f"   pairs computed by ring_attention's blocks per rank (b*H*pairs): {[int(w.item()) for w in all_work]}")
 
-    say("\n== what splits what")
-    say("   Megatron SP   : splits LayerNorm/dropout activations along s inside TP; all-gather + reduce-scatter")
-    say("   context par.  : splits every activation along s; talks only in attention (ring or Ulysses)")
-    say("   Ring Attention: KV hops P-1 times, overlapped with compute; any head count; O(s/P) memory")
-    say("   Ulysses       : 4 all-to-alls per layer fwd (4 bwd); needs H % P == 0; O(s/P) memory")
+    fwd_bytes = {name: sum(v for key, v in log.items() if key.endswith("fwd:bytes")) for name, _, log, _ in rows}
+    saved = {name: sb for name, _, _, sb in rows}
+    h_rep = max(h_kv, P)  # Ulysses replicates KV heads when H_kv < P
+    table = [
+        ("Megatron SP", "LN/dropout acts along s", "AG + RS in TP", "4(t-1)/t b s (h d) e", "(in TP code)",
+         "inside a TP group", "non-attention acts / t"),
+        ("context par.", "every activation along s", "attention only", "ring or Ulysses below", "",
+         "s % 2P (zigzag)", "all acts / P"),
+        ("Ring", "q, k, v along s", f"{P - 1} KV sends", f"{2 * (P - 1) / P * b * s * h_kv * d * e:.0f}",
+         str(fwd_bytes["ring (zigzag)"]), "none on heads", str(saved["ring (zigzag)"])),
+        ("Ulysses", "s -> heads", "4 all-to-alls", f"{(P - 1) / P ** 2 * b * s * (2 * h + 2 * h_rep) * d * e:.0f}",
+         str(fwd_bytes["ulysses"]), "H % P == 0", str(saved["ulysses"])),
+        ("all-gather KV", "q along s, full KV", "1 all-gather", f"{(P - 1) / P * b * s * 2 * h_kv * d * e:.0f}",
+         str(fwd_bytes["all-gather KV"]), "none on heads", str(saved["all-gather KV"])),
+    ]
+    say("\n== what splits what (bytes per GPU per attention layer, forward; saved = bytes kept for backward)")
+    head = ("technique", "splits", "collectives", "formula bytes", "measured", "constraint", "saved bytes")
+    widths = [13, 25, 15, 26, 12, 18, 22]
+    for row in (head,) + tuple(table):
+        say("   " + " ".join(str(c).ljust(w) for c, w in zip(row, widths)))
     dist.destroy_process_group()
 
 

@@ -151,7 +151,8 @@ def warn_if_tp_crosses_nodes(groups, gpus_per_node):
 @dataclass
 class ParallelState:
     """One rank's place in the layout. `groups[kind]` is the process group of that kind holding this rank,
-    `ranks[kind]` its ranks; `pp_prev`/`pp_next` are global ranks (None at the ends of the pipeline)."""
+    `ranks[kind]` its ranks (None and [] for the embedding group of a middle pipeline stage);
+    `pp_prev`/`pp_next` are global ranks (None at the ends of the pipeline)."""
     rank: int
     world_size: int
     sizes: dict
@@ -215,7 +216,8 @@ def init_parallel(tp=1, pp=1, cp=1, ep=1, gpus_per_node=None, with_mesh=True):
     # same order, even for the groups it is not in; otherwise group ids disagree across ranks and the next
     # collective deadlocks. Kinds that coincide (dp_cp == dp when cp == 1) reuse one handle.
     handles = {}
-    mine, my_ranks = {}, {}
+    # a middle pipeline stage is in no embedding group: None and [] there
+    mine, my_ranks = dict.fromkeys(GROUP_KINDS), {kind: [] for kind in GROUP_KINDS}
     for kind in GROUP_KINDS:
         for ranks in groups[kind]:
             key = tuple(ranks)

@@ -1,0 +1,104 @@
+"""train_gpt.py: the loss curve is the same for every layout (TP, PP, DP, CP and their products), and the
+one-rank model is the plain nanoGPT computation."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import train_gpt
+from multirank import run_ranks
+
+CFG = train_gpt.GPTConfig(vocab_size=32, seq_len=16, n_layer=4, n_head=4, n_embd=16, seed=0)
+BATCH, MICRO, STEPS = 12, 2, 3
+# float64 and SGD (whose update is proportional to the gradient, so a wrong gradient scale shows in the next
+# loss): layouts differ only in summation order, measured <= 1e-14; 1e-10 leaves room and catches any
+# missing or doubled reduction, which moves the loss by > 1e-3.
+TOL = 1e-10
+
+
+def _train(rank, world, tp, pp, cp, recompute="none"):
+    torch.set_default_dtype(torch.float64)
+    return train_gpt.train(CFG, STEPS, BATCH, MICRO, tp, pp, cp, dtype=torch.float64, recompute=recompute,
+                           optimizer="sgd", lr=0.5, log=False)
+
+
+@pytest.fixture(scope="module")
+def reference_losses():
+    return run_ranks(_train, 1, 1, 1, 1, timeout=120)[0]
+
+
+@pytest.mark.parametrize("world, tp, pp, cp", [
+    (2, 2, 1, 1), (2, 1, 2, 1), (2, 1, 1, 1), (3, 1, 1, 1), (2, 1, 1, 2), (4, 1, 4, 1),
+    (4, 2, 1, 2), (8, 2, 2, 1), (8, 1, 2, 2), (6, 2, 1, 1),
+])
+def test_every_layout_trains_the_same_model(reference_losses, world, tp, pp, cp):
+    out = run_ranks(_train, world, tp, pp, cp, timeout=180)
+    for losses in out:  # every rank reports the same global loss
+        assert len(losses) == STEPS
+        assert max(abs(a - b) for a, b in zip(losses, reference_losses)) < TOL, (losses, reference_losses)
+    assert reference_losses[-1] < reference_losses[0]  # and it learns
+
+
+def test_full_recomputation_changes_nothing(reference_losses):
+    out = run_ranks(_train, 4, 2, 2, 1, "full", timeout=180)
+    assert max(abs(a - b) for a, b in zip(out[0], reference_losses)) < TOL
+
+
+def _plain_gpt_loss(cfg, tokens):
+    """nanoGPT's forward written out with plain ops and the same named initial weights."""
+    init = lambda name, shape, std: train_gpt.full_init(name, shape, std, cfg.seed, torch.float64)
+    h, L, a = cfg.n_embd, cfg.n_layer, cfg.n_head
+    std_out = 0.02 / math.sqrt(2 * L)
+    ids, targets = tokens[:, :-1], tokens[:, 1:]
+    x = init("wte", (cfg.vocab_size, h), 0.02)[ids] + init("wpe", (cfg.seq_len, h), 0.02)[: ids.shape[1]]
+    for i in range(L):
+        ln = lambda y, n: F.layer_norm(y, (h,), init(n + ".weight", (h,), None), init(n + ".bias", (h,), 0))
+        qkv = ln(x, f"h.{i}.ln1") @ init(f"h.{i}.attn.qkv.weight", (3 * h, h), 0.02).t()
+        q, k, v = qkv.view(*qkv.shape[:2], 3, a, h // a).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(x.shape)
+        x = x + y @ init(f"h.{i}.attn.proj.weight", (h, h), std_out).t()
+        m = F.gelu(ln(x, f"h.{i}.ln2") @ init(f"h.{i}.mlp.fc.weight", (4 * h, h), 0.02).t())
+        x = x + m @ init(f"h.{i}.mlp.proj.weight", (h, 4 * h), std_out).t()
+    x = F.layer_norm(x, (h,), init("ln_f.weight", (h,), None), init("ln_f.bias", (h,), 0))
+    logits = x @ init("wte", (cfg.vocab_size, h), 0.02).t()
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
+
+
+def test_one_rank_is_the_plain_gpt(reference_losses):
+    tokens = train_gpt.synthetic_batch(0, BATCH, CFG.seq_len, CFG.vocab_size, CFG.seed)
+    assert abs(_plain_gpt_loss(CFG, tokens) - reference_losses[0]) < 1e-12
+
+
+def _pipeline_peak(rank, world):
+    torch.set_default_dtype(torch.float64)
+    ps, stage, opt, pipe = train_gpt.build(CFG, pp=world, micro_batch=1, dtype=torch.float64, optimizer="sgd")
+    tokens = train_gpt.synthetic_batch(0, 8, CFG.seq_len, CFG.vocab_size)
+    _, peak = train_gpt.train_step(stage, pipe, opt, tokens, micro_batch=1)
+    return ps.pp_rank, peak
+
+
+def test_1f1b_keeps_at_most_p_micro_batches_in_flight():
+    # 8 micro-batches on 4 stages: stage i holds at most p - i (GPipe would hold all 8)
+    for stage, peak in run_ranks(_pipeline_peak, 4, timeout=120):
+        assert peak == 4 - stage
+
+
+def _bad_layout(rank, world, kwargs):
+    import torch.distributed as dist
+    try:
+        train_gpt.build(CFG, **kwargs)
+    except ValueError as e:
+        return str(e), dist.distributed_c10d._world.group_count  # 1: only the default group exists
+
+
+@pytest.mark.parametrize("world, kwargs, message", [
+    (3, dict(pp=3), "n_layer=4 must be divisible by pp=3"),
+    (3, dict(tp=3), "n_head=4 must be divisible by tp=3"),
+    (2, dict(cp=2, micro_batch=4, batch=6), "global batch=6 must be divisible by dp\\*micro_batch"),
+    (4, dict(tp=3), "world_size=4 is not divisible by tp\\*pp\\*cp"),
+])
+def test_bad_layout_raises_on_every_rank_before_any_group(world, kwargs, message):
+    import re
+    for msg, groups in run_ranks(_bad_layout, world, kwargs, timeout=60):
+        assert re.search(message, msg) and groups == 1

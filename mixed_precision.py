@@ -169,9 +169,15 @@ class MixedPrecisionOptimizer:
         for m, g in zip(self.masters, flat.split([m.numel() for m in self.masters])):
             m.grad.copy_(g.view_as(m))
 
-    def step(self):
+    def step(self, grad_scale=1.0):
+        """`grad_scale` multiplies the FP32 gradients after the reduction (e.g. DP size / tokens, to turn
+        the DP average of summed token losses into a per-token mean)."""
         self._master_grads_fp32()
         self._all_reduce_grads()
+        if grad_scale != 1.0:
+            for m in self.masters:
+                if m.grad is not None:
+                    m.grad.mul_(grad_scale)
         if self.loss_scaler is not None:
             found_inf = self.loss_scaler.unscale_and_check(self.masters, group=self.dp_group)
             self.loss_scaler.update(found_inf)

@@ -5,8 +5,8 @@
 This file is the scaffolding the technique files plug into: topology.py lays out the ranks and builds the
 process groups, long_seq.py's ring attention runs the context-parallel attention, grad_accum.py syncs the
 gradients once per step in flat buckets and normalises by the global token count, mixed_precision.py steps
-FP32 master weights of BF16 parameters, moe_ep.py would replace the MLPs (not wired in yet). The tensor-
-and pipeline-parallel parts live here, as in Megatron-LM, in three sections:
+FP32 master weights of BF16 parameters (`--dtype bfloat16`), checkpointing recomputes whole blocks
+(`--recompute full`). The tensor- and pipeline-parallel parts live here, as in Megatron-LM, in three sections:
 
 Tensor parallelism (Shoeybi et al. 2019). An MLP's first weight is split by output columns and its second
 by input rows, so the pair needs one all-reduce in forward (after the row-parallel GEMM) and one in backward
@@ -460,15 +460,20 @@ def train_step(stage, pipe, optimizer, tokens, micro_batch):
     if ps.sizes["pp"] > 1 and (ps.is_first_stage or ps.is_last_stage):
         tied = stage.wte.weight if ps.is_first_stage else stage.lm_head.weight
         dist.all_reduce(tied.grad, group=ps.groups["embedding"])
-    # one sync per step over the ranks holding other tokens of the same weights (grad_accum.py), then the
-    # per-token normalisation by the global batch's token count
-    if ps.sizes["dp"] * ps.sizes["cp"] > 1:  # (group=None would mean the whole world to torch.distributed)
-        grad_accum.sync_gradients(params, ps.groups["dp_cp"])
     global_tokens = tokens.shape[0] * (tokens.shape[1] - 1)
-    for p in params:
-        if p.grad is not None:
-            p.grad.div_(global_tokens)
-    optimizer.step()
+    dp_cp = ps.sizes["dp"] * ps.sizes["cp"]
+    if isinstance(optimizer, mixed_precision.MixedPrecisionOptimizer):
+        # 16-bit parameters: the optimizer converts to FP32, averages over DP x CP, then we scale
+        optimizer.step(grad_scale=dp_cp / global_tokens)
+    else:
+        # one sync per step over the ranks holding other tokens of the same weights (grad_accum.py), then
+        # the per-token normalisation by the global batch's token count
+        if dp_cp > 1:  # (group=None would mean the whole world to torch.distributed)
+            grad_accum.sync_gradients(params, ps.groups["dp_cp"])
+        for p in params:
+            if p.grad is not None:
+                p.grad.div_(global_tokens)
+        optimizer.step()
     optimizer.zero_grad()
     # the loss for the log: last stage, one TP rank, summed over DP x CP
     report = loss_sum if (ps.is_last_stage and ps.tp_rank == 0) else torch.zeros((), dtype=torch.float64)
@@ -509,8 +514,9 @@ def build(cfg, tp=1, pp=1, cp=1, dtype=torch.float32, recompute="none", optimize
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     stage = GPTStage(cfg, ps, dtype, recompute).to(device)
     opt_class = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[optimizer]
-    if dtype in (torch.bfloat16, torch.float16):
-        opt = mixed_precision.MixedPrecisionOptimizer(stage.parameters(), opt_class, lr=lr)
+    if dtype in (torch.bfloat16, torch.float16):  # FP32 masters, gradients reduced in FP32 over DP x CP
+        dp_cp = ps.groups["dp_cp"] if ps.sizes["dp"] * ps.sizes["cp"] > 1 else None
+        opt = mixed_precision.MixedPrecisionOptimizer(stage.parameters(), opt_class, dp_group=dp_cp, lr=lr)
     else:
         opt = opt_class(stage.parameters(), lr=lr)
     pipe = Pipeline(ps, (micro_batch, cfg.seq_len // cp, cfg.n_embd), dtype, device)
@@ -559,7 +565,8 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
-    ap.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="float32",
+                    help="bfloat16: BF16 parameters and activations, FP32 master weights")
     ap.add_argument("--recompute", choices=["none", "full"], default="none")
     ap.add_argument("--metrics", default="metrics.jsonl")
     ap.add_argument("--peak-tflops", type=float, default=None, help="per GPU, for MFU (H100 BF16 dense: 989)")

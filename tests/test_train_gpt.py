@@ -12,7 +12,7 @@ from multirank import run_ranks
 CFG = train_gpt.GPTConfig(vocab_size=32, seq_len=16, n_layer=4, n_head=4, n_embd=16, seed=0)
 BATCH, MICRO, STEPS = 12, 2, 3
 # float64 and SGD (whose update is proportional to the gradient, so a wrong gradient scale shows in the next
-# loss): layouts differ only in summation order, measured <= 1e-14; 1e-10 leaves room and catches any
+# loss): layouts differ only in summation order, measured <= 4.4e-16; 1e-10 leaves room and catches any
 # missing or doubled reduction, which moves the loss by > 1e-3.
 TOL = 1e-10
 
@@ -102,3 +102,18 @@ def test_bad_layout_raises_on_every_rank_before_any_group(world, kwargs, message
     import re
     for msg, groups in run_ranks(_bad_layout, world, kwargs, timeout=60):
         assert re.search(message, msg) and groups == 1
+
+
+def _train_dtype(rank, world, tp, pp, cp, dtype):
+    return train_gpt.train(CFG, STEPS, BATCH, MICRO, tp, pp, cp, dtype=dtype, optimizer="sgd", lr=0.5, log=False)
+
+
+def test_bf16_with_fp32_masters_follows_the_fp32_curve():
+    fp32 = run_ranks(_train_dtype, 1, 1, 1, 1, torch.float32, timeout=120)[0]
+    bf16 = run_ranks(_train_dtype, 8, 2, 2, 1, torch.bfloat16, timeout=120)[0]  # TP=2, PP=2, DP=2
+    # BF16 activations round to 8 significant bits (2^-9 relative): measured 1.0e-5 relative from the FP32
+    # curve, asserted at 1e-3. SGD moves the loss in proportion to the gradient (2.6% over these steps), so a
+    # gradient scaled wrongly by the DP size (x2) would be off by ~0.6%, caught.
+    rel = max(abs(a - b) / a for a, b in zip(fp32, bf16))
+    assert rel < 1e-3, (rel, fp32, bf16)
+    assert (fp32[0] - fp32[-1]) / fp32[0] > 0.01

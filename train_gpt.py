@@ -1,12 +1,16 @@
 """Train a nanoGPT-style GPT with tensor, pipeline, data and context parallelism, by torchrun.
 
     torchrun --nproc_per_node=8 train_gpt.py --tp 2 --pp 2 --cp 1 --steps 20      # DP = 8 / (2*2*1) = 2
+    torchrun --nproc_per_node=4 train_gpt.py --pp 2 --moe-every 2 --ep 2           # MoE, experts over 2 ranks
 
 This file is the scaffolding the technique files plug into: topology.py lays out the ranks and builds the
 process groups, long_seq.py's ring attention runs the context-parallel attention, grad_accum.py syncs the
 gradients once per step in flat buckets and normalises by the global token count, mixed_precision.py steps
 FP32 master weights of BF16 parameters (`--dtype bfloat16`), checkpointing recomputes whole blocks
-(`--recompute full`). The tensor- and pipeline-parallel parts live here, as in Megatron-LM, in three sections:
+(`--recompute full`), and moe_ep.py's expert-parallel MoE replaces the MLP of every n-th block
+(`--moe-every n --experts E --top-k k --ep P`; EP groups folded over DP x CP by topology.py, expert
+gradients reduced over their EDP replicas only). The tensor- and pipeline-parallel parts live here, as in
+Megatron-LM, in three sections:
 
 Tensor parallelism (Shoeybi et al. 2019). An MLP's first weight is split by output columns and its second
 by input rows, so the pair needs one all-reduce in forward (after the row-parallel GEMM) and one in backward
@@ -31,7 +35,8 @@ gradients are summed over DP x CP once per step, then every gradient is divided 
 the global batch: the loss is the mean over all tokens whatever the layout. Under one seed every layout
 holds the same global weights (each parameter is drawn whole from a generator seeded by its global name,
 and each rank keeps its slice), so the loss curve is the same for every layout; tests/test_train_gpt.py
-checks that to 1e-10 in float64.
+checks that to 1e-10 in float64 (MoE with its router losses off: they are computed per micro-batch on each
+rank's tokens, so their value depends on the split, as in Megatron-LM).
 
 Metrics: one JSON object per step in `--metrics` (step, loss, tokens/s, MFU against `--peak-tflops` with
 the PaLM / nanoGPT FLOPs per token 6N + 12 L h s).
@@ -54,6 +59,7 @@ from torch.utils.checkpoint import checkpoint
 import grad_accum
 import long_seq
 import mixed_precision
+import moe_ep
 import topology
 
 
@@ -65,6 +71,14 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 64
     seed: int = 0
+    moe_every: int = 0        # every n-th block's MLP is a mixture of experts (0: dense model)
+    n_experts: int = 8
+    top_k: int = 2
+    aux_loss_coeff: float = 1e-2
+    z_loss_coeff: float = 1e-3
+
+    def is_moe(self, layer):
+        return self.moe_every > 0 and (layer + 1) % self.moe_every == 0
 
 
 def _size(group):
@@ -239,8 +253,18 @@ class Block(nn.Module):
         self.qkv = ColumnParallelLinear(f"h.{i}.attn.qkv", h, 3 * h, tp, cfg, dtype, parts=3)
         self.proj = RowParallelLinear(f"h.{i}.attn.proj", h, h, tp, cfg, dtype, std=std_out)
         self.ln2 = LayerNorm(f"h.{i}.ln2", h, cfg, dtype)
-        self.fc = ColumnParallelLinear(f"h.{i}.mlp.fc", h, 4 * h, tp, cfg, dtype)
-        self.out = RowParallelLinear(f"h.{i}.mlp.proj", 4 * h, h, tp, cfg, dtype, std=std_out)
+        self.moe = None
+        if cfg.is_moe(i):
+            # experts are not split by TP here (expert-TP = 1): every TP rank of an EP group runs the same
+            # experts on the same (replicated) tokens. moe_ep.MoE draws all its weights from the default RNG,
+            # so seeding it by the layer's name makes them the same in every layout.
+            torch.manual_seed(cfg.seed * 1_000_003 + zlib.crc32(f"h.{i}.moe".encode()))
+            ep = ps.groups["ep"] if ps.sizes["ep"] > 1 else None
+            self.moe = moe_ep.MoE(h, 4 * h, cfg.n_experts, cfg.top_k, ep_group=ep,
+                                  aux_loss_coeff=cfg.aux_loss_coeff, z_loss_coeff=cfg.z_loss_coeff).to(dtype)
+        else:
+            self.fc = ColumnParallelLinear(f"h.{i}.mlp.fc", h, 4 * h, tp, cfg, dtype)
+            self.out = RowParallelLinear(f"h.{i}.mlp.proj", 4 * h, h, tp, cfg, dtype, std=std_out)
 
     def attention(self, x):
         q, k, v = rearrange(self.qkv(self.ln1(x)), "b s (three a d) -> three b a s d", three=3, a=self.heads)
@@ -251,8 +275,12 @@ class Block(nn.Module):
         return self.proj(rearrange(y, "b a s d -> b s (a d)"))
 
     def forward(self, x):
+        """Returns the block's output and its auxiliary (router) loss, zero for a dense block."""
         x = x + self.attention(x)
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        if self.moe is None:
+            return x + self.out(F.gelu(self.fc(self.ln2(x)))), x.new_zeros((), dtype=torch.float64)
+        y, aux = self.moe(self.ln2(x))
+        return x + y, aux.double()
 
 
 def stage_layers(n_layer, pp, stage):
@@ -286,14 +314,20 @@ class GPTStage(nn.Module):
 
     def forward(self, x, positions=None):
         """First stage: x are token ids (b, s_local), positions their global positions; otherwise x is the
-        previous stage's hidden state. Last stage returns vocabulary-sharded logits."""
+        previous stage's hidden state. Last stage returns vocabulary-sharded logits. Also returns the sum
+        of the stage's auxiliary (MoE router) losses."""
         if self.first:
             x = self.wte(x) + self.wpe[positions]
+        aux = torch.zeros((), dtype=torch.float64, device=x.device)
         for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False) if self.recompute == "full" else block(x)
+            x, a = checkpoint(block, x, use_reentrant=False) if self.recompute == "full" else block(x)
+            aux = aux + a
         if self.last:
             x = F.linear(copy_to_tp(self.ln_f(x), self.ps.groups["tp"]), self.lm_head.weight)
-        return x
+        return x, aux
+
+    def expert_params(self):
+        return [p for b in self.blocks if b.moe is not None for p in b.moe.expert_params()]
 
     def loss_sum(self, logits, targets):
         per_token = vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), self.lm_head.start,
@@ -372,16 +406,20 @@ def one_f_one_b(stage, pipe, micro_batches):
 
     def forward(i, x):
         ids, positions, targets = micro_batches[i]
-        out = stage(ids if stage.first else x, positions)
+        out, aux = stage(ids if stage.first else x, positions)
         if stage.last:
             out = stage.loss_sum(out, targets)
-        in_flight.append((x, out))
+        # the loss is a sum over tokens, divided by the global token count after the step: weighting each
+        # micro-batch's mean router loss by its token count makes it a token-weighted mean as well
+        in_flight.append((x, out, aux * targets.numel()))
         return out
 
     def backward(grad_out):
-        x, out = in_flight.pop(0)
+        x, out, aux = in_flight.pop(0)
         if stage.last:
-            out.backward()
+            (out + aux).backward()
+        elif aux.requires_grad:  # an MoE stage: its router loss starts its own backward here
+            torch.autograd.backward([out, aux], [grad_out, torch.ones_like(aux)])
         else:
             torch.autograd.backward(out, grad_out)
         return None if x is None else x.grad
@@ -466,10 +504,15 @@ def train_step(stage, pipe, optimizer, tokens, micro_batch):
         # 16-bit parameters: the optimizer converts to FP32, averages over DP x CP, then we scale
         optimizer.step(grad_scale=dp_cp / global_tokens)
     else:
-        # one sync per step over the ranks holding other tokens of the same weights (grad_accum.py), then
-        # the per-token normalisation by the global batch's token count
+        # one sync per step over the ranks holding other tokens of the same weights (grad_accum.py): dense
+        # weights over DP x CP, experts over their expert-data-parallel replicas only (moe_ep.py: an
+        # expert's gradient already holds the tokens of its whole EP group); then the per-token
+        # normalisation by the global batch's token count
+        experts = {id(p) for p in stage.expert_params()}
         if dp_cp > 1:  # (group=None would mean the whole world to torch.distributed)
-            grad_accum.sync_gradients(params, ps.groups["dp_cp"])
+            grad_accum.sync_gradients([p for p in params if id(p) not in experts], ps.groups["dp_cp"])
+        if experts and ps.sizes["edp"] > 1:
+            grad_accum.sync_gradients(stage.expert_params(), ps.groups["edp"])
         for p in params:
             if p.grad is not None:
                 p.grad.div_(global_tokens)
@@ -483,16 +526,28 @@ def train_step(stage, pipe, optimizer, tokens, micro_batch):
 
 
 def model_flops_per_token(cfg):
-    """PaLM appendix B as nanoGPT: 6 N + 12 L h s, N the non-embedding parameters."""
-    n = 12 * cfg.n_layer * cfg.n_embd ** 2 + 13 * cfg.n_layer * cfg.n_embd
-    return 6 * n + 12 * cfg.n_layer * cfg.n_embd * cfg.seq_len
+    """PaLM appendix B as nanoGPT: 6 N + 12 L h s, N the non-embedding parameters a token passes through
+    (an MoE layer counts its top_k experts' MLPs and its router instead of one MLP)."""
+    h = cfg.n_embd
+    n = 12 * cfg.n_layer * h ** 2 + 13 * cfg.n_layer * h
+    for layer in range(cfg.n_layer):
+        if cfg.is_moe(layer):
+            n += (cfg.top_k - 1) * 8 * h ** 2 + cfg.n_experts * h
+    return 6 * n + 12 * cfg.n_layer * h * cfg.seq_len
 
 
-def validate(cfg, world, tp, pp, cp, batch=None, micro_batch=1):
+def validate(cfg, world, tp, pp, cp, batch=None, micro_batch=1, ep=1, dtype=torch.float32):
     """Every shape the layout must divide, checked on every rank before any process group is created."""
-    topology.validate_layout(world, tp, pp, cp)
+    topology.validate_layout(world, tp, pp, cp, ep)
     dp = world // (tp * pp * cp)
     checks = [
+        (ep > 1 and cfg.moe_every == 0, f"ep={ep} needs MoE layers: set moe_every > 0 (--moe-every)"),
+        (cfg.moe_every and cfg.n_experts % ep, f"n_experts={cfg.n_experts} must be divisible by ep={ep}"),
+        (cfg.moe_every and not 1 <= cfg.top_k <= cfg.n_experts,
+         f"top_k={cfg.top_k} must be between 1 and n_experts={cfg.n_experts}"),
+        (ep > 1 and dtype in (torch.bfloat16, torch.float16),
+         "16-bit training reduces every gradient over DP x CP in mixed_precision.py; expert gradients need "
+         "their EDP group: use --ep 1 with --dtype bfloat16 for now"),
         (cfg.n_layer % pp, f"n_layer={cfg.n_layer} must be divisible by pp={pp}; choose pp among "
                            f"{[d for d in range(1, cfg.n_layer + 1) if cfg.n_layer % d == 0]}"),
         (cfg.n_head % tp, f"n_head={cfg.n_head} must be divisible by tp={tp}"),
@@ -507,10 +562,10 @@ def validate(cfg, world, tp, pp, cp, batch=None, micro_batch=1):
 
 
 def build(cfg, tp=1, pp=1, cp=1, dtype=torch.float32, recompute="none", optimizer="adamw", lr=3e-3,
-          micro_batch=1, batch=None):
+          micro_batch=1, batch=None, ep=1):
     _, world = topology.init_distributed()
-    validate(cfg, world, tp, pp, cp, batch, micro_batch)
-    ps = topology.init_parallel(tp=tp, pp=pp, cp=cp, with_mesh=False)
+    validate(cfg, world, tp, pp, cp, batch, micro_batch, ep, dtype)
+    ps = topology.init_parallel(tp=tp, pp=pp, cp=cp, ep=ep, with_mesh=False)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     stage = GPTStage(cfg, ps, dtype, recompute).to(device)
     opt_class = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[optimizer]
@@ -524,8 +579,8 @@ def build(cfg, tp=1, pp=1, cp=1, dtype=torch.float32, recompute="none", optimize
 
 
 def train(cfg, steps, batch, micro_batch=1, tp=1, pp=1, cp=1, dtype=torch.float32, recompute="none",
-          optimizer="adamw", lr=3e-3, metrics=None, peak_tflops=None, log=True):
-    ps, stage, opt, pipe = build(cfg, tp, pp, cp, dtype, recompute, optimizer, lr, micro_batch, batch)
+          optimizer="adamw", lr=3e-3, metrics=None, peak_tflops=None, log=True, ep=1):
+    ps, stage, opt, pipe = build(cfg, tp, pp, cp, dtype, recompute, optimizer, lr, micro_batch, batch, ep)
     losses = []
     flops_per_token = model_flops_per_token(cfg)
     out = open(metrics, "w") if metrics and ps.rank == 0 else None
@@ -536,7 +591,7 @@ def train(cfg, steps, batch, micro_batch=1, tp=1, pp=1, cp=1, dtype=torch.float3
         dt = time.perf_counter() - t0
         tokens_per_s = batch * cfg.seq_len / dt
         record = {"step": step, "loss": loss, "tokens_per_s": tokens_per_s, "step_time_s": dt,
-                  "in_flight_peak": peak, "tp": tp, "pp": pp, "dp": ps.sizes["dp"], "cp": cp}
+                  "in_flight_peak": peak, "tp": tp, "pp": pp, "dp": ps.sizes["dp"], "cp": cp, "ep": ep}
         if peak_tflops:
             record["mfu"] = flops_per_token * tokens_per_s / (peak_tflops * 1e12 * ps.world_size)
         losses.append(loss)
@@ -555,6 +610,10 @@ def main():
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--cp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1, help="expert parallel size, folded over DP x CP")
+    ap.add_argument("--moe-every", type=int, default=0, help="every n-th block is MoE (0: dense)")
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=64)
@@ -575,9 +634,9 @@ def main():
     if os.environ.get("OMP_NUM_THREADS") is None and not torch.cuda.is_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     cfg = GPTConfig(vocab_size=a.vocab, seq_len=a.seq, n_layer=a.layers, n_head=a.heads, n_embd=a.hidden,
-                    seed=a.seed)
+                    seed=a.seed, moe_every=a.moe_every, n_experts=a.experts, top_k=a.top_k)
     losses = train(cfg, a.steps, a.batch, a.micro_batch, a.tp, a.pp, a.cp, getattr(torch, a.dtype), a.recompute,
-                   a.optimizer, a.lr, a.metrics, a.peak_tflops)
+                   a.optimizer, a.lr, a.metrics, a.peak_tflops, ep=a.ep)
     if dist.get_rank() == 0:
         print(f"config {asdict(cfg)}: loss {losses[0]:.4f} -> {losses[-1]:.4f} in {a.steps} steps; "
               f"metrics in {a.metrics}")

@@ -94,11 +94,8 @@ def _rank(group):
 # ----------------------------------------------------------------------------------------------------
 
 def full_init(name, shape, std, seed, dtype):
+    """N(0, std^2) weights of the WHOLE parameter `name`, from a generator seeded by that name."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    if std == 0:
-        return torch.zeros(shape, dtype=dtype)
-    if std is None:  # LayerNorm weight
-        return torch.ones(shape, dtype=dtype)
     return (torch.randn(shape, generator=gen, dtype=torch.float64) * std).to(dtype)
 
 
@@ -114,7 +111,7 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
+        grad = grad.clone(memory_format=torch.contiguous_format)  # never modify an incoming gradient
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
@@ -122,7 +119,7 @@ class _CopyToTP(torch.autograd.Function):
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        x = x.contiguous()
+        x = x.clone(memory_format=torch.contiguous_format)  # the input stays the partial sum it was
         dist.all_reduce(x, group=group)
         return x
 
@@ -148,11 +145,9 @@ class ColumnParallelLinear(nn.Module):
         t, r = _size(tp_group), _rank(tp_group)
         self.tp_group = tp_group
         w = full_init(name + ".weight", (d_out, d_in), std, cfg.seed, dtype)
-        b = full_init(name + ".bias", (d_out,), 0, cfg.seed, dtype)
         w = rearrange(w, "(parts t o) i -> parts t o i", parts=parts, t=t)[:, r]
-        b = rearrange(b, "(parts t o) -> parts t o", parts=parts, t=t)[:, r]
         self.weight = nn.Parameter(rearrange(w, "parts o i -> (parts o) i").contiguous())
-        self.bias = nn.Parameter(rearrange(b, "parts o -> (parts o)").contiguous())
+        self.bias = nn.Parameter(torch.zeros(d_out // t, dtype=dtype))
 
     def forward(self, x):
         return F.linear(copy_to_tp(x, self.tp_group), self.weight, self.bias)
@@ -167,7 +162,7 @@ class RowParallelLinear(nn.Module):
         self.tp_group = tp_group
         w = full_init(name + ".weight", (d_out, d_in), std, cfg.seed, dtype)
         self.weight = nn.Parameter(w.chunk(t, dim=1)[r].contiguous())
-        self.bias = nn.Parameter(full_init(name + ".bias", (d_out,), 0, cfg.seed, dtype))
+        self.bias = nn.Parameter(torch.zeros(d_out, dtype=dtype))
 
     def forward(self, x):
         return reduce_from_tp(F.linear(x, self.weight), self.tp_group) + self.bias
@@ -231,10 +226,10 @@ def vocab_parallel_cross_entropy(logits, targets, start, group):
 # ----------------------------------------------------------------------------------------------------
 
 class LayerNorm(nn.Module):
-    def __init__(self, name, dim, cfg, dtype):
+    def __init__(self, dim, dtype):
         super().__init__()
-        self.weight = nn.Parameter(full_init(name + ".weight", (dim,), None, cfg.seed, dtype))
-        self.bias = nn.Parameter(full_init(name + ".bias", (dim,), 0, cfg.seed, dtype))
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(dim, dtype=dtype))
 
     def forward(self, x):
         return F.layer_norm(x, x.shape[-1:], self.weight, self.bias)
@@ -249,10 +244,10 @@ class Block(nn.Module):
         self.heads = cfg.n_head // ps.sizes["tp"]
         self.cp_group = ps.groups["cp"] if ps.sizes["cp"] > 1 else None
         std_out = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2: scale the residual projections
-        self.ln1 = LayerNorm(f"h.{i}.ln1", h, cfg, dtype)
+        self.ln1 = LayerNorm(h, dtype)
         self.qkv = ColumnParallelLinear(f"h.{i}.attn.qkv", h, 3 * h, tp, cfg, dtype, parts=3)
         self.proj = RowParallelLinear(f"h.{i}.attn.proj", h, h, tp, cfg, dtype, std=std_out)
-        self.ln2 = LayerNorm(f"h.{i}.ln2", h, cfg, dtype)
+        self.ln2 = LayerNorm(h, dtype)
         self.moe = None
         if cfg.is_moe(i):
             # experts are not split by TP here (expert-TP = 1): every TP rank of an EP group runs the same
@@ -306,7 +301,7 @@ class GPTStage(nn.Module):
             self.wte = VocabParallelEmbedding("wte", cfg.vocab_size, cfg.n_embd, tp, cfg, dtype)
             self.wpe = nn.Parameter(full_init("wpe", (cfg.seq_len, cfg.n_embd), 0.02, cfg.seed, dtype))
         if self.last:
-            self.ln_f = LayerNorm("ln_f", cfg.n_embd, cfg, dtype)
+            self.ln_f = LayerNorm(cfg.n_embd, dtype)
             if self.first:
                 self.lm_head = self.wte  # one stage: literally the same parameter
             else:  # a copy of the same initial weights; its gradient is summed with wte's every step

@@ -48,19 +48,20 @@ def test_full_recomputation_changes_nothing(reference_losses):
 def _plain_gpt_loss(cfg, tokens):
     """nanoGPT's forward written out with plain ops and the same named initial weights."""
     init = lambda name, shape, std: train_gpt.full_init(name, shape, std, cfg.seed, torch.float64)
+    ones, zeros = torch.ones(cfg.n_embd, dtype=torch.float64), torch.zeros(cfg.n_embd, dtype=torch.float64)
+    ln = lambda y: F.layer_norm(y, (h,), ones, zeros)  # LayerNorms start at (1, 0), all biases at 0
     h, L, a = cfg.n_embd, cfg.n_layer, cfg.n_head
     std_out = 0.02 / math.sqrt(2 * L)
     ids, targets = tokens[:, :-1], tokens[:, 1:]
     x = init("wte", (cfg.vocab_size, h), 0.02)[ids] + init("wpe", (cfg.seq_len, h), 0.02)[: ids.shape[1]]
     for i in range(L):
-        ln = lambda y, n: F.layer_norm(y, (h,), init(n + ".weight", (h,), None), init(n + ".bias", (h,), 0))
-        qkv = ln(x, f"h.{i}.ln1") @ init(f"h.{i}.attn.qkv.weight", (3 * h, h), 0.02).t()
+        qkv = ln(x) @ init(f"h.{i}.attn.qkv.weight", (3 * h, h), 0.02).t()
         q, k, v = qkv.view(*qkv.shape[:2], 3, a, h // a).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(x.shape)
         x = x + y @ init(f"h.{i}.attn.proj.weight", (h, h), std_out).t()
-        m = F.gelu(ln(x, f"h.{i}.ln2") @ init(f"h.{i}.mlp.fc.weight", (4 * h, h), 0.02).t())
+        m = F.gelu(ln(x) @ init(f"h.{i}.mlp.fc.weight", (4 * h, h), 0.02).t())
         x = x + m @ init(f"h.{i}.mlp.proj.weight", (h, 4 * h), std_out).t()
-    x = F.layer_norm(x, (h,), init("ln_f.weight", (h,), None), init("ln_f.bias", (h,), 0))
+    x = ln(x)
     logits = x @ init("wte", (cfg.vocab_size, h), 0.02).t()
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
 

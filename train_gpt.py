@@ -397,7 +397,7 @@ def one_f_one_b(stage, pipe, micro_batches):
     m = len(micro_batches)
     warmup = min(ps.sizes["pp"] - ps.pp_rank - 1, m)
     in_flight, peak = [], 0
-    loss_total = torch.zeros((), dtype=torch.float64)
+    loss_total = torch.zeros((), dtype=torch.float64, device=next(stage.parameters()).device)
 
     def forward(i, x):
         ids, positions, targets = micro_batches[i]

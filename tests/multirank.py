@@ -54,6 +54,19 @@ def _rank_main(fn, rank, world_size, store_path, conn, args, kwargs, collective_
         os._exit(0)  # skip atexit handlers inherited from the parent (pytest's among them)
 
 
+def value_errors(*calls):
+    """The ValueError message of each call, or None where it did not raise (bad-input tests run this on
+    every rank, then check that nothing was sent: validation comes before communication)."""
+    messages = []
+    for call in calls:
+        try:
+            call()
+            messages.append(None)
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
+
+
 class _InitError(RuntimeError):
     pass
 

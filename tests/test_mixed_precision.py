@@ -251,3 +251,11 @@ def test_bytes_per_parameter_equal_the_live_tensors(mode):
     for part in ("weights", "grads", "master", "optimizer"):
         assert measured[part] == formula[part], (mode, part)
     assert mp.persistent_bytes("bf16_master") == 16  # the ZeRO paper's 2 + 2 + 12
+
+
+def test_grad_scale_multiplies_the_fp32_gradients_before_the_step():
+    w = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    opt = mp.MixedPrecisionOptimizer([w], torch.optim.SGD, lr=1.0)
+    w.grad = torch.full_like(w, 3.0)
+    opt.step(grad_scale=0.25)  # e.g. DP size / tokens in train_gpt.py
+    assert torch.equal(opt.masters[0], torch.full((3,), -0.75))

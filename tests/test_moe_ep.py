@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import moe_ep
 import topology
-from multirank import run_ranks
+from multirank import run_ranks, value_errors
 
 # float64 throughout: EP moves the same rows to the same expert matmuls, so outputs and expert gradients agree
 # to the last bit or to summation-order rounding (~1e-16 relative); router gradients are summed over ranks in a
@@ -207,16 +207,10 @@ def test_router_statistics_summed_over_a_group_do_not_depend_on_the_split(P):
 
 
 def _bad_moe(rank, P):
-    msgs = []
     moe_ep.comm_log.clear()
-    for make in (lambda: moe_ep.MoE(8, 8, 5, 1, ep_group=dist.group.WORLD),
-                 lambda: moe_ep.MoE(8, 8, 4, 5, ep_group=dist.group.WORLD),
-                 lambda: moe_ep.MoE(8, 8, 4, 1, ep_group=dist.group.WORLD)(torch.randn(3, 7))):
-        try:
-            make()
-            msgs.append(None)
-        except ValueError as e:
-            msgs.append(str(e))
+    msgs = value_errors(lambda: moe_ep.MoE(8, 8, 5, 1, ep_group=dist.group.WORLD),
+                        lambda: moe_ep.MoE(8, 8, 4, 5, ep_group=dist.group.WORLD),
+                        lambda: moe_ep.MoE(8, 8, 4, 1, ep_group=dist.group.WORLD)(torch.randn(3, 7)))
     return msgs, dict(moe_ep.comm_log)
 
 

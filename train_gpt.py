@@ -35,7 +35,7 @@ gradients are summed over DP x CP once per step, then every gradient is divided 
 the global batch: the loss is the mean over all tokens whatever the layout. Under one seed every layout
 holds the same global weights (each parameter is drawn whole from a generator seeded by its global name,
 and each rank keeps its slice), so the loss curve is the same for every layout; tests/test_train_gpt.py
-checks that to 1e-10 in float64 (MoE with its router losses off: they are computed per micro-batch on each
+checks that to 1e-12 in float64 (MoE with its router losses off: they are computed per micro-batch on each
 rank's tokens, so their value depends on the split, as in Megatron-LM).
 
 Metrics: one JSON object per step in `--metrics` (step, loss, tokens/s, MFU against `--peak-tflops` with

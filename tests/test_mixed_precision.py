@@ -110,9 +110,9 @@ def _train(mode, steps=300):
 def test_bf16_master_matches_fp32_training():
     fp32, bf16_master, bf16_pure = _train("fp32"), _train("bf16_master"), _train("bf16_pure")
     # BF16 rounds activations and weights to 8 significant bits (relative 2^-9), which perturbs every step's
-    # gradient; after 300 Adam steps the BF16 + master loss is within 0.05% of FP32 (measured), asserted at 2%.
+    # gradient; after 300 Adam steps the BF16 + master loss is within 0.05% of FP32 (measured), asserted at 0.5%.
     # Pure BF16 (weights and Adam moments in BF16) ends 32% above FP32 (measured), asserted at 20%.
-    assert abs(bf16_master - fp32) / fp32 < 0.02
+    assert abs(bf16_master - fp32) / fp32 < 0.005
     assert bf16_pure > 1.2 * fp32
 
 

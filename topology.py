@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-GROUP_KINDS = ("tp", "cp", "dp", "pp", "dp_cp", "tp_pp", "embedding", "ep", "edp")
+GROUP_KINDS = ("tp", "cp", "dp", "pp", "dp_cp", "tp_cp", "tp_pp", "embedding", "ep", "edp")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -102,9 +102,10 @@ def _groups_varying(shape, names, vary):
 def rank_groups(world_size, tp=1, pp=1, cp=1, ep=1):
     """Every group of every kind for a Megatron-LM layout, as lists of ranks.
 
-    Keys: tp cp dp pp dp_cp tp_pp embedding ep edp. Dense grid order tp-cp-dp-pp (tp fastest); expert grid
-    tp-ep-edp-pp with ep * edp = cp * dp. `embedding` pairs the first and last stage of each pipeline (they
-    hold the tied input and output embeddings and all-reduce its gradient).
+    Keys: tp cp dp pp dp_cp tp_cp tp_pp embedding ep edp. Dense grid order tp-cp-dp-pp (tp fastest); expert
+    grid tp-ep-edp-pp with ep * edp = cp * dp. `embedding` pairs the first and last stage of each pipeline (they
+    hold the tied input and output embeddings and all-reduce its gradient). `tp_cp` holds the ranks that share
+    the tokens of one micro-batch (Megatron-LM's group for MoE router statistics).
     """
     dp = validate_layout(world_size, tp, pp, cp, ep)
     dense_shape, dense_names = (tp, cp, dp, pp), ("tp", "cp", "dp", "pp")
@@ -112,6 +113,7 @@ def rank_groups(world_size, tp=1, pp=1, cp=1, ep=1):
     groups = {kind: _groups_varying(dense_shape, dense_names, [kind])
               for kind in ("tp", "cp", "dp", "pp")}
     groups["dp_cp"] = _groups_varying(dense_shape, dense_names, ["dp", "cp"])
+    groups["tp_cp"] = _groups_varying(dense_shape, dense_names, ["tp", "cp"])
     groups["tp_pp"] = _groups_varying(dense_shape, dense_names, ["tp", "pp"])
     groups["embedding"] = [[g[0], g[-1]] if len(g) > 1 else list(g) for g in groups["pp"]]
     groups["ep"] = _groups_varying(expert_shape, expert_names, ["ep"])
@@ -238,7 +240,8 @@ def init_parallel(tp=1, pp=1, cp=1, ep=1, gpus_per_node=None, with_mesh=True):
         mesh = init_device_mesh(device, (pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
     return ParallelState(
         rank=rank, world_size=world_size,
-        sizes={"tp": tp, "cp": cp, "dp": dp, "pp": pp, "ep": ep, "edp": cp * dp // ep},
+        sizes={"tp": tp, "cp": cp, "dp": dp, "pp": pp, "ep": ep, "edp": cp * dp // ep, "dp_cp": dp * cp,
+               "tp_cp": tp * cp},
         coords=coords, groups=mine, ranks=my_ranks,
         pp_prev=pp_ranks[stage - 1] if stage > 0 else None,
         pp_next=pp_ranks[stage + 1] if stage < pp - 1 else None,

@@ -26,7 +26,7 @@ def _brute_force(world, tp, pp, cp, ep):
     bucket ranks by the coordinates that stay fixed within a group."""
     dp = world // (tp * pp * cp)
     edp = cp * dp // ep
-    buckets = {k: {} for k in ("tp", "cp", "dp", "pp", "dp_cp", "tp_pp", "ep", "edp")}
+    buckets = {k: {} for k in ("tp", "cp", "dp", "pp", "dp_cp", "tp_cp", "tp_pp", "ep", "edp")}
     for t, c, d, p in itertools.product(range(tp), range(cp), range(dp), range(pp)):
         r = t + tp * (c + cp * (d + dp * p))
         buckets["tp"].setdefault((c, d, p), []).append(r)
@@ -34,6 +34,7 @@ def _brute_force(world, tp, pp, cp, ep):
         buckets["dp"].setdefault((t, c, p), []).append(r)
         buckets["pp"].setdefault((t, c, d), []).append(r)
         buckets["dp_cp"].setdefault((t, p), []).append(r)
+        buckets["tp_cp"].setdefault((d, p), []).append(r)
         buckets["tp_pp"].setdefault((c, d), []).append(r)
     for t, e, x, p in itertools.product(range(tp), range(ep), range(edp), range(pp)):
         r = t + tp * (e + ep * (x + edp * p))
@@ -63,7 +64,7 @@ def test_every_kind_partitions_the_world(layout):
     world, tp, pp, cp, ep = layout
     g = topology.rank_groups(world, tp=tp, pp=pp, cp=cp, ep=ep)
     dp = world // (tp * pp * cp)
-    sizes = {"tp": tp, "cp": cp, "dp": dp, "pp": pp, "dp_cp": dp * cp, "tp_pp": tp * pp, "ep": ep,
+    sizes = {"tp": tp, "cp": cp, "dp": dp, "pp": pp, "dp_cp": dp * cp, "tp_cp": tp * cp, "tp_pp": tp * pp, "ep": ep,
              "edp": cp * dp // ep}
     for kind, size in sizes.items():
         flat = sorted(r for grp in g[kind] for r in grp)

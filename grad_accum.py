@@ -30,6 +30,9 @@ Two classic mistakes this file teaches away:
    When every micro-batch holds the same number of tokens n, this is exactly the textbook
    "divide each micro-batch's mean loss by K" (and by DP, which DDP's averaging does).
 
+Conventions: `group=None` means "no communication" (one data-parallel rank), never "the default group";
+the gradient sync SUMS, and the one normalisation is the division by the global token count.
+
 Run `python grad_accum.py` (one rank) or `torchrun --nproc_per_node=2 grad_accum.py`.
 """
 import contextlib
@@ -54,7 +57,8 @@ def effective_batch_size(micro_batch, dp, accum_steps, pipeline_micro_batches=1)
 
 
 def _group_size(group):
-    return dist.get_world_size(group) if dist.is_initialized() else 1
+    """None is "no communication": one rank."""
+    return 1 if group is None else dist.get_world_size(group)
 
 
 # ---- the manual sync: flat buckets, one all-reduce each ------------------------------------------------
@@ -75,7 +79,8 @@ def gradient_buckets(params, bucket_bytes=DEFAULT_BUCKET_BYTES):
 
 
 def sync_gradients(params, group=None, bucket_bytes=DEFAULT_BUCKET_BYTES):
-    """SUM-all-reduce the gradients over `group`, one collective per bucket; return the collective count.
+    """SUM-all-reduce the gradients over `group`, one collective per bucket; return the collective count
+    (0 when `group` is None or has one rank: nothing to sync).
 
     Every rank must issue the same buckets in the same order, so a parameter without a gradient (unused this
     step) contributes zeros instead of being skipped.
@@ -113,14 +118,20 @@ def _all_reduce_totals(loss_sum, n_tokens, group, device):
 def accumulate_gradients(model, micro_batches, loss_fn, dp_group=None, bucket_bytes=DEFAULT_BUCKET_BYTES):
     """Forward and backward every micro-batch, sync once, leave the per-token gradient in `param.grad`.
 
-    `loss_fn(model, batch) -> (loss_sum, n_tokens)`. `model` may be wrapped in DDP (then `dp_group` must be
-    its process group, or None for the default group) or be a plain module (then this function syncs the
-    buckets itself over `dp_group`). Returns the global mean loss per token.
+    `loss_fn(model, batch) -> (loss_sum, n_tokens)`. `model` may be wrapped in DDP (then DDP's own process
+    group is the data-parallel group, and `dp_group` must be None or that group) or be a plain module (then
+    this function sums the buckets itself over `dp_group`; None: one rank, no communication). Returns the
+    global mean loss per token.
     """
     micro_batches = list(micro_batches)
     if not micro_batches:
         raise ValueError("micro_batches is empty: pass at least one micro-batch per optimizer step")
     is_ddp = isinstance(model, DDP)
+    if is_ddp:
+        if dp_group is not None and dp_group is not model.process_group:
+            raise ValueError("dp_group differs from the DDP model's process group: pass dp_group=None (DDP's group "
+                             "is used) or the group DDP was built with")
+        dp_group = model.process_group
     params = [p for p in model.parameters() if p.requires_grad]
     loss_sum, n_tokens = 0.0, 0
     for i, batch in enumerate(micro_batches):
@@ -159,10 +170,11 @@ def accumulate_and_step(model, optimizer, micro_batches, loss_fn, dp_group=None,
 
 # ---- measuring: count DDP's gradient collectives -------------------------------------------------------
 
-def count_ddp_collectives(ddp_model, group=None):
-    """Install a DDP communication hook that does DDP's usual averaging all-reduce and counts it.
-    Returns a dict whose "allreduce" entry grows by one per bucket per synchronised backward."""
+def count_ddp_collectives(ddp_model):
+    """Install a DDP communication hook that does DDP's usual averaging all-reduce (over DDP's own group)
+    and counts it. Returns a dict whose "allreduce" entry grows by one per bucket per synchronised backward."""
     counter = {"allreduce": 0, "bytes": 0}
+    group = ddp_model.process_group
     world = _group_size(group)
 
     def hook(state, bucket):
@@ -298,6 +310,7 @@ def demo():
     den = sum((q.grad ** 2).sum() for q in reference.parameters())
     say(f"   on the variable-length micro-batches above the mean-of-means gradient is off by "
         f"{(num / den).sqrt().item():.1%} (relative L2) against the one-big-batch gradient")
+    dist.barrier()  # gloo aborts a rank that tears down while a peer still talks to it
     dist.destroy_process_group()
 
 

@@ -167,6 +167,26 @@ def test_single_rank_issues_no_gradient_collective():
     assert ga.sync_gradients(list(model.parameters()), None) == 0
 
 
+def _none_group_is_local(rank, world):
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(rank)  # different weights per rank: a sync would change the gradients
+    model = ga.TinyLM()
+    gen = torch.Generator().manual_seed(rank)
+    idx, tgt, mask = ga.make_batch(gen, 2, 4)
+    ga.accumulate_gradients(model, [(idx, tgt, mask)], ga.token_loss, dp_group=None)
+    before = [p.grad.clone() for p in model.parameters()]
+    issued = ga.sync_gradients(list(model.parameters()), None)
+    return issued, max((a - p.grad).abs().max().item() for a, p in zip(before, model.parameters())), \
+        before[0].sum().item()
+
+
+def test_group_none_means_no_communication_on_several_ranks():
+    # group=None is "no communication", not torch.distributed's default group: on 2 ranks nothing is summed
+    out = run_ranks(_none_group_is_local, 2, timeout=60)
+    assert all(issued == 0 and diff == 0.0 for issued, diff, _ in out)
+    assert out[0][2] != out[1][2]  # the ranks kept their own, different gradients
+
+
 def test_empty_micro_batches_raise():
     with pytest.raises(ValueError, match="micro_batches is empty"):
         ga.accumulate_gradients(ga.TinyLM(), [], ga.token_loss)

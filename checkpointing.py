@@ -97,10 +97,7 @@ class Block(nn.Module):
 
     def forward(self, x):
         q, k, v = rearrange(self.qkv(self.ln1(x)), "b s (three a d) -> three b a s d", three=3, a=self.heads)
-        if self.recompute_attention_core:
-            core = checkpoint(self.attention_core, q, k, v, use_reentrant=False)
-        else:
-            core = self.attention_core(q, k, v)
+        core = attention_core(self, self.attention_core, q, k, v)
         x = x + F.dropout(self.proj(rearrange(core, "b a s d -> b s (a d)")), self.dropout, self.training)
         return x + F.dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)))), self.dropout, self.training)
 
@@ -118,10 +115,30 @@ def sqrt_segment_size(layers):
     return max(1, round(math.sqrt(layers)))
 
 
-def _run_segment(blocks, x):
+def attention_core(block, core, *args):
+    """How a block runs its attention core `core(*args)`: checkpointed when the `selective` policy marked the
+    block (`run_blocks` sets `block.recompute_attention_core`), plainly otherwise. Any block can adopt the
+    selective policy by routing its core through this function."""
+    if getattr(block, "recompute_attention_core", False):
+        return checkpoint(core, *args, use_reentrant=False)
+    return core(*args)
+
+
+def _call(block, state):
+    """A block maps a hidden state to the next one; the state may be a tuple of tensors (the hidden state and
+    a running auxiliary loss, say), passed as positional arguments and returned as a tuple."""
+    return block(*state) if isinstance(state, tuple) else block(state)
+
+
+def _run_segment(blocks, *state):
+    state = state if len(state) > 1 else state[0]
     for block in blocks:
-        x = block(x)
-    return x
+        state = _call(block, state)
+    return state
+
+
+def _as_args(state):
+    return state if isinstance(state, tuple) else (state,)
 
 
 def _gemm_outputs_only(ctx, op, *args, **kwargs):
@@ -132,25 +149,25 @@ def _gemm_outputs_only(ctx, op, *args, **kwargs):
 
 
 def run_blocks(blocks, x, policy="none"):
-    """Forward through `blocks` with one recomputation policy."""
+    """Forward through `blocks` with one recomputation policy. `x` is the hidden state, or a tuple of tensors
+    that every block takes as arguments and returns (see `_call`)."""
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r}; choose one of {POLICIES}")
     for block in blocks:
-        if hasattr(block, "recompute_attention_core"):
-            block.recompute_attention_core = policy == "selective"
+        block.recompute_attention_core = policy == "selective"
     if policy in ("none", "selective"):
-        return _run_segment(blocks, x)
+        return _run_segment(blocks, *_as_args(x))
     if policy == "full":
-        for block in blocks:
-            x = checkpoint(block, x, use_reentrant=False)
+        for i in range(len(blocks)):
+            x = checkpoint(_run_segment, blocks[i:i + 1], *_as_args(x), use_reentrant=False)
         return x
     if policy == "sqrt":
         seg = sqrt_segment_size(len(blocks))
         for start in range(0, len(blocks), seg):
-            x = checkpoint(_run_segment, blocks[start:start + seg], x, use_reentrant=False)
+            x = checkpoint(_run_segment, blocks[start:start + seg], *_as_args(x), use_reentrant=False)
         return x
-    for block in blocks:  # selective_sac
-        x = checkpoint(block, x, use_reentrant=False,
+    for i in range(len(blocks)):  # selective_sac
+        x = checkpoint(_run_segment, blocks[i:i + 1], *_as_args(x), use_reentrant=False,
                        context_fn=lambda: create_selective_checkpoint_contexts(_gemm_outputs_only))
     return x
 
@@ -239,16 +256,19 @@ class _StorageRecorder(TorchDispatchMode):
 
 def measure_kept_bytes(blocks, x, policy):
     """Bytes alive between the end of forward and the start of backward: storages created in forward and
-    still referenced (by autograd, a checkpoint or the SAC cache), plus the input, minus the output."""
-    x = x.detach().requires_grad_(True)
+    still referenced (by autograd, a checkpoint or the SAC cache), plus the input, minus the output.
+    `x` may be a tuple state (see `run_blocks`): its first tensor is the hidden state that is counted."""
+    state = tuple(t.detach() for t in _as_args(x))
+    state[0].requires_grad_(True)
     # views of parameters, buffers (the causal mask) and the input are not activations
-    existing = {t.untyped_storage().data_ptr() for t in list(blocks.parameters()) + list(blocks.buffers()) + [x]}
+    existing = {t.untyped_storage().data_ptr() for t in list(blocks.parameters()) + list(blocks.buffers()) + list(state)}
     with _StorageRecorder() as rec:
-        y = run_blocks(blocks, x, policy)
+        y = run_blocks(blocks, state if isinstance(x, tuple) else state[0], policy)
     gc.collect()
     alive = {ptr: n for ref, ptr, n in rec.storages if not ref.expired() and ptr not in existing}
-    alive.pop(y.untyped_storage().data_ptr(), None)
-    alive[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+    for out in _as_args(y):
+        alive.pop(out.untyped_storage().data_ptr(), None)
+    alive[state[0].untyped_storage().data_ptr()] = state[0].untyped_storage().nbytes()
     return sum(alive.values()), y
 
 

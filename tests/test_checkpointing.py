@@ -82,3 +82,41 @@ def test_bad_policy_raises(setup):
     blocks, x = setup
     with pytest.raises(ValueError, match="policy='half'"):
         ck.run_blocks(blocks, x, "half")
+
+
+class _AuxBlock(ck.Block):
+    """A block whose state is (hidden, running auxiliary loss), as train_gpt.py's MoE blocks carry it."""
+
+    def __init__(self, h):
+        super().__init__(h, 2, S, dropout=0.0)
+
+    def forward(self, x, aux):
+        y = super().forward(x)
+        return y, aux + y.square().mean()
+
+
+@pytest.mark.parametrize("policy", ck.POLICIES)
+def test_tuple_state_blocks_give_the_same_gradients(policy):
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(_AuxBlock(H) for _ in range(L)).double()
+    x = torch.randn(B, S, H, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+    def grads(p):
+        for q in blocks.parameters():
+            q.grad = None
+        xi = x.clone().requires_grad_(True)
+        y, aux = ck.run_blocks(blocks, (xi, torch.zeros((), dtype=torch.float64)), p)
+        (y.sum() + aux).backward()
+        return [xi.grad] + [q.grad.clone() for q in blocks.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(grads("none"), grads(policy)))
+
+
+def test_tuple_state_kept_bytes_follow_the_policies():
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(_AuxBlock(H) for _ in range(L)).double()
+    state = (torch.randn(B, S, H, dtype=torch.float64), torch.zeros((), dtype=torch.float64))
+    kept = {p: ck.measure_kept_bytes(blocks, state, p)[0] for p in ("none", "selective", "full")}
+    assert kept["none"] > kept["selective"] > kept["full"]
+    # full keeps each block's inputs: the hidden state and the 0-dim running loss (8 bytes each but the first)
+    assert kept["full"] == L * B * S * H * 8 + (L - 1) * 8

@@ -1,45 +1,91 @@
-"""Train a nanoGPT-style GPT with tensor, pipeline, data and context parallelism, by torchrun.
+"""Train a nanoGPT-style GPT with tensor, sequence, pipeline, data, context and expert parallelism, by torchrun.
 
-    torchrun --nproc_per_node=8 train_gpt.py --tp 2 --pp 2 --cp 1 --steps 20      # DP = 8 / (2*2*1) = 2
-    torchrun --nproc_per_node=4 train_gpt.py --pp 2 --moe-every 2 --ep 2           # MoE, experts over 2 ranks
+    torchrun --nproc_per_node=8 train_gpt.py --tp 2 --pp 2 --cp 2 --steps 20          # DP = 8 / (2*2*2) = 1
+    torchrun --nproc_per_node=8 train_gpt.py --tp 2 --sequence-parallel --cp 2 --cp-impl ulysses --pp 2 \\
+        --moe-every 2 --experts 4 --ep 2 --recompute selective                         # every dimension at once
 
-This file is the scaffolding the technique files plug into: topology.py lays out the ranks and builds the
-process groups, long_seq.py's ring attention runs the context-parallel attention, grad_accum.py syncs the
-gradients once per step in flat buckets and normalises by the global token count, mixed_precision.py steps
-FP32 master weights of BF16 parameters (`--dtype bfloat16`), checkpointing recomputes whole blocks
-(`--recompute full`), and moe_ep.py's expert-parallel MoE replaces the MLP of every n-th block
-(`--moe-every n --experts E --top-k k --ep P`; EP groups folded over DP x CP by topology.py, expert
-gradients reduced over their EDP replicas only). The tensor- and pipeline-parallel parts live here, as in
-Megatron-LM, in three sections:
+Every parallel dimension is decided in ONE place, the `Plan` built at start-up from the layout flags; the
+model and the training step only read it:
 
-Tensor parallelism (Shoeybi et al. 2019). An MLP's first weight is split by output columns and its second
-by input rows, so the pair needs one all-reduce in forward (after the row-parallel GEMM) and one in backward
-(before the column-parallel one): `copy_to_tp` is identity forward / all-reduce backward, `reduce_from_tp`
-the reverse. Attention splits the heads the same way (QKV column-parallel, output row-parallel). The
-embedding is split over the vocabulary: each rank looks up its rows and an all-reduce assembles the result;
-the tied output layer produces vocabulary-sharded logits, and the cross-entropy is computed on them with
-three small all-reduces (max, sum of exponentials, target logit) instead of gathering V logits per token.
-Per layer: 2 all-reduces of b s h forward, 2 backward (no sequence parallelism here).
+    dimension      group (None if size 1)   what it splits                               the function that does it
+    TP  tensor     plan.tp                  weight matrices: heads, MLP columns/rows,    _TPLinear, reduce_tp,
+                                            the vocabulary                               VocabParallelEmbedding
+    SP  sequence   plan.tp (same ranks)     LayerNorm/residual activations along s       _TPLinear (gather),
+                                            between the TP regions                       reduce_tp (scatter)
+    CP  context    plan.cp                  the sequence, attention included             plan.attention (long_seq.py:
+                                                                                         ring / ulysses / allgather)
+    PP  pipeline   plan.pp                  the layers                                   Pipeline, one_f_one_b
+    DP  data       plan.dp_cp (with CP)     the batch (sequences)                        plan.micro_batches
+    EP  expert     plan.ep, plan.edp        the experts of MoE layers (folded over DP    moe_ep.MoE
+                                            x CP), expert tokens by all-to-all
+    recompute      -                        memory against FLOPs, per stage              plan.run_blocks
+                                                                                         (checkpointing.py)
 
-Pipeline parallelism with the 1F1B schedule (Narayanan et al. 2021). Stage i holds L/p consecutive
-layers; the first stage the embeddings, the last the final LayerNorm and the (tied) output layer, whose
-gradient is all-reduced with the first stage's over the `embedding` group. With m micro-batches a stage
-runs p - 1 - i warm-up forwards, then alternates one forward and one backward, then drains: at most p
-micro-batches of activations are alive on stage 0 (GPipe keeps m) and the bubble is (p-1)/(m+p-1).
-Sends and receives that must meet are posted together (`batch_isend_irecv`), so no stage waits on a
-partner that is itself waiting.
+and the list of gradient reductions, each a SUM of (parameters, group), then one division by the global token
+count: dense weights over DP x CP, experts over EDP, the tied embedding over the embedding group (first and
+last stage), and the parameters replicated across TP whose gradients are partial because they act on a
+token shard (LayerNorms, row-parallel biases and position embeddings under SP; the MoE router and experts)
+over TP. `python train_gpt.py --help` lists the flags; the technique files (topology.py, long_seq.py, moe_ep.py,
+checkpointing.py, grad_accum.py, mixed_precision.py) are used through their public functions.
 
-Data and context parallelism. DP ranks take different sequences of the global batch; CP ranks take the
-zigzag shards of the same sequences (long_seq.py), including the position ids and the targets. Dense
-gradients are summed over DP x CP once per step, then every gradient is divided by the number of tokens in
-the global batch: the loss is the mean over all tokens whatever the layout. Under one seed every layout
-holds the same global weights (each parameter is drawn whole from a generator seeded by its global name,
-and each rank keeps its slice), so the loss curve is the same for every layout; tests/test_train_gpt.py
-checks that to 1e-12 in float64 (MoE with its router losses off: they are computed per micro-batch on each
-rank's tokens, so their value depends on the split, as in Megatron-LM).
+Tensor parallelism (Shoeybi et al. 2019). An MLP's first weight is split by output columns and its second by
+input rows, so the pair needs one all-reduce in forward (after the row-parallel GEMM) and one in backward (of
+the column-parallel GEMM's input gradient). Attention splits the heads the same way (QKV column-parallel,
+output row-parallel). The embedding is split over the vocabulary; the tied output layer produces vocabulary-
+sharded logits and the cross-entropy is assembled from them with one MAX and one SUM all-reduce of (N,) and
+(2, N) tensors instead of gathering V logits per token. Per layer: 2 all-reduces of b s h forward, 2 backward.
 
-Metrics: one JSON object per step in `--metrics` (step, loss, tokens/s, MFU against `--peak-tflops` with
-the PaLM / nanoGPT FLOPs per token 6N + 12 L h s).
+Sequence parallelism (Korthikanti et al. 2022). Between the TP regions each TP rank holds s/t of the tokens,
+so the LayerNorms, residual adds (and dropout) work on 1/t of the activations. Each all-reduce becomes a
+reduce-scatter (after the row-parallel GEMM) and an all-gather (before the column-parallel GEMM): the same
+bytes, 4 (t-1)/t b s h e per layer forward. The column-parallel GEMM keeps only its local input shard and
+gathers it again in backward, so every activation of a layer is split by t. Kept bytes of one block (this
+file's block: no dropout, fused attention; e bytes per element, LayerNorm statistics and the attention's row
+log-sum-exp in FP32 on CUDA, e on CPU; see `block_activation_bytes`):
+
+    no SP   s b h e (4 + 13/t) + the LN statistics + lse     Korthikanti's 16-bit layer: sbh (10 + 24/t + 5as/(ht))
+    SP      s b h e (17/t)     + (LN statistics + lse) / t                                sbh (34/t + 5as/(ht))
+
+(our 4 replicated terms are the two LayerNorm inputs and outputs, his 10 add dropout masks; his as/h terms
+are the s x s softmax that a fused attention kernel never stores.) The embedding output is reduce-scattered
+along the sequence and the LM head input gathered. SP composes with CP: each SP shard is a slice of this
+rank's CP shard.
+
+Pipeline parallelism with 1F1B (Narayanan et al. 2021). Stage i holds L/p consecutive layers; the first stage
+the embeddings, the last the final LayerNorm and the (tied) output layer. With m micro-batches a stage runs
+p - 1 - i warm-up forwards, then alternates one forward and one backward, then drains: at most p micro-
+batches of activations alive on stage 0 (GPipe keeps m), bubble (p-1)/(m+p-1). Sends and receives that must
+meet are posted together (`batch_isend_irecv`), so no stage waits on a partner that is itself waiting.
+
+Data and context parallelism. DP ranks take different sequences of the global batch; CP ranks take shards of
+the same sequences (zigzag for the causal ring and all-gather attention: causal work balanced; contiguous for
+Ulysses), the position ids and targets sharded the same way. Under one seed every layout holds the same
+global weights (each parameter drawn whole from a generator seeded by its name, each rank keeping its
+slice), so the loss curve is the same for every layout: tests/test_train_gpt.py checks it to 1e-12 in
+float64, MoE router losses included.
+
+Experts under TP (our choice: tokens split across TP, weights not). MoE layers always run on the sequence-
+parallel token shard: under SP that is the activation as it is; without SP the block hands each TP rank
+1/t of the tokens before the MoE and all-gathers the outputs after it (one all-gather of b s h e (t-1)/t per
+MoE layer forward, nothing extra in backward but the all-gather of the input gradient). Each TP rank so
+computes 1/t of the expert FLOPs and sends 1/t of the all-to-all bytes, expert weights stay whole and their
+gradients are summed over TP (and EDP). The router's balancing and z losses are formed from statistics
+summed over the ranks holding tokens of the same micro-batch, the `tp_cp` group (moe_ep.py's
+`stats_group`), as in Megatron-LM: their value and gradients are the same in every layout. Each micro-batch's
+router loss is weighted by its token count and divided by the global token count, like the LM loss; the
+metrics log it as `aux_loss` beside the LM `loss`.
+
+Activation recomputation (`--recompute`, checkpointing.py, per pipeline stage on that stage's blocks): `full`
+keeps each block's input, `sqrt` one input per segment of sqrt(L/p) blocks, `selective` recomputes the
+attention core (Korthikanti's choice). Here the core is a fused kernel (SDPA, or long_seq.py's ring over
+fused blocks) that keeps no s x s tensor: it saves q, k, v, its output and the row log-sum-exp, all O(s).
+Checkpointing it still drops what the core saves beyond its inputs (the output and lse, and for all-gather
+CP the gathered K and V, for Ulysses the head-sharded q, k, v), at the price of one more attention forward
+(and its communication) in backward; with fused kernels it saves little, which the measured table shows.
+Kept bytes per stage, measured (tests): none > selective > full.
+
+Metrics: one JSON object per step in `--metrics`: step, loss, aux_loss, lr, tokens/s, step time, MFU against
+`--peak-tflops` with the PaLM / nanoGPT FLOPs per token 6N + 12 L h s.
 """
 import argparse
 import json
@@ -47,6 +93,7 @@ import math
 import os
 import time
 import zlib
+from collections import Counter
 from dataclasses import asdict, dataclass
 
 import torch
@@ -54,8 +101,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
-from torch.utils.checkpoint import checkpoint
 
+import checkpointing
 import grad_accum
 import long_seq
 import mixed_precision
@@ -90,6 +137,93 @@ def _rank(group):
 
 
 # ----------------------------------------------------------------------------------------------------
+# The plan: every group, the attention and sharding functions, the recomputation, the gradient reductions
+# ----------------------------------------------------------------------------------------------------
+
+CP_IMPLS = {  # the attention of a context-parallel group and the sequence shard it expects
+    "ring": (long_seq.ring_attention, long_seq.zigzag_shard),
+    "ulysses": (long_seq.ulysses_attention, long_seq.contiguous_shard),
+    "allgather": (long_seq.allgather_attention, long_seq.zigzag_shard),
+}
+
+
+@dataclass
+class Plan:
+    ps: topology.ParallelState       # this rank's coordinates
+    tp: object                       # process groups, None where the dimension has size 1
+    cp: object
+    pp: object
+    dp_cp: object
+    ep: object
+    edp: object
+    tp_cp: object
+    embedding: object
+    sequence_parallel: bool
+    cp_impl: str
+    recompute: str
+    reductions: list = None          # [(name, params, group)], set by `plan_gradient_reductions`
+
+    def attention(self, q, k, v):
+        """Causal attention of (b, heads, s_local, d) tensors over this rank's CP shard of the sequence."""
+        if self.cp is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return CP_IMPLS[self.cp_impl][0](q, k, v, self.cp, causal=True)
+
+    def shard(self, x, dim):
+        """This rank's CP shard of a full-sequence tensor, in the layout `attention` expects."""
+        if self.cp is None:
+            return x
+        return CP_IMPLS[self.cp_impl][1](x, dim, self.ps.cp_rank, _size(self.cp))
+
+    def run_blocks(self, blocks, state):
+        return checkpointing.run_blocks(blocks, state, self.recompute)
+
+    def reduce_tp(self, x):
+        """The end of a TP region: sum the partial results, into sequence shards under SP."""
+        return reduce_scatter_to_sp(x, self.tp) if self.sequence_parallel else reduce_from_tp(x, self.tp)
+
+    def to_token_shard(self, x):
+        """MoE layers run on the sequence-parallel shard of the tokens (1/t of them per TP rank)."""
+        return x if self.sequence_parallel else scatter_to_sp(x, self.tp)
+
+    def from_token_shard(self, y):
+        return y if self.sequence_parallel else gather_from_sp(y, self.tp, reduce_grad=False)
+
+    def micro_batches(self, tokens, micro_batch, device):
+        """This rank's micro-batches of a global batch (B, s + 1): its DP slice of the sequences, cut into
+        micro-batches, and its CP shard of the inputs, targets and (global) positions."""
+        mine = tokens.chunk(self.ps.sizes["dp"])[self.ps.dp_rank].to(device)
+        positions = self.shard(torch.arange(tokens.shape[1] - 1, device=device), 0)
+        return [(self.shard(mb[:, :-1], 1), positions, self.shard(mb[:, 1:], 1)) for mb in mine.split(micro_batch)]
+
+
+def make_plan(ps, sequence_parallel=False, cp_impl="ring", recompute="none"):
+    group = lambda kind: ps.groups[kind] if len(ps.ranks[kind]) > 1 else None
+    return Plan(ps=ps, tp=group("tp"), cp=group("cp"), pp=group("pp"), dp_cp=group("dp_cp"), ep=group("ep"),
+                edp=group("edp"), tp_cp=group("tp_cp"), embedding=group("embedding"),
+                sequence_parallel=sequence_parallel and ps.sizes["tp"] > 1, cp_impl=cp_impl, recompute=recompute)
+
+
+def plan_gradient_reductions(plan, stage):
+    """Every gradient SUM of a step, as (name, parameters, group); empty groups and size-1 groups dropped.
+    A parameter's gradient is complete once it has been summed over every group that saw other tokens
+    through the same weights."""
+    params = [p for p in stage.parameters() if p.requires_grad]
+    is_expert = lambda p: getattr(p, "expert", False)
+    tied = []
+    if plan.embedding is not None:  # the first stage's wte and the last stage's copy: the sum of both uses
+        tied = [stage.wte.weight if stage.first else stage.lm_head.weight]
+    reductions = [
+        ("tied embedding", tied, plan.embedding),
+        ("token-sharded, replicated over TP", [p for p in params if getattr(p, "sequence_parallel", False)],
+         plan.tp),
+        ("dense over DP x CP", [p for p in params if not is_expert(p)], plan.dp_cp),
+        ("experts over EDP", [p for p in params if is_expert(p)], plan.edp),
+    ]
+    return [(name, ps, g) for name, ps, g in reductions if ps and g is not None]
+
+
+# ----------------------------------------------------------------------------------------------------
 # Layout-independent initialisation: every parameter drawn whole from a generator named after it
 # ----------------------------------------------------------------------------------------------------
 
@@ -99,28 +233,53 @@ def full_init(name, shape, std, seed, dtype):
     return (torch.randn(shape, generator=gen, dtype=torch.float64) * std).to(dtype)
 
 
+def _tag(params, **flags):
+    """Mark parameters for the plan: `tp_replicated` (the same on every TP rank), `sequence_parallel` (its
+    gradient is partial over TP: it acted on a token shard), `expert` (summed over EDP, not DP x CP)."""
+    for p in params:
+        for k, v in flags.items():
+            setattr(p, k, v)
+    return params
+
+
 # ----------------------------------------------------------------------------------------------------
-# Tensor parallelism
+# Tensor and sequence parallelism: the communication, then the layers
 # ----------------------------------------------------------------------------------------------------
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
+comm_log = Counter()  # TP/SP collectives issued by this rank, by kind and direction ("all_gather:fwd", ...)
 
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone(memory_format=torch.contiguous_format)  # never modify an incoming gradient
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+
+def _all_gather_seq(x, group, phase):
+    """(b, s, h) sequence shards of every TP rank -> (b, t s, h), in rank order."""
+    comm_log[f"all_gather:{phase}"] += 1
+    out = x.new_empty((_size(group),) + tuple(x.shape))
+    dist.all_gather_into_tensor(out.view(-1), x.contiguous().view(-1), group=group)  # flat: any backend
+    return rearrange(out, "t b s h -> b (t s) h")
+
+
+def _reduce_scatter_seq(x, group, phase, async_op=False):
+    """(b, t s, h) partial sums -> this rank's (b, s, h) sequence shard of their sum. With async_op, returns
+    the shard and a function that waits for it (and keeps the input alive until then)."""
+    comm_log[f"reduce_scatter:{phase}"] += 1
+    parts = rearrange(x, "b (t s) h -> t b s h", t=_size(group)).contiguous()
+    out = x.new_empty(parts.shape[1:])
+    work = dist.reduce_scatter_tensor(out.view(-1), parts.view(-1), group=group, async_op=async_op)
+    return (out, lambda: work.wait() and parts) if async_op else out
+
+
+def _all_reduce(x, group, phase, async_op=False):
+    comm_log[f"all_reduce:{phase}"] += 1
+    return dist.all_reduce(x, group=group, async_op=async_op)
 
 
 class _ReduceFromTP(torch.autograd.Function):
+    """Forward: all-reduce the partial sums (in place: they are the fresh output of a GEMM whose backward
+    does not need it). Backward: identity (each rank's input gradient is the full one)."""
+
     @staticmethod
     def forward(ctx, x, group):
-        x = x.clone(memory_format=torch.contiguous_format)  # the input stays the partial sum it was
-        dist.all_reduce(x, group=group)
+        ctx.mark_dirty(x)
+        _all_reduce(x, group, "fwd")
         return x
 
     @staticmethod
@@ -128,96 +287,181 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-def copy_to_tp(x, group):
-    return x if _size(group) == 1 else _CopyToTP.apply(x, group)
+class _ReduceScatterToSP(torch.autograd.Function):
+    """Forward: reduce-scatter the partial sums into sequence shards. Backward: all-gather the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_seq(x, group, "fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_seq(grad, ctx.group, "bwd"), None
+
+
+class _ScatterToSP(torch.autograd.Function):
+    """Forward: keep this rank's sequence shard of a replicated activation. Backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.chunk(_size(group), dim=1)[_rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_seq(grad, ctx.group, "bwd"), None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    """Forward: all-gather sequence shards. Backward: reduce-scatter when the consumer was a TP-split GEMM
+    (each rank holds a partial gradient), else keep this rank's shard of the (replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group, reduce_grad):
+        ctx.group, ctx.reduce_grad = group, reduce_grad
+        return _all_gather_seq(x, group, "fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.reduce_grad:
+            return _reduce_scatter_seq(grad, ctx.group, "bwd"), None, None
+        return grad.chunk(_size(ctx.group), dim=1)[_rank(ctx.group)].contiguous(), None, None
 
 
 def reduce_from_tp(x, group):
-    return x if _size(group) == 1 else _ReduceFromTP.apply(x, group)
+    return x if group is None else _ReduceFromTP.apply(x, group)
+
+
+def reduce_scatter_to_sp(x, group):
+    return x if group is None else _ReduceScatterToSP.apply(x, group)
+
+
+def scatter_to_sp(x, group):
+    return x if group is None else _ScatterToSP.apply(x, group)
+
+
+def gather_from_sp(x, group, reduce_grad=True):
+    return x if group is None else _GatherFromSP.apply(x, group, reduce_grad)
+
+
+class _TPLinear(torch.autograd.Function):
+    """y = x W^T + b with a column-parallel GEMM's communication folded in (Megatron-LM's
+    LinearWithGradAccumulationAndAsyncCommunication):
+
+        no SP  forward as is; backward all-reduces the input gradient, overlapped with the weight gradient GEMM
+        SP     forward all-gathers the input's sequence shards; only the local shard is saved and gathered
+               again in backward; the input gradient is reduce-scattered, overlapped with the weight GEMM
+        group None (row-parallel, or TP = 1): no communication
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, sequence_parallel):
+        ctx.group, ctx.sp, ctx.has_bias = group, sequence_parallel and group is not None, bias is not None
+        ctx.save_for_backward(x, weight)
+        x_full = _all_gather_seq(x, group, "fwd") if ctx.sp else x
+        return F.linear(x_full, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        x_full = _all_gather_seq(x, ctx.group, "bwd") if ctx.sp else x
+        grad_x = grad_out @ weight
+        wait = lambda: None
+        if ctx.sp:
+            grad_x, wait = _reduce_scatter_seq(grad_x, ctx.group, "bwd", async_op=True)
+        elif ctx.group is not None:
+            wait = _all_reduce(grad_x, ctx.group, "bwd", async_op=True).wait
+        g2, x2 = grad_out.reshape(-1, grad_out.shape[-1]), x_full.reshape(-1, x_full.shape[-1])
+        grad_w = g2.t() @ x2  # computed while the input gradient travels
+        grad_b = g2.sum(0) if ctx.has_bias else None
+        wait()
+        return grad_x, grad_w, grad_b, None, None
 
 
 class ColumnParallelLinear(nn.Module):
     """y_local = x W_local^T + b_local, W split by output rows. `parts` > 1 splits each of `parts` equal
     blocks of the output (Q, K and V) separately, so every rank gets whole heads of each."""
 
-    def __init__(self, name, d_in, d_out, tp_group, cfg, dtype, parts=1, std=0.02):
+    def __init__(self, name, d_in, d_out, plan, cfg, dtype, parts=1, std=0.02):
         super().__init__()
-        t, r = _size(tp_group), _rank(tp_group)
-        self.tp_group = tp_group
+        t, r = _size(plan.tp), _rank(plan.tp)
+        self.plan = plan
         w = full_init(name + ".weight", (d_out, d_in), std, cfg.seed, dtype)
         w = rearrange(w, "(parts t o) i -> parts t o i", parts=parts, t=t)[:, r]
         self.weight = nn.Parameter(rearrange(w, "parts o i -> (parts o) i").contiguous())
         self.bias = nn.Parameter(torch.zeros(d_out // t, dtype=dtype))
 
     def forward(self, x):
-        return F.linear(copy_to_tp(x, self.tp_group), self.weight, self.bias)
+        return _TPLinear.apply(x, self.weight, self.bias, self.plan.tp, self.plan.sequence_parallel)
 
 
 class RowParallelLinear(nn.Module):
-    """y = all_reduce(x_local W_local^T) + b, W split by input columns; the bias is added once."""
+    """y = reduce(x_local W_local^T) + b, W split by input columns; the bias is added once, after the sum
+    (under SP to the sequence shard: its gradient is then partial over TP)."""
 
-    def __init__(self, name, d_in, d_out, tp_group, cfg, dtype, std=0.02):
+    def __init__(self, name, d_in, d_out, plan, cfg, dtype, std=0.02):
         super().__init__()
-        t, r = _size(tp_group), _rank(tp_group)
-        self.tp_group = tp_group
+        t, r = _size(plan.tp), _rank(plan.tp)
+        self.plan = plan
         w = full_init(name + ".weight", (d_out, d_in), std, cfg.seed, dtype)
         self.weight = nn.Parameter(w.chunk(t, dim=1)[r].contiguous())
         self.bias = nn.Parameter(torch.zeros(d_out, dtype=dtype))
+        _tag([self.bias], tp_replicated=True, sequence_parallel=plan.sequence_parallel)
 
     def forward(self, x):
-        return reduce_from_tp(F.linear(x, self.weight), self.tp_group) + self.bias
+        return self.plan.reduce_tp(_TPLinear.apply(x, self.weight, None, None, False)) + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows [r V/t, (r+1) V/t) of the token embedding; ids outside the shard look up zeros."""
+    """Rows [r V/t, (r+1) V/t) of the token embedding; ids outside the shard look up zeros, so the output is
+    a partial sum over the TP ranks (reduced by the caller)."""
 
-    def __init__(self, name, vocab, dim, tp_group, cfg, dtype):
+    def __init__(self, name, vocab, dim, plan, cfg, dtype):
         super().__init__()
-        t, r = _size(tp_group), _rank(tp_group)
-        if vocab % t:
-            raise ValueError(f"vocab_size={vocab} must be divisible by tp={t}; pad the vocabulary")
-        self.tp_group, self.start, self.end = tp_group, r * vocab // t, (r + 1) * vocab // t
+        t, r = _size(plan.tp), _rank(plan.tp)
+        self.start, self.end = r * vocab // t, (r + 1) * vocab // t
         self.weight = nn.Parameter(full_init(name, (vocab, dim), 0.02, cfg.seed, dtype)[self.start:self.end].clone())
 
     def forward(self, ids):
         outside = (ids < self.start) | (ids >= self.end)
         x = F.embedding((ids - self.start).masked_fill(outside, 0), self.weight)
-        return reduce_from_tp(x.masked_fill(outside[..., None], 0.0), self.tp_group)
+        return x.masked_fill(outside[..., None], 0.0)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy from vocabulary-sharded logits: log(sum exp) - logit[target], assembled with
-    all-reduces of (N,) tensors. The gradient, softmax - onehot, is computed on the local shard."""
+    """Per-token cross-entropy from vocabulary-sharded logits (N, V/t): log(sum exp) - logit[target].
+
+    One MAX all-reduce of (N,) (the stable shift) and one SUM all-reduce of the (2, N) stack [sum of exps,
+    target logit]. Memory: the softmax is formed IN PLACE in one FP32 (or wider) (N, V/t) buffer, which is all
+    that backward keeps; backward turns that buffer into the gradient in place (so it runs once)."""
 
     @staticmethod
     def forward(ctx, logits, targets, start, group):
-        logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-        local_max = logits.max(dim=-1).values
-        dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - local_max[:, None]
+        acc = torch.promote_types(logits.dtype, torch.float32)
+        row_max = logits.max(dim=-1).values.to(acc)
+        if group is not None:
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        softmax = logits.to(acc) - row_max[:, None]  # a new (N, V/t) buffer: the only big one
         inside = (targets >= start) & (targets < start + logits.shape[-1])
         idx = (targets - start).masked_fill(~inside, 0)
-        target_logit = shifted.gather(1, idx[:, None]).squeeze(1).masked_fill(~inside, 0.0)
-        exp = shifted.exp()
-        sum_exp = exp.sum(-1)
-        dist.all_reduce(target_logit, group=group)
-        dist.all_reduce(sum_exp, group=group)
-        softmax = exp / sum_exp[:, None]
+        target_logit = softmax.gather(1, idx[:, None]).squeeze(1).masked_fill(~inside, 0.0)
+        sums = torch.stack([softmax.exp_().sum(-1), target_logit])
+        if group is not None:
+            dist.all_reduce(sums, group=group)
+        softmax.div_(sums[0][:, None])
         ctx.save_for_backward(softmax, idx, inside)
-        return sum_exp.log() - target_logit
+        ctx.dtype = logits.dtype
+        return sums[0].log() - sums[1]
 
     @staticmethod
     def backward(ctx, grad):
         softmax, idx, inside = ctx.saved_tensors
-        g = softmax.clone()
-        g[torch.arange(g.shape[0], device=g.device), idx] -= inside.to(g.dtype)
-        return g * grad[:, None], None, None, None
+        softmax[torch.arange(softmax.shape[0], device=softmax.device), idx] -= inside.to(softmax.dtype)
+        return softmax.mul_(grad[:, None]).to(ctx.dtype), None, None, None
 
 
 def vocab_parallel_cross_entropy(logits, targets, start, group):
-    if _size(group) == 1:
-        return F.cross_entropy(logits.float() if logits.dtype != torch.float64 else logits, targets,
-                               reduction="none")
     return _VocabParallelCrossEntropy.apply(logits, targets, start, group)
 
 
@@ -226,62 +470,59 @@ def vocab_parallel_cross_entropy(logits, targets, start, group):
 # ----------------------------------------------------------------------------------------------------
 
 class LayerNorm(nn.Module):
-    def __init__(self, dim, dtype):
+    def __init__(self, dim, plan, dtype):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(dim, dtype=dtype))
+        _tag([self.weight, self.bias], tp_replicated=True, sequence_parallel=plan.sequence_parallel)
 
     def forward(self, x):
         return F.layer_norm(x, x.shape[-1:], self.weight, self.bias)
 
 
 class Block(nn.Module):
-    def __init__(self, i, cfg, ps, dtype):
+    """Pre-LN transformer block; the state it passes on is (hidden, running router loss)."""
+
+    def __init__(self, i, cfg, plan, dtype):
         super().__init__()
-        h, tp = cfg.n_embd, ps.groups["tp"]
-        if cfg.n_head % ps.sizes["tp"]:
-            raise ValueError(f"n_head={cfg.n_head} must be divisible by tp={ps.sizes['tp']}")
-        self.heads = cfg.n_head // ps.sizes["tp"]
-        self.cp_group = ps.groups["cp"] if ps.sizes["cp"] > 1 else None
+        h, t = cfg.n_embd, _size(plan.tp)
+        self.plan, self.heads = plan, cfg.n_head // t
         std_out = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2: scale the residual projections
-        self.ln1 = LayerNorm(h, dtype)
-        self.qkv = ColumnParallelLinear(f"h.{i}.attn.qkv", h, 3 * h, tp, cfg, dtype, parts=3)
-        self.proj = RowParallelLinear(f"h.{i}.attn.proj", h, h, tp, cfg, dtype, std=std_out)
-        self.ln2 = LayerNorm(h, dtype)
+        self.ln1 = LayerNorm(h, plan, dtype)
+        self.qkv = ColumnParallelLinear(f"h.{i}.attn.qkv", h, 3 * h, plan, cfg, dtype, parts=3)
+        self.proj = RowParallelLinear(f"h.{i}.attn.proj", h, h, plan, cfg, dtype, std=std_out)
+        self.ln2 = LayerNorm(h, plan, dtype)
         self.moe = None
         if cfg.is_moe(i):
-            # experts are not split by TP here (expert-TP = 1): every TP rank of an EP group runs the same
-            # experts on the same (replicated) tokens. moe_ep.MoE draws all its weights from the default RNG,
-            # so seeding it by the layer's name makes them the same in every layout.
+            # moe_ep.MoE draws all its weights from the default RNG: seeding it by the layer's name makes them
+            # the same in every layout. Its weights are whole on every TP rank (tokens are split instead).
             torch.manual_seed(cfg.seed * 1_000_003 + zlib.crc32(f"h.{i}.moe".encode()))
-            ep = ps.groups["ep"] if ps.sizes["ep"] > 1 else None
-            self.moe = moe_ep.MoE(h, 4 * h, cfg.n_experts, cfg.top_k, ep_group=ep,
+            self.moe = moe_ep.MoE(h, 4 * h, cfg.n_experts, cfg.top_k, ep_group=plan.ep, stats_group=plan.tp_cp,
                                   aux_loss_coeff=cfg.aux_loss_coeff, z_loss_coeff=cfg.z_loss_coeff).to(dtype)
+            _tag(self.moe.parameters(), tp_replicated=True, sequence_parallel=plan.tp is not None)
+            _tag(self.moe.expert_params(), expert=True)
         else:
-            self.fc = ColumnParallelLinear(f"h.{i}.mlp.fc", h, 4 * h, tp, cfg, dtype)
-            self.out = RowParallelLinear(f"h.{i}.mlp.proj", 4 * h, h, tp, cfg, dtype, std=std_out)
+            self.fc = ColumnParallelLinear(f"h.{i}.mlp.fc", h, 4 * h, plan, cfg, dtype)
+            self.out = RowParallelLinear(f"h.{i}.mlp.proj", 4 * h, h, plan, cfg, dtype, std=std_out)
 
     def attention(self, x):
         q, k, v = rearrange(self.qkv(self.ln1(x)), "b s (three a d) -> three b a s d", three=3, a=self.heads)
-        if self.cp_group is not None:  # this rank holds the zigzag shard of the sequence
-            y = long_seq.ring_attention(q, k, v, self.cp_group, causal=True)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = checkpointing.attention_core(self, self.plan.attention, q, k, v)
         return self.proj(rearrange(y, "b a s d -> b s (a d)"))
 
-    def forward(self, x):
-        """Returns the block's output and its auxiliary (router) loss, zero for a dense block."""
-        x = x + self.attention(x)
+    def mlp(self, x):
         if self.moe is None:
-            return x + self.out(F.gelu(self.fc(self.ln2(x)))), x.new_zeros((), dtype=torch.float64)
-        y, aux = self.moe(self.ln2(x))
-        return x + y, aux.double()
+            return self.out(F.gelu(self.fc(x))), 0.0
+        y, aux = self.moe(self.plan.to_token_shard(x))
+        return self.plan.from_token_shard(y), aux.to(torch.float64)
+
+    def forward(self, x, aux):
+        x = x + self.attention(x)
+        y, a = self.mlp(self.ln2(x))
+        return x + y, aux + a
 
 
 def stage_layers(n_layer, pp, stage):
-    if n_layer % pp:
-        raise ValueError(f"n_layer={n_layer} must be divisible by pp={pp}; choose pp among "
-                         f"{[d for d in range(1, n_layer + 1) if n_layer % d == 0]}")
     per = n_layer // pp
     return range(stage * per, (stage + 1) * per)
 
@@ -290,44 +531,66 @@ class GPTStage(nn.Module):
     """The layers of one pipeline stage; the first stage embeds, the last one normalises and projects to
     the (vocabulary-sharded) logits with a copy of the token embedding (tied weights)."""
 
-    def __init__(self, cfg, ps, dtype=torch.float32, recompute="none"):
+    def __init__(self, cfg, plan, dtype=torch.float32):
         super().__init__()
-        self.cfg, self.ps, self.recompute = cfg, ps, recompute
-        tp = ps.groups["tp"]
+        self.cfg, self.plan = cfg, plan
+        ps = plan.ps
         self.first, self.last = ps.is_first_stage, ps.is_last_stage
-        self.blocks = nn.ModuleList(Block(i, cfg, ps, dtype)
+        self.blocks = nn.ModuleList(Block(i, cfg, plan, dtype)
                                     for i in stage_layers(cfg.n_layer, ps.sizes["pp"], ps.pp_rank))
         if self.first:
-            self.wte = VocabParallelEmbedding("wte", cfg.vocab_size, cfg.n_embd, tp, cfg, dtype)
+            self.wte = VocabParallelEmbedding("wte", cfg.vocab_size, cfg.n_embd, plan, cfg, dtype)
             self.wpe = nn.Parameter(full_init("wpe", (cfg.seq_len, cfg.n_embd), 0.02, cfg.seed, dtype))
+            _tag([self.wpe], tp_replicated=True, sequence_parallel=plan.sequence_parallel)
         if self.last:
-            self.ln_f = LayerNorm(cfg.n_embd, dtype)
+            self.ln_f = LayerNorm(cfg.n_embd, plan, dtype)
             if self.first:
                 self.lm_head = self.wte  # one stage: literally the same parameter
             else:  # a copy of the same initial weights; its gradient is summed with wte's every step
-                self.lm_head = VocabParallelEmbedding("wte", cfg.vocab_size, cfg.n_embd, tp, cfg, dtype)
+                self.lm_head = VocabParallelEmbedding("wte", cfg.vocab_size, cfg.n_embd, plan, cfg, dtype)
+
+    def embed(self, ids, positions):
+        """Token embedding (a partial sum over the vocabulary shards) reduced over TP, plus positions; under
+        SP the sum is reduce-scattered and each rank adds the positions of its sequence shard."""
+        x = self.plan.reduce_tp(self.wte(ids))
+        if self.plan.sequence_parallel:
+            positions = positions.chunk(_size(self.plan.tp))[_rank(self.plan.tp)]
+        return x + self.wpe[positions]
 
     def forward(self, x, positions=None):
         """First stage: x are token ids (b, s_local), positions their global positions; otherwise x is the
         previous stage's hidden state. Last stage returns vocabulary-sharded logits. Also returns the sum
         of the stage's auxiliary (MoE router) losses."""
         if self.first:
-            x = self.wte(x) + self.wpe[positions]
-        aux = torch.zeros((), dtype=torch.float64, device=x.device)
-        for block in self.blocks:
-            x, a = checkpoint(block, x, use_reentrant=False) if self.recompute == "full" else block(x)
-            aux = aux + a
-        if self.last:
-            x = F.linear(copy_to_tp(self.ln_f(x), self.ps.groups["tp"]), self.lm_head.weight)
+            x = self.embed(x, positions)
+        x, aux = self.plan.run_blocks(self.blocks, (x, torch.zeros((), dtype=torch.float64, device=x.device)))
+        if self.last:  # the LM head is column-parallel over the vocabulary: its input is gathered under SP
+            x = _TPLinear.apply(self.ln_f(x), self.lm_head.weight, None, self.plan.tp, self.plan.sequence_parallel)
         return x, aux
-
-    def expert_params(self):
-        return [p for b in self.blocks if b.moe is not None for p in b.moe.expert_params()]
 
     def loss_sum(self, logits, targets):
         per_token = vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), self.lm_head.start,
-                                                 self.ps.groups["tp"] if self.ps.sizes["tp"] > 1 else None)
+                                                 self.plan.tp)
         return per_token.sum()
+
+
+def block_activation_bytes(b, s, h, a, t, sequence_parallel, e, acc_e):
+    """Bytes one dense block keeps for backward, term by term (b the micro-batch, s this rank's CP shard of
+    the sequence, t TP, e bytes of the activations, acc_e of the LayerNorm statistics and the attention's
+    row log-sum-exp). Without SP the LayerNorm inputs and outputs are whole on every TP rank; with SP every
+    term is split by t. Measured equal in tests/test_train_gpt.py (CPU float32: acc_e = e)."""
+    sbh = s * b * h
+    sp = t if sequence_parallel else 1
+    return {
+        "LN1 input, LN1 output (QKV input), LN2 input, LN2 output (fc input)": 4 * sbh * e // sp,
+        "LayerNorm mean and 1/std (2 LNs)": 4 * s * b * acc_e // sp,
+        "q, k, v (views of the QKV output)": 3 * sbh * e // t,
+        "attention output (kept by the fused kernel)": sbh * e // t,
+        "attention row log-sum-exp": a * s * b * acc_e // t,
+        "projection input (heads merged)": sbh * e // t,
+        "GELU input (fc output)": 4 * sbh * e // t,
+        "fc2 input (GELU output)": 4 * sbh * e // t,
+    }
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -346,9 +609,9 @@ def _p2p(sends=(), recvs=(), group=None):
 class Pipeline:
     """The transfers of one stage. Shapes are fixed by the layout, so receives preallocate."""
 
-    def __init__(self, ps, shape, dtype, device):
-        self.ps, self.shape, self.dtype, self.device = ps, shape, dtype, device
-        self.group = ps.groups["pp"]
+    def __init__(self, plan, shape, dtype, device):
+        self.ps, self.shape, self.dtype, self.device = plan.ps, shape, dtype, device
+        self.group = plan.pp
 
     def _buf(self):
         return torch.empty(self.shape, dtype=self.dtype, device=self.device)
@@ -390,23 +653,27 @@ class Pipeline:
         return buf.requires_grad_(True)
 
 
-def one_f_one_b(stage, pipe, micro_batches):
-    """Run forward and backward of every micro-batch with the 1F1B schedule; returns this stage's summed
-    loss (last stage) and the peak number of micro-batches whose activations were alive at once."""
-    ps = stage.ps
+def one_f_one_b(stage, pipe, micro_batches, tokens_per_micro_batch):
+    """Forward and backward of every micro-batch with the 1F1B schedule. Returns this stage's summed LM loss
+    (last stage), its summed router loss (each micro-batch's weighted by its global token count, as the LM
+    loss is a sum over tokens) and the peak number of micro-batches whose activations were alive at once."""
+    ps = stage.plan.ps
     m = len(micro_batches)
     warmup = min(ps.sizes["pp"] - ps.pp_rank - 1, m)
     in_flight, peak = [], 0
-    loss_total = torch.zeros((), dtype=torch.float64, device=next(stage.parameters()).device)
+    device = next(stage.parameters()).device
+    loss_total = torch.zeros((), dtype=torch.float64, device=device)
+    aux_total = torch.zeros((), dtype=torch.float64, device=device)
 
     def forward(i, x):
+        nonlocal aux_total
         ids, positions, targets = micro_batches[i]
         out, aux = stage(ids if stage.first else x, positions)
         if stage.last:
             out = stage.loss_sum(out, targets)
-        # the loss is a sum over tokens, divided by the global token count after the step: weighting each
-        # micro-batch's mean router loss by its token count makes it a token-weighted mean as well
-        in_flight.append((x, out, aux * targets.numel()))
+        aux = aux * tokens_per_micro_batch
+        aux_total = aux_total + aux.detach()
+        in_flight.append((x, out, aux))
         return out
 
     def backward(grad_out):
@@ -437,11 +704,11 @@ def one_f_one_b(stage, pipe, micro_batches):
             x = pipe.send_backward_recv_forward(grad_in)
     for _ in range(warmup):
         pipe.send_backward(backward(pipe.recv_backward()))
-    return loss_total, peak
+    return loss_total, aux_total, peak
 
 
 # ----------------------------------------------------------------------------------------------------
-# Data: a synthetic language with structure (so the loss falls), sharded by DP, micro-batch and CP
+# Data: a synthetic language with structure (so the loss falls)
 # ----------------------------------------------------------------------------------------------------
 
 def synthetic_batch(step, batch, seq_len, vocab, seed=0):
@@ -457,67 +724,41 @@ def synthetic_batch(step, batch, seq_len, vocab, seed=0):
     return tokens
 
 
-def local_micro_batches(tokens, ps, micro_batch, device):
-    """This rank's micro-batches: its DP slice of the sequences, cut in micro-batches, and its CP shard
-    (zigzag: the causal work is balanced) of the inputs, the targets and the global positions."""
-    dp, cp = ps.sizes["dp"], ps.sizes["cp"]
-    B = tokens.shape[0]
-    if B % (dp * micro_batch):
-        raise ValueError(f"global batch {B} must be divisible by dp*micro_batch = {dp}*{micro_batch}")
-    mine = tokens.chunk(dp)[ps.dp_rank]
-    seq = tokens.shape[1] - 1
-    positions = torch.arange(seq)
-    out = []
-    for mb in mine.split(micro_batch):
-        ids, targets = mb[:, :-1], mb[:, 1:]
-        if cp > 1:
-            ids, targets = (long_seq.zigzag_shard(t, 1, ps.cp_rank, cp) for t in (ids, targets))
-            pos = long_seq.zigzag_shard(positions, 0, ps.cp_rank, cp)
-        else:
-            pos = positions
-        out.append((ids.to(device), pos.to(device), targets.to(device)))
-    return out
-
-
 # ----------------------------------------------------------------------------------------------------
 # One training step
 # ----------------------------------------------------------------------------------------------------
 
+def reduce_gradients(plan):
+    """Every SUM of the plan, one flat-bucket all-reduce each (grad_accum.py)."""
+    for _, params, group in plan.reductions:
+        grad_accum.sync_gradients(params, group)
+
+
 def train_step(stage, pipe, optimizer, tokens, micro_batch):
-    ps = stage.ps
+    plan = stage.plan
     device = next(stage.parameters()).device
-    micro = local_micro_batches(tokens, ps, micro_batch, device)
-    loss_sum, peak = one_f_one_b(stage, pipe, micro)
-    params = [p for p in stage.parameters() if p.requires_grad]
-    # tied embeddings: the first stage's wte and the last stage's copy receive the sum of both gradients
-    if ps.sizes["pp"] > 1 and (ps.is_first_stage or ps.is_last_stage):
-        tied = stage.wte.weight if ps.is_first_stage else stage.lm_head.weight
-        dist.all_reduce(tied.grad, group=ps.groups["embedding"])
+    micro = plan.micro_batches(tokens, micro_batch, device)
+    loss_sum, aux_sum, peak = one_f_one_b(stage, pipe, micro, micro_batch * (tokens.shape[1] - 1))
+    reduce_gradients(plan)
+    # the one normalisation: every gradient is a sum over tokens; divide by the global batch's token count
     global_tokens = tokens.shape[0] * (tokens.shape[1] - 1)
-    dp_cp = ps.sizes["dp"] * ps.sizes["cp"]
     if isinstance(optimizer, mixed_precision.MixedPrecisionOptimizer):
-        # 16-bit parameters: the optimizer converts to FP32, averages over DP x CP, then we scale
-        optimizer.step(grad_scale=dp_cp / global_tokens)
+        optimizer.step(grad_scale=1.0 / global_tokens)
     else:
-        # one sync per step over the ranks holding other tokens of the same weights (grad_accum.py): dense
-        # weights over DP x CP, experts over their expert-data-parallel replicas only (moe_ep.py: an
-        # expert's gradient already holds the tokens of its whole EP group); then the per-token
-        # normalisation by the global batch's token count
-        experts = {id(p) for p in stage.expert_params()}
-        if dp_cp > 1:  # (group=None would mean the whole world to torch.distributed)
-            grad_accum.sync_gradients([p for p in params if id(p) not in experts], ps.groups["dp_cp"])
-        if experts and ps.sizes["edp"] > 1:
-            grad_accum.sync_gradients(stage.expert_params(), ps.groups["edp"])
-        for p in params:
+        for p in stage.parameters():
             if p.grad is not None:
                 p.grad.div_(global_tokens)
         optimizer.step()
     optimizer.zero_grad()
-    # the loss for the log: last stage, one TP rank, summed over DP x CP
-    report = loss_sum if (ps.is_last_stage and ps.tp_rank == 0) else torch.zeros((), dtype=torch.float64)
-    report = report.to(device)
+    # for the log: the LM loss from the last stage's first TP rank, the router loss from every stage's first
+    # TP and CP rank (the other ranks of tp_cp hold the same value), each summed over the rest of the world
+    ps = plan.ps
+    counts_loss = ps.is_last_stage and ps.tp_rank == 0
+    counts_aux = ps.tp_rank == 0 and ps.cp_rank == 0
+    report = torch.stack([loss_sum * counts_loss, aux_sum * counts_aux])
     dist.all_reduce(report)
-    return report.item() / global_tokens, peak
+    loss, aux = (report / global_tokens).tolist()
+    return loss, aux, peak
 
 
 def model_flops_per_token(cfg):
@@ -531,25 +772,42 @@ def model_flops_per_token(cfg):
     return 6 * n + 12 * cfg.n_layer * h * cfg.seq_len
 
 
-def validate(cfg, world, tp, pp, cp, batch=None, micro_batch=1, ep=1, dtype=torch.float32):
+# ----------------------------------------------------------------------------------------------------
+# Validation, set-up and the loop
+# ----------------------------------------------------------------------------------------------------
+
+def validate(cfg, world, tp, pp, cp, batch=None, micro_batch=1, ep=1, dtype=torch.float32,
+             sequence_parallel=False, cp_impl="ring", recompute="none"):
     """Every shape the layout must divide, checked on every rank before any process group is created."""
     topology.validate_layout(world, tp, pp, cp, ep)
     dp = world // (tp * pp * cp)
+    zigzag = cp > 1 and cp_impl in ("ring", "allgather")
+    s_cp = cfg.seq_len // cp
+    token_split = tp > 1 and (sequence_parallel or cfg.moe_every > 0)
     checks = [
-        (ep > 1 and cfg.moe_every == 0, f"ep={ep} needs MoE layers: set moe_every > 0 (--moe-every)"),
-        (cfg.moe_every and cfg.n_experts % ep, f"n_experts={cfg.n_experts} must be divisible by ep={ep}"),
+        (cp_impl not in CP_IMPLS, f"--cp-impl {cp_impl!r} is unknown; choose one of {sorted(CP_IMPLS)}"),
+        (recompute not in ("none", "full", "sqrt", "selective"),
+         f"--recompute {recompute!r} is unknown; choose none, full, sqrt or selective"),
+        (ep > 1 and cfg.moe_every == 0, f"--ep {ep} needs MoE layers: set --moe-every > 0"),
+        (cfg.moe_every and cfg.n_experts % ep, f"--experts {cfg.n_experts} must be divisible by --ep {ep}"),
         (cfg.moe_every and not 1 <= cfg.top_k <= cfg.n_experts,
-         f"top_k={cfg.top_k} must be between 1 and n_experts={cfg.n_experts}"),
-        (ep > 1 and dtype in (torch.bfloat16, torch.float16),
-         "16-bit training reduces every gradient over DP x CP in mixed_precision.py; expert gradients need "
-         "their EDP group: use --ep 1 with --dtype bfloat16 for now"),
-        (cfg.n_layer % pp, f"n_layer={cfg.n_layer} must be divisible by pp={pp}; choose pp among "
+         f"--top-k {cfg.top_k} must be between 1 and --experts {cfg.n_experts}"),
+        (cfg.n_layer % pp, f"--layers {cfg.n_layer} must be divisible by --pp {pp}; choose --pp among "
                            f"{[d for d in range(1, cfg.n_layer + 1) if cfg.n_layer % d == 0]}"),
-        (cfg.n_head % tp, f"n_head={cfg.n_head} must be divisible by tp={tp}"),
-        (cfg.vocab_size % tp, f"vocab_size={cfg.vocab_size} must be divisible by tp={tp}; pad the vocabulary"),
-        (cfg.seq_len % (2 * cp), f"seq_len={cfg.seq_len} must be divisible by 2*cp = {2 * cp} (zigzag shards)"),
+        (cfg.n_embd % cfg.n_head, f"--hidden {cfg.n_embd} must be divisible by --heads {cfg.n_head}"),
+        (cfg.n_head % tp, f"--heads {cfg.n_head} must be divisible by --tp {tp}"),
+        (cp > 1 and cp_impl == "ulysses" and (cfg.n_head // tp) % cp,
+         f"--cp-impl ulysses splits each TP rank's {cfg.n_head // max(tp, 1)} heads over --cp {cp}: choose --cp "
+         f"dividing --heads/--tp, or --cp-impl ring"),
+        (cfg.vocab_size % tp, f"--vocab {cfg.vocab_size} must be divisible by --tp {tp}; pad the vocabulary"),
+        (zigzag and cfg.seq_len % (2 * cp),
+         f"--seq {cfg.seq_len} must be divisible by 2*cp = {2 * cp} (zigzag shards of --cp-impl {cp_impl})"),
+        (cp > 1 and cfg.seq_len % cp, f"--seq {cfg.seq_len} must be divisible by --cp {cp}"),
+        (token_split and s_cp % tp,
+         f"--seq/--cp = {s_cp} must be divisible by --tp {tp}: sequence parallelism (and MoE layers under TP) "
+         f"split each rank's tokens over TP"),
         (batch is not None and batch % (dp * micro_batch),
-         f"global batch={batch} must be divisible by dp*micro_batch = {dp}*{micro_batch}"),
+         f"--batch {batch} must be divisible by dp*micro_batch = {dp}*{micro_batch}"),
     ]
     for failed, message in checks:
         if failed:
@@ -557,39 +815,47 @@ def validate(cfg, world, tp, pp, cp, batch=None, micro_batch=1, ep=1, dtype=torc
 
 
 def build(cfg, tp=1, pp=1, cp=1, dtype=torch.float32, recompute="none", optimizer="adamw", lr=3e-3,
-          micro_batch=1, batch=None, ep=1):
+          micro_batch=1, batch=None, ep=1, sequence_parallel=False, cp_impl="ring"):
     _, world = topology.init_distributed()
-    validate(cfg, world, tp, pp, cp, batch, micro_batch, ep, dtype)
+    validate(cfg, world, tp, pp, cp, batch, micro_batch, ep, dtype, sequence_parallel, cp_impl, recompute)
     ps = topology.init_parallel(tp=tp, pp=pp, cp=cp, ep=ep, with_mesh=False)
+    plan = make_plan(ps, sequence_parallel, cp_impl, recompute)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    stage = GPTStage(cfg, ps, dtype, recompute).to(device)
+    stage = GPTStage(cfg, plan, dtype).to(device)
+    plan.reductions = plan_gradient_reductions(plan, stage)
     opt_class = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[optimizer]
-    if dtype in (torch.bfloat16, torch.float16):  # FP32 masters, gradients reduced in FP32 over DP x CP
-        dp_cp = ps.groups["dp_cp"] if ps.sizes["dp"] * ps.sizes["cp"] > 1 else None
-        opt = mixed_precision.MixedPrecisionOptimizer(stage.parameters(), opt_class, dp_group=dp_cp, lr=lr)
+    if dtype in (torch.bfloat16, torch.float16):  # FP32 masters
+        opt = mixed_precision.MixedPrecisionOptimizer(stage.parameters(), opt_class, lr=lr)
     else:
         opt = opt_class(stage.parameters(), lr=lr)
-    pipe = Pipeline(ps, (micro_batch, cfg.seq_len // cp, cfg.n_embd), dtype, device)
-    return ps, stage, opt, pipe
+    s_local = cfg.seq_len // cp // (tp if plan.sequence_parallel else 1)
+    pipe = Pipeline(plan, (micro_batch, s_local, cfg.n_embd), dtype, device)
+    return plan, stage, opt, pipe
 
 
 def train(cfg, steps, batch, micro_batch=1, tp=1, pp=1, cp=1, dtype=torch.float32, recompute="none",
-          optimizer="adamw", lr=3e-3, metrics=None, peak_tflops=None, log=True, ep=1):
-    ps, stage, opt, pipe = build(cfg, tp, pp, cp, dtype, recompute, optimizer, lr, micro_batch, batch, ep)
-    losses = []
+          optimizer="adamw", lr=3e-3, metrics=None, peak_tflops=None, log=True, ep=1, sequence_parallel=False,
+          cp_impl="ring"):
+    """Train; returns one record per step (the metrics line)."""
+    plan, stage, opt, pipe = build(cfg, tp, pp, cp, dtype, recompute, optimizer, lr, micro_batch, batch, ep,
+                                   sequence_parallel, cp_impl)
+    ps = plan.ps
+    records = []
     flops_per_token = model_flops_per_token(cfg)
     out = open(metrics, "w") if metrics and ps.rank == 0 else None
     for step in range(steps):
         t0 = time.perf_counter()
         tokens = synthetic_batch(step, batch, cfg.seq_len, cfg.vocab_size, cfg.seed)
-        loss, peak = train_step(stage, pipe, opt, tokens, micro_batch)
+        loss, aux, peak = train_step(stage, pipe, opt, tokens, micro_batch)
         dt = time.perf_counter() - t0
         tokens_per_s = batch * cfg.seq_len / dt
-        record = {"step": step, "loss": loss, "tokens_per_s": tokens_per_s, "step_time_s": dt,
-                  "in_flight_peak": peak, "tp": tp, "pp": pp, "dp": ps.sizes["dp"], "cp": cp, "ep": ep}
+        record = {"step": step, "loss": loss, "aux_loss": aux, "lr": lr, "tokens_per_s": tokens_per_s,
+                  "step_time_s": dt, "in_flight_peak": peak, "tp": tp, "sp": plan.sequence_parallel, "pp": pp,
+                  "dp": ps.sizes["dp"], "cp": cp, "cp_impl": cp_impl if cp > 1 else None, "ep": ep,
+                  "recompute": recompute}
         if peak_tflops:
             record["mfu"] = flops_per_token * tokens_per_s / (peak_tflops * 1e12 * ps.world_size)
-        losses.append(loss)
+        records.append(record)
         if out:
             out.write(json.dumps(record) + "\n")
             out.flush()
@@ -597,7 +863,7 @@ def train(cfg, steps, batch, micro_batch=1, tp=1, pp=1, cp=1, dtype=torch.float3
             print(json.dumps(record))
     if out:
         out.close()
-    return losses
+    return records
 
 
 def main():
@@ -606,6 +872,8 @@ def main():
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--cp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1, help="expert parallel size, folded over DP x CP")
+    ap.add_argument("--sequence-parallel", action="store_true", help="split LayerNorm/residual activations over TP")
+    ap.add_argument("--cp-impl", default="ring", help="ring | ulysses | allgather")
     ap.add_argument("--moe-every", type=int, default=0, help="every n-th block is MoE (0: dense)")
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
@@ -621,7 +889,7 @@ def main():
     ap.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="float32",
                     help="bfloat16: BF16 parameters and activations, FP32 master weights")
-    ap.add_argument("--recompute", choices=["none", "full"], default="none")
+    ap.add_argument("--recompute", default="none", help="none | full | sqrt | selective")
     ap.add_argument("--metrics", default="metrics.jsonl")
     ap.add_argument("--peak-tflops", type=float, default=None, help="per GPU, for MFU (H100 BF16 dense: 989)")
     ap.add_argument("--seed", type=int, default=0)
@@ -630,11 +898,12 @@ def main():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     cfg = GPTConfig(vocab_size=a.vocab, seq_len=a.seq, n_layer=a.layers, n_head=a.heads, n_embd=a.hidden,
                     seed=a.seed, moe_every=a.moe_every, n_experts=a.experts, top_k=a.top_k)
-    losses = train(cfg, a.steps, a.batch, a.micro_batch, a.tp, a.pp, a.cp, getattr(torch, a.dtype), a.recompute,
-                   a.optimizer, a.lr, a.metrics, a.peak_tflops, ep=a.ep)
+    records = train(cfg, a.steps, a.batch, a.micro_batch, a.tp, a.pp, a.cp, getattr(torch, a.dtype), a.recompute,
+                    a.optimizer, a.lr, a.metrics, a.peak_tflops, ep=a.ep, sequence_parallel=a.sequence_parallel,
+                    cp_impl=a.cp_impl)
     if dist.get_rank() == 0:
-        print(f"config {asdict(cfg)}: loss {losses[0]:.4f} -> {losses[-1]:.4f} in {a.steps} steps; "
-              f"metrics in {a.metrics}")
+        print(f"config {asdict(cfg)}: loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} in {a.steps} "
+              f"steps; metrics in {a.metrics}")
     dist.destroy_process_group()
 
 

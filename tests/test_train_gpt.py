@@ -17,10 +17,17 @@ BATCH, MICRO, STEPS = 12, 2, 3
 TOL = 1e-12
 
 
-def _train(rank, world, tp, pp, cp, recompute="none"):
+def _train(rank, world, tp, pp, cp, cfg=CFG, **kwargs):
+    """The (loss, aux_loss) curve of a float64 SGD run on this layout."""
     torch.set_default_dtype(torch.float64)
-    return train_gpt.train(CFG, STEPS, BATCH, MICRO, tp, pp, cp, dtype=torch.float64, recompute=recompute,
-                           optimizer="sgd", lr=0.5, log=False)
+    records = train_gpt.train(cfg, STEPS, BATCH, MICRO, tp, pp, cp, dtype=torch.float64, optimizer="sgd", lr=0.5,
+                              log=False, **kwargs)
+    return [(r["loss"], r["aux_loss"]) for r in records]
+
+
+def _max_diff(curve, reference):
+    assert len(curve) == len(reference) == STEPS
+    return max(max(abs(a - b), abs(x - y)) for (a, x), (b, y) in zip(curve, reference))
 
 
 @pytest.fixture(scope="module")
@@ -28,21 +35,27 @@ def reference_losses():
     return run_ranks(_train, 1, 1, 1, 1, timeout=120)[0]
 
 
-@pytest.mark.parametrize("world, tp, pp, cp", [
-    (2, 2, 1, 1), (2, 1, 2, 1), (2, 1, 1, 1), (3, 1, 1, 1), (2, 1, 1, 2), (4, 1, 4, 1),
-    (4, 2, 1, 2), (8, 2, 2, 1), (8, 1, 2, 2), (6, 2, 1, 1),
+@pytest.mark.parametrize("world, tp, pp, cp, kwargs", [
+    (2, 2, 1, 1, {}), (2, 1, 2, 1, {}), (2, 1, 1, 1, {}), (3, 1, 1, 1, {}), (2, 1, 1, 2, {}), (4, 1, 4, 1, {}),
+    (4, 2, 1, 2, {}), (8, 2, 2, 1, {}), (8, 1, 2, 2, {}), (6, 2, 1, 1, {}),
+    (2, 2, 1, 1, dict(sequence_parallel=True)),                        # TP2 with SP
+    (8, 2, 2, 1, dict(sequence_parallel=True)),                        # TP2 x SP x PP2 x DP2
+    (2, 1, 1, 2, dict(cp_impl="ulysses")),                             # CP2 Ulysses
+    (2, 1, 1, 2, dict(cp_impl="allgather")),                           # CP2 all-gather
+    (4, 2, 1, 2, dict(sequence_parallel=True, cp_impl="ring")),        # TP2 x SP x CP2 ring
+    (8, 2, 1, 2, dict(sequence_parallel=True, cp_impl="ulysses")),     # TP2 x SP x CP2 Ulysses x DP2
 ])
-def test_every_layout_trains_the_same_model(reference_losses, world, tp, pp, cp):
-    out = run_ranks(_train, world, tp, pp, cp, timeout=180)
-    for losses in out:  # every rank reports the same global loss
-        assert len(losses) == STEPS
-        assert max(abs(a - b) for a, b in zip(losses, reference_losses)) < TOL, (losses, reference_losses)
-    assert reference_losses[-1] < reference_losses[0]  # and it learns
+def test_every_layout_trains_the_same_model(reference_losses, world, tp, pp, cp, kwargs):
+    out = run_ranks(_train, world, tp, pp, cp, timeout=180, **kwargs)
+    for curve in out:  # every rank reports the same global loss
+        assert _max_diff(curve, reference_losses) < TOL, (curve, reference_losses)
+    assert reference_losses[-1][0] < reference_losses[0][0]  # and it learns
 
 
-def test_full_recomputation_changes_nothing(reference_losses):
-    out = run_ranks(_train, 4, 2, 2, 1, "full", timeout=180)
-    assert max(abs(a - b) for a, b in zip(out[0], reference_losses)) < TOL
+@pytest.mark.parametrize("recompute", ["full", "sqrt", "selective"])
+def test_recomputation_changes_nothing(reference_losses, recompute):
+    out = run_ranks(_train, 4, 2, 2, 1, recompute=recompute, timeout=180)  # TP2 x PP2
+    assert _max_diff(out[0], reference_losses) < TOL
 
 
 def _plain_gpt_loss(cfg, tokens):
@@ -68,15 +81,15 @@ def _plain_gpt_loss(cfg, tokens):
 
 def test_one_rank_is_the_plain_gpt(reference_losses):
     tokens = train_gpt.synthetic_batch(0, BATCH, CFG.seq_len, CFG.vocab_size, CFG.seed)
-    assert abs(_plain_gpt_loss(CFG, tokens) - reference_losses[0]) < 1e-12
+    assert abs(_plain_gpt_loss(CFG, tokens) - reference_losses[0][0]) < 1e-12
 
 
 def _pipeline_peak(rank, world):
     torch.set_default_dtype(torch.float64)
-    ps, stage, opt, pipe = train_gpt.build(CFG, pp=world, micro_batch=1, dtype=torch.float64, optimizer="sgd")
+    plan, stage, opt, pipe = train_gpt.build(CFG, pp=world, micro_batch=1, dtype=torch.float64, optimizer="sgd")
     tokens = train_gpt.synthetic_batch(0, 8, CFG.seq_len, CFG.vocab_size)
-    _, peak = train_gpt.train_step(stage, pipe, opt, tokens, micro_batch=1)
-    return ps.pp_rank, peak
+    _, _, peak = train_gpt.train_step(stage, pipe, opt, tokens, micro_batch=1)
+    return plan.ps.pp_rank, peak
 
 
 def test_1f1b_keeps_at_most_p_micro_batches_in_flight():
@@ -94,9 +107,10 @@ def _bad_layout(rank, world, kwargs):
 
 
 @pytest.mark.parametrize("world, kwargs, message", [
-    (3, dict(pp=3), "n_layer=4 must be divisible by pp=3"),
-    (3, dict(tp=3), "n_head=4 must be divisible by tp=3"),
-    (2, dict(cp=2, micro_batch=4, batch=6), "global batch=6 must be divisible by dp\\*micro_batch"),
+    (3, dict(pp=3), "--layers 4 must be divisible by --pp 3"),
+    (3, dict(tp=3), "--heads 4 must be divisible by --tp 3"),
+    (2, dict(cp=2, micro_batch=4, batch=6), "--batch 6 must be divisible by dp\\*micro_batch"),
+    (3, dict(cp=3, cp_impl="ulysses"), "--cp-impl ulysses splits each TP rank's 4 heads over --cp 3"),
     (4, dict(tp=3), "world_size=4 is not divisible by tp\\*pp\\*cp"),
 ])
 def test_bad_layout_raises_on_every_rank_before_any_group(world, kwargs, message):
@@ -106,7 +120,8 @@ def test_bad_layout_raises_on_every_rank_before_any_group(world, kwargs, message
 
 
 def _train_dtype(rank, world, tp, pp, cp, dtype):
-    return train_gpt.train(CFG, STEPS, BATCH, MICRO, tp, pp, cp, dtype=dtype, optimizer="sgd", lr=0.5, log=False)
+    records = train_gpt.train(CFG, STEPS, BATCH, MICRO, tp, pp, cp, dtype=dtype, optimizer="sgd", lr=0.5, log=False)
+    return [r["loss"] for r in records]
 
 
 def test_bf16_with_fp32_masters_follows_the_fp32_curve():
@@ -120,34 +135,25 @@ def test_bf16_with_fp32_masters_follows_the_fp32_curve():
     assert (fp32[0] - fp32[-1]) / fp32[0] > 0.01
 
 
-# MoE every second block, 4 experts, top-2. The router losses are computed per micro-batch on each rank's
-# tokens, so their values depend on how the batch is split: parity is checked with them switched off, and
-# a run with them on must still learn.
+# MoE every second block, 4 experts, top-2, router losses ON (coefficients 10x the defaults so that they
+# weigh on the curve): they are formed from statistics summed over the tp_cp group, so layout-independent.
 CFG_MOE = train_gpt.GPTConfig(vocab_size=32, seq_len=16, n_layer=4, n_head=4, n_embd=16, seed=0,
-                              moe_every=2, n_experts=4, top_k=2, aux_loss_coeff=0.0, z_loss_coeff=0.0)
-
-
-def _train_moe(rank, world, tp, pp, cp, ep, cfg=CFG_MOE):
-    torch.set_default_dtype(torch.float64)
-    return train_gpt.train(cfg, STEPS, BATCH, MICRO, tp, pp, cp, dtype=torch.float64, optimizer="sgd", lr=0.5,
-                           log=False, ep=ep)
+                              moe_every=2, n_experts=4, top_k=2, aux_loss_coeff=0.1, z_loss_coeff=0.01)
 
 
 @pytest.fixture(scope="module")
 def moe_reference():
-    return run_ranks(_train_moe, 1, 1, 1, 1, 1, timeout=120)[0]
+    return run_ranks(_train, 1, 1, 1, 1, cfg=CFG_MOE, timeout=120)[0]
 
 
-@pytest.mark.parametrize("world, tp, pp, cp, ep", [
-    (2, 1, 1, 1, 2), (4, 2, 1, 1, 2), (4, 1, 2, 1, 2), (4, 1, 1, 2, 4), (8, 2, 2, 1, 2), (2, 1, 1, 1, 1),
+@pytest.mark.parametrize("world, tp, pp, cp, ep, kwargs", [
+    (2, 1, 1, 1, 2, {}), (4, 2, 1, 1, 2, {}), (4, 1, 2, 1, 2, {}), (4, 1, 1, 2, 4, {}), (8, 2, 2, 1, 2, {}),
+    (2, 1, 1, 1, 1, {}),
+    (4, 2, 1, 1, 2, dict(sequence_parallel=True)),      # EP2 under TP2 with SP
+    (4, 1, 1, 2, 2, dict(cp_impl="ring")),              # CP2 ring x EP2
+    (8, 2, 1, 2, 2, dict(sequence_parallel=True)),      # TP2 x SP x CP2 x EP2 x DP2
 ])
-def test_expert_parallel_layouts_train_the_same_moe_model(moe_reference, world, tp, pp, cp, ep):
-    for losses in run_ranks(_train_moe, world, tp, pp, cp, ep, timeout=180):
-        assert max(abs(a - b) for a, b in zip(losses, moe_reference)) < TOL, (losses, moe_reference)
-
-
-def test_moe_with_router_losses_learns():
-    cfg = train_gpt.GPTConfig(vocab_size=32, seq_len=16, n_layer=4, n_head=4, n_embd=16, seed=0, moe_every=2,
-                              n_experts=4, top_k=2)
-    losses = run_ranks(_train_moe, 4, 1, 2, 1, 2, cfg, timeout=180)[0]
-    assert losses[-1] < losses[0]
+def test_expert_parallel_layouts_train_the_same_moe_model(moe_reference, world, tp, pp, cp, ep, kwargs):
+    for curve in run_ranks(_train, world, tp, pp, cp, cfg=CFG_MOE, ep=ep, timeout=180, **kwargs):
+        assert _max_diff(curve, moe_reference) < TOL, (curve, moe_reference)
+    assert moe_reference[0][1] > 0.1 and moe_reference[-1][0] < moe_reference[0][0]  # router loss on; learns

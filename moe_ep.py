@@ -19,6 +19,19 @@ are dropped (their slot contributes zero); the default None is dropless. Optiona
 balancing (DeepSeek-V3): a per-expert bias is added to the scores for the SELECTION only, and after each
 step bias_i += rate * sign(mean load - load_i).
 
+Router losses over split sequences (`stats_group`). When the tokens of one micro-batch are split over
+several ranks (context parallelism, and tensor parallelism under sequence parallelism), the losses above
+must be those of the whole micro-batch, or their value and gradients change with the split. Megatron-LM
+all-reduces the tokens per expert over its tp_cp group and uses the global token count, so f is global;
+each rank keeps its local probability sums, and E * sum_i f_i * (local sum_t p_ti) / T_global is exactly
+that rank's share of the global loss: the shares add up to it, and each share's gradient with respect to
+the rank's logits is the global loss's gradient. Its z-loss divides each rank's mean by the group size
+(exact for equal splits). This file does the same with `stats_group` (MoE(..., stats_group=g),
+load_balancing_loss(..., group=g), z_loss(..., group=g)), in ONE small all-reduce per loss of the summed
+statistics: tokens per expert and probability sums per expert (balancing), sum_t lse_t^2 and the token
+count (z-loss). The global token count is summed rather than assumed, so uneven splits are exact too, and
+the forward value on every rank is the global loss while the gradient flows through the local share only.
+
 Expert parallelism. With an EP group of P ranks each rank holds E/P experts (expert e on EP rank
 e // (E/P)) and T local tokens. One forward is four steps:
   1. dispatch: sort the T*k token copies by expert; exchange per-expert counts (a small all-to-all); send
@@ -29,11 +42,32 @@ e // (E/P)) and T local tokens. One forward is four steps:
 The backward is the same two all-to-alls in reverse. Bytes sent per all-to-all per rank:
 T k d e (P-1)/P under uniform routing (a copy stays home with probability 1/P).
 
+One host synchronisation per layer per micro-batch. An accelerator runs ahead of the Python that feeds it
+until Python needs a value: .item(), .tolist(), or an op whose OUTPUT SIZE depends on the data (boolean
+indexing, nonzero, bincount, repeat_interleave without output_size) makes the host wait for the device.
+The only value the host must know is the all-to-all split sizes (all_to_all_single takes Python lists).
+So everything else is sized by shapes: tokens per expert by a scatter_add of ones into E+1 bins (bincount
+reads its maximum back to size its output); dropped copies (capacity) are not removed by a mask but
+routed to an extra bin E that sorts last and is never sent; results return to their copies by index_copy
+and are weighted by an einsum over the k copies of each token. After the counts all-to-all, ONE
+device-to-host transfer brings the send splits and the received (rank x local expert) counts together; the
+backward all-to-alls reuse those lists. With P = 1 the expert loop needs its per-expert sizes, also one
+transfer; the grouped GEMM takes the sizes as a device tensor, so a dropless P = 1 layer on it reads
+nothing at all. `HostSyncCounter` (below) counts these events on any device, the CPU included.
+
+Grouped GEMM. The local experts run as one `torch._grouped_mm` (a GEMM per group of rows, sizes given by
+a device tensor of offsets) where torch provides it for the device and dtype; in torch 2.13 on CPU:
+float32, bfloat16 and float16, not float64, with 16-byte aligned rows (d_model and d_hidden times the
+element size multiples of 16). Elsewhere the loop over experts runs: the readable reference, one GEMM pair
+per expert on its slice of rows (`expert_impl="loop"` forces it; the tests prove both agree).
+
 Where EP lives (Megatron "MoE parallel folding", see topology.py): EP groups are drawn from the data- and
 context-parallel ranks of one (tp, pp) position; the ranks holding the same experts form the expert-data-
-parallel group EDP, with EP x EDP = DP x CP. Dense weights (router, attention) are all-reduced over DP x CP;
+parallel group EDP, with EP x EDP = DP x CP. Dense weights (router, attention) are reduced over DP x CP;
 expert weights over EDP only, because an expert's gradient already sums the tokens of its whole EP group.
-Both are scaled by 1 / (DP x CP), the number of ranks whose mean loss is the objective.
+`reduce_moe_gradients` SUMS both, as every technique file of this repository reduces by sum; the caller
+normalises once (train_gpt.py divides by the global token count; a mean over the DP x CP ranks of each
+rank's mean loss divides by DP x CP).
 
 Run `torchrun --nproc_per_node=4 moe_ep.py` (or `python moe_ep.py` for one rank).
 """
@@ -47,6 +81,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
+from torch.utils._python_dispatch import TorchDispatchMode
 
 comm_log = Counter()  # collectives issued by this rank: counts and bytes that left it, by kind
 
@@ -57,25 +92,35 @@ def _group_info(group):
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def tokens_per_expert(expert_of_copy, num_experts):
+    """Copies per expert, counted on the device: a scatter_add of ones into `num_experts` bins. Sync-free on
+    CUDA because the output size is given; torch.bincount reads the largest index back first (a sync)."""
+    flat = expert_of_copy.reshape(-1)
+    bins = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    return bins.scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def _router_precision(logits):
+    return logits if logits.dtype == torch.float64 else logits.float()
+
+
 # ----------------------------------------------------------------------------------------------------
-# Auxiliary losses (optionally over a group of ranks that share one batch of tokens)
+# Auxiliary losses (optionally over a group of ranks that share one micro-batch of tokens)
 # ----------------------------------------------------------------------------------------------------
 
-def _global_value(local_part, group):
-    """Forward value: the sum over `group` of every rank's part; gradient: this rank's part only. Each rank's
-    logits then receive exactly the gradient of the global loss with respect to them."""
-    if _group_info(group)[1] == 1:
-        return local_part
-    total = local_part.detach().clone()
-    dist.all_reduce(total, group=group)
-    return local_part + (total - local_part.detach())
-
-
-def _global_sum(t, group):
-    t = t.detach().clone()
+def _summed_statistics(stats, group):
+    """Detached sum over `group` of every rank's statistics: one all-reduce, none for a size-1 group."""
+    stats = stats.detach().clone()
     if _group_info(group)[1] > 1:
-        dist.all_reduce(t, group=group)
-    return t
+        comm_log["router_stats_allreduce:count"] += 1
+        dist.all_reduce(stats, group=group)
+    return stats
+
+
+def _global_value(local_share, global_value):
+    """Forward value: the global loss; gradient: this rank's share only. Each rank's logits then receive
+    exactly the gradient of the global loss with respect to them."""
+    return local_share + (global_value - local_share.detach())
 
 
 def load_balancing_loss(router_logits, top_k, coeff, group=None, selected=None):
@@ -83,22 +128,34 @@ def load_balancing_loss(router_logits, top_k, coeff, group=None, selected=None):
 
     `selected` (T, k) are the experts actually chosen (e.g. with a balancing bias); default top-k of logits."""
     T, E = router_logits.shape
-    probs = torch.softmax(router_logits.float() if router_logits.dtype != torch.float64 else router_logits, -1)
+    if selected is not None and selected.shape != (T, top_k):
+        raise ValueError(f"selected has shape {tuple(selected.shape)}; pass the ({T}, top_k={top_k}) experts chosen")
+    probs = torch.softmax(_router_precision(router_logits), -1)
     if selected is None:
         selected = probs.topk(top_k, dim=-1).indices
-    counts = torch.bincount(selected.reshape(-1), minlength=E).to(probs.dtype)
-    counts = _global_sum(counts, group)
-    tokens = _global_sum(torch.tensor(float(T), dtype=probs.dtype, device=probs.device), group)
-    f = counts / (tokens * top_k)
-    local_part = coeff * E * (f * probs.sum(0)).sum() / tokens  # P_i = sum over all tokens / T_global
-    return _global_value(local_part, group)
+    local_prob_sum = probs.sum(0)
+    if _group_info(group)[1] == 1:
+        counts = tokens_per_expert(selected, E).to(probs.dtype)
+        return coeff * E * ((counts / (T * top_k)) * local_prob_sum).sum() / T
+    stats = _summed_statistics(torch.cat([tokens_per_expert(selected, E).to(probs.dtype), local_prob_sum]), group)
+    counts, prob_sum = stats[:E], stats[E:]
+    assignments = counts.sum()              # T_global * k, counted: uneven splits are exact
+    tokens = assignments / top_k
+    f = counts / assignments
+    scale = coeff * E / tokens              # P_i = (sum of p_ti over the group's tokens) / T_global
+    return _global_value(scale * (f * local_prob_sum).sum(), scale * (f * prob_sum).sum())
 
 
 def z_loss(router_logits, coeff, group=None):
-    """ST-MoE router z-loss: coeff * mean over tokens of logsumexp(logits)^2."""
-    lse = torch.logsumexp(router_logits.float() if router_logits.dtype != torch.float64 else router_logits, -1)
-    tokens = _global_sum(torch.tensor(float(lse.shape[0]), dtype=lse.dtype, device=lse.device), group)
-    return _global_value(coeff * (lse ** 2).sum() / tokens, group)
+    """ST-MoE router z-loss: coeff * mean over tokens (of this rank, or of all ranks of `group`) of
+    logsumexp(logits)^2."""
+    lse = torch.logsumexp(_router_precision(router_logits), -1)
+    local_sum = (lse ** 2).sum()
+    if _group_info(group)[1] == 1:
+        return coeff * local_sum / lse.shape[0]
+    # the token count joins the all-reduce as a device tensor filled with a Python int: no upload, no read
+    stats = _summed_statistics(torch.stack([local_sum, local_sum.new_full((), lse.shape[0])]), group)
+    return _global_value(coeff * local_sum / stats[1], coeff * stats[0] / stats[1])
 
 
 def update_balancing_bias(bias, load, rate):
@@ -129,7 +186,7 @@ class Router(nn.Module):
     def forward(self, x):
         """x (T, d) -> logits (T, E), weights (T, k), experts (T, k)."""
         logits = x @ self.weight.t()
-        probs = torch.softmax(logits.float() if logits.dtype != torch.float64 else logits, dim=-1)
+        probs = torch.softmax(_router_precision(logits), dim=-1)
         scores = probs if self.bias is None else probs + self.bias
         experts = scores.topk(self.top_k, dim=-1).indices
         weights = probs.gather(-1, experts)  # the bias selects, it never weights
@@ -139,14 +196,16 @@ class Router(nn.Module):
 
 
 def apply_capacity(experts, weights, num_experts, capacity):
-    """Keep, for every expert, its `capacity` highest-weight assignments; returns a (T, k) keep mask."""
+    """Keep, for every expert, its `capacity` highest-weight assignments; returns a (T, k) keep mask.
+    Computed on the device without a host read: the mask is used by torch.where, never as an index."""
     flat_e, flat_w = experts.reshape(-1), weights.reshape(-1).detach()
     by_weight = torch.argsort(flat_w, descending=True, stable=True)
-    order = by_weight[torch.argsort(flat_e[by_weight], stable=True)]  # expert-major, heaviest first
-    counts = torch.bincount(flat_e, minlength=num_experts)
+    order = by_weight.index_select(0, torch.argsort(flat_e.index_select(0, by_weight), stable=True))
+    counts = tokens_per_expert(flat_e, num_experts)  # expert-major above, heaviest first within an expert
     starts = torch.cumsum(counts, 0) - counts
-    slot = torch.empty_like(order)
-    slot[order] = torch.arange(order.numel(), device=order.device) - starts[flat_e[order]]
+    place_in_expert = torch.arange(order.numel(), device=order.device) - \
+        starts.index_select(0, flat_e.index_select(0, order))
+    slot = torch.empty_like(order).scatter_(0, order, place_in_expert)
     return (slot < capacity).view_as(experts)
 
 
@@ -160,7 +219,8 @@ def _log(kind, rows, row_bytes, rank):
 
 
 class _AllToAllTokens(torch.autograd.Function):
-    """Uneven all_to_all_single of token rows; the backward sends the gradients back along the same routes."""
+    """Uneven all_to_all_single of token rows; the backward sends the gradients back along the same routes,
+    with the forward's split lists (no new host read)."""
 
     @staticmethod
     def forward(ctx, x, send_splits, recv_splits, group, kind):
@@ -192,11 +252,53 @@ def _exchange_counts(counts, group):
 
 
 # ----------------------------------------------------------------------------------------------------
+# The experts: a loop (the reference) or one grouped GEMM
+# ----------------------------------------------------------------------------------------------------
+
+_grouped_gemm_works = {}  # (device, dtype) -> does torch._grouped_mm run there
+
+
+def grouped_gemm_supported(device, dtype):
+    """Whether torch provides a grouped GEMM for this device and dtype, found by trying it once on a tiny
+    aligned problem (the set differs by torch version and GPU generation; trying is the honest test)."""
+    key = (str(device), dtype)
+    if key not in _grouped_gemm_works:
+        try:
+            a = torch.zeros(8, 8, dtype=dtype, device=device)
+            torch._grouped_mm(a, a.new_zeros(1, 8, 8), offs=torch.full((1,), 8, dtype=torch.int32, device=device))
+            _grouped_gemm_works[key] = True
+        except (AttributeError, RuntimeError, NotImplementedError):
+            _grouped_gemm_works[key] = False
+    return _grouped_gemm_works[key]
+
+
+def experts_loop(rows, w1, w2, sizes):
+    """The reference: rows sorted expert-major, `sizes` (a Python list) rows per expert; one GEMM pair per
+    expert on its slice."""
+    return torch.cat([F.gelu(r @ w1[e]) @ w2[e] for e, r in enumerate(rows.split(sizes))])
+
+
+def experts_grouped(rows, w1, w2, counts):
+    """The same in two grouped GEMMs; `counts` (a device tensor) rows per expert, turned into the end offset
+    of each expert's rows: nothing is read back to the host."""
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    return torch._grouped_mm(F.gelu(torch._grouped_mm(rows, w1, offs=offs)), w2, offs=offs)
+
+
+def _inverse_permutation(perm):
+    return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+
+
+# ----------------------------------------------------------------------------------------------------
 # The MoE layer
 # ----------------------------------------------------------------------------------------------------
 
 class MoE(nn.Module):
     """Top-k MoE of GELU MLP experts, expert-parallel over `ep_group`. forward(x) -> (y, aux_loss).
+
+    `stats_group`: the ranks holding other tokens of the same micro-batch (CP, and TP under SP), over which
+    the router losses' statistics are summed. `expert_impl`: "auto" (grouped GEMM where supported, else the
+    loop), "grouped" (raises ValueError where unsupported) or "loop".
 
     Layout-independent initialisation: the router and ALL experts' weights are drawn from the default RNG in
     the same order on every rank and each rank keeps its slice, so under one seed every layout holds the
@@ -204,7 +306,7 @@ class MoE(nn.Module):
 
     def __init__(self, d_model, d_hidden, num_experts, top_k, ep_group=None, capacity_factor=None,
                  aux_loss_coeff=1e-2, z_loss_coeff=1e-3, normalize_topk=True, balancing_bias=False,
-                 stats_group=None):
+                 stats_group=None, expert_impl="auto"):
         super().__init__()
         ep_rank, ep_size = _group_info(ep_group)
         if num_experts % ep_size:
@@ -214,10 +316,12 @@ class MoE(nn.Module):
             raise ValueError(f"top_k={top_k} must be between 1 and num_experts={num_experts}")
         if capacity_factor is not None and capacity_factor <= 0:
             raise ValueError(f"capacity_factor={capacity_factor} must be positive, or None for dropless")
-        self.d_model, self.num_experts, self.top_k = d_model, num_experts, top_k
+        if expert_impl not in ("auto", "grouped", "loop"):
+            raise ValueError(f"expert_impl={expert_impl!r} must be 'auto', 'grouped' or 'loop'")
+        self.d_model, self.d_hidden, self.num_experts, self.top_k = d_model, d_hidden, num_experts, top_k
         self.ep_group, self.ep_rank, self.ep_size = ep_group, ep_rank, ep_size
         self.local_experts = num_experts // ep_size
-        self.capacity_factor, self.stats_group = capacity_factor, stats_group
+        self.capacity_factor, self.stats_group, self.expert_impl = capacity_factor, stats_group, expert_impl
         self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
         self.router = Router(d_model, num_experts, top_k, normalize_topk, balancing_bias)
         w1 = torch.randn(num_experts, d_model, d_hidden) * d_model ** -0.5
@@ -233,71 +337,171 @@ class MoE(nn.Module):
     def dense_params(self):
         return list(self.router.parameters())
 
+    def uses_grouped_gemm(self, x):
+        """Whether forward(x) runs the experts as a grouped GEMM (decided from dtype, device and shapes)."""
+        fits = (self.expert_impl != "loop" and x.dtype == self.w1.dtype and grouped_gemm_supported(x.device, x.dtype)
+                and all(n * x.element_size() % 16 == 0 for n in (self.d_model, self.d_hidden)))
+        if self.expert_impl == "grouped" and not fits:
+            raise ValueError(f"expert_impl='grouped' but torch._grouped_mm does not run {x.dtype} on {x.device} "
+                             f"with d_model={self.d_model}, d_hidden={self.d_hidden} (rows must be 16-byte "
+                             "aligned); use expert_impl='auto' or 'loop'")
+        return fits
+
     def _route(self, x):
         logits, weights, experts = self.router(x)
-        keep = torch.ones_like(experts, dtype=torch.bool)
+        keep = None
         if self.capacity_factor is not None:
             cap = expert_capacity(x.shape[0], self.top_k, self.num_experts, self.capacity_factor)
             keep = apply_capacity(experts, weights, self.num_experts, cap)
         return logits, weights, experts, keep
 
-    def _run_local_experts(self, tokens, expert_of_row):
-        """tokens sorted expert-major; expert_of_row (N,) local expert index of each row."""
-        counts = torch.bincount(expert_of_row, minlength=self.local_experts).tolist()
-        outs = []
-        for e, rows in enumerate(tokens.split(counts)):
-            outs.append(F.gelu(rows @ self.w1[e]) @ self.w2[e])
-        return torch.cat(outs) if outs else tokens
+    def _run_local_experts(self, rows, counts, sizes, grouped):
+        """rows sorted expert-major; `counts` (device tensor) and `sizes` (host list) rows per local expert."""
+        if grouped:
+            return experts_grouped(rows, self.w1, self.w2, counts)
+        return experts_loop(rows, self.w1, self.w2, sizes)
 
     def forward(self, x):
         if x.shape[-1] != self.d_model:
             raise ValueError(f"input's last dim {x.shape[-1]} != d_model={self.d_model}")
+        grouped = self.uses_grouped_gemm(x)
         shape = x.shape
         x = x.reshape(-1, self.d_model)
-        T, k, E, P = x.shape[0], self.top_k, self.num_experts, self.ep_size
+        T, k, E = x.shape[0], self.top_k, self.num_experts
         logits, weights, experts, keep = self._route(x)
         aux = load_balancing_loss(logits, k, self.aux_loss_coeff, self.stats_group, selected=experts) + \
             z_loss(logits, self.z_loss_coeff, self.stats_group)
 
-        # 1. the kept token copies, sorted by expert (= by destination rank, then local expert)
-        token_of_copy = torch.arange(T, device=x.device).repeat_interleave(k)[keep.reshape(-1)]
-        expert_of_copy = experts.reshape(-1)[keep.reshape(-1)]
+        # 1. the token copies (copy j of token t is number t*k + j), sorted by expert = by destination rank,
+        #    then local expert; copies dropped by the capacity go to an extra bin E that sorts last
+        expert_of_copy = experts.reshape(-1)
+        if keep is not None:
+            expert_of_copy = torch.where(keep.reshape(-1), expert_of_copy, E)
         order = torch.argsort(expert_of_copy, stable=True)
-        sorted_tokens = x[token_of_copy[order]]
-        counts = torch.bincount(expert_of_copy, minlength=E)
+        counts = tokens_per_expert(expert_of_copy, E + 1)[:E]
         self.last_load = counts.detach()
-        if P == 1:
-            y_sorted = self._run_local_experts(sorted_tokens, expert_of_copy[order])
+        if self.ep_size == 1:
+            y_sorted, kept = self._local(x, order, counts, grouped)
         else:
-            send_counts = rearrange(counts, "(p e) -> p e", p=P)
-            recv_counts = _exchange_counts(send_counts, self.ep_group)
-            send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
-            received = _AllToAllTokens.apply(sorted_tokens, send_splits, recv_splits, self.ep_group, "dispatch")
-            # 2. received rows are source-major (rank i, then local expert); regroup expert-major
-            local_expert = torch.arange(self.local_experts, device=x.device).repeat(P)
-            expert_of_row = local_expert.repeat_interleave(recv_counts.reshape(-1))
-            regroup = torch.argsort(expert_of_row, stable=True)
-            out_rows = self._run_local_experts(received[regroup], expert_of_row[regroup])
-            back = torch.empty_like(out_rows)
-            back[regroup] = out_rows
-            # 3. combine: send every result back to the rank of its token
-            y_sorted = _AllToAllTokens.apply(back, recv_splits, send_splits, self.ep_group, "combine")
-        # 4. unpermute and sum the k weighted results per token
-        weight_of_copy = weights.reshape(-1)[keep.reshape(-1)]
-        y = torch.zeros_like(x).index_add(0, token_of_copy[order], y_sorted * weight_of_copy[order, None])
+            y_sorted, kept = self._expert_parallel(x, order, counts, grouped)
+        # 4. every result back to its copy's place (dropped copies stay zero), summed with the router weights
+        y_copies = y_sorted.new_zeros(T * k, self.d_model).index_copy(0, order[:kept], y_sorted)
+        y = torch.einsum("tkd,tk->td", rearrange(y_copies, "(t k) d -> t k d", k=k), weights)
         return y.reshape(shape), aux
 
+    def _local(self, x, order, counts, grouped):
+        """EP size 1: every expert is here. Returns (results in sorted order, number of kept copies)."""
+        if grouped and self.capacity_factor is None:
+            kept, sizes = order.numel(), None  # the grouped GEMM takes the counts on the device: no host read
+        else:
+            sizes = counts.tolist()  # THE host synchronisation of this layer: the loop's slice sizes
+            kept = sum(sizes)
+        rows = x.index_select(0, order[:kept] // self.top_k)
+        return self._run_local_experts(rows, counts, sizes, grouped), kept
 
-def reduce_moe_gradients(moe, dense_group, expert_group, dense_world):
-    """Sum router gradients over `dense_group` (DP x CP) and expert gradients over `expert_group` (EDP), both
-    divided by `dense_world` = DP x CP: an expert's gradient already holds every token of its EP group."""
+    def _expert_parallel(self, x, order, counts, grouped):
+        P, local = self.ep_size, self.local_experts
+        send_counts = rearrange(counts, "(p e) -> p e", p=P)
+        recv_counts = _exchange_counts(send_counts, self.ep_group)
+        # THE host synchronisation of this layer, one transfer: the send splits and the received
+        # (source rank x local expert) counts, from which the receive splits and the loop's sizes follow
+        host = torch.cat([send_counts.sum(1), recv_counts.reshape(-1)]).tolist()
+        send_splits, received_matrix = host[:P], [host[P + i * local:P + (i + 1) * local] for i in range(P)]
+        recv_splits = [sum(row) for row in received_matrix]
+        sizes = [sum(column) for column in zip(*received_matrix)]
+        kept = sum(send_splits)
+        rows = x.index_select(0, order[:kept] // self.top_k)
+        received = _AllToAllTokens.apply(rows, send_splits, recv_splits, self.ep_group, "dispatch")
+        # 2. received rows are source-major (rank i, then local expert); regroup them expert-major
+        cell_of_row = torch.repeat_interleave(recv_counts.reshape(-1), output_size=sum(recv_splits))
+        regroup = torch.argsort(cell_of_row % local, stable=True)
+        out_rows = self._run_local_experts(received.index_select(0, regroup), recv_counts.sum(0), sizes, grouped)
+        back = out_rows.index_select(0, _inverse_permutation(regroup))
+        # 3. combine: send every result back to the rank of its token
+        return _AllToAllTokens.apply(back, recv_splits, send_splits, self.ep_group, "combine"), kept
+
+
+def reduce_moe_gradients(moe, dense_group, expert_group):
+    """SUM router gradients over `dense_group` (DP x CP) and expert gradients over `expert_group` (EDP): an
+    expert's gradient already holds every token of its EP group. The caller normalises (e.g. by the global
+    token count). group=None: no communication."""
     for params, group in ((moe.dense_params(), dense_group), (moe.expert_params(), expert_group)):
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             if _group_info(group)[1] > 1:
                 dist.all_reduce(p.grad, group=group)
-            p.grad.div_(dense_world)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Measuring host synchronisations
+# ----------------------------------------------------------------------------------------------------
+
+_aten = torch.ops.aten
+_INDEXING = (_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default, _aten._index_put_impl_.default)
+
+
+def _to_host(source, target):
+    return torch.device(source).type != "cpu" and torch.device(target).type == "cpu"
+
+
+class HostSyncCounter(TorchDispatchMode):
+    """Counts, on any device, what makes the host wait for the device: values read back (.item() ->
+    aten._local_scalar_dense, .tolist(), copies to the CPU from another device) and ops whose output size
+    depends on the data (torch tags them dynamic_output_shape: nonzero, masked_select, bincount, unique,
+    boolean indexing, repeat_interleave without output_size). On a CPU nothing waits, but the same calls are
+    made, so the count is the one a GPU would see. Also counts tensors made from host data (torch.tensor),
+    which are uploads, and every aten op seen (`ops`).
+
+        with HostSyncCounter() as c: ...    c.syncs (Counter by kind), c.uploads, c.ops"""
+
+    def __init__(self):
+        super().__init__()
+        self.syncs, self.ops, self.uploads, self._reading = Counter(), Counter(), 0, False
+
+    def __enter__(self):
+        self._tolist = torch.Tensor.tolist
+        counter = self
+
+        def tolist(t):  # never dispatched on the CPU: it reads memory directly, so it is wrapped here
+            counter._sync("tolist")
+            reading, counter._reading = counter._reading, True  # on a GPU it dispatches a copy: count once
+            try:
+                return counter._tolist(t)
+            finally:
+                counter._reading = reading
+
+        torch.Tensor.tolist = tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
+    def _sync(self, kind):
+        if not self._reading:
+            self.syncs[kind] += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.ops[func.overloadpacket.__name__] += 1
+        if func in _INDEXING:
+            if any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1]):
+                self._sync("boolean index")
+        elif func is _aten.repeat_interleave.Tensor:
+            if kwargs.get("output_size") is None:
+                self._sync("repeat_interleave without output_size")
+        elif torch.Tag.data_dependent_output in func.tags or torch.Tag.dynamic_output_shape in func.tags:
+            self._sync(func.overloadpacket.__name__)
+        elif func is _aten._to_copy.default:
+            if _to_host(args[0].device, kwargs.get("device") or args[0].device):
+                self._sync("copy to host")
+        elif func is _aten.copy_.default:
+            if _to_host(args[1].device, args[0].device):
+                self._sync("copy to host")
+        elif func is _aten.lift_fresh.default:
+            self.uploads += 1
+        return func(*args, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -314,6 +518,14 @@ def _init():
     return dist.get_rank(), dist.get_world_size()
 
 
+def _forward_backward_syncs(moe, x):
+    """Host synchronisations of one forward + backward of `moe`, counted by HostSyncCounter."""
+    with HostSyncCounter() as counter:
+        y, aux = moe(x)
+        (y.square().sum() + aux).backward()
+    return y, aux, counter
+
+
 def demo():
     rank, P = _init()
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -328,8 +540,7 @@ def demo():
     x = x_all[rank * T:(rank + 1) * T].clone().requires_grad_(True)
 
     comm_log.clear()
-    y, aux = moe(x)
-    (y.square().sum() + aux).backward()
+    y, aux, counter = _forward_backward_syncs(moe, x)
     send = rearrange(moe.last_load, "(p e) -> p e", p=P).sum(1).to(torch.float64)
     matrix = [torch.zeros(P, dtype=torch.float64) for _ in range(P)]
     dist.all_gather(matrix, send)
@@ -349,6 +560,9 @@ def demo():
         f"{T * k * d * e_bytes * (P - 1) / P:.0f}")
     counts = {key[:-6]: v for key, v in comm_log.items() if key.endswith(":count")}
     say(f"   collectives on rank 0 (forward + backward): {counts}")
+    say(f"   host synchronisations on rank 0 (forward + backward, counted): {sum(counter.syncs.values())} "
+        f"{dict(counter.syncs)}, tensors made from host data: {counter.uploads}; design: 1 per layer per "
+        f"micro-batch ({'the split sizes' if P > 1 else 'the expert loop sizes'})")
 
     x_ref = x_all.clone().requires_grad_(True)
     y_ref, aux_ref = reference(x_ref)
@@ -365,6 +579,24 @@ def demo():
     say(f"   against the single-process MoE on all {P * T} tokens: max |dy| {errs[0]:.1e}, |dx| {errs[1]:.1e}, "
         f"|dW_expert| {errs[2]:.1e}, |d aux| {errs[3]:.1e}, |d router grad (summed)| "
         f"{(router_grad - reference.router.weight.grad).abs().max().item():.1e}")
+
+    results, supported = {}, grouped_gemm_supported(x.device, torch.float32)
+    for impl in ("loop", "grouped") if supported else ("loop",):
+        torch.manual_seed(0)
+        m = MoE(d, h, E, k, ep_group=group, stats_group=group, expert_impl=impl).float()
+        x32 = x.detach().float().requires_grad_(True)
+        y32, _, c = _forward_backward_syncs(m, x32)
+        results[impl] = (y32, x32.grad, m.w1.grad, sum(c.syncs.values()), c.ops["_grouped_mm"])
+    if supported:
+        pairs = zip(results["loop"][:3], results["grouped"][:3])
+        diff = torch.tensor(max((a - b).abs().max().item() for a, b in pairs))
+        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+        say(f"== float32 experts on {x.device}: loop vs torch._grouped_mm ({results['grouped'][4]} grouped GEMM calls "
+            f"forward + backward): max |d y, dx, dW1| {diff.item():.1e}; host synchronisations: loop "
+            f"{results['loop'][3]}, grouped {results['grouped'][3]} (with EP size 1 a dropless grouped layer reads "
+            "nothing back)")
+    else:
+        say(f"== float32 experts on {x.device}: torch._grouped_mm not available here, the loop runs")
 
     lb = load_balancing_loss(torch.zeros(12, 4), 1, 1.0, selected=torch.arange(12).remainder(4)[:, None])
     skew = torch.zeros(12, 4)

@@ -240,14 +240,208 @@ def _folded_layout(rank, world):
     ref = moe_ep.MoE(d, 8, E, 2)
     x_all = torch.randn(world, T, d, generator=torch.Generator().manual_seed(5))
     moe(x_all[rank])[0].square().mean().backward()
-    moe_ep.reduce_moe_gradients(moe, handles["dp_cp"], handles["edp"], dense_world=world)
-    # the objective: the mean over the 4 data-parallel ranks of each rank's mean loss
-    sum(ref(x_all[r])[0].square().mean() for r in range(world)).div(world).backward()
+    moe_ep.reduce_moe_gradients(moe, handles["dp_cp"], handles["edp"])  # sums; the caller normalises
+    # the objective whose gradient the SUM is: the sum over the 4 data-parallel ranks of each rank's mean loss
+    sum(ref(x_all[r])[0].square().mean() for r in range(world)).backward()
     mine = slice(ep_rank * (E // 2), (ep_rank + 1) * (E // 2))
     return max((moe.router.weight.grad - ref.router.weight.grad).abs().max().item(),
                (moe.w1.grad - ref.w1.grad[mine]).abs().max().item(),
                (moe.w2.grad - ref.w2.grad[mine]).abs().max().item())
 
 
-def test_expert_gradients_reduced_over_edp_dense_over_dp_cp():
+def test_expert_gradients_summed_over_edp_dense_over_dp_cp():
+    # a mean (division by DP x CP) would be off by a factor 4, far above TOL
     assert max(run_ranks(_folded_layout, 4, timeout=60)) < TOL
+
+
+# ----------------------------------------------------------------------------------------------------
+# The router losses of a micro-batch split over a stats_group (CP, or TP under SP) do not depend on the split
+# ----------------------------------------------------------------------------------------------------
+
+def _split_micro_batch(rank, P, sizes):
+    """One micro-batch of sum(sizes) tokens split unevenly over P ranks that all hold every expert (as CP
+    ranks do); the router statistics are summed over them. Returns this rank's aux, router and expert grads."""
+    torch.set_default_dtype(torch.float64)
+    group = dist.group.WORLD
+    torch.manual_seed(0)
+    moe = moe_ep.MoE(8, 12, 6, 2, stats_group=group, aux_loss_coeff=0.1, z_loss_coeff=0.01)
+    gen = torch.Generator().manual_seed(4)
+    x_all, g_all = torch.randn(sum(sizes), 8, generator=gen), torch.randn(sum(sizes), 8, generator=gen)
+    mine = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
+    y, aux = moe(x_all[mine])
+    ((y * g_all[mine]).sum() + aux).backward()
+    return aux.item(), moe.router.weight.grad, moe.w1.grad, moe.w2.grad
+
+
+@pytest.mark.parametrize("sizes", [[7, 7], [3, 11], [5, 5, 5], [1, 6, 8]])
+def test_moe_router_losses_over_a_split_micro_batch_equal_the_whole(sizes):
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    ref = moe_ep.MoE(8, 12, 6, 2, aux_loss_coeff=0.1, z_loss_coeff=0.01)
+    gen = torch.Generator().manual_seed(4)
+    x_all, g_all = torch.randn(sum(sizes), 8, generator=gen), torch.randn(sum(sizes), 8, generator=gen)
+    y, aux = ref(x_all)
+    ((y * g_all).sum() + aux).backward()
+    assert aux.item() > 0.1  # the losses are on (a balancing loss alone is >= coeff = 0.1)
+    results = run_ranks(_split_micro_batch, len(sizes), sizes, timeout=60)
+    for aux_r, *_ in results:
+        assert abs(aux_r - aux.item()) < 1e-15  # measured 0 to 3e-17 (summation order of the statistics)
+    # summed over the group (what the gradient reduction over CP does), every gradient is the whole one's
+    for i, p in enumerate((ref.router.weight, ref.w1, ref.w2)):
+        assert (sum(r[i + 1] for r in results) - p.grad).abs().max() < TOL
+
+
+def test_local_router_losses_do_depend_on_the_split():
+    # the failure the stats_group prevents: without it each rank's aux is its own shard's, not the whole's
+    torch.set_default_dtype(torch.float64)
+    logits = torch.randn(14, 6, generator=torch.Generator().manual_seed(3))
+    whole = moe_ep.load_balancing_loss(logits, 2, 0.1)
+    shards = [moe_ep.load_balancing_loss(logits[:3], 2, 0.1), moe_ep.load_balancing_loss(logits[3:], 2, 0.1)]
+    assert min(abs(s.item() - whole.item()) for s in shards) > 1e-4
+
+
+# ----------------------------------------------------------------------------------------------------
+# One host synchronisation per layer per micro-batch
+# ----------------------------------------------------------------------------------------------------
+
+def test_host_sync_counter_sees_every_kind_of_host_read():
+    x = torch.randn(12)
+    e = torch.tensor([0, 2, 2, 1])
+    w = torch.randn(4, requires_grad=True)
+    cases = {
+        "tolist": lambda: e.tolist(),
+        "_local_scalar_dense": lambda: x.sum().item(),
+        "bincount": lambda: torch.bincount(e, minlength=4),
+        "nonzero": lambda: torch.nonzero(x > 0),
+        "boolean index": lambda: x[x > 0],
+        "masked_select": lambda: torch.masked_select(x, x > 0),
+        "repeat_interleave without output_size": lambda: torch.repeat_interleave(e),
+    }
+    for kind, call in cases.items():
+        with moe_ep.HostSyncCounter() as c:
+            call()
+        assert c.syncs == {kind: 1}, (kind, c.syncs)
+    with moe_ep.HostSyncCounter() as c:  # the backward of a boolean index is a boolean index_put
+        w[e > 0].sum().backward()
+    assert c.syncs == {"boolean index": 2}
+    with moe_ep.HostSyncCounter() as c:  # sized by shapes or by given sizes: nothing to wait for
+        torch.repeat_interleave(e, output_size=5)
+        moe_ep.tokens_per_expert(e, 4)
+        x.index_select(0, e)
+        torch.where(x > 0, x, 0.0)
+        x.new_full((), 3)
+    assert sum(c.syncs.values()) == 0 and c.uploads == 0
+    with moe_ep.HostSyncCounter() as c:
+        torch.tensor(float(x.shape[0]))
+    assert c.uploads == 1
+    assert torch.Tensor.tolist is not None and e.tolist() == [0, 2, 2, 1]  # restored on exit
+
+
+def _syncs_of_a_step(rank, P, dtype, impl, capacity_factor, layers=2, micro_batches=2):
+    """`layers` MoE layers, `micro_batches` forward + backward passes, counted; returns the counts."""
+    torch.set_default_dtype(dtype)
+    group = dist.group.WORLD if P > 1 else None
+    torch.manual_seed(0)
+    E = 6 if P == 3 else 4
+    stack = [moe_ep.MoE(16, 32, E, 2, ep_group=group, stats_group=group, capacity_factor=capacity_factor,
+                        expert_impl=impl) for _ in range(layers)]
+    gen = torch.Generator().manual_seed(rank)
+    batches = [torch.randn(2, 6, 16, generator=gen).to(dtype).requires_grad_(True) for _ in range(micro_batches)]
+    with moe_ep.HostSyncCounter() as c:
+        for x in batches:
+            aux_total = 0
+            for moe in stack:
+                x, aux = moe(x)
+                aux_total = aux_total + aux
+            (x.float().square().sum() + aux_total).backward()
+    return dict(c.syncs), c.uploads, c.ops["_grouped_mm"]
+
+
+@pytest.mark.parametrize("P", [1, 2, 3])
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_one_host_synchronisation_per_layer_per_micro_batch(P, capacity_factor):
+    # float64 runs the expert loop: with P = 1 its slice sizes, with P > 1 the split sizes (and the loop's
+    # sizes in the same transfer): one .tolist() per layer per micro-batch, forward and backward together.
+    # The code at the parent commit made, by this counter, 10 (EP 1) and 13 (EP 2) per layer per micro-batch.
+    for syncs, uploads, grouped_calls in run_ranks(_syncs_of_a_step, P, torch.float64, "auto", capacity_factor,
+                                                   timeout=60):
+        assert syncs == {"tolist": 2 * 2} and uploads == 0 and grouped_calls == 0
+
+
+@pytest.mark.parametrize("P", [1, 2])
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_grouped_gemm_needs_the_host_only_for_the_split_sizes(P, capacity_factor):
+    if not moe_ep.grouped_gemm_supported(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch has no CPU grouped GEMM for float32")
+    for syncs, uploads, grouped_calls in run_ranks(_syncs_of_a_step, P, torch.float32, "grouped", capacity_factor,
+                                                   timeout=60):
+        # with P = 1 and no capacity nothing is read back (the grouped GEMM takes the counts on the device);
+        # with P > 1 the split sizes, with a capacity the number of kept copies: 1 per layer per micro-batch
+        expected = {} if (P == 1 and capacity_factor is None) else {"tolist": 2 * 2}
+        assert syncs == expected and uploads == 0
+        assert grouped_calls == 2 * 2 * 2 * 3  # 2 GEMMs per layer, 1 forward + 2 backward (input and weight
+        # gradients), 2 layers x 2 micro-batches
+
+
+# ----------------------------------------------------------------------------------------------------
+# Grouped GEMM and the loop over experts agree
+# ----------------------------------------------------------------------------------------------------
+
+def _loop_and_grouped(rank, P, dtype, capacity_factor):
+    group = dist.group.WORLD if P > 1 else None
+    out = {}
+    for impl in ("loop", "grouped"):
+        torch.manual_seed(0)
+        moe = moe_ep.MoE(16, 32, 4, 2, ep_group=group, stats_group=group, capacity_factor=capacity_factor,
+                         expert_impl=impl).to(dtype)
+        gen = torch.Generator().manual_seed(rank + 10)
+        x = torch.randn(3, 8, 16, generator=gen).to(dtype).requires_grad_(True)
+        g = torch.randn(3, 8, 16, generator=gen).to(dtype)
+        y, aux = moe(x)
+        ((y * g).sum() + aux).backward()
+        out[impl] = [t.float() for t in (y, x.grad, moe.w1.grad, moe.w2.grad, moe.router.weight.grad)]
+    return [(a - b).abs().max().item() / max(a.abs().max().item(), 1e-30) for a, b in zip(out["loop"], out["grouped"])]
+
+
+@pytest.mark.parametrize("P", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("capacity_factor", [None, 0.75])
+def test_grouped_gemm_equals_the_loop_over_experts(P, dtype, capacity_factor):
+    if not moe_ep.grouped_gemm_supported(torch.device("cpu"), dtype):
+        pytest.skip(f"this torch has no CPU grouped GEMM for {dtype}")
+    # On the CPU torch._grouped_mm computes each group with the same GEMM as the loop: measured 0 difference
+    # in float32 and bfloat16. The bound allows a different blocking (float32: a few ulps of 1e-7; bfloat16:
+    # a few ulps of 8e-3) while any wrong offset or expert moves rows to other weights: an O(1) relative change.
+    bound = 1e-5 if dtype == torch.float32 else 5e-2
+    for errors in run_ranks(_loop_and_grouped, P, dtype, capacity_factor, timeout=60):
+        assert max(errors) <= bound, errors
+
+
+def test_expert_impl_choice():
+    torch.set_default_dtype(torch.float64)
+    moe = moe_ep.MoE(16, 32, 4, 2)
+    assert not moe.uses_grouped_gemm(torch.randn(3, 16))  # float64: no grouped GEMM in torch, the loop runs
+    if moe_ep.grouped_gemm_supported(torch.device("cpu"), torch.float32):
+        assert moe.float().uses_grouped_gemm(torch.randn(3, 16, dtype=torch.float32))
+        odd = moe_ep.MoE(6, 32, 4, 2).float()  # 6 x 4 bytes: rows not 16-byte aligned
+        assert not odd.uses_grouped_gemm(torch.randn(3, 6, dtype=torch.float32))
+    assert not moe_ep.MoE(16, 32, 4, 2, expert_impl="loop").float().uses_grouped_gemm(torch.randn(3, 16).float())
+
+
+def _bad_impl(rank, P):
+    moe_ep.comm_log.clear()
+    group = dist.group.WORLD
+    msgs = value_errors(lambda: moe_ep.MoE(8, 8, 4, 1, ep_group=group, expert_impl="fast"),
+                        lambda: moe_ep.MoE(8, 8, 4, 1, ep_group=group, stats_group=group,
+                                           expert_impl="grouped")(torch.randn(3, 8, dtype=torch.float64)),
+                        lambda: moe_ep.load_balancing_loss(torch.randn(4, 4), 2, 0.1, group=group,
+                                                           selected=torch.zeros(4, 1, dtype=torch.long)))
+    return msgs, dict(moe_ep.comm_log)
+
+
+def test_bad_expert_impl_raises_before_any_collective():
+    for msgs, log in run_ranks(_bad_impl, 2, timeout=60):
+        assert log == {}
+        assert "expert_impl='fast' must be 'auto', 'grouped' or 'loop'" in msgs[0]
+        assert "expert_impl='grouped' but torch._grouped_mm does not run torch.float64" in msgs[1]
+        assert "selected has shape (4, 1)" in msgs[2]

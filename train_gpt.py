@@ -43,8 +43,8 @@ gathers it again in backward, so every activation of a layer is split by t. Kept
 file's block: no dropout, fused attention; e bytes per element, LayerNorm statistics and the attention's row
 log-sum-exp in FP32 on CUDA, e on CPU; see `block_activation_bytes`):
 
-    no SP   s b h e (4 + 13/t) + the LN statistics + lse     Korthikanti's 16-bit layer: sbh (10 + 24/t + 5as/(ht))
-    SP      s b h e (17/t)     + (LN statistics + lse) / t                                sbh (34/t + 5as/(ht))
+    no SP   s b h e (4 + 12/t) + the LN statistics + lse / t   Korthikanti's 16-bit layer: sbh (10 + 24/t + 5as/(ht))
+    SP      s b h e (16/t)     + (LN statistics + lse) / t                                  sbh (34/t + 5as/(ht))
 
 (our 4 replicated terms are the two LayerNorm inputs and outputs, his 10 add dropout masks; his as/h terms
 are the s x s softmax that a fused attention kernel never stores.) The embedding output is reduce-scattered
@@ -79,10 +79,18 @@ Activation recomputation (`--recompute`, checkpointing.py, per pipeline stage on
 keeps each block's input, `sqrt` one input per segment of sqrt(L/p) blocks, `selective` recomputes the
 attention core (Korthikanti's choice). Here the core is a fused kernel (SDPA, or long_seq.py's ring over
 fused blocks) that keeps no s x s tensor: it saves q, k, v, its output and the row log-sum-exp, all O(s).
-Checkpointing it still drops what the core saves beyond its inputs (the output and lse, and for all-gather
-CP the gathered K and V, for Ulysses the head-sharded q, k, v), at the price of one more attention forward
-(and its communication) in backward; with fused kernels it saves little, which the measured table shows.
-Kept bytes per stage, measured (tests): none > selective > full.
+Checkpointing it drops what the core saves beyond its inputs and its output (which the projection keeps
+anyway): the lse, and under CP the ring's and Ulysses' internal copies or the all-gathered K and V, at the
+price of one more attention forward (and its communication) in backward. So with fused kernels selective
+saves little without CP and most under all-gather CP. Kept bytes of one stage of 4 blocks (L = 8, PP = 2;
+b = 4, s = 256, h = 256, a = 8, float32), measured with checkpointing.measure_kept_bytes:
+
+    layout                 none       selective   sqrt (2 segments)   full
+    TP2 x PP2              42.07 MB   42.01 MB    2.10 MB             4.19 MB
+    PP2 x CP2 ring         35.75 MB   33.59 MB    1.05 MB             2.10 MB
+    PP2 x CP2 all-gather   42.57 MB   33.59 MB    1.05 MB             2.10 MB
+
+(tests/test_train_gpt.py checks none > selective > full per stage and the exact differences.)
 
 Metrics: one JSON object per step in `--metrics`: step, loss, aux_loss, lr, tokens/s, step time, MFU against
 `--peak-tflops` with the PaLM / nanoGPT FLOPs per token 6N + 12 L h s.
@@ -247,13 +255,16 @@ def _tag(params, **flags):
 # ----------------------------------------------------------------------------------------------------
 
 comm_log = Counter()  # TP/SP collectives issued by this rank, by kind and direction ("all_gather:fwd", ...)
+# torch 2.13 renames the flat collectives (the old names still work, with a deprecation warning)
+_all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 def _all_gather_seq(x, group, phase):
     """(b, s, h) sequence shards of every TP rank -> (b, t s, h), in rank order."""
     comm_log[f"all_gather:{phase}"] += 1
     out = x.new_empty((_size(group),) + tuple(x.shape))
-    dist.all_gather_into_tensor(out.view(-1), x.contiguous().view(-1), group=group)  # flat: any backend
+    _all_gather_flat(out.view(-1), x.contiguous().view(-1), group=group)  # flat: any backend
     return rearrange(out, "t b s h -> b (t s) h")
 
 
@@ -263,7 +274,7 @@ def _reduce_scatter_seq(x, group, phase, async_op=False):
     comm_log[f"reduce_scatter:{phase}"] += 1
     parts = rearrange(x, "b (t s) h -> t b s h", t=_size(group)).contiguous()
     out = x.new_empty(parts.shape[1:])
-    work = dist.reduce_scatter_tensor(out.view(-1), parts.view(-1), group=group, async_op=async_op)
+    work = _reduce_scatter_flat(out.view(-1), parts.view(-1), group=group, async_op=async_op)
     return (out, lambda: work.wait() and parts) if async_op else out
 
 
@@ -585,9 +596,8 @@ def block_activation_bytes(b, s, h, a, t, sequence_parallel, e, acc_e):
         "LN1 input, LN1 output (QKV input), LN2 input, LN2 output (fc input)": 4 * sbh * e // sp,
         "LayerNorm mean and 1/std (2 LNs)": 4 * s * b * acc_e // sp,
         "q, k, v (views of the QKV output)": 3 * sbh * e // t,
-        "attention output (kept by the fused kernel)": sbh * e // t,
+        "attention output (kept by the fused kernel; the projection's input is a view of it)": sbh * e // t,
         "attention row log-sum-exp": a * s * b * acc_e // t,
-        "projection input (heads merged)": sbh * e // t,
         "GELU input (fc output)": 4 * sbh * e // t,
         "fc2 input (GELU output)": 4 * sbh * e // t,
     }

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import checkpointing
 import train_gpt
 from multirank import run_ranks
 
@@ -157,3 +158,89 @@ def test_expert_parallel_layouts_train_the_same_moe_model(moe_reference, world, 
     for curve in run_ranks(_train, world, tp, pp, cp, cfg=CFG_MOE, ep=ep, timeout=180, **kwargs):
         assert _max_diff(curve, moe_reference) < TOL, (curve, moe_reference)
     assert moe_reference[0][1] > 0.1 and moe_reference[-1][0] < moe_reference[0][0]  # router loss on; learns
+
+
+# ---- what sequence parallelism, expert token splitting and recomputation save, measured -----------------
+
+SHAPE = train_gpt.GPTConfig(vocab_size=32, seq_len=32, n_layer=4, n_head=4, n_embd=32)
+
+
+def _one_block(rank, world, sp):
+    """Kept bytes of one dense block (float32) and the TP collectives of its forward and its backward."""
+    cfg, b = SHAPE, 2
+    plan, stage, _, _ = train_gpt.build(cfg, tp=world, sequence_parallel=sp, micro_batch=b)
+    x = torch.randn(b, cfg.seq_len // (world if plan.sequence_parallel else 1), cfg.n_embd)
+    train_gpt.comm_log.clear()
+    kept, (y, _) = checkpointing.measure_kept_bytes(torch.nn.ModuleList(stage.blocks[:1]),
+                                                    (x, torch.zeros((), dtype=torch.float64)), "none")
+    fwd = dict(train_gpt.comm_log)
+    train_gpt.comm_log.clear()
+    y.sum().backward()
+    terms = train_gpt.block_activation_bytes(b, cfg.seq_len, cfg.n_embd, cfg.n_head, world, plan.sequence_parallel,
+                                             e=4, acc_e=4)  # CPU: LayerNorm statistics and lse in the input dtype
+    return kept, sum(terms.values()), fwd, dict(train_gpt.comm_log)
+
+
+def test_sequence_parallelism_splits_every_activation_of_a_block():
+    base, base_formula, _, _ = run_ranks(_one_block, 1, False, timeout=60)[0]
+    tp, tp_formula, tp_fwd, tp_bwd = run_ranks(_one_block, 2, False, timeout=60)[0]
+    sp, sp_formula, sp_fwd, sp_bwd = run_ranks(_one_block, 2, True, timeout=60)[0]
+    # the measured bytes are the formula's, term by term (b=2, s=32, h=32, a=4, float32: 133120 at t=1)
+    assert (base, tp, sp) == (base_formula, tp_formula, sp_formula)
+    # Korthikanti: without SP the LayerNorm inputs and outputs stay whole on every TP rank (his 10 sbh), with
+    # SP every term is split by t: exactly half of the one-rank block at t = 2
+    assert sp * 2 == base and base / 2 < tp < base
+    assert tp - sp == 2 * 32 * 32 * 4 * (4 + 4 / 32) / 2  # the 4 LayerNorm in/out terms and statistics, halved
+    # collectives per layer: SP turns each all-reduce into an all-gather + a reduce-scatter
+    assert tp_fwd == {"all_reduce:fwd": 2} and tp_bwd == {"all_reduce:bwd": 2}
+    assert sp_fwd == {"all_gather:fwd": 2, "reduce_scatter:fwd": 2}
+    # backward: the column-parallel GEMMs gather their kept input shard again and reduce-scatter the input
+    # gradient, the row-parallel outputs' reduce-scatters turn into all-gathers
+    assert sp_bwd == {"all_gather:bwd": 4, "reduce_scatter:bwd": 2}
+
+
+CFG_FLOPS = train_gpt.GPTConfig(vocab_size=32, seq_len=32, n_layer=2, n_head=4, n_embd=32, moe_every=1,
+                                n_experts=4, top_k=2)
+
+
+def _expert_flops(rank, world, sp):
+    from torch.utils.flop_counter import FlopCounterMode
+    cfg = CFG_FLOPS
+    plan, stage, _, _ = train_gpt.build(cfg, tp=world, sequence_parallel=sp, micro_batch=2)
+    s = cfg.seq_len // (world if plan.sequence_parallel else 1)
+    x = torch.randn(2, s, cfg.n_embd, generator=torch.Generator().manual_seed(0)).requires_grad_(True)
+    block = stage.blocks[0]
+    with FlopCounterMode(display=False) as counter:
+        y, aux = block.mlp(x)
+        (y.square().sum() + aux).backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_expert_flops_per_tp_rank_are_one_over_tp(sp):
+    one = run_ranks(_expert_flops, 1, sp, timeout=60)[0]
+    two = run_ranks(_expert_flops, 2, sp, timeout=60)
+    # tokens are split across TP (dropless top-2: every token copy costs the same expert MLP), so each TP rank
+    # computes exactly half the router and expert FLOPs of the one-rank layer
+    assert one > 0 and all(f * 2 == one for f in two), (one, two)
+
+
+def _stage_kept_bytes(rank, world):
+    cfg = SHAPE
+    plan, stage, _, _ = train_gpt.build(cfg, tp=2, pp=2, micro_batch=2)
+    state = (torch.randn(2, cfg.seq_len, cfg.n_embd), torch.zeros((), dtype=torch.float64))
+    return {policy: checkpointing.measure_kept_bytes(stage.blocks, state, policy)[0]
+            for policy in ("none", "selective", "sqrt", "full")}
+
+
+def test_recompute_policies_keep_less_per_stage():
+    out = run_ranks(_stage_kept_bytes, 4, timeout=60)  # TP2 x PP2: two blocks per stage
+    kept = out[0]
+    assert all(o == kept for o in out)  # every rank of the layout keeps the same
+    assert kept["none"] > kept["selective"] > kept["full"]
+    # full keeps each block's input (b s h e; and the 0-dim running router loss of the second block);
+    # sqrt segments of round(sqrt(2)) = 1 block are the same as full here
+    assert kept["full"] == 2 * 2 * 32 * 32 * 4 + 8 and kept["sqrt"] == kept["full"]
+    # selective frees what the fused attention core keeps beyond its inputs and its output (which the
+    # projection keeps): the row log-sum-exp, a s b e_acc per block on this rank's a/t heads
+    assert kept["none"] - kept["selective"] == 2 * (4 // 2) * 32 * 2 * 4

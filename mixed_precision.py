@@ -1,4 +1,4 @@
-"""Mixed precision: the number formats, BF16 with FP32 master weights, FP16 loss scaling, FP8 scaling.
+"""Mixed precision: number formats, FP32 master weights and main grads, ZeRO-1, FP16 loss scaling, FP8.
 
 A floating-point format spends its bits on an exponent (range) and a mantissa (precision). Every figure
 below comes from `torch.finfo`, run `python mixed_precision.py` to print the table:
@@ -14,25 +14,61 @@ BF16 with FP32 master weights. Parameters, activations and gradients are BF16 (h
 speed), but the optimizer updates an FP32 copy of every parameter. The reason is the update size: near
 1.0, BF16 values are 2^-7 = 0.0078 apart, so a weight of 1.0 receiving an update of 1e-3 rounds back to
 1.0, every step, forever; the FP32 master accumulates the updates and the BF16 weight is re-rounded from
-it after each step. Per parameter with Adam this costs 2 (BF16 weight) + 2 (BF16 grad) + 4 (FP32 master)
-+ 4 + 4 (FP32 Adam moments) = 16 bytes (the ZeRO paper's 2 + 2 + 12); Megatron-LM accumulates gradients
-in FP32 ("main grads", 2 + 4 + 12 = 18). The autocast flow keeps FP32 parameters (4 + 4 + 8 = 16 bytes)
-and casts them to BF16 inside each op; the casts live only during forward and backward (+2 bytes/param
-transient), so its persistent memory is the same, but every step reads the FP32 weights and writes FP32
-gradients. Gradients are converted to FP32 before the optimizer and before any data-parallel reduction,
-so that the sum over ranks does not round either.
+it after each step. The autocast flow keeps FP32 parameters (4 + 4 + 8 = 16 bytes) and casts them to BF16
+inside each op; the casts live only during forward and backward (+2 bytes/param transient).
+
+FP32 gradient accumulation ("main grads", Megatron-LM). With m micro-batches per step, summing the BF16
+gradients in a BF16 .grad rounds m times to 8 significant bits (measured: 16 micro-batches land 1e-2 of
+the sum's size away from the exact sum). `MixedPrecisionOptimizer` gives every parameter a persistent
+`main_grad` in the master dtype, a view of one flat buffer, and a gradient hook adds each backward's p.grad
+into it and frees p.grad: one FP32 rounding per micro-batch (measured 1e-8). Every dtype takes this one
+path (for FP32 parameters the hook is a plain accumulation). Data-parallel reductions run on these FP32
+buffers, so the sum over ranks does not round in BF16 either. Per parameter with Adam: 2 (BF16 weight)
++ 4 (FP32 main grad) + 4 (FP32 master) + 8 (Adam moments) = 18 bytes; the ZeRO paper's 16 keeps BF16
+gradients. A parameter already in the master dtype (FP32, or float64 for tests) has no separate master:
+the optimizer updates its own storage, 4 + 4 + 8 = 16 bytes.
+
+The distributed optimizer (ZeRO-1, Megatron-LM's DistributedOptimizer), zero=1. Each shard-group entry
+(dense weights over DP x CP, expert weights over EDP) lays its parameters and main grads out in flat
+buffers padded to a multiple of the group size d; rank r owns the r-th 1/d of them. A step then is:
+reduce-scatter (SUM) of the main grads, so each rank receives the sum of its shard only; the inner
+optimizer steps the pieces of the parameters that fall in the shard (their FP32 masters, or the
+parameters' own storage); each rank rounds its updated shard into the parameter buffer; one all-gather
+rebuilds the full parameters everywhere. The bytes sent are those of an all-reduce (which is a
+reduce-scatter followed by an all-gather), while masters and optimizer states shrink by d:
+
+    bytes per parameter, Adam        zero=0            zero=1 over d ranks    (FORMULAS.md)
+    FP32 params, FP32 grads          4 + 4 + 8 = 16    8 + 8/d
+    BF16 params, FP32 main grads     2 + 4 + 12 = 18   6 + 12/d
+
+measured from the live tensors by `memory_bytes()` and printed by the demo (d = 2 and 3, forked ranks).
+
+One step, in order: reduce (SUM over each entry's group; nothing here averages, the caller passes
+grad_scale = 1 / tokens), multiply by grad_scale / loss_scale, the global gradient norm over the
+gradients this rank owns (its shard; under zero=0 group rank 0 of each entry), summed over `norm_group`
+in the same 2-element all-reduce that carries the loss scaler's overflow probe (one collective, one host
+sync), skip on overflow, clip as `clip_grad_norm_`, inner step, publish the parameters, zero the main
+grads. Checkpoints: `full_state(p)` gathers p's master and optimizer states as full tensors, so a run
+saved under one layout (zero=0 on 2 ranks) resumes under another (zero=1 on 3 ranks, or one process).
 
 FP16 dynamic loss scaling. FP16 has 5 exponent bits: gradients below 6e-8 (its smallest subnormal) flush
 to zero. Multiplying the loss by S (2^16 to start) shifts every gradient up by S; before the step the
 FP32 gradients are divided by S. If any gradient overflowed to inf/NaN the step is skipped and S halved
-(on every data-parallel rank: the overflow check is a MAX all-reduce, or ranks would diverge); after
+on every rank whose gradients are part of the step, or ranks would diverge (`unscale_and_check`
+MAX-reduces its flag; `MixedPrecisionOptimizer.step` reads it from the gradient-norm all-reduce); after
 `growth_interval` clean steps S doubles again. `DynamicLossScaler` reproduces `torch.amp.GradScaler`.
 
 FP8 with per-tensor dynamic scaling. E4M3 reaches only 448, so each tensor is scaled into range first:
 `scale = fp8_max / max(amax, eps)`, `x_fp8 = clamp(x * scale, +-fp8_max).to(fp8)`, and `x ~= x_fp8 / scale`.
 The clamp is explicit because casts differ (torch 2.13 saturates E4M3 but turns E5M2 overflow into inf).
-`FP8Linear` multiplies the E4M3 input and weight with `torch._scaled_mm` (Hopper/Ada GPUs, and CPU in
-torch 2.13) accumulating in FP32, and computes its backward in BF16 from the saved high-precision tensors.
+`fp8_linear` (and the module `FP8Linear`) multiplies the E4M3 input and weight with `torch._scaled_mm`
+(Hopper/Ada GPUs, and CPU in torch 2.13, for dimensions that are multiples of 16; otherwise an emulation
+with the same arithmetic) accumulating in FP32, and computes its backward in BF16 from the saved
+high-precision tensors. A per-tensor scale belongs to the whole tensor: under tensor parallelism the
+amaxes of the input and the weight are MAX-reduced over the TP group (`amax_group`, one 2-element
+all-reduce per GEMM) so that every shard of a column- or row-parallel weight, and every shard of a
+row-parallel input, is quantised on the grid of the full tensor, as on one GPU. `fp8_log["gemm:count"]`
+counts the FP8 forward GEMMs.
 Relative rounding error is at most eps/2: 6.25% for E4M3 (about 31 dB SQNR on Gaussian data), 12.5% for
 E5M2. Delayed scaling (Transformer Engine) takes the scale from the amax history of earlier steps, so it
 needs no extra pass over the tensor, at the risk of saturating a sudden outlier. Real FP8 training adds:
@@ -40,6 +76,11 @@ E5M2 gradients in the backward GEMMs, per-block scaling (MXFP8, DeepSeek-V3's 1x
 an outlier spoils only its block, FP8 weight caches and FP8 all-gathers.
 """
 import math
+import multiprocessing
+import os
+import tempfile
+from collections import Counter
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -131,80 +172,408 @@ class DynamicLossScaler:
 
 
 # ----------------------------------------------------------------------------------------------------
-# 16-bit parameters, FP32 master weights
+# The optimizer wrapper: FP32 main grads, master weights, ZeRO-1 (Megatron-LM's distributed optimizer)
 # ----------------------------------------------------------------------------------------------------
 
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _group_size(group):
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _accumulate_main_grad(p):
+    """Gradient hook, after autograd has written p.grad: add it to the persistent main grad (in the master
+    dtype, so that m micro-batches cost one rounding each in FP32, not m roundings in BF16), free p.grad."""
+    p.main_grad.add_(p.grad)
+    p.grad = None
+
+
+class _Bucket:
+    """The parameters of one shard-group entry that share a dtype and a device, laid out in flat buffers.
+
+    params      param dtype, padded length N: every parameter's .data becomes a view of its range
+    main grads  master dtype, length N: every parameter's .main_grad is a view of its range
+    master      master dtype, this rank's shard only, and only when the param dtype is narrower; otherwise
+                the shard of the parameter buffer itself is what the optimizer updates
+
+    Sharding (zero=1): N is padded to a multiple of the group size d and rank r owns [r N/d, (r+1) N/d) of
+    every buffer. With zero=0 there is one shard, the whole unpadded buffer, on every rank. Each parameter
+    contributes the piece of it that falls into the shard (possibly empty): the pieces are the inner
+    optimizer's parameters, so per-group options (weight decay) apply per parameter, and every rank holds
+    a state entry for every parameter (full_state relies on it)."""
+
+    def __init__(self, params, group, zero, master_dtype):
+        self.params, self.group, self.zero = params, group, zero
+        self.group_size = _group_size(group)
+        self.group_rank = 0 if group is None else dist.get_rank(group)
+        shards = self.group_size if zero == 1 else 1
+        numel = sum(p.numel() for p in params)
+        padded = math.ceil(numel / shards) * shards
+        self.padding = padded - numel
+        shard = padded // shards
+        self.lo = shard * (self.group_rank if zero == 1 else 0)
+        self.hi = self.lo + shard
+        dtype, device = params[0].dtype, params[0].device
+        self.param_flat = torch.zeros(padded, dtype=dtype, device=device)
+        self.grad_flat = torch.zeros(padded, dtype=master_dtype, device=device)
+        self.starts, start = [], 0
+        with torch.no_grad():
+            for p in params:
+                view = self.param_flat[start:start + p.numel()].view(p.shape)
+                view.copy_(p)
+                p.data = view  # the same Parameter object: the model keeps working, now on the flat buffer
+                p.main_grad = self.grad_flat[start:start + p.numel()].view(p.shape)
+                self.starts.append(start)
+                start += p.numel()
+        owned = self.param_flat[self.lo:self.hi]
+        self.separate_master = dtype != master_dtype
+        self.master_flat = owned.to(master_dtype) if self.separate_master else owned  # .to copies
+        self.pieces = [self._piece(p, start) for p, start in zip(params, self.starts)]
+
+    def _piece(self, p, start):
+        a = min(max(start, self.lo), self.hi)  # the intersection of [start, start + numel) with the shard
+        b = min(max(start + p.numel(), self.lo), self.hi)
+        piece, grad = self.master_flat[a - self.lo:b - self.lo], self.grad_flat[a:b]
+        if self.zero == 0:  # whole parameters: keep their shapes (shape-aware optimizers work unsharded)
+            piece, grad = piece.view(p.shape), grad.view(p.shape)
+        piece.grad = grad  # a persistent view: the optimizer reads the reduced main grads in place
+        piece.range = (a - start, b - start) if b > a else (0, 0)  # its elements of p.view(-1)
+        return piece
+
+    @property
+    def sharded(self):
+        return self.zero == 1 and self.group_size > 1
+
+    def owned_grads(self):
+        return self.grad_flat[self.lo:self.hi]
+
+    def counts_in_norm(self):
+        """Sharded: each rank counts its shard. Replicated (zero=0): only group rank 0 counts the reduced
+        gradient, which every rank of the group holds identically."""
+        return self.zero == 1 or self.group_rank == 0
+
+    def reduce_grads(self):
+        """SUM over the group: all-reduce of the whole buffer, or reduce-scatter into this rank's shard."""
+        if self.group_size == 1:
+            return
+        if self.zero == 1:
+            _reduce_scatter_flat(self.grad_flat[self.lo:self.hi], self.grad_flat, group=self.group)
+        else:
+            dist.all_reduce(self.grad_flat, group=self.group)
+
+    def publish_params(self):
+        """Round the updated master shard into the parameter buffer, then all-gather the shards."""
+        with torch.no_grad():
+            if self.separate_master:
+                self.param_flat[self.lo:self.hi].copy_(self.master_flat)
+            if self.sharded:
+                _all_gather_flat(self.param_flat, self.param_flat[self.lo:self.hi], group=self.group)
+
+
 class MixedPrecisionOptimizer:
-    """Wrap any torch.optim optimizer so that it steps FP32 masters of 16-bit (BF16 or FP16) parameters.
+    """Any torch.optim optimizer stepping master weights of the parameters, with FP32 gradient accumulation,
+    data-parallel gradient reduction (SUM), optional ZeRO-1 sharding, global-norm clipping and loss scaling.
 
-        opt = MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, lr=3e-4)
-        loss.backward(); opt.step(); opt.zero_grad()
+        opt = MixedPrecisionOptimizer(
+            [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
+            torch.optim.AdamW, shard_groups=[(dense, dp_cp_group), (experts, edp_group)], zero=1, lr=3e-4)
+        for micro_batch in ...: loss.backward()      # hooks add every p.grad into p.main_grad (FP32)
+        opt.all_reduce_grads([tied_embedding], embedding_group)   # extra sums the caller needs, if any
+        stepped, grad_norm = opt.step(grad_scale=1 / tokens, max_norm=1.0, norm_group=world)
 
-    step(): 16-bit grads -> FP32 master grads (before the optional DP all-reduce, so the sum does not round)
-    -> optional loss-scaler unscale and overflow check (skip on overflow) -> inner step on the masters ->
-    masters rounded back into the 16-bit parameters. Returns True if the step was taken.
+    shard_groups: (params, group) entries; a parameter's main grad is SUMMED over its entry's group, and with
+    zero=1 its master weight and optimizer state are sharded over that group. A parameter in no entry, or in
+    an entry with group None, has no data-parallel communication. Nothing averages: the caller normalises
+    (grad_scale). master_dtype: the dtype of main grads, masters and the inner optimizer's state; a
+    parameter already in master_dtype has no separate master (the optimizer updates its own storage).
+    Under zero=1 the inner optimizer sees 1-D pieces of parameters, so it must act elementwise (Adam, SGD:
+    as in Megatron-LM); under zero=0 it sees whole parameters of their shapes.
+
+    The parameters become views of flat buffers (one per entry, dtype and device), and each gets a gradient
+    hook: build the optimizer once the model has its final dtype and device, before anything else takes
+    views of the parameters' storage, and only one optimizer per parameter.
     """
 
-    def __init__(self, params, optimizer_class, *, dp_group=None, loss_scaler=None, **optimizer_kwargs):
-        self.params = [p for p in params if p.requires_grad]
-        self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.params]
-        self.optimizer = optimizer_class(self.masters, **optimizer_kwargs)
-        self.dp_group, self.loss_scaler = dp_group, loss_scaler
+    def __init__(self, params_or_param_groups, optimizer_class, *, shard_groups=None, zero=0, loss_scaler=None,
+                 master_dtype=torch.float32, **optimizer_defaults):
+        groups = self._param_groups(params_or_param_groups)
+        self.params = [p for g in groups for p in g["params"]]
+        entries = self._check_arguments(self.params, shard_groups, zero, master_dtype, optimizer_defaults)
+        self.zero, self.master_dtype, self.loss_scaler = zero, master_dtype, loss_scaler
+        self._buckets, self._where = [], {}  # id(param) -> (bucket, index in the bucket)
+        for entry_params, group in entries:
+            by_kind = {}  # one buffer per (dtype, device): a flat buffer holds one dtype
+            for p in entry_params:
+                by_kind.setdefault((p.dtype, p.device), []).append(p)
+            for kind_params in by_kind.values():
+                bucket = _Bucket(kind_params, group, zero, master_dtype)
+                self._buckets.append(bucket)
+                for i, p in enumerate(kind_params):
+                    self._where[id(p)] = (bucket, i)
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(_accumulate_main_grad)
+        self.optimizer = optimizer_class(
+            [{**{k: v for k, v in g.items() if k != "params"}, "params": [self._piece(p) for p in g["params"]]}
+             for g in groups], **optimizer_defaults)
 
-    def _master_grads_fp32(self):
-        for p, m in zip(self.params, self.masters):
-            m.grad = None if p.grad is None else p.grad.float()
-            p.grad = None  # the 16-bit copy is no longer needed: do not hold both
+    # ---- construction ----
 
-    def _all_reduce_grads(self):
-        """Average the FP32 gradients over the DP group in one flat all-reduce (grad_accum.py shows buckets)."""
-        if self.dp_group is None or dist.get_world_size(self.dp_group) == 1:
+    @staticmethod
+    def _param_groups(params_or_param_groups):
+        items = list(params_or_param_groups)
+        if not (items and isinstance(items[0], dict)):
+            items = [{"params": items}]  # a plain iterable of parameters: one group
+        groups = []
+        for g in items:  # as torch.optim: a group's params may be one tensor; frozen ones are left out
+            params = [g["params"]] if torch.is_tensor(g["params"]) else list(g["params"])
+            groups.append({**g, "params": [p for p in params if p.requires_grad]})
+        if not any(g["params"] for g in groups):
+            raise ValueError("params_or_param_groups holds no parameter that requires grad: pass the model's "
+                             "parameters (or a list of dicts with a 'params' key)")
+        return groups
+
+    @staticmethod
+    def _check_arguments(params, shard_groups, zero, master_dtype, optimizer_defaults):
+        """Every impossible argument raises here, on every rank, before any buffer or collective."""
+        def name(p):
+            i = next(i for i, q in enumerate(params) if q is p)
+            return f"parameter {i} (shape {tuple(p.shape)}, {p.dtype})"
+
+        if "dp_group" in optimizer_defaults:
+            raise ValueError("dp_group was replaced by shard_groups=[(params, group)]; gradients are now "
+                             "SUMMED over the group (pass grad_scale to step() to normalise)")
+        if zero not in (0, 1):
+            raise ValueError(f"zero={zero!r}: use 0 (replicated optimizer state) or 1 (sharded over each "
+                             "shard group, ZeRO-1)")
+        if not master_dtype.is_floating_point:
+            raise ValueError(f"master_dtype={master_dtype} must be a floating-point dtype (float32 or float64)")
+        seen = set()
+        for p in params:
+            if id(p) in seen:
+                raise ValueError(f"{name(p)} appears twice in params_or_param_groups: pass each parameter once")
+            seen.add(id(p))
+            if hasattr(p, "main_grad"):
+                raise ValueError(f"{name(p)} already belongs to a MixedPrecisionOptimizer (it has a main_grad "
+                                 "and a gradient hook): build one optimizer per parameter")
+            if not p.dtype.is_floating_point:
+                raise ValueError(f"{name(p)} is not floating point: only floating-point parameters train")
+            narrower = master_dtype != p.dtype and torch.finfo(master_dtype).bits <= torch.finfo(p.dtype).bits
+            if narrower:
+                raise ValueError(f"master_dtype={master_dtype} is narrower than {name(p)}: use master_dtype="
+                                 f"{p.dtype} or wider (a master must hold its parameter exactly)")
+        entries, owner = [], {}
+        for k, (entry_params, group) in enumerate(shard_groups or []):
+            entry_params = [p for p in ([entry_params] if torch.is_tensor(entry_params) else entry_params)
+                            if p.requires_grad]
+            for p in entry_params:
+                if id(p) not in seen:
+                    raise ValueError(f"shard_groups[{k}] holds a parameter (shape {tuple(p.shape)}) that is not in "
+                                     "params_or_param_groups: every sharded parameter must be optimised")
+                if id(p) in owner:
+                    raise ValueError(f"{name(p)} is in shard_groups[{owner[id(p)]}] and shard_groups[{k}]: a "
+                                     "parameter's gradient is reduced over one group only")
+                owner[id(p)] = k
+            if group is not None and dist.get_rank(group) < 0:
+                raise ValueError(f"shard_groups[{k}]: this rank is not a member of the group; pass the group "
+                                 "that contains this rank (or None)")
+            entries.append((entry_params, group))
+        unassigned = [p for p in params if id(p) not in owner]
+        if unassigned:
+            entries.append((unassigned, None))  # no data-parallel communication
+        return entries
+
+    def _piece(self, p):
+        bucket, i = self._where[id(p)]
+        return bucket.pieces[i]
+
+    @property
+    def param_groups(self):
+        """The inner optimizer's groups (same order and options as given): set the learning rate here."""
+        return self.optimizer.param_groups
+
+    # ---- the step ----
+
+    def _fold_stray_grads(self):
+        """A gradient written to p.grad directly, not by backward (which the hook catches), joins the sum."""
+        for p in self.params:
+            if p.grad is not None:
+                _accumulate_main_grad(p)
+
+    def all_reduce_grads(self, params, group):
+        """SUM the main grads of `params` over `group` in one flat all-reduce (None or size 1: nothing). For
+        gradients that need a sum outside the shard groups: the tied embedding over the embedding group, the
+        parameters replicated across TP under sequence parallelism over the TP group. Call before step()."""
+        params = list(params)
+        for p in params:
+            if id(p) not in self._where:
+                raise ValueError(f"all_reduce_grads: a parameter (shape {tuple(p.shape)}) is not managed by "
+                                 "this optimizer")
+        self._fold_stray_grads()
+        if _group_size(group) == 1 or not params:
             return
-        for m in self.masters:
-            if m.grad is None:
-                m.grad = torch.zeros_like(m)  # every rank must send the same buffer
-        flat = torch.cat([m.grad.reshape(-1) for m in self.masters])
-        dist.all_reduce(flat, group=self.dp_group)
-        flat.div_(dist.get_world_size(self.dp_group))
-        for m, g in zip(self.masters, flat.split([m.numel() for m in self.masters])):
-            m.grad.copy_(g.view_as(m))
+        flat = torch.cat([p.main_grad.reshape(-1) for p in params])
+        dist.all_reduce(flat, group=group)
+        for p, g in zip(params, flat.split([p.numel() for p in params])):
+            p.main_grad.copy_(g.view(p.shape))
 
-    def step(self, grad_scale=1.0):
-        """`grad_scale` multiplies the FP32 gradients after the reduction (e.g. DP size / tokens, to turn
-        the DP average of summed token losses into a per-token mean)."""
-        self._master_grads_fp32()
-        self._all_reduce_grads()
-        if grad_scale != 1.0:
-            for m in self.masters:
-                if m.grad is not None:
-                    m.grad.mul_(grad_scale)
+    def step(self, grad_scale=1.0, max_norm=0.0, norm_group=None, norm_params=None):
+        """Reduce, scale, measure, clip, update. Returns (stepped, grad_norm).
+
+        1. every shard-group entry's main grads are SUMMED over its group (all-reduce, or reduce-scatter
+           under zero=1);
+        2. multiplied by grad_scale / loss_scale (one multiply; loss_scale = 1 without a loss scaler);
+        3. the global gradient norm, in master_dtype, over the gradients this rank owns (its shard under
+           zero=1; under zero=0 only group rank 0 of each entry counts the replicated reduced gradient),
+           restricted to `norm_params` (None: all; the caller leaves out copies that another rank already
+           counts: TP-replicated parameters, the tied embedding's second copy). The sums of squares are
+           all-reduced (SUM) over `norm_group` (None: no communication). That same 2-element all-reduce
+           carries the loss scaler's overflow probe (the sum of squares of every owned gradient, counted or
+           not): found_inf = the reduced probe is not finite. So the overflow check costs no extra
+           collective, and there is one host sync per step. (A finite gradient whose squares overflow the
+           master dtype, a norm above 1.8e19 in FP32, also counts as an overflow.) norm_group must contain
+           every shard group when clipping or a loss scaler acts on the norm (checked), or ranks would
+           disagree; without either, a norm_group of None returns this rank's part of the norm.
+           Without a loss scaler, a non-finite norm is returned and the step is taken, as torch would.
+        4. with a loss scaler: scaler.update(found_inf); on overflow the grads are zeroed and the step is
+           skipped, on every rank of norm_group alike, since they all see the same reduced value;
+        5. clipping when max_norm > 0: grads *= min(1, max_norm / (norm + 1e-6)) (clip_grad_norm_'s rule);
+        6. the inner optimizer steps the masters (or shards); the parameters are refreshed from them
+           (zero=1: each rank writes its shard, then one all-gather per buffer);
+        7. the main grads are zeroed.
+        """
+        counted = None if norm_params is None else {id(p) for p in norm_params}
+        if counted is not None and not counted <= set(self._where):
+            raise ValueError("norm_params holds a parameter that this optimizer does not manage")
+        if max_norm < 0 or not math.isfinite(grad_scale):
+            raise ValueError(f"need max_norm >= 0 (0 disables clipping) and a finite grad_scale, got "
+                             f"max_norm={max_norm}, grad_scale={grad_scale}")
+        if (max_norm > 0 or self.loss_scaler is not None) and _group_size(norm_group) == 1 and any(
+                b.group_size > 1 for b in self._buckets):
+            raise ValueError("norm_group is None but gradients are reduced over groups of more than one rank: "
+                             "each rank then holds only part of the norm, and clipping or skipping would differ "
+                             "between ranks; pass a norm_group that contains every shard group (the world)")
+        self._fold_stray_grads()
+        for bucket in self._buckets:
+            bucket.reduce_grads()
+        scale = grad_scale / (self.loss_scaler.scale if self.loss_scaler is not None else 1.0)
+        if scale != 1.0:
+            for bucket in self._buckets:
+                bucket.owned_grads().mul_(scale)
+        norm, found_inf = self._global_norm(counted, norm_group)
         if self.loss_scaler is not None:
-            found_inf = self.loss_scaler.unscale_and_check(self.masters, group=self.dp_group)
             self.loss_scaler.update(found_inf)
             if found_inf:
                 self.zero_grad()
-                return False
+                return False, norm
+        if max_norm > 0:
+            clip = max_norm / (norm + 1e-6)
+            if clip < 1.0:
+                for bucket in self._buckets:
+                    bucket.owned_grads().mul_(clip)
         self.optimizer.step()
-        with torch.no_grad():
-            for p, m in zip(self.params, self.masters):
-                p.copy_(m)  # round the FP32 master to the 16-bit working copy
+        for bucket in self._buckets:
+            bucket.publish_params()
         self.zero_grad()
-        return True
+        return True, norm
+
+    def _global_norm(self, counted, norm_group):
+        """(norm, found_inf) from one all-reduce of [sum of squares counted, sum of squares owned]."""
+        device = self._buckets[0].grad_flat.device
+        sums = torch.zeros(2, dtype=self.master_dtype, device=device)
+        for bucket in self._buckets:
+            owned = bucket.owned_grads()
+            owned_sq = torch.dot(owned, owned).to(device)
+            sums[1] += owned_sq
+            if not bucket.counts_in_norm():
+                continue
+            if counted is None:
+                sums[0] += owned_sq
+            else:
+                for p, piece in zip(bucket.params, bucket.pieces):
+                    if id(p) in counted:
+                        g = piece.grad.reshape(-1)
+                        sums[0] += torch.dot(g, g).to(device)
+        if _group_size(norm_group) > 1:
+            dist.all_reduce(sums, group=norm_group)
+        counted_sq, owned_sq = sums.tolist()  # the one host sync of the step
+        return math.sqrt(counted_sq), not math.isfinite(owned_sq)
 
     def zero_grad(self):
-        for t in self.params + self.masters:
-            t.grad = None
+        for bucket in self._buckets:
+            bucket.grad_flat.zero_()
+        for p in self.params:
+            p.grad = None
+
+    # ---- memory ----
+
+    def memory_bytes(self):
+        """This rank's bytes, from the live tensors: the parameter buffers, the main-grad buffers, and the
+        separate master copies plus every optimizer state tensor with dim > 0 (Adam's moments; the 0-dim
+        step counters are not per-parameter). master_bytes is the masters' part of optimizer_bytes."""
+        size = lambda ts: sum(t.numel() * t.element_size() for t in ts)
+        masters = size(b.master_flat for b in self._buckets if b.separate_master)
+        states = size(t for s in self.optimizer.state.values() for t in s.values()
+                      if torch.is_tensor(t) and t.dim() > 0)
+        return {"param_bytes": size(b.param_flat for b in self._buckets),
+                "grad_bytes": size(b.grad_flat for b in self._buckets),
+                "optimizer_bytes": masters + states, "master_bytes": masters}
+
+    # ---- checkpoints ----
+
+    def full_state(self, p):
+        """{"master": p's master weight, then every optimizer state (exp_avg, exp_avg_sq, step, ...)}, each a
+        FULL tensor of p's shape (0-dim states as they are), in master/state dtype. Under zero=1 the pieces
+        are gathered over p's shard group (an all-reduce SUM of zero-filled full tensors, each element owned
+        by exactly one rank, so exact): every rank of the group calls it for the same params in order."""
+        bucket, i = self._where[id(p)]
+        piece = bucket.pieces[i]
+        full = {"master": self._gather(bucket, piece, piece.range, p)}
+        state = self.optimizer.state.get(piece, {})
+        for key in sorted(state):  # the same keys in the same order on every rank: the pieces step alike
+            value = state[key]
+            if torch.is_tensor(value):
+                full[key] = value.detach().clone() if value.dim() == 0 else \
+                    self._gather(bucket, value, piece.range, p)
+        return full
+
+    @staticmethod
+    def _gather(bucket, local, piece_range, p):
+        if not bucket.sharded:
+            return local.detach().reshape(p.shape).clone()
+        a, b = piece_range
+        full = torch.zeros(p.numel(), dtype=local.dtype, device=local.device)
+        full[a:b] = local.detach().reshape(-1)
+        dist.all_reduce(full, group=bucket.group)
+        return full.view(p.shape)
+
+    def load_full_state(self, p, state):
+        """Inverse of full_state, whatever the layout that saved it: p takes the master rounded to its dtype,
+        this rank keeps the piece of the master and of every state tensor in its shard. No communication."""
+        bucket, i = self._where[id(p)]
+        piece = bucket.pieces[i]
+        a, b = piece.range
+        cut = lambda t: t.detach().reshape(-1)[a:b].reshape(piece.shape).to(piece.device).clone()
+        with torch.no_grad():
+            p.copy_(state["master"].reshape(p.shape))
+            piece.copy_(cut(state["master"]))
+        # 0-dim states (Adam's step) stay where they were saved: torch keeps them on the CPU unless the
+        # optimizer is fused or capturable
+        self.optimizer.state[piece] = {k: (v.detach().clone() if v.dim() == 0 else cut(v))
+                                       for k, v in state.items() if k != "master"}
 
     def state_dict(self):
-        return {"optimizer": self.optimizer.state_dict(), "masters": [m.detach().clone() for m in self.masters],
+        """The non-tensor part: hyperparameters of each group, the loss scaler (tensors: full_state)."""
+        return {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
                 "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict()}
 
     def load_state_dict(self, state):
-        with torch.no_grad():
-            for p, m, saved in zip(self.params, self.masters, state["masters"]):
-                m.copy_(saved)
-                p.copy_(saved)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if len(state["param_groups"]) != len(self.param_groups):
+            raise ValueError(f"state_dict has {len(state['param_groups'])} param groups, this optimizer "
+                             f"{len(self.param_groups)}: build it with the same groups")
+        for group, saved in zip(self.param_groups, state["param_groups"]):
+            group.update(saved)
         if self.loss_scaler is not None and state["loss_scaler"] is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
 
@@ -214,6 +583,9 @@ class MixedPrecisionOptimizer:
 # ----------------------------------------------------------------------------------------------------
 
 AMAX_EPS = 1e-12  # an all-zero tensor gets a finite scale (fp8_max / 1e-12 is far below FP32's max)
+
+fp8_log = Counter()  # "gemm:count": FP8 forward GEMMs run; "gemm:scaled_mm" / "gemm:emulated": which path;
+#                      "amax:all_reduce": amax agreements over a group. The trainer's tests read it.
 
 
 def fp8_scale(amax, dtype=torch.float8_e4m3fn):
@@ -227,7 +599,7 @@ def quantize_fp8(x, dtype=torch.float8_e4m3fn, scale=None):
     the format's range, and they saturate at +-max rather than becoming inf or NaN.
     """
     if scale is None:
-        scale = fp8_scale(x.detach().abs().max(), dtype)
+        scale = fp8_scale(amax_of(x), dtype)
     fp8_max = torch.finfo(dtype).max
     x_fp8 = torch.clamp(x.float() * scale, -fp8_max, fp8_max).to(dtype)
     return x_fp8, scale
@@ -235,6 +607,27 @@ def quantize_fp8(x, dtype=torch.float8_e4m3fn, scale=None):
 
 def dequantize_fp8(x_fp8, scale):
     return x_fp8.float() / scale
+
+
+def amax_of(t):
+    """max |t| in FP32; 0 for an empty tensor (an expert that received no token still joins the all-reduce)."""
+    t = t.detach()
+    return t.abs().max().float() if t.numel() else torch.zeros((), device=t.device)
+
+
+def agreed_amax(x, weight, amax_group=None):
+    """[amax(x), amax(weight)], MAX-reduced over amax_group in one all-reduce of 2 elements.
+
+    A per-tensor scale belongs to the whole tensor: when a weight is split over the TP ranks (column- or
+    row-parallel), or a row-parallel input is split along its last dimension, every rank must quantise its
+    shard with the scale of the full tensor, or the shards are rounded on different grids and the layer
+    is no longer the same function as on one GPU. The MAX of the shards' amaxes is the full tensor's amax.
+    For a tensor that is replicated over the group the reduction changes nothing."""
+    amax = torch.stack([amax_of(x), amax_of(weight)])
+    if amax_group is not None and dist.get_world_size(amax_group) > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_group)
+        fp8_log["amax:all_reduce"] += 1
+    return amax
 
 
 _SCALED_MM_ON_CPU = None
@@ -260,12 +653,15 @@ def scaled_mm_available(device):
 
 def fp8_matmul(a_fp8, a_scale, b_fp8, b_scale, out_dtype, use_scaled_mm=True):
     """(a / a_scale) @ (b / b_scale)^T with FP32 accumulation. b is (out, in) row-major, so b.t() is the
-    column-major operand that _scaled_mm wants. The emulation is the same arithmetic: FP8 values are exact
-    in FP32, products are accumulated in FP32 and scaled once."""
+    column-major operand that _scaled_mm wants (which also needs every dimension a multiple of 16). The
+    emulation is the same arithmetic: FP8 values are exact in FP32, products are accumulated in FP32 and
+    scaled once."""
     inv_a, inv_b = a_scale.reciprocal().float(), b_scale.reciprocal().float()
     shapes_ok = a_fp8.shape[0] % 16 == 0 and a_fp8.shape[1] % 16 == 0 and b_fp8.shape[0] % 16 == 0
     if use_scaled_mm and shapes_ok and scaled_mm_available(a_fp8.device):
+        fp8_log["gemm:scaled_mm"] += 1
         return torch._scaled_mm(a_fp8, b_fp8.t(), scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype)
+    fp8_log["gemm:emulated"] += 1
     return ((a_fp8.float() @ b_fp8.float().t()) * (inv_a * inv_b)).to(out_dtype)
 
 
@@ -277,29 +673,44 @@ class _FP8LinearFunction(torch.autograd.Function):
         x_fp8, _ = quantize_fp8(x2, scale=x_scale)
         w_fp8, _ = quantize_fp8(weight, scale=w_scale)
         y = fp8_matmul(x_fp8, x_scale, w_fp8, w_scale, x.dtype, use_scaled_mm)
+        fp8_log["gemm:count"] += 1
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         g = grad_out.reshape(-1, weight.shape[0]).to(torch.bfloat16)
-        grad_x = (g @ weight.to(torch.bfloat16)).reshape(x.shape).to(x.dtype)
-        grad_w = (g.t() @ x.reshape(-1, x.shape[-1]).to(torch.bfloat16)).to(weight.dtype)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (g @ weight.to(torch.bfloat16)).reshape(x.shape).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = (g.t() @ x.reshape(-1, x.shape[-1]).to(torch.bfloat16)).to(weight.dtype)
         return grad_x, grad_w, None, None, None
+
+
+def fp8_linear(x, weight, bias=None, amax_group=None, use_scaled_mm=True):
+    """y = x @ weight^T + bias with the GEMM in FP8 E4M3 under per-tensor dynamic scaling and a BF16
+    backward. x has any leading shape. The amaxes of x and weight are MAX-reduced over amax_group first
+    (one 2-element all-reduce; see agreed_amax): pass the TP group for a TP-sharded weight or input."""
+    amax = agreed_amax(x, weight, amax_group)
+    y = _FP8LinearFunction.apply(x, weight, fp8_scale(amax[0]), fp8_scale(amax[1]), use_scaled_mm)
+    return y if bias is None else y + bias.to(y.dtype)
 
 
 class FP8Linear(nn.Module):
     """nn.Linear whose forward GEMM runs in FP8 E4M3 with per-tensor scales; backward in BF16.
 
+    amax_group: the group whose ranks hold shards of this weight or of its input (see agreed_amax).
     delayed_scaling=True takes each scale from the largest amax of the last `amax_history_len` steps
-    (Transformer Engine's recipe) instead of the current tensor."""
+    (Transformer Engine's recipe) instead of the current tensor; the history records the agreed amax, so it
+    is identical on every rank of amax_group."""
 
     def __init__(self, in_features, out_features, bias=True, delayed_scaling=False, amax_history_len=16,
-                 use_scaled_mm=True, device=None, dtype=None):
+                 use_scaled_mm=True, amax_group=None, device=None, dtype=None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
-        self.delayed_scaling, self.use_scaled_mm = delayed_scaling, use_scaled_mm
+        self.delayed_scaling, self.use_scaled_mm, self.amax_group = delayed_scaling, use_scaled_mm, amax_group
         self.register_buffer("amax_history", torch.zeros(2, amax_history_len, device=device))  # input, weight
         self.reset_parameters()
 
@@ -310,21 +721,17 @@ class FP8Linear(nn.Module):
             if self.bias is not None:
                 self.bias.copy_(ref.bias)
 
-    def _scale(self, t, slot):
-        amax = t.detach().abs().max().float()
-        if not self.delayed_scaling:
-            return fp8_scale(amax)
-        history = self.amax_history[slot]
-        # first step: no history yet, fall back to the current amax (torch.where: no host sync)
-        scale = fp8_scale(torch.where(history.max() > 0, history.max(), amax))
-        if self.training:
-            self.amax_history[slot] = torch.roll(history, 1)
-            self.amax_history[slot, 0] = amax
-        return scale
-
     def forward(self, x):
-        y = _FP8LinearFunction.apply(x, self.weight, self._scale(x, 0), self._scale(self.weight, 1),
-                                     self.use_scaled_mm)
+        if not self.delayed_scaling:
+            return fp8_linear(x, self.weight, self.bias, self.amax_group, self.use_scaled_mm)
+        amax = agreed_amax(x, self.weight, self.amax_group)
+        history = self.amax_history.max(dim=1).values
+        # first step: no history yet, fall back to the current amax (torch.where: no host sync)
+        scales = fp8_scale(torch.where(history > 0, history, amax))
+        if self.training:
+            self.amax_history.copy_(torch.roll(self.amax_history, 1, dims=1))
+            self.amax_history[:, 0] = amax
+        y = _FP8LinearFunction.apply(x, self.weight, scales[0], scales[1], self.use_scaled_mm)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
@@ -334,22 +741,30 @@ class FP8Linear(nn.Module):
 
 # Adam's two moments are kept in the master dtype; "transient" lives only inside forward/backward.
 BYTES_PER_PARAM = {
-    "fp32":                {"weights": 4, "grads": 4, "master": 0, "optimizer": 8, "transient": 0},
-    "bf16_autocast":       {"weights": 4, "grads": 4, "master": 0, "optimizer": 8, "transient": 2},
-    "bf16_master":         {"weights": 2, "grads": 2, "master": 4, "optimizer": 8, "transient": 0},
-    "bf16_master_fp32_grads": {"weights": 2, "grads": 4, "master": 4, "optimizer": 8, "transient": 0},
-    "fp16_master_scaler":  {"weights": 2, "grads": 2, "master": 4, "optimizer": 8, "transient": 0},
-    "fp8_compute":         {"weights": 2, "grads": 2, "master": 4, "optimizer": 8, "transient": 1},
-    "bf16_pure":           {"weights": 2, "grads": 2, "master": 0, "optimizer": 4, "transient": 0},
+    "fp32":                    {"weights": 4, "grads": 4, "master": 0, "optimizer": 8, "transient": 0},
+    "bf16_autocast":           {"weights": 4, "grads": 4, "master": 0, "optimizer": 8, "transient": 2},
+    "bf16_master":             {"weights": 2, "grads": 4, "master": 4, "optimizer": 8, "transient": 0},
+    "bf16_master_16bit_grads": {"weights": 2, "grads": 2, "master": 4, "optimizer": 8, "transient": 0},
+    "fp16_master_scaler":      {"weights": 2, "grads": 4, "master": 4, "optimizer": 8, "transient": 0},
+    "fp8_compute":             {"weights": 2, "grads": 4, "master": 4, "optimizer": 8, "transient": 1},
+    "bf16_pure":               {"weights": 2, "grads": 2, "master": 0, "optimizer": 4, "transient": 0},
 }
 MODE_NOTES = {
     "fp32": "no mixed precision",
     "bf16_autocast": "FP32 params, BF16 casts inside autocast",
-    "bf16_master": "ZeRO paper: 2 + 2 + 12",
-    "bf16_master_fp32_grads": "Megatron-LM main grads (formula only)",
+    "bf16_master": "Megatron-LM: FP32 main grads, 2 + 4 + 12",
+    "bf16_master_16bit_grads": "ZeRO paper 2 + 2 + 12 (formula only)",
     "fp16_master_scaler": "plus one FP32 scale",
     "fp8_compute": "FP8 copies of W and x per GEMM",
     "bf16_pure": "loses small updates",
+}
+FORMULA_ONLY = ("bf16_master_16bit_grads",)  # this file accumulates 16-bit gradients in FP32
+
+# ZeRO-1 (Megatron-LM's distributed optimizer, FORMULAS.md): per parameter, the unsharded part (parameters
+# and main grads) and the part sharded over d ranks (FP32 master where separate, Adam's two moments)
+ZERO_BYTES_PER_PARAM = {
+    torch.float32: {"unsharded": 4 + 4, "sharded": 8},       # 16 -> 8 + 8/d
+    torch.bfloat16: {"unsharded": 2 + 4, "sharded": 4 + 8},  # 18 -> 6 + 12/d
 }
 
 
@@ -358,10 +773,15 @@ def persistent_bytes(mode):
     return row["weights"] + row["grads"] + row["master"] + row["optimizer"]
 
 
+def zero_bytes_formula(dtype, d, zero=1):
+    row = ZERO_BYTES_PER_PARAM[dtype]
+    return row["unsharded"] + row["sharded"] / (d if zero == 1 else 1)
+
+
 class MLP(nn.Module):
-    def __init__(self, dim=32, hidden=64, depth=2, linear=nn.Linear):
+    def __init__(self, dim=32, hidden=64, depth=2, linear=nn.Linear, out=1):
         super().__init__()
-        dims = [dim] + [hidden] * depth + [1]
+        dims = [dim] + [hidden] * depth + [out]
         self.layers = nn.ModuleList(linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
 
     def forward(self, x):
@@ -379,12 +799,11 @@ def build(mode, model_fn=MLP, lr=1e-3, seed=0):
     dtype = {"bf16_master": torch.bfloat16, "bf16_pure": torch.bfloat16, "fp8_compute": torch.bfloat16,
              "fp16_master_scaler": torch.float16}.get(mode, torch.float32)
     model.to(dtype)
+    scaler = DynamicLossScaler() if mode == "fp16_master_scaler" else None
     if mode in ("bf16_master", "fp8_compute", "fp16_master_scaler"):
-        scaler = DynamicLossScaler() if mode == "fp16_master_scaler" else None
         opt = MixedPrecisionOptimizer(model.parameters(), torch.optim.Adam, loss_scaler=scaler, lr=lr)
     else:
         opt = torch.optim.Adam(model.parameters(), lr=lr)
-        scaler = None
 
     def step(x, y, take_step=True):
         if mode == "bf16_autocast":
@@ -394,9 +813,10 @@ def build(mode, model_fn=MLP, lr=1e-3, seed=0):
             out = model(x.to(dtype))
         loss = F.mse_loss(out.float(), y)
         (scaler.scale_loss(loss) if scaler else loss).backward()
-        stepped = opt.step() if take_step else None
-        if take_step:
-            opt.zero_grad()
+        if not take_step:
+            return loss.item(), None
+        stepped = opt.step()[0] if isinstance(opt, MixedPrecisionOptimizer) else opt.step()
+        opt.zero_grad()
         return loss.item(), stepped
 
     return model, step, opt
@@ -409,14 +829,55 @@ def measure_bytes_per_parameter(mode, model_fn=MLP):
     step(x, y)                    # one full step: the optimizer state now exists
     step(x, y, take_step=False)   # a backward: gradients are alive
     n = sum(p.numel() for p in model.parameters())
+    if isinstance(opt, MixedPrecisionOptimizer):
+        m = opt.memory_bytes()
+        return {"weights": m["param_bytes"] / n, "grads": m["grad_bytes"] / n, "master": m["master_bytes"] / n,
+                "optimizer": (m["optimizer_bytes"] - m["master_bytes"]) / n, "n_params": n}
     size = lambda ts: sum(t.numel() * t.element_size() for t in ts)
-    inner = opt.optimizer if isinstance(opt, MixedPrecisionOptimizer) else opt
     # Adam's state: exp_avg and exp_avg_sq per parameter; the 0-dim "step" counters are not per-parameter
-    states = [t for s in inner.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
-    masters = opt.masters if isinstance(opt, MixedPrecisionOptimizer) else []
+    states = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
     return {"weights": size(model.parameters()) / n,
             "grads": size(p.grad for p in model.parameters() if p.grad is not None) / n,
-            "master": size(masters) / n, "optimizer": size(states) / n, "n_params": n}
+            "master": 0.0, "optimizer": size(states) / n, "n_params": n}
+
+
+def zero_bytes_per_parameter(dtype, zero, group=None, out=2):
+    """This rank's bytes per parameter under ZeRO-`zero` over `group`, measured after one Adam step on the
+    MLP. out=2 gives 6402 parameters, divisible by 2 and by 3: the flat buffers need no padding, so the
+    figures are exactly the formula; other sizes add padding / n (reported)."""
+    torch.manual_seed(0)
+    model = MLP(out=out).to(dtype)
+    opt = MixedPrecisionOptimizer(model.parameters(), torch.optim.Adam, shard_groups=[(model.parameters(), group)],
+                                  zero=zero, lr=1e-3)
+    model(torch.randn(8, 32).to(dtype)).float().pow(2).mean().backward()
+    opt.step()
+    n = sum(p.numel() for p in model.parameters())
+    m = opt.memory_bytes()
+    return {"n_params": n, "padding": sum(b.padding for b in opt._buckets), "bytes": m,
+            "per_param": {k: v / n for k, v in m.items()}}
+
+
+def accumulation_errors(m=16, seed=0):
+    """m micro-batches of BF16 gradients of one BF16 linear layer, summed (a) into the optimizer's FP32 main
+    grad by the hook and (b) in BF16 by autograd (the old behaviour). Returns the max abs error of each
+    against the float64 sum of the same BF16 micro-batch gradients, relative to the sum's max abs value."""
+    gen = torch.Generator().manual_seed(seed)
+    fp32_layer, bf16_layer = nn.Linear(64, 64, bias=False).bfloat16(), nn.Linear(64, 64, bias=False).bfloat16()
+    with torch.no_grad():
+        fp32_layer.weight.copy_(torch.randn(64, 64, generator=gen))
+        bf16_layer.weight.copy_(fp32_layer.weight)
+    opt = MixedPrecisionOptimizer(fp32_layer.parameters(), torch.optim.SGD, lr=0.1)
+    exact = torch.zeros(64, 64, dtype=torch.float64)
+    for _ in range(m):
+        x, w = torch.randn(32, 64, generator=gen).bfloat16(), torch.randn(32, 64, generator=gen).bfloat16()
+        g, = torch.autograd.grad((fp32_layer(x) * w).sum(), fp32_layer.weight)  # this micro-batch, BF16
+        exact += g.double()
+        (fp32_layer(x) * w).sum().backward()   # into the FP32 main grad
+        (bf16_layer(x) * w).sum().backward()   # into a BF16 .grad: one BF16 rounding per micro-batch
+    scale = exact.abs().max().item()
+    return {"fp32_main_grad": (fp32_layer.weight.main_grad.double() - exact).abs().max().item() / scale,
+            "bf16_grad": (bf16_layer.weight.grad.double() - exact).abs().max().item() / scale,
+            "fp32_eps": torch.finfo(torch.float32).eps, "bf16_eps": torch.finfo(torch.bfloat16).eps, "m": m}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -444,6 +905,36 @@ def train_small_model(mode, steps=300, seed=0):
     return float(np.mean(losses[-20:])), skipped
 
 
+def _rank_entry(fn, rank, world, store_path, queue, args):
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                                timeout=timedelta(seconds=120))
+        queue.put((rank, fn(*args, group=dist.group.WORLD)))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException as e:  # the parent must not wait forever for a rank that failed
+        queue.put((rank, e))
+
+
+def on_forked_ranks(fn, world, *args):
+    """fn(*args, group=WORLD) on `world` forked gloo ranks of this machine; the results by rank."""
+    ctx = multiprocessing.get_context("fork")
+    with tempfile.TemporaryDirectory() as tmp:
+        queue = ctx.SimpleQueue()
+        procs = [ctx.Process(target=_rank_entry, args=(fn, r, world, os.path.join(tmp, "store"), queue, args))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        results = dict(queue.get() for _ in procs)
+        for p in procs:
+            p.join()
+    for r in range(world):
+        if isinstance(results[r], BaseException):
+            raise RuntimeError(f"rank {r} failed") from results[r]
+    return [results[r] for r in range(world)]
+
+
 def demo():
     print("== formats (from torch.finfo)")
     print(f"{'name':10s} {'bits':>4s} {'exp':>4s} {'mant':>4s} {'max':>10s} {'min normal':>11s} {'eps':>9s}  use")
@@ -458,6 +949,12 @@ def demo():
         w_fp32 += 1e-3
     print(f"   BF16 weight: {w_bf16.item():.4f} (spacing at 1.0 is {torch.finfo(torch.bfloat16).eps}, the update "
           f"rounds away); FP32 master: {w_fp32.item():.4f}")
+
+    e = accumulation_errors()
+    print(f"\n== why FP32 main grads: {e['m']} micro-batches of BF16 gradients, error of the sum vs float64 "
+          f"(relative to its max)")
+    print(f"   summed in the FP32 main grad: {e['fp32_main_grad']:.2e} (FP32 eps {e['fp32_eps']:.1e}); "
+          f"summed in BF16 .grad: {e['bf16_grad']:.2e} (BF16 eps {e['bf16_eps']:.1e})")
 
     print("\n== FP16 underflow and loss scaling: 1e5 gradients log-uniform in [1e-10, 1e-2]")
     g = torch.exp(torch.empty(100_000).uniform_(math.log(1e-10), math.log(1e-2)))
@@ -480,18 +977,34 @@ def demo():
     for mode in ("fp32", "bf16_autocast", "bf16_master", "fp16_master_scaler", "fp8_compute", "bf16_pure"):
         loss, skipped = train_small_model(mode)
         print(f"   {mode:20s} loss {loss:.5f}" + (f"  ({skipped} steps skipped by the loss scaler)" if skipped else ""))
+    print(f"   FP8 forward GEMMs run: {fp8_log['gemm:count']} "
+          f"(torch._scaled_mm {fp8_log['gemm:scaled_mm']}, emulated {fp8_log['gemm:emulated']})")
 
     print("\n== bytes per parameter with Adam: formula | measured on the live tensors of the MLP")
     print(f"   {'mode':24s} {'weights':>8s} {'grads':>6s} {'master':>7s} {'adam':>5s} {'total':>6s} "
           f"{'transient':>9s} | {'measured':>8s}  note")
     for mode, row in BYTES_PER_PARAM.items():
         measured = ""
-        if mode != "bf16_master_fp32_grads":
+        if mode not in FORMULA_ONLY:
             m = measure_bytes_per_parameter(mode)
             measured = f"{m['weights'] + m['grads'] + m['master'] + m['optimizer']:8.1f}"
         print(f"   {mode:24s} {row['weights']:8d} {row['grads']:6d} {row['master']:7d} {row['optimizer']:5d} "
               f"{persistent_bytes(mode):6d} {row['transient']:9d} | {measured:>8s}  {MODE_NOTES[mode]}")
 
+    print("\n== ZeRO-1 (distributed optimizer): bytes per parameter on each of d forked gloo ranks, Adam")
+    print(f"   {'params':6s} {'zero':>4s} {'d':>2s} {'formula':>9s} {'=':>6s} | {'measured':>8s} = {'params':>6s} + "
+          f"{'grads':>5s} + {'optimizer':>9s}  padding")
+    for dtype, name, form in ((torch.float32, "fp32", "8 + 8/d"), (torch.bfloat16, "bf16", "6 + 12/d")):
+        for zero, d in ((0, 2), (1, 2), (1, 3)):
+            r = on_forked_ranks(zero_bytes_per_parameter, d, dtype, zero)[0]  # rank 0's figures
+            b = r["per_param"]
+            total = b["param_bytes"] + b["grad_bytes"] + b["optimizer_bytes"]
+            label = form if zero else str(round(zero_bytes_formula(dtype, d, 0)))
+            print(f"   {name:6s} {zero:4d} {d:2d} {label:>9s} {zero_bytes_formula(dtype, d, zero):6.2f} | "
+                  f"{total:8.2f} = {b['param_bytes']:6.2f} + {b['grad_bytes']:5.2f} + {b['optimizer_bytes']:9.2f}"
+                  f"  {r['padding']:7d}")
+    print(f"   ({r['n_params']} parameters, divisible by 2 and 3: no padding; other sizes pad each flat buffer "
+          "to a multiple of d)")
 
 if __name__ == "__main__":
     demo()

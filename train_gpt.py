@@ -102,7 +102,9 @@ import os
 import time
 import zlib
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
+from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -111,7 +113,6 @@ import torch.nn.functional as F
 from einops import rearrange
 
 import checkpointing
-import grad_accum
 import long_seq
 import mixed_precision
 import moe_ep
@@ -136,6 +137,38 @@ class GPTConfig:
         return self.moe_every > 0 and (layer + 1) % self.moe_every == 0
 
 
+@dataclass
+class TrainConfig:
+    """Everything about a run that is not the model: layout, memory and precision, optimisation, logging."""
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1                       # expert parallel, folded over DP x CP
+    sequence_parallel: bool = False
+    cp_impl: str = "ring"             # ring | ulysses | allgather
+    recompute: str = "none"           # none | full | sqrt | selective
+    dtype: str = "float32"            # float32 | bfloat16 | float16 | fp8 | float64
+    zero: int = 0                     # 1: master weights and optimizer states sharded over DP x CP (experts: EDP)
+    batch: int = 16                   # global batch, in sequences
+    micro_batch: int = 2
+    steps: int = 30
+    optimizer: str = "adamw"          # adamw | sgd
+    lr: float = 3e-3
+    weight_decay: float = 0.1         # AdamW, on 2-D weights only
+    grad_clip: float = 1.0            # global gradient-norm clipping; 0 disables
+    metrics: str = None
+    peak_tflops: float = None
+    log: bool = True
+
+    @property
+    def param_dtype(self):
+        return {"fp8": torch.bfloat16}.get(self.dtype) or getattr(torch, self.dtype)
+
+    @property
+    def master_dtype(self):
+        return torch.float64 if self.dtype == "float64" else torch.float32
+
+
 def _size(group):
     return 1 if group is None else dist.get_world_size(group)
 
@@ -155,9 +188,19 @@ CP_IMPLS = {  # the attention of a context-parallel group and the sequence shard
 }
 
 
+class Reduction(NamedTuple):
+    """One SUM of gradients over a group. `data_parallel`: the optimizer's own reduction (all-reduce, or
+    reduce-scatter under ZeRO-1, of its flat buffers); the others are all-reduces done before it."""
+    name: str
+    params: list
+    group: object
+    data_parallel: bool
+
+
 @dataclass
 class Plan:
     ps: topology.ParallelState       # this rank's coordinates
+    world: object                    # the default group (None on one rank): the global norm and overflow check
     tp: object                       # process groups, None where the dimension has size 1
     cp: object
     pp: object
@@ -169,7 +212,8 @@ class Plan:
     sequence_parallel: bool
     cp_impl: str
     recompute: str
-    reductions: list = None          # [(name, params, group)], set by `plan_gradient_reductions`
+    reductions: list = None          # [Reduction], set by `plan_gradient_reductions`
+    norm_params: list = None         # the parameters this rank counts in the global gradient norm
 
     def attention(self, q, k, v):
         """Causal attention of (b, heads, s_local, d) tensors over this rank's CP shard of the sequence."""
@@ -207,28 +251,33 @@ class Plan:
 
 def make_plan(ps, sequence_parallel=False, cp_impl="ring", recompute="none"):
     group = lambda kind: ps.groups[kind] if len(ps.ranks[kind]) > 1 else None
-    return Plan(ps=ps, tp=group("tp"), cp=group("cp"), pp=group("pp"), dp_cp=group("dp_cp"), ep=group("ep"),
+    return Plan(ps=ps, world=dist.group.WORLD if ps.world_size > 1 else None, tp=group("tp"), cp=group("cp"), pp=group("pp"), dp_cp=group("dp_cp"), ep=group("ep"),
                 edp=group("edp"), tp_cp=group("tp_cp"), embedding=group("embedding"),
                 sequence_parallel=sequence_parallel and ps.sizes["tp"] > 1, cp_impl=cp_impl, recompute=recompute)
 
 
 def plan_gradient_reductions(plan, stage):
-    """Every gradient SUM of a step, as (name, parameters, group); empty groups and size-1 groups dropped.
+    """Every gradient SUM of a step, and the parameters this rank counts in the gradient norm.
+
     A parameter's gradient is complete once it has been summed over every group that saw other tokens
-    through the same weights."""
+    through the same weights. The norm counts every distinct parameter once in the world: a parameter
+    replicated over TP only on TP rank 0, the tied embedding only on the first stage (the optimizer leaves
+    out the DP x CP and EDP replicas itself)."""
     params = [p for p in stage.parameters() if p.requires_grad]
     is_expert = lambda p: getattr(p, "expert", False)
     tied = []
     if plan.embedding is not None:  # the first stage's wte and the last stage's copy: the sum of both uses
         tied = [stage.wte.weight if stage.first else stage.lm_head.weight]
-    reductions = [
-        ("tied embedding", tied, plan.embedding),
-        ("token-sharded, replicated over TP", [p for p in params if getattr(p, "sequence_parallel", False)],
-         plan.tp),
-        ("dense over DP x CP", [p for p in params if not is_expert(p)], plan.dp_cp),
-        ("experts over EDP", [p for p in params if is_expert(p)], plan.edp),
-    ]
-    return [(name, ps, g) for name, ps, g in reductions if ps and g is not None]
+    plan.reductions = [r for r in (
+        Reduction("tied embedding", tied, plan.embedding, False),
+        Reduction("token-sharded, replicated over TP",
+                  [p for p in params if getattr(p, "sequence_parallel", False)], plan.tp, False),
+        Reduction("dense over DP x CP", [p for p in params if not is_expert(p)], plan.dp_cp, True),
+        Reduction("experts over EDP", [p for p in params if is_expert(p)], plan.edp, True),
+    ) if r.params and (r.group is not None or r.data_parallel)]
+    second_copy = {id(p) for p in tied if not stage.first}
+    plan.norm_params = [p for p in params if id(p) not in second_copy and
+                        (plan.ps.tp_rank == 0 or not getattr(p, "tp_replicated", False))]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -364,14 +413,18 @@ class _TPLinear(torch.autograd.Function):
         SP     forward all-gathers the input's sequence shards; only the local shard is saved and gathered
                again in backward; the input gradient is reduce-scattered, overlapped with the weight GEMM
         group None (row-parallel, or TP = 1): no communication
+
+    `gemm` runs the forward product: F.linear, or mixed_precision.fp8_linear with its per-tensor scales
+    agreed over the TP group (the shards of one weight, or of a row-parallel input, share one scale).
+    The backward is the same 16-bit arithmetic either way (FP8 forward, BF16 backward).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel):
+    def forward(ctx, x, weight, bias, group, sequence_parallel, gemm=F.linear):
         ctx.group, ctx.sp, ctx.has_bias = group, sequence_parallel and group is not None, bias is not None
         ctx.save_for_backward(x, weight)
         x_full = _all_gather_seq(x, group, "fwd") if ctx.sp else x
-        return F.linear(x_full, weight, bias)
+        return gemm(x_full, weight, bias)  # F.linear, or the FP8 forward GEMM (the backward stays 16-bit)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -387,41 +440,45 @@ class _TPLinear(torch.autograd.Function):
         grad_w = g2.t() @ x2  # computed while the input gradient travels
         grad_b = g2.sum(0) if ctx.has_bias else None
         wait()
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 class ColumnParallelLinear(nn.Module):
     """y_local = x W_local^T + b_local, W split by output rows. `parts` > 1 splits each of `parts` equal
     blocks of the output (Q, K and V) separately, so every rank gets whole heads of each."""
 
-    def __init__(self, name, d_in, d_out, plan, cfg, dtype, parts=1, std=0.02):
+    def __init__(self, name, d_in, d_out, plan, cfg, dtype, parts=1, std=0.02, fp8=False):
         super().__init__()
         t, r = _size(plan.tp), _rank(plan.tp)
-        self.plan = plan
+        self.plan, self.gemm = plan, _gemm(plan, fp8)
         w = full_init(name + ".weight", (d_out, d_in), std, cfg.seed, dtype)
         w = rearrange(w, "(parts t o) i -> parts t o i", parts=parts, t=t)[:, r]
         self.weight = nn.Parameter(rearrange(w, "parts o i -> (parts o) i").contiguous())
         self.bias = nn.Parameter(torch.zeros(d_out // t, dtype=dtype))
 
     def forward(self, x):
-        return _TPLinear.apply(x, self.weight, self.bias, self.plan.tp, self.plan.sequence_parallel)
+        return _TPLinear.apply(x, self.weight, self.bias, self.plan.tp, self.plan.sequence_parallel, self.gemm)
+
+
+def _gemm(plan, fp8):
+    return partial(mixed_precision.fp8_linear, amax_group=plan.tp) if fp8 else F.linear
 
 
 class RowParallelLinear(nn.Module):
     """y = reduce(x_local W_local^T) + b, W split by input columns; the bias is added once, after the sum
     (under SP to the sequence shard: its gradient is then partial over TP)."""
 
-    def __init__(self, name, d_in, d_out, plan, cfg, dtype, std=0.02):
+    def __init__(self, name, d_in, d_out, plan, cfg, dtype, std=0.02, fp8=False):
         super().__init__()
         t, r = _size(plan.tp), _rank(plan.tp)
-        self.plan = plan
+        self.plan, self.gemm = plan, _gemm(plan, fp8)
         w = full_init(name + ".weight", (d_out, d_in), std, cfg.seed, dtype)
         self.weight = nn.Parameter(w.chunk(t, dim=1)[r].contiguous())
         self.bias = nn.Parameter(torch.zeros(d_out, dtype=dtype))
         _tag([self.bias], tp_replicated=True, sequence_parallel=plan.sequence_parallel)
 
     def forward(self, x):
-        return self.plan.reduce_tp(_TPLinear.apply(x, self.weight, None, None, False)) + self.bias
+        return self.plan.reduce_tp(_TPLinear.apply(x, self.weight, None, None, False, self.gemm)) + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -494,14 +551,14 @@ class LayerNorm(nn.Module):
 class Block(nn.Module):
     """Pre-LN transformer block; the state it passes on is (hidden, running router loss)."""
 
-    def __init__(self, i, cfg, plan, dtype):
+    def __init__(self, i, cfg, plan, dtype, fp8=False):
         super().__init__()
         h, t = cfg.n_embd, _size(plan.tp)
         self.plan, self.heads = plan, cfg.n_head // t
         std_out = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2: scale the residual projections
         self.ln1 = LayerNorm(h, plan, dtype)
-        self.qkv = ColumnParallelLinear(f"h.{i}.attn.qkv", h, 3 * h, plan, cfg, dtype, parts=3)
-        self.proj = RowParallelLinear(f"h.{i}.attn.proj", h, h, plan, cfg, dtype, std=std_out)
+        self.qkv = ColumnParallelLinear(f"h.{i}.attn.qkv", h, 3 * h, plan, cfg, dtype, parts=3, fp8=fp8)
+        self.proj = RowParallelLinear(f"h.{i}.attn.proj", h, h, plan, cfg, dtype, std=std_out, fp8=fp8)
         self.ln2 = LayerNorm(h, plan, dtype)
         self.moe = None
         if cfg.is_moe(i):
@@ -513,8 +570,8 @@ class Block(nn.Module):
             _tag(self.moe.parameters(), tp_replicated=True, sequence_parallel=plan.tp is not None)
             _tag(self.moe.expert_params(), expert=True)
         else:
-            self.fc = ColumnParallelLinear(f"h.{i}.mlp.fc", h, 4 * h, plan, cfg, dtype)
-            self.out = RowParallelLinear(f"h.{i}.mlp.proj", 4 * h, h, plan, cfg, dtype, std=std_out)
+            self.fc = ColumnParallelLinear(f"h.{i}.mlp.fc", h, 4 * h, plan, cfg, dtype, fp8=fp8)
+            self.out = RowParallelLinear(f"h.{i}.mlp.proj", 4 * h, h, plan, cfg, dtype, std=std_out, fp8=fp8)
 
     def attention(self, x):
         q, k, v = rearrange(self.qkv(self.ln1(x)), "b s (three a d) -> three b a s d", three=3, a=self.heads)
@@ -542,12 +599,12 @@ class GPTStage(nn.Module):
     """The layers of one pipeline stage; the first stage embeds, the last one normalises and projects to
     the (vocabulary-sharded) logits with a copy of the token embedding (tied weights)."""
 
-    def __init__(self, cfg, plan, dtype=torch.float32):
+    def __init__(self, cfg, plan, dtype=torch.float32, fp8=False):
         super().__init__()
         self.cfg, self.plan = cfg, plan
         ps = plan.ps
         self.first, self.last = ps.is_first_stage, ps.is_last_stage
-        self.blocks = nn.ModuleList(Block(i, cfg, plan, dtype)
+        self.blocks = nn.ModuleList(Block(i, cfg, plan, dtype, fp8)
                                     for i in stage_layers(cfg.n_layer, ps.sizes["pp"], ps.pp_rank))
         if self.first:
             self.wte = VocabParallelEmbedding("wte", cfg.vocab_size, cfg.n_embd, plan, cfg, dtype)
@@ -663,10 +720,12 @@ class Pipeline:
         return buf.requires_grad_(True)
 
 
-def one_f_one_b(stage, pipe, micro_batches, tokens_per_micro_batch):
+def one_f_one_b(stage, pipe, micro_batches, tokens_per_micro_batch, loss_scale=1.0):
     """Forward and backward of every micro-batch with the 1F1B schedule. Returns this stage's summed LM loss
     (last stage), its summed router loss (each micro-batch's weighted by its global token count, as the LM
-    loss is a sum over tokens) and the peak number of micro-batches whose activations were alive at once."""
+    loss is a sum over tokens) and the peak number of micro-batches whose activations were alive at once.
+    `loss_scale` (FP16) multiplies the losses where each backward starts: the last stage's loss and every
+    stage's router loss; the gradients that travel between stages carry it from there."""
     ps = stage.plan.ps
     m = len(micro_batches)
     warmup = min(ps.sizes["pp"] - ps.pp_rank - 1, m)
@@ -689,9 +748,9 @@ def one_f_one_b(stage, pipe, micro_batches, tokens_per_micro_batch):
     def backward(grad_out):
         x, out, aux = in_flight.pop(0)
         if stage.last:
-            (out + aux).backward()
+            ((out + aux) * loss_scale).backward()
         elif aux.requires_grad:  # an MoE stage: its router loss starts its own backward here
-            torch.autograd.backward([out, aux], [grad_out, torch.ones_like(aux)])
+            torch.autograd.backward([out, aux], [grad_out, torch.full_like(aux, loss_scale)])
         else:
             torch.autograd.backward(out, grad_out)
         return None if x is None else x.grad
@@ -738,37 +797,31 @@ def synthetic_batch(step, batch, seq_len, vocab, seed=0):
 # One training step
 # ----------------------------------------------------------------------------------------------------
 
-def reduce_gradients(plan):
-    """Every SUM of the plan, one flat-bucket all-reduce each (grad_accum.py)."""
-    for _, params, group in plan.reductions:
-        grad_accum.sync_gradients(params, group)
-
-
-def train_step(stage, pipe, optimizer, tokens, micro_batch):
+def train_step(stage, pipe, optimizer, tokens, micro_batch, grad_clip=0.0):
+    """Forward and backward of the global batch (B, s + 1), the plan's gradient sums, one optimizer step.
+    Returns (LM loss, router loss, global gradient norm, whether the step was taken, 1F1B peak)."""
     plan = stage.plan
     device = next(stage.parameters()).device
     micro = plan.micro_batches(tokens, micro_batch, device)
-    loss_sum, aux_sum, peak = one_f_one_b(stage, pipe, micro, micro_batch * (tokens.shape[1] - 1))
-    reduce_gradients(plan)
+    loss_scale = optimizer.loss_scaler.scale if optimizer.loss_scaler is not None else 1.0
+    loss_sum, aux_sum, peak = one_f_one_b(stage, pipe, micro, micro_batch * (tokens.shape[1] - 1), loss_scale)
+    for r in plan.reductions:
+        if not r.data_parallel:  # the optimizer runs the data-parallel sums (and ZeRO's reduce-scatter)
+            optimizer.all_reduce_grads(r.params, r.group)
     # the one normalisation: every gradient is a sum over tokens; divide by the global batch's token count
     global_tokens = tokens.shape[0] * (tokens.shape[1] - 1)
-    if isinstance(optimizer, mixed_precision.MixedPrecisionOptimizer):
-        optimizer.step(grad_scale=1.0 / global_tokens)
-    else:
-        for p in stage.parameters():
-            if p.grad is not None:
-                p.grad.div_(global_tokens)
-        optimizer.step()
-    optimizer.zero_grad()
+    stepped, grad_norm = optimizer.step(grad_scale=1.0 / global_tokens, max_norm=grad_clip, norm_group=plan.world,
+                                        norm_params=plan.norm_params)
     # for the log: the LM loss from the last stage's first TP rank, the router loss from every stage's first
     # TP and CP rank (the other ranks of tp_cp hold the same value), each summed over the rest of the world
     ps = plan.ps
     counts_loss = ps.is_last_stage and ps.tp_rank == 0
     counts_aux = ps.tp_rank == 0 and ps.cp_rank == 0
     report = torch.stack([loss_sum * counts_loss, aux_sum * counts_aux])
-    dist.all_reduce(report)
+    if plan.world is not None:
+        dist.all_reduce(report)
     loss, aux = (report / global_tokens).tolist()
-    return loss, aux, peak
+    return loss, aux, grad_norm, stepped, peak
 
 
 def model_flops_per_token(cfg):
@@ -786,18 +839,24 @@ def model_flops_per_token(cfg):
 # Validation, set-up and the loop
 # ----------------------------------------------------------------------------------------------------
 
-def validate(cfg, world, tp, pp, cp, batch=None, micro_batch=1, ep=1, dtype=torch.float32,
-             sequence_parallel=False, cp_impl="ring", recompute="none"):
+DTYPES = ("float32", "bfloat16", "float16", "fp8", "float64")
+RECOMPUTE = ("none", "full", "sqrt", "selective")
+
+
+def validate(cfg, run, world):
     """Every shape the layout must divide, checked on every rank before any process group is created."""
+    tp, pp, cp, ep = run.tp, run.pp, run.cp, run.ep
     topology.validate_layout(world, tp, pp, cp, ep)
     dp = world // (tp * pp * cp)
-    zigzag = cp > 1 and cp_impl in ("ring", "allgather")
+    zigzag = cp > 1 and run.cp_impl in ("ring", "allgather")
     s_cp = cfg.seq_len // cp
-    token_split = tp > 1 and (sequence_parallel or cfg.moe_every > 0)
+    token_split = tp > 1 and (run.sequence_parallel or cfg.moe_every > 0)
     checks = [
-        (cp_impl not in CP_IMPLS, f"--cp-impl {cp_impl!r} is unknown; choose one of {sorted(CP_IMPLS)}"),
-        (recompute not in ("none", "full", "sqrt", "selective"),
-         f"--recompute {recompute!r} is unknown; choose none, full, sqrt or selective"),
+        (run.cp_impl not in CP_IMPLS, f"--cp-impl {run.cp_impl!r} is unknown; choose one of {sorted(CP_IMPLS)}"),
+        (run.recompute not in RECOMPUTE, f"--recompute {run.recompute!r} is unknown; choose one of {RECOMPUTE}"),
+        (run.dtype not in DTYPES, f"--dtype {run.dtype!r} is unknown; choose one of {DTYPES}"),
+        (run.zero not in (0, 1), f"--zero {run.zero} is unknown; choose 0 (replicated) or 1 (sharded optimizer)"),
+        (run.optimizer not in ("adamw", "sgd"), f"--optimizer {run.optimizer!r} is unknown; choose adamw or sgd"),
         (ep > 1 and cfg.moe_every == 0, f"--ep {ep} needs MoE layers: set --moe-every > 0"),
         (cfg.moe_every and cfg.n_experts % ep, f"--experts {cfg.n_experts} must be divisible by --ep {ep}"),
         (cfg.moe_every and not 1 <= cfg.top_k <= cfg.n_experts,
@@ -806,70 +865,83 @@ def validate(cfg, world, tp, pp, cp, batch=None, micro_batch=1, ep=1, dtype=torc
                            f"{[d for d in range(1, cfg.n_layer + 1) if cfg.n_layer % d == 0]}"),
         (cfg.n_embd % cfg.n_head, f"--hidden {cfg.n_embd} must be divisible by --heads {cfg.n_head}"),
         (cfg.n_head % tp, f"--heads {cfg.n_head} must be divisible by --tp {tp}"),
-        (cp > 1 and cp_impl == "ulysses" and (cfg.n_head // tp) % cp,
-         f"--cp-impl ulysses splits each TP rank's {cfg.n_head // max(tp, 1)} heads over --cp {cp}: choose --cp "
+        (cp > 1 and run.cp_impl == "ulysses" and (cfg.n_head // tp) % cp,
+         f"--cp-impl ulysses splits each TP rank's {cfg.n_head // tp} heads over --cp {cp}: choose --cp "
          f"dividing --heads/--tp, or --cp-impl ring"),
         (cfg.vocab_size % tp, f"--vocab {cfg.vocab_size} must be divisible by --tp {tp}; pad the vocabulary"),
         (zigzag and cfg.seq_len % (2 * cp),
-         f"--seq {cfg.seq_len} must be divisible by 2*cp = {2 * cp} (zigzag shards of --cp-impl {cp_impl})"),
+         f"--seq {cfg.seq_len} must be divisible by 2*cp = {2 * cp} (zigzag shards of --cp-impl {run.cp_impl})"),
         (cp > 1 and cfg.seq_len % cp, f"--seq {cfg.seq_len} must be divisible by --cp {cp}"),
         (token_split and s_cp % tp,
          f"--seq/--cp = {s_cp} must be divisible by --tp {tp}: sequence parallelism (and MoE layers under TP) "
          f"split each rank's tokens over TP"),
-        (batch is not None and batch % (dp * micro_batch),
-         f"--batch {batch} must be divisible by dp*micro_batch = {dp}*{micro_batch}"),
+        (run.batch % (dp * run.micro_batch),
+         f"--batch {run.batch} must be divisible by dp*micro_batch = {dp}*{run.micro_batch}"),
     ]
     for failed, message in checks:
         if failed:
             raise ValueError(message)
 
 
-def build(cfg, tp=1, pp=1, cp=1, dtype=torch.float32, recompute="none", optimizer="adamw", lr=3e-3,
-          micro_batch=1, batch=None, ep=1, sequence_parallel=False, cp_impl="ring"):
+def build(cfg, run):
+    """Process groups, the plan, this rank's stage of the model, its optimizer and its pipeline transfers."""
     _, world = topology.init_distributed()
-    validate(cfg, world, tp, pp, cp, batch, micro_batch, ep, dtype, sequence_parallel, cp_impl, recompute)
-    ps = topology.init_parallel(tp=tp, pp=pp, cp=cp, ep=ep, with_mesh=False)
-    plan = make_plan(ps, sequence_parallel, cp_impl, recompute)
+    validate(cfg, run, world)
+    ps = topology.init_parallel(tp=run.tp, pp=run.pp, cp=run.cp, ep=run.ep, with_mesh=False)
+    plan = make_plan(ps, run.sequence_parallel, run.cp_impl, run.recompute)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    stage = GPTStage(cfg, plan, dtype).to(device)
-    plan.reductions = plan_gradient_reductions(plan, stage)
-    opt_class = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[optimizer]
-    if dtype in (torch.bfloat16, torch.float16):  # FP32 masters
-        opt = mixed_precision.MixedPrecisionOptimizer(stage.parameters(), opt_class, lr=lr)
-    else:
-        opt = opt_class(stage.parameters(), lr=lr)
-    s_local = cfg.seq_len // cp // (tp if plan.sequence_parallel else 1)
-    pipe = Pipeline(plan, (micro_batch, s_local, cfg.n_embd), dtype, device)
+    stage = GPTStage(cfg, plan, run.param_dtype, fp8=run.dtype == "fp8").to(device)
+    plan_gradient_reductions(plan, stage)
+    opt = make_optimizer(stage, plan, run)
+    s_local = cfg.seq_len // run.cp // (run.tp if plan.sequence_parallel else 1)
+    pipe = Pipeline(plan, (run.micro_batch, s_local, cfg.n_embd), run.param_dtype, device)
     return plan, stage, opt, pipe
 
 
-def train(cfg, steps, batch, micro_batch=1, tp=1, pp=1, cp=1, dtype=torch.float32, recompute="none",
-          optimizer="adamw", lr=3e-3, metrics=None, peak_tflops=None, log=True, ep=1, sequence_parallel=False,
-          cp_impl="ring"):
+def make_optimizer(stage, plan, run):
+    """mixed_precision.py's optimizer for every dtype: gradients accumulate in FP32 (float64 in tests) from
+    the first micro-batch, the data-parallel sums are its shard groups (ZeRO-1 shards them), FP16 scales the
+    loss. AdamW decays the 2-D weights only (nanoGPT)."""
+    params = [p for p in stage.parameters() if p.requires_grad]
+    if run.optimizer == "adamw":
+        opt_class, defaults = torch.optim.AdamW, dict(lr=run.lr, betas=(0.9, 0.95))
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": run.weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    else:
+        opt_class, defaults, groups = torch.optim.SGD, dict(lr=run.lr), [{"params": params}]
+    scaler = mixed_precision.DynamicLossScaler() if run.dtype == "float16" else None
+    return mixed_precision.MixedPrecisionOptimizer(
+        [g for g in groups if g["params"]], opt_class, zero=run.zero, loss_scaler=scaler,
+        shard_groups=[(r.params, r.group) for r in plan.reductions if r.data_parallel],
+        master_dtype=run.master_dtype, **defaults)
+
+
+def train(cfg, run):
     """Train; returns one record per step (the metrics line)."""
-    plan, stage, opt, pipe = build(cfg, tp, pp, cp, dtype, recompute, optimizer, lr, micro_batch, batch, ep,
-                                   sequence_parallel, cp_impl)
+    plan, stage, opt, pipe = build(cfg, run)
     ps = plan.ps
     records = []
     flops_per_token = model_flops_per_token(cfg)
-    out = open(metrics, "w") if metrics and ps.rank == 0 else None
-    for step in range(steps):
+    out = open(run.metrics, "w") if run.metrics and ps.rank == 0 else None
+    for step in range(run.steps):
         t0 = time.perf_counter()
-        tokens = synthetic_batch(step, batch, cfg.seq_len, cfg.vocab_size, cfg.seed)
-        loss, aux, peak = train_step(stage, pipe, opt, tokens, micro_batch)
+        tokens = synthetic_batch(step, run.batch, cfg.seq_len, cfg.vocab_size, cfg.seed)
+        loss, aux, grad_norm, stepped, peak = train_step(stage, pipe, opt, tokens, run.micro_batch, run.grad_clip)
         dt = time.perf_counter() - t0
-        tokens_per_s = batch * cfg.seq_len / dt
-        record = {"step": step, "loss": loss, "aux_loss": aux, "lr": lr, "tokens_per_s": tokens_per_s,
-                  "step_time_s": dt, "in_flight_peak": peak, "tp": tp, "sp": plan.sequence_parallel, "pp": pp,
-                  "dp": ps.sizes["dp"], "cp": cp, "cp_impl": cp_impl if cp > 1 else None, "ep": ep,
-                  "recompute": recompute}
-        if peak_tflops:
-            record["mfu"] = flops_per_token * tokens_per_s / (peak_tflops * 1e12 * ps.world_size)
+        tokens_per_s = run.batch * cfg.seq_len / dt
+        record = {"step": step, "loss": loss, "aux_loss": aux, "lr": opt.param_groups[0]["lr"],
+                  "grad_norm": grad_norm, "tokens_per_s": tokens_per_s, "step_time_s": dt}
+        if run.peak_tflops:
+            record["mfu"] = flops_per_token * tokens_per_s / (run.peak_tflops * 1e12 * ps.world_size)
+        if not stepped:
+            record["skipped"] = True  # FP16 overflow: no update, the loss scale backed off
+        if step == 0:  # this rank's memory, from the live tensors
+            record.update(opt.memory_bytes(), in_flight_peak=peak)
         records.append(record)
         if out:
             out.write(json.dumps(record) + "\n")
             out.flush()
-        if log and ps.rank == 0:
+        if run.log and ps.rank == 0:
             print(json.dumps(record))
     if out:
         out.close()
@@ -896,9 +968,11 @@ def main():
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float64"], default="float32",
-                    help="bfloat16: BF16 parameters and activations, FP32 master weights")
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clipping (0: off)")
+    ap.add_argument("--optimizer", default="adamw", help="adamw | sgd")
+    ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | fp8 (| float64)")
+    ap.add_argument("--zero", type=int, default=0, help="1: shard master weights and optimizer states (ZeRO-1)")
     ap.add_argument("--recompute", default="none", help="none | full | sqrt | selective")
     ap.add_argument("--metrics", default="metrics.jsonl")
     ap.add_argument("--peak-tflops", type=float, default=None, help="per GPU, for MFU (H100 BF16 dense: 989)")
@@ -908,12 +982,11 @@ def main():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     cfg = GPTConfig(vocab_size=a.vocab, seq_len=a.seq, n_layer=a.layers, n_head=a.heads, n_embd=a.hidden,
                     seed=a.seed, moe_every=a.moe_every, n_experts=a.experts, top_k=a.top_k)
-    records = train(cfg, a.steps, a.batch, a.micro_batch, a.tp, a.pp, a.cp, getattr(torch, a.dtype), a.recompute,
-                    a.optimizer, a.lr, a.metrics, a.peak_tflops, ep=a.ep, sequence_parallel=a.sequence_parallel,
-                    cp_impl=a.cp_impl)
+    run = TrainConfig(**{f.name: getattr(a, f.name) for f in fields(TrainConfig) if hasattr(a, f.name)})
+    records = train(cfg, run)
     if dist.get_rank() == 0:
-        print(f"config {asdict(cfg)}: loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} in {a.steps} "
-              f"steps; metrics in {a.metrics}")
+        print(f"config {asdict(cfg)}: loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} in {run.steps} "
+              f"steps; metrics in {run.metrics}")
     dist.destroy_process_group()
 
 

@@ -18,11 +18,18 @@ BATCH, MICRO, STEPS = 12, 2, 3
 TOL = 1e-12
 
 
+def _run(**kwargs):
+    """The tests' run: float64 SGD (its update is proportional to the gradient, so a wrong gradient scale shows
+    in the next loss), global-norm clipping at 1.0 on (it engages on these steps: layouts must agree on the
+    norm too)."""
+    return train_gpt.TrainConfig(**{**dict(batch=BATCH, micro_batch=MICRO, steps=STEPS, dtype="float64",
+                                           optimizer="sgd", lr=0.5, log=False), **kwargs})
+
+
 def _train(rank, world, tp, pp, cp, cfg=CFG, **kwargs):
     """The (loss, aux_loss) curve of a float64 SGD run on this layout."""
     torch.set_default_dtype(torch.float64)
-    records = train_gpt.train(cfg, STEPS, BATCH, MICRO, tp, pp, cp, dtype=torch.float64, optimizer="sgd", lr=0.5,
-                              log=False, **kwargs)
+    records = train_gpt.train(cfg, _run(tp=tp, pp=pp, cp=cp, **kwargs))
     return [(r["loss"], r["aux_loss"]) for r in records]
 
 
@@ -87,9 +94,9 @@ def test_one_rank_is_the_plain_gpt(reference_losses):
 
 def _pipeline_peak(rank, world):
     torch.set_default_dtype(torch.float64)
-    plan, stage, opt, pipe = train_gpt.build(CFG, pp=world, micro_batch=1, dtype=torch.float64, optimizer="sgd")
+    plan, stage, opt, pipe = train_gpt.build(CFG, _run(pp=world, micro_batch=1, batch=8))
     tokens = train_gpt.synthetic_batch(0, 8, CFG.seq_len, CFG.vocab_size)
-    _, _, peak = train_gpt.train_step(stage, pipe, opt, tokens, micro_batch=1)
+    *_, peak = train_gpt.train_step(stage, pipe, opt, tokens, micro_batch=1)
     return plan.ps.pp_rank, peak
 
 
@@ -102,7 +109,7 @@ def test_1f1b_keeps_at_most_p_micro_batches_in_flight():
 def _bad_layout(rank, world, kwargs):
     import torch.distributed as dist
     try:
-        train_gpt.build(CFG, **kwargs)
+        train_gpt.build(CFG, _run(**kwargs))
     except ValueError as e:
         return str(e), dist.distributed_c10d._world.group_count  # 1: only the default group exists
 
@@ -111,6 +118,8 @@ def _bad_layout(rank, world, kwargs):
     (3, dict(pp=3), "--layers 4 must be divisible by --pp 3"),
     (3, dict(tp=3), "--heads 4 must be divisible by --tp 3"),
     (2, dict(cp=2, micro_batch=4, batch=6), "--batch 6 must be divisible by dp\\*micro_batch"),
+    (2, dict(dtype="float8"), "--dtype 'float8' is unknown"),
+    (2, dict(zero=2), "--zero 2 is unknown"),
     (3, dict(cp=3, cp_impl="ulysses"), "--cp-impl ulysses splits each TP rank's 4 heads over --cp 3"),
     (4, dict(tp=3), "world_size=4 is not divisible by tp\\*pp\\*cp"),
 ])
@@ -121,13 +130,12 @@ def test_bad_layout_raises_on_every_rank_before_any_group(world, kwargs, message
 
 
 def _train_dtype(rank, world, tp, pp, cp, dtype):
-    records = train_gpt.train(CFG, STEPS, BATCH, MICRO, tp, pp, cp, dtype=dtype, optimizer="sgd", lr=0.5, log=False)
-    return [r["loss"] for r in records]
+    return [r["loss"] for r in train_gpt.train(CFG, _run(tp=tp, pp=pp, cp=cp, dtype=dtype))]
 
 
 def test_bf16_with_fp32_masters_follows_the_fp32_curve():
-    fp32 = run_ranks(_train_dtype, 1, 1, 1, 1, torch.float32, timeout=120)[0]
-    bf16 = run_ranks(_train_dtype, 8, 2, 2, 1, torch.bfloat16, timeout=120)[0]  # TP=2, PP=2, DP=2
+    fp32 = run_ranks(_train_dtype, 1, 1, 1, 1, "float32", timeout=120)[0]
+    bf16 = run_ranks(_train_dtype, 8, 2, 2, 1, "bfloat16", timeout=120)[0]  # TP=2, PP=2, DP=2
     # BF16 activations round to 8 significant bits (2^-9 relative): measured 1.0e-5 relative from the FP32
     # curve, asserted at 1e-3. SGD moves the loss in proportion to the gradient (2.6% over these steps), so a
     # gradient scaled wrongly by the DP size (x2) would be off by ~0.6%, caught.
@@ -168,7 +176,7 @@ SHAPE = train_gpt.GPTConfig(vocab_size=32, seq_len=32, n_layer=4, n_head=4, n_em
 def _one_block(rank, world, sp):
     """Kept bytes of one dense block (float32) and the TP collectives of its forward and its backward."""
     cfg, b = SHAPE, 2
-    plan, stage, _, _ = train_gpt.build(cfg, tp=world, sequence_parallel=sp, micro_batch=b)
+    plan, stage, _, _ = train_gpt.build(cfg, _run(tp=world, sequence_parallel=sp, micro_batch=b, dtype="float32"))
     x = torch.randn(b, cfg.seq_len // (world if plan.sequence_parallel else 1), cfg.n_embd)
     train_gpt.comm_log.clear()
     kept, (y, _) = checkpointing.measure_kept_bytes(torch.nn.ModuleList(stage.blocks[:1]),
@@ -206,7 +214,7 @@ CFG_FLOPS = train_gpt.GPTConfig(vocab_size=32, seq_len=32, n_layer=2, n_head=4, 
 def _expert_flops(rank, world, sp):
     from torch.utils.flop_counter import FlopCounterMode
     cfg = CFG_FLOPS
-    plan, stage, _, _ = train_gpt.build(cfg, tp=world, sequence_parallel=sp, micro_batch=2)
+    plan, stage, _, _ = train_gpt.build(cfg, _run(tp=world, sequence_parallel=sp, dtype="float32"))
     s = cfg.seq_len // (world if plan.sequence_parallel else 1)
     x = torch.randn(2, s, cfg.n_embd, generator=torch.Generator().manual_seed(0)).requires_grad_(True)
     block = stage.blocks[0]
@@ -227,7 +235,7 @@ def test_expert_flops_per_tp_rank_are_one_over_tp(sp):
 
 def _stage_kept_bytes(rank, world):
     cfg = SHAPE
-    plan, stage, _, _ = train_gpt.build(cfg, tp=2, pp=2, micro_batch=2)
+    plan, stage, _, _ = train_gpt.build(cfg, _run(tp=2, pp=2, dtype="float32"))
     state = (torch.randn(2, cfg.seq_len, cfg.n_embd), torch.zeros((), dtype=torch.float64))
     return {policy: checkpointing.measure_kept_bytes(stage.blocks, state, policy)[0]
             for policy in ("none", "selective", "sqrt", "full")}

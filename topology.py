@@ -19,24 +19,86 @@ strides by TP*CP*DP ranks, i.e. across nodes. Experts are "folded" over the same
 `tp-ep-edp-pp` with `EP x EDP = CP x DP`, so EP groups are drawn from the data/context-parallel ranks of
 one (tp, pp) position, and EDP (expert data parallel) groups hold the replicas of one expert shard.
 
-Per-GPU memory for mixed-precision Adam without a sharded optimizer is 16 bytes per parameter held
-(2 bf16 weights + 2 bf16 gradients + 4 fp32 master + 4 + 4 Adam moments, ZeRO paper) plus activations;
-Korthikanti et al. 2022 give the activations of one transformer layer in 16-bit, with TP size t and
-sequence parallelism:
+The planner estimates, for every layout that divides the cluster and the model, the memory of one
+first-stage GPU and the time of one training step, chooses the knobs a practitioner chooses besides
+(TP, PP, CP) -- the recomputation (none, selective, full: the cheapest that fits), the micro-batch size b,
+the interleaved schedule's chunks per stage v, sequence parallelism (SP) and the distributed optimizer
+(ZeRO-1) -- ranks the layouts that fit by step time, and says why the winner wins. It models Megatron-LM
+(GPT, 4h MLP, tied embeddings, unfused attention core, 16-bit), the implementation Narayanan et al. 2021
+measured. Notation: s b h a L V t p c d as usual, m = B / (d b) micro-batches per pipeline, M = b s / c
+tokens per GPU, n = d c the gradient-reduction group.
 
-    no recomputation            s b h / t * (34 + 5 a s / h)   bytes
-    selective (attention core)  s b h / t *  34
-    full (keep the layer input) s b h / t *   2
+Memory of one first-stage GPU (fits when <= 0.9 x GPU memory: CUDA context, allocator, buffers):
+    parameters   ((12 h^2 + 13 h) L/p + V h) / t + s h            (embedding on stage 0, positions not split)
+    states       2 + 2 + 16 bytes per parameter (16-bit weight, 16-bit gradient, fp32 master, Adam moments
+                 and fp32 gradient copy: Megatron-LM's accounting); ZeRO-1: 4 + 16 / n
+    activations  per layer and micro-batch, Korthikanti et al. 2022 (s -> s/c under CP):
+                   SP      none s b h/t (34 + 5as/h)       selective 34 s b h/t        full 2 s b h/t
+                   no SP   none s b h (10 + 24/t + 5as/(ht)) selective s b h (10 + 24/t) full 2 s b h
+                 x L/p layers x the micro-batches in flight on stage 0: 1F1B p (GPipe would keep m),
+                 interleaved p + (p-1)/v (Korthikanti section 4.2.3), never more than m; plus one layer in
+                 full while it is recomputed, the embedding's dropout mask (s b h / t per micro-batch in
+                 flight), and with p = 1 the fp32 logits 4 s b V / t.
 
-and under 1F1B the first stage holds min(p, m) micro-batches of them. Communication per GPU per layer
-per micro-batch (forward; backward the same again, e = 2 bytes): TP+SP `4 (t-1)/t b s h e` on NVLink,
-PP `b s h e / t` point to point, CP ring `2 (c-1)/c b s h e / t`, DP `2 (d-1)/d` of the gradient bytes
-once per step. The planner below adds these up for every layout that divides the cluster, ranks the ones
-that fit in memory by estimated step time, and says why the winner wins.
+Time of one layer's forward for one micro-batch on one GPU (measured constants below):
+    GEMMs        QKV (M, h, 3h/t), projection (M, h/t, h), MLP (M, h, 4h/t), (M, 4h/t, h):
+                 2 M N K / (peak e(x)), e(x) = e_max x / (x + x0), x = min(M, N, K): every output tile pays
+                 a fixed prologue/epilogue and small M or N leave SMs idle in the last wave (NVIDIA,
+                 "Matrix Multiplication Background", tile and wave quantisation), so TP, which divides N or
+                 K by t, makes the GEMMs less efficient
+    attention    the s x s scores of a/t heads (n_s = b a s^2 / (t c)): max(4 (h/a) n_s / (peak e_max),
+                 13 n_s / HBM): QK^T writes them, the fused softmax and the dropout read and write them,
+                 AV reads them (memory-bound for head sizes below ~300 on A100 and H100)
+    elementwise  M h (22 / t_SP + 16 / t) / HBM bytes: 2 LayerNorms and 2 fused bias-dropout-adds (22,
+                 split t ways only with SP), the fused bias-GeLU on 4h/t (16); plus 20 kernel launches
+    TP           2 all-reduces (SP: all-gather + reduce-scatter, the same bytes) of M h 16-bit values:
+                 2 (2 (t-1)/t M h e / B + latency), B the NVLink bus bandwidth (a TP group given across
+                 nodes, k GPUs per node: k NICs' worth)
+    CP ring      K and V shards (2 M h / t values) passed c-1 times; backward 2c-1 times (K, V and dK, dV);
+                 each step also pays a collective latency and 3 kernel launches, and each later block
+                 merges its partial output into the fp32 accumulator (12 bytes per output element)
+    backward = 2 x the forward's work with the same TP collectives; full recomputation adds the forward,
+    selective the attention core; the output layer (last stage): 3 GEMMs (M, h, V/t) and a 48-byte fp32
+    cross-entropy per logit; a stage = its L/p layers, the output layer (the last stage is the slowest) and
+    2v pipeline exchanges of M h / t values (scatter-gather: each TP rank sends 1/t, then without SP an
+    all-gather over NVLink) plus p2p latency each.
+Step time = m x stage (compute + TP + CP + p2p) + bubble (p-1)/v x stage + gradient reduction (ring:
+2 (n-1)/n of 2 bytes per parameter; ZeRO-1: reduce-scatter + all-gather, the same bytes; across nodes a
+group with k members per node moves k NICs' worth, NCCL runs one ring per NIC) + the tied embedding's
+all-reduce between first and last stage + the optimizer step (48 bytes of HBM traffic per parameter
+updated, / n with ZeRO-1).
+
+What overlaps compute, as Megatron-LM does it: the CP ring's exchanges hide behind the attention core (only
+the excess counts); the gradient reduction hides behind the last micro-batch's backward only with
+`overlap_grad_reduce` (torch DDP, Megatron-Core's --overlap-grad-reduce; not Megatron-LM's 2021 "local"
+DDP, which Table 1's pipelined runs used). Not overlapped: TP collectives (each feeds the next GEMM;
+Megatron-Core's --tp-comm-overlap is not modelled), pipeline exchanges (the 2021 schedule blocks on each
+batch_isend_irecv and synchronises), the embedding all-reduce, the optimizer step.
+
+Constants (flags of `plan`; presets `--gpu a100|h100|h200`). A100 80 GB: peak 312 TFLOP/s (datasheet),
+HBM 1730 GB/s achieved (85% of 2039), NVLink all-reduce bus bandwidth 230 GB/s (nccl-tests, DGX A100, of
+300), InfiniBand 23 GB/s per GPU (HDR 25), 4 us per kernel launch, 10 us per collective, 50 us per
+pipeline exchange, x0 = 128 (one tile edge of the A100 GEMM kernels) and e_max = 0.71, chosen once: with
+x0 fixed, the e_max in 0.60..0.90 (steps of 0.01) that minimises the largest error over the ten rows of
+Narayanan et al. 2021, Table 1 (`python topology.py calibrate`); worst error -5.3% (the 1T run), all
+rows within 5.3%. H100 / H200: peak 989, HBM 2850 / 4080 (85% of 3350 / 4800), NVLink 360 (of 450), NDR
+45 GB/s (of 50), memory 80 / 141 GB; e_max and x0 carried over from A100, not calibrated (no published
+table with its configurations).
+
+Against Table 1 (`python topology.py calibrate`): every published run fits in 80 GB (full recomputation,
+at most 62 GB); the predicted TFLOP/s per GPU are within 5.3% of the measured ones on all ten rows. With the
+authors' software (full recomputation, no SP, ZeRO or CP; the planner picks b and v), the published (TP, PP)
+is the planner's top choice in 6 rows and within 5% of its step time in 8; for 18.4B and 39.1B it prefers
+(2, 4) and (2, 8), 14% and 12% faster: the same model-parallel size, less exposed TP traffic. With every
+knob (ZeRO-1 and SP let smaller TP fit) it moves further from the 2021 layouts.
+
+TFLOP/s per GPU are counted as Narayanan et al. count them, 96 B s L h^2 (1 + s/6h + V/16Lh) per step
+(every layer 4 x its forward, as with full recomputation), divided by step time and GPUs, whatever the plan
+recomputes: a throughput in Table 1's units. `mfu` uses the model FLOPs, 72 B s L h^2 (1 + s/6h + V/12Lh).
 
 Run `python topology.py --help`; `python topology.py --nodes 8 --gpus-per-node 8 --tp 8 --pp 4` draws
-the rank map; `python topology.py plan ...` plans; `python topology.py example` compares the chapter's
-two 64-GPU plans on two model shapes.
+the rank map; `python topology.py plan ...` plans; `python topology.py calibrate` prints Table 1 beside the
+planner; `python topology.py example` compares the chapter's two 64-GPU plans on two model shapes.
 """
 import argparse
 import itertools
@@ -45,7 +107,7 @@ import math
 import os
 import sys
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -282,42 +344,101 @@ def rank_map(nodes, gpus_per_node, tp=1, pp=1, cp=1, ep=1):
 
 
 # ----------------------------------------------------------------------------------------------------
-# The planner: memory and step time of every layout, from the published formulas
+# The planner: memory and step time of Megatron-LM training, from published formulas and measured constants
 # ----------------------------------------------------------------------------------------------------
 
-# Defaults describe an A100/H100-class node of 8 GPUs with 80 GB each.
-DEFAULT_GPU_MEM_GB = 80
-DEFAULT_NVLINK_GBPS = 300   # GB/s one direction per GPU: A100 NVLink 3 is 600 GB/s bidirectional
-DEFAULT_IB_GBPS = 25        # GB/s per GPU: one 200 Gb/s HDR InfiniBand NIC per GPU (DGX A100)
-DEFAULT_PEAK_TFLOPS = 312   # A100 dense BF16 tensor-core peak (NVIDIA A100 datasheet)
-COMPUTE_EFFICIENCY = 0.5    # achieved/peak for large GEMM-bound training; Narayanan et al. 2021 reach 52%
-MEMORY_HEADROOM = 0.9       # usable fraction of GPU memory: CUDA context, allocator fragmentation, buffers
-BYTES_PER_PARAM_STATES = 16  # 2 bf16 weight + 2 bf16 grad + 4 fp32 master + 4 + 4 Adam moments (ZeRO paper)
-ACT_BYTES = 2               # 16-bit activations and gradients on the wire
 GB = 1e9
+MEMORY_HEADROOM = 0.9       # usable fraction of GPU memory: CUDA context, allocator fragmentation, buffers
+ACT_BYTES = 2               # 16-bit activations and gradients on the wire
+GRAD_BYTES = 2              # gradients reduced in 16 bits (Table 1 ran fp16 with fp16 gradient buffers)
+# Model states per parameter (Megatron-LM's accounting, FORMULAS.md): 16-bit weight, 16-bit gradient, and 16 bytes
+# of optimizer state: fp32 master weight, Adam's two fp32 moments and the fp32 copy of the gradient. The ZeRO
+# paper's 16 bytes leave out that gradient copy. A distributed optimizer (ZeRO-1) shards the 16 over DP x CP.
+STATE_BYTES = {"weights": 2, "grads": 2, "optimizer": 16}
+# HBM traffic of the kernels that are not GEMMs, counted from Megatron-LM's fused kernels, in bytes per element:
+LAYERNORM_DROPOUT_BYTES = 22  # per element of b s h, one layer forward: 2 LayerNorms (read + write, 4 each) and
+#                               2 fused bias-dropout-adds (read 2 tensors, write 1, a 1-byte mask: 7 each);
+#                               replicated over TP without sequence parallelism, split t ways with it
+GELU_BYTES = 16               # per element of b s h: fused bias-GeLU reads and writes the 4h/t MLP activation
+SCORE_BYTES = 13              # per attention score: QK^T writes it (2), fused softmax reads and writes (4),
+#                               dropout reads, writes and keeps a 1-byte mask (5), AV reads it (2)
+RING_MERGE_BYTES = 12        # per element of the attention output (b s h / (t cp)), per CP ring step: read the
+#                               16-bit partial output (2), read and write the fp32 accumulator (8), the
+#                               log-sum-exp rescaling (2)
+LOSS_BYTES = 48               # per logit: the fp32 vocab-parallel cross-entropy, forward (30) and backward (18)
+OPTIMIZER_STEP_BYTES = 48     # per parameter updated: grad to fp32 (6), unscale and check (8), norm (4),
+#                               Adam (read p g m v, write p m v: 28), master back to 16 bits (6)
+KERNELS_PER_LAYER = 20        # kernels in one layer's forward (4 GEMMs, 2 batched GEMMs, 2 LayerNorms, softmax,
+#                               dropout, GeLU, 2 bias-dropout-adds, 2 TP collectives, copies); backward twice that
+MAX_MICRO_BATCH = 16          # the search tries micro-batch sizes up to this (Table 1 uses 1 to 16)
+MAX_VIRTUAL_STAGES = 8        # and interleaved schedules of up to this many model chunks per GPU
+
+# Per GPU: datasheet peak, achieved bandwidths, the GEMM efficiency curve (e_max = `efficiency`, x0 =
+# `gemm_half_dim`), fixed costs per kernel launch, TP collective and pipeline exchange. Sources and how e_max
+# was chosen: the module docstring. H100 and H200 carry the A100's e_max and x0 over (not calibrated).
+GPU_PRESETS = {
+    "a100": dict(gpu_mem_gb=80, peak_tflops=312, hbm_gbps=1730, nvlink_gbps=230, ib_gbps=23,
+                 efficiency=0.71, gemm_half_dim=128, launch_us=4, collective_latency_us=10, p2p_latency_us=50),
+    "h100": dict(gpu_mem_gb=80, peak_tflops=989, hbm_gbps=2850, nvlink_gbps=360, ib_gbps=45,
+                 efficiency=0.71, gemm_half_dim=128, launch_us=4, collective_latency_us=10, p2p_latency_us=50),
+    "h200": dict(gpu_mem_gb=141, peak_tflops=989, hbm_gbps=4080, nvlink_gbps=360, ib_gbps=45,
+                 efficiency=0.71, gemm_half_dim=128, launch_us=4, collective_latency_us=10, p2p_latency_us=50),
+}
+_A100 = GPU_PRESETS["a100"]
+DEFAULT_GPU_MEM_GB = _A100["gpu_mem_gb"]
+DEFAULT_NVLINK_GBPS = _A100["nvlink_gbps"]
+DEFAULT_IB_GBPS = _A100["ib_gbps"]
+DEFAULT_PEAK_TFLOPS = _A100["peak_tflops"]
+COMPUTE_EFFICIENCY = _A100["efficiency"]
 
 
 @dataclass
 class Cluster:
+    """The machine and the implementation's overlap. Defaults: DGX A100 80 GB nodes on HDR InfiniBand running
+    Megatron-LM as in Table 1; `Cluster.for_gpu("h100", gpus)` takes another preset."""
     gpus: int
     gpus_per_node: int = 8
-    gpu_mem_gb: float = DEFAULT_GPU_MEM_GB
-    nvlink_gbps: float = DEFAULT_NVLINK_GBPS
-    ib_gbps: float = DEFAULT_IB_GBPS
-    peak_tflops: float = DEFAULT_PEAK_TFLOPS
-    efficiency: float = COMPUTE_EFFICIENCY
+    gpu_mem_gb: float = _A100["gpu_mem_gb"]
+    nvlink_gbps: float = _A100["nvlink_gbps"]
+    ib_gbps: float = _A100["ib_gbps"]
+    peak_tflops: float = _A100["peak_tflops"]
+    efficiency: float = _A100["efficiency"]
+    gemm_half_dim: float = _A100["gemm_half_dim"]
+    hbm_gbps: float = _A100["hbm_gbps"]
+    launch_us: float = _A100["launch_us"]
+    collective_latency_us: float = _A100["collective_latency_us"]
+    p2p_latency_us: float = _A100["p2p_latency_us"]
+    # the gradient reduction overlaps the backward of the last micro-batch (True: torch DDP, Megatron-Core's
+    # --overlap-grad-reduce) or runs after it (False: Megatron-LM's 2021 "local" DDP); "without_pp": overlapped
+    # only when PP = 1, as in 2021, when Megatron-LM could use torch DDP only without a pipeline (Table 1)
+    overlap_grad_reduce: object = False
+
+    @classmethod
+    def for_gpu(cls, gpu, gpus, **overrides):
+        if gpu not in GPU_PRESETS:
+            raise ValueError(f"gpu={gpu!r} is unknown; choose one of {sorted(GPU_PRESETS)} or pass every constant")
+        return cls(gpus=gpus, **{**GPU_PRESETS[gpu], **overrides})
+
+
+RECOMPUTE_POLICIES = ("none", "selective", "full")  # cheapest first
 
 
 @dataclass
 class ModelShape:
+    """A GPT (4h MLP, learned positions, tied embeddings) and a global batch. The knobs `micro_batch`,
+    `recompute`, `sequence_parallel`, `zero` and `virtual_stages` are fixed when given and chosen by the
+    planner when None."""
     layers: int
     hidden: int
     heads: int
     seq: int
     vocab: int
     global_batch: int  # sequences per optimizer step
-    micro_batch: int = 1
-    recompute: str = "none"  # none | selective | full
+    micro_batch: int = None
+    recompute: str = None          # none | selective | full
+    sequence_parallel: bool = None
+    zero: bool = None              # distributed optimizer (ZeRO-1) over the DP x CP ranks
+    virtual_stages: int = None     # model chunks per GPU of the interleaved 1F1B schedule (1: plain 1F1B)
 
 
 def parameter_count(m):
@@ -326,115 +447,369 @@ def parameter_count(m):
 
 
 def params_on_first_stage(m, tp, pp):
-    """Parameters held by one GPU of the first stage: L/p layers and the embeddings, all split t ways
-    (the few replicated LayerNorm weights and biases, < 0.1%, are counted as split)."""
-    return ((12 * m.hidden ** 2 + 13 * m.hidden) * (m.layers // pp) + (m.vocab + m.seq) * m.hidden) / tp
+    """Parameters held by one GPU of the first stage: L/p layers and the token embedding split t ways, the
+    position embedding whole (Megatron-LM does not split it; the few replicated LayerNorm weights, < 0.1%,
+    are counted as split). The last stage holds the tied output embedding instead: the same count."""
+    h = m.hidden
+    return ((12 * h * h + 13 * h) * (m.layers // pp) + m.vocab * h) / tp + m.seq * h
 
 
-def activation_bytes_per_layer(m, tp, cp):
-    """Korthikanti et al. 2022 (16-bit, sequence parallel inside TP), with the sequence split cp ways."""
-    s, b, h, a = m.seq // cp, m.micro_batch, m.hidden, m.heads
-    if m.recompute == "full":
-        return 2 * s * b * h / tp
-    if m.recompute == "selective":
-        return 34 * s * b * h / tp
-    return s * b * h / tp * (34 + 5 * a * s / h)
-
-
-def training_flops(m):
-    """FLOPs of one step over the global batch: 3 x forward (Narayanan et al.), plus the recomputed forward.
-    Forward = 24 B s L h^2 (1 + s/(6h)) for the layers + 2 B s h V for the logits; so 72(...) without and
-    96 B s L h^2 (1 + s/(6h) + V/(16 L h)) with full recomputation. Selective redoes only the attention
-    core: QK^T and AV, 4 B s^2 h per layer."""
+def paper_flops(m):
+    """FLOPs of one step as Narayanan et al. 2021 count them (their Table 1's TFLOP/s): every layer 4 x its
+    forward (forward, backward 2x, the recomputed forward), the logits 3 x: 96 B s L h^2 (1 + s/6h + V/16Lh)."""
     B, s, L, h, V = m.global_batch, m.seq, m.layers, m.hidden, m.vocab
-    layers_fwd = 24 * B * s * L * h * h * (1 + s / (6 * h))
-    logits_fwd = 2 * B * s * h * V
-    extra = {"none": 0, "selective": 4 * B * s * s * h * L, "full": layers_fwd}[m.recompute]
-    return 3 * (layers_fwd + logits_fwd) + extra
+    return 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
 
 
-def _link_gbps(intra_node, cluster):
-    return cluster.nvlink_gbps if intra_node else cluster.ib_gbps
+def model_flops(m):
+    """FLOPs of one step without recomputation (Korthikanti et al. 2022's model FLOPs, for MFU):
+    72 B s L h^2 (1 + s/6h + V/12Lh)."""
+    B, s, L, h, V = m.global_batch, m.seq, m.layers, m.hidden, m.vocab
+    return 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
 
 
-def estimate(cluster, m, tp, pp, cp):
-    """Memory and step-time terms of one layout. Every term is one published formula; see module docstring."""
-    world = cluster.gpus
-    dp = validate_layout(world, tp, pp, cp)
+def training_flops(m, recompute=None):
+    """Hardware FLOPs of one step: model FLOPs plus what the recomputation redoes: full redoes each layer's
+    forward, 24 B s L h^2 (1 + s/6h) (giving the 96 formula); selective redoes the attention core, 4 B s^2 h L."""
+    recompute = recompute or m.recompute or "none"
+    B, s, L, h = m.global_batch, m.seq, m.layers, m.hidden
+    extra = {"none": 0, "selective": 4 * B * s * s * h * L,
+             "full": 24 * B * s * L * h * h * (1 + s / (6 * h))}[recompute]
+    return model_flops(m) + extra
+
+
+def activation_bytes_per_layer(m, tp, cp, recompute=None, micro_batch=None, sequence_parallel=None):
+    """Korthikanti et al. 2022, 16-bit, one layer, one micro-batch, the sequence split cp ways:
+    without SP  none s b h (10 + 24/t + 5as/(ht)), selective s b h (10 + 24/t), full 2 s b h;
+    with SP     none s b h/t (34 + 5as/h),        selective 34 s b h/t,       full 2 s b h/t.
+    Knobs not given come from `m` (then: no recomputation, micro-batch 1, SP on)."""
+    recompute = recompute or m.recompute or "none"
+    b = micro_batch or m.micro_batch or 1
+    if sequence_parallel is None:
+        sequence_parallel = m.sequence_parallel is not False
+    s_local, s, h, a, t = m.seq // cp, m.seq, m.hidden, m.heads, tp
+    sbh = s_local * b * h
+    scores = 5 * a * s / (h * t)
+    if sequence_parallel:
+        return {"none": sbh / t * (34 + scores * t), "selective": 34 * sbh / t, "full": 2 * sbh / t}[recompute]
+    return {"none": sbh * (10 + 24 / t + scores), "selective": sbh * (10 + 24 / t), "full": 2 * sbh}[recompute]
+
+
+# ---- where each group lives ---------------------------------------------------------------------------
+
+def _members_per_node(stride, size, gpus, gpus_per_node):
+    """Ranks of one group (base + stride * k, k < size) that share a node; `size` when the group never leaves
+    a node. Exact when the group's span divides the node or is a multiple of it (the usual powers of two);
+    otherwise some groups straddle a node boundary and the group counts as crossing."""
+    span = stride * size
+    if gpus <= gpus_per_node or (span <= gpus_per_node and gpus_per_node % span == 0):
+        return size
+    return max(1, min(size - 1, gpus_per_node // stride))
+
+
+def layout_locality(cluster, tp, pp, cp, dp):
+    """Members per node of one group of each kind, by arithmetic on the rank formula (no group lists: planning
+    16,384 GPUs must not build 16,384-rank groups for every candidate)."""
+    g, n = cluster.gpus_per_node, cluster.gpus
+    per_node = {"tp": _members_per_node(1, tp, n, g), "cp": _members_per_node(tp, cp, n, g),
+                "dp_cp": _members_per_node(tp, cp * dp, n, g), "pp": _members_per_node(tp * cp * dp, pp, n, g)}
+    sizes = {"tp": tp, "cp": cp, "dp_cp": cp * dp, "pp": pp}
+    return per_node, {k: per_node[k] == sizes[k] for k in per_node}
+
+
+def _bus_gbps(cluster, members_per_node, size):
+    """Achieved ring bandwidth of a collective: NVLink inside a node; across nodes NCCL runs one ring per NIC,
+    so a group with k members per node moves k NICs' worth (capped by NVLink)."""
+    if members_per_node >= size:
+        return cluster.nvlink_gbps
+    return min(cluster.nvlink_gbps, members_per_node * cluster.ib_gbps)
+
+
+# ---- time of one layer on one GPU ----------------------------------------------------------------------
+
+def gemm_efficiency(cluster, x):
+    """Fraction of peak reached by a GEMM whose smallest dimension (M, N or K) is x: e_max x / (x + x0).
+    Each output tile pays a fixed prologue/epilogue worth about x0 steps of its K loop, and small M or N leave
+    SMs idle in the last wave (NVIDIA, "Matrix Multiplication Background": tile and wave quantisation);
+    both penalties behave like x / (x + x0). TP divides N or K by t, so TP makes every GEMM less efficient."""
+    return cluster.efficiency * x / (x + cluster.gemm_half_dim)
+
+
+def gemm_seconds(cluster, M, N, K):
+    return 2 * M * N * K / (cluster.peak_tflops * 1e12 * gemm_efficiency(cluster, min(M, N, K)))
+
+
+def layer_forward(cluster, m, tp, cp, b, sp, lay):
+    """Seconds of one layer's forward on one GPU for one micro-batch of b sequences, by kind."""
+    h, a, s, t = m.hidden, m.heads, m.seq, tp
+    tokens = b * s // cp
+    hbm = cluster.hbm_gbps * GB
+    gemms = (gemm_seconds(cluster, tokens, h, 3 * h // t) + gemm_seconds(cluster, tokens, h // t, h)
+             + gemm_seconds(cluster, tokens, h, 4 * h // t) + gemm_seconds(cluster, tokens, 4 * h // t, h))
+    # attention core (unfused, as in Korthikanti's activation count): the s x s scores of a/t heads; with CP
+    # this GPU's s/cp queries against all s keys. Memory-bound for head sizes up to ~300 on A100 and H100.
+    scores = b * (a // t) * (s // cp) * s
+    attention = max(4 * (h // a) * scores / (cluster.peak_tflops * 1e12 * cluster.efficiency),
+                    SCORE_BYTES * scores / hbm)
+    replicated = t if sp else 1  # sequence parallelism splits LayerNorm and dropout t ways
+    elementwise = (tokens * h * (LAYERNORM_DROPOUT_BYTES / replicated + GELU_BYTES / t) / hbm
+                   + KERNELS_PER_LAYER * cluster.launch_us * 1e-6)
+    # TP: 2 all-reduces of b s h (or all-gather + reduce-scatter with SP: the same bytes), exposed: Megatron-LM
+    # issues them between the GEMMs that need their results
+    tp_comm = 0.0
+    if t > 1:
+        bus = _bus_gbps(cluster, lay.per_node["tp"], t)
+        tp_comm = 2 * (2 * (t - 1) / t * tokens * h * ACT_BYTES / (bus * GB) + cluster.collective_latency_us * 1e-6)
+    # CP ring: K and V shards (2 b s h / (t cp) elements) passed cp - 1 times forward; backward passes them
+    # again and returns dK, dV cp times. The ring overlaps each exchange with the previous block's attention
+    # (Megatron-Core / Transformer Engine), so only what exceeds the attention core is exposed. Each step also
+    # pays a latency and the launches of its partial attention and rescaling kernels (3), and each of the cp - 1
+    # later blocks merges its partial output into the fp32 accumulator (forward; twice in the backward: dQ, and
+    # dK dV travelling with the ring)
+    cp_fwd = cp_bwd = 0.0
+    if cp > 1:
+        kv = 2 * tokens * h / t * ACT_BYTES
+        link = (cluster.nvlink_gbps if lay.local["cp"] else cluster.ib_gbps) * GB
+        per_step = cluster.collective_latency_us * 1e-6 + 3 * cluster.launch_us * 1e-6
+        merge = RING_MERGE_BYTES * tokens * h / t / hbm
+        cp_fwd = max(0.0, (cp - 1) * kv / link - attention) + (cp - 1) * (per_step + merge)
+        cp_bwd = max(0.0, (2 * cp - 1) * kv / link - 2 * attention) + (2 * cp - 1) * per_step + 2 * (cp - 1) * merge
+    return {"gemm": gemms, "attention": attention, "elementwise": elementwise, "tp": tp_comm,
+            "cp_fwd": cp_fwd, "cp_bwd": cp_bwd}
+
+
+def layer_step(f, recompute):
+    """One layer, one micro-batch: forward, backward (2x the forward's work, the same TP collectives), and
+    what the recomputation redoes (full: the whole forward; selective: the attention core)."""
+    work = f["gemm"] + f["attention"] + f["elementwise"]
+    compute = 3 * work + {"none": 0.0, "selective": f["attention"], "full": work}[recompute]
+    tp = (3 if recompute == "full" else 2) * f["tp"]
+    cp = (1 if recompute == "none" else 2) * f["cp_fwd"] + f["cp_bwd"]
+    return compute, tp, cp
+
+
+def output_layer_seconds(cluster, m, tp, cp, b):
+    """Logits (forward + backward, never recomputed: 3 x 2 b s h V/t FLOPs) and the fp32 cross-entropy."""
+    tokens = b * m.seq // cp
+    return (3 * gemm_seconds(cluster, tokens, m.hidden, m.vocab // tp)
+            + LOSS_BYTES * tokens * m.vocab / tp / (cluster.hbm_gbps * GB))
+
+
+def p2p_exchange_seconds(cluster, m, tp, cp, b, sp, pp_local):
+    """One activation (or its gradient) between neighbouring stages: b s h/(t cp) elements per GPU over the
+    link (Megatron-LM's scatter-gather: each TP rank sends 1/t), then without SP an all-gather over NVLink."""
+    elements = b * m.seq // cp * m.hidden
+    link = cluster.nvlink_gbps if pp_local else cluster.ib_gbps
+    seconds = cluster.p2p_latency_us * 1e-6 + elements / tp * ACT_BYTES / (link * GB)
+    if not sp and tp > 1:
+        seconds += (tp - 1) / tp * elements * ACT_BYTES / (cluster.nvlink_gbps * GB)
+    return seconds
+
+
+# ---- memory of one first-stage GPU -------------------------------------------------------------------
+
+def in_flight_microbatches(pp, v, micro_batches):
+    """Micro-batches whose activations stage 0 holds at the peak: 1F1B keeps p (GPipe would keep m); the
+    interleaved schedule keeps p (1 + (p-1)/(p v)) (Korthikanti et al. 2022, section 4.2.3), never more than m."""
+    if v == 1:
+        return min(pp, micro_batches)
+    return min(float(micro_batches), pp + (pp - 1) / v)
+
+
+def first_stage_memory(cluster, m, tp, pp, cp, dp, b, v, recompute, sp, zero, micro_batches):
+    """(parameters held, micro-batches in flight, GB by kind) of one GPU of the first stage."""
+    params = params_on_first_stage(m, tp, pp)
+    shard = dp * cp if zero else 1
+    layer = activation_bytes_per_layer(m, tp, cp, recompute, b, sp)
+    in_flight = in_flight_microbatches(pp, v, micro_batches)
+    s_local = m.seq // cp
+    # the layer being recomputed in the backward holds its activations in full for one micro-batch
+    working = {"none": 0.0, "selective": 5 * m.heads * s_local * m.seq * b / tp,
+               "full": activation_bytes_per_layer(m, tp, cp, "none", b, sp)}[recompute]
+    embedding = s_local * b * m.hidden / (tp if sp else 1) * in_flight  # embedding dropout mask (Korthikanti)
+    logits = 4 * s_local * b * m.vocab / tp if pp == 1 else 0.0          # fp32 logits: stage 0 is also the last
+    mem = {"weights_gb": STATE_BYTES["weights"] * params / GB,
+           "grads_gb": STATE_BYTES["grads"] * params / GB,
+           "optimizer_gb": STATE_BYTES["optimizer"] * params / shard / GB,
+           "activations_gb": ((m.layers // pp) * layer * in_flight + working + embedding + logits) / GB}
+    return params, in_flight, mem
+
+
+# ---- one configuration, then the search ------------------------------------------------------------
+
+def _check_layout(cluster, m, tp, pp, cp):
+    dp = validate_layout(cluster.gpus, tp, pp, cp)
     if m.layers % pp:
         raise ValueError(f"layers={m.layers} is not divisible by pp={pp}; choose pp among {_divisors(m.layers)}")
     if m.heads % tp:
         raise ValueError(f"heads={m.heads} is not divisible by tp={tp}; choose tp among {_divisors(m.heads)}")
     if m.seq % (2 * cp):
         raise ValueError(f"seq={m.seq} is not divisible by 2*cp={2 * cp} (causal load balancing); choose another cp")
-    if m.global_batch % (m.micro_batch * dp):
-        raise ValueError(f"global_batch={m.global_batch} is not divisible by micro_batch*dp={m.micro_batch}*{dp}; "
+    if m.global_batch % dp:
+        raise ValueError(f"global_batch={m.global_batch} is not divisible by dp={dp}; change global_batch or the "
+                         "layout")
+    return dp
+
+
+def _check_knobs(m, dp, pp, b, v):
+    if (m.global_batch // dp) % b:
+        raise ValueError(f"global_batch={m.global_batch} is not divisible by micro_batch*dp={b}*{dp}; "
                          "change global_batch, micro_batch or the layout")
-    micro_batches = m.global_batch // (m.micro_batch * dp)  # per pipeline per step
-    local = group_locality(rank_groups(world, tp, pp, cp), cluster.gpus_per_node)
-    s, b, h, L = m.seq // cp, m.micro_batch, m.hidden, m.layers
-    layers_here = L // pp
+    if (m.layers // pp) % v:
+        raise ValueError(f"virtual_stages={v} must divide layers/pp={m.layers // pp}")
+    if v > 1 and (m.global_batch // (dp * b)) % pp:
+        raise ValueError(f"the interleaved schedule (virtual_stages={v}) needs the micro-batches per pipeline "
+                         f"({m.global_batch // (dp * b)}) to be a multiple of pp={pp}")
 
-    # memory of one first-stage GPU
-    params = params_on_first_stage(m, tp, pp)
-    in_flight = min(pp, micro_batches)  # 1F1B: stage 0 holds p micro-batches (GPipe would hold m)
-    mem = {
-        "weights_gb": 2 * params / GB,
-        "grads_gb": 2 * params / GB,
-        "optimizer_gb": 12 * params / GB,
-        "activations_gb": layers_here * activation_bytes_per_layer(m, tp, cp) * in_flight / GB,
-    }
+
+class _Layout:
+    """What one (tp, pp, cp) fixes, computed once for all the knob combinations tried on it."""
+
+    def __init__(self, cluster, m, tp, pp, cp):
+        self.tp, self.pp, self.cp = tp, pp, cp
+        self.dp = _check_layout(cluster, m, tp, pp, cp)
+        self.per_node, self.local = layout_locality(cluster, tp, pp, cp, self.dp)
+
+
+def step_time_terms(cluster, m, lay, b, v, recompute, sp, zero, f, params):
+    """Seconds of one step on one GPU of the slowest stage, by term; the terms add up to the step time.
+    `f` is layer_forward's answer for (b, sp), `params` the parameters this GPU holds."""
+    pp, dp, cp, tp = lay.pp, lay.dp, lay.cp, lay.tp
+    micro_batches = m.global_batch // (dp * b)  # per pipeline per step
+    layers_here = m.layers // pp
+    compute, tp_layer, cp_layer = layer_step(f, recompute)
+    output = output_layer_seconds(cluster, m, tp, cp, b)  # on the last stage, the slowest one
+    p2p = 2 * v * p2p_exchange_seconds(cluster, m, tp, cp, b, sp, lay.local["pp"]) if pp > 1 else 0.0
+    stage = layers_here * (compute + tp_layer + cp_layer) + output + p2p  # one micro-batch through a stage
+    t = {"compute_s": micro_batches * (layers_here * compute + output),
+         "tp_s": micro_batches * layers_here * tp_layer,
+         "cp_s": micro_batches * layers_here * cp_layer,
+         "pp_p2p_s": micro_batches * p2p,
+         # 1F1B: the first micro-batch reaches the last stage after (p-1) stage times, interleaving cuts it v-fold
+         "bubble_s": (pp - 1) / v * stage}
+    # gradient reduction over DP x CP: ring all-reduce 2 (n-1)/n of the bytes, or with ZeRO-1 a reduce-scatter of
+    # the gradients and an all-gather of the parameters, (n-1)/n each: the same bytes
+    n = dp * cp
+    dp_seconds = 0.0
+    if n > 1:
+        dp_seconds = 2 * (n - 1) / n * GRAD_BYTES * params / (_bus_gbps(cluster, lay.per_node["dp_cp"], n) * GB)
+    overlap = cluster.overlap_grad_reduce
+    if overlap is True or (overlap == "without_pp" and pp == 1):  # hidden behind the last backward
+        dp_seconds = max(0.0, dp_seconds - layers_here * 2 * (f["gemm"] + f["attention"] + f["elementwise"]))
+    if pp > 1:  # tied embeddings: first and last stage all-reduce the embedding gradient after the backward
+        link = cluster.nvlink_gbps if lay.local["pp"] else cluster.ib_gbps
+        dp_seconds += GRAD_BYTES * m.vocab * m.hidden / tp / (link * GB)  # 2 (n-1)/n = 1 for n = 2
+    t["dp_s"] = dp_seconds
+    t["optimizer_s"] = OPTIMIZER_STEP_BYTES * params / (n if zero else 1) / (cluster.hbm_gbps * GB)
+    return t
+
+
+def evaluate(cluster, m, lay, b, v, recompute, sp, zero):
+    """Memory and step time of one layout with every knob fixed, term by term (see the module docstring)."""
+    _check_knobs(m, lay.dp, lay.pp, b, v)
+    micro_batches = m.global_batch // (lay.dp * b)
+    params, in_flight, mem = first_stage_memory(cluster, m, lay.tp, lay.pp, lay.cp, lay.dp, b, v, recompute, sp,
+                                                zero, micro_batches)
     memory_gb = sum(mem.values())
-
-    # time of one step, one GPU
-    compute_s = training_flops(m) / world / (cluster.peak_tflops * 1e12 * cluster.efficiency)
-    passes = 3 if m.recompute == "full" else 2  # forward, backward (and the recomputed forward)
-    tp_bytes = passes * layers_here * micro_batches * 4 * (tp - 1) / tp * b * s * h * ACT_BYTES
-    cp_bytes_fwd = 2 * (cp - 1) * b * s * h / tp * ACT_BYTES            # K and V, passed cp-1 times
-    cp_bytes_bwd = (2 * (cp - 1) + 2 * cp) * b * s * h / tp * ACT_BYTES  # KV again, and dK dV cp times
-    cp_bytes = layers_here * micro_batches * ((passes - 1) * cp_bytes_fwd + cp_bytes_bwd) if cp > 1 else 0
-    pp_bytes = 2 * micro_batches * b * s * h / tp * ACT_BYTES if pp > 1 else 0  # activation out, grad back
-    grad_bytes = 2 * params
-    dp_group = dp * cp
-    dp_bytes = 2 * (dp_group - 1) / dp_group * grad_bytes
-    t = {
-        "compute_s": compute_s,
-        "tp_s": tp_bytes / (_link_gbps(local["tp"], cluster) * GB),
-        "cp_s": cp_bytes / (_link_gbps(local["cp"], cluster) * GB),
-        "pp_p2p_s": pp_bytes / (_link_gbps(local["pp"], cluster) * GB),
-        "dp_s": dp_bytes / (_link_gbps(local["dp_cp"], cluster) * GB),
-    }
-    # the bubble: each stage idles (p-1)/m of its busy time (forward+backward of its micro-batches)
-    t["bubble_s"] = (pp - 1) / micro_batches * (t["compute_s"] + t["tp_s"] + t["cp_s"])
+    f = layer_forward(cluster, m, lay.tp, lay.cp, b, sp, lay)
+    t = step_time_terms(cluster, m, lay, b, v, recompute, sp, zero, f, params)
     step_time_s = sum(t.values())
     return {
-        "tp": tp, "pp": pp, "dp": dp, "cp": cp, "micro_batch": m.micro_batch, "micro_batches": micro_batches,
+        "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "micro_batch": b, "virtual_stages": v,
+        "recompute": recompute, "sequence_parallel": sp, "zero": zero, "micro_batches": micro_batches,
         "in_flight": in_flight, "params_per_gpu": params, "memory_gb": memory_gb, **mem,
-        "step_time_s": step_time_s, **t, "fits": memory_gb <= cluster.gpu_mem_gb * MEMORY_HEADROOM,
-        "bubble_fraction": (pp - 1) / (micro_batches + pp - 1),
-        "intra_node": {k: local[k] for k in ("tp", "cp", "dp_cp", "pp")},
+        "fits": memory_gb <= cluster.gpu_mem_gb * MEMORY_HEADROOM,
+        "step_time_s": step_time_s, **t,
+        "bubble_fraction": (lay.pp - 1) / v / (micro_batches + (lay.pp - 1) / v),
+        "tflops_per_gpu": paper_flops(m) / step_time_s / cluster.gpus / 1e12,
+        "mfu": model_flops(m) / step_time_s / cluster.gpus / (cluster.peak_tflops * 1e12),
         "tokens_per_s": m.global_batch * m.seq / step_time_s,
+        "intra_node": dict(lay.local),
     }
+
+
+def _knob_choices(m, lay):
+    """The knob values the search tries on one layout: the given ones, or every sensible value."""
+    per_pipeline = m.global_batch // lay.dp
+    bs = [m.micro_batch] if m.micro_batch else [b for b in _divisors(per_pipeline) if b <= MAX_MICRO_BATCH]
+    sps = [m.sequence_parallel] if m.sequence_parallel is not None else ([False, True] if lay.tp > 1 else [False])
+    zeros = [m.zero] if m.zero is not None else ([False, True] if lay.dp * lay.cp > 1 else [False])
+    recomputes = [m.recompute] if m.recompute else list(RECOMPUTE_POLICIES)  # cheapest first
+    for b in bs:
+        if m.virtual_stages:
+            vs = [m.virtual_stages]
+        elif lay.pp == 1 or (per_pipeline // b) % lay.pp:  # interleaving needs m to be a multiple of p
+            vs = [1]
+        else:
+            vs = [v for v in _divisors(m.layers // lay.pp) if v <= MAX_VIRTUAL_STAGES]
+        yield b, vs, sps, zeros, recomputes
+
+
+def estimate(cluster, m, tp, pp, cp, micro_batch=None, recompute=None, sequence_parallel=None, zero=None,
+             virtual_stages=None):
+    """The planner's choice for one layout: over the knobs not fixed (here or in `m`), the cheapest
+    recomputation that fits for each combination, then the fastest combination that fits (the one with the
+    least memory when none does). Raises ValueError for a layout or knob that does not divide."""
+    fixed = {"micro_batch": micro_batch, "recompute": recompute, "sequence_parallel": sequence_parallel,
+             "zero": zero, "virtual_stages": virtual_stages}
+    m = replace(m, **{k: v for k, v in fixed.items() if v is not None})
+    if m.recompute is not None and m.recompute not in RECOMPUTE_POLICIES:
+        raise ValueError(f"recompute={m.recompute!r}; choose none, selective or full")
+    lay = _Layout(cluster, m, tp, pp, cp)
+    return _best_for_layout(cluster, m, lay)
+
+
+def _best_for_layout(cluster, m, lay):
+    """The search on one layout. Memory is checked first and the step time computed only for what fits; the
+    full row (evaluate) is built once, for the winner."""
+    limit = cluster.gpu_mem_gb * MEMORY_HEADROOM
+    best, best_time, least, least_memory = None, math.inf, None, math.inf
+    for b, vs, sps, zeros, recomputes in _knob_choices(m, lay):
+        micro_batches = m.global_batch // (lay.dp * b)
+        for sp in sps:
+            f = None
+            for v in vs:
+                _check_knobs(m, lay.dp, lay.pp, b, v)
+                for zero in zeros:
+                    for recompute in recomputes:
+                        params, _, mem = first_stage_memory(cluster, m, lay.tp, lay.pp, lay.cp, lay.dp, b, v,
+                                                            recompute, sp, zero, micro_batches)
+                        memory_gb = sum(mem.values())
+                        if memory_gb > limit:
+                            if memory_gb < least_memory:
+                                least, least_memory = (b, v, recompute, sp, zero), memory_gb
+                            continue
+                        f = f or layer_forward(cluster, m, lay.tp, lay.cp, b, sp, lay)
+                        step = sum(step_time_terms(cluster, m, lay, b, v, recompute, sp, zero, f, params).values())
+                        if step < best_time:
+                            best, best_time = (b, v, recompute, sp, zero), step
+                        break  # the cheapest recomputation that fits: a costlier one only adds time
+    return evaluate(cluster, m, lay, *(best or least))
 
 
 def candidate_layouts(cluster, m, tp=None, pp=None, cp=None):
-    """Every (tp, pp, cp) that divides the cluster and the model; TP kept inside a node unless given."""
+    """The planner's choice for every (tp, pp, cp) that divides the cluster and the model; TP inside a node
+    unless given, CP up to 16."""
     out = []
     tps = [tp] if tp else [t for t in _divisors(cluster.gpus_per_node) if m.heads % t == 0]
-    for t in tps:
-        for p in ([pp] if pp else _divisors(m.layers)):
-            for c in ([cp] if cp else [c for c in _divisors(cluster.gpus) if c <= 16]):
-                try:
-                    out.append(estimate(cluster, m, t, p, c))
-                except ValueError:
-                    if tp and pp and cp:
-                        raise
+    pps = [pp] if pp else _divisors(m.layers)
+    cps = [cp] if cp else [c for c in range(1, 17) if cluster.gpus % c == 0 and m.seq % (2 * c) == 0]
+    for t, p, c in itertools.product(tps, pps, cps):
+        divides = (cluster.gpus % (t * p * c) == 0 and m.layers % p == 0 and m.heads % t == 0
+                   and m.global_batch % (cluster.gpus // (t * p * c)) == 0)
+        if not divides and not (tp and pp and cp):  # skip early: building the error text costs more than planning
+            continue
+        try:
+            out.append(estimate(cluster, m, t, p, c))
+        except ValueError:
+            if tp and pp and cp:
+                raise
     return out
 
 
 def plan(cluster, m, tp=None, pp=None, cp=None):
-    """All candidate layouts, the ones that fit first, fastest first."""
-    if m.recompute not in ("none", "selective", "full"):
+    """The planner's choice for every candidate layout, the ones that fit first, fastest first."""
+    if m.recompute is not None and m.recompute not in RECOMPUTE_POLICIES:
         raise ValueError(f"recompute={m.recompute!r}; choose none, selective or full")
     plans = candidate_layouts(cluster, m, tp, pp, cp)
     if not plans:
@@ -447,47 +822,59 @@ def _layout_name(r):
     return f"TP={r['tp']} PP={r['pp']} DP={r['dp']} CP={r['cp']}"
 
 
+def _knobs_name(r):
+    return (f"micro-batch {r['micro_batch']}, {r['virtual_stages']} chunk(s) per stage, recompute {r['recompute']}, "
+            f"SP {'on' if r['sequence_parallel'] else 'off'}, ZeRO-1 {'on' if r['zero'] else 'off'}")
+
+
+OVERHEADS = ("tp_s", "cp_s", "pp_p2p_s", "bubble_s", "dp_s", "optimizer_s")
+
+
 def explain(plans, cluster):
     """Say in words why the first plan wins."""
     best = plans[0]
     lines = []
     if not best["fits"]:
-        lines.append(f"No layout fits in {cluster.gpu_mem_gb} GB (x{MEMORY_HEADROOM} headroom); the least bad is "
-                     f"{_layout_name(best)} at {best['memory_gb']:.1f} GB: use recompute=selective/full, a "
-                     "smaller micro-batch or more GPUs.")
+        lines.append(f"No layout fits in {cluster.gpu_mem_gb} GB (x{MEMORY_HEADROOM} headroom), even with full "
+                     f"recomputation; the least bad is {_layout_name(best)} at {best['memory_gb']:.1f} GB: use ZeRO-1, "
+                     "more pipeline stages or more GPUs.")
         return "\n".join(lines)
     where = {True: "NVLink (inside a node)", False: "InfiniBand (across nodes)"}
-    lines.append(f"Best: {_layout_name(best)}, {best['micro_batches']} micro-batches per pipeline, "
-                 f"{best['memory_gb']:.1f} GB per GPU, {best['step_time_s']:.3f} s per step.")
-    lines.append(f"  TP collectives run on {where[best['intra_node']['tp']]}; DP gradient all-reduce on "
-                 f"{where[best['intra_node']['dp_cp']]}; PP sends on {where[best['intra_node']['pp']]}.")
-    overheads = {k: best[k] for k in ("tp_s", "cp_s", "pp_p2p_s", "dp_s", "bubble_s")}
+    lines.append(f"Best: {_layout_name(best)} with {_knobs_name(best)}: {best['micro_batches']} micro-batches per "
+                 f"pipeline, {best['memory_gb']:.1f} GB per GPU, {best['step_time_s']:.3f} s per step, "
+                 f"{best['tflops_per_gpu']:.0f} TFLOP/s per GPU (Narayanan et al.'s count), MFU {best['mfu']:.1%}.")
+    pp_sends = f"; PP sends on {where[best['intra_node']['pp']]}" if best["pp"] > 1 else ""
+    lines.append(f"  TP collectives run on {where[best['intra_node']['tp']]}; DP gradient reduction on "
+                 f"{where[best['intra_node']['dp_cp']]}{pp_sends}.")
+    overheads = {k: best[k] for k in OVERHEADS}
     worst = max(overheads, key=overheads.get)
     lines.append(f"  Compute is {best['compute_s'] / best['step_time_s']:.0%} of the step; the largest overhead "
                  f"is {worst[:-2]} ({overheads[worst]:.3f} s); pipeline bubble {best['bubble_fraction']:.1%}.")
     fitting = [r for r in plans if r["fits"]]
     if len(fitting) > 1:
         second = fitting[1]
-        diffs = {k: second[k] - best[k] for k in ("compute_s", "tp_s", "cp_s", "pp_p2p_s", "dp_s", "bubble_s")}
+        diffs = {k: second[k] - best[k] for k in ("compute_s",) + OVERHEADS}
         why = max(diffs, key=diffs.get)
-        lines.append(f"  Runner-up {_layout_name(second)} is {second['step_time_s'] / best['step_time_s'] - 1:.1%} "
-                     f"slower, mostly in {why[:-2]} (+{diffs[why]:.3f} s).")
+        lines.append(f"  Runner-up {_layout_name(second)} ({_knobs_name(second)}) is "
+                     f"{second['step_time_s'] / best['step_time_s'] - 1:.1%} slower, mostly in {why[:-2]} "
+                     f"(+{diffs[why]:.3f} s).")
     too_big = [r for r in plans if not r["fits"]]
     if too_big:
-        lines.append(f"  {len(too_big)} of {len(plans)} layouts do not fit in memory "
+        lines.append(f"  {len(too_big)} of {len(plans)} layouts do not fit in memory even with full recomputation "
                      f"(e.g. {_layout_name(too_big[0])}: {too_big[0]['memory_gb']:.1f} GB).")
     return "\n".join(lines)
 
 
 def format_table(plans, limit=12):
-    cols = ["tp", "pp", "dp", "cp", "micro_batches", "memory_gb", "activations_gb", "fits", "step_time_s",
-            "compute_s", "tp_s", "pp_p2p_s", "bubble_s", "dp_s", "cp_s"]
-    heads = ["tp", "pp", "dp", "cp", "m", "mem GB", "act GB", "fits", "step s", "compute", "TP", "PP p2p",
-             "bubble", "DP", "CP"]
-    rows = [" ".join(f"{h:>8s}" for h in heads)]
+    cols = [("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("cp", "cp"), ("b", "micro_batch"), ("v", "virtual_stages"),
+            ("m", "micro_batches"), ("recomp", "recompute"), ("sp", "sequence_parallel"), ("zero", "zero"),
+            ("mem GB", "memory_gb"), ("fits", "fits"), ("step s", "step_time_s"), ("TFLOP/s", "tflops_per_gpu"),
+            ("compute", "compute_s"), ("TP", "tp_s"), ("PP p2p", "pp_p2p_s"), ("bubble", "bubble_s"),
+            ("DP", "dp_s"), ("CP", "cp_s"), ("optim", "optimizer_s")]
+    rows = [" ".join(f"{h:>8s}" for h, _ in cols)]
     for r in plans[:limit]:
         cells = []
-        for c in cols:
+        for _, c in cols:
             v = r[c]
             cells.append(f"{v:>8.3f}" if isinstance(v, float) else f"{str(v):>8s}")
         rows.append(" ".join(cells))
@@ -497,21 +884,122 @@ def format_table(plans, limit=12):
 
 
 # ----------------------------------------------------------------------------------------------------
+# Calibration: Narayanan et al. 2021 (SC'21), Table 1, against the planner
+# ----------------------------------------------------------------------------------------------------
+
+# Sequence 2048, vocabulary 51200, A100 80 GB, 8 GPUs per node. Micro-batch, interleaving and the DDP
+# implementation are those of the paper's artifact (Megatron-LM examples/sc21/run_table_1.sh); every run used
+# full recomputation ("--activations-checkpoint-method uniform"), fp16, no sequence parallelism and no
+# distributed optimizer (neither existed yet). Torch DDP (PP = 1 rows) overlaps the gradient all-reduce with
+# the backward; Megatron-LM's "local" DDP (PP > 1 rows) runs it after the backward.
+TABLE_1 = [
+    # params (B), heads, hidden, layers, TP, PP, GPUs, batch, measured TFLOP/s per GPU, micro-batch, chunks, ddp
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 16, 1, "torch"),
+    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 16, 1, "torch"),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 16, 1, "torch"),
+    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 8, 1, "torch"),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 4, 1, "local"),
+    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 2, 3, "local"),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 2, 2, "local"),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 1, 2, "local"),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 1, 3, "local"),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 1, 1, "local"),
+]
+TABLE_1_SEQ, TABLE_1_VOCAB = 2048, 51200
+
+
+def table_1_model(row, published_knobs):
+    _, heads, hidden, layers, _, _, _, batch, _, mb, chunks, _ = row
+    m = ModelShape(layers=layers, hidden=hidden, heads=heads, seq=TABLE_1_SEQ, vocab=TABLE_1_VOCAB,
+                   global_batch=batch)
+    if published_knobs:
+        m = replace(m, micro_batch=mb, recompute="full", sequence_parallel=False, zero=False, virtual_stages=chunks)
+    return m
+
+
+# What the authors' software offered: full recomputation (the only kind, used in every run), no sequence
+# parallelism, no distributed optimizer, no context parallelism; torch DDP (overlapped) only without a pipeline.
+# The planner still chooses the micro-batch size and the interleaving, as the authors did per row.
+SOFTWARE_2021 = dict(recompute="full", sequence_parallel=False, zero=False)
+
+
+def calibrate(**cluster_overrides):
+    """For each row of Table 1: the prediction for the published run (its layout and knobs); the planner with
+    the 2021 software (SOFTWARE_2021) on the published (TP, PP) and over every layout; the planner with every
+    knob it knows (today's Megatron-LM options) likewise."""
+    out = []
+    for row in TABLE_1:
+        params_b, _, _, _, tp, pp, gpus, _, measured, _, _, ddp = row
+        as_run = Cluster(gpus=gpus, overlap_grad_reduce=(ddp == "torch"), **cluster_overrides)
+        published = estimate(as_run, table_1_model(row, True), tp, pp, 1)
+        result = {"params_b": params_b, "tp": tp, "pp": pp, "gpus": gpus, "measured_tflops": measured,
+                  "published": published, "error": published["tflops_per_gpu"] / measured - 1}
+        for name, cluster, m, cp in (
+                ("2021", Cluster(gpus=gpus, overlap_grad_reduce="without_pp", **cluster_overrides),
+                 replace(table_1_model(row, False), **SOFTWARE_2021), 1),
+                ("today", Cluster(gpus=gpus, **cluster_overrides), table_1_model(row, False), None)):
+            on_published = estimate(cluster, m, tp, pp, 1)
+            top = plan(cluster, m, cp=cp)[0]
+            result[name] = {"on_published": on_published, "top": top,
+                            "top_is_published": (top["tp"], top["pp"], top["cp"]) == (tp, pp, 1),
+                            "published_slower": on_published["step_time_s"] / top["step_time_s"] - 1}
+        out.append(result)
+    return out
+
+
+def _knobs_short(x):
+    on_off = {True: "on", False: "off"}
+    return (f"b={x['micro_batch']} v={x['virtual_stages']} {x['recompute']} SP={on_off[x['sequence_parallel']]} "
+            f"ZeRO={on_off[x['zero']]}")
+
+
+def print_calibration(rows):
+    print("Narayanan et al. 2021, Table 1 (A100 80 GB, s=2048, V=51200) against the planner. TFLOP/s per GPU are "
+          "counted as the paper counts them:\n96 B s L h^2 (1 + s/6h + V/16Lh) per step / step time / GPUs. "
+          "'predicted': the published run (layout, micro-batch, interleaving,\nfull recomputation, fp16, DDP).")
+    print(f"\n{'params':>8s} {'TP':>3s} {'PP':>3s} {'GPUs':>5s} {'b':>3s} {'v':>3s} {'measured':>9s} {'predicted':>9s} "
+          f"{'error':>7s} {'memory GB':>10s}")
+    for r in rows:
+        p = r["published"]
+        print(f"{r['params_b']:>7.1f}B {r['tp']:>3d} {r['pp']:>3d} {r['gpus']:>5d} {p['micro_batch']:>3d} "
+              f"{p['virtual_stages']:>3d} {r['measured_tflops']:>9.0f} {p['tflops_per_gpu']:>9.1f} {r['error']:>+7.1%} "
+              f"{p['memory_gb']:>10.1f}")
+    worst = max(rows, key=lambda r: abs(r["error"]))
+    print(f"worst error {worst['error']:+.1%} ({worst['params_b']}B); every published run fits in "
+          f"{DEFAULT_GPU_MEM_GB} GB x {MEMORY_HEADROOM}: {all(r['published']['fits'] for r in rows)}")
+    titles = {"2021": "The planner with the authors' software (full recomputation, no SP, no ZeRO, no CP; it "
+                      "chooses b and v):",
+              "today": "The planner with every knob (recomputation, SP, ZeRO-1, CP, b, v; DDP not overlapped):"}
+    for name, title in titles.items():
+        print(f"\n{title}\n{'params':>8s}   {'on the published (TP, PP)':<38s} {'step s':>7s}   "
+              f"{'top choice':<50s} {'step s':>7s} {'published slower':>17s}")
+        for r in rows:
+            on, top = r[name]["on_published"], r[name]["top"]
+            top_name = f"TP={top['tp']} PP={top['pp']} CP={top['cp']} {_knobs_short(top)}"
+            print(f"{r['params_b']:>7.1f}B   {_knobs_short(on):<38s} {on['step_time_s']:>7.2f}   {top_name:<50s} "
+                  f"{top['step_time_s']:>7.2f} {r[name]['published_slower']:>+17.1%}")
+        agree = sum(r[name]["top_is_published"] for r in rows)
+        print(f"top choice = published (TP, PP) in {agree} of {len(rows)} rows; published within 5% of the top in "
+              f"{sum(r[name]['published_slower'] <= 0.05 for r in rows)} of {len(rows)}")
+
+
+# ----------------------------------------------------------------------------------------------------
 # The chapter's example: 64 GPUs, plan A (TP=8 PP=4 DP=2) against plan B (TP=4 PP=8 DP=2)
 # ----------------------------------------------------------------------------------------------------
 
+# The knobs are fixed so that the two plans differ only in their layout: micro-batch 1, plain 1F1B,
+# selective recomputation with sequence parallelism, no ZeRO.
+_EXAMPLE_KNOBS = dict(micro_batch=1, recompute="selective", sequence_parallel=True, zero=False, virtual_stages=1)
 EXAMPLE_SHAPES = {
     # 48 wide layers, a small batch: only 16 micro-batches, so B's bubble (7/16 of its busy time against
     # A's 3/16) outweighs B's smaller TP traffic; B also holds twice A's activations
     "wide_layers_small_batch": ModelShape(layers=48, hidden=12288, heads=96, seq=2048, vocab=51200,
-                                          global_batch=32, recompute="selective"),
+                                          global_batch=32, **_EXAMPLE_KNOBS),
     # narrower layers and a big batch: 256 micro-batches amortise either bubble, and what remains is TP
     # traffic, (L/p)(t-1)/t per GPU: L/8 * 3/4 for B against L/4 * 7/8 for A
     "narrow_layers_big_batch": ModelShape(layers=40, hidden=5120, heads=40, seq=2048, vocab=51200,
-                                          global_batch=512, recompute="selective"),
+                                          global_batch=512, **_EXAMPLE_KNOBS),
 }
-
-
 def chapter_example():
     cluster = Cluster(gpus=64, gpus_per_node=8)
     out = []
@@ -547,7 +1035,12 @@ def print_chapter_example():
           "and its TP=4 groups leave each DP pair on one node, so the gradient all-reduce runs on NVLink. B pays "
           "with twice the pipeline depth: a bubble of 7/m of the busy time instead of 3/m, and 8 micro-batches "
           "of activations in flight on stage 0 instead of 4 (twice A's activation memory). Few micro-batches "
-          "(small global batch, many large layers) favour A; many micro-batches and narrower layers favour B.")
+          "(small global batch, many large layers) favour A; many micro-batches and narrower layers favour B. "
+          "(B's compute is 2-3% above A's: its last stage carries the logits, V/4 wide, beside L/8 layers; A's "
+          "V/8 beside L/4; its wider GEMMs do not make up for it.)")
+
+
+# ----------------------------------------------------------------------------------------------------
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -558,7 +1051,8 @@ def _map_main(argv):
     ap = argparse.ArgumentParser(
         prog="topology.py",
         description="Draw the Megatron-LM rank map. Subcommands: 'plan' (the layout planner, see "
-                    "'topology.py plan --help') and 'example' (the chapter's 64-GPU plan A against plan B).")
+                    "'topology.py plan --help'), 'calibrate' (the planner against Narayanan et al. 2021, Table 1) "
+                    "and 'example' (the chapter's 64-GPU plan A against plan B).")
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--gpus-per-node", type=int, default=int(os.environ.get("LOCAL_WORLD_SIZE", 8)))
     ap.add_argument("--tp", type=int, default=1)
@@ -569,43 +1063,94 @@ def _map_main(argv):
     print(rank_map(a.nodes, a.gpus_per_node, a.tp, a.pp, a.cp, a.ep))
 
 
+_CONSTANT_FLAGS = {  # flag -> (Cluster field, help)
+    "--gpu-mem-gb": ("gpu_mem_gb", "GPU memory, GB"),
+    "--peak-tflops": ("peak_tflops", "dense 16-bit peak, TFLOP/s"),
+    "--gemm-efficiency": ("efficiency", "fraction of peak reached by large GEMMs (e_max)"),
+    "--gemm-half-dim": ("gemm_half_dim", "smallest GEMM dimension at which a GEMM reaches half of e_max (x0)"),
+    "--hbm-gbps": ("hbm_gbps", "achieved HBM bandwidth, GB/s"),
+    "--nvlink-gbps": ("nvlink_gbps", "achieved all-reduce bus bandwidth inside a node, GB/s"),
+    "--ib-gbps": ("ib_gbps", "achieved bandwidth per GPU across nodes, GB/s"),
+    "--launch-us": ("launch_us", "fixed cost per kernel, microseconds"),
+    "--collective-latency-us": ("collective_latency_us", "latency of one TP collective, microseconds"),
+    "--p2p-latency-us": ("p2p_latency_us", "latency of one pipeline exchange, microseconds"),
+}
+
+
+def _cluster_from_args(a):
+    overrides = {field: getattr(a, flag[2:].replace("-", "_")) for flag, (field, _) in _CONSTANT_FLAGS.items()}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    return Cluster.for_gpu(a.gpu, a.gpus, gpus_per_node=a.gpus_per_node, overlap_grad_reduce=a.overlap_grad_reduce,
+                           **overrides)
+
+
+def _add_cluster_flags(ap):
+    ap.add_argument("--gpu", choices=sorted(GPU_PRESETS), default="a100",
+                    help="preset of the constants below (see GPU_PRESETS in topology.py)")
+    for flag, (_, help_text) in _CONSTANT_FLAGS.items():
+        ap.add_argument(flag, type=float, help=f"{help_text} (default: the --gpu preset)")
+    ap.add_argument("--overlap-grad-reduce", action="store_true",
+                    help="the gradient reduction overlaps the last micro-batch's backward (torch DDP, Megatron-Core)")
+
+
 def _plan_main(argv):
-    ap = argparse.ArgumentParser(prog="topology.py plan", description="Rank the layouts of a cluster for a model.")
+    ap = argparse.ArgumentParser(prog="topology.py plan",
+                                 description="Rank the layouts of a cluster for a model; each row with the knobs the "
+                                             "planner chose (fix any knob or layout size with its flag).")
     ap.add_argument("--gpus", type=int, required=True)
     ap.add_argument("--gpus-per-node", type=int, default=8)
-    ap.add_argument("--gpu-mem-gb", type=float, default=DEFAULT_GPU_MEM_GB)
+    _add_cluster_flags(ap)
     ap.add_argument("--layers", type=int, required=True)
     ap.add_argument("--hidden", type=int, required=True)
     ap.add_argument("--heads", type=int, required=True)
     ap.add_argument("--seq", type=int, required=True)
     ap.add_argument("--vocab", type=int, required=True)
     ap.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
-    ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--tp", type=int)
     ap.add_argument("--pp", type=int)
     ap.add_argument("--cp", type=int)
-    ap.add_argument("--nvlink-gbps", type=float, default=DEFAULT_NVLINK_GBPS, help="GB/s per GPU, one direction")
-    ap.add_argument("--ib-gbps", type=float, default=DEFAULT_IB_GBPS, help="GB/s per GPU across nodes")
-    ap.add_argument("--peak-tflops", type=float, default=DEFAULT_PEAK_TFLOPS)
-    ap.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--micro-batch", type=int, help="default: chosen by the planner")
+    ap.add_argument("--recompute", choices=RECOMPUTE_POLICIES,
+                    help="default: the cheapest that fits")
+    ap.add_argument("--sequence-parallel", choices=["on", "off"], help="default: chosen by the planner")
+    ap.add_argument("--zero", type=int, choices=[0, 1], help="distributed optimizer; default: chosen by the planner")
+    ap.add_argument("--virtual-stages", type=int, help="model chunks per GPU (interleaved 1F1B); default: chosen")
+    ap.add_argument("--limit", type=int, default=12, help="rows of the table")
+    ap.add_argument("--json", action="store_true", help="every layout as JSON, best first")
     a = ap.parse_args(argv)
-    cluster = Cluster(a.gpus, a.gpus_per_node, a.gpu_mem_gb, a.nvlink_gbps, a.ib_gbps, a.peak_tflops)
-    m = ModelShape(a.layers, a.hidden, a.heads, a.seq, a.vocab, a.global_batch, a.micro_batch, a.recompute)
+    cluster = _cluster_from_args(a)
+    m = ModelShape(a.layers, a.hidden, a.heads, a.seq, a.vocab, a.global_batch, a.micro_batch, a.recompute,
+                   None if a.sequence_parallel is None else a.sequence_parallel == "on",
+                   None if a.zero is None else bool(a.zero), a.virtual_stages)
     plans = plan(cluster, m, a.tp, a.pp, a.cp)
     if a.json:
         print(json.dumps(plans, indent=1))
         return
-    print(f"model: {parameter_count(m) / 1e9:.2f} B parameters; {training_flops(m) / 1e15:.1f} PFLOP per step")
-    print(format_table(plans))
+    print(f"model: {parameter_count(m) / 1e9:.2f} B parameters; {paper_flops(m) / 1e15:.1f} PFLOP per step "
+          "(96 B s L h^2 (1 + s/6h + V/16Lh))")
+    print(format_table(plans, a.limit))
     print()
     print(explain(plans, cluster))
+
+
+def _calibrate_main(argv):
+    ap = argparse.ArgumentParser(prog="topology.py calibrate",
+                                 description="Narayanan et al. 2021 Table 1 beside the planner's predictions.")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    rows = calibrate()
+    if a.json:
+        print(json.dumps(rows, indent=1))
+        return
+    print_calibration(rows)
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["plan"]:
         _plan_main(argv[1:])
+    elif argv[:1] == ["calibrate"]:
+        _calibrate_main(argv[1:])
     elif argv[:1] == ["example"]:
         print_chapter_example()
     else:

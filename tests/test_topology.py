@@ -1,6 +1,8 @@
 """topology.py: Megatron-LM's layout, groups that reach exactly their ranks, the planner's arithmetic."""
+import dataclasses
 import itertools
 import random
+import time
 
 import pytest
 import torch
@@ -163,72 +165,159 @@ def test_bad_layout_raises_on_every_rank_before_any_group():
 
 # ---- the planner, reproduced by hand ----------------------------------------------------------------
 
+GB = 1e9
+# the A100 constants of the module docstring, spelled out so that a later recalibration of the presets
+# does not change what these hand computations check
+A100 = dict(peak_tflops=312, efficiency=0.71, gemm_half_dim=128, hbm_gbps=1730, nvlink_gbps=230, ib_gbps=23,
+            launch_us=4, collective_latency_us=10, p2p_latency_us=50)
+
+
+def _gemm(M, N, K):
+    x = min(M, N, K)
+    return 2 * M * N * K / (312e12 * 0.71 * x / (x + 128))
+
+
 def test_planner_terms_reproduced_by_hand():
-    # Documented configuration: 64 GPUs (8 x 8, 80 GB, 300 GB/s NVLink, 25 GB/s IB, 312 TFLOPs at 50%),
-    # L=40 h=5120 a=40 s=2048 V=51200, B=512, b=1, selective recomputation, plan B: TP=4 PP=8 DP=2.
-    c = topology.Cluster(gpus=64)
-    m = topology.ModelShape(layers=40, hidden=5120, heads=40, seq=2048, vocab=51200, global_batch=512,
-                            recompute="selective")
-    r = topology.estimate(c, m, tp=4, pp=8, cp=1)
-    L, h, s, V, B, b, t, p, d = 40, 5120, 2048, 51200, 512, 1, 4, 8, 2
-    GB = 1e9
-    # memory: 16 bytes per parameter of the first stage, split 2 + 2 + 12
-    params = ((12 * h * h + 13 * h) * (L // p) + (V + s) * h) / t
+    # Documented configuration: 64 GPUs (8 x 8, A100 constants above), L=40 h=5120 a=40 s=2048 V=51200, B=512,
+    # plan B of the chapter: TP=4 PP=8 DP=2, micro-batch 1, plain 1F1B, selective recomputation, SP on, no ZeRO.
+    c = topology.Cluster(gpus=64, **A100)
+    m = topology.ModelShape(layers=40, hidden=5120, heads=40, seq=2048, vocab=51200, global_batch=512)
+    r = topology.estimate(c, m, tp=4, pp=8, cp=1, micro_batch=1, recompute="selective", sequence_parallel=True,
+                          zero=False, virtual_stages=1)
+    L, h, a, s, V, B, b, t, p, d = 40, 5120, 40, 2048, 51200, 512, 1, 4, 8, 2
+    hbm = 1730e9
+    # memory of a first-stage GPU: L/p layers and the token embedding split t ways, positions whole
+    params = ((12 * h * h + 13 * h) * (L // p) + V * h) / t + s * h
     assert r["params_per_gpu"] == pytest.approx(params, rel=1e-12)
     assert r["weights_gb"] == pytest.approx(2 * params / GB, rel=1e-12)
     assert r["grads_gb"] == pytest.approx(2 * params / GB, rel=1e-12)
-    assert r["optimizer_gb"] == pytest.approx(12 * params / GB, rel=1e-12)
+    assert r["optimizer_gb"] == pytest.approx(16 * params / GB, rel=1e-12)  # fp32 master, 2 moments, fp32 grad
     m_micro = B // (b * d)
-    assert r["micro_batches"] == m_micro == 256
-    # Korthikanti: selective + SP keeps 34 s b h / t per layer; 1F1B keeps p micro-batches on stage 0
-    assert r["activations_gb"] == pytest.approx((L // p) * 34 * s * b * h / t * p / GB, rel=1e-12)
-    assert r["memory_gb"] == pytest.approx(16 * params / GB + r["activations_gb"], rel=1e-12)
-    # time: FLOPs 72 B s L h^2 (1 + s/(6h) + V/(12 L h)) plus the attention core recomputed (4 B s^2 h L)
-    flops = 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h)) + 4 * B * s * s * h * L
-    assert r["compute_s"] == pytest.approx(flops / 64 / (312e12 * 0.5), rel=1e-12)
-    tp_bytes = 2 * (L // p) * m_micro * 4 * (t - 1) / t * b * s * h * 2   # fwd + bwd, on NVLink
-    assert r["tp_s"] == pytest.approx(tp_bytes / 300e9, rel=1e-12)
-    pp_bytes = 2 * m_micro * b * s * h / t * 2                           # activation and its gradient, IB
-    assert r["pp_p2p_s"] == pytest.approx(pp_bytes / 25e9, rel=1e-12)
-    dp_bytes = 2 * (d - 1) / d * 2 * params                              # ring all-reduce of bf16 grads, NVLink
-    assert r["dp_s"] == pytest.approx(dp_bytes / 300e9, rel=1e-12)
-    assert r["bubble_s"] == pytest.approx((p - 1) / m_micro * (r["compute_s"] + r["tp_s"]), rel=1e-12)
+    assert r["micro_batches"] == m_micro == 256 and r["in_flight"] == p  # 1F1B: p micro-batches on stage 0
+    layers_kept = (L // p) * 34 * s * b * h / t * p       # Korthikanti, selective + SP
+    working = 5 * a * s * s * b / t                        # the attention core being recomputed
+    embedding_mask = s * b * h / t * p
+    assert r["activations_gb"] == pytest.approx((layers_kept + working + embedding_mask) / GB, rel=1e-12)
+    assert r["memory_gb"] == pytest.approx(20 * params / GB + r["activations_gb"], rel=1e-12)
+    assert r["fits"] == (r["memory_gb"] <= 0.9 * 80)
+    # one layer's forward on one GPU; 4h/t = h for t = 4
+    M = b * s
+    gemms = _gemm(M, h, 3 * h // t) + _gemm(M, h // t, h) + _gemm(M, h, h) + _gemm(M, h, h)
+    scores = b * (a // t) * s * s
+    attention = max(4 * (h // a) * scores / (312e12 * 0.71), 13 * scores / hbm)
+    assert attention == 13 * scores / hbm  # memory-bound: head size 128
+    elementwise = M * h * (22 / t + 16 / t) / hbm + 20 * 4e-6
+    tp_collectives = 2 * (2 * (t - 1) / t * M * h * 2 / 230e9 + 10e-6)   # on NVLink, not overlapped
+    compute_layer = 3 * (gemms + attention + elementwise) + attention   # fwd, 2x bwd, attention redone
+    output = 3 * _gemm(M, h, V // t) + 48 * M * V / t / hbm             # logits and fp32 loss, last stage
+    exchange = 50e-6 + M * h / t * 2 / 23e9                             # PP crosses nodes (stride 8)
+    stage = (L // p) * (compute_layer + 2 * tp_collectives) + output + 2 * exchange
+    assert r["compute_s"] == pytest.approx(m_micro * ((L // p) * compute_layer + output), rel=1e-12)
+    assert r["tp_s"] == pytest.approx(m_micro * (L // p) * 2 * tp_collectives, rel=1e-12)
+    assert r["pp_p2p_s"] == pytest.approx(m_micro * 2 * exchange, rel=1e-12)
+    assert r["bubble_s"] == pytest.approx((p - 1) * stage, rel=1e-12)
+    # DP pairs (stride TP=4) share a node: ring all-reduce of 16-bit grads on NVLink; the tied embedding's
+    # gradient between first and last stage on InfiniBand
+    assert r["intra_node"]["dp_cp"] and not r["intra_node"]["pp"]
+    dp = 2 * (d - 1) / d * 2 * params / 230e9 + 2 * V * h / t / 23e9
+    assert r["dp_s"] == pytest.approx(dp, rel=1e-12)
+    assert r["optimizer_s"] == pytest.approx(48 * params / hbm, rel=1e-12)
     assert r["cp_s"] == 0
-    assert r["step_time_s"] == pytest.approx(sum(r[k] for k in ("compute_s", "tp_s", "pp_p2p_s", "dp_s",
-                                                                 "bubble_s", "cp_s")), rel=1e-12)
+    terms = ("compute_s", "tp_s", "cp_s", "pp_p2p_s", "bubble_s", "dp_s", "optimizer_s")
+    assert r["step_time_s"] == pytest.approx(sum(r[k] for k in terms), rel=1e-12)
     assert r["bubble_fraction"] == pytest.approx((p - 1) / (m_micro + p - 1))
+    paper = 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+    assert r["tflops_per_gpu"] == pytest.approx(paper / r["step_time_s"] / 64 / 1e12, rel=1e-12)
+    model = 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+    assert r["mfu"] == pytest.approx(model / r["step_time_s"] / 64 / 312e12, rel=1e-12)
 
 
-def test_planner_full_recompute_flops_and_cp_terms():
-    c = topology.Cluster(gpus=16)
-    m = topology.ModelShape(layers=8, hidden=1024, heads=16, seq=4096, vocab=32000, global_batch=8,
-                            recompute="full")
-    r = topology.estimate(c, m, tp=2, pp=1, cp=4)
-    B, s, L, h, V = 8, 4096, 8, 1024, 32000
-    flops = 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
-    assert topology.training_flops(m) == pytest.approx(flops, rel=1e-12)
-    # full recomputation keeps 2 s b h / t per layer, sequence split over cp
-    assert r["activations_gb"] == pytest.approx(L * 2 * (s // 4) * 1 * h / 2 / 1e9, rel=1e-12)
-    sl, t, cp, m_micro = s // 4, 2, 4, r["micro_batches"]
-    kv_shard = sl * h / t * 2  # bytes of one K (or V) shard
-    # forward twice (the original and the recomputed one): K and V passed cp-1 times;
-    # backward: K and V passed cp-1 times, dK and dV cp times
-    per_layer = 2 * (2 * (cp - 1) * kv_shard) + (2 * (cp - 1) + 2 * cp) * kv_shard
-    assert r["cp_s"] == pytest.approx(L * m_micro * per_layer / 300e9, rel=1e-12)
+def test_planner_zero_interleaving_cp_terms_by_hand():
+    # 32 GPUs, L=8 h=1024 a=16 s=4096 V=32000 B=16; TP=2 PP=2 CP=2 DP=4, micro-batch 1, 2 chunks per stage,
+    # full recomputation, no SP, ZeRO-1
+    c = topology.Cluster(gpus=32, **A100)
+    m = topology.ModelShape(layers=8, hidden=1024, heads=16, seq=4096, vocab=32000, global_batch=16)
+    r = topology.estimate(c, m, tp=2, pp=2, cp=2, micro_batch=1, recompute="full", sequence_parallel=False,
+                          zero=True, virtual_stages=2)
+    L, h, a, s, V, t, p, cp, d, v = 8, 1024, 16, 4096, 32000, 2, 2, 2, 4, 2
+    sl, hbm = s // cp, 1730e9
+    params = ((12 * h * h + 13 * h) * (L // p) + V * h) / t + s * h
+    assert r["optimizer_gb"] == pytest.approx(16 * params / (d * cp) / GB, rel=1e-12)  # sharded over DP x CP
+    assert r["weights_gb"] + r["grads_gb"] == pytest.approx(4 * params / GB, rel=1e-12)
+    m_micro = 16 // d
+    in_flight = p + (p - 1) / v  # interleaved 1F1B (Korthikanti 4.2.3)
+    assert r["micro_batches"] == m_micro and r["in_flight"] == pytest.approx(in_flight)
+    full_no_sp = 2 * sl * h                                          # the layer input, whole over TP
+    working = sl * h * (10 + 24 / t + 5 * a * s / (h * t))           # one layer recomputed, no SP
+    embedding_mask = sl * h * in_flight
+    assert r["activations_gb"] == pytest.approx(((L // p) * full_no_sp * in_flight + working + embedding_mask) / GB,
+                                                rel=1e-12)
+    # CP ring inside a node (TP x CP = 4 consecutive ranks), overlapped with the attention core
+    assert r["intra_node"]["cp"]
+    M = sl
+    attention = 13 * (a // t) * sl * s / hbm
+    kv = 2 * M * h / t * 2
+    per_step = 10e-6 + 3 * 4e-6                      # latency + partial attention and rescaling launches
+    merge = 12 * M * h / t / hbm                        # a later block merged into the fp32 accumulator
+    cp_fwd = max(0.0, (cp - 1) * kv / 230e9 - attention) + (cp - 1) * (per_step + merge)
+    cp_bwd = max(0.0, (2 * cp - 1) * kv / 230e9 - 2 * attention) + (2 * cp - 1) * per_step + 2 * (cp - 1) * merge
+    assert r["cp_s"] == pytest.approx(m_micro * (L // p) * (2 * cp_fwd + cp_bwd), rel=1e-12)  # forward twice
+    # 2 v exchanges per micro-batch; without SP each TP rank sends 1/t and all-gathers the rest on NVLink
+    exchange = 50e-6 + M * h / t * 2 / 23e9 + (t - 1) / t * M * h * 2 / 230e9
+    assert r["pp_p2p_s"] == pytest.approx(m_micro * 2 * v * exchange, rel=1e-12)
+    # DP x CP = 8 ranks of stride 2: 4 per node, 2 nodes: four NICs' worth of InfiniBand
+    assert r["dp_s"] == pytest.approx(2 * 7 / 8 * 2 * params / (4 * 23e9) + 2 * V * h / t / 23e9, rel=1e-12)
+    assert r["optimizer_s"] == pytest.approx(48 * params / (d * cp) / hbm, rel=1e-12)
+    stage = (r["compute_s"] + r["tp_s"] + r["cp_s"] + r["pp_p2p_s"]) / m_micro
+    assert r["bubble_s"] == pytest.approx((p - 1) / v * stage, rel=1e-12)
+    # hardware FLOPs with full recomputation are exactly the paper's count (the logits are not recomputed:
+    # V/(16 L h) of 96 is V/(12 L h) of 72)
+    paper = 96 * 16 * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+    assert topology.training_flops(m, "full") == pytest.approx(paper, rel=1e-12)
+    assert topology.paper_flops(m) == pytest.approx(paper, rel=1e-12)
+
+
+def test_layout_locality_matches_the_groups():
+    for gpus, per_node, tp, pp, cp in [(64, 8, 8, 4, 1), (64, 8, 4, 8, 1), (64, 8, 2, 2, 2), (32, 8, 1, 4, 2),
+                                       (48, 8, 2, 3, 1), (24, 8, 1, 1, 3), (16, 4, 2, 2, 2), (6, 8, 2, 3, 1)]:
+        dp = gpus // (tp * pp * cp)
+        truth = topology.group_locality(topology.rank_groups(gpus, tp=tp, pp=pp, cp=cp), per_node)
+        _, local = topology.layout_locality(topology.Cluster(gpus=gpus, gpus_per_node=per_node), tp, pp, cp, dp)
+        for kind in ("tp", "cp", "dp_cp", "pp"):
+            assert local[kind] == truth[kind], (gpus, tp, pp, cp, kind)
+
+
+def test_planner_chooses_the_cheapest_recomputation_that_fits():
+    c = topology.Cluster(gpus=64)
+    m = topology.ModelShape(layers=40, hidden=5120, heads=40, seq=2048, vocab=51200, global_batch=512)
+    fixed = dict(micro_batch=1, sequence_parallel=True, zero=False, virtual_stages=1)
+    chosen = topology.estimate(c, m, tp=4, pp=8, cp=1, **fixed)
+    by_policy = {rc: topology.estimate(c, m, tp=4, pp=8, cp=1, recompute=rc, **fixed)
+                 for rc in topology.RECOMPUTE_POLICIES}
+    cheapest = next(rc for rc in topology.RECOMPUTE_POLICIES if by_policy[rc]["fits"])
+    assert chosen["recompute"] == cheapest
+    times = [by_policy[rc]["step_time_s"] for rc in topology.RECOMPUTE_POLICIES]
+    assert times == sorted(times)  # more recomputation, more time: the cheapest fitting one is the fastest
+    # the search's winner is at least as fast as any single fitting combination of its knobs
+    free = topology.estimate(c, m, tp=4, pp=8, cp=1)
+    assert free["fits"] and free["step_time_s"] <= chosen["step_time_s"]
 
 
 def test_planner_ranks_fitting_layouts_and_cli_json(capsys):
     topology.main(["plan", "--gpus", "64", "--layers", "40", "--hidden", "5120", "--heads", "40", "--seq", "2048",
-                   "--vocab", "51200", "--global-batch", "512", "--recompute", "selective", "--json"])
+                   "--vocab", "51200", "--global-batch", "512", "--json"])
     import json
     plans = json.loads(capsys.readouterr().out)
-    assert {"tp", "pp", "dp", "cp", "memory_gb", "step_time_s", "fits"} <= set(plans[0])
+    assert {"tp", "pp", "dp", "cp", "memory_gb", "step_time_s", "fits", "recompute", "micro_batch",
+            "sequence_parallel", "zero", "virtual_stages", "tflops_per_gpu"} <= set(plans[0])
     fits = [p["fits"] for p in plans]
     assert fits == sorted(fits, reverse=True)  # every fitting layout before every other
     times = [p["step_time_s"] for p in plans if p["fits"]]
     assert times == sorted(times)
     for p in plans:
         assert p["tp"] * p["pp"] * p["dp"] * p["cp"] == 64
+        assert p["recompute"] in topology.RECOMPUTE_POLICIES
+        assert (512 // p["dp"]) % p["micro_batch"] == 0
 
 
 def test_planner_given_impossible_layout_raises():
@@ -240,6 +329,14 @@ def test_planner_given_impossible_layout_raises():
         topology.plan(c, m, tp=2, pp=3, cp=1)
     with pytest.raises(ValueError, match="heads=40 is not divisible by tp=3"):
         topology.plan(topology.Cluster(gpus=48), m, tp=3, pp=1, cp=1)
+    with pytest.raises(ValueError, match="micro_batch\\*dp=3\\*2"):
+        topology.estimate(c, m, tp=4, pp=8, cp=1, micro_batch=3)
+    with pytest.raises(ValueError, match="virtual_stages=3 must divide layers/pp=5"):
+        topology.estimate(c, m, tp=4, pp=8, cp=1, virtual_stages=3)
+    with pytest.raises(ValueError, match="recompute='some'"):
+        topology.estimate(c, m, tp=4, pp=8, cp=1, recompute="some")
+    with pytest.raises(ValueError, match="gpu='v100' is unknown"):
+        topology.Cluster.for_gpu("v100", 64)
 
 
 def test_chapter_example_preferences_differ():
@@ -249,5 +346,100 @@ def test_chapter_example_preferences_differ():
     for e in ex.values():
         a, b = e["plan_a"], e["plan_b"]
         assert (a["tp"], a["pp"], a["dp"]) == (8, 4, 2) and (b["tp"], b["pp"], b["dp"]) == (4, 8, 2)
-        # B holds twice the activations of A: (L/8)/4 * 8 in flight against (L/4)/8 * 4
-        assert b["activations_gb"] == pytest.approx(2 * a["activations_gb"], rel=1e-12)
+        # the reasons the chapter gives: B sends less TP traffic and reduces its gradients on NVLink ...
+        assert b["tp_s"] < a["tp_s"] / 2 and b["dp_s"] < a["dp_s"]
+        assert b["intra_node"]["dp_cp"] and not a["intra_node"]["dp_cp"]
+        # ... and pays with the bubble, 7/m of a stage's busy time against 3/m, and with memory: the stored
+        # layers of B are twice A's ((L/8)/4 * 8 micro-batches in flight against (L/4)/8 * 4)
+        assert b["bubble_s"] > a["bubble_s"]
+        layer = {x["tp"]: topology.activation_bytes_per_layer(topology.ModelShape(**e["model"]), x["tp"], 1)
+                 for x in (a, b)}
+        stored = {x["tp"]: e["model"]["layers"] // x["pp"] * layer[x["tp"]] * x["in_flight"] for x in (a, b)}
+        assert stored[4] == pytest.approx(2 * stored[8], rel=1e-12)
+        assert b["activations_gb"] > a["activations_gb"]
+    # few micro-batches: the bubble decides; many: the TP traffic decides
+    wide, narrow = ex["wide_layers_small_batch"], ex["narrow_layers_big_batch"]
+    assert wide["plan_b"]["bubble_s"] - wide["plan_a"]["bubble_s"] > wide["plan_a"]["tp_s"] - wide["plan_b"]["tp_s"]
+    assert narrow["plan_a"]["tp_s"] - narrow["plan_b"]["tp_s"] > (narrow["plan_b"]["bubble_s"]
+                                                                   - narrow["plan_a"]["bubble_s"])
+
+
+# ---- the planner against Narayanan et al. 2021, Table 1 ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def calibration():
+    return topology.calibrate()
+
+
+def test_table_1_published_runs_fit_in_80_gb(calibration):
+    for row in topology.TABLE_1:
+        params_b, tp, pp, gpus = row[0], row[4], row[5], row[6]
+        # the planner's own recomputation for the published layout, micro-batch and interleaving (2021 software:
+        # no SP, no ZeRO) fits; so does the run as published (full recomputation)
+        m = topology.table_1_model(row, True)
+        chosen = topology.estimate(topology.Cluster(gpus=gpus), dataclasses.replace(m, recompute=None), tp, pp, 1)
+        assert chosen["fits"], (params_b, chosen["recompute"], chosen["memory_gb"])
+    for r in calibration:
+        assert r["published"]["fits"] and r["published"]["recompute"] == "full"
+        assert r["published"]["memory_gb"] <= 80 * topology.MEMORY_HEADROOM
+
+
+def test_table_1_throughput_predicted_within_6_percent(calibration):
+    # The issue asks for 15%. Measured: worst -5.3% (the 1T run: 154.4 predicted against 163 measured); the others
+    # +2.5 +2.9 +2.4 +2.2 -2.5 +4.9 +0.9 +0.8 -1.4 %. e_max was chosen once for the whole table (the smallest
+    # worst error), so 6% is that optimum plus 0.7 points of margin, not a per-row fit.
+    errors = {r["params_b"]: r["error"] for r in calibration}
+    assert max(abs(e) for e in errors.values()) < 0.06, errors
+
+
+def test_table_1_published_layout_is_the_planners_choice(calibration):
+    """With the software the authors had (full recomputation, no SP, no ZeRO, no CP; the planner still picks the
+    micro-batch and the interleaving), the published (TP, PP) is the planner's top choice or within 5% of it in
+    8 of 10 rows. In the other two (18.4B: +13.8%, 39.1B: +12.1%) the planner keeps the model-parallel size t*p
+    the memory demands but trades TP for PP ((2, 4) and (2, 8)): at h = 6144 and 8192 the TP=8 runs spend 16% and
+    13% of the step in exposed all-reduces, which deeper interleaved pipelines (bubbles 3/(5*16) and 7/(6*24))
+    avoid. Asserted: the gap is smaller than the TP communication the planner's choice saves, i.e. TP traffic
+    alone explains it -- the same TP cost with which rows 1-4 of Table 1 (TP = 1, 2, 4, 8) are predicted to 3%."""
+    disagree = {}
+    for r in calibration:
+        on, top = r["2021"]["on_published"], r["2021"]["top"]
+        assert top["fits"] and on["fits"] and top["cp"] == 1 and top["recompute"] == "full"
+        if r["2021"]["published_slower"] <= 0.05:
+            continue
+        disagree[r["params_b"]] = r["2021"]["published_slower"]
+        assert top["tp"] * top["pp"] == r["tp"] * r["pp"] and top["tp"] < r["tp"]
+        assert on["tp_s"] - top["tp_s"] > on["step_time_s"] - top["step_time_s"] > 0
+    assert sorted(disagree) == [18.4, 39.1] and max(disagree.values()) < 0.15, disagree
+    assert sum(r["2021"]["top_is_published"] for r in calibration) == 6
+
+
+def test_figure_13_tensor_parallel_of_one_node_is_best():
+    # Narayanan et al. 2021, Figure 13: 162.2B model (L=32, h=20480, a=128) on 64 GPUs, micro-batch 1, full
+    # recomputation, batch 32 and 128: (t, p) = (8, 8) beats (2, 32), (4, 16), (16, 4) and (32, 2)
+    for batch in (32, 128):
+        m = topology.ModelShape(layers=32, hidden=20480, heads=128, seq=2048, vocab=51200, global_batch=batch,
+                                micro_batch=1, recompute="full", sequence_parallel=False, zero=False,
+                                virtual_stages=1)
+        tflops = {tp: topology.estimate(topology.Cluster(gpus=64), m, tp, 64 // tp, 1)["tflops_per_gpu"]
+                  for tp in (2, 4, 8, 16, 32)}
+        assert max(tflops, key=tflops.get) == 8, (batch, tflops)
+
+
+def test_planner_answers_for_16384_gpus_in_under_a_second():
+    # Measured ~0.05 s for each batch on the shared 2-core machine (the old planner: 70 s); the bound is the issue's
+    c = topology.Cluster(gpus=16384)
+    for batch in (3072, 16384):
+        m = topology.ModelShape(layers=128, hidden=25600, heads=160, seq=2048, vocab=51200, global_batch=batch)
+        start = time.perf_counter()
+        plans = topology.plan(c, m)
+        elapsed = time.perf_counter() - start
+        assert plans[0]["fits"] and len(plans) > 100
+        assert elapsed < 1.0, elapsed
+
+
+def test_calibrate_cli_prints_every_row(capsys):
+    topology.main(["calibrate"])
+    out = capsys.readouterr().out
+    for row in topology.TABLE_1:
+        assert f"{row[0]:.1f}B" in out
+    assert "worst error" in out

@@ -424,7 +424,8 @@ class _TPLinear(torch.autograd.Function):
         ctx.group, ctx.sp, ctx.has_bias = group, sequence_parallel and group is not None, bias is not None
         ctx.save_for_backward(x, weight)
         x_full = _all_gather_seq(x, group, "fwd") if ctx.sp else x
-        return gemm(x_full, weight, bias)  # F.linear, or the FP8 forward GEMM (the backward stays 16-bit)
+        y = gemm(x_full, weight, bias)  # F.linear, or the FP8 forward GEMM (the backward stays 16-bit)
+        return y if y._base is None else y.clone()  # a view could not be all-reduced in place downstream
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -720,12 +721,13 @@ class Pipeline:
         return buf.requires_grad_(True)
 
 
-def one_f_one_b(stage, pipe, micro_batches, tokens_per_micro_batch, loss_scale=1.0):
+def one_f_one_b(stage, pipe, micro_batches, tokens_per_micro_batch, grad_scale=1.0):
     """Forward and backward of every micro-batch with the 1F1B schedule. Returns this stage's summed LM loss
     (last stage), its summed router loss (each micro-batch's weighted by its global token count, as the LM
     loss is a sum over tokens) and the peak number of micro-batches whose activations were alive at once.
-    `loss_scale` (FP16) multiplies the losses where each backward starts: the last stage's loss and every
-    stage's router loss; the gradients that travel between stages carry it from there."""
+    `grad_scale` multiplies the losses where each backward starts (the last stage's loss and every stage's
+    router loss; the gradients that travel between stages carry it from there): 1 / the global token count,
+    times the loss scale under FP16."""
     ps = stage.plan.ps
     m = len(micro_batches)
     warmup = min(ps.sizes["pp"] - ps.pp_rank - 1, m)
@@ -748,9 +750,9 @@ def one_f_one_b(stage, pipe, micro_batches, tokens_per_micro_batch, loss_scale=1
     def backward(grad_out):
         x, out, aux = in_flight.pop(0)
         if stage.last:
-            ((out + aux) * loss_scale).backward()
+            ((out + aux) * grad_scale).backward()
         elif aux.requires_grad:  # an MoE stage: its router loss starts its own backward here
-            torch.autograd.backward([out, aux], [grad_out, torch.full_like(aux, loss_scale)])
+            torch.autograd.backward([out, aux], [grad_out, torch.full_like(aux, grad_scale)])
         else:
             torch.autograd.backward(out, grad_out)
         return None if x is None else x.grad
@@ -803,15 +805,17 @@ def train_step(stage, pipe, optimizer, tokens, micro_batch, grad_clip=0.0):
     plan = stage.plan
     device = next(stage.parameters()).device
     micro = plan.micro_batches(tokens, micro_batch, device)
+    # the one normalisation: the loss is a sum over tokens, divided by the global batch's token count where
+    # each backward starts (so 16-bit gradients have the magnitude of a mean loss's), times the FP16 loss scale
+    # that the optimizer divides out again
+    global_tokens = tokens.shape[0] * (tokens.shape[1] - 1)
     loss_scale = optimizer.loss_scaler.scale if optimizer.loss_scaler is not None else 1.0
-    loss_sum, aux_sum, peak = one_f_one_b(stage, pipe, micro, micro_batch * (tokens.shape[1] - 1), loss_scale)
+    loss_sum, aux_sum, peak = one_f_one_b(stage, pipe, micro, micro_batch * (tokens.shape[1] - 1),
+                                          loss_scale / global_tokens)
     for r in plan.reductions:
         if not r.data_parallel:  # the optimizer runs the data-parallel sums (and ZeRO's reduce-scatter)
             optimizer.all_reduce_grads(r.params, r.group)
-    # the one normalisation: every gradient is a sum over tokens; divide by the global batch's token count
-    global_tokens = tokens.shape[0] * (tokens.shape[1] - 1)
-    stepped, grad_norm = optimizer.step(grad_scale=1.0 / global_tokens, max_norm=grad_clip, norm_group=plan.world,
-                                        norm_params=plan.norm_params)
+    stepped, grad_norm = optimizer.step(max_norm=grad_clip, norm_group=plan.world, norm_params=plan.norm_params)
     # for the log: the LM loss from the last stage's first TP rank, the router loss from every stage's first
     # TP and CP rank (the other ranks of tp_cp hold the same value), each summed over the rest of the world
     ps = plan.ps

@@ -368,3 +368,14 @@ def test_zero1_trains_the_same_model_with_1_over_d_of_the_optimizer_state(cfg, l
         assert b1 == e1 and b1 < b0, (b1, e1, b0)
     if layout == dict(tp=2):
         assert zero1[0][1] * 2 == zero0[0][1]
+
+
+def test_first_metrics_line_carries_this_ranks_memory_by_dtype():
+    lines = {dtype: run_ranks(_curve, 1, CFG, dtype=dtype, optimizer="adamw", timeout=60)[0][1]
+             for dtype in ("float32", "bfloat16")}
+    n = lines["float32"]["param_bytes"] // 4  # parameters of the model (one rank: all of them)
+    # bytes per parameter, measured from the live tensors: FP32 4 + 4 + 8 (Adam), BF16 2 + 4 (FP32 main grads)
+    # + 12 (FP32 master and Adam): FORMULAS.md's 16 and 18
+    assert (lines["float32"]["grad_bytes"], lines["float32"]["optimizer_bytes"]) == (4 * n, 8 * n)
+    assert (lines["bfloat16"]["param_bytes"], lines["bfloat16"]["grad_bytes"],
+            lines["bfloat16"]["optimizer_bytes"]) == (2 * n, 4 * n, 12 * n)

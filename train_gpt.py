@@ -152,10 +152,19 @@ class TrainConfig:
     batch: int = 16                   # global batch, in sequences
     micro_batch: int = 2
     steps: int = 30
+    data: str = "synthetic"           # embedded | synthetic | a text file, a folder of them, or train.bin/val.bin
+    eval_every: int = 0               # steps between validation losses (0: none)
+    eval_batches: int = 4
     optimizer: str = "adamw"          # adamw | sgd
     lr: float = 3e-3
+    min_lr: float = None              # cosine decay to min_lr at the last step (None: lr / 10, nanoGPT)
+    warmup: int = 0                   # linear warm-up steps
     weight_decay: float = 0.1         # AdamW, on 2-D weights only
     grad_clip: float = 1.0            # global gradient-norm clipping; 0 disables
+    out_dir: str = None               # checkpoints: out_dir/step_NNNNNN
+    save_every: int = 0               # steps between checkpoints (0: only at the end, if out_dir is set)
+    resume: bool = False              # continue from the latest complete checkpoint in out_dir, if any
+    timeout_s: float = 300.0          # process-group timeout: a dead peer ends the job within it
     metrics: str = None
     peak_tflops: float = None
     log: bool = True
@@ -292,7 +301,9 @@ def full_init(name, shape, std, seed, dtype):
 
 def _tag(params, **flags):
     """Mark parameters for the plan: `tp_replicated` (the same on every TP rank), `sequence_parallel` (its
-    gradient is partial over TP: it acted on a token shard), `expert` (summed over EDP, not DP x CP)."""
+    gradient is partial over TP: it acted on a token shard), `expert` (summed over EDP, not DP x CP); and for
+    checkpoints, how this rank's tensor is a slice of the whole: `tp_dim` (split over TP along that dim, with
+    `tp_parts` blocks such as Q, K, V split separately), `ep_dim` (split over EP)."""
     for p in params:
         for k, v in flags.items():
             setattr(p, k, v)
@@ -456,6 +467,7 @@ class ColumnParallelLinear(nn.Module):
         w = rearrange(w, "(parts t o) i -> parts t o i", parts=parts, t=t)[:, r]
         self.weight = nn.Parameter(rearrange(w, "parts o i -> (parts o) i").contiguous())
         self.bias = nn.Parameter(torch.zeros(d_out // t, dtype=dtype))
+        _tag([self.weight, self.bias], tp_dim=0, tp_parts=parts)
 
     def forward(self, x):
         return _TPLinear.apply(x, self.weight, self.bias, self.plan.tp, self.plan.sequence_parallel, self.gemm)
@@ -476,6 +488,7 @@ class RowParallelLinear(nn.Module):
         w = full_init(name + ".weight", (d_out, d_in), std, cfg.seed, dtype)
         self.weight = nn.Parameter(w.chunk(t, dim=1)[r].contiguous())
         self.bias = nn.Parameter(torch.zeros(d_out, dtype=dtype))
+        _tag([self.weight], tp_dim=1)
         _tag([self.bias], tp_replicated=True, sequence_parallel=plan.sequence_parallel)
 
     def forward(self, x):
@@ -491,6 +504,7 @@ class VocabParallelEmbedding(nn.Module):
         t, r = _size(plan.tp), _rank(plan.tp)
         self.start, self.end = r * vocab // t, (r + 1) * vocab // t
         self.weight = nn.Parameter(full_init(name, (vocab, dim), 0.02, cfg.seed, dtype)[self.start:self.end].clone())
+        _tag([self.weight], tp_dim=0)
 
     def forward(self, ids):
         outside = (ids < self.start) | (ids >= self.end)
@@ -569,7 +583,7 @@ class Block(nn.Module):
             self.moe = moe_ep.MoE(h, 4 * h, cfg.n_experts, cfg.top_k, ep_group=plan.ep, stats_group=plan.tp_cp,
                                   aux_loss_coeff=cfg.aux_loss_coeff, z_loss_coeff=cfg.z_loss_coeff).to(dtype)
             _tag(self.moe.parameters(), tp_replicated=True, sequence_parallel=plan.tp is not None)
-            _tag(self.moe.expert_params(), expert=True)
+            _tag(self.moe.expert_params(), expert=True, ep_dim=0)
         else:
             self.fc = ColumnParallelLinear(f"h.{i}.mlp.fc", h, 4 * h, plan, cfg, dtype, fp8=fp8)
             self.out = RowParallelLinear(f"h.{i}.mlp.proj", 4 * h, h, plan, cfg, dtype, std=std_out, fp8=fp8)

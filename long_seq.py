@@ -819,6 +819,7 @@ def bench(seq, batch, heads, kv_heads, head_dim, dtype, repeats, reference):
     say("   (x formula: against ring_memory_bytes for the ring, the whole-sequence formula for SDPA; "
         + ("CUDA peak from torch.cuda.max_memory_allocated)" if cuda else
            "CPU peak from PeakMemory, the live storages of every op's outputs, plus the inputs)"))
+    dist.barrier()  # no rank tears its sockets down while a peer may still be using them
     dist.destroy_process_group()
 
 

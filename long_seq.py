@@ -741,6 +741,8 @@ def _fwd_bwd(fn, inputs, dout, device):
 def _peak_bytes(fn, inputs, dout, device):
     """Peak bytes of one forward + backward, counting its inputs (q, k, v, dout) and all it allocates."""
     held = sum(t.untyped_storage().nbytes() for t in list(inputs) + [dout])
+    for t in inputs:  # gradients of an earlier run would count in the baseline
+        t.grad = None
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)

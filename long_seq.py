@@ -15,14 +15,30 @@ Per GPU per layer (bytes sent, forward, e bytes per element, s the full sequence
     Ulysses:   (P-1)/P^2 b s (2 h + 2 h_kv) d e   (one all-to-all sends (P-1)/P of a (s/P)-long tensor)
     All-gather CP (Llama 3): the same bytes as the ring's KV, in one exposed all-gather, full K and V held.
 Memory per rank: Ring keeps only O(s/P): q, k, v, out of its shard and the log-sum-exp (b h s/P); Ulysses
-holds full-sequence activations for h/P heads, also s/P of the total.
+holds full-sequence activations for h/P heads, also s/P of the total. Forward + backward, a ring rank's peak is
+(ring_memory_bytes) b (s/P) d e (4 h + 8 h_kv) + the lse: q, out, dout, dq; k, v, dk, dv and the two KV
+blocks of a hop. That holds only if no block's (s/P) x (s/P) scores are ever written: at s = 128K on 8 ranks
+one such block is 1 GiB per head in FP32 (the einsum reference holds four of them in backward).
 
 Ring Attention (Liu et al. 2023). Rank r holds a shard of q, k, v. In P steps the KV shards travel around
 the ring (r sends to r+1, receives from r-1), the next transfer in flight while the current block is
 computed. Each block yields a partial output o_i with its row log-sum-exp l_i; partial results merge
 exactly: l = logaddexp(l_a, l_b), o = e^(l_a - l) o_a + e^(l_b - l) o_b, in FP32 (or wider) accumulators.
 The backward repeats the ring from the saved out and l (as FlashAttention does): dQ stays local, dK and dV
-travel with their KV block and arrive home after P hops.
+travel with their KV block and arrive home after P hops. Each dK/dV hop is posted after a block and waited
+for only after the next block's compute (double buffering), so in both directions transfers overlap compute.
+
+Fused blocks. Every ring step runs its block in a fused SDPA kernel that returns the row log-sum-exp with the
+output (FlashAttention: the scores live in tiles, never in memory): on CPU aten's flash kernel (float32,
+float64, bfloat16, float16, GQA without repeating KV), on CUDA the flash or the memory-efficient kernel
+(`fused_kernel` says which, and when none fits, e.g. float64 on CUDA, the reference runs). Its backward
+kernel takes the FINAL out and lse of the rows, so it returns exactly this block's share of dq, dk, dv. The
+merge stays in FP32 (float64 for float64 inputs). The zigzag half-blocks are unmasked and the diagonal uses
+the kernels' is_causal, so no mask is built either. `impl="reference"` runs the same ring with each block
+written out in einsums (scores materialised): the readable definition, tested equal to the fused one.
+All-gather CP attends each query chunk to its prefix as an unmasked block plus a causal diagonal block,
+merged the same way, so it runs the fused kernels too; Ulysses calls F.scaled_dot_product_attention, which
+picks them itself.
 
 Causal load balancing. With contiguous shards, under a causal mask rank 0 attends to one block and rank
 P-1 to P: the last rank does ~2P-1 times the work of the first, and everyone waits for it. Zigzag cuts the
@@ -38,21 +54,30 @@ all-to-all restores sequence shards. The heads must divide by P; with grouped-qu
 KV heads than ranks, each KV head is replicated (`repeat_interleave`, so query head i still meets KV head
 i // (H/H_kv)).
 
-Run `torchrun --nproc_per_node=4 long_seq.py` (or plain `python long_seq.py` for one rank).
+Run `torchrun --nproc_per_node=4 long_seq.py` (or plain `python long_seq.py` for one rank). `--bench` (also
+under torchrun; NCCL on GPUs) measures the peak memory and time of ring attention forward + backward at a long
+sequence, fused against reference and against SDPA on the whole sequence on one rank, beside the formula.
 """
+import argparse
 import math
 import os
+import statistics
 import tempfile
+import time
+import weakref
 from collections import Counter
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from einops import rearrange
+from torch.backends.cuda import SDPAParams, can_use_efficient_attention, can_use_flash_attention
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 # What each collective of this file sent from this rank: counts and bytes, by kind. Reset with .clear().
 comm_log = Counter()
-# Attended (query, key) pairs computed by this rank's ring-attention forward, by ring step.
+# Attended (query, key) pairs computed by this rank's attention blocks (ring and all-gather forward), key "pairs".
 work_log = Counter()
 
 
@@ -113,7 +138,7 @@ def _check_qkv(q, k, v):
 
 
 # ----------------------------------------------------------------------------------------------------
-# One block of attention, forward and backward, with explicit log-sum-exp
+# One block of attention, forward and backward, with its log-sum-exp: a fused kernel, or the readable reference
 # ----------------------------------------------------------------------------------------------------
 
 def _repeat_kv(t, heads):
@@ -125,6 +150,13 @@ def _sum_kv_groups(t, kv_heads):
     return t if t.shape[1] == kv_heads else rearrange(t, "b (hk g) s d -> b hk g s d", hk=kv_heads).sum(2)
 
 
+def _acc_dtype(dtype):
+    """The merge's accumulator: FP32, or float64 for float64 inputs (the dtype of the kernels' lse too)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+# The reference: every score of the block materialised, (rows x cols) per head, in the accumulator dtype.
+
 def _scores(q, k, scale, causal, acc):
     s = torch.einsum("bhqd,bhkd->bhqk", q.to(acc), _repeat_kv(k, q.shape[1]).to(acc)) * scale
     if causal:  # a diagonal block: local order is global order within it
@@ -133,31 +165,108 @@ def _scores(q, k, scale, causal, acc):
     return s
 
 
-def _block_forward(q, k, v, scale, causal, acc):
+def _reference_forward(q, k, v, scale, causal):
+    acc = _acc_dtype(q.dtype)
     s = _scores(q, k, scale, causal, acc)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None])
-    out = torch.einsum("bhqk,bhkd->bhqd", p, _repeat_kv(v, q.shape[1]).to(acc))
-    b, h, rows, cols = s.shape  # attended pairs, from the shapes (no device sync)
-    work_log["pairs"] += b * h * (rows * (rows + 1) // 2 if causal else rows * cols)
-    return out, lse
+    return torch.einsum("bhqk,bhkd->bhqd", p, _repeat_kv(v, q.shape[1]).to(acc)), lse
 
 
-def _block_backward(q, k, v, dout, lse, delta, scale, causal, acc):
-    """Gradients of one block from the final lse and delta = rowsum(dout * out) (FlashAttention-2)."""
-    s = _scores(q, k, scale, causal, acc)
-    p = torch.exp(s - lse[..., None])
-    vx = _repeat_kv(v, q.shape[1]).to(acc)
+def _reference_backward(dout, q, k, v, out, lse, scale, causal):
+    """Gradients of one block from the FINAL out and lse of its rows (FlashAttention-2): P = exp(S - lse) is
+    this block's share of the softmax, delta = rowsum(dout * out) the softmax's Jacobian term."""
+    acc = lse.dtype
+    dout = dout.to(acc)
+    delta = (dout * out.to(acc)).sum(-1)
+    p = torch.exp(_scores(q, k, scale, causal, acc) - lse[..., None])
     dv = torch.einsum("bhqk,bhqd->bhkd", p, dout)
-    dp = torch.einsum("bhqd,bhkd->bhqk", dout, vx)
+    dp = torch.einsum("bhqd,bhkd->bhqk", dout, _repeat_kv(v, q.shape[1]).to(acc))
     ds = p * (dp - delta[..., None])
     dq = torch.einsum("bhqk,bhkd->bhqd", ds, _repeat_kv(k, q.shape[1]).to(acc)) * scale
     dk = torch.einsum("bhqk,bhqd->bhkd", ds, q.to(acc)) * scale
     return dq, _sum_kv_groups(dk, k.shape[1]), _sum_kv_groups(dv, k.shape[1])
 
 
+# The fused kernels: tiles of the scores live in registers / cache, only (out, lse) and (dq, dk, dv) are written.
+
+def fused_kernel(q, k):
+    """The fused SDPA kernel that runs a block of q against k (and v like k), or None for the reference math.
+
+    CPU: aten's flash kernel (float32, float64, bfloat16, float16; GQA native). CUDA, in this order: flash
+    (float16/bfloat16, GQA native), then memory-efficient (also float32; no GQA, so KV heads are repeated:
+    O(s/P) bytes). cuDNN attention is left out: it covers flash's dtypes, and its lse layout and arguments
+    have changed between releases. float64 on CUDA has no fused kernel: the reference runs there (its memory
+    is O((s/P)^2) per block; float64 is for parity tests), and so does a head_dim that is not a multiple of 8.
+    The torch.backends.cuda checks apply the rules of F.scaled_dot_product_attention (architecture, head_dim,
+    dtype, the user's torch.backends.cuda.enable_*_sdp toggles)."""
+    if q.device.type == "cpu":
+        return "cpu_flash" if q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16) else None
+    if q.device.type == "cuda" and q.shape[-1] % 8 == 0:  # F.sdpa pads head_dim to a multiple of 8; we do not
+        gqa = q.shape[1] != k.shape[1]
+        if can_use_flash_attention(SDPAParams(q, k, k, None, 0.0, False, gqa)):
+            return "cuda_flash"
+        if can_use_efficient_attention(SDPAParams(q, q, q, None, 0.0, False, False)):
+            return "cuda_efficient"
+    return None
+
+
+def _fused_forward(kernel, q, k, v, scale, causal):
+    """(out in q's dtype, lse (b, h, rows) in the accumulator dtype, what the backward kernel needs)."""
+    aten = torch.ops.aten
+    if kernel == "cpu_flash":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse, ()
+    if kernel == "cuda_flash":
+        out, lse, cum_q, cum_k, _, _, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale)
+        return out, lse, (cum_q, cum_k, seed, offset)
+    k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
+    out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+    return out, lse[:, :, :q.shape[2]], (seed, offset)  # its lse has rows padded to a multiple of 32
+
+
+def _fused_backward(kernel, extras, dout, q, k, v, out, lse, scale, causal):
+    """(dq, dk, dv) of one block from the final out and lse of its rows (the kernels compute delta from out).
+    `extras` come from a forward call of the same kernel (dropout is 0, so its RNG state is never read)."""
+    aten = torch.ops.aten
+    lse = lse.contiguous()
+    if kernel == "cpu_flash":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
+                                                                        scale=scale)
+    if kernel == "cuda_flash":
+        cum_q, cum_k, seed, offset = extras
+        return aten._scaled_dot_product_flash_attention_backward(dout, q, k, v, out, lse, cum_q, cum_k, q.shape[2],
+                                                                k.shape[2], 0.0, causal, seed, offset, scale=scale)
+    seed, offset = extras
+    rows = q.shape[2]
+    padded = lse.new_zeros(*lse.shape[:2], -(-rows // 32) * 32)  # the kernel's layout (strides multiple of 8)
+    padded[:, :, :rows] = lse
+    kx, vx = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
+    dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, kx, vx, None, out, padded, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
+    return dq, _sum_kv_groups(dk, k.shape[1]), _sum_kv_groups(dv, k.shape[1])
+
+
+def _block_forward(kernel, q, k, v, scale, causal):
+    """One block: (out, lse, extras). `kernel` from fused_kernel(), None for the reference."""
+    b, h, rows, _ = q.shape
+    cols = k.shape[2]  # attended pairs, from the shapes (no device sync)
+    work_log["pairs"] += b * h * (rows * (rows + 1) // 2 if causal else rows * cols)
+    if kernel is None:
+        return (*_reference_forward(q, k, v, scale, causal), ())
+    return _fused_forward(kernel, q, k, v, scale, causal)
+
+
+def _block_backward(kernel, extras, dout, q, k, v, out, lse, scale, causal):
+    if kernel is None:
+        return _reference_backward(dout, q, k, v, out, lse, scale, causal)
+    return _fused_backward(kernel, extras, dout, q, k, v, out, lse, scale, causal)
+
+
 def _merge(out, lse, block_out, block_lse):
-    """Fold a block's (out, lse) into the running ones, in place: the stable log-sum-exp merge."""
+    """Fold a block's (out, lse) into the running ones, in place: the stable log-sum-exp merge, in the
+    accumulator dtype of `out` and `lse` (FP32, float64 for float64 inputs) whatever the block's dtype."""
     new_lse = torch.logaddexp(lse, block_lse)
     out.mul_(torch.exp(lse - new_lse)[..., None]).add_(block_out * torch.exp(block_lse - new_lse)[..., None])
     lse.copy_(new_lse)
@@ -168,7 +277,8 @@ def _ring_blocks(step, rank, src, s_local, causal):
 
     Zigzag causal: step 0 is the causal diagonal; a block from an earlier rank is attended by all of q but
     only in its first half (its early chunk); a block from a later rank only by q's second half (our late
-    chunk), in full. Non-causal: everything."""
+    chunk), in full. Non-causal: everything. Only the diagonal is masked, and the kernels' own is_causal
+    (top-left aligned, as local order is global order on the diagonal) masks it: no mask is ever built."""
     full = slice(0, s_local)
     if not causal:
         return full, full, False
@@ -184,97 +294,122 @@ def _ring_blocks(step, rank, src, s_local, causal):
 # Ring attention
 # ----------------------------------------------------------------------------------------------------
 
-def _ring_exchange(send, group, kind):
-    """Send `send` to the next rank of the ring, receive the previous rank's; returns (buffer, requests)."""
-    rank, world = _group_info(group)
-    recv = torch.empty_like(send)
-    ops = [dist.P2POp(dist.isend, send, dist.get_global_rank(group, (rank + 1) % world), group),
-           dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, (rank - 1) % world), group)]
-    _log(kind, send)
-    return recv, dist.batch_isend_irecv(ops)
+class _Hop:
+    """One hop of the ring in flight: `send` goes to the next rank while the previous rank's arrives.
+    Tags keep the KV and the dK/dV hops apart when both are in flight (gloo matches messages by tag)."""
 
+    def __init__(self, send, group, kind, tag=0):
+        rank, world = _group_info(group)
+        self.recv = torch.empty_like(send)
+        ops = [dist.P2POp(dist.isend, send, dist.get_global_rank(group, (rank + 1) % world), group, tag),
+               dist.P2POp(dist.irecv, self.recv, dist.get_global_rank(group, (rank - 1) % world), group, tag)]
+        _log(kind, send)
+        self.requests = dist.batch_isend_irecv(ops)
 
-def _wait(requests):
-    for r in requests:
-        r.wait()
+    def wait(self):
+        """The received buffer. The requests are dropped: they hold the sent buffer, which may now be freed."""
+        for r in self.requests:
+            r.wait()
+        self.requests = None
+        return self.recv
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale):
+    def forward(ctx, q, k, v, group, causal, scale, kernel):
         rank, world = _group_info(group)
-        acc = torch.promote_types(q.dtype, torch.float32)
-        b, h, s_local, d = q.shape
-        out = torch.zeros(b, h, s_local, d, dtype=acc, device=q.device)
-        lse = torch.full((b, h, s_local), float("-inf"), dtype=acc, device=q.device)
+        acc, s_local = _acc_dtype(q.dtype), q.shape[2]
         kv = torch.stack([k, v])  # one message per hop
         for step in range(world):
             if step < world - 1:  # start the next hop now: it overlaps this block's compute
-                next_kv, requests = _ring_exchange(kv, group, "ring_kv_fwd")
+                kv_hop = _Hop(kv, group, "ring_kv_fwd")
             src = (rank - step) % world
             rows, cols, diagonal = _ring_blocks(step, rank, src, s_local, causal)
-            o, l = _block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], scale, diagonal, acc)
-            _merge(out[:, :, rows], lse[:, :, rows], o, l)
+            o, l, ctx.extras = _block_forward(kernel, q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], scale,
+                                              diagonal)
+            if step == 0:  # the first block covers every row
+                out, lse = o.to(acc), l.to(acc)
+            else:
+                _merge(out[:, :, rows], lse[:, :, rows], o, l)
             if step < world - 1:
-                _wait(requests)
-                kv = next_kv
+                kv = kv_hop.wait()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.scale = group, causal, scale
+        ctx.group, ctx.causal, ctx.scale, ctx.kernel = group, causal, scale, kernel
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, causal, scale = ctx.group, ctx.causal, ctx.scale
+        group, causal, scale, kernel = ctx.group, ctx.causal, ctx.scale, ctx.kernel
         rank, world = _group_info(group)
-        acc = lse.dtype
-        s_local = q.shape[2]
-        dout = dout.contiguous().to(acc)
-        delta = (dout * out.to(acc)).sum(-1)
+        acc, s_local = lse.dtype, q.shape[2]
+        dout = dout.contiguous().to(q.dtype)
         dq = torch.zeros_like(q, dtype=acc)
         kv = torch.stack([k, v])
-        dkv = torch.zeros_like(kv, dtype=acc)  # the gradient of the KV block we hold; it travels with it
         for step in range(world):
             if step < world - 1:
-                next_kv, kv_requests = _ring_exchange(kv, group, "ring_kv_bwd")
+                kv_hop = _Hop(kv, group, "ring_kv_bwd")
             src = (rank - step) % world
             rows, cols, diagonal = _ring_blocks(step, rank, src, s_local, causal)
-            dq_b, dk_b, dv_b = _block_backward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-                                               dout[:, :, rows], lse[:, :, rows], delta[:, :, rows],
-                                               scale, diagonal, acc)
+            dq_b, dk_b, dv_b = _block_backward(kernel, ctx.extras, dout[:, :, rows], q[:, :, rows],
+                                               kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, rows],
+                                               lse[:, :, rows], scale, diagonal)
             dq[:, :, rows] += dq_b
-            dkv[0][:, :, cols] += dk_b
-            dkv[1][:, :, cols] += dv_b
-            if world > 1:
-                if step < world - 1:
-                    _wait(kv_requests)
-                    kv = next_kv
-                # after the last step this hop brings our own block's finished gradient home
-                dkv, dkv_requests = _ring_exchange(dkv, group, "ring_dkv_bwd")
-                _wait(dkv_requests)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+            if step == 0:  # our own KV block, every column: its gradient starts here
+                dkv = torch.stack([dk_b, dv_b]).to(acc)
+            else:  # the gradient of the block we hold, summed by the ranks it visited before: in flight since
+                dkv = dkv_hop.wait()  # the previous step, so its transfer overlapped this block's compute
+                dkv[0][:, :, cols] += dk_b
+                dkv[1][:, :, cols] += dv_b
+            del dq_b, dk_b, dv_b  # freed before the next buffer is allocated
+            if world > 1:  # pass it on with its block; waited for only after the next block's compute
+                dkv_hop = _Hop(dkv, group, "ring_dkv_bwd", tag=1)
+            if step < world - 1:
+                kv = kv_hop.wait()
+        if world > 1:  # the P-th hop brought our own block's gradient home, summed over every rank
+            dkv = dkv_hop.wait()
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
-def ring_attention(q, k, v, group, causal=True, scale=None):
+def _check_impl(impl):
+    if impl not in ("fused", "reference"):
+        raise ValueError(f"impl={impl!r}: use 'fused' (a fused SDPA kernel per block) or 'reference' (einsum)")
+
+
+def ring_attention(q, k, v, group, causal=True, scale=None, impl="fused"):
     """Attention over a sequence sharded across `group`. (batch, heads, seq_local, head_dim) tensors.
 
     causal=True expects the zigzag layout (zigzag_shard of the full sequence); causal=False any consistent
-    sharding. GQA/MQA: k and v may have fewer heads than q. Validation happens before any communication."""
+    sharding. GQA/MQA: k and v may have fewer heads than q. impl="fused" runs each block in a fused kernel
+    (fused_kernel(q, k); the reference where none fits the device and dtype), impl="reference" in einsums.
+    Validation happens before any communication."""
     _check_qkv(q, k, v)
+    _check_impl(impl)
     _, world = _group_info(group)
     if causal and q.shape[2] % 2:
         raise ValueError(f"causal ring attention takes zigzag shards (two chunks per rank): the local sequence "
                          f"length {q.shape[2]} must be even, i.e. the full length a multiple of 2*P = {2 * world}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), group, causal, scale)
+    kernel = fused_kernel(q, k) if impl == "fused" else None
+    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), group, causal, scale, kernel)
 
 
 def ring_saved_bytes(b, h, h_kv, s_local, d, dtype):
     """Bytes ring attention keeps for backward: q, out (h heads), k, v (h_kv heads) and the lse, all O(s/P)."""
     e = torch.empty(0, dtype=dtype).element_size()
-    acc_e = torch.empty(0, dtype=torch.promote_types(dtype, torch.float32)).element_size()
+    acc_e = torch.empty(0, dtype=_acc_dtype(dtype)).element_size()
     return b * s_local * d * (2 * h + 2 * h_kv) * e + b * h * s_local * acc_e
+
+
+def ring_memory_bytes(b, h, h_kv, s_local, d, dtype):
+    """The O(s/P) memory of ring attention forward + backward on one rank, the unit its measured peak is
+    compared with: q, out, dout, dq (h heads); k, v, dk, dv and the two KV blocks of a hop, the one in use and
+    the one arriving (4 more h_kv-head tensors), at e bytes per element; the lse at the accumulator's width.
+    No term in s_local^2: a fused kernel never writes a block's (s/P) x (s/P) scores."""
+    e = torch.empty(0, dtype=dtype).element_size()
+    acc_e = torch.empty(0, dtype=_acc_dtype(dtype)).element_size()
+    return b * s_local * d * (4 * h + 8 * h_kv) * e + b * h * s_local * acc_e
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -369,24 +504,72 @@ class _AllGatherSeq(torch.autograd.Function):
         return out.view(grad.shape[1:]), None
 
 
-def allgather_attention(q, k, v, group, causal=True, scale=None):
+class _LocalBlocks(torch.autograd.Function):
+    """q attends a list of (rows, cols, causal) blocks of k and v on this rank, merged by log-sum-exp: the
+    ring's block arithmetic without the ring."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, blocks, scale, kernel):
+        acc = _acc_dtype(q.dtype)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+        for rows, cols, causal in blocks:
+            o, l, ctx.extras = _block_forward(kernel, q[:, :, rows], k[:, :, cols], v[:, :, cols], scale, causal)
+            _merge(out[:, :, rows], lse[:, :, rows], o, l)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.blocks, ctx.scale, ctx.kernel = blocks, scale, kernel
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dout = dout.contiguous().to(q.dtype)
+        dq, dk, dv = (torch.zeros_like(t, dtype=lse.dtype) for t in (q, k, v))
+        for rows, cols, causal in ctx.blocks:
+            dq_b, dk_b, dv_b = _block_backward(ctx.kernel, ctx.extras, dout[:, :, rows], q[:, :, rows],
+                                               k[:, :, cols], v[:, :, cols], out[:, :, rows], lse[:, :, rows],
+                                               ctx.scale, causal)
+            dq[:, :, rows] += dq_b
+            dk[:, :, cols] += dk_b
+            dv[:, :, cols] += dv_b
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def _prefix_blocks(rank, world, s_local, causal):
+    """The blocks of a zigzag query shard against the whole sequence's KV in global order. Each of its two
+    chunks (global chunk j, c positions) sees every earlier chunk in full and its own chunk causally:
+    (chunk rows, columns [0, j c), unmasked) + (chunk rows, columns [j c, (j+1) c), is_causal). No mask."""
+    if not causal:
+        return [(slice(0, s_local), slice(0, s_local * world), False)]
+    c = s_local // 2
+    blocks = []
+    for half, j in ((0, rank), (1, 2 * world - 1 - rank)):
+        rows = slice(half * c, (half + 1) * c)
+        if j > 0:
+            blocks.append((rows, slice(0, j * c), False))
+        blocks.append((rows, slice(j * c, (j + 1) * c), True))
+    return blocks
+
+
+def allgather_attention(q, k, v, group, causal=True, scale=None, impl="fused"):
     """Each rank gathers the whole K and V (O(s) memory per rank, one exposed all-gather) and attends its
-    zigzag query shard to them with a position mask. Simple, and cheap when h_kv is small (GQA)."""
+    zigzag query shard (causal) or any shard (non-causal) to them. Simple, and cheap when h_kv is small (GQA).
+    Causal: each query chunk meets its prefix as an unmasked block plus a causal diagonal block, merged by
+    log-sum-exp, so the fused kernels run (a boolean (s/P) x s position mask would rule them out)."""
     _check_qkv(q, k, v)
+    _check_impl(impl)
     rank, world = _group_info(group)
     if causal and q.shape[2] % 2:
         raise ValueError(f"causal all-gather attention takes zigzag shards: local length {q.shape[2]} must be even")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    s_local = q.shape[2]
-    kv = torch.stack([k, v])
+    kernel = fused_kernel(q, k) if impl == "fused" else None
+    blocks = _prefix_blocks(rank, world, q.shape[2], causal)
     if world > 1:
-        kv = _AllGatherSeq.apply(kv, group)  # (P, 2, b, h_kv, s_local, d)
+        kv = _AllGatherSeq.apply(torch.stack([k, v]), group)  # (P, 2, b, h_kv, s_local, d)
         kv = zigzag_unshard(list(kv.unbind(0)), dim=3) if causal else rearrange(kv, "p two b h s d -> two b h (p s) d")
-    mask = None
-    if causal:
-        positions = zigzag_shard(torch.arange(s_local * world, device=q.device), 0, rank, world)
-        mask = positions[:, None] >= torch.arange(s_local * world, device=q.device)[None, :]
-    return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+        k, v = kv.unbind(0)  # the whole sequence, in global order
+    return _LocalBlocks.apply(q.contiguous(), k.contiguous(), v.contiguous(), blocks, scale, kernel)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -401,16 +584,51 @@ def causal_pairs_per_rank(seq, world, layout):
 
 
 # ----------------------------------------------------------------------------------------------------
-# The demo
+# Measuring peak memory on CPU
 # ----------------------------------------------------------------------------------------------------
 
-def _init():
+class PeakMemory(TorchDispatchMode):
+    """The most tensor-storage bytes alive at once while active, a CPU stand-in for
+    torch.cuda.max_memory_allocated: every storage an op creates counts from its creation until it is freed
+    (weakref.finalize on the storage). Storages that existed before (the inputs) are not counted: add them.
+    It sees every tensor an op returns, not a kernel's private scratch (the CPU flash kernels' per-thread
+    tiles, whose size does not grow with s). `largest` is the biggest single storage created."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = self.largest = 0
+        self._bytes = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = id(storage)  # a storage keeps one Python object for its whole life
+                if key not in inputs and key not in self._bytes:
+                    self._bytes[key] = storage.nbytes()
+                    weakref.finalize(storage, self._free, key)
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    self.largest = max(self.largest, storage.nbytes())
+        return out
+
+    def _free(self, key):
+        self.live -= self._bytes.pop(key)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The demo and the benchmark
+# ----------------------------------------------------------------------------------------------------
+
+def _init(backend="gloo"):
     if not dist.is_initialized():
         if "RANK" in os.environ:
-            dist.init_process_group("gloo")
+            dist.init_process_group(backend)
         else:
             store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
-            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+            dist.init_process_group(backend, store=store, rank=0, world_size=1)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -431,10 +649,15 @@ def demo():
     ref = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
     ref.backward(dout)
     say(f"== P={P} ranks, b={b}, H={h}, H_kv={h_kv}, s={s}, d={d}, float64, causal; errors against "
-        "F.scaled_dot_product_attention on the whole sequence (max over ranks)")
+        "F.scaled_dot_product_attention on the whole sequence (max over ranks); blocks run in the fused kernel "
+        f"{fused_kernel(q, k)!r}, 'ring reference' in einsums")
+
+    def ring_reference(q, k, v, group, causal):
+        return ring_attention(q, k, v, group, causal=causal, impl="reference")
 
     rows = []
     for name, fn, shard in (("ring (zigzag)", ring_attention, zigzag_shard),
+                            ("ring reference", ring_reference, zigzag_shard),
                             ("ulysses", ulysses_attention, contiguous_shard),
                             ("all-gather KV", allgather_attention, zigzag_shard)):
         local = [shard(t, 2, rank, P).clone().requires_grad_(True) for t in (q, k, v)]
@@ -454,6 +677,7 @@ def demo():
     formulas = {
         "ring (zigzag)": f"fwd KV 2(P-1)/P b s h_kv d e = {2 * (P - 1) / P * b * s * h_kv * d * e:.0f}; bwd the same "
                          f"KV plus dK,dV P times: 2 b s h_kv d e_acc = {2 * b * s * h_kv * d * e:.0f}",
+        "ring reference": "the same collectives as the fused ring",
         "ulysses": f"fwd (P-1)/P^2 b s (2h + 2h_kv') d e = "
                    f"{(P - 1) / P ** 2 * b * s * (2 * h + 2 * max(h_kv, P if P > h_kv else h_kv)) * d * e:.0f}",
         "all-gather KV": f"fwd KV (P-1)/P b s 2 h_kv d e = {(P - 1) / P * b * s * 2 * h_kv * d * e:.0f}",
@@ -501,8 +725,123 @@ def demo():
     widths = [13, 25, 15, 26, 12, 18, 22]
     for row in (head,) + tuple(table):
         say("   " + " ".join(str(c).ljust(w) for c, w in zip(row, widths)))
+    say("\n(peak memory and time at a long sequence, fused against reference: python long_seq.py --bench, "
+        "or under torchrun)")
     dist.destroy_process_group()
 
 
+def _fwd_bwd(fn, inputs, dout, device):
+    for t in inputs:
+        t.grad = None
+    fn(*inputs).backward(dout)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_bytes(fn, inputs, dout, device):
+    """Peak bytes of one forward + backward, counting its inputs (q, k, v, dout) and all it allocates."""
+    held = sum(t.untyped_storage().nbytes() for t in list(inputs) + [dout])
+    for t in inputs:  # gradients of an earlier run would count in the baseline
+        t.grad = None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        _fwd_bwd(fn, inputs, dout, device)
+        return torch.cuda.max_memory_allocated(device) - base + held, None
+    with PeakMemory() as mem:
+        _fwd_bwd(fn, inputs, dout, device)
+    return mem.peak + held, mem.largest
+
+
+def bench(seq, batch, heads, kv_heads, head_dim, dtype, repeats, reference):
+    """Ring attention forward + backward at a long sequence: peak memory and time, fused against reference,
+    and single-rank SDPA on the whole sequence; the measured memory beside ring_memory_bytes (O(s/P))."""
+    cuda = torch.cuda.is_available()
+    rank, P = _init("nccl" if cuda else "gloo")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, torch.get_num_threads() // P))
+    say = print if rank == 0 else (lambda *a, **k: None)
+    if seq % (2 * P):
+        raise ValueError(f"--seq {seq} must be a multiple of 2*P = {2 * P} (zigzag shards)")
+    b, h, h_kv, d, s = batch, heads, kv_heads, head_dim, seq
+    s_local, group = s // P, dist.group.WORLD
+    gen = torch.Generator(device).manual_seed(rank)
+
+    def leaves(n, length):
+        return torch.randn(b, n, length, d, generator=gen, device=device, dtype=dtype).requires_grad_(True)
+
+    local, full = [leaves(n, s_local) for n in (h, h_kv, h_kv)], [leaves(n, s) for n in (h, h_kv, h_kv)]
+    dout_local, dout_full = leaves(h, s_local).detach(), leaves(h, s).detach()
+    kernel = fused_kernel(local[0], local[1])
+    runs = {"ring fused": (lambda q, k, v: ring_attention(q, k, v, group, impl="fused"), local, dout_local)}
+    if reference:
+        runs["ring reference"] = (lambda q, k, v: ring_attention(q, k, v, group, impl="reference"), local, dout_local)
+    runs["SDPA, whole seq, 1 rank"] = (lambda q, k, v: F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=h_kv != h), full, dout_full)
+
+    say(f"== ring attention forward + backward, causal zigzag: P={P} ranks, b={b}, H={h}, H_kv={h_kv}, s={s} "
+        f"(s/P={s_local}), d={d}, {str(dtype)[6:]}, {device.type}; fused kernel: {kernel or 'none (reference math)'}")
+    peaks = {}
+    for name, (fn, inputs, dout) in runs.items():
+        peak, largest = _peak_bytes(fn, inputs, dout, device)
+        found = torch.tensor([peak, largest or 0], dtype=torch.float64)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        peaks[name] = found.tolist()
+    times = {name: [] for name in runs}
+    for _ in range(repeats):  # alternating, so that a slow spell of a shared machine hits every variant
+        for name, (fn, inputs, dout) in runs.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            _fwd_bwd(fn, inputs, dout, device)
+            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step waits for the slowest rank
+            times[name].append(elapsed.item())
+
+    e = torch.empty(0, dtype=dtype).element_size()
+    acc_e = torch.empty(0, dtype=_acc_dtype(dtype)).element_size()
+    formula = ring_memory_bytes(b, h, h_kv, s_local, d, dtype)
+    whole = b * s * d * (4 * h + 4 * h_kv) * e + b * h * s * acc_e  # q, k, v, out, dout, dq, dk, dv, lse at s
+    block = b * h * s_local ** 2 * acc_e
+    say(f"   O(s/P) formula per rank (ring_memory_bytes: q, out, dout, dq; k, v, dk, dv, two KV blocks; lse): "
+        f"{formula / 2**20:.1f} MiB")
+    say(f"   for scale: one block's scores, b H (s/P)^2 at {acc_e} bytes, = {block / 2**20:.1f} MiB "
+        f"(the reference holds several); the whole-sequence O(s) formula = {whole / 2**20:.1f} MiB")
+    say(f"   {'':26s} {'peak MiB/rank':>14s} {'x formula':>10s} {'largest tensor MiB':>19s} "
+        f"{'median s (fwd+bwd)':>19s}  all runs")
+    for name in runs:
+        peak, largest = peaks[name]
+        unit = whole if name.startswith("SDPA") else formula
+        biggest = f"{largest / 2**20:19.1f}" if not cuda else f"{'-':>19s}"
+        say(f"   {name:26s} {peak / 2**20:14.1f} {peak / unit:10.2f} {biggest} {statistics.median(times[name]):19.3f}  "
+            + " ".join(f"{t:.3f}" for t in times[name]))
+    say("   (x formula: against ring_memory_bytes for the ring, the whole-sequence formula for SDPA; "
+        + ("CUDA peak from torch.cuda.max_memory_allocated)" if cuda else
+           "CPU peak from PeakMemory, the live storages of every op's outputs, plus the inputs)"))
+    dist.barrier()  # no rank tears its sockets down while a peer may still be using them
+    dist.destroy_process_group()
+
+
+def _main():
+    parser = argparse.ArgumentParser(description="Ring / Ulysses / all-gather attention: demo, or --bench")
+    parser.add_argument("--bench", action="store_true", help="peak memory and time at a long sequence")
+    parser.add_argument("--seq", type=int, default=8192, help="full sequence length (bench)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=2)
+    parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-reference", action="store_true", help="skip the einsum reference (O((s/P)^2))")
+    args = parser.parse_args()
+    if not args.bench:
+        return demo()
+    bench(args.seq, args.batch, args.heads, args.kv_heads or args.heads, args.head_dim, getattr(torch, args.dtype),
+          args.repeats, not args.no_reference)
+
+
 if __name__ == "__main__":
-    demo()
+    _main()

@@ -99,13 +99,18 @@ import argparse
 import json
 import math
 import os
+import pickle
+import shutil
+import sys
 import time
 import zlib
 from collections import Counter
 from dataclasses import asdict, dataclass, fields
 from functools import partial
+from datetime import timedelta
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -152,7 +157,7 @@ class TrainConfig:
     batch: int = 16                   # global batch, in sequences
     micro_batch: int = 2
     steps: int = 30
-    data: str = "synthetic"           # embedded | synthetic | a text file, a folder of them, or train.bin/val.bin
+    data: str = "embedded"            # embedded | synthetic | a text file, a folder of them, or train.bin/val.bin
     eval_every: int = 0               # steps between validation losses (0: none)
     eval_batches: int = 4
     optimizer: str = "adamw"          # adamw | sgd
@@ -569,7 +574,7 @@ class Block(nn.Module):
     def __init__(self, i, cfg, plan, dtype, fp8=False):
         super().__init__()
         h, t = cfg.n_embd, _size(plan.tp)
-        self.plan, self.heads = plan, cfg.n_head // t
+        self.plan, self.heads, self.layer = plan, cfg.n_head // t, i
         std_out = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2: scale the residual projections
         self.ln1 = LayerNorm(h, plan, dtype)
         self.qkv = ColumnParallelLinear(f"h.{i}.attn.qkv", h, 3 * h, plan, cfg, dtype, parts=3, fp8=fp8)
@@ -793,8 +798,11 @@ def one_f_one_b(stage, pipe, micro_batches, tokens_per_micro_batch, grad_scale=1
 
 
 # ----------------------------------------------------------------------------------------------------
-# Data: a synthetic language with structure (so the loss falls)
+# Data: bytes of text (CPython's own documentation by default), nanoGPT .bin token files, a synthetic language
 # ----------------------------------------------------------------------------------------------------
+
+VAL_FRACTION = 0.1  # of a text corpus, held out at its end
+
 
 def synthetic_batch(step, batch, seq_len, vocab, seed=0):
     """(batch, seq_len + 1) tokens of a fixed random bigram language, the same on every rank."""
@@ -807,6 +815,68 @@ def synthetic_batch(step, batch, seq_len, vocab, seed=0):
     for t in range(seq_len):
         tokens[:, t + 1] = next_token[tokens[:, t], choice[:, t]]
     return tokens
+
+
+class TokenData:
+    """A training and a validation token stream, and the sampler: the batch of step k is drawn from a generator
+    seeded by (seed, split, k), so every layout sees the same global batch at every step and a resumed run
+    continues the same sequence of batches (its data position is the step)."""
+
+    def __init__(self, source, train=None, val=None, vocab=256):
+        self.source, self.train, self.val, self.vocab = source, train, val, vocab  # vocab: ids the data uses
+
+    def batch(self, split, step, batch, seq_len, seed, device="cpu"):
+        if self.source == "synthetic":  # validation batches from their own seeds (negative steps)
+            return synthetic_batch(step if split == "train" else -1 - step, batch, seq_len, self.vocab, seed)
+        stream = self.train if split == "train" else self.val
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + 2 * step + (split == "val"))
+        starts = torch.randint(len(stream) - seq_len, (batch,), generator=gen)
+        index = starts[:, None] + torch.arange(seq_len + 1)  # every sequence in one gather
+        if isinstance(stream, torch.Tensor):
+            return stream[index].to(device)
+        return torch.from_numpy(stream[index.numpy()].astype(np.int64)).to(device)  # a uint16 memmap
+
+
+def _text_tokens(text_bytes):
+    return torch.from_numpy(np.frombuffer(text_bytes, dtype=np.uint8).astype(np.int64))
+
+
+def load_data(spec, seq_len, vocab):
+    """`embedded` (CPython's pydoc topics, ~466 KB of English), `synthetic`, a text file, a folder of text files,
+    or a folder (or the path of a train.bin in one) with nanoGPT's uint16 train.bin and val.bin. Raises
+    ValueError naming --data for anything missing, empty or too short."""
+    if spec == "synthetic":  # a bigram language over the model's whole vocabulary
+        return TokenData("synthetic", vocab=vocab)
+    if spec == "embedded":
+        import pydoc_data.topics
+        text = "".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)).encode()
+        return _split_text("embedded corpus", _text_tokens(text), seq_len)
+    if not os.path.exists(spec):
+        raise ValueError(f"--data {spec}: no such file or folder; pass a text file, a folder of text files, a "
+                         "folder with train.bin and val.bin, or 'embedded'")
+    folder = os.path.dirname(spec) if spec.endswith(".bin") else spec
+    if os.path.isdir(folder) and os.path.exists(os.path.join(folder, "train.bin")):
+        streams = []
+        for name in ("train.bin", "val.bin"):
+            path = os.path.join(folder, name)
+            if not os.path.exists(path) or os.path.getsize(path) < 2 * (seq_len + 1):
+                raise ValueError(f"--data {spec}: {path} is missing or shorter than --seq + 1 = {seq_len + 1} tokens")
+            streams.append(np.memmap(path, dtype=np.uint16, mode="r"))
+        vocab = 1 + max(int(s.max()) for s in streams)  # one pass over the ids: catches a too small --vocab
+        return TokenData(spec, *streams, vocab=vocab)
+    files = [spec] if os.path.isfile(spec) else sorted(
+        os.path.join(root, f) for root, _, names in os.walk(spec) for f in names if not f.startswith("."))
+    text = b"".join(open(f, "rb").read() for f in files)
+    return _split_text(f"--data {spec}", _text_tokens(text), seq_len)
+
+
+def _split_text(name, tokens, seq_len):
+    n_val = int(len(tokens) * VAL_FRACTION)
+    if n_val <= seq_len or len(tokens) - n_val <= seq_len:
+        raise ValueError(f"{name} holds {len(tokens)} bytes: too few for --seq {seq_len} (each split needs more "
+                         f"than --seq tokens, the validation split is the last {VAL_FRACTION:.0%}); pass more text "
+                         "or a smaller --seq")
+    return TokenData(name, tokens[:-n_val], tokens[-n_val:], vocab=int(tokens.max()) + 1)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -843,14 +913,237 @@ def train_step(stage, pipe, optimizer, tokens, micro_batch, grad_clip=0.0):
 
 
 def model_flops_per_token(cfg):
-    """PaLM appendix B as nanoGPT: 6 N + 12 L h s, N the non-embedding parameters a token passes through
-    (an MoE layer counts its top_k experts' MLPs and its router instead of one MLP)."""
-    h = cfg.n_embd
-    n = 12 * cfg.n_layer * h ** 2 + 13 * cfg.n_layer * h
+    """Training FLOPs per token (PaLM appendix B, as nanoGPT's MFU): 6 N + 12 L h s, N the weights of every
+    matmul a token goes through, forward and backward (x 3): per dense block 12 h^2 (QKV 3, projection 1, MLP
+    8); per MoE block 4 h^2 + E h (the router) + k 8 h^2 (its top-k experts) + k h (the router-weighted sum of
+    the k expert outputs, a (1 x k)(k x h) product); and the LM head V h (tied to the embedding, whose lookup
+    is not a matmul). 12 L h s is attention's QK^T and AV over the whole sequence (a causal kernel skips half
+    of it; PaLM and FlopCounterMode count all of it). `count_step_flops` measures the same number."""
+    h, k = cfg.n_embd, cfg.top_k
+    n = cfg.vocab_size * h
     for layer in range(cfg.n_layer):
-        if cfg.is_moe(layer):
-            n += (cfg.top_k - 1) * 8 * h ** 2 + cfg.n_experts * h
+        n += 4 * h * h + (cfg.n_experts * h + k * 8 * h * h + k * h if cfg.is_moe(layer) else 8 * h * h)
     return 6 * n + 12 * cfg.n_layer * h * cfg.seq_len
+
+
+def count_step_flops(stage, pipe, optimizer, tokens, micro_batch):
+    """This rank's matmul FLOPs of one training step, as torch's FlopCounterMode counts them, plus the two
+    kernels it has no formula for in torch 2.13: the CPU flash attention (the same count as the CUDA one)
+    and the grouped expert GEMM (2 M K N per group). On one rank it equals `model_flops_per_token` x tokens
+    plus 2 L h s per token: a flash kernel's backward recomputes QK^T (hardware FLOPs, not model FLOPs)."""
+    from torch.utils import flop_counter as fc
+
+    def grouped_mm(a, b, *args, out_shape=None, **kwargs):
+        if len(b) == 3:  # (M, K) rows x (G, K, N) weights: each row through its group's matrix
+            return 2 * math.prod(out_shape) * a[-1]
+        return 2 * math.prod(out_shape[1:]) * a[1]  # (K, M) x (M, N) -> (G, K, N): weight gradients, M summed
+
+    custom = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+              lambda q, k, v, *args, **kwargs: fc.sdpa_flop_count(q, k, v),
+              torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+              lambda g, q, k, v, *args, **kwargs: fc.sdpa_backward_flop_count(g, q, k, v),
+              torch.ops.aten._grouped_mm: grouped_mm}
+    with fc.FlopCounterMode(display=False, custom_mapping=custom) as counter:
+        train_step(stage, pipe, optimizer, tokens, micro_batch)
+    return counter.get_total_flops()
+
+
+@torch.no_grad()
+def evaluate(stage, pipe, data, run, cfg):
+    """Mean validation loss per token over `eval_batches` fixed batches: forward only, micro-batch by
+    micro-batch through the pipeline (each stage receives, computes, sends on)."""
+    plan, device = stage.plan, next(stage.parameters()).device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for j in range(run.eval_batches):
+        tokens = data.batch("val", j, run.batch, cfg.seq_len, cfg.seed, device)
+        for ids, positions, targets in plan.micro_batches(tokens, run.micro_batch, device):
+            x = pipe.recv_forward()
+            out, _ = stage(ids if stage.first else x, positions)
+            if stage.last:
+                total += stage.loss_sum(out, targets).double()
+            else:
+                pipe.send_forward(out)
+    ps = plan.ps
+    total *= ps.is_last_stage and ps.tp_rank == 0
+    if plan.world is not None:
+        dist.all_reduce(total)
+    return total.item() / (run.eval_batches * run.batch * cfg.seq_len)
+
+
+def lr_at(step, run):
+    """nanoGPT's schedule: linear warm-up over `warmup` steps, then cosine decay to `min_lr` at the last step."""
+    min_lr = run.lr / 10 if run.min_lr is None else run.min_lr
+    if step < run.warmup:
+        return run.lr * (step + 1) / run.warmup
+    decay = (step - run.warmup) / max(1, run.steps - 1 - run.warmup)
+    return min_lr + 0.5 * (1 + math.cos(math.pi * min(decay, 1.0))) * (run.lr - min_lr)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checkpoints: torch.distributed.checkpoint, resharded to any layout on load
+# ----------------------------------------------------------------------------------------------------
+# Every tensor is saved as a slice of the WHOLE parameter (a DTensor: sharded over TP or EP where the layout
+# splits it, replicated elsewhere), under the parameter's global name ("h.5.mlp.fc.weight", whatever stage holds
+# layer 5): the model, and per parameter the optimizer's master weight and states gathered over its ZeRO group.
+# DCP writes each slice once (replicas over DP, CP, EDP are deduplicated) and on load reads the slices that the
+# NEW layout's tensors cover, so a checkpoint saved at TP2 x PP2 resumes at DP4 or PP1 x CP2. The rest (step,
+# model shape, loss scale) is JSON. A checkpoint is written to step_NNNNNN.tmp and renamed when complete, so
+# out_dir only ever holds complete ones; loading unpickles nothing but DCP's own metadata classes.
+
+SHAPE_FLAGS = {"vocab_size": "--vocab", "seq_len": "--seq", "n_layer": "--layers", "n_head": "--heads",
+               "n_embd": "--hidden", "moe_every": "--moe-every", "n_experts": "--experts", "top_k": "--top-k"}
+
+
+def checkpoint_dirs(out_dir):
+    """Complete checkpoints in out_dir, oldest first (a .tmp folder is one being written, or abandoned)."""
+    if not out_dir or not os.path.isdir(out_dir):
+        return []
+    names = [n for n in os.listdir(out_dir) if n.startswith("step_") and n[5:].isdigit()
+             and os.path.exists(os.path.join(out_dir, n, "train_state.json"))]
+    return [os.path.join(out_dir, n) for n in sorted(names)]
+
+
+def read_train_state(path, cfg=None):
+    """The JSON part of a checkpoint; with `cfg`, refuses a checkpoint of another model shape."""
+    with open(os.path.join(path, "train_state.json")) as f:
+        state = json.load(f)
+    for field, flag in SHAPE_FLAGS.items() if cfg is not None else ():
+        if state["config"][field] != getattr(cfg, field):
+            raise ValueError(f"checkpoint {path} holds a model with {flag} {state['config'][field]}, this run has "
+                             f"{flag} {getattr(cfg, field)}: pass the checkpoint's {flag}, or another --out-dir")
+    return state
+
+
+def _global_name(stage, name):
+    """A stage's parameter name -> the model's: blocks.j of stage i is layer i * L/p + j."""
+    if name.startswith("blocks."):
+        j, rest = name[len("blocks."):].split(".", 1)
+        return f"h.{stage.blocks[int(j)].layer}.{rest}"
+    return name
+
+
+def _meshes(plan, device):
+    from torch.distributed.device_mesh import DeviceMesh
+    ps = plan.ps
+    return {kind: DeviceMesh.from_group(ps.groups[kind], device.type) for kind in ("tp", "ep")}
+
+
+def _as_whole(t, p, meshes):
+    """`t` (shaped like parameter p on this rank) as a DTensor of the whole parameter."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    if t.dim() == 0:
+        return t
+    if getattr(p, "tp_dim", None) is not None:
+        dim, parts = p.tp_dim, getattr(p, "tp_parts", 1)
+        if parts > 1:  # QKV: three blocks split separately, so the slice is regular in a (3, ...) view
+            t, dim = t.view(parts, -1, *t.shape[1:]), dim + 1
+        return DTensor.from_local(t, meshes["tp"], [Shard(dim)], run_check=False)
+    if getattr(p, "ep_dim", None) is not None:
+        return DTensor.from_local(t, meshes["ep"], [Shard(p.ep_dim)], run_check=False)
+    return DTensor.from_local(t, meshes["tp"], [Replicate()], run_check=False)
+
+
+def _saved_params(stage):
+    """(global name, parameter) of every parameter; the last stage's tied copy of the embedding is "wte.weight"
+    too (it is identical to the first stage's, bit for bit: DCP writes it once)."""
+    return [(_global_name(stage, n.replace("lm_head.", "wte.")), p) for n, p in stage.named_parameters()]
+
+
+def save_checkpoint(out_dir, step, stage, opt, cfg, run):
+    import torch.distributed.checkpoint as dcp
+    plan, device = stage.plan, next(stage.parameters()).device
+    meshes = _meshes(plan, device)
+    state = {}
+    for name, p in _saved_params(stage):
+        state[f"model/{name}"] = _as_whole(p.detach(), p, meshes)
+        for key, value in opt.full_state(p).items():  # collective over p's ZeRO group: same order everywhere
+            state[f"optim/{name}/{key}"] = _as_whole(value, p, meshes)
+    state[f"rng/{plan.ps.rank}"] = torch.get_rng_state()  # restored when the world size is the same
+    final = os.path.join(out_dir, f"step_{step:06d}")
+    tmp = final + ".tmp"
+    if plan.ps.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
+    dist.barrier()  # every rank's files are written (and rank 0's metadata)
+    if plan.ps.rank == 0:
+        train_state = {"step": step, "config": asdict(cfg), "world_size": plan.ps.world_size,
+                       "layout": {k: getattr(run, k) for k in ("tp", "pp", "cp", "ep", "zero", "dtype")},
+                       "optimizer": run.optimizer, "data": run.data,
+                       "optimizer_state": opt.state_dict()}
+        with open(os.path.join(tmp, "train_state.json"), "w") as f:
+            json.dump(train_state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)  # atomic: the folder appears complete or not at all
+    dist.barrier()
+    return final
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    """DCP stores its metadata (which slices are in which file) as a pickle: allow only its own classes."""
+
+    def find_class(self, module, name):
+        if module.startswith("torch.distributed.checkpoint.") or (module, name) in (
+                ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("torch", "Size"),
+                ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a DCP checkpoint never "
+                                     "holds: refusing to load it")
+
+
+def _safe_reader(path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(dcp.FileSystemReader):
+        def read_metadata(self, *args, **kwargs):  # the tensors themselves are read with weights_only=True
+            with open(os.path.join(self.path, ".metadata"), "rb") as f:
+                metadata = _SafeUnpickler(f).load()
+            metadata.storage_meta = metadata.storage_meta or StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(path)
+
+
+def load_checkpoint(path, stage, opt=None):
+    """Fill this rank's parameters (and, with `opt`, its optimizer state) from a checkpoint of any layout."""
+    import torch.distributed.checkpoint as dcp
+    plan, device = stage.plan, next(stage.parameters()).device
+    reader = _safe_reader(path)
+    saved = reader.read_metadata().state_dict_metadata
+    meshes = _meshes(plan, device)
+    state, params = {}, _saved_params(stage)
+    for name, p in params:
+        state[f"model/{name}"] = _as_whole(torch.empty_like(p), p, meshes)
+        if opt is not None:  # every optimizer state the checkpoint holds for p, shaped like p (or 0-dim)
+            for key in sorted(k for k in saved if k.startswith(f"optim/{name}/")):
+                size = saved[key].size
+                local = torch.empty(() if len(size) == 0 else p.shape, dtype=saved[key].properties.dtype,
+                                    device="cpu" if len(size) == 0 else device)
+                state[key] = _as_whole(local, p, meshes)
+    rng_key = f"rng/{plan.ps.rank}"
+    same_world = read_train_state(path)["world_size"] == plan.ps.world_size
+    if same_world and rng_key in saved:
+        state[rng_key] = torch.empty_like(torch.get_rng_state())
+    dcp.load(state, storage_reader=reader)
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t
+    with torch.no_grad():
+        for name, p in params:
+            p.copy_(local(state[f"model/{name}"]).reshape(p.shape))
+    if opt is not None:
+        for name, p in params:
+            prefix = f"optim/{name}/"
+            opt.load_full_state(p, {k[len(prefix):]: local(v).reshape(p.shape if v.dim() else ())
+                                    for k, v in state.items() if k.startswith(prefix)})
+        opt.load_state_dict(read_train_state(path)["optimizer_state"])
+    if rng_key in state:
+        torch.set_rng_state(state[rng_key])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -862,7 +1155,27 @@ RECOMPUTE = ("none", "full", "sqrt", "selective")
 
 
 def validate(cfg, run, world):
-    """Every shape the layout must divide, checked on every rank before any process group is created."""
+    """Every value and shape the run needs, checked on every rank before any process group is created: a
+    ValueError that names the flag and a valid choice."""
+    positive = {"--tp": run.tp, "--pp": run.pp, "--cp": run.cp, "--ep": run.ep, "--layers": cfg.n_layer,
+                "--heads": cfg.n_head, "--hidden": cfg.n_embd, "--seq": cfg.seq_len, "--vocab": cfg.vocab_size,
+                "--batch": run.batch, "--micro-batch": run.micro_batch, "--steps": run.steps,
+                "--experts": cfg.n_experts, "--top-k": cfg.top_k, "--eval-batches": run.eval_batches}
+    for flag, value in positive.items():
+        if value < 1:
+            raise ValueError(f"{flag} {value} must be a positive integer")
+    for flag, value in {"--moe-every": cfg.moe_every, "--warmup": run.warmup, "--eval-every": run.eval_every,
+                        "--save-every": run.save_every}.items():
+        if value < 0:
+            raise ValueError(f"{flag} {value} must be 0 or more")
+    for flag, value in {"--lr": run.lr, "--timeout-s": run.timeout_s}.items():
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{flag} {value} must be a positive finite number (e.g. {flag} 3e-3)"
+                             if flag == "--lr" else f"{flag} {value} must be a positive number of seconds")
+    for flag, value in {"--min-lr": run.min_lr, "--weight-decay": run.weight_decay,
+                        "--grad-clip": run.grad_clip}.items():
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{flag} {value} must be a finite number >= 0")
     tp, pp, cp, ep = run.tp, run.pp, run.cp, run.ep
     topology.validate_layout(world, tp, pp, cp, ep)
     dp = world // (tp * pp * cp)
@@ -876,17 +1189,21 @@ def validate(cfg, run, world):
         (run.zero not in (0, 1), f"--zero {run.zero} is unknown; choose 0 (replicated) or 1 (sharded optimizer)"),
         (run.optimizer not in ("adamw", "sgd"), f"--optimizer {run.optimizer!r} is unknown; choose adamw or sgd"),
         (ep > 1 and cfg.moe_every == 0, f"--ep {ep} needs MoE layers: set --moe-every > 0"),
+        (cfg.moe_every > cfg.n_layer, f"--moe-every {cfg.moe_every} exceeds --layers {cfg.n_layer}: no layer "
+                                      "would be MoE; choose --moe-every <= --layers, or 0 for a dense model"),
         (cfg.moe_every and cfg.n_experts % ep, f"--experts {cfg.n_experts} must be divisible by --ep {ep}"),
-        (cfg.moe_every and not 1 <= cfg.top_k <= cfg.n_experts,
+        (cfg.moe_every and cfg.top_k > cfg.n_experts,
          f"--top-k {cfg.top_k} must be between 1 and --experts {cfg.n_experts}"),
         (cfg.n_layer % pp, f"--layers {cfg.n_layer} must be divisible by --pp {pp}; choose --pp among "
                            f"{[d for d in range(1, cfg.n_layer + 1) if cfg.n_layer % d == 0]}"),
-        (cfg.n_embd % cfg.n_head, f"--hidden {cfg.n_embd} must be divisible by --heads {cfg.n_head}"),
+        (cfg.n_embd % cfg.n_head, f"--hidden {cfg.n_embd} must be divisible by --heads {cfg.n_head}; e.g. "
+                                  f"--hidden {cfg.n_head * max(1, round(cfg.n_embd / cfg.n_head))}"),
         (cfg.n_head % tp, f"--heads {cfg.n_head} must be divisible by --tp {tp}"),
         (cp > 1 and run.cp_impl == "ulysses" and (cfg.n_head // tp) % cp,
          f"--cp-impl ulysses splits each TP rank's {cfg.n_head // tp} heads over --cp {cp}: choose --cp "
          f"dividing --heads/--tp, or --cp-impl ring"),
-        (cfg.vocab_size % tp, f"--vocab {cfg.vocab_size} must be divisible by --tp {tp}; pad the vocabulary"),
+        (cfg.vocab_size % tp, f"--vocab {cfg.vocab_size} must be divisible by --tp {tp}; pad the vocabulary to "
+                              f"{-(-cfg.vocab_size // tp) * tp}"),
         (zigzag and cfg.seq_len % (2 * cp),
          f"--seq {cfg.seq_len} must be divisible by 2*cp = {2 * cp} (zigzag shards of --cp-impl {run.cp_impl})"),
         (cp > 1 and cfg.seq_len % cp, f"--seq {cfg.seq_len} must be divisible by --cp {cp}"),
@@ -894,17 +1211,55 @@ def validate(cfg, run, world):
          f"--seq/--cp = {s_cp} must be divisible by --tp {tp}: sequence parallelism (and MoE layers under TP) "
          f"split each rank's tokens over TP"),
         (run.batch % (dp * run.micro_batch),
-         f"--batch {run.batch} must be divisible by dp*micro_batch = {dp}*{run.micro_batch}"),
+         f"--batch {run.batch} must be divisible by dp*micro_batch = {dp}*{run.micro_batch} (dp = world / "
+         f"(tp*cp*pp) = {dp})"),
+        ((run.resume or run.save_every) and not run.out_dir, "--resume and --save-every need --out-dir"),
     ]
     for failed, message in checks:
         if failed:
             raise ValueError(message)
 
 
+def check_inputs(cfg, run, world):
+    """validate(), then the data (present, long enough, ids below --vocab) and the checkpoint to resume (the
+    same model shape): everything that can fail, before any process group exists. Returns the data."""
+    validate(cfg, run, world)
+    data = load_data(run.data, cfg.seq_len, cfg.vocab_size)
+    if data.vocab > cfg.vocab_size:
+        raise ValueError(f"--vocab {cfg.vocab_size} is smaller than the data's vocabulary ({data.source} uses ids "
+                         f"up to {data.vocab - 1}): pass --vocab {-(-data.vocab // run.tp) * run.tp} or more")
+    if run.resume and checkpoint_dirs(run.out_dir):
+        read_train_state(checkpoint_dirs(run.out_dir)[-1], cfg)
+    return data
+
+
+def init_distributed(timeout_s):
+    """torchrun's environment, or a one-process group when run as plain `python train_gpt.py`."""
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _world_size():
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def build(cfg, run):
     """Process groups, the plan, this rank's stage of the model, its optimizer and its pipeline transfers."""
-    _, world = topology.init_distributed()
-    validate(cfg, run, world)
+    validate(cfg, run, _world_size())
+    init_distributed(run.timeout_s)
     ps = topology.init_parallel(tp=run.tp, pp=run.pp, cp=run.cp, ep=run.ep, with_mesh=False)
     plan = make_plan(ps, run.sequence_parallel, run.cp_impl, run.recompute)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -934,77 +1289,175 @@ def make_optimizer(stage, plan, run):
         master_dtype=run.master_dtype, **defaults)
 
 
-def train(cfg, run):
-    """Train; returns one record per step (the metrics line)."""
+GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}  # dense BF16, per GPU
+
+
+def peak_tflops(run):
+    if run.peak_tflops:
+        return run.peak_tflops
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        return next((v for k, v in GPU_PEAK_TFLOPS.items() if k in name), None)
+    return None  # no known peak on CPU: no MFU
+
+
+def train(cfg, run, data=None):
+    """Train (resuming from out_dir's latest checkpoint with run.resume); returns one record per step run."""
+    data = data or check_inputs(cfg, run, _world_size())
     plan, stage, opt, pipe = build(cfg, run)
-    ps = plan.ps
+    ps, device = plan.ps, next(stage.parameters()).device
+    start = 0
+    if run.resume and checkpoint_dirs(run.out_dir):
+        path = checkpoint_dirs(run.out_dir)[-1]
+        load_checkpoint(path, stage, opt)
+        start = read_train_state(path)["step"]
+    if run.out_dir and ps.rank == 0:
+        os.makedirs(run.out_dir, exist_ok=True)
+    flops_per_token, peak = model_flops_per_token(cfg), peak_tflops(run)
+    out = open(run.metrics, "a" if start else "w") if run.metrics and ps.rank == 0 else None
     records = []
-    flops_per_token = model_flops_per_token(cfg)
-    out = open(run.metrics, "w") if run.metrics and ps.rank == 0 else None
-    for step in range(run.steps):
+    for step in range(start, run.steps):
+        lr = lr_at(step, run)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        tokens = data.batch("train", step, run.batch, cfg.seq_len, cfg.seed, device)  # not part of the timing
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
-        tokens = synthetic_batch(step, run.batch, cfg.seq_len, cfg.vocab_size, cfg.seed)
-        loss, aux, grad_norm, stepped, peak = train_step(stage, pipe, opt, tokens, run.micro_batch, run.grad_clip)
-        dt = time.perf_counter() - t0
+        loss, aux, grad_norm, stepped, in_flight = train_step(stage, pipe, opt, tokens, run.micro_batch,
+                                                              run.grad_clip)
+        dt = time.perf_counter() - t0  # train_step ends with a host sync (the loss), so dt is the whole step
         tokens_per_s = run.batch * cfg.seq_len / dt
-        record = {"step": step, "loss": loss, "aux_loss": aux, "lr": opt.param_groups[0]["lr"],
-                  "grad_norm": grad_norm, "tokens_per_s": tokens_per_s, "step_time_s": dt}
-        if run.peak_tflops:
-            record["mfu"] = flops_per_token * tokens_per_s / (run.peak_tflops * 1e12 * ps.world_size)
+        record = {"step": step, "loss": loss, "aux_loss": aux, "lr": lr, "grad_norm": grad_norm,
+                  "tokens_per_s": tokens_per_s, "step_time_s": dt}
+        if peak:
+            record["mfu"] = flops_per_token * tokens_per_s / (peak * 1e12 * ps.world_size)
         if not stepped:
             record["skipped"] = True  # FP16 overflow: no update, the loss scale backed off
-        if step == 0:  # this rank's memory, from the live tensors
-            record.update(opt.memory_bytes(), in_flight_peak=peak)
+        if run.eval_every and ((step + 1) % run.eval_every == 0 or step == run.steps - 1):
+            record["val_loss"] = evaluate(stage, pipe, data, run, cfg)
+        if step == start:  # this rank's memory, from the live tensors
+            record.update(opt.memory_bytes(), in_flight_peak=in_flight)
         records.append(record)
         if out:
             out.write(json.dumps(record) + "\n")
             out.flush()
         if run.log and ps.rank == 0:
-            print(json.dumps(record))
+            print(f"step {step}: loss {loss:.4f}" + (f", val {record['val_loss']:.4f}" if "val_loss" in record else "")
+                  + (f", aux {aux:.4f}" if cfg.moe_every else "") + f", lr {lr:.2e}, |g| {grad_norm:.3f}, "
+                  f"{dt * 1000:.0f} ms, {tokens_per_s:,.0f} tok/s" + (f", mfu {record['mfu']:.1%}" if peak else ""),
+                  flush=True)
+        done = step + 1 == run.steps
+        if run.out_dir and ((run.save_every and (step + 1) % run.save_every == 0) or done):
+            path = save_checkpoint(run.out_dir, step + 1, stage, opt, cfg, run)
+            if run.log and ps.rank == 0:
+                print(f"saved {path}", flush=True)
     if out:
         out.close()
     return records
 
 
-def main():
-    ap = argparse.ArgumentParser(description="Train a GPT with TP x CP x DP x PP (DP = world / (tp*cp*pp)).")
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--cp", type=int, default=1)
-    ap.add_argument("--ep", type=int, default=1, help="expert parallel size, folded over DP x CP")
-    ap.add_argument("--sequence-parallel", action="store_true", help="split LayerNorm/residual activations over TP")
-    ap.add_argument("--cp-impl", default="ring", help="ring | ulysses | allgather")
-    ap.add_argument("--moe-every", type=int, default=0, help="every n-th block is MoE (0: dense)")
-    ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--top-k", type=int, default=2)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--vocab", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=16, help="global batch in sequences")
-    ap.add_argument("--micro-batch", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--weight-decay", type=float, default=0.1)
-    ap.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clipping (0: off)")
-    ap.add_argument("--optimizer", default="adamw", help="adamw | sgd")
-    ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | fp8 (| float64)")
-    ap.add_argument("--zero", type=int, default=0, help="1: shard master weights and optimizer states (ZeRO-1)")
-    ap.add_argument("--recompute", default="none", help="none | full | sqrt | selective")
-    ap.add_argument("--metrics", default="metrics.jsonl")
-    ap.add_argument("--peak-tflops", type=float, default=None, help="per GPU, for MFU (H100 BF16 dense: 989)")
-    ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args()
-    if os.environ.get("OMP_NUM_THREADS") is None and not torch.cuda.is_available():
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+@torch.no_grad()
+def sample(cfg, path, n, temperature=1.0, top_k=None, prompt="\n", seed=0):
+    """Generate n tokens on one process from a checkpoint of any layout (bytes decoded as UTF-8)."""
+    run = TrainConfig(batch=1, micro_batch=1, log=False)
+    plan, stage, _, _ = build(cfg, run)
+    load_checkpoint(path, stage)
+    gen = torch.Generator().manual_seed(seed)
+    ids = list(prompt.encode()) if cfg.vocab_size <= 256 else [0]
+    for _ in range(n):
+        context = torch.tensor([ids[-cfg.seq_len:]])
+        logits, _ = stage(context, torch.arange(context.shape[1]))
+        logits = logits[0, -1].float() / max(temperature, 1e-6)
+        if top_k:
+            logits[logits < logits.topk(min(top_k, logits.numel())).values[-1]] = -float("inf")
+        ids.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)))
+    generated = ids[len(prompt.encode()):] if cfg.vocab_size <= 256 else ids[1:]
+    return bytes(generated).decode("utf-8", errors="replace") if cfg.vocab_size <= 256 else generated
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):  # one line on rank 0, exit code 2 (see main), not a usage block per rank
+        raise ValueError(message)
+
+
+def parse_args(argv=None):
+    ap = _ArgumentParser(description="Train a GPT with TP x CP x DP x PP (DP = world / (tp*cp*pp)) by torchrun.")
+    add = ap.add_argument
+    add("--tp", type=int, default=1, help="tensor parallel (inside a node)")
+    add("--pp", type=int, default=1, help="pipeline stages")
+    add("--cp", type=int, default=1, help="context parallel")
+    add("--ep", type=int, default=1, help="expert parallel, folded over DP x CP")
+    add("--sequence-parallel", action="store_true", help="split LayerNorm/residual activations over TP")
+    add("--cp-impl", default="ring", choices=sorted(CP_IMPLS))
+    add("--moe-every", type=int, default=0, help="every n-th block is MoE (0: dense)")
+    add("--experts", type=int, default=8)
+    add("--top-k", type=int, default=2)
+    add("--layers", type=int, default=4)
+    add("--heads", type=int, default=4)
+    add("--hidden", type=int, default=64)
+    add("--seq", type=int, default=64)
+    add("--vocab", type=int, default=256)
+    add("--batch", type=int, default=16, help="global batch in sequences")
+    add("--micro-batch", type=int, default=2)
+    add("--steps", type=int, default=30)
+    add("--data", default="embedded", help="embedded | synthetic | text file | folder (text, or train.bin/val.bin)")
+    add("--eval-every", type=int, default=0)
+    add("--eval-batches", type=int, default=4)
+    add("--optimizer", default="adamw", choices=["adamw", "sgd"])
+    add("--lr", type=float, default=3e-3)
+    add("--min-lr", type=float, default=None, help="cosine decay target (default lr/10)")
+    add("--warmup", type=int, default=0)
+    add("--weight-decay", type=float, default=0.1)
+    add("--grad-clip", type=float, default=1.0, help="global gradient-norm clipping (0: off)")
+    add("--dtype", default="float32", choices=list(DTYPES))
+    add("--zero", type=int, default=0, choices=[0, 1], help="1: shard master weights and optimizer states")
+    add("--recompute", default="none", choices=list(RECOMPUTE))
+    add("--out-dir", default=None)
+    add("--save-every", type=int, default=0)
+    add("--resume", action="store_true", help="continue from the latest complete checkpoint in --out-dir")
+    add("--timeout-s", type=float, default=300.0, help="process-group timeout")
+    add("--sample", type=int, default=0, help="print this many generated bytes from --out-dir's latest checkpoint")
+    add("--temperature", type=float, default=0.8)
+    add("--sample-top-k", type=int, default=50)
+    add("--metrics", default="metrics.jsonl")
+    add("--peak-tflops", type=float, default=None, help="per GPU, for MFU (known for A100/H100/H200 on CUDA)")
+    add("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
     cfg = GPTConfig(vocab_size=a.vocab, seq_len=a.seq, n_layer=a.layers, n_head=a.heads, n_embd=a.hidden,
                     seed=a.seed, moe_every=a.moe_every, n_experts=a.experts, top_k=a.top_k)
     run = TrainConfig(**{f.name: getattr(a, f.name) for f in fields(TrainConfig) if hasattr(a, f.name)})
-    records = train(cfg, run)
-    if dist.get_rank() == 0:
-        print(f"config {asdict(cfg)}: loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} in {run.steps} "
-              f"steps; metrics in {run.metrics}")
+    return cfg, run, a
+
+
+def main(argv=None):
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    try:
+        cfg, run, a = parse_args(argv)
+        if a.sample:
+            if not checkpoint_dirs(run.out_dir):
+                raise ValueError(f"--sample needs a checkpoint: --out-dir {run.out_dir} holds none")
+            cfg = GPTConfig(**read_train_state(checkpoint_dirs(run.out_dir)[-1])["config"])
+            if world != 1:
+                raise ValueError("--sample runs on one process: use python, not torchrun")
+        else:
+            data = check_inputs(cfg, run, world)
+    except ValueError as e:
+        if rank == 0:
+            print(f"train_gpt.py: error: {e}", file=sys.stderr, flush=True)
+        else:  # torchrun stops the job at the first exit: let rank 0 say why first
+            time.sleep(0.5)
+        sys.exit(2)
+    if os.environ.get("OMP_NUM_THREADS") is None and not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    if a.sample:
+        print(sample(cfg, checkpoint_dirs(run.out_dir)[-1], a.sample, a.temperature, a.sample_top_k, seed=a.seed))
+    else:
+        records = train(cfg, run, data)
+        if dist.get_rank() == 0 and records:
+            print(f"loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} in {len(records)} steps; metrics in "
+                  f"{run.metrics}")
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -1,6 +1,8 @@
 """train_gpt.py: the loss curve is the same for every layout (TP, PP, DP, CP and their products), and the
 one-rank model is the plain nanoGPT computation."""
 import math
+import sys
+import os
 
 import pytest
 import torch
@@ -23,7 +25,7 @@ def _run(**kwargs):
     in the next loss), global-norm clipping at 1.0 on (it engages on these steps: layouts must agree on the
     norm too)."""
     return train_gpt.TrainConfig(**{**dict(batch=BATCH, micro_batch=MICRO, steps=STEPS, dtype="float64",
-                                           optimizer="sgd", lr=0.5, log=False), **kwargs})
+                                           optimizer="sgd", lr=0.5, log=False, data="synthetic"), **kwargs})
 
 
 def _train(rank, world, tp, pp, cp, cfg=CFG, **kwargs):
@@ -379,3 +381,256 @@ def test_first_metrics_line_carries_this_ranks_memory_by_dtype():
     assert (lines["float32"]["grad_bytes"], lines["float32"]["optimizer_bytes"]) == (4 * n, 8 * n)
     assert (lines["bfloat16"]["param_bytes"], lines["bfloat16"]["grad_bytes"],
             lines["bfloat16"]["optimizer_bytes"]) == (2 * n, 4 * n, 12 * n)
+
+
+# ---- the training job: FLOPs, data, checkpoints and resume, failures, bad input ----------------------------
+
+def _step_flops(rank, world, cfg):
+    plan, stage, opt, pipe = train_gpt.build(cfg, _run(dtype="float32", batch=4, micro_batch=2))
+    tokens = train_gpt.synthetic_batch(0, 4, cfg.seq_len, cfg.vocab_size)
+    train_gpt.train_step(stage, pipe, opt, tokens, 2)  # moe_ep probes its grouped GEMM once: not in the count
+    return train_gpt.count_step_flops(stage, pipe, opt, tokens, 2)
+
+
+@pytest.mark.parametrize("moe_every", [0, 1])
+def test_flops_per_token_equal_the_measured_count(moe_every):
+    cfg = train_gpt.GPTConfig(vocab_size=64, seq_len=32, n_layer=2, n_head=4, n_embd=32, moe_every=moe_every,
+                              n_experts=4, top_k=2)
+    measured = run_ranks(_step_flops, 1, cfg, timeout=60)[0]
+    tokens = 4 * cfg.seq_len
+    flash_recompute = 2 * cfg.n_layer * cfg.n_embd * cfg.seq_len * tokens  # the kernel's backward redoes QK^T
+    # dense: 23,592,960 model FLOPs + 524,288 = 24,117,248 counted; MoE: 36,470,784 + 524,288 = 36,995,072
+    assert measured == train_gpt.model_flops_per_token(cfg) * tokens + flash_recompute
+    # the LM head is in: without its 6 V h per token the count would be short by 6 * 64 * 32 * 128
+    assert train_gpt.model_flops_per_token(cfg) > 6 * cfg.vocab_size * cfg.n_embd
+
+
+def _resume_run(rank, world, out_dir, dtype, resume, **layout):
+    torch.set_default_dtype(getattr(torch, dtype))
+    run = _run(dtype=dtype, optimizer="adamw", lr=1e-2, steps=4, save_every=2, out_dir=out_dir, resume=resume, micro_batch=1,
+               **layout)
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in train_gpt.train(CFG, run)]
+
+
+def _keep_first_checkpoint(src, dst):
+    import shutil
+    shutil.copytree(os.path.join(src, "step_000002"), os.path.join(dst, "step_000002"))
+
+
+def test_resume_is_exact_on_tp_pp_dp(tmp_path):
+    full = run_ranks(_resume_run, 8, str(tmp_path / "a"), "float32", False, tp=2, pp=2, timeout=180)[0]
+    _keep_first_checkpoint(tmp_path / "a", tmp_path / "b")  # as if the run had stopped after step 2
+    resumed = run_ranks(_resume_run, 8, str(tmp_path / "b"), "float32", True, tp=2, pp=2, timeout=180)[0]
+    assert [r[0] for r in resumed] == [2, 3]
+    assert resumed == full[2:]  # bit for bit: model, AdamW moments and step, schedule and data position
+
+
+@pytest.mark.parametrize("world, layout", [
+    (4, dict(zero=1)),                # TP2 x PP2 -> DP4, optimizer state sharded over 4
+    (4, dict(cp=2, zero=0)),          # TP2 x PP2 -> PP1 x CP2 x DP2
+])
+def test_resume_at_another_layout(tmp_path, world, layout):
+    full = run_ranks(_resume_run, 4, str(tmp_path / "a"), "float64", False, tp=2, pp=2, timeout=180)[0]
+    _keep_first_checkpoint(tmp_path / "a", tmp_path / "b")
+    resumed = run_ranks(_resume_run, world, str(tmp_path / "b"), "float64", True, timeout=180, **layout)[0]
+    assert max(abs(a - b) for r, f in zip(resumed, full[2:]) for a, b in zip(r, f)) < TOL
+
+
+def test_a_checkpoint_of_another_shape_is_refused(tmp_path):
+    run_ranks(_resume_run, 1, str(tmp_path), "float32", False, timeout=120)
+    other = train_gpt.GPTConfig(**{**CFG.__dict__, "n_embd": 32})
+    with pytest.raises(ValueError, match="--hidden 16, this run has --hidden 32"):
+        train_gpt.check_inputs(other, _run(resume=True, out_dir=str(tmp_path)), 1)
+
+
+def _main_on_forked_ranks(argv, world, cwd, timeout=60):
+    """Run train_gpt.main(argv) as `world` torchrun ranks would (RANK, WORLD_SIZE... in the environment), each a
+    forked process writing stdout and stderr to its own file. Returns [(exit code, output, initialised)]: a rank
+    that created a process group reports initialised=True."""
+    import signal
+    import time
+    outs, pids = [], []
+    for rank in range(world):
+        path = os.path.join(cwd, f"rank{rank}.out")
+        outs.append(path)
+        pid = os.fork()
+        if pid == 0:  # the rank
+            code = 99
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                sys.stdout = sys.stderr = open(fd, "w", buffering=1)  # pytest replaced the Python objects
+                os.chdir(cwd)
+                os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                                  LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+                train_gpt.main(argv + ["--timeout-s", "5"])
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+                code = 98
+            finally:
+                import torch.distributed as dist
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code + 100 * dist.is_initialized())
+        pids.append(pid)
+    deadline, results = time.monotonic() + timeout, []
+    for pid in pids:
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                status = 97 << 8
+                break
+            time.sleep(0.01)
+        results.append(os.waitstatus_to_exitcode(status))
+    return [(code % 100, open(out).read(), code >= 100) for code, out in zip(results, outs)]
+
+
+@pytest.fixture(scope="module")
+def bad_input_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad")
+    (d / "empty.txt").write_text("")
+    (d / "short.txt").write_text("too short")
+    # a checkpoint of another shape (--hidden 32), for --resume
+    run_ranks(lambda rank, world: train_gpt.train(train_gpt.GPTConfig(n_embd=32, n_layer=1, seq_len=16),
+                                                  _run(dtype="float32", steps=1, out_dir=str(d / "ckpt"))), 1)
+    return d
+
+
+BAD_INPUT = [  # (argv, world, what the one line must name)
+    (["--tp", "3"], 4, "tp"),
+    (["--pp", "3"], 3, "--layers 4 must be divisible by --pp 3"),
+    (["--tp", "2", "--heads", "3", "--hidden", "66"], 2, "--heads 3 must be divisible by --tp 2"),
+    (["--hidden", "66", "--heads", "4"], 1, "--hidden 66 must be divisible by --heads 4"),
+    (["--cp", "2", "--seq", "30"], 2, "--seq 30 must be divisible by 2*cp = 4"),
+    (["--cp", "3", "--cp-impl", "ulysses"], 3, "--cp-impl ulysses splits each TP rank's 4 heads over --cp 3"),
+    (["--tp", "2", "--sequence-parallel", "--seq", "33"], 2, "--seq/--cp = 33 must be divisible by --tp 2"),
+    (["--moe-every", "1", "--experts", "6", "--ep", "4"], 4, "--experts 6 must be divisible by --ep 4"),
+    (["--ep", "2"], 2, "--ep 2 needs MoE layers"),
+    (["--moe-every", "1", "--top-k", "9"], 1, "--top-k 9 must be between 1 and --experts 8"),
+    (["--moe-every", "1", "--top-k", "0"], 1, "--top-k 0 must be a positive integer"),
+    (["--moe-every", "8"], 1, "--moe-every 8 exceeds --layers 4"),
+    (["--micro-batch", "3"], 1, "--batch 16 must be divisible by dp*micro_batch"),
+    (["--batch", "6", "--micro-batch", "2"], 2, "--batch 6 must be divisible by dp*micro_batch = 2*2"),
+    (["--micro-batch", "0"], 1, "--micro-batch 0 must be a positive integer"),
+    (["--batch", "0"], 1, "--batch 0 must be a positive integer"),
+    (["--steps", "0"], 2, "--steps 0 must be a positive integer"),
+    (["--steps=-5"], 1, "--steps -5 must be a positive integer"),
+    (["--layers", "0"], 1, "--layers 0 must be a positive integer"),
+    (["--vocab", "0"], 1, "--vocab 0 must be a positive integer"),
+    (["--tp", "0"], 1, "--tp 0 must be a positive integer"),
+    (["--lr", "0"], 1, "--lr 0.0 must be a positive finite number"),
+    (["--lr", "nan"], 1, "--lr nan must be a positive finite number"),
+    (["--lr=-1e-3"], 1, "--lr -0.001 must be a positive finite number"),
+    (["--grad-clip", "-1"], 1, "--grad-clip -1.0 must be a finite number >= 0"),
+    (["--dtype", "float8"], 2, "argument --dtype: invalid choice: 'float8'"),
+    (["--recompute", "half"], 1, "argument --recompute: invalid choice: 'half'"),
+    (["--cp-impl", "star"], 1, "argument --cp-impl: invalid choice: 'star'"),
+    (["--batch", "lots"], 1, "argument --batch: invalid int value: 'lots'"),
+    (["--no-such-flag"], 1, "unrecognized arguments: --no-such-flag"),
+    (["--data", "no/such/file.txt"], 2, "--data no/such/file.txt: no such file or folder"),
+    (["--data", "empty.txt"], 1, "--data empty.txt holds 0 bytes: too few for --seq 64"),
+    (["--data", "short.txt"], 1, "--data short.txt holds 9 bytes: too few for --seq 64"),
+    (["--vocab", "128"], 1, "--vocab 128 is smaller than the data's vocabulary"),
+    (["--tp", "2", "--vocab", "257"], 2, "--vocab 257 must be divisible by --tp 2"),
+    (["--save-every", "5"], 1, "--resume and --save-every need --out-dir"),
+    (["--out-dir", "ckpt", "--resume", "--layers", "1", "--seq", "16"], 2,
+     "holds a model with --hidden 32, this run has --hidden 64"),
+]
+
+
+@pytest.mark.parametrize("argv, world, names", BAD_INPUT, ids=[" ".join(c[0]) for c in BAD_INPUT])
+def test_bad_input_is_one_line_on_rank_0_and_exit_code_2(bad_input_dir, argv, world, names):
+    import time
+    t0 = time.monotonic()
+    results = _main_on_forked_ranks(argv, world, str(bad_input_dir))
+    assert time.monotonic() - t0 < 20  # within seconds: nothing waits on a collective
+    for rank, (code, out, initialised) in enumerate(results):
+        assert code == 2 and not initialised, (rank, code, out)  # before any process group
+        if rank == 0:
+            lines = out.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("train_gpt.py: error: ") and names in lines[0], out
+        else:
+            assert out == "", (rank, out)  # the other ranks print nothing
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOB = ["--data", "synthetic", "--layers", "2", "--hidden", "32", "--seq", "32", "--vocab", "64", "--batch", "8",
+       "--micro-batch", "2", "--lr", "1e-2"]
+
+
+def _torchrun(nproc, args, cwd, **popen):
+    import subprocess
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           os.path.join(ROOT, "train_gpt.py")] + args
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            **popen)
+
+
+def _losses(path):
+    import json
+    return {r["step"]: r["loss"] for r in map(json.loads, open(path))}
+
+
+def test_bad_flag_under_torchrun_is_one_line_and_exit_code_2(tmp_path):
+    import time
+    t0 = time.monotonic()
+    proc = _torchrun(2, ["--steps", "0"], str(tmp_path))
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and time.monotonic() - t0 < 60
+    errors = [line for line in out.splitlines() if "error:" in line and "train_gpt.py" in line]
+    assert errors == ["train_gpt.py: error: --steps 0 must be a positive integer"], out
+    assert 'train_gpt.py", line' not in out  # no traceback from any rank (torchrun reports the exit itself)
+    assert "exitcode  : 2" in out  # every rank exits with 2, the usage-error code
+
+
+def _worker_pids(agent_pid):
+    """The processes torchrun's agent started (its children running train_gpt.py)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+                cmdline = open(f"/proc/{entry}/cmdline").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == agent_pid and "train_gpt.py" in cmdline:
+                pids.append(int(entry))
+    return sorted(pids)
+
+
+def test_a_killed_rank_ends_the_job_and_resume_reproduces_the_run(tmp_path):
+    import signal
+    import time
+    args = JOB + ["--steps", "12", "--save-every", "3", "--timeout-s", "20", "--tp", "2", "--pp", "2"]
+    full = _torchrun(4, args + ["--out-dir", "full", "--metrics", "full.jsonl"], str(tmp_path))
+    killed = _torchrun(4, args + ["--out-dir", "ckpt", "--metrics", "killed.jsonl"], str(tmp_path))
+    first = tmp_path / "ckpt" / "step_000003"
+    while not first.exists():
+        assert killed.poll() is None, killed.communicate()[0]
+        time.sleep(0.05)
+    victim = _worker_pids(killed.pid)[-1]
+    os.kill(victim, signal.SIGKILL)
+    t0 = time.monotonic()
+    out, _ = killed.communicate(timeout=120)
+    assert killed.returncode != 0, out
+    assert time.monotonic() - t0 < 20, "the job outlived its --timeout-s"
+    assert not _worker_pids(killed.pid)  # every rank is gone
+    for name in os.listdir(tmp_path / "ckpt"):  # under their final names, complete checkpoints only
+        if not name.endswith(".tmp"):
+            assert {".metadata", "train_state.json"} <= set(os.listdir(tmp_path / "ckpt" / name)), name
+    resumed = _torchrun(4, args + ["--out-dir", "ckpt", "--metrics", "resumed.jsonl", "--resume"], str(tmp_path))
+    assert resumed.wait(timeout=300) == 0, resumed.communicate()[0]
+    assert full.wait(timeout=300) == 0, full.communicate()[0]
+    reference, got = _losses(tmp_path / "full.jsonl"), _losses(tmp_path / "resumed.jsonl")
+    assert min(got) >= 3 and max(got) == 11  # it resumed from a checkpoint, and finished
+    assert all(got[step] == reference[step] for step in got)  # bit for bit (float32 on CPU)

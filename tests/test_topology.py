@@ -213,6 +213,11 @@ def test_planner_terms_reproduced_by_hand():
     exchange = 50e-6 + M * h / t * 2 / 23e9                             # PP crosses nodes (stride 8)
     stage = (L // p) * (compute_layer + 2 * tp_collectives) + output + 2 * exchange
     assert r["compute_s"] == pytest.approx(m_micro * ((L // p) * compute_layer + output), rel=1e-12)
+    # ... split by kind: selective recomputation redoes only the attention core
+    assert r["gemm_s"] == pytest.approx(m_micro * (L // p) * 3 * gemms, rel=1e-12)
+    assert r["attention_s"] == pytest.approx(m_micro * (L // p) * 4 * attention, rel=1e-12)
+    assert r["elementwise_s"] == pytest.approx(m_micro * (L // p) * 3 * elementwise, rel=1e-12)
+    assert r["output_layer_s"] == pytest.approx(m_micro * output, rel=1e-12)
     assert r["tp_s"] == pytest.approx(m_micro * (L // p) * 2 * tp_collectives, rel=1e-12)
     assert r["pp_p2p_s"] == pytest.approx(m_micro * 2 * exchange, rel=1e-12)
     assert r["bubble_s"] == pytest.approx((p - 1) * stage, rel=1e-12)
@@ -364,6 +369,155 @@ def test_chapter_example_preferences_differ():
                                                                    - narrow["plan_a"]["bubble_s"])
 
 
+# ---- the pipeline terms against a simulation of Megatron-LM 2021's schedules --------------------------
+#
+# An independent check of the closed forms m (stage + 2v exchanges) + (p-1)/v stage: replay, rank by rank, the
+# order of work and communication of the schedules Table 1 ran (megatron/schedules.py of the SC'21 artifact,
+# commit 6985e58938), where every exchange is one blocking batch_isend_irecv followed by torch.cuda.synchronize,
+# so it ends when every neighbour it sends to or receives from has posted the matching operation, plus its
+# transfer time. Ops: ("F", chunk), ("B", chunk), ("X", sends, receives) with neighbours +1 (next) and -1 (previous);
+# the interleaved schedule passes chunk c of the last rank to chunk c+1 of rank 0 (a ring).
+
+def _chunk(k, p, v, forward):
+    c = k % (p * v) // p
+    return c if forward else v - 1 - c
+
+
+def _interleaved_2021(p, v, m, rank):
+    first, last, total = rank == 0, rank == p - 1, m * v
+    all_warmup = m == p
+    warmup = total if all_warmup else min(2 * (p - rank - 1) + (v - 1) * p, total)
+    ops = [("X", (), () if first else (-1,))]
+    for k in range(warmup):                          # forwards only; send each output, receive the next input
+        c = _chunk(k, p, v, True)
+        ops.append(("F", c))
+        sends = () if last and c == v - 1 else (+1,)
+        recv_prev = not (first and _chunk(k + 1, p, v, True) == 0) and k != total - 1
+        recvs = (-1,) if recv_prev else ()
+        if k == warmup - 1 and not all_warmup and not last:
+            recvs += (+1,)                           # the first gradient, for the steady state
+        ops.append(("X", sends, recvs))
+    steady = total - warmup
+    for k in range(steady):                          # one forward, one backward, one exchange in both directions
+        fc, bc = _chunk(k + warmup, p, v, True), _chunk(k, p, v, False)
+        ops += [("F", fc), ("B", bc)]
+        sends = (() if last and fc == v - 1 else (+1,)) + (() if first and bc == 0 else (-1,))
+        recv_prev = not (first and _chunk(k + warmup - (p - 1), p, v, True) == v - 1) and k != steady - 1
+        recv_next = not (last and _chunk(k - (p - 1), p, v, False) == 0)
+        ops.append(("X", sends, ((-1,) if recv_prev else ()) + ((+1,) if recv_next else ())))
+    if all_warmup:
+        ops.append(("X", (), () if last else (+1,)))
+    for k in range(steady, total):                   # backwards only
+        bc = _chunk(k, p, v, False)
+        ops.append(("B", bc))
+        recv_next = not (last and _chunk(k + 1, p, v, False) == v - 1) and k != total - 1
+        ops.append(("X", () if first and bc == 0 else (-1,), (+1,) if recv_next else ()))
+    return ops
+
+
+def _one_f_one_b_2021(p, m, rank):
+    first, last = rank == 0, rank == p - 1
+    prev, nxt = () if first else (-1,), () if last else (+1,)
+    warmup = min(p - rank - 1, m)
+    ops = []
+    for _ in range(warmup):
+        ops += [("X", (), prev), ("F", 0), ("X", nxt, ())]
+    if m > warmup:
+        ops.append(("X", (), prev))
+    for i in range(m - warmup):
+        ops += [("F", 0), ("X", nxt, nxt), ("B", 0), ("X", prev, () if i == m - warmup - 1 else prev)]
+    for _ in range(warmup):
+        ops += [("X", (), nxt), ("B", 0), ("X", prev, ())]
+    return ops
+
+
+def _simulate(programs, seconds, exchange):
+    """Finish time of the slowest rank. seconds(rank, op) for F and B; exchange(n_sends, n_receives). Messages
+    between two ranks in one direction match in order (NCCL's point-to-point semantics)."""
+    p = len(programs)
+    posted = {}                                      # (kind, src, dst) -> post times, in order
+    count = {}
+    clock, pc, waiting = [0.0] * p, [0] * p, {}
+    while any(pc[r] < len(programs[r]) for r in range(p)):
+        moved = False
+        for r in range(p):
+            while pc[r] < len(programs[r]):
+                op = programs[r][pc[r]]
+                if op[0] != "X":
+                    clock[r] += seconds(r, op)
+                    pc[r] += 1
+                    moved = True
+                    continue
+                if r not in waiting:                 # post every operation of the group now
+                    keys = [("send", r, (r + d) % p) for d in op[1]] + [("recv", (r + d) % p, r) for d in op[2]]
+                    mine = []
+                    for key in keys:
+                        mine.append((key, count.get(key, 0)))
+                        count[key] = count.get(key, 0) + 1
+                        posted.setdefault(key, []).append(clock[r])
+                    waiting[r] = mine
+                start = clock[r]
+                for (kind, src, dst), i in waiting[r]:
+                    partner = posted.get(("recv" if kind == "send" else "send", src, dst), [])
+                    if len(partner) <= i:
+                        break
+                    start = max(start, partner[i])
+                else:
+                    clock[r] = start + (exchange(len(op[1]), len(op[2])) if waiting[r] else 0.0)
+                    del waiting[r]
+                    pc[r] += 1
+                    moved = True
+                    continue
+                break
+        assert moved, "the schedule deadlocked"
+    return max(clock)
+
+
+@pytest.mark.parametrize("row, tp, pp", [(3, 2, 4), (4, 2, 8), (4, 8, 2), (7, 8, 16)])
+def test_pipeline_terms_match_a_simulation_of_megatron_2021(row, tp, pp):
+    # The planner's 2021 choice on a Table 1 model and layout (18.4B on TP2 PP4 and 39.1B on TP2 PP8: the two top
+    # choices that beat the published layouts by more than 5%; 39.1B as published, 1F1B; 310.1B as published,
+    # 16 stages), replayed with the planner's own per-layer times, the output layer on the last chunk.
+    # The closed form counts 2v separate exchanges per micro-batch where the 2021 steady state sends both
+    # directions in one, so it may only overstate: measured +0.42% +0.60% +0.17% +0.39%; bound 1.5%.
+    r_ = topology.TABLE_1[row]
+    c = topology.Cluster(gpus=r_[6], **topology.CLUSTER_2021)
+    m = dataclasses.replace(topology.table_1_model(r_, False), **topology.SOFTWARE_2021)
+    r = topology.estimate(c, m, tp, pp, 1)
+    b, v, micro = r["micro_batch"], r["virtual_stages"], r["micro_batches"]
+    lay = topology._Layout(c, m, tp, pp, 1)
+    f = topology.layer_forward(c, m, tp, 1, b, False, lay)
+    work = f["gemm"] + f["attention"] + f["elementwise"]
+    forward, backward = work + f["tp"], 3 * work + 2 * f["tp"]  # full recomputation: forward again, then 2x
+    layers = m.layers // pp // v
+    output = topology.output_layer_seconds(c, m, tp, 1, b)
+
+    def seconds(rank, op):
+        extra = output / 3 if op[0] == "F" else 2 * output / 3
+        return layers * (forward if op[0] == "F" else backward) + (extra if (rank, op[1]) == (pp - 1, v - 1) else 0)
+
+    elements = b * m.seq * m.hidden
+    wire = elements / tp * 2 / (c.ib_gbps * GB)                  # scatter-gather: 1/t per GPU over InfiniBand
+    gather = (tp - 1) / tp * elements * 2 / (c.nvlink_gbps * GB)  # then an all-gather on NVLink per receive
+    exchange = lambda sends, recvs: c.p2p_latency_us * 1e-6 + max(sends, recvs) * wire + recvs * gather
+    programs = [(_interleaved_2021(pp, v, micro, k) if v > 1 else _one_f_one_b_2021(pp, micro, k))
+                for k in range(pp)]
+    simulated = _simulate(programs, seconds, exchange)
+    closed_form = r["compute_s"] + r["tp_s"] + r["pp_p2p_s"] + r["bubble_s"]
+    assert 0 <= closed_form / simulated - 1 < 0.015, (closed_form, simulated)
+
+
+def test_schedule_replay_reproduces_the_bubble_formulas():
+    # balanced stages, no communication: 1F1B ends after (m + p - 1)(F + B), interleaving after (m + (p-1)/v)(F+B)
+    for p, v, m in [(4, 5, 16), (12, 4, 12), (8, 6, 24), (3, 2, 6)]:
+        interleaved = [_interleaved_2021(p, v, m, k) for k in range(p)]
+        assert _simulate(interleaved, lambda r, op: (1 if op[0] == "F" else 3) / v, lambda s, n: 0.0) == \
+            pytest.approx(4 * (m + (p - 1) / v), rel=1e-12)
+        plain = [_one_f_one_b_2021(p, m, k) for k in range(p)]
+        assert _simulate(plain, lambda r, op: 1 if op[0] == "F" else 3, lambda s, n: 0.0) == \
+            pytest.approx(4 * (m + p - 1), rel=1e-12)
+
+
 # ---- the planner against Narayanan et al. 2021, Table 1 ----------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -393,24 +547,41 @@ def test_table_1_throughput_predicted_within_6_percent(calibration):
 
 
 def test_table_1_published_layout_is_the_planners_choice(calibration):
-    """With the software the authors had (full recomputation, no SP, no ZeRO, no CP; the planner still picks the
-    micro-batch and the interleaving), the published (TP, PP) is the planner's top choice or within 5% of it in
-    8 of 10 rows. In the other two (18.4B: +13.8%, 39.1B: +12.1%) the planner keeps the model-parallel size t*p
-    the memory demands but trades TP for PP ((2, 4) and (2, 8)): at h = 6144 and 8192 the TP=8 runs spend 16% and
-    13% of the step in exposed all-reduces, which deeper interleaved pipelines (bubbles 3/(5*16) and 7/(6*24))
-    avoid. Asserted: the gap is smaller than the TP communication the planner's choice saves, i.e. TP traffic
-    alone explains it -- the same TP cost with which rows 1-4 of Table 1 (TP = 1, 2, 4, 8) are predicted to 3%."""
-    disagree = {}
+    """With the software the authors had (full recomputation, no SP, ZeRO or CP, interleaving from PP = 3; the planner
+    picks the micro-batch and the interleaving), the published (TP, PP) is the planner's top choice in 7 rows and
+    within 5% of it in 8 (worst of those: 145.6B, +3.7%). It is not in two: 18.4B (+13.8%, top TP2 PP4) and 39.1B
+    (+14.7%, top TP2 PP8). Asserted there is the model's reason, term by term: at the same t*p the top trades TP for
+    PP, and the TP collectives plus the LayerNorm/dropout work that TP8 replicates on every rank (no SP in 2021)
+    save more than the gap, while everything the deeper pipeline adds (p2p, bubble, its logits beside fewer layers,
+    DP) stays below that saving. The pipeline terms are checked against a replay of the 2021 schedules above;
+    the TP cost against rows 1-4 (TP = 1, 2, 4, 8, errors +2.5 to +2.9%)."""
+    within = {r["params_b"]: r["2021"]["published_slower"] for r in calibration
+              if r["2021"]["published_slower"] <= 0.05}
+    assert sorted(within) == [1.7, 3.6, 7.5, 76.1, 145.6, 310.1, 529.6, 1008.0], within
+    assert max(within.values()) < 0.04, within  # measured +3.7% (145.6B, top TP4 PP16)
+    assert sum(r["2021"]["top_is_published"] for r in calibration) == 7
     for r in calibration:
         on, top = r["2021"]["on_published"], r["2021"]["top"]
         assert top["fits"] and on["fits"] and top["cp"] == 1 and top["recompute"] == "full"
-        if r["2021"]["published_slower"] <= 0.05:
+        if r["params_b"] in within:
             continue
-        disagree[r["params_b"]] = r["2021"]["published_slower"]
-        assert top["tp"] * top["pp"] == r["tp"] * r["pp"] and top["tp"] < r["tp"]
-        assert on["tp_s"] - top["tp_s"] > on["step_time_s"] - top["step_time_s"] > 0
-    assert sorted(disagree) == [18.4, 39.1] and max(disagree.values()) < 0.15, disagree
-    assert sum(r["2021"]["top_is_published"] for r in calibration) == 6
+        gap = on["step_time_s"] - top["step_time_s"]
+        assert 0.13 < r["2021"]["published_slower"] < 0.15, (r["params_b"], r["2021"]["published_slower"])
+        assert top["tp"] * top["pp"] == r["tp"] * r["pp"] and top["tp"] == 2
+        saved = (on["tp_s"] - top["tp_s"]) + (on["elementwise_s"] - top["elementwise_s"])
+        added = sum(top[k] - on[k] for k in ("pp_p2p_s", "bubble_s", "output_layer_s", "dp_s"))
+        assert saved > gap > 0 and added < saved, (r["params_b"], saved, gap, added)
+
+
+def test_2021_interleaving_needs_three_stages():
+    # Megatron-LM 2021 asserts PP > 2 for the interleaved schedule; Megatron-Core accepts PP = 2 (the default)
+    m = dataclasses.replace(topology.table_1_model(topology.TABLE_1[4], False), **topology.SOFTWARE_2021)
+    c2021 = topology.Cluster(gpus=512, **topology.CLUSTER_2021)
+    with pytest.raises(ValueError, match="virtual_stages=2 needs pp >= 3"):
+        topology.estimate(c2021, m, 8, 2, 1, virtual_stages=2)
+    assert topology.estimate(c2021, m, 8, 2, 1)["virtual_stages"] == 1
+    assert topology.estimate(topology.Cluster(gpus=512), m, 8, 2, 1)["virtual_stages"] > 1
+    assert topology.estimate(c2021, m, 8, 4, 1)["virtual_stages"] > 1
 
 
 def test_figure_13_tensor_parallel_of_one_node_is_best():

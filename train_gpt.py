@@ -1,8 +1,9 @@
 """Train a nanoGPT-style GPT with tensor, sequence, pipeline, data, context and expert parallelism, by torchrun.
 
-    torchrun --nproc_per_node=8 train_gpt.py --tp 2 --pp 2 --cp 2 --steps 20          # DP = 8 / (2*2*2) = 1
-    torchrun --nproc_per_node=8 train_gpt.py --tp 2 --sequence-parallel --cp 2 --cp-impl ulysses --pp 2 \\
-        --moe-every 2 --experts 4 --ep 2 --recompute selective                         # every dimension at once
+    torchrun --nproc_per_node=8 train_gpt.py --tp 2 --pp 2 --cp 2 --out-dir out       # DP = 8 / (2*2*2) = 1
+    python3 train_gpt.py --sample 300 --out-dir out                                     # text from its checkpoint
+    torchrun --nproc_per_node=16 train_gpt.py --tp 2 --sequence-parallel --pp 2 --cp 2 --cp-impl ulysses \\
+        --ep 4 --moe-every 2 --experts 8 --dtype bfloat16 --zero 1 --recompute selective  # every dimension: DP 2
 
 Every parallel dimension is decided in ONE place, the `Plan` built at start-up from the layout flags; the
 model and the training step only read it:
@@ -92,8 +93,36 @@ b = 4, s = 256, h = 256, a = 8, float32), measured with checkpointing.measure_ke
 
 (tests/test_train_gpt.py checks none > selective > full per stage and the exact differences.)
 
-Metrics: one JSON object per step in `--metrics`: step, loss, aux_loss, lr, tokens/s, step time, MFU against
-`--peak-tflops` with the PaLM / nanoGPT FLOPs per token 6N + 12 L h s.
+Precision (`--dtype`, mixed_precision.py). Every dtype goes through one optimizer wrapper: the gradient hook
+of each parameter adds its gradient into a persistent FP32 `main_grad` from the first micro-batch on (m BF16
+micro-batches cost one FP32 rounding each, not m BF16 roundings), the data-parallel sums run in FP32, and the
+optimizer steps FP32 master weights (a float32 model's own weights; float64 in the parity tests). bfloat16:
+BF16 weights and activations. float16: the same with dynamic loss scaling; the loss is multiplied by the
+scale where each backward starts (with the 1 / global-token normalisation), and the overflow check rides on
+the gradient-norm all-reduce over the whole world, so every rank of every stage skips an overflowing step
+together. fp8: the block linears' forward GEMMs in FP8 E4M3 with per-tensor dynamic scales, agreed (MAX of
+the amax) over the TP group, since the shards of one weight, and a row-parallel layer's input shards, are
+one tensor; backward in BF16; the LM head and the experts stay BF16. `--zero 1`: master weights and Adam
+states sharded over DP x CP (experts over EDP), gradients reduce-scattered and parameters all-gathered in
+flat buffers (Megatron-LM's distributed optimizer): 6 + 12/d bytes per parameter for BF16, 8 + 8/d for FP32,
+against 18 and 16. Global gradient-norm clipping (`--grad-clip`) counts every distinct parameter once: the
+optimizer leaves out DP x CP and EDP replicas, the plan the copies replicated over TP and the tied embedding's
+second copy.
+
+The job. Data is bytes of text (vocabulary 256; CPython's pydoc topics by default, no download), a folder of
+text, or nanoGPT's uint16 train.bin/val.bin; the batch of step k comes from a generator seeded by k, so every
+layout and every resumed run sees the same batches. AdamW (weight decay on 2-D weights), linear warm-up,
+cosine decay. Checkpoints (torch.distributed.checkpoint) hold every tensor as a slice of the whole parameter
+under its global name, so they resume at any layout; the job is stopped by a dead rank within `--timeout-s`.
+A bad flag is one line on rank 0 and exit code 2, before any process group exists.
+
+Metrics: one line per step on rank 0 and one JSON object per step in `--metrics`: step, loss, aux_loss, lr,
+grad_norm, tokens_per_s, step_time_s (the step itself: the batch is built before the clock starts), mfu (with
+`--peak-tflops`, or the GPU's known peak), val_loss on eval steps, and on the first line this rank's
+param_bytes, grad_bytes, optimizer_bytes. FLOPs per token are PaLM's / nanoGPT's 6 N + 12 L h s with every matmul
+a token passes, the LM head included (`model_flops_per_token`); FlopCounterMode measures one step
+(`count_step_flops`) at exactly that plus 2 L h s per token, the QK^T that a flash kernel recomputes in backward
+(L = 2, h = 32, s = 32, V = 64, 128 tokens: dense 23,592,960 + 524,288; MoE 36,470,784 + 524,288).
 """
 import argparse
 import json

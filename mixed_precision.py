@@ -21,8 +21,9 @@ FP32 gradient accumulation ("main grads", Megatron-LM). With m micro-batches per
 gradients in a BF16 .grad rounds m times to 8 significant bits (measured: 16 micro-batches land 1e-2 of
 the sum's size away from the exact sum). `MixedPrecisionOptimizer` gives every parameter a persistent
 `main_grad` in the master dtype, a view of one flat buffer, and a gradient hook adds each backward's p.grad
-into it and frees p.grad: one FP32 rounding per micro-batch (measured 1e-8). Every dtype takes this one
-path (for FP32 parameters the hook is a plain accumulation). Data-parallel reductions run on these FP32
+into it and frees p.grad: one FP32 rounding per micro-batch (measured 1e-8). A parameter already in the
+master dtype needs no hook: its .grad IS its main_grad view, and autograd accumulates into the flat buffer
+in place (DDP's gradient_as_bucket_view). Data-parallel reductions run on these FP32
 buffers, so the sum over ranks does not round in BF16 either. Per parameter with Adam: 2 (BF16 weight)
 + 4 (FP32 main grad) + 4 (FP32 master) + 8 (Adam moments) = 18 bytes; the ZeRO paper's 16 keeps BF16
 gradients. A parameter already in the master dtype (FP32, or float64 for tests) has no separate master:
@@ -190,6 +191,12 @@ def _accumulate_main_grad(p):
     p.grad = None
 
 
+def _grad_is_main_grad(p):
+    """A parameter already in the master dtype has p.grad = p.main_grad: autograd accumulates in place into
+    the flat buffer (DDP's gradient_as_bucket_view), with no hook and no copy."""
+    return p.grad is not None and p.grad.data_ptr() == p.main_grad.data_ptr()
+
+
 class _Bucket:
     """The parameters of one shard-group entry that share a dtype and a device, laid out in flat buffers.
 
@@ -292,8 +299,9 @@ class MixedPrecisionOptimizer:
     as in Megatron-LM); under zero=0 it sees whole parameters of their shapes.
 
     The parameters become views of flat buffers (one per entry, dtype and device), and each gets a gradient
-    hook: build the optimizer once the model has its final dtype and device, before anything else takes
-    views of the parameters' storage, and only one optimizer per parameter.
+    hook (or, in the master dtype, a .grad that is its main_grad view: leave it, zero_grad() keeps it):
+    build the optimizer once the model has its final dtype and device, before anything else takes views of
+    the parameters' storage, and only one optimizer per parameter.
     """
 
     def __init__(self, params_or_param_groups, optimizer_class, *, shard_groups=None, zero=0, loss_scaler=None,
@@ -313,7 +321,10 @@ class MixedPrecisionOptimizer:
                 for i, p in enumerate(kind_params):
                     self._where[id(p)] = (bucket, i)
         for p in self.params:
-            p.register_post_accumulate_grad_hook(_accumulate_main_grad)
+            if p.dtype == master_dtype:
+                p.grad = p.main_grad
+            else:
+                p.register_post_accumulate_grad_hook(_accumulate_main_grad)
         self.optimizer = optimizer_class(
             [{**{k: v for k, v in g.items() if k != "params"}, "params": [self._piece(p) for p in g["params"]]}
              for g in groups], **optimizer_defaults)
@@ -398,8 +409,10 @@ class MixedPrecisionOptimizer:
     def _fold_stray_grads(self):
         """A gradient written to p.grad directly, not by backward (which the hook catches), joins the sum."""
         for p in self.params:
-            if p.grad is not None:
+            if p.grad is not None and not _grad_is_main_grad(p):
                 _accumulate_main_grad(p)
+                if p.dtype == self.master_dtype:
+                    p.grad = p.main_grad
 
     def all_reduce_grads(self, params, group):
         """SUM the main grads of `params` over `group` in one flat all-reduce (None or size 1: nothing). For
@@ -504,7 +517,7 @@ class MixedPrecisionOptimizer:
         for bucket in self._buckets:
             bucket.grad_flat.zero_()
         for p in self.params:
-            p.grad = None
+            p.grad = p.main_grad if p.dtype == self.master_dtype else None
 
     # ---- memory ----
 

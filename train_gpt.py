@@ -379,11 +379,14 @@ def _all_reduce(x, group, phase, async_op=False):
 
 class _ReduceFromTP(torch.autograd.Function):
     """Forward: all-reduce the partial sums (in place: they are the fresh output of a GEMM whose backward
-    does not need it). Backward: identity (each rank's input gradient is the full one)."""
+    does not need it, so no copy). Backward: identity (each rank's input gradient is the full one)."""
 
     @staticmethod
     def forward(ctx, x, group):
-        ctx.mark_dirty(x)
+        if x._base is None:
+            ctx.mark_dirty(x)
+        else:  # a view (the FP8 GEMM's reshaped output) cannot be reduced in place
+            x = x.clone()
         _all_reduce(x, group, "fwd")
         return x
 
@@ -469,8 +472,7 @@ class _TPLinear(torch.autograd.Function):
         ctx.group, ctx.sp, ctx.has_bias = group, sequence_parallel and group is not None, bias is not None
         ctx.save_for_backward(x, weight)
         x_full = _all_gather_seq(x, group, "fwd") if ctx.sp else x
-        y = gemm(x_full, weight, bias)  # F.linear, or the FP8 forward GEMM (the backward stays 16-bit)
-        return y if y._base is None else y.clone()  # a view could not be all-reduced in place downstream
+        return gemm(x_full, weight, bias)  # F.linear, or the FP8 forward GEMM (the backward stays 16-bit)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -504,6 +506,8 @@ class ColumnParallelLinear(nn.Module):
         _tag([self.weight, self.bias], tp_dim=0, tp_parts=parts)
 
     def forward(self, x):
+        if self.plan.tp is None:  # nothing to communicate: the plain GEMM and its own backward
+            return self.gemm(x, self.weight, self.bias)
         return _TPLinear.apply(x, self.weight, self.bias, self.plan.tp, self.plan.sequence_parallel, self.gemm)
 
 
@@ -526,7 +530,9 @@ class RowParallelLinear(nn.Module):
         _tag([self.bias], tp_replicated=True, sequence_parallel=plan.sequence_parallel)
 
     def forward(self, x):
-        return self.plan.reduce_tp(_TPLinear.apply(x, self.weight, None, None, False, self.gemm)) + self.bias
+        if self.plan.tp is None:
+            return self.gemm(x, self.weight, self.bias)
+        return self.plan.reduce_tp(self.gemm(x, self.weight)) + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -536,11 +542,13 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, name, vocab, dim, plan, cfg, dtype):
         super().__init__()
         t, r = _size(plan.tp), _rank(plan.tp)
-        self.start, self.end = r * vocab // t, (r + 1) * vocab // t
+        self.vocab, self.start, self.end = vocab, r * vocab // t, (r + 1) * vocab // t
         self.weight = nn.Parameter(full_init(name, (vocab, dim), 0.02, cfg.seed, dtype)[self.start:self.end].clone())
         _tag([self.weight], tp_dim=0)
 
     def forward(self, ids):
+        if self.end - self.start == self.vocab:  # the whole vocabulary (TP = 1): nothing to mask
+            return F.embedding(ids, self.weight)
         outside = (ids < self.start) | (ids >= self.end)
         x = F.embedding((ids - self.start).masked_fill(outside, 0), self.weight)
         return x.masked_fill(outside[..., None], 0.0)
@@ -579,6 +587,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits, targets, start, group):
+    if group is None:  # the whole vocabulary here: torch's fused log-softmax (it too keeps one FP32 (N, V))
+        return F.cross_entropy(logits if logits.dtype == torch.float64 else logits.float(), targets, reduction="none")
     return _VocabParallelCrossEntropy.apply(logits, targets, start, group)
 
 
@@ -629,14 +639,14 @@ class Block(nn.Module):
 
     def mlp(self, x):
         if self.moe is None:
-            return self.out(F.gelu(self.fc(x))), 0.0
+            return self.out(F.gelu(self.fc(x))), None
         y, aux = self.moe(self.plan.to_token_shard(x))
         return self.plan.from_token_shard(y), aux.to(torch.float64)
 
     def forward(self, x, aux):
         x = x + self.attention(x)
         y, a = self.mlp(self.ln2(x))
-        return x + y, aux + a
+        return x + y, aux if a is None else aux + a
 
 
 def stage_layers(n_layer, pp, stage):
@@ -739,15 +749,21 @@ class Pipeline:
         _p2p(recvs=[(buf, self.ps.pp_prev)], group=self.group)
         return buf.requires_grad_(True)
 
+    def _send_output(self, y, recvs=()):
+        _p2p(sends=[(y.detach(), self.ps.pp_next)], recvs=recvs, group=self.group)
+        # the output has left this stage: free its storage now (as Megatron-LM's deallocate_output_tensor),
+        # not at its backward. The autograd graph behind it stays; backward only needs its shape.
+        y.untyped_storage().resize_(0)
+
     def send_forward(self, y):
         if not self.ps.is_last_stage:
-            _p2p(sends=[(y.detach(), self.ps.pp_next)], group=self.group)
+            self._send_output(y)
 
     def send_forward_recv_backward(self, y):
         if self.ps.is_last_stage:
             return None
         grad = self._buf()
-        _p2p(sends=[(y.detach(), self.ps.pp_next)], recvs=[(grad, self.ps.pp_next)], group=self.group)
+        self._send_output(y, recvs=[(grad, self.ps.pp_next)])
         return grad
 
     def recv_backward(self):
@@ -772,7 +788,8 @@ class Pipeline:
 def one_f_one_b(stage, pipe, micro_batches, tokens_per_micro_batch, grad_scale=1.0):
     """Forward and backward of every micro-batch with the 1F1B schedule. Returns this stage's summed LM loss
     (last stage), its summed router loss (each micro-batch's weighted by its global token count, as the LM
-    loss is a sum over tokens) and the peak number of micro-batches whose activations were alive at once.
+    loss is a sum over tokens) and the peak number of micro-batches whose activations were alive at once, and
+    the peak bytes of their outputs still held (0: each output's storage is freed once sent).
     `grad_scale` multiplies the losses where each backward starts (the last stage's loss and every stage's
     router loss; the gradients that travel between stages carry it from there): 1 / the global token count,
     times the loss scale under FP16."""
@@ -805,10 +822,15 @@ def one_f_one_b(stage, pipe, micro_batches, tokens_per_micro_batch, grad_scale=1
             torch.autograd.backward(out, grad_out)
         return None if x is None else x.grad
 
+    held = 0
+
+    def outputs_held():
+        return sum(out.untyped_storage().nbytes() for _, out, _ in in_flight if not stage.last)
+
     for i in range(warmup):
         out = forward(i, pipe.recv_forward())
         pipe.send_forward(out)
-        peak = max(peak, len(in_flight))
+        peak, held = max(peak, len(in_flight)), max(held, outputs_held())
     x = pipe.recv_forward() if m > warmup else None
     for j in range(m - warmup):
         out = forward(warmup + j, x)
@@ -816,6 +838,7 @@ def one_f_one_b(stage, pipe, micro_batches, tokens_per_micro_batch, grad_scale=1
         if stage.last:
             loss_total += out.detach().double()
         grad = pipe.send_forward_recv_backward(out)
+        held = max(held, outputs_held())
         grad_in = backward(grad)
         if j == m - warmup - 1:
             pipe.send_backward(grad_in)
@@ -823,7 +846,7 @@ def one_f_one_b(stage, pipe, micro_batches, tokens_per_micro_batch, grad_scale=1
             x = pipe.send_backward_recv_forward(grad_in)
     for _ in range(warmup):
         pipe.send_backward(backward(pipe.recv_backward()))
-    return loss_total, aux_total, peak
+    return loss_total, aux_total, (peak, held)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -914,7 +937,8 @@ def _split_text(name, tokens, seq_len):
 
 def train_step(stage, pipe, optimizer, tokens, micro_batch, grad_clip=0.0):
     """Forward and backward of the global batch (B, s + 1), the plan's gradient sums, one optimizer step.
-    Returns (LM loss, router loss, global gradient norm, whether the step was taken, 1F1B peak)."""
+    Returns (LM loss, router loss, global gradient norm, whether the step was taken, and the 1F1B peaks:
+    micro-batches in flight, bytes of their outputs still held)."""
     plan = stage.plan
     device = next(stage.parameters()).device
     micro = plan.micro_batches(tokens, micro_batch, device)
@@ -1366,7 +1390,7 @@ def train(cfg, run, data=None):
         if run.eval_every and ((step + 1) % run.eval_every == 0 or step == run.steps - 1):
             record["val_loss"] = evaluate(stage, pipe, data, run, cfg)
         if step == start:  # this rank's memory, from the live tensors
-            record.update(opt.memory_bytes(), in_flight_peak=in_flight)
+            record.update(opt.memory_bytes(), in_flight_peak=in_flight[0])
         records.append(record)
         if out:
             out.write(json.dumps(record) + "\n")

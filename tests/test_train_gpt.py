@@ -99,14 +99,15 @@ def _pipeline_peak(rank, world):
     torch.set_default_dtype(torch.float64)
     plan, stage, opt, pipe = train_gpt.build(CFG, _run(pp=world, micro_batch=1, batch=8))
     tokens = train_gpt.synthetic_batch(0, 8, CFG.seq_len, CFG.vocab_size)
-    *_, peak = train_gpt.train_step(stage, pipe, opt, tokens, micro_batch=1)
-    return plan.ps.pp_rank, peak
+    *_, (peak, held) = train_gpt.train_step(stage, pipe, opt, tokens, micro_batch=1)
+    return plan.ps.pp_rank, peak, held
 
 
-def test_1f1b_keeps_at_most_p_micro_batches_in_flight():
-    # 8 micro-batches on 4 stages: stage i holds at most p - i (GPipe would hold all 8)
-    for stage, peak in run_ranks(_pipeline_peak, 4, timeout=120):
-        assert peak == 4 - stage
+def test_1f1b_keeps_at_most_p_micro_batches_in_flight_and_frees_sent_outputs():
+    # 8 micro-batches on 4 stages: stage i holds at most p - i (GPipe would hold all 8), and none of their
+    # outputs: each output's storage is freed as soon as it is sent (the parity tests show the backward intact)
+    for stage, peak, held in run_ranks(_pipeline_peak, 4, timeout=120):
+        assert peak == 4 - stage and held == 0
 
 
 def _bad_layout(rank, world, kwargs):
@@ -250,9 +251,9 @@ def test_recompute_policies_keep_less_per_stage():
     kept = out[0]
     assert all(o == kept for o in out)  # every rank of the layout keeps the same
     assert kept["none"] > kept["selective"] > kept["full"]
-    # full keeps each block's input (b s h e; and the 0-dim running router loss of the second block);
+    # full keeps each block's input, b s h e (dense blocks pass the running router loss on untouched);
     # sqrt segments of round(sqrt(2)) = 1 block are the same as full here
-    assert kept["full"] == 2 * 2 * 32 * 32 * 4 + 8 and kept["sqrt"] == kept["full"]
+    assert kept["full"] == 2 * 2 * 32 * 32 * 4 and kept["sqrt"] == kept["full"]
     # selective frees what the fused attention core keeps beyond its inputs and its output (which the
     # projection keeps): the row log-sum-exp, a s b e_acc per block on this rank's a/t heads
     assert kept["none"] - kept["selective"] == 2 * (4 // 2) * 32 * 2 * 4
@@ -663,3 +664,31 @@ def test_the_readme_main_job_learns_the_embedded_corpus(tmp_path):
     text = subprocess.run([sys.executable, os.path.join(ROOT, "train_gpt.py")] + words[2:] + ["--out-dir", out_dir],
                           capture_output=True, text=True, timeout=120, check=True).stdout
     assert len(text) >= 200, text
+
+
+def _cross_entropy_saved(rank, world):
+    import torch.distributed as dist
+    plan, stage, _, _ = train_gpt.build(CFG, _run(tp=world, dtype="bfloat16"))
+    n, v = 64, CFG.vocab_size // world
+    logits = torch.randn(n, v, generator=torch.Generator().manual_seed(rank)).bfloat16().requires_grad_(True)
+    targets = torch.randint(CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
+    saved, calls, real = [], [], dist.all_reduce
+    dist.all_reduce = lambda t, *a, **k: calls.append(tuple(t.shape)) or real(t, *a, **k)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            loss = train_gpt.vocab_parallel_cross_entropy(logits, targets, stage.lm_head.start, plan.tp)
+    finally:
+        dist.all_reduce = real
+    loss.sum().backward()
+    storages = {t.untyped_storage().data_ptr(): (t.untyped_storage().nbytes(), t.dtype, tuple(t.shape))
+                for t in saved}
+    return list(storages.values()), calls, n, v
+
+
+def test_cross_entropy_keeps_one_fp32_logits_buffer_and_merges_its_sums():
+    for kept, calls, n, v in run_ranks(_cross_entropy_saved, 2, timeout=60):
+        big = [k for k in kept if k[2] == (n, v)]
+        # one FP32 (N, V/t) buffer (the softmax, turned into the gradient in place), the target index and mask
+        assert big == [(n * v * 4, torch.float32, (n, v))], kept
+        assert sum(k[0] for k in kept) == n * v * 4 + n * 8 + n * 1
+        assert calls == [(n,), (2, n)]  # the MAX of (N,), then one SUM of [sum of exps, target logit]

@@ -1,0 +1,118 @@
+"""Is train_gpt.py, at world size 1, as fast as the same GPT written plainly in PyTorch?
+
+    python3 benchmarks/train_gpt_vs_plain.py [--layers 4 --hidden 128 --heads 4 --seq 128 --batch 8 --rounds 15]
+
+Both models have the same shape, the same initial weights' distribution, the same data and the same optimizer
+(AdamW, betas (0.9, 0.95), weight decay 0.1 on 2-D weights, FP32). The plain one is nanoGPT's model.py in a
+few lines: nn.Linear, F.scaled_dot_product_attention, F.cross_entropy, torch.optim.AdamW. train_gpt.py runs its
+whole machinery with every group of size 1 (plan, TP linears, vocabulary-parallel loss, 1F1B with one stage,
+the mixed-precision optimizer with its FP32 gradient buffers). The two alternate in rounds of --steps-per-round
+steps each on this noisy machine; the ratio of the median step times is printed (> 1: train_gpt.py is faster).
+"""
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import train_gpt  # noqa: E402
+
+
+class PlainBlock(nn.Module):
+    def __init__(self, h, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
+        self.fc, self.out = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class PlainGPT(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.n_embd)
+        self.blocks = nn.ModuleList(PlainBlock(cfg.n_embd, cfg.n_head) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.02 / (math.sqrt(2 * cfg.n_layer) if name.endswith(("proj.weight", "out.weight")) else 1))
+
+    def forward(self, ids, targets):
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.ln_f(x) @ self.wte.weight.t()
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def adamw(params, lr):
+    params = list(params)
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for flag, default in (("--layers", 4), ("--hidden", 128), ("--heads", 4), ("--seq", 128), ("--batch", 8),
+                          ("--rounds", 15), ("--steps-per-round", 5), ("--threads", 0)):
+        ap.add_argument(flag, type=int, default=default)
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    cfg = train_gpt.GPTConfig(vocab_size=256, seq_len=a.seq, n_layer=a.layers, n_head=a.heads, n_embd=a.hidden)
+    run = train_gpt.TrainConfig(batch=a.batch, micro_batch=a.batch, lr=1e-3, log=False, data="embedded")
+    data = train_gpt.check_inputs(cfg, run, 1)
+    _, stage, opt, pipe = train_gpt.build(cfg, run)
+    torch.manual_seed(0)
+    plain = PlainGPT(cfg)
+    plain_opt = adamw(plain.parameters(), run.lr)
+
+    def step_train_gpt(tokens):
+        train_gpt.train_step(stage, pipe, opt, tokens, run.micro_batch, run.grad_clip)
+
+    def step_plain(tokens):
+        loss = plain(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), run.grad_clip)
+        plain_opt.step()
+        plain_opt.zero_grad(set_to_none=True)
+        loss.item()  # the host sync train_step also has (its loss for the log)
+
+    times = {"train_gpt.py": [], "plain": []}
+    steps = {"train_gpt.py": step_train_gpt, "plain": step_plain}
+    k = 0
+    for r in range(a.rounds + 1):  # round 0 warms up both and is not counted
+        for name, step in steps.items():
+            for _ in range(a.steps_per_round):
+                tokens = data.batch("train", k, a.batch, a.seq, 0)
+                k += 1
+                t0 = time.perf_counter()
+                step(tokens)
+                if r:
+                    times[name].append(time.perf_counter() - t0)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    n = sum(p.numel() for p in plain.parameters())
+    print(f"GPT L={a.layers} h={a.hidden} heads={a.heads} s={a.seq} batch={a.batch} ({n / 1e6:.2f} M parameters), "
+          f"{torch.get_num_threads()} threads, {a.rounds} alternating rounds of {a.steps_per_round} steps")
+    for name, t in med.items():
+        print(f"  {name:13s} median step {t * 1000:7.1f} ms   {a.batch * a.seq / t:9,.0f} tokens/s")
+    print(f"  ratio plain / train_gpt.py = {med['plain'] / med['train_gpt.py']:.3f}  (>= 1: train_gpt.py as fast)")
+
+
+if __name__ == "__main__":
+    main()

@@ -692,3 +692,12 @@ def test_cross_entropy_keeps_one_fp32_logits_buffer_and_merges_its_sums():
         assert big == [(n * v * 4, torch.float32, (n, v))], kept
         assert sum(k[0] for k in kept) == n * v * 4 + n * 8 + n * 1
         assert calls == [(n,), (2, n)]  # the MAX of (N,), then one SUM of [sum of exps, target logit]
+
+
+def test_the_gpu_check_script_runs_dry_on_cpu():
+    """benchmarks/gpu_check.py is run by hand when a GPU is lent; its --dry-run keeps it from rotting here."""
+    import subprocess
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--dry-run"],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0 and "FAILED" not in out.stdout, out.stdout + out.stderr
+    assert "gpt2 tokens/s" in out.stdout and "fp8 _scaled_mm" in out.stdout and "ring float32 fused" in out.stdout

@@ -727,6 +727,7 @@ def demo():
         say("   " + " ".join(str(c).ljust(w) for c, w in zip(row, widths)))
     say("\n(peak memory and time at a long sequence, fused against reference: python long_seq.py --bench, "
         "or under torchrun)")
+    dist.barrier()  # gloo aborts a rank that tears down while a peer still talks to it
     dist.destroy_process_group()
 
 

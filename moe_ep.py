@@ -606,6 +606,7 @@ def demo():
     bias = torch.zeros(4)
     update_balancing_bias(bias, torch.tensor([10.0, 2.0, 2.0, 2.0]), rate=1e-3)
     say(f"== balancing bias after one update with loads [10, 2, 2, 2]: {bias.tolist()}")
+    dist.barrier()  # gloo aborts a rank that tears down while a peer still talks to it
     dist.destroy_process_group()
 
 

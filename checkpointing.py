@@ -261,7 +261,8 @@ def measure_kept_bytes(blocks, x, policy):
     state = tuple(t.detach() for t in _as_args(x))
     state[0].requires_grad_(True)
     # views of parameters, buffers (the causal mask) and the input are not activations
-    existing = {t.untyped_storage().data_ptr() for t in list(blocks.parameters()) + list(blocks.buffers()) + list(state)}
+    existing = {t.untyped_storage().data_ptr()
+                for t in list(blocks.parameters()) + list(blocks.buffers()) + list(state)}
     with _StorageRecorder() as rec:
         y = run_blocks(blocks, state if isinstance(x, tuple) else state[0], policy)
     gc.collect()

@@ -879,7 +879,7 @@ def accumulation_errors(m=16, seed=0):
     with torch.no_grad():
         fp32_layer.weight.copy_(torch.randn(64, 64, generator=gen))
         bf16_layer.weight.copy_(fp32_layer.weight)
-    opt = MixedPrecisionOptimizer(fp32_layer.parameters(), torch.optim.SGD, lr=0.1)
+    MixedPrecisionOptimizer(fp32_layer.parameters(), torch.optim.SGD, lr=0.1)  # gives the layer its main_grad
     exact = torch.zeros(64, 64, dtype=torch.float64)
     for _ in range(m):
         x, w = torch.randn(32, 64, generator=gen).bfloat16(), torch.randn(32, 64, generator=gen).bfloat16()

@@ -294,7 +294,8 @@ class Plan:
 
 def make_plan(ps, sequence_parallel=False, cp_impl="ring", recompute="none"):
     group = lambda kind: ps.groups[kind] if len(ps.ranks[kind]) > 1 else None
-    return Plan(ps=ps, world=dist.group.WORLD if ps.world_size > 1 else None, tp=group("tp"), cp=group("cp"), pp=group("pp"), dp_cp=group("dp_cp"), ep=group("ep"),
+    return Plan(ps=ps, world=dist.group.WORLD if ps.world_size > 1 else None, tp=group("tp"), cp=group("cp"),
+                pp=group("pp"), dp_cp=group("dp_cp"), ep=group("ep"),
                 edp=group("edp"), tp_cp=group("tp_cp"), embedding=group("embedding"),
                 sequence_parallel=sequence_parallel and ps.sizes["tp"] > 1, cp_impl=cp_impl, recompute=recompute)
 

@@ -11,7 +11,6 @@
 Each section reports its own failure and the next one still runs.
 """
 import argparse
-import math
 import os
 import sys
 import time
@@ -40,7 +39,8 @@ def gpt2_small(device, dry, deadline):
                                 data="synthetic", timeout_s=120)
     data = train_gpt.check_inputs(cfg, run, 1)
     plan, stage, opt, pipe = train_gpt.build(cfg, run)
-    say("gpt2 backend", f"{torch.distributed.get_backend()} on {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'})")
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    say("gpt2 backend", f"{torch.distributed.get_backend()} on {device} ({name})")
     times, losses = [], []
     for step in range(3 + 10):
         if time.monotonic() > deadline:

@@ -47,9 +47,10 @@ class PlainGPT(nn.Module):
         self.wpe = nn.Embedding(cfg.seq_len, cfg.n_embd)
         self.blocks = nn.ModuleList(PlainBlock(cfg.n_embd, cfg.n_head) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
-        for name, p in self.named_parameters():
+        for name, p in self.named_parameters():  # GPT-2's initialisation, as train_gpt.py's
+            residual = name.endswith(("proj.weight", "out.weight"))
             if p.dim() == 2:
-                nn.init.normal_(p, std=0.02 / (math.sqrt(2 * cfg.n_layer) if name.endswith(("proj.weight", "out.weight")) else 1))
+                nn.init.normal_(p, std=0.02 / (math.sqrt(2 * cfg.n_layer) if residual else 1))
 
     def forward(self, ids, targets):
         x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))

@@ -408,8 +408,8 @@ def test_flops_per_token_equal_the_measured_count(moe_every):
 
 def _resume_run(rank, world, out_dir, dtype, resume, **layout):
     torch.set_default_dtype(getattr(torch, dtype))
-    run = _run(dtype=dtype, optimizer="adamw", lr=1e-2, steps=4, save_every=2, out_dir=out_dir, resume=resume, micro_batch=1,
-               **layout)
+    run = _run(dtype=dtype, optimizer="adamw", lr=1e-2, steps=4, save_every=2, out_dir=out_dir, resume=resume,
+               micro_batch=1, **layout)
     return [(r["step"], r["loss"], r["grad_norm"]) for r in train_gpt.train(CFG, run)]
 
 
@@ -646,7 +646,8 @@ def test_the_readme_main_job_learns_the_embedded_corpus(tmp_path):
     import shlex
     import subprocess
     readme = open(os.path.join(ROOT, "README.md")).read()
-    line = next(ln for ln in readme.splitlines() if ln.strip().startswith("python3 -m pip install") and "torchrun" in ln)
+    line = next(ln for ln in readme.splitlines()
+                if ln.strip().startswith("python3 -m pip install") and "torchrun" in ln)
     train, sample = line.split("&&")[1:3]
     words = shlex.split(train)
     assert words[0] == "torchrun" and words[2] == "train_gpt.py", words

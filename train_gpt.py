@@ -27,7 +27,10 @@ count: dense weights over DP x CP, experts over EDP, the tied embedding over the
 last stage), and the parameters replicated across TP whose gradients are partial because they act on a
 token shard (LayerNorms, row-parallel biases and position embeddings under SP; the MoE router and experts)
 over TP. `python train_gpt.py --help` lists the flags; the technique files (topology.py, long_seq.py, moe_ep.py,
-checkpointing.py, grad_accum.py, mixed_precision.py) are used through their public functions.
+checkpointing.py, grad_accum.py, mixed_precision.py) are used through their public functions. Gradient
+accumulation follows grad_accum.py's rules: the pipeline's micro-batches are the accumulation steps (effective
+batch = micro-batch x micro-batches x DP), gradients are synced once per step, after the last micro-batch,
+and normalised by the global token count; they accumulate in mixed_precision.py's FP32 buffers.
 
 Tensor parallelism (Shoeybi et al. 2019). An MLP's first weight is split by output columns and its second by
 input rows, so the pair needs one all-reduce in forward (after the row-parallel GEMM) and one in backward (of
@@ -147,6 +150,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 import checkpointing
+import grad_accum
 import long_seq
 import mixed_precision
 import moe_ep
@@ -1390,8 +1394,10 @@ def train(cfg, run, data=None):
             record["skipped"] = True  # FP16 overflow: no update, the loss scale backed off
         if run.eval_every and ((step + 1) % run.eval_every == 0 or step == run.steps - 1):
             record["val_loss"] = evaluate(stage, pipe, data, run, cfg)
-        if step == start:  # this rank's memory, from the live tensors
-            record.update(opt.memory_bytes(), in_flight_peak=in_flight[0])
+        if step == start:  # this rank's memory, from the live tensors, and what makes the batch
+            m = run.batch // (ps.sizes["dp"] * run.micro_batch)
+            record.update(opt.memory_bytes(), in_flight_peak=in_flight[0], micro_batches=m, dp=ps.sizes["dp"],
+                          effective_batch=grad_accum.effective_batch_size(run.micro_batch, ps.sizes["dp"], 1, m))
         records.append(record)
         if out:
             out.write(json.dumps(record) + "\n")

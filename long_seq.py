@@ -16,8 +16,8 @@ Per GPU per layer (bytes sent, forward, e bytes per element, s the full sequence
     All-gather CP (Llama 3): the same bytes as the ring's KV, in one exposed all-gather, full K and V held.
 Memory per rank: Ring keeps only O(s/P): q, k, v, out of its shard and the log-sum-exp (b h s/P); Ulysses
 holds full-sequence activations for h/P heads, also s/P of the total. Forward + backward, a ring rank's peak is
-(ring_memory_bytes) b (s/P) d e (4 h + 8 h_kv) + the lse: q, out, dout, dq; k, v, dk, dv and the two KV
-blocks of a hop. That holds only if no block's (s/P) x (s/P) scores are ever written: at s = 128K on 8 ranks
+(ring_memory_bytes) b (s/P) d ((3 h + 6 h_kv) e + (h + 4 h_kv) e_acc) + the lse: q, out, dout and k, v and the
+two KV blocks of a hop at e; dq and two dK/dV (the block held, the one arriving) at the accumulator's width. That holds only if no block's (s/P) x (s/P) scores are ever written: at s = 128K on 8 ranks
 one such block is 1 GiB per head in FP32 (the einsum reference holds four of them in backward).
 
 Ring Attention (Liu et al. 2023). Rank r holds a shard of q, k, v. In P steps the KV shards travel around
@@ -404,12 +404,13 @@ def ring_saved_bytes(b, h, h_kv, s_local, d, dtype):
 
 def ring_memory_bytes(b, h, h_kv, s_local, d, dtype):
     """The O(s/P) memory of ring attention forward + backward on one rank, the unit its measured peak is
-    compared with: q, out, dout, dq (h heads); k, v, dk, dv and the two KV blocks of a hop, the one in use and
-    the one arriving (4 more h_kv-head tensors), at e bytes per element; the lse at the accumulator's width.
+    compared with: q, out, dout (h heads) and k, v and the two KV blocks of a hop, the one in use and the one
+    arriving (4 more h_kv-head tensors), at e bytes per element; at the accumulator's width (FP32 for 16-bit
+    inputs) dq, the dK/dV of the block held and the dK/dV arriving with the next one, and the lse.
     No term in s_local^2: a fused kernel never writes a block's (s/P) x (s/P) scores."""
     e = torch.empty(0, dtype=dtype).element_size()
     acc_e = torch.empty(0, dtype=_acc_dtype(dtype)).element_size()
-    return b * s_local * d * (4 * h + 8 * h_kv) * e + b * h * s_local * acc_e
+    return b * s_local * d * ((3 * h + 6 * h_kv) * e + (h + 4 * h_kv) * acc_e) + b * h * s_local * acc_e
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -77,6 +77,7 @@ E5M2 gradients in the backward GEMMs, per-block scaling (MXFP8, DeepSeek-V3's 1x
 an outlier spoils only its block, FP8 weight caches and FP8 all-gathers.
 """
 import math
+from typing import NamedTuple
 import multiprocessing
 import os
 import tempfile
@@ -279,6 +280,16 @@ class _Bucket:
                 _all_gather_flat(self.param_flat, self.param_flat[self.lo:self.hi], group=self.group)
 
 
+class StepResult(NamedTuple):
+    """What step() did: `stepped` (False when the loss scaler skipped an overflowing step) and the global
+    gradient norm. True as a boolean exactly when the step was taken."""
+    stepped: bool
+    grad_norm: float
+
+    def __bool__(self):
+        return self.stepped
+
+
 class MixedPrecisionOptimizer:
     """Any torch.optim optimizer stepping master weights of the parameters, with FP32 gradient accumulation,
     data-parallel gradient reduction (SUM), optional ZeRO-1 sharding, global-norm clipping and loss scaling.
@@ -309,6 +320,10 @@ class MixedPrecisionOptimizer:
         groups = self._param_groups(params_or_param_groups)
         self.params = [p for g in groups for p in g["params"]]
         entries = self._check_arguments(self.params, shard_groups, zero, master_dtype, optimizer_defaults)
+        # the inner optimizer's own checks (a bad lr, say) run on stand-ins, before any parameter is touched
+        optimizer_class([{**{k: v for k, v in g.items() if k != "params"},
+                          "params": [torch.zeros(1, dtype=master_dtype, requires_grad=True)]} for g in groups],
+                        **optimizer_defaults)
         self.zero, self.master_dtype, self.loss_scaler = zero, master_dtype, loss_scaler
         self._buckets, self._where = [], {}  # id(param) -> (bucket, index in the bucket)
         for entry_params, group in entries:
@@ -410,9 +425,9 @@ class MixedPrecisionOptimizer:
         """A gradient written to p.grad directly, not by backward (which the hook catches), joins the sum."""
         for p in self.params:
             if p.grad is not None and not _grad_is_main_grad(p):
-                _accumulate_main_grad(p)
-                if p.dtype == self.master_dtype:
-                    p.grad = p.main_grad
+                with torch.no_grad():  # a gradient with a graph (create_graph=True) joins as a value
+                    p.main_grad.add_(p.grad.detach())
+                p.grad = p.main_grad if p.dtype == self.master_dtype else None
 
     def all_reduce_grads(self, params, group):
         """SUM the main grads of `params` over `group` in one flat all-reduce (None or size 1: nothing). For
@@ -432,7 +447,7 @@ class MixedPrecisionOptimizer:
             p.main_grad.copy_(g.view(p.shape))
 
     def step(self, grad_scale=1.0, max_norm=0.0, norm_group=None, norm_params=None):
-        """Reduce, scale, measure, clip, update. Returns (stepped, grad_norm).
+        """Reduce, scale, measure, clip, update. Returns StepResult(stepped, grad_norm), true if stepped.
 
         1. every shard-group entry's main grads are SUMMED over its group (all-reduce, or reduce-scatter
            under zero=1);
@@ -446,8 +461,8 @@ class MixedPrecisionOptimizer:
            not): found_inf = the reduced probe is not finite. So the overflow check costs no extra
            collective, and there is one host sync per step. (A finite gradient whose squares overflow the
            master dtype, a norm above 1.8e19 in FP32, also counts as an overflow.) norm_group must contain
-           every shard group when clipping or a loss scaler acts on the norm (checked), or ranks would
-           disagree; without either, a norm_group of None returns this rank's part of the norm.
+           every shard group when clipping or a loss scaler acts on the norm, or ranks would disagree
+           (a norm_group of None with a shard group of several ranks is refused); without either, a norm_group of None returns this rank's part of the norm.
            Without a loss scaler, a non-finite norm is returned and the step is taken, as torch would.
         4. with a loss scaler: scaler.update(found_inf); on overflow the grads are zeroed and the step is
            skipped, on every rank of norm_group alike, since they all see the same reduced value;
@@ -479,7 +494,7 @@ class MixedPrecisionOptimizer:
             self.loss_scaler.update(found_inf)
             if found_inf:
                 self.zero_grad()
-                return False, norm
+                return StepResult(False, norm)
         if max_norm > 0:
             clip = max_norm / (norm + 1e-6)
             if clip < 1.0:
@@ -489,7 +504,7 @@ class MixedPrecisionOptimizer:
         for bucket in self._buckets:
             bucket.publish_params()
         self.zero_grad()
-        return True, norm
+        return StepResult(True, norm)
 
     def _global_norm(self, counted, norm_group):
         """(norm, found_inf) from one all-reduce of [sum of squares counted, sum of squares owned]."""
@@ -576,12 +591,26 @@ class MixedPrecisionOptimizer:
         self.optimizer.state[piece] = {k: (v.detach().clone() if v.dim() == 0 else cut(v))
                                        for k, v in state.items() if k != "master"}
 
-    def state_dict(self):
-        """The non-tensor part: hyperparameters of each group, the loss scaler (tensors: full_state)."""
+    def scalar_state(self):
+        """The non-tensor part: hyperparameters of each group, the loss scaler (the tensors: full_state)."""
         return {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
                 "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict()}
 
+    def state_dict(self):
+        """Everything, unsharded: the scalar state and every parameter's full_state, in parameter order
+        (collective under zero=1: every rank of each shard group calls it)."""
+        return {"scalars": self.scalar_state(), "params": [self.full_state(p) for p in self.params]}
+
     def load_state_dict(self, state):
+        """Inverse of state_dict, at any zero setting and shard-group size."""
+        if len(state["params"]) != len(self.params):
+            raise ValueError(f"state_dict holds {len(state['params'])} parameters, this optimizer "
+                             f"{len(self.params)}: build it over the same parameters")
+        for p, full in zip(self.params, state["params"]):
+            self.load_full_state(p, full)
+        self.load_scalar_state(state["scalars"])
+
+    def load_scalar_state(self, state):
         if len(state["param_groups"]) != len(self.param_groups):
             raise ValueError(f"state_dict has {len(state['param_groups'])} param groups, this optimizer "
                              f"{len(self.param_groups)}: build it with the same groups")
@@ -828,7 +857,7 @@ def build(mode, model_fn=MLP, lr=1e-3, seed=0):
         (scaler.scale_loss(loss) if scaler else loss).backward()
         if not take_step:
             return loss.item(), None
-        stepped = opt.step()[0] if isinstance(opt, MixedPrecisionOptimizer) else opt.step()
+        stepped = opt.step().stepped if isinstance(opt, MixedPrecisionOptimizer) else opt.step()
         opt.zero_grad()
         return loss.item(), stepped
 

@@ -14,7 +14,7 @@ collapses onto a few experts, so two auxiliary losses are added (Switch Transfor
 f is not differentiable; the gradient flows through P, pushing probability away from overloaded experts.
 Perfectly uniform routing (f_i = P_i = 1/E) gives exactly coeff; concentrating every token on one expert
 with certainty gives coeff * E. Optional
-capacity factor cf: each expert takes at most ceil(T k / E * cf) assignments, the lowest-probability ones
+capacity factor cf: each expert takes at most ceil(T k / E * cf) assignments, the lowest-weight ones
 are dropped (their slot contributes zero); the default None is dropless. Optional auxiliary-loss-free
 balancing (DeepSeek-V3): a per-expert bias is added to the scores for the SELECTION only, and after each
 step bias_i += rate * sign(mean load - load_i).
@@ -259,13 +259,15 @@ _grouped_gemm_works = {}  # (device, dtype) -> does torch._grouped_mm run there
 
 
 def grouped_gemm_supported(device, dtype):
-    """Whether torch provides a grouped GEMM for this device and dtype, found by trying it once on a tiny
-    aligned problem (the set differs by torch version and GPU generation; trying is the honest test)."""
+    """Whether torch provides a grouped GEMM for this device and dtype, forward and backward, found by trying
+    it once on a tiny aligned problem (the set differs by torch version and GPU generation; trying is the
+    honest test)."""
     key = (str(device), dtype)
     if key not in _grouped_gemm_works:
         try:
-            a = torch.zeros(8, 8, dtype=dtype, device=device)
-            torch._grouped_mm(a, a.new_zeros(1, 8, 8), offs=torch.full((1,), 8, dtype=torch.int32, device=device))
+            a = torch.zeros(8, 8, dtype=dtype, device=device, requires_grad=True)
+            w = torch.zeros(1, 8, 8, dtype=dtype, device=device, requires_grad=True)
+            torch._grouped_mm(a, w, offs=torch.full((1,), 8, dtype=torch.int32, device=device)).sum().backward()
             _grouped_gemm_works[key] = True
         except (AttributeError, RuntimeError, NotImplementedError):
             _grouped_gemm_works[key] = False

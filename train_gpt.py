@@ -1129,7 +1129,7 @@ def save_checkpoint(out_dir, step, stage, opt, cfg, run):
         train_state = {"step": step, "config": asdict(cfg), "world_size": plan.ps.world_size,
                        "layout": {k: getattr(run, k) for k in ("tp", "pp", "cp", "ep", "zero", "dtype")},
                        "optimizer": run.optimizer, "data": run.data,
-                       "optimizer_state": opt.state_dict()}
+                       "optimizer_state": opt.scalar_state()}
         with open(os.path.join(tmp, "train_state.json"), "w") as f:
             json.dump(train_state, f)
             f.flush()
@@ -1199,7 +1199,7 @@ def load_checkpoint(path, stage, opt=None):
             prefix = f"optim/{name}/"
             opt.load_full_state(p, {k[len(prefix):]: local(v).reshape(p.shape if v.dim() else ())
                                     for k, v in state.items() if k.startswith(prefix)})
-        opt.load_state_dict(read_train_state(path)["optimizer_state"])
+        opt.load_scalar_state(read_train_state(path)["optimizer_state"])
     if rng_key in state:
         torch.set_rng_state(state[rng_key])
 

@@ -236,13 +236,13 @@ def _peak(rank, P, fn, b, h, h_kv, s, d, dtype, **kwargs):
     return mem.peak + held, mem.largest, sorted(o for o in ops if "attention" in o), finite
 
 
-# Formula (ls.ring_memory_bytes): q, out, dout, dq; k, v, dk, dv; the two KV blocks of a hop; lse; float32,
-# b=1, H=2, s/P=16384, d=64: 96.1 MiB. Measured on 2 ranks: 120.1 MiB = 1.25 x (the extra: dq's and the dK/dV
-# hop's buffers while a block's gradients are summed). Bound 1.5 x. One block's FP32 scores, which the reference
+# Formula (ls.ring_memory_bytes): q, out, dout, k, v, the two KV blocks of a hop at e; dq, the dK/dV held and
+# the dK/dV arriving at the accumulator's width; lse. Float32, b=1, H=2, s/P=16384, d=64: 112.1 MiB. Measured
+# on 2 ranks: 120.1 MiB = 1.07 x (the extra: a block's own gradients while they are summed). Bound 1.25 x. One block's FP32 scores, which the reference
 # materialises, would be b H (s/P)^2 4 bytes = 2 GiB. Time: 7-17 s per rank on the shared 2-core machine (one
 # thread per rank; the CPU flash kernel computes 2 heads x 1.3e8 attended pairs per rank forward, and backward
 # costs about twice that), the bulk of this file's test time.
-def test_ring_attention_at_s_32768_stays_within_1_5x_the_o_s_over_p_formula():
+def test_ring_attention_at_s_32768_stays_within_1_25x_the_o_s_over_p_formula():
     P, b, h, s, d = 2, 1, 2, 32768, 64
     formula = ls.ring_memory_bytes(b, h, h, s // P, d, torch.float32)
     scores = b * h * (s // P) ** 2 * 4
@@ -250,7 +250,7 @@ def test_ring_attention_at_s_32768_stays_within_1_5x_the_o_s_over_p_formula():
                                                  timeout=240):
         assert finite
         assert "_scaled_dot_product_flash_attention_for_cpu_backward" in ops
-        assert formula < peak <= 1.5 * formula, (peak, formula)
+        assert formula < peak <= 1.25 * formula, (peak, formula)
         assert largest <= 2 * b * h * (s // P) * d * 4  # the KV stack: nothing (s/P)^2-sized
         assert peak < scores / 10
 
@@ -272,8 +272,19 @@ def test_peak_memory_sees_the_reference_scores_and_not_the_fused_ones(P):
             assert ops == ["_scaled_dot_product_flash_attention_for_cpu",
                            "_scaled_dot_product_flash_attention_for_cpu_backward"], (fn.__name__, ops)
             assert largest < (s // P) * s * 4 / 8, (fn.__name__, largest)  # far from any (s/P) x s tensor
-            if fn is ls.ring_attention:  # measured 1.12 x (P=1), 1.25 x (P=2)
-                assert peak <= 1.5 * formula, (peak, formula)
+            if fn is ls.ring_attention:  # measured 0.98 x (P=1: no hop buffers), 1.07 x (P=2)
+                assert peak <= 1.25 * formula, (peak, formula)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_ring_attention_peak_follows_the_formula_with_fp32_gradients(dtype):
+    # dq and the dK/dV buffers are FP32 for 16-bit inputs: the formula counts them at 4 bytes. Measured at
+    # b=1, H=2, s=8192 on 2 ranks: 1.05 x (bf16); counting them at 2 bytes would give 1.66 x.
+    b, h, s, d, P = 1, 2, 8192, 64, 2
+    formula = ls.ring_memory_bytes(b, h, h, s // P, d, dtype)
+    for peak, _, ops, finite in run_ranks(_peak, P, ls.ring_attention, b, h, h, s, d, dtype, timeout=120):
+        assert finite and "_scaled_dot_product_flash_attention_for_cpu_backward" in ops
+        assert formula < peak <= 1.25 * formula, (peak, formula)
 
 
 # ---- Overlap: every hop is posted before a block's compute and waited for after it ----

@@ -410,9 +410,8 @@ def test_grouped_gemm_equals_the_loop_over_experts(P, dtype, capacity_factor):
     if not moe_ep.grouped_gemm_supported(torch.device("cpu"), dtype):
         pytest.skip(f"this torch has no CPU grouped GEMM for {dtype}")
     # On the CPU torch._grouped_mm computes each group with the same GEMM as the loop: measured 0 difference
-    # in float32 and bfloat16. The bound allows a different blocking (float32: a few ulps of 1e-7; bfloat16:
-    # a few ulps of 8e-3) while any wrong offset or expert moves rows to other weights: an O(1) relative change.
-    bound = 1e-5 if dtype == torch.float32 else 5e-2
+    # in float32 and bfloat16, so equality is asserted (a wrong offset or expert is an O(1) change).
+    bound = 0.0
     for errors in run_ranks(_loop_and_grouped, P, dtype, capacity_factor, timeout=60):
         assert max(errors) <= bound, errors
 
@@ -445,3 +444,38 @@ def test_bad_expert_impl_raises_before_any_collective():
         assert "expert_impl='fast' must be 'auto', 'grouped' or 'loop'" in msgs[0]
         assert "expert_impl='grouped' but torch._grouped_mm does not run torch.float64" in msgs[1]
         assert "selected has shape (4, 1)" in msgs[2]
+
+
+def _capacity_under_ep(rank, P):
+    """Capacity is decided on each rank's own tokens: EP must equal the single-process MoE applied to each
+    rank's tokens separately (outputs, input gradients, and expert gradients summed over the ranks' chunks)."""
+    torch.set_default_dtype(torch.float64)
+    E, T, d = 4, 12, 8
+    torch.manual_seed(0)
+    moe = moe_ep.MoE(d, 12, E, 2, ep_group=dist.group.WORLD, capacity_factor=0.75, aux_loss_coeff=0.0,
+                     z_loss_coeff=0.0)
+    torch.manual_seed(0)
+    ref = moe_ep.MoE(d, 12, E, 2, capacity_factor=0.75, aux_loss_coeff=0.0, z_loss_coeff=0.0)
+    gen = torch.Generator().manual_seed(1)
+    x_all, g_all = torch.randn(P * T, d, generator=gen), torch.randn(P * T, d, generator=gen)
+    chunks = [slice(r * T, (r + 1) * T) for r in range(P)]
+    x = x_all[chunks[rank]].clone().requires_grad_(True)
+    (moe(x)[0] * g_all[chunks[rank]]).sum().backward()
+    errors = {}
+    for r, chunk in enumerate(chunks):
+        x_ref = x_all[chunk].clone().requires_grad_(True)
+        y_ref = ref(x_ref)[0]
+        (y_ref * g_all[chunk]).sum().backward()
+        if r == rank:
+            errors["dropped"] = int((y_ref.abs().sum(-1) == 0).sum()) + int(moe.last_load.sum() < 2 * T)
+            errors["y"] = (moe(x_all[chunk])[0] - y_ref).abs().max().item()
+            errors["x_grad"] = (x.grad - x_ref.grad).abs().max().item()
+    mine = slice(rank * (E // P), (rank + 1) * (E // P))
+    errors["w1_grad"] = (moe.w1.grad - ref.w1.grad[mine]).abs().max().item()
+    return errors
+
+
+def test_capacity_under_ep_equals_the_single_process_moe_per_rank():
+    for e in run_ranks(_capacity_under_ep, 2, timeout=60):
+        assert e["dropped"] > 0  # the capacity really drops assignments
+        assert max(e["y"], e["x_grad"], e["w1_grad"]) < TOL, e

@@ -286,7 +286,7 @@ class Plan:
         return x if self.sequence_parallel else scatter_to_sp(x, self.tp)
 
     def from_token_shard(self, y):
-        return y if self.sequence_parallel else gather_from_sp(y, self.tp, reduce_grad=False)
+        return y if self.sequence_parallel else gather_from_sp(y, self.tp)
 
     def micro_batches(self, tokens, micro_batch, device):
         """This rank's micro-batches of a global batch (B, s + 1): its DP slice of the sequences, cut into
@@ -316,11 +316,17 @@ def plan_gradient_reductions(plan, stage):
     tied = []
     if plan.embedding is not None:  # the first stage's wte and the last stage's copy: the sum of both uses
         tied = [stage.wte.weight if stage.first else stage.lm_head.weight]
+    tied_ids = {id(p) for p in tied}
+    # the two copies of the tied embedding take their DP x CP sum in a buffer of their own, laid out alike on
+    # both stages: summed in the same order, they stay equal to the bit (inside the other dense weights' buffer
+    # an element's place, so the order of its sum, would differ between the stages)
     plan.reductions = [r for r in (
         Reduction("tied embedding", tied, plan.embedding, False),
         Reduction("token-sharded, replicated over TP",
                   [p for p in params if getattr(p, "sequence_parallel", False)], plan.tp, False),
-        Reduction("dense over DP x CP", [p for p in params if not is_expert(p)], plan.dp_cp, True),
+        Reduction("tied embedding over DP x CP", tied, plan.dp_cp, True),
+        Reduction("dense over DP x CP", [p for p in params if not is_expert(p) and id(p) not in tied_ids],
+                  plan.dp_cp, True),
         Reduction("experts over EDP", [p for p in params if is_expert(p)], plan.edp, True),
     ) if r.params and (r.group is not None or r.data_parallel)]
     second_copy = {id(p) for p in tied if not stage.first}
@@ -374,7 +380,14 @@ def _reduce_scatter_seq(x, group, phase, async_op=False):
     parts = rearrange(x, "b (t s) h -> t b s h", t=_size(group)).contiguous()
     out = x.new_empty(parts.shape[1:])
     work = _reduce_scatter_flat(out.view(-1), parts.view(-1), group=group, async_op=async_op)
-    return (out, lambda: work.wait() and parts) if async_op else out
+    if not async_op:
+        return out
+
+    def wait():  # the collective reads `parts` until it completes: referring to it keeps it alive until then
+        work.wait()
+        return parts
+
+    return out, wait
 
 
 def _all_reduce(x, group, phase, async_op=False):
@@ -427,19 +440,18 @@ class _ScatterToSP(torch.autograd.Function):
 
 
 class _GatherFromSP(torch.autograd.Function):
-    """Forward: all-gather sequence shards. Backward: reduce-scatter when the consumer was a TP-split GEMM
-    (each rank holds a partial gradient), else keep this rank's shard of the (replicated) gradient."""
+    """Forward: all-gather sequence shards into the activation every TP rank holds whole. Backward: keep this
+    rank's shard of the gradient (whole, and the same, on every TP rank). A TP-split GEMM's input is gathered
+    inside _TPLinear instead, whose backward reduce-scatters the partial gradients."""
 
     @staticmethod
-    def forward(ctx, x, group, reduce_grad):
-        ctx.group, ctx.reduce_grad = group, reduce_grad
+    def forward(ctx, x, group):
+        ctx.group = group
         return _all_gather_seq(x, group, "fwd")
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.reduce_grad:
-            return _reduce_scatter_seq(grad, ctx.group, "bwd"), None, None
-        return grad.chunk(_size(ctx.group), dim=1)[_rank(ctx.group)].contiguous(), None, None
+        return grad.chunk(_size(ctx.group), dim=1)[_rank(ctx.group)].contiguous(), None
 
 
 def reduce_from_tp(x, group):
@@ -454,8 +466,8 @@ def scatter_to_sp(x, group):
     return x if group is None else _ScatterToSP.apply(x, group)
 
 
-def gather_from_sp(x, group, reduce_grad=True):
-    return x if group is None else _GatherFromSP.apply(x, group, reduce_grad)
+def gather_from_sp(x, group):
+    return x if group is None else _GatherFromSP.apply(x, group)
 
 
 class _TPLinear(torch.autograd.Function):
@@ -465,7 +477,7 @@ class _TPLinear(torch.autograd.Function):
         no SP  forward as is; backward all-reduces the input gradient, overlapped with the weight gradient GEMM
         SP     forward all-gathers the input's sequence shards; only the local shard is saved and gathered
                again in backward; the input gradient is reduce-scattered, overlapped with the weight GEMM
-        group None (row-parallel, or TP = 1): no communication
+        group None (the LM head at TP = 1): no communication (the layers call the plain GEMM then)
 
     `gemm` runs the forward product: F.linear, or mixed_precision.fp8_linear with its per-tensor scales
     agreed over the TP group (the shards of one weight, or of a row-parallel input, share one scale).
@@ -801,7 +813,7 @@ def one_f_one_b(stage, pipe, micro_batches, tokens_per_micro_batch, grad_scale=1
     ps = stage.plan.ps
     m = len(micro_batches)
     warmup = min(ps.sizes["pp"] - ps.pp_rank - 1, m)
-    in_flight, peak = [], 0
+    in_flight, peak, held = [], 0, 0
     device = next(stage.parameters()).device
     loss_total = torch.zeros((), dtype=torch.float64, device=device)
     aux_total = torch.zeros((), dtype=torch.float64, device=device)
@@ -826,8 +838,6 @@ def one_f_one_b(stage, pipe, micro_batches, tokens_per_micro_batch, grad_scale=1
         else:
             torch.autograd.backward(out, grad_out)
         return None if x is None else x.grad
-
-    held = 0
 
     def outputs_held():
         return sum(out.untyped_storage().nbytes() for _, out, _ in in_flight if not stage.last)
@@ -985,7 +995,8 @@ def model_flops_per_token(cfg):
 
 
 def count_step_flops(stage, pipe, optimizer, tokens, micro_batch):
-    """This rank's matmul FLOPs of one training step, as torch's FlopCounterMode counts them, plus the two
+    """This rank's matmul FLOPs of one training step (a real one: the optimizer steps), as torch's
+    FlopCounterMode counts them, plus the two
     kernels it has no formula for in torch 2.13: the CPU flash attention (the same count as the CUDA one)
     and the grouped expert GEMM (2 M K N per group). On one rank it equals `model_flops_per_token` x tokens
     plus 2 L h s per token: a flash kernel's backward recomputes QK^T (hardware FLOPs, not model FLOPs)."""
@@ -1140,15 +1151,23 @@ def save_checkpoint(out_dir, step, stage, opt, cfg, run):
     return final
 
 
+_DCP_METADATA_NAMES = {  # everything DCP's metadata pickle refers to (torch 2.13), and nothing else
+    **{("torch.distributed.checkpoint.metadata", n): True for n in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")},
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): True, ("pathlib", "PosixPath"): True,
+    ("pathlib", "WindowsPath"): True, ("torch", "Size"): True, ("torch.serialization", "_get_layout"): True,
+    ("collections", "OrderedDict"): True}
+
+
 class _SafeUnpickler(pickle.Unpickler):
-    """DCP stores its metadata (which slices are in which file) as a pickle: allow only its own classes."""
+    """DCP stores its metadata (which slices are in which file) as a pickle: resolve only the names it uses,
+    exactly (a dotted name would walk attributes to anything), and torch's dtypes."""
 
     def find_class(self, module, name):
-        if module.startswith("torch.distributed.checkpoint.") or (module, name) in (
-                ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("torch", "Size"),
-                ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")):
+        if (module, name) in _DCP_METADATA_NAMES:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+        if module == "torch" and "." not in name and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a DCP checkpoint never "
                                      "holds: refusing to load it")
@@ -1199,7 +1218,8 @@ def load_checkpoint(path, stage, opt=None):
             prefix = f"optim/{name}/"
             opt.load_full_state(p, {k[len(prefix):]: local(v).reshape(p.shape if v.dim() else ())
                                     for k, v in state.items() if k.startswith(prefix)})
-        opt.load_scalar_state(read_train_state(path)["optimizer_state"])
+        saved = read_train_state(path)["optimizer_state"]  # the loss scale; hyperparameters come from the flags
+        opt.load_scalar_state({**saved, "param_groups": opt.scalar_state()["param_groups"]})
     if rng_key in state:
         torch.set_rng_state(state[rng_key])
 
@@ -1234,6 +1254,12 @@ def validate(cfg, run, world):
                         "--grad-clip": run.grad_clip}.items():
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise ValueError(f"{flag} {value} must be a finite number >= 0")
+    if run.min_lr is not None and run.min_lr > run.lr:
+        raise ValueError(f"--min-lr {run.min_lr} exceeds --lr {run.lr}: the schedule decays from --lr to --min-lr")
+    if run.peak_tflops is not None and not (math.isfinite(run.peak_tflops) and run.peak_tflops > 0):
+        raise ValueError(f"--peak-tflops {run.peak_tflops} must be a positive number (per GPU, e.g. 989 for H100)")
+    if not 0 <= cfg.seed < 2 ** 31:
+        raise ValueError(f"--seed {cfg.seed} must be between 0 and 2**31 - 1")
     tp, pp, cp, ep = run.tp, run.pp, run.cp, run.ep
     topology.validate_layout(world, tp, pp, cp, ep)
     dp = world // (tp * pp * cp)
@@ -1286,8 +1312,16 @@ def check_inputs(cfg, run, world):
     if data.vocab > cfg.vocab_size:
         raise ValueError(f"--vocab {cfg.vocab_size} is smaller than the data's vocabulary ({data.source} uses ids "
                          f"up to {data.vocab - 1}): pass --vocab {-(-data.vocab // run.tp) * run.tp} or more")
+    if run.out_dir and os.path.exists(run.out_dir) and not os.path.isdir(run.out_dir):
+        raise ValueError(f"--out-dir {run.out_dir} is a file: pass a folder (it is created if missing)")
+    folder = os.path.dirname(os.path.abspath(run.metrics)) if run.metrics else None
+    if folder and not os.path.isdir(folder):
+        raise ValueError(f"--metrics {run.metrics}: the folder {folder} does not exist; create it or pass another path")
     if run.resume and checkpoint_dirs(run.out_dir):
-        read_train_state(checkpoint_dirs(run.out_dir)[-1], cfg)
+        state = read_train_state(checkpoint_dirs(run.out_dir)[-1], cfg)
+        if state["optimizer"] != run.optimizer:
+            raise ValueError(f"checkpoint {checkpoint_dirs(run.out_dir)[-1]} holds {state['optimizer']} state, this "
+                             f"run has --optimizer {run.optimizer}: pass --optimizer {state['optimizer']}")
     return data
 
 
@@ -1347,7 +1381,8 @@ def make_optimizer(stage, plan, run):
         master_dtype=run.master_dtype, **defaults)
 
 
-GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}  # dense BF16, per GPU
+GPU_PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "A100": 312.0,
+                   "L40S": 362.0}  # dense BF16 per GPU; the first name that the device's name contains
 
 
 def peak_tflops(run):
@@ -1372,7 +1407,14 @@ def train(cfg, run, data=None):
     if run.out_dir and ps.rank == 0:
         os.makedirs(run.out_dir, exist_ok=True)
     flops_per_token, peak = model_flops_per_token(cfg), peak_tflops(run)
-    out = open(run.metrics, "a" if start else "w") if run.metrics and ps.rank == 0 else None
+    out = None
+    if run.metrics and ps.rank == 0:  # a resumed run keeps the lines of the steps its checkpoint holds
+        kept = [line for line in (open(run.metrics) if start and os.path.exists(run.metrics) else [])
+                if json.loads(line)["step"] < start]
+        out = open(run.metrics, "w")
+        out.writelines(kept)
+    if run.log and ps.rank == 0 and start >= run.steps:
+        print(f"{checkpoint_dirs(run.out_dir)[-1]} already holds step {start} of --steps {run.steps}: nothing to train")
     records = []
     for step in range(start, run.steps):
         lr = lr_at(step, run)
@@ -1386,7 +1428,8 @@ def train(cfg, run, data=None):
                                                               run.grad_clip)
         dt = time.perf_counter() - t0  # train_step ends with a host sync (the loss), so dt is the whole step
         tokens_per_s = run.batch * cfg.seq_len / dt
-        record = {"step": step, "loss": loss, "aux_loss": aux, "lr": lr, "grad_norm": grad_norm,
+        record = {"step": step, "loss": loss, "aux_loss": aux, "lr": lr,
+                  "grad_norm": grad_norm if math.isfinite(grad_norm) else None,  # JSON has no inf (FP16 skips)
                   "tokens_per_s": tokens_per_s, "step_time_s": dt}
         if peak:
             record["mfu"] = flops_per_token * tokens_per_s / (peak * 1e12 * ps.world_size)
@@ -1494,6 +1537,9 @@ def main(argv=None):
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     try:
         cfg, run, a = parse_args(argv)
+        if a.sample < 0 or a.temperature <= 0 or a.sample_top_k < 0:
+            raise ValueError("--sample, --sample-top-k must be >= 0 and --temperature > 0 (e.g. --sample 300 "
+                             "--temperature 0.8 --sample-top-k 50; --sample-top-k 0 samples from every token)")
         if a.sample:
             if not checkpoint_dirs(run.out_dir):
                 raise ValueError(f"--sample needs a checkpoint: --out-dir {run.out_dir} holds none")

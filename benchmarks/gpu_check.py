@@ -108,6 +108,8 @@ def main():
     ap.add_argument("--budget-s", type=float, default=240.0)
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (checks the script, not a GPU)")
     a = ap.parse_args()
+    if a.dry_run:  # CPU and gloo even on a GPU machine
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     deadline = time.monotonic() + a.budget_s
     if not a.dry_run and not torch.cuda.is_available():
         say("gpu", "none: run with --dry-run on CPU")

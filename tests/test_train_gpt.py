@@ -141,11 +141,11 @@ def _train_dtype(rank, world, tp, pp, cp, dtype):
 def test_bf16_with_fp32_masters_follows_the_fp32_curve():
     fp32 = run_ranks(_train_dtype, 1, 1, 1, 1, "float32", timeout=120)[0]
     bf16 = run_ranks(_train_dtype, 8, 2, 2, 1, "bfloat16", timeout=120)[0]  # TP=2, PP=2, DP=2
-    # BF16 activations round to 8 significant bits (2^-9 relative): measured 1.0e-5 relative from the FP32
-    # curve, asserted at 1e-3. SGD moves the loss in proportion to the gradient (2.6% over these steps), so a
+    # BF16 activations round to 8 significant bits (2^-9 relative): measured 1.8e-5 relative from the FP32
+    # curve, asserted at 1e-4. SGD moves the loss in proportion to the gradient (2.6% over these steps), so a
     # gradient scaled wrongly by the DP size (x2) would be off by ~0.6%, caught.
     rel = max(abs(a - b) / a for a, b in zip(fp32, bf16))
-    assert rel < 1e-3, (rel, fp32, bf16)
+    assert rel < 1e-4, (rel, fp32, bf16)
     assert (fp32[0] - fp32[-1]) / fp32[0] > 0.01
 
 
@@ -273,9 +273,9 @@ def test_bf16_moe_on_every_dimension_follows_the_fp32_curve():
     bf16, _ = run_ranks(_curve, 8, CFG_MOE, tp=2, pp=2, ep=2, dtype="bfloat16", timeout=180)[0]  # DP2 x EP2
     # BF16 activations and weights round to 8 significant bits; the FP32 main grads and masters keep the updates:
     # measured 1.3e-4 relative from the FP32 curve, asserted at 3e-3 (SGD: a gradient scaled wrongly by 2 would
-    # double the fall of the curve, 1.7% over these steps, and miss by > 5e-3)
+    # double the fall of the curve, 1.7% over these steps, and miss by > 5e-3); asserted at 1e-3
     rel = max(abs(a - b) / a for a, b in zip(fp32, bf16))
-    assert rel < 3e-3, (rel, fp32, bf16)
+    assert rel < 1e-3, (rel, fp32, bf16)
     assert (fp32[0] - fp32[-1]) / fp32[0] > 0.01
 
 
@@ -322,8 +322,8 @@ def test_fp16_follows_the_fp32_curve():
     fp16, _ = run_ranks(_curve, 8, CFG, tp=2, pp=2, dtype="float16", timeout=180)[0]  # TP2 x PP2 x DP2
     rel = max(abs(a - b) / a for a, b in zip(fp32, fp16))
     # FP16 keeps 11 significant bits (2^-11 = 4.9e-4 relative): measured 2.3e-6 from the FP32 curve (the loss
-    # is accumulated in FP32), asserted at 1e-4; a wrong unscaling would be off by orders of magnitude
-    assert rel < 1e-4, (rel, fp32, fp16)
+    # is accumulated in FP32), asserted at 2e-5; a wrong unscaling would be off by orders of magnitude
+    assert rel < 2e-5, (rel, fp32, fp16)
 
 
 def _fp8_curve(rank, world):
@@ -338,9 +338,9 @@ def test_fp8_follows_the_bf16_curve_and_every_block_gemm_is_fp8():
     out = run_ranks(_fp8_curve, 4, timeout=120)
     fp8 = out[0][0]
     # E4M3 keeps 4 significant bits (6% per element, ~30 dB SQNR) in the forward GEMMs only; the loss moves by
-    # 2.6e-5 relative from the BF16 curve here (BF16 itself is 1.8e-5 from FP32), asserted at 1e-3
+    # 2.6e-5 relative from the BF16 curve here (BF16 itself is 1.8e-5 from FP32), asserted at 2e-4
     rel = max(abs(a - b) / a for a, b in zip(bf16, fp8))
-    assert 0 < rel < 1e-3, (rel, bf16, fp8)
+    assert 0 < rel < 2e-4, (rel, bf16, fp8)
     # every linear of every block runs its forward GEMM in FP8 (the LM head stays BF16, by design): 4 per
     # block x 2 blocks per stage x 6 micro-batches per step x 3 steps, on every rank
     assert all(count == 4 * 2 * (BATCH // MICRO) * STEPS for _, count in out), [c for _, c in out]
@@ -547,6 +547,14 @@ BAD_INPUT = [  # (argv, world, what the one line must name)
     (["--save-every", "5"], 1, "--resume and --save-every need --out-dir"),
     (["--out-dir", "ckpt", "--resume", "--layers", "1", "--seq", "16"], 2,
      "holds a model with --hidden 32, this run has --hidden 64"),
+    (["--out-dir", "ckpt", "--resume", "--layers", "1", "--seq", "16", "--hidden", "32"], 2,
+     "holds sgd state, this run has --optimizer adamw"),
+    (["--out-dir", "empty.txt"], 1, "--out-dir empty.txt is a file"),
+    (["--metrics", "no/such/folder/m.jsonl"], 2, "--metrics no/such/folder/m.jsonl: the folder"),
+    (["--seed", "100000000000000"], 2, "--seed 100000000000000 must be between 0 and 2**31 - 1"),
+    (["--lr", "1e-3", "--min-lr", "1.0"], 1, "--min-lr 1.0 exceeds --lr 0.001"),
+    (["--peak-tflops=-5"], 1, "--peak-tflops -5.0 must be a positive number"),
+    (["--sample", "5", "--sample-top-k=-1"], 1, "--sample, --sample-top-k must be >= 0 and --temperature > 0"),
 ]
 
 
@@ -731,9 +739,48 @@ def test_text_folders_and_nanogpt_bin_files_train(tmp_path):
     for data, c in ((str(docs), cfg), (str(bins), train_gpt.GPTConfig(**{**cfg.__dict__, "vocab_size": 1024}))):
         losses = run_ranks(_short_run, 2, data, c, tp=2, timeout=120)[0]
         assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+        if data == str(docs):  # the text has structure to learn; the .bin ids are uniformly random
+            assert losses[1] < losses[0]
 
 
 def test_an_odd_sequence_length_trains_without_context_parallelism():
     cfg = train_gpt.GPTConfig(vocab_size=32, seq_len=63, n_layer=2, n_head=2, n_embd=16)
     losses = run_ranks(_short_run, 2, "synthetic", cfg, pp=2, timeout=120)[0]
     assert len(losses) == 2 and losses[1] < losses[0]
+
+
+def _tied_copies(rank, world):
+    torch.set_default_dtype(torch.float32)
+    cfg = train_gpt.GPTConfig(vocab_size=512, seq_len=16, n_layer=2, n_head=2, n_embd=32)
+    plan, stage, opt, pipe = train_gpt.build(cfg, _run(pp=2, dtype="float32", optimizer="adamw", lr=1e-2, batch=6,
+                                                      micro_batch=1))
+    for step in range(4):
+        train_gpt.train_step(stage, pipe, opt, train_gpt.synthetic_batch(step, 6, 16, 512), 1)
+    mine = (stage.wte if stage.first else stage.lm_head).weight.detach().clone()
+    other = torch.empty_like(mine)
+    peer = plan.ps.pp_next if stage.first else plan.ps.pp_prev
+    import torch.distributed as dist
+    ops = [dist.P2POp(dist.isend, mine, peer), dist.P2POp(dist.irecv, other, peer)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    return torch.equal(mine, other)
+
+
+def test_the_tied_embedding_copies_stay_equal_to_the_bit_under_pp_and_dp3():
+    # PP2 x DP3: the copies on the first and last stage are summed over DP in buffers of the same layout, so in
+    # the same order (summed inside the other dense weights' buffer they drifted apart by the 8th bit after one
+    # step, and a checkpoint, which stores one copy, would not resume exactly)
+    assert all(run_ranks(_tied_copies, 6, timeout=120))
+
+
+def test_checkpoint_metadata_that_names_anything_else_is_refused(tmp_path):
+    """DCP's metadata is a pickle: a crafted one that reaches os.system through a dotted name must not load."""
+    import pickle
+    payload = (pickle.PROTO + bytes([4]) + pickle.SHORT_BINUNICODE + bytes([39]) +
+               b"torch.distributed.checkpoint.filesystem" + pickle.SHORT_BINUNICODE + bytes([9]) + b"os.system" +
+               pickle.STACK_GLOBAL + pickle.SHORT_BINUNICODE + bytes([len(f"touch {tmp_path}/pwned")]) +
+               f"touch {tmp_path}/pwned".encode() + pickle.TUPLE1 + pickle.REDUCE + pickle.STOP)
+    (tmp_path / ".metadata").write_bytes(payload)
+    with pytest.raises(pickle.UnpicklingError, match="refusing to load it"):
+        train_gpt._safe_reader(str(tmp_path)).read_metadata()
+    assert not (tmp_path / "pwned").exists()

@@ -105,7 +105,9 @@ scale where each backward starts (with the 1 / global-token normalisation), and 
 the gradient-norm all-reduce over the whole world, so every rank of every stage skips an overflowing step
 together. fp8: the block linears' forward GEMMs in FP8 E4M3 with per-tensor dynamic scales, agreed (MAX of
 the amax) over the TP group, since the shards of one weight, and a row-parallel layer's input shards, are
-one tensor; backward in BF16; the LM head and the experts stay BF16. `--zero 1`: master weights and Adam
+one tensor; backward in BF16; the LM head and the experts stay BF16. (CP and DP ranks quantise their own
+shards of the activations with their own scales, so unlike the other dtypes FP8 results depend slightly on
+the CP split; Transformer Engine also reduces the activation amax over CP.) `--zero 1`: master weights and Adam
 states sharded over DP x CP (experts over EDP), gradients reduce-scattered and parameters all-gathered in
 flat buffers (Megatron-LM's distributed optimizer): 6 + 12/d bytes per parameter for BF16, 8 + 8/d for FP32,
 against 18 and 16. Global gradient-norm clipping (`--grad-clip`) counts every distinct parameter once: the

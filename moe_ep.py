@@ -267,7 +267,8 @@ def grouped_gemm_supported(device, dtype):
         try:
             a = torch.zeros(8, 8, dtype=dtype, device=device, requires_grad=True)
             w = torch.zeros(1, 8, 8, dtype=dtype, device=device, requires_grad=True)
-            torch._grouped_mm(a, w, offs=torch.full((1,), 8, dtype=torch.int32, device=device)).sum().backward()
+            out = torch._grouped_mm(a, w, offs=torch.full((1,), 8, dtype=torch.int32, device=device))
+            out.backward(torch.ones_like(out))  # a dense gradient, as the experts' backward receives
             _grouped_gemm_works[key] = True
         except (AttributeError, RuntimeError, NotImplementedError):
             _grouped_gemm_works[key] = False

@@ -17,7 +17,8 @@ Per GPU per layer (bytes sent, forward, e bytes per element, s the full sequence
 Memory per rank: Ring keeps only O(s/P): q, k, v, out of its shard and the log-sum-exp (b h s/P); Ulysses
 holds full-sequence activations for h/P heads, also s/P of the total. Forward + backward, a ring rank's peak is
 (ring_memory_bytes) b (s/P) d ((3 h + 6 h_kv) e + (h + 4 h_kv) e_acc) + the lse: q, out, dout and k, v and the
-two KV blocks of a hop at e; dq and two dK/dV (the block held, the one arriving) at the accumulator's width. That holds only if no block's (s/P) x (s/P) scores are ever written: at s = 128K on 8 ranks
+two KV blocks of a hop at e; dq and two dK/dV (the block held, the one arriving) at the accumulator's width. That
+holds only if no block's (s/P) x (s/P) scores are ever written: at s = 128K on 8 ranks
 one such block is 1 GiB per head in FP32 (the einsum reference holds four of them in backward).
 
 Ring Attention (Liu et al. 2023). Rank r holds a shard of q, k, v. In P steps the KV shards travel around

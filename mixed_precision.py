@@ -462,7 +462,8 @@ class MixedPrecisionOptimizer:
            collective, and there is one host sync per step. (A finite gradient whose squares overflow the
            master dtype, a norm above 1.8e19 in FP32, also counts as an overflow.) norm_group must contain
            every shard group when clipping or a loss scaler acts on the norm, or ranks would disagree
-           (a norm_group of None with a shard group of several ranks is refused); without either, a norm_group of None returns this rank's part of the norm.
+           (a norm_group of None with a shard group of several ranks is refused); without either, a norm_group of
+           None returns this rank's part of the norm.
            Without a loss scaler, a non-finite norm is returned and the step is taken, as torch would.
         4. with a loss scaler: scaler.update(found_inf); on overflow the grads are zeroed and the step is
            skipped, on every rank of norm_group alike, since they all see the same reduced value;

@@ -238,7 +238,8 @@ def _peak(rank, P, fn, b, h, h_kv, s, d, dtype, **kwargs):
 
 # Formula (ls.ring_memory_bytes): q, out, dout, k, v, the two KV blocks of a hop at e; dq, the dK/dV held and
 # the dK/dV arriving at the accumulator's width; lse. Float32, b=1, H=2, s/P=16384, d=64: 112.1 MiB. Measured
-# on 2 ranks: 120.1 MiB = 1.07 x (the extra: a block's own gradients while they are summed). Bound 1.25 x. One block's FP32 scores, which the reference
+# on 2 ranks: 120.1 MiB = 1.07 x (the extra: a block's own gradients while they are summed). Bound 1.25 x. One
+# block's FP32 scores, which the reference
 # materialises, would be b H (s/P)^2 4 bytes = 2 GiB. Time: 7-17 s per rank on the shared 2-core machine (one
 # thread per rank; the CPU flash kernel computes 2 heads x 1.3e8 attended pairs per rank forward, and backward
 # costs about twice that), the bulk of this file's test time.

@@ -188,7 +188,8 @@ def _group_size(group):
 def _accumulate_main_grad(p):
     """Gradient hook, after autograd has written p.grad: add it to the persistent main grad (in the master
     dtype, so that m micro-batches cost one rounding each in FP32, not m roundings in BF16), free p.grad."""
-    p.main_grad.add_(p.grad)
+    with torch.no_grad():  # a gradient with a graph (create_graph=True) joins as a value
+        p.main_grad.add_(p.grad.detach())
     p.grad = None
 
 
@@ -425,9 +426,9 @@ class MixedPrecisionOptimizer:
         """A gradient written to p.grad directly, not by backward (which the hook catches), joins the sum."""
         for p in self.params:
             if p.grad is not None and not _grad_is_main_grad(p):
-                with torch.no_grad():  # a gradient with a graph (create_graph=True) joins as a value
-                    p.main_grad.add_(p.grad.detach())
-                p.grad = p.main_grad if p.dtype == self.master_dtype else None
+                _accumulate_main_grad(p)
+                if p.dtype == self.master_dtype:
+                    p.grad = p.main_grad
 
     def all_reduce_grads(self, params, group):
         """SUM the main grads of `params` over `group` in one flat all-reduce (None or size 1: nothing). For

@@ -86,15 +86,17 @@ fused blocks) that keeps no s x s tensor: it saves q, k, v, its output and the r
 Checkpointing it drops what the core saves beyond its inputs and its output (which the projection keeps
 anyway): the lse, and under CP the ring's and Ulysses' internal copies or the all-gathered K and V, at the
 price of one more attention forward (and its communication) in backward. So with fused kernels selective
-saves little without CP and most under all-gather CP. Kept bytes of one stage of 4 blocks (L = 8, PP = 2;
-b = 4, s = 256, h = 256, a = 8, float32), measured with checkpointing.measure_kept_bytes:
+saves little without CP and most under all-gather CP. Kept MB of one stage of 4 blocks (L = 8, PP = 2;
+b = 4, s = 256, h = 256, a = 8, float32), measured with checkpointing.measure_kept_bytes by
+`python train_gpt.py --report`, which prints the formula beside each (none: L/p x block_activation_bytes;
+selective: minus the lse; sqrt and full: one block input per segment; CP's internal copies have none):
 
-    layout                 none       selective   sqrt (2 segments)   full
-    TP2 x PP2              42.07 MB   42.01 MB    2.10 MB             4.19 MB
-    PP2 x CP2 ring         35.75 MB   33.59 MB    1.05 MB             2.10 MB
-    PP2 x CP2 all-gather   39.94 MB   33.59 MB    1.05 MB             2.10 MB
+    layout                 none    selective   sqrt (2 segments)   full
+    TP2 x PP2              42.07   42.01       2.10                4.19
+    PP2 x CP2 ring         35.75   33.59       1.05                2.10
+    PP2 x CP2 all-gather   39.94   33.59       1.05                2.10
 
-(tests/test_train_gpt.py checks none > selective > full per stage and the exact differences.)
+(tests/test_train_gpt.py runs the report and checks this table against it.)
 
 Precision (`--dtype`, mixed_precision.py). Every dtype goes through one optimizer wrapper: the gradient hook
 of each parameter adds its gradient into a persistent FP32 `main_grad` from the first micro-batch on (m BF16
@@ -128,7 +130,8 @@ param_bytes, grad_bytes, optimizer_bytes (master_bytes: the masters' part) and m
 FLOPs per token are PaLM's / nanoGPT's 6 N + 12 L h s with every matmul
 a token passes, the LM head included (`model_flops_per_token`); FlopCounterMode measures one step
 (`count_step_flops`) at exactly that plus 2 L h s per token, the QK^T that a flash kernel recomputes in backward
-(L = 2, h = 32, s = 32, V = 64, 128 tokens: dense 23,592,960 + 524,288; MoE 36,470,784 + 524,288).
+(`python train_gpt.py --report` prints both for a dense and a MoE model). It also prints one block's kept bytes
+at TP=1, TP2 and TP2 with SP beside `block_activation_bytes`, and the TP collectives of its forward and backward.
 """
 import argparse
 import json
@@ -1482,6 +1485,130 @@ def sample(cfg, path, n, temperature=1.0, top_k=None, prompt="\n", seed=0):
     return bytes(generated).decode("utf-8", errors="replace") if cfg.vocab_size <= 256 else generated
 
 
+# ----------------------------------------------------------------------------------------------------
+# The report: the docstring's memory, communication and FLOP figures, measured beside their formulas
+# ----------------------------------------------------------------------------------------------------
+
+def measure_block(cfg, run, b):
+    """Bytes one dense block keeps for backward on this rank (checkpointing.measure_kept_bytes) and the TP
+    collectives of its forward and of its backward (comm_log), for a micro-batch of b sequences."""
+    plan, stage, _, _ = build(cfg, run)
+    s = cfg.seq_len // run.cp // (run.tp if plan.sequence_parallel else 1)
+    x = torch.randn(b, s, cfg.n_embd, generator=torch.Generator().manual_seed(0))
+    comm_log.clear()
+    kept, (y, _) = checkpointing.measure_kept_bytes(nn.ModuleList(stage.blocks[:1]),
+                                                    (x, torch.zeros((), dtype=torch.float64)), "none")
+    forward = dict(comm_log)
+    comm_log.clear()
+    y.sum().backward()
+    return kept, forward, dict(comm_log)
+
+
+def measure_stage_kept_bytes(cfg, run, b, policies=("none", "selective", "sqrt", "full")):
+    """Bytes this rank's pipeline stage keeps for backward under each recomputation policy."""
+    plan, stage, _, _ = build(cfg, run)
+    s = cfg.seq_len // run.cp // (run.tp if plan.sequence_parallel else 1)
+    state = (torch.randn(b, s, cfg.n_embd, generator=torch.Generator().manual_seed(0)),
+             torch.zeros((), dtype=torch.float64))
+    return {policy: checkpointing.measure_kept_bytes(stage.blocks, state, policy)[0] for policy in policies}
+
+
+def measure_step_flops(cfg, batch, micro_batch):
+    """One rank's counted FLOPs of one float32 step on `batch` synthetic sequences (after a first step: the
+    grouped-GEMM probe of moe_ep runs once and is not part of a step)."""
+    run = TrainConfig(batch=batch, micro_batch=micro_batch, dtype="float32", log=False, data="synthetic")
+    plan, stage, opt, pipe = build(cfg, run)
+    tokens = synthetic_batch(0, batch, cfg.seq_len, cfg.vocab_size)
+    train_step(stage, pipe, opt, tokens, micro_batch)
+    return count_step_flops(stage, pipe, opt, tokens, micro_batch)
+
+
+def _report_rank(rank, world, store_path, queue, fn, args):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))  # a collective that never comes fails, not hangs
+    result = fn(*args)
+    if rank == 0:
+        queue.put(result)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def on_cpu_ranks(world, fn, *args):
+    """fn(*args) on `world` gloo processes of this machine (forked: milliseconds each); rank 0's answer."""
+    import tempfile
+    import torch.multiprocessing as mp
+    queue = mp.get_context("fork").SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_report_rank, (world, os.path.join(tmp, "store"), queue, fn, args), nprocs=world,
+                           start_method="fork")
+    return queue.get()
+
+
+# the shapes of the docstring's figures
+REPORT_BLOCK = GPTConfig(vocab_size=32, seq_len=32, n_layer=4, n_head=4, n_embd=32)       # b = 2
+REPORT_STAGE = GPTConfig(vocab_size=32, seq_len=256, n_layer=8, n_head=8, n_embd=256)     # b = 4, PP = 2
+REPORT_STAGE_LAYOUTS = {"TP2 x PP2": dict(tp=2, pp=2), "PP2 x CP2 ring": dict(pp=2, cp=2, cp_impl="ring"),
+                        "PP2 x CP2 all-gather": dict(pp=2, cp=2, cp_impl="allgather")}
+REPORT_FLOPS = {"dense": GPTConfig(vocab_size=64, seq_len=32, n_layer=2, n_head=4, n_embd=32),
+                "MoE": GPTConfig(vocab_size=64, seq_len=32, n_layer=2, n_head=4, n_embd=32, moe_every=1,
+                                 n_experts=4, top_k=2)}
+
+
+def stage_kept_bytes_formula(cfg, run, b, policy, e=4):
+    """The kept bytes of one stage where this file has a formula, else None: full keeps each block's input,
+    sqrt each segment's; without CP, none keeps every block's `block_activation_bytes` and selective frees
+    their lse. (Under CP the ring's and the all-gather's internal copies have no formula here.)"""
+    blocks, t, sp = len(stage_layers(cfg.n_layer, run.pp, 0)), run.tp, run.sequence_parallel and run.tp > 1
+    block_input = b * cfg.seq_len // run.cp * cfg.n_embd * e // (t if sp else 1)
+    if policy == "full":
+        return blocks * block_input
+    if policy == "sqrt":
+        return math.ceil(blocks / checkpointing.sqrt_segment_size(blocks)) * block_input
+    if run.cp > 1:
+        return None
+    none = blocks * sum(block_activation_bytes(b, cfg.seq_len, cfg.n_embd, cfg.n_head, t, sp, e, e).values())
+    return none if policy == "none" else none - blocks * cfg.n_head // t * cfg.seq_len * b * e
+
+
+def report():
+    """What the docstring states about memory, collectives and FLOPs, measured on gloo ranks of this machine
+    (float32; LayerNorm statistics and the lse in float32 too on CPU) and printed beside the formula."""
+    lines = []
+    out = lines.append
+    cfg, b = REPORT_BLOCK, 2
+    out(f"Kept bytes of one dense block (b={b}, s={cfg.seq_len}, h={cfg.n_embd}, a={cfg.n_head}, float32) and its TP "
+        "collectives:")
+    out(f"  {'layout':<12s} {'measured':>10s} {'formula':>10s}   forward / backward collectives")
+    for name, world, sp in (("TP=1", 1, False), ("TP2", 2, False), ("TP2 with SP", 2, True)):
+        run = TrainConfig(tp=world, sequence_parallel=sp, micro_batch=b, dtype="float32", log=False)
+        kept, fwd, bwd = on_cpu_ranks(world, measure_block, cfg, run, b)
+        formula = sum(block_activation_bytes(b, cfg.seq_len, cfg.n_embd, cfg.n_head, world, sp, 4, 4).values())
+        out(f"  {name:<12s} {kept:>10,d} {formula:>10,d}   {fwd or '-'} / {bwd or '-'}")
+    cfg, b = REPORT_STAGE, 4
+    policies = ("none", "selective", "sqrt", "full")
+    out(f"\nKept MB of one pipeline stage of {cfg.n_layer // 2} blocks (L={cfg.n_layer}, PP=2; b={b}, s={cfg.seq_len}, "
+        f"h={cfg.n_embd}, a={cfg.n_head}, float32), measured (formula):")
+    out(f"  {'layout':<22s}" + "".join(f"{p:>22s}" for p in policies))
+    for name, layout in REPORT_STAGE_LAYOUTS.items():
+        run = TrainConfig(micro_batch=b, dtype="float32", log=False, **layout)
+        kept = on_cpu_ranks(run.tp * run.pp * run.cp, measure_stage_kept_bytes, cfg, run, b)
+        cells = []
+        for p in policies:
+            formula = stage_kept_bytes_formula(cfg, run, b, p)
+            cells.append(f"{kept[p] / 1e6:.2f}" + (f" ({formula / 1e6:.2f})" if formula is not None else " (-)"))
+        out(f"  {name:<22s}" + "".join(f"{c:>22s}" for c in cells))
+    out("\nFLOPs of one step (batch 4 x 32 tokens, one rank): FlopCounterMode against model_flops_per_token x tokens "
+        "+ 2 L h s per token (the flash backward's QK^T):")
+    for name, cfg in REPORT_FLOPS.items():
+        tokens = 4 * cfg.seq_len
+        measured = on_cpu_ranks(1, measure_step_flops, cfg, 4, 2)
+        model = model_flops_per_token(cfg) * tokens
+        flash = 2 * cfg.n_layer * cfg.n_embd * cfg.seq_len * tokens
+        out(f"  {name:<6s} measured {measured:>12,d}   formula {model:,d} + {flash:,d} = {model + flash:,d}")
+    return "\n".join(lines)
+
+
 class _ArgumentParser(argparse.ArgumentParser):
     def error(self, message):  # one line on rank 0, exit code 2 (see main), not a usage block per rank
         raise ValueError(message)
@@ -1529,6 +1656,8 @@ def parse_args(argv=None):
     add("--metrics", default="metrics.jsonl")
     add("--peak-tflops", type=float, default=None, help="per GPU, for MFU (known for A100/H100/H200 on CUDA)")
     add("--seed", type=int, default=0)
+    add("--report", action="store_true", help="measure the docstring's kept bytes, collectives and FLOPs on gloo "
+        "processes of this machine and print them beside their formulas (plain python, no torchrun)")
     a = ap.parse_args(argv)
     cfg = GPTConfig(vocab_size=a.vocab, seq_len=a.seq, n_layer=a.layers, n_head=a.heads, n_embd=a.hidden,
                     seed=a.seed, moe_every=a.moe_every, n_experts=a.experts, top_k=a.top_k)
@@ -1543,7 +1672,10 @@ def main(argv=None):
         if a.sample < 0 or a.temperature <= 0 or a.sample_top_k < 0:
             raise ValueError("--sample, --sample-top-k must be >= 0 and --temperature > 0 (e.g. --sample 300 "
                              "--temperature 0.8 --sample-top-k 50; --sample-top-k 0 samples from every token)")
-        if a.sample:
+        if a.report:
+            if world != 1:
+                raise ValueError("--report starts its own processes: use python, not torchrun")
+        elif a.sample:
             if not checkpoint_dirs(run.out_dir):
                 raise ValueError(f"--sample needs a checkpoint: --out-dir {run.out_dir} holds none")
             cfg = GPTConfig(**read_train_state(checkpoint_dirs(run.out_dir)[-1])["config"])
@@ -1559,6 +1691,9 @@ def main(argv=None):
         sys.exit(2)
     if os.environ.get("OMP_NUM_THREADS") is None and not torch.cuda.is_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    if a.report:
+        print(report())
+        return
     if a.sample:
         print(sample(cfg, checkpoint_dirs(run.out_dir)[-1], a.sample, a.temperature, a.sample_top_k, seed=a.seed))
     else:

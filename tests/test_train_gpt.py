@@ -182,17 +182,11 @@ SHAPE = train_gpt.GPTConfig(vocab_size=32, seq_len=32, n_layer=4, n_head=4, n_em
 def _one_block(rank, world, sp):
     """Kept bytes of one dense block (float32) and the TP collectives of its forward and its backward."""
     cfg, b = SHAPE, 2
-    plan, stage, _, _ = train_gpt.build(cfg, _run(tp=world, sequence_parallel=sp, micro_batch=b, dtype="float32"))
-    x = torch.randn(b, cfg.seq_len // (world if plan.sequence_parallel else 1), cfg.n_embd)
-    train_gpt.comm_log.clear()
-    kept, (y, _) = checkpointing.measure_kept_bytes(torch.nn.ModuleList(stage.blocks[:1]),
-                                                    (x, torch.zeros((), dtype=torch.float64)), "none")
-    fwd = dict(train_gpt.comm_log)
-    train_gpt.comm_log.clear()
-    y.sum().backward()
-    terms = train_gpt.block_activation_bytes(b, cfg.seq_len, cfg.n_embd, cfg.n_head, world, plan.sequence_parallel,
+    kept, fwd, bwd = train_gpt.measure_block(cfg, _run(tp=world, sequence_parallel=sp, micro_batch=b,
+                                                       dtype="float32"), b)
+    terms = train_gpt.block_activation_bytes(b, cfg.seq_len, cfg.n_embd, cfg.n_head, world, sp and world > 1,
                                              e=4, acc_e=4)  # CPU: LayerNorm statistics and lse in the input dtype
-    return kept, sum(terms.values()), fwd, dict(train_gpt.comm_log)
+    return kept, sum(terms.values()), fwd, bwd
 
 
 def test_sequence_parallelism_splits_every_activation_of_a_block():
@@ -240,11 +234,7 @@ def test_expert_flops_per_tp_rank_are_one_over_tp(sp):
 
 
 def _stage_kept_bytes(rank, world):
-    cfg = SHAPE
-    plan, stage, _, _ = train_gpt.build(cfg, _run(tp=2, pp=2, dtype="float32"))
-    state = (torch.randn(2, cfg.seq_len, cfg.n_embd), torch.zeros((), dtype=torch.float64))
-    return {policy: checkpointing.measure_kept_bytes(stage.blocks, state, policy)[0]
-            for policy in ("none", "selective", "sqrt", "full")}
+    return train_gpt.measure_stage_kept_bytes(SHAPE, _run(tp=2, pp=2, dtype="float32"), 2)
 
 
 def test_recompute_policies_keep_less_per_stage():
@@ -388,10 +378,7 @@ def test_first_metrics_line_carries_this_ranks_memory_by_dtype():
 # ---- the training job: FLOPs, data, checkpoints and resume, failures, bad input ----------------------------
 
 def _step_flops(rank, world, cfg):
-    plan, stage, opt, pipe = train_gpt.build(cfg, _run(dtype="float32", batch=4, micro_batch=2))
-    tokens = train_gpt.synthetic_batch(0, 4, cfg.seq_len, cfg.vocab_size)
-    train_gpt.train_step(stage, pipe, opt, tokens, 2)  # moe_ep probes its grouped GEMM once: not in the count
-    return train_gpt.count_step_flops(stage, pipe, opt, tokens, 2)
+    return train_gpt.measure_step_flops(cfg, batch=4, micro_batch=2)
 
 
 @pytest.mark.parametrize("moe_every", [0, 1])
@@ -555,6 +542,7 @@ BAD_INPUT = [  # (argv, world, what the one line must name)
     (["--lr", "1e-3", "--min-lr", "1.0"], 1, "--min-lr 1.0 exceeds --lr 0.001"),
     (["--peak-tflops=-5"], 1, "--peak-tflops -5.0 must be a positive number"),
     (["--sample", "5", "--sample-top-k=-1"], 1, "--sample, --sample-top-k must be >= 0 and --temperature > 0"),
+    (["--report"], 2, "--report starts its own processes: use python, not torchrun"),
 ]
 
 
@@ -784,3 +772,33 @@ def test_checkpoint_metadata_that_names_anything_else_is_refused(tmp_path):
     with pytest.raises(pickle.UnpicklingError, match="refusing to load it"):
         train_gpt._safe_reader(str(tmp_path)).read_metadata()
     assert not (tmp_path / "pwned").exists()
+
+
+# ---- the report: the docstring's figures come from code ----------------------------------------------------
+
+def _numbers(text):
+    return [float(x.replace(",", "")) for x in __import__("re").findall(r"\d[\d,]*\.?\d*", text)]
+
+
+def test_report_measures_what_the_docstring_states():
+    text = train_gpt.report()
+    lines = text.splitlines()
+    # every figure with a formula equals it: block kept bytes, stage kept MB, step FLOPs
+    for name in ("TP=1", "TP2 ", "TP2 with SP"):
+        row = next(line for line in lines if line.strip().startswith(name))
+        measured, formula = _numbers(row.split("{")[0].replace(name.strip(), ""))[:2]
+        assert measured == formula > 0, row
+    for name in train_gpt.REPORT_STAGE_LAYOUTS:
+        row = next(line for line in lines if line.strip().startswith(name))
+        cells = row[len(name) + 2:].split(")")[:-1]
+        measured = [_numbers(c.split("(")[0])[0] for c in cells]
+        formulas = [c.split("(")[1].strip() for c in cells]
+        assert all(f == "-" or float(f) == m for m, f in zip(measured, formulas)), row
+        # the docstring's table is this report's row
+        doc_row = next(line for line in train_gpt.__doc__.splitlines() if line.strip().startswith(name + " "))
+        assert _numbers(doc_row.replace(name, "")) == measured, (doc_row, row)
+    flops = [line for line in lines if line.split()[:1] and line.split()[0] in train_gpt.REPORT_FLOPS]
+    assert len(flops) == 2
+    for row in flops:
+        numbers = _numbers(row)
+        assert numbers[0] == numbers[-1] == numbers[-3] + numbers[-2], row

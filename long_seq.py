@@ -638,19 +638,28 @@ def _max_err(a, b):
     return (a - b).abs().max().item()
 
 
+def _demo_heads(P):
+    """Head counts for the demo: H=8, H_kv=4 where Ulysses can split them over P ranks (so P=8 shows GQA with
+    replicated KV heads), else the smallest GQA pair that it can split, H=2P and H_kv=P; and why, for the header."""
+    if 8 % P == 0 and (4 % P == 0 or P % 4 == 0):
+        return 8, 4, ""
+    return 2 * P, P, f" (H=8, H_kv=4 do not split over P={P} ranks for Ulysses; H=2P, H_kv=P instead)"
+
+
 def demo():
     rank, P = _init()
     torch.set_num_threads(max(1, torch.get_num_threads() // P))
     say = print if rank == 0 else (lambda *a, **k: None)
     group = dist.group.WORLD
-    b, h, h_kv, d, s = 2, 8, 4, 16, 64 * P
+    h, h_kv, why = _demo_heads(P)
+    b, d, s = 2, 16, 64 * P
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(b, n, s, d, generator=gen, dtype=torch.float64) for n in (h, h_kv, h_kv))
     dout = torch.randn(b, h, s, d, generator=gen, dtype=torch.float64)
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     ref = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
     ref.backward(dout)
-    say(f"== P={P} ranks, b={b}, H={h}, H_kv={h_kv}, s={s}, d={d}, float64, causal; errors against "
+    say(f"== P={P} ranks, b={b}, H={h}, H_kv={h_kv}{why}, s={s}, d={d}, float64, causal; errors against "
         "F.scaled_dot_product_attention on the whole sequence (max over ranks); blocks run in the fused kernel "
         f"{fused_kernel(q, k)!r}, 'ring reference' in einsums")
 

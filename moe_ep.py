@@ -27,10 +27,12 @@ each rank keeps its local probability sums, and E * sum_i f_i * (local sum_t p_t
 that rank's share of the global loss: the shares add up to it, and each share's gradient with respect to
 the rank's logits is the global loss's gradient. Its z-loss divides each rank's mean by the group size
 (exact for equal splits). This file does the same with `stats_group` (MoE(..., stats_group=g),
-load_balancing_loss(..., group=g), z_loss(..., group=g)), in ONE small all-reduce per loss of the summed
+load_balancing_loss(..., group=g), z_loss(..., group=g)), each in ONE small all-reduce of the summed
 statistics: tokens per expert and probability sums per expert (balancing), sum_t lse_t^2 and the token
-count (z-loss). The global token count is summed rather than assumed, so uneven splits are exact too, and
-the forward value on every rank is the global loss while the gradient flows through the local share only.
+count (z-loss). The MoE layer needs both, so it calls router_losses, which concatenates the two vectors and
+sums them in one all-reduce: one collective per layer per micro-batch, not two. The global token count is
+summed rather than assumed, so uneven splits are exact too, and the forward value on every rank is the
+global loss while the gradient flows through the local share only.
 
 Expert parallelism. With an EP group of P ranks each rank holds E/P experts (expert e on EP rank
 e // (E/P)) and T local tokens. One forward is four steps:
@@ -123,22 +125,22 @@ def _global_value(local_share, global_value):
     return local_share + (global_value - local_share.detach())
 
 
-def load_balancing_loss(router_logits, top_k, coeff, group=None, selected=None):
-    """Switch/Megatron: coeff * E * sum_i f_i P_i over the tokens of this rank, or of all ranks of `group`.
-
-    `selected` (T, k) are the experts actually chosen (e.g. with a balancing bias); default top-k of logits."""
+def _balancing_parts(router_logits, top_k, selected):
+    """This rank's tokens per expert (as the probabilities' dtype) and probability sums per expert."""
     T, E = router_logits.shape
     if selected is not None and selected.shape != (T, top_k):
         raise ValueError(f"selected has shape {tuple(selected.shape)}; pass the ({T}, top_k={top_k}) experts chosen")
     probs = torch.softmax(_router_precision(router_logits), -1)
     if selected is None:
         selected = probs.topk(top_k, dim=-1).indices
-    local_prob_sum = probs.sum(0)
-    if _group_info(group)[1] == 1:
-        counts = tokens_per_expert(selected, E).to(probs.dtype)
-        return coeff * E * ((counts / (T * top_k)) * local_prob_sum).sum() / T
-    stats = _summed_statistics(torch.cat([tokens_per_expert(selected, E).to(probs.dtype), local_prob_sum]), group)
-    counts, prob_sum = stats[:E], stats[E:]
+    return tokens_per_expert(selected, E).to(probs.dtype), probs.sum(0)
+
+
+def _balancing_over_group(local_prob_sum, summed, top_k, coeff):
+    """The group's balancing loss from `summed` (the group's tokens and probability sums per expert); the
+    gradient flows through this rank's probability sums."""
+    E = local_prob_sum.shape[0]
+    counts, prob_sum = summed[:E], summed[E:]
     assignments = counts.sum()              # T_global * k, counted: uneven splits are exact
     tokens = assignments / top_k
     f = counts / assignments
@@ -146,16 +148,56 @@ def load_balancing_loss(router_logits, top_k, coeff, group=None, selected=None):
     return _global_value(scale * (f * local_prob_sum).sum(), scale * (f * prob_sum).sum())
 
 
+def load_balancing_loss(router_logits, top_k, coeff, group=None, selected=None):
+    """Switch/Megatron: coeff * E * sum_i f_i P_i over the tokens of this rank, or of all ranks of `group`.
+
+    `selected` (T, k) are the experts actually chosen (e.g. with a balancing bias); default top-k of logits."""
+    counts, local_prob_sum = _balancing_parts(router_logits, top_k, selected)
+    if _group_info(group)[1] == 1:
+        T, E = router_logits.shape
+        return coeff * E * ((counts / (T * top_k)) * local_prob_sum).sum() / T
+    summed = _summed_statistics(torch.cat([counts, local_prob_sum]), group)
+    return _balancing_over_group(local_prob_sum, summed, top_k, coeff)
+
+
+def _z_parts(router_logits):
+    """This rank's sum over tokens of logsumexp(logits)^2, and its token count."""
+    lse = torch.logsumexp(_router_precision(router_logits), -1)
+    return (lse ** 2).sum(), lse.shape[0]
+
+
+def _z_statistics(local_sum, tokens):
+    # the token count joins the all-reduce as a device tensor filled with a Python int: no upload, no read
+    return torch.stack([local_sum, local_sum.new_full((), tokens)])
+
+
+def _z_over_group(local_sum, summed, coeff):
+    """The group's z-loss from `summed` (the group's sum of lse^2 and its token count)."""
+    return _global_value(coeff * local_sum / summed[1], coeff * summed[0] / summed[1])
+
+
 def z_loss(router_logits, coeff, group=None):
     """ST-MoE router z-loss: coeff * mean over tokens (of this rank, or of all ranks of `group`) of
     logsumexp(logits)^2."""
-    lse = torch.logsumexp(_router_precision(router_logits), -1)
-    local_sum = (lse ** 2).sum()
+    local_sum, tokens = _z_parts(router_logits)
     if _group_info(group)[1] == 1:
-        return coeff * local_sum / lse.shape[0]
-    # the token count joins the all-reduce as a device tensor filled with a Python int: no upload, no read
-    stats = _summed_statistics(torch.stack([local_sum, local_sum.new_full((), lse.shape[0])]), group)
-    return _global_value(coeff * local_sum / stats[1], coeff * stats[0] / stats[1])
+        return coeff * local_sum / tokens
+    summed = _summed_statistics(_z_statistics(local_sum, tokens), group)
+    return _z_over_group(local_sum, summed, coeff)
+
+
+def router_losses(router_logits, top_k, aux_coeff, z_coeff, group=None, selected=None):
+    """load_balancing_loss(router_logits, top_k, aux_coeff, group, selected) + z_loss(router_logits, z_coeff,
+    group), the same values and gradients, but both losses' statistics summed over `group` in ONE all-reduce
+    (what MoE.forward uses: one small collective per layer per micro-batch instead of two)."""
+    if _group_info(group)[1] == 1:
+        return load_balancing_loss(router_logits, top_k, aux_coeff, selected=selected) + z_loss(router_logits, z_coeff)
+    counts, local_prob_sum = _balancing_parts(router_logits, top_k, selected)
+    local_sum, tokens = _z_parts(router_logits)
+    E = counts.shape[0]
+    summed = _summed_statistics(torch.cat([counts, local_prob_sum, _z_statistics(local_sum, tokens)]), group)
+    return (_balancing_over_group(local_prob_sum, summed[:2 * E], top_k, aux_coeff)
+            + _z_over_group(local_sum, summed[2 * E:], z_coeff))
 
 
 def update_balancing_bias(bias, load, rate):
@@ -372,8 +414,7 @@ class MoE(nn.Module):
         x = x.reshape(-1, self.d_model)
         T, k, E = x.shape[0], self.top_k, self.num_experts
         logits, weights, experts, keep = self._route(x)
-        aux = load_balancing_loss(logits, k, self.aux_loss_coeff, self.stats_group, selected=experts) + \
-            z_loss(logits, self.z_loss_coeff, self.stats_group)
+        aux = router_losses(logits, k, self.aux_loss_coeff, self.z_loss_coeff, self.stats_group, selected=experts)
 
         # 1. the token copies (copy j of token t is number t*k + j), sorted by expert = by destination rank,
         #    then local expert; copies dropped by the capacity go to an extra bin E that sorts last

@@ -406,3 +406,12 @@ def test_bad_input_raises_before_any_communication():
         assert "not divisible by world = 2" in msgs[4]
         assert "impl='flash'" in msgs[5] and "'fused'" in msgs[5]
         assert "impl='x'" in msgs[6]
+
+
+def test_demo_head_counts_split_over_any_world_size():
+    # torchrun --nproc_per_node=3 long_seq.py failed on H=8, H_kv=4; P=8 keeps them to show replicated KV heads
+    assert ls._demo_heads(8)[:2] == (8, 4) and ls._demo_heads(3)[:2] == (6, 3)
+    for P in range(1, 17):
+        h, h_kv, why = ls._demo_heads(P)
+        assert _ulysses_allowed(h, h_kv, P) and h % h_kv == 0, P
+        assert bool(why) == ((h, h_kv) != (8, 4)), P

@@ -291,6 +291,39 @@ def test_moe_router_losses_over_a_split_micro_batch_equal_the_whole(sizes):
         assert (sum(r[i + 1] for r in results) - p.grad).abs().max() < TOL
 
 
+def _router_stats_allreduces(rank, P):
+    """All-reduces of router statistics: of one MoE forward (both losses on), of the two standalone losses and
+    of router_losses; and the standalone pair against router_losses, value and logits' gradient."""
+    torch.set_default_dtype(torch.float64)
+    group = dist.group.WORLD
+    torch.manual_seed(0)
+    moe = moe_ep.MoE(8, 12, 6, 2, stats_group=group, aux_loss_coeff=0.1, z_loss_coeff=0.01)
+    counts = []
+    moe_ep.comm_log.clear()
+    moe(torch.randn(5 + rank, 8, generator=torch.Generator().manual_seed(rank)))
+    counts.append(moe_ep.comm_log["router_stats_allreduce:count"])
+    logits = torch.randn(4 + 3 * rank, 6, generator=torch.Generator().manual_seed(7 + rank))
+    results = []
+    for combined in (False, True):
+        mine = logits.clone().requires_grad_(True)
+        moe_ep.comm_log.clear()
+        if combined:
+            loss = moe_ep.router_losses(mine, 2, 0.1, 0.01, group)
+        else:
+            loss = moe_ep.load_balancing_loss(mine, 2, 0.1, group) + moe_ep.z_loss(mine, 0.01, group)
+        counts.append(moe_ep.comm_log["router_stats_allreduce:count"])
+        loss.backward()
+        results.append((loss.item(), mine.grad))
+    (separate, separate_grad), (combined, combined_grad) = results
+    return counts, separate - combined, (separate_grad - combined_grad).abs().max().item()
+
+
+def test_moe_layer_sums_both_router_losses_statistics_in_one_allreduce():
+    for counts, value_diff, grad_diff in run_ranks(_router_stats_allreduces, 2, timeout=60):
+        assert counts == [1, 2, 1]  # MoE forward; load_balancing_loss + z_loss; router_losses
+        assert value_diff == 0 and grad_diff == 0  # the same statistics summed: the same arithmetic
+
+
 def test_local_router_losses_do_depend_on_the_split():
     # the failure the stats_group prevents: without it each rank's aux is its own shard's, not the whole's
     torch.set_default_dtype(torch.float64)

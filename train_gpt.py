@@ -1529,7 +1529,7 @@ def _report_rank(rank, world, store_path, queue, fn, args):
                             timeout=timedelta(seconds=120))  # a collective that never comes fails, not hangs
     result = fn(*args)
     if rank == 0:
-        queue.put(result)
+        queue.put(result)  # a few numbers: the pipe holds them until the parent reads after join
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1199,7 +1199,7 @@ _CONSTANT_FLAGS = {  # flag -> (Cluster field, help)
     "--launch-us": ("launch_us", "fixed cost per kernel, microseconds"),
     "--collective-latency-us": ("collective_latency_us", "latency of one TP collective, microseconds"),
     "--p2p-latency-us": ("p2p_latency_us", "latency of one pipeline exchange, microseconds"),
-    "--p2p-gbps": ("p2p_gbps", "bandwidth of one pipeline exchange per GPU, GB/s (default: NVLink or InfiniBand)"),
+    "--p2p-gbps": ("p2p_gbps", "bandwidth of one pipeline exchange per GPU, GB/s; the presets leave it to the link, NVLink or InfiniBand"),
 }
 
 

@@ -1041,12 +1041,14 @@ def scan_cost_variants(variants=COST_VARIANTS):
 
 def print_cost_scan(scan):
     print("Costs the model could be missing, each with e_max refitted: the worst Table 1 error, the rows whose\n"
-          "published (TP, PP) is within 5% of the 2021 planner's top choice, and the two rows that are not as modelled:")
+          "published (TP, PP) is within 5% of the 2021 planner's top choice, and the two rows that are not as "
+          "modelled:")
     print(f"{'variant':<70s} {'e_max':>5s} {'worst':>7s} {'within 5%':>9s} {'18.4B':>7s} {'39.1B':>7s}")
     for name, r in scan.items():
         slower = r["published_slower"]
-        print(f"{name:<70s} {r['e_max']:>5.2f} {r['worst_error']:>+7.1%} {sum(v <= 0.05 for v in slower.values()):>6d}/10 "
-              f"{slower[18.4]:>+7.1%} {slower[39.1]:>+7.1%}")
+        within = sum(v <= 0.05 for v in slower.values())
+        print(f"{name:<70s} {r['e_max']:>5.2f} {r['worst_error']:>+7.1%} {within:>6d}/10 {slower[18.4]:>+7.1%} "
+              f"{slower[39.1]:>+7.1%}")
 
 
 def _knobs_short(x):
@@ -1199,7 +1201,8 @@ _CONSTANT_FLAGS = {  # flag -> (Cluster field, help)
     "--launch-us": ("launch_us", "fixed cost per kernel, microseconds"),
     "--collective-latency-us": ("collective_latency_us", "latency of one TP collective, microseconds"),
     "--p2p-latency-us": ("p2p_latency_us", "latency of one pipeline exchange, microseconds"),
-    "--p2p-gbps": ("p2p_gbps", "bandwidth of one pipeline exchange per GPU, GB/s; the presets leave it to the link, NVLink or InfiniBand"),
+    "--p2p-gbps": ("p2p_gbps", "bandwidth of one pipeline exchange per GPU, GB/s; the presets leave it to the "
+                   "link, NVLink or InfiniBand"),
 }
 
 

@@ -32,13 +32,14 @@ Memory of one first-stage GPU (fits when <= 0.9 x GPU memory: CUDA context, allo
     parameters   ((12 h^2 + 13 h) L/p + V h) / t + s h            (embedding on stage 0, positions not split)
     states       2 + 2 + 16 bytes per parameter (16-bit weight, 16-bit gradient, fp32 master, Adam moments
                  and fp32 gradient copy: Megatron-LM's accounting); ZeRO-1: 4 + 16 / n
-    activations  per layer and micro-batch, Korthikanti et al. 2022 (s -> s/c under CP):
+    activations  per layer and micro-batch, Korthikanti et al. 2022; under CP the s of s b h is s/c and the
+                 scores keep one s (5as/h: s/c queries against s keys):
                    SP      none s b h/t (34 + 5as/h)       selective 34 s b h/t        full 2 s b h/t
                    no SP   none s b h (10 + 24/t + 5as/(ht)) selective s b h (10 + 24/t) full 2 s b h
                  x L/p layers x the micro-batches in flight on stage 0: 1F1B p (GPipe would keep m),
                  interleaved p + (p-1)/v (Korthikanti section 4.2.3), never more than m; plus one layer in
-                 full while it is recomputed, the embedding's dropout mask (s b h / t per micro-batch in
-                 flight), and with p = 1 the fp32 logits 4 s b V / t.
+                 full while it is recomputed, the embedding's dropout mask (s b h, / t with SP, per micro-batch
+                 in flight), and with p = 1 the fp32 logits 4 s b V / t.
 
 Time of one layer's forward for one micro-batch on one GPU (measured constants below):
     GEMMs        QKV (M, h, 3h/t), projection (M, h/t, h), MLP (M, h, 4h/t), (M, 4h/t, h):
@@ -48,7 +49,8 @@ Time of one layer's forward for one micro-batch on one GPU (measured constants b
                  K by t, makes the GEMMs less efficient
     attention    the s x s scores of a/t heads (n_s = b a s^2 / (t c)): max(4 (h/a) n_s / (peak e_max),
                  13 n_s / HBM): QK^T writes them, the fused softmax and the dropout read and write them,
-                 AV reads them (memory-bound for head sizes below ~300 on A100 and H100)
+                 AV reads them (memory-bound for head sizes h/a < 13 peak e_max / (4 HBM), over 400
+                 with every preset below)
     elementwise  M h (22 / t_SP + 16 / t) / HBM bytes: 2 LayerNorms and 2 fused bias-dropout-adds (22,
                  split t ways only with SP), the fused bias-GeLU on 4h/t (16); plus 20 kernel launches
     TP           2 all-reduces (SP: all-gather + reduce-scatter, the same bytes) of M h 16-bit values:
@@ -407,10 +409,6 @@ GPU_PRESETS = {
 }
 _A100 = GPU_PRESETS["a100"]
 DEFAULT_GPU_MEM_GB = _A100["gpu_mem_gb"]
-DEFAULT_NVLINK_GBPS = _A100["nvlink_gbps"]
-DEFAULT_IB_GBPS = _A100["ib_gbps"]
-DEFAULT_PEAK_TFLOPS = _A100["peak_tflops"]
-COMPUTE_EFFICIENCY = _A100["efficiency"]
 
 
 @dataclass
@@ -575,7 +573,7 @@ def layer_forward(cluster, m, tp, cp, b, sp, lay):
     gemms = (gemm_seconds(cluster, tokens, h, 3 * h // t) + gemm_seconds(cluster, tokens, h // t, h)
              + gemm_seconds(cluster, tokens, h, 4 * h // t) + gemm_seconds(cluster, tokens, 4 * h // t, h))
     # attention core (unfused, as in Korthikanti's activation count): the s x s scores of a/t heads; with CP
-    # this GPU's s/cp queries against all s keys. Memory-bound for head sizes up to ~300 on A100 and H100.
+    # this GPU's s/cp queries against all s keys. Memory-bound while h/a < 13 peak e_max / (4 HBM).
     scores = b * (a // t) * (s // cp) * s
     attention = max(4 * (h // a) * scores / (cluster.peak_tflops * 1e12 * cluster.efficiency),
                     SCORE_BYTES * scores / hbm)
@@ -671,7 +669,7 @@ def _check_layout(cluster, m, tp, pp, cp):
         raise ValueError(f"layers={m.layers} is not divisible by pp={pp}; choose pp among {_divisors(m.layers)}")
     if m.heads % tp:
         raise ValueError(f"heads={m.heads} is not divisible by tp={tp}; choose tp among {_divisors(m.heads)}")
-    if m.seq % (2 * cp):
+    if cp > 1 and m.seq % (2 * cp):
         raise ValueError(f"seq={m.seq} is not divisible by 2*cp={2 * cp} (causal load balancing); choose another cp")
     if m.global_batch % dp:
         raise ValueError(f"global_batch={m.global_batch} is not divisible by dp={dp}; change global_batch or the "
@@ -837,7 +835,7 @@ def candidate_layouts(cluster, m, tp=None, pp=None, cp=None):
     out = []
     tps = [tp] if tp else [t for t in _divisors(cluster.gpus_per_node) if m.heads % t == 0]
     pps = [pp] if pp else _divisors(m.layers)
-    cps = [cp] if cp else [c for c in range(1, 17) if cluster.gpus % c == 0 and m.seq % (2 * c) == 0]
+    cps = [cp] if cp else [c for c in range(1, 17) if cluster.gpus % c == 0 and (c == 1 or m.seq % (2 * c) == 0)]
     for t, p, c in itertools.product(tps, pps, cps):
         divides = (cluster.gpus % (t * p * c) == 0 and m.layers % p == 0 and m.heads % t == 0
                    and m.global_batch % (cluster.gpus // (t * p * c)) == 0)
@@ -1165,9 +1163,6 @@ def print_chapter_example():
           "(small global batch, many large layers) favour A; many micro-batches and narrower layers favour B. "
           "(B's compute is 2-3% above A's: its last stage carries the logits, V/4 wide, beside L/8 layers; A's "
           "V/8 beside L/4; its wider GEMMs do not make up for it.)")
-
-
-# ----------------------------------------------------------------------------------------------------
 
 
 # ----------------------------------------------------------------------------------------------------

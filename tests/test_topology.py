@@ -599,6 +599,29 @@ def test_no_examined_cost_of_2021_brings_the_two_rows_in():
     assert round(fast_tp["worst_error"], 3) == -0.082
 
 
+def test_attention_is_memory_bound_below_the_stated_head_size():
+    # the docstring: memory-bound while h/a < 13 peak e_max / (4 HBM), over 400 with every preset
+    for gpu, c in topology.GPU_PRESETS.items():
+        crossover = 13 * c["peak_tflops"] * 1e12 * c["efficiency"] / (4 * c["hbm_gbps"] * 1e9)
+        assert crossover > 400, (gpu, crossover)
+        cluster = topology.Cluster.for_gpu(gpu, 8)
+        for head, bound in ((int(crossover) - 8, "memory"), (int(crossover) + 8, "compute")):
+            m = topology.ModelShape(layers=2, hidden=head * 4, heads=4, seq=1024, vocab=512, global_batch=8)
+            lay = topology._Layout(cluster, m, 1, 1, 1)
+            attention = topology.layer_forward(cluster, m, 1, 1, 1, False, lay)["attention"]
+            scores = 4 * 1024 * 1024
+            memory = topology.SCORE_BYTES * scores / (c["hbm_gbps"] * 1e9)
+            assert (attention == memory) == (bound == "memory"), (gpu, head, bound)
+
+
+def test_an_odd_sequence_needs_no_cp():
+    m = topology.ModelShape(layers=4, hidden=256, heads=4, seq=2047, vocab=512, global_batch=8)
+    assert topology.estimate(topology.Cluster(gpus=8), m, 2, 2, 1)["cp"] == 1
+    assert {r["cp"] for r in topology.plan(topology.Cluster(gpus=8), m)} == {1}
+    with pytest.raises(ValueError, match="seq=2047 is not divisible by 2\\*cp=4"):
+        topology.estimate(topology.Cluster(gpus=8), m, 1, 1, 2)
+
+
 def test_2021_interleaving_needs_three_stages():
     # Megatron-LM 2021 asserts PP > 2 for the interleaved schedule; Megatron-Core accepts PP = 2 (the default)
     m = dataclasses.replace(topology.table_1_model(topology.TABLE_1[4], False), **topology.SOFTWARE_2021)

@@ -124,9 +124,12 @@ def accumulate_gradients(model, micro_batches, loss_fn, dp_group=None, bucket_by
     global mean loss per token.
     """
     micro_batches = list(micro_batches)
-    if not micro_batches:
-        raise ValueError("micro_batches is empty: pass at least one micro-batch per optimizer step")
     is_ddp = isinstance(model, DDP)
+    # a rank with no micro-batches this step still takes part in the sums (zeros), so its peers are not left
+    # waiting in an all-reduce; DDP cannot do that (its all-reduces fire from the backward), nor can one rank
+    if not micro_batches and (is_ddp or _group_size(dp_group) == 1):
+        raise ValueError("micro_batches is empty: pass at least one micro-batch per optimizer step"
+                         + (" on every rank (DDP all-reduces from inside the backward)" if is_ddp else ""))
     if is_ddp:
         if dp_group is not None and dp_group is not model.process_group:
             raise ValueError("dp_group differs from the DDP model's process group: pass dp_group=None (DDP's group "
@@ -218,7 +221,7 @@ def token_loss(model, batch):
     logits = model(idx)
     losses = nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
     mask = mask.flatten().to(losses.dtype)
-    return (losses * mask).sum(), int(mask.sum().item())
+    return (losses * mask).sum(), mask.sum()  # the count stays a tensor: no host sync per micro-batch
 
 
 def make_batch(gen, batch, seq, vocab=32, min_len=1):
@@ -266,7 +269,7 @@ def demo():
     (s / n).backward()
     loss = accumulate_gradients(model, mine, token_loss, dp_group=None if world == 1 else dist.group.WORLD)
     err = max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
-    say(f"== equivalence: global batch of {n} tokens in one process vs {K} variable-length micro-batches on "
+    say(f"== equivalence: global batch of {int(n)} tokens in one process vs {K} variable-length micro-batches on "
         f"{world} rank(s): loss {loss:.12f} vs {(s / n).item():.12f}, max |grad diff| {err:.2e} (float64)")
 
     # 2. collectives per step, with DDP
@@ -285,7 +288,7 @@ def demo():
         f"forward+backward: {right}; no no_sync: {none}; no_sync around the backward only (the trap): {trap}; "
         f"{counter['bytes'] // (right + none + trap)} bytes each")
     buckets = gradient_buckets(list(model.parameters()), bucket_bytes=4096)
-    manual = sync_gradients(list(model.parameters()), dist.group.WORLD, bucket_bytes=4096)
+    manual = sync_gradients(list(TinyLM().parameters()), dist.group.WORLD, bucket_bytes=4096)  # a spare model
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     say(f"== manual sync with 4 KiB buckets: {len(buckets)} buckets of {nbytes} gradient bytes -> {manual} "
         f"all-reduces (none on one rank); a ring all-reduce sends 2(P-1)/P x {nbytes} = "

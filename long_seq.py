@@ -12,7 +12,8 @@ outgrow a GPU. Four techniques split the sequence, and they differ in WHAT they 
 
 Per GPU per layer (bytes sent, forward, e bytes per element, s the full sequence, P ranks):
     Ring:      (P-1) x 2 b (s/P) h_kv d e = 2 (P-1)/P b s h_kv d e   (overlappable with the block compute)
-    Ulysses:   (P-1)/P^2 b s (2 h + 2 h_kv) d e   (one all-to-all sends (P-1)/P of a (s/P)-long tensor)
+    Ulysses:   (P-1)/P^2 b s (2 h + 2 h_kv') d e   (one all-to-all sends (P-1)/P of a (s/P)-long tensor;
+               h_kv' = max(h_kv, P): fewer KV heads than ranks are replicated to P first)
     All-gather CP (Llama 3): the same bytes as the ring's KV, in one exposed all-gather, full K and V held.
 Memory per rank: Ring keeps only O(s/P): q, k, v, out of its shard and the log-sum-exp (b h s/P); Ulysses
 holds full-sequence activations for h/P heads, also s/P of the total. Forward + backward, a ring rank's peak is

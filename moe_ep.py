@@ -13,7 +13,7 @@ collapses onto a few experts, so two auxiliary losses are added (Switch Transfor
 
 f is not differentiable; the gradient flows through P, pushing probability away from overloaded experts.
 Perfectly uniform routing (f_i = P_i = 1/E) gives exactly coeff; concentrating every token on one expert
-with certainty gives coeff * E. Optional
+with certainty gives coeff * E / k (that expert gets 1/k of the T*k assignments: coeff * E at top-1). Optional
 capacity factor cf: each expert takes at most ceil(T k / E * cf) assignments, the lowest-weight ones
 are dropped (their slot contributes zero); the default None is dropless. Optional auxiliary-loss-free
 balancing (DeepSeek-V3): a per-expert bias is added to the scores for the SELECTION only, and after each

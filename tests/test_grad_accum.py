@@ -192,6 +192,27 @@ def test_empty_micro_batches_raise():
         ga.accumulate_gradients(ga.TinyLM(), [], ga.token_loss)
 
 
+def _one_rank_without_micro_batches(rank, world):
+    """Rank 1 has no micro-batch this step: it contributes zeros; nobody waits on it."""
+    torch.set_default_dtype(torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    batch = ga.make_batch(gen, 2, 4)
+    torch.manual_seed(0)
+    model = ga.TinyLM()
+    loss = ga.accumulate_gradients(model, [batch] if rank == 0 else [], ga.token_loss, dp_group=dist.group.WORLD)
+    torch.manual_seed(0)
+    alone = ga.TinyLM()
+    alone_loss = ga.accumulate_gradients(alone, [batch], ga.token_loss)  # rank 0's batch on one rank
+    diff = max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), alone.parameters()))
+    return loss - alone_loss, diff
+
+
+def test_a_rank_without_micro_batches_contributes_zeros():
+    # float64, one summation order apart: equal to 1e-12; a rank left waiting would fail on the timeout
+    for loss_diff, grad_diff in run_ranks(_one_rank_without_micro_batches, 2, timeout=60):
+        assert abs(loss_diff) < 1e-12 and grad_diff < 1e-12
+
+
 def test_zero_tokens_raise_not_nan():
     gen = torch.Generator().manual_seed(0)
     idx, tgt, mask = ga.make_batch(gen, 2, 4)

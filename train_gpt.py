@@ -927,7 +927,7 @@ def load_data(spec, seq_len, vocab):
     if not os.path.exists(spec):
         raise ValueError(f"--data {spec}: no such file or folder; pass a text file, a folder of text files, a "
                          "folder with train.bin and val.bin, or 'embedded'")
-    folder = os.path.dirname(spec) if spec.endswith(".bin") else spec
+    folder = os.path.dirname(os.path.abspath(spec)) if spec.endswith(".bin") else spec
     if os.path.isdir(folder) and os.path.exists(os.path.join(folder, "train.bin")):
         streams = []
         for name in ("train.bin", "val.bin"):
@@ -1075,7 +1075,7 @@ def checkpoint_dirs(out_dir):
         return []
     names = [n for n in os.listdir(out_dir) if n.startswith("step_") and n[5:].isdigit()
              and os.path.exists(os.path.join(out_dir, n, "train_state.json"))]
-    return [os.path.join(out_dir, n) for n in sorted(names)]
+    return [os.path.join(out_dir, n) for n in sorted(names, key=lambda n: int(n[5:]))]
 
 
 def read_train_state(path, cfg=None):
@@ -1151,8 +1151,10 @@ def save_checkpoint(out_dir, step, stage, opt, cfg, run):
             json.dump(train_state, f)
             f.flush()
             os.fsync(f.fileno())
-        shutil.rmtree(final, ignore_errors=True)
+        if os.path.exists(final):  # keep the old one until the new one is in place
+            os.rename(final, final + ".old")
         os.rename(tmp, final)  # atomic: the folder appears complete or not at all
+        shutil.rmtree(final + ".old", ignore_errors=True)
     dist.barrier()
     return final
 
@@ -1323,6 +1325,10 @@ def check_inputs(cfg, run, world):
     folder = os.path.dirname(os.path.abspath(run.metrics)) if run.metrics else None
     if folder and not os.path.isdir(folder):
         raise ValueError(f"--metrics {run.metrics}: the folder {folder} does not exist; create it or pass another path")
+    if not run.resume and checkpoint_dirs(run.out_dir):
+        raise ValueError(f"--out-dir {run.out_dir} holds checkpoints of an earlier run (latest "
+                         f"{os.path.basename(checkpoint_dirs(run.out_dir)[-1])}): pass --resume to continue it, or "
+                         "another --out-dir (a fresh run would mix its checkpoints with the old ones)")
     if run.resume and checkpoint_dirs(run.out_dir):
         state = read_train_state(checkpoint_dirs(run.out_dir)[-1], cfg)
         if state["optimizer"] != run.optimizer:
@@ -1336,7 +1342,10 @@ def init_distributed(timeout_s):
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        # NCCL when every local rank has its own GPU; otherwise CPU processes on gloo (e.g. the README's 8-process
+        # job on a machine with fewer GPUs)
+        gpus_needed = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= gpus_needed else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
@@ -1391,13 +1400,25 @@ GPU_PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100":
                    "L40S": 362.0}  # dense BF16 per GPU; the first name that the device's name contains
 
 
-def peak_tflops(run):
+def peak_tflops(run, device):
     if run.peak_tflops:
         return run.peak_tflops
-    if torch.cuda.is_available():
+    if device.type == "cuda":
         name = torch.cuda.get_device_name()
         return next((v for k, v in GPU_PEAK_TFLOPS.items() if k in name), None)
     return None  # no known peak on CPU: no MFU
+
+
+def _metrics_before(path, step):
+    """The metrics lines of the steps before `step` (a line torn by a crash is dropped)."""
+    kept = []
+    for line in open(path) if os.path.exists(path) else []:
+        try:
+            if json.loads(line)["step"] < step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            pass
+    return kept
 
 
 def train(cfg, run, data=None):
@@ -1412,13 +1433,13 @@ def train(cfg, run, data=None):
         start = read_train_state(path)["step"]
     if run.out_dir and ps.rank == 0:
         os.makedirs(run.out_dir, exist_ok=True)
-    flops_per_token, peak = model_flops_per_token(cfg), peak_tflops(run)
+    flops_per_token, peak = model_flops_per_token(cfg), peak_tflops(run, device)
     out = None
     if run.metrics and ps.rank == 0:  # a resumed run keeps the lines of the steps its checkpoint holds
-        kept = [line for line in (open(run.metrics) if start and os.path.exists(run.metrics) else [])
-                if json.loads(line)["step"] < start]
-        out = open(run.metrics, "w")
-        out.writelines(kept)
+        with open(run.metrics + ".tmp", "w") as f:  # replaced at once: a crash now loses no line
+            f.writelines(_metrics_before(run.metrics, start) if start else [])
+        os.replace(run.metrics + ".tmp", run.metrics)
+        out = open(run.metrics, "a")
     if run.log and ps.rank == 0 and start >= run.steps:
         print(f"{checkpoint_dirs(run.out_dir)[-1]} already holds step {start} of --steps {run.steps}: nothing to train")
     records = []
@@ -1472,12 +1493,13 @@ def sample(cfg, path, n, temperature=1.0, top_k=None, prompt="\n", seed=0):
     run = TrainConfig(batch=1, micro_batch=1, log=False)
     plan, stage, _, _ = build(cfg, run)
     load_checkpoint(path, stage)
-    gen = torch.Generator().manual_seed(seed)
+    device = next(stage.parameters()).device
+    gen = torch.Generator().manual_seed(seed)  # draws on the CPU: the same text on every device
     ids = list(prompt.encode()) if cfg.vocab_size <= 256 else [0]
     for _ in range(n):
-        context = torch.tensor([ids[-cfg.seq_len:]])
-        logits, _ = stage(context, torch.arange(context.shape[1]))
-        logits = logits[0, -1].float() / max(temperature, 1e-6)
+        context = torch.tensor([ids[-cfg.seq_len:]], device=device)
+        logits, _ = stage(context, torch.arange(context.shape[1], device=device))
+        logits = logits[0, -1].float().cpu() / max(temperature, 1e-6)
         if top_k:
             logits[logits < logits.topk(min(top_k, logits.numel())).values[-1]] = -float("inf")
         ids.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)))

@@ -53,7 +53,7 @@ class PlainGPT(nn.Module):
                 nn.init.normal_(p, std=0.02 / (math.sqrt(2 * cfg.n_layer) if residual else 1))
 
     def forward(self, ids, targets):
-        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
         for block in self.blocks:
             x = block(x)
         logits = self.ln_f(x) @ self.wte.weight.t()
@@ -79,8 +79,9 @@ def main():
     run = train_gpt.TrainConfig(batch=a.batch, micro_batch=a.batch, lr=1e-3, log=False, data="embedded")
     data = train_gpt.check_inputs(cfg, run, 1)
     _, stage, opt, pipe = train_gpt.build(cfg, run)
+    device = next(stage.parameters()).device  # both on the device train_gpt.py chose
     torch.manual_seed(0)
-    plain = PlainGPT(cfg)
+    plain = PlainGPT(cfg).to(device)
     plain_opt = adamw(plain.parameters(), run.lr)
 
     def step_train_gpt(tokens):
@@ -100,10 +101,10 @@ def main():
     for r in range(a.rounds + 1):  # round 0 warms up both and is not counted
         for name, step in steps.items():
             for _ in range(a.steps_per_round):
-                tokens = data.batch("train", k, a.batch, a.seq, 0)
+                tokens = data.batch("train", k, a.batch, a.seq, 0, device)
                 k += 1
                 t0 = time.perf_counter()
-                step(tokens)
+                step(tokens)  # each ends with a host sync (the loss), so the clock sees the whole step
                 if r:
                     times[name].append(time.perf_counter() - t0)
     med = {name: statistics.median(t) for name, t in times.items()}

@@ -15,7 +15,8 @@ speed), but the optimizer updates an FP32 copy of every parameter. The reason is
 1.0, BF16 values are 2^-7 = 0.0078 apart, so a weight of 1.0 receiving an update of 1e-3 rounds back to
 1.0, every step, forever; the FP32 master accumulates the updates and the BF16 weight is re-rounded from
 it after each step. The autocast flow keeps FP32 parameters (4 + 4 + 8 = 16 bytes) and casts them to BF16
-inside each op; the casts live only during forward and backward (+2 bytes/param transient).
+inside each op; autocast caches every cast until its region exits, so at the end of the forward all of
+them are alive together: +2 bytes/param transient (`transient_bytes`, measured by `ParameterCopyTracker`).
 
 FP32 gradient accumulation ("main grads", Megatron-LM). With m micro-batches per step, summing the BF16
 gradients in a BF16 .grad rounds m times to 8 significant bits (measured: 16 micro-batches land 1e-2 of
@@ -69,7 +70,9 @@ high-precision tensors. A per-tensor scale belongs to the whole tensor: under te
 amaxes of the input and the weight are MAX-reduced over the TP group (`amax_group`, one 2-element
 all-reduce per GEMM) so that every shard of a column- or row-parallel weight, and every shard of a
 row-parallel input, is quantised on the grid of the full tensor, as on one GPU. `fp8_log["gemm:count"]`
-counts the FP8 forward GEMMs.
+counts the FP8 forward GEMMs. Its FP8 weight copies are transient and live one GEMM at a time: the
+weight's FP32 staging copy (scaled and clamped in place) and its FP8 copy, 4 + 1 = 5 bytes per element of
+the largest weight at the peak, not a cost per parameter (`transient_bytes`, measured).
 Relative rounding error is at most eps/2: 6.25% for E4M3 (about 31 dB SQNR on Gaussian data), 12.5% for
 E5M2. Delayed scaling (Transformer Engine) takes the scale from the amax history of earlier steps, so it
 needs no extra pass over the tensor, at the risk of saturating a sudden outlier. Real FP8 training adds:
@@ -89,6 +92,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 # ----------------------------------------------------------------------------------------------------
 # The formats
@@ -645,7 +651,9 @@ def quantize_fp8(x, dtype=torch.float8_e4m3fn, scale=None):
     if scale is None:
         scale = fp8_scale(amax_of(x), dtype)
     fp8_max = torch.finfo(dtype).max
-    x_fp8 = torch.clamp(x.float() * scale, -fp8_max, fp8_max).to(dtype)
+    # one FP32 staging copy, scaled and clamped in place: 4 + 1 bytes per element alive at once, not 4 + 4
+    # (an explicit copy, since .float() of an FP32 tensor is the tensor itself)
+    x_fp8 = x.to(torch.float32, copy=True).mul_(scale).clamp_(-fp8_max, fp8_max).to(dtype)
     return x_fp8, scale
 
 
@@ -783,15 +791,16 @@ class FP8Linear(nn.Module):
 # Memory accounting: bytes per parameter, by formula and measured on live tensors
 # ----------------------------------------------------------------------------------------------------
 
-# Adam's two moments are kept in the master dtype; "transient" lives only inside forward/backward.
+# The persistent bytes; Adam's two moments are kept in the master dtype. The transient copies made inside
+# forward and backward do not scale with the parameter count alike in every mode: transient_bytes.
 BYTES_PER_PARAM = {
-    "fp32":                    {"weights": 4, "grads": 4, "master": 0, "optimizer": 8, "transient": 0},
-    "bf16_autocast":           {"weights": 4, "grads": 4, "master": 0, "optimizer": 8, "transient": 2},
-    "bf16_master":             {"weights": 2, "grads": 4, "master": 4, "optimizer": 8, "transient": 0},
-    "bf16_master_16bit_grads": {"weights": 2, "grads": 2, "master": 4, "optimizer": 8, "transient": 0},
-    "fp16_master_scaler":      {"weights": 2, "grads": 4, "master": 4, "optimizer": 8, "transient": 0},
-    "fp8_compute":             {"weights": 2, "grads": 4, "master": 4, "optimizer": 8, "transient": 1},
-    "bf16_pure":               {"weights": 2, "grads": 2, "master": 0, "optimizer": 4, "transient": 0},
+    "fp32":                    {"weights": 4, "grads": 4, "master": 0, "optimizer": 8},
+    "bf16_autocast":           {"weights": 4, "grads": 4, "master": 0, "optimizer": 8},
+    "bf16_master":             {"weights": 2, "grads": 4, "master": 4, "optimizer": 8},
+    "bf16_master_16bit_grads": {"weights": 2, "grads": 2, "master": 4, "optimizer": 8},
+    "fp16_master_scaler":      {"weights": 2, "grads": 4, "master": 4, "optimizer": 8},
+    "fp8_compute":             {"weights": 2, "grads": 4, "master": 4, "optimizer": 8},
+    "bf16_pure":               {"weights": 2, "grads": 2, "master": 0, "optimizer": 4},
 }
 MODE_NOTES = {
     "fp32": "no mixed precision",
@@ -820,6 +829,65 @@ def persistent_bytes(mode):
 def zero_bytes_formula(dtype, d, zero=1):
     row = ZERO_BYTES_PER_PARAM[dtype]
     return row["unsharded"] + row["sharded"] / (d if zero == 1 else 1)
+
+
+TRANSIENT_RULES = {
+    "bf16_autocast": "2 x every parameter: autocast caches each BF16 cast until the region exits",
+    "fp8_compute": "5 x the largest weight: FP32 staging (4) + FP8 copy (1), one GEMM at a time",
+}
+
+
+def transient_bytes(mode, model):
+    """The most bytes of parameter copies alive at once during one forward and backward (formula).
+
+    bf16_autocast: autocast casts every FP32 parameter (weights and biases) to BF16 and keeps each cast in
+    its cache until the autocast region exits, so when the forward ends all of them are alive together:
+    2 bytes per parameter. fp8_compute: each GEMM quantises its weight through one FP32 staging copy
+    (4 bytes/element) into an FP8 copy (1 byte/element); both die when the GEMM returns (the backward uses
+    the saved BF16 weight), so only one layer's copies are alive at a time, the largest weight's at the peak:
+    5 bytes per element of the largest weight, not per parameter. Every other mode computes with the
+    parameters as they are stored: 0."""
+    if mode == "bf16_autocast":
+        return 2 * sum(p.numel() for p in model.parameters())
+    if mode == "fp8_compute":
+        return 5 * max(m.weight.numel() for m in model.modules() if isinstance(m, FP8Linear))
+    return 0
+
+
+class ParameterCopyTracker(TorchDispatchMode):
+    """While active, the peak bytes of copies of the given parameters alive at once (`self.peak`).
+
+    A copy is a new storage made from one parameter element for element: the output of an op whose tensor
+    inputs are all parameters, copies or 0-dim tensors (a scale), at least one of them not 0-dim, and with
+    that input's number of elements. Casts, scalings, clamps and FP8 casts qualify; a GEMM (it mixes in the
+    activations) or a gradient does not, and views (t(), detach()) share their input's storage, so they add
+    no bytes. A copy counts while its storage lives (a weak reference to the storage, so a copy held only
+    by the autocast cache or saved for backward counts too). The sum is taken as each op returns, while its
+    inputs are still referenced: the moment an op's inputs and its output coexist."""
+
+    def __init__(self, params):
+        super().__init__()
+        self.sources = {p.untyped_storage().data_ptr() for p in params}
+        self.copies = {}  # storage address -> (weak reference to the storage, its bytes)
+        self.peak = 0
+
+    def _from_parameter(self, t):
+        address = t.untyped_storage().data_ptr()
+        return address in self.sources or address in self.copies
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # forget the copies that died, before their addresses can be reused by other tensors
+        self.copies = {a: c for a, c in self.copies.items() if not c[0].expired()}
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        sources = [t for t in inputs if t.dim() > 0 and self._from_parameter(t)]
+        if (sources and isinstance(out, torch.Tensor) and out.numel() == sources[0].numel() > 0
+                and all(t.dim() == 0 or self._from_parameter(t) for t in inputs)
+                and not self._from_parameter(out)):
+            storage = out.untyped_storage()
+            self.copies[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+        self.peak = max(self.peak, sum(nbytes for _, nbytes in self.copies.values()))
+        return out
 
 
 class MLP(nn.Module):
@@ -867,22 +935,27 @@ def build(mode, model_fn=MLP, lr=1e-3, seed=0):
 
 
 def measure_bytes_per_parameter(mode, model_fn=MLP):
-    """Bytes per parameter of the live tensors after a backward (gradients present, optimizer state built)."""
+    """Bytes per parameter of the live tensors after a backward (gradients present, optimizer state built),
+    and "transient": the peak bytes of parameter copies alive during that forward and backward (per
+    parameter, like the rest; "transient_bytes" is the total, "transient_formula" its formula)."""
     model, step, opt = build(mode, model_fn)
     x, y = torch.randn(8, 32), torch.randn(8, 1)
     step(x, y)                    # one full step: the optimizer state now exists
-    step(x, y, take_step=False)   # a backward: gradients are alive
+    with ParameterCopyTracker(model.parameters()) as tracker:
+        step(x, y, take_step=False)   # a forward and a backward: gradients are alive
     n = sum(p.numel() for p in model.parameters())
+    transient = {"transient": tracker.peak / n, "transient_bytes": tracker.peak,
+                 "transient_formula": transient_bytes(mode, model), "n_params": n}
     if isinstance(opt, MixedPrecisionOptimizer):
         m = opt.memory_bytes()
         return {"weights": m["param_bytes"] / n, "grads": m["grad_bytes"] / n, "master": m["master_bytes"] / n,
-                "optimizer": (m["optimizer_bytes"] - m["master_bytes"]) / n, "n_params": n}
+                "optimizer": (m["optimizer_bytes"] - m["master_bytes"]) / n, **transient}
     size = lambda ts: sum(t.numel() * t.element_size() for t in ts)
     # Adam's state: exp_avg and exp_avg_sq per parameter; the 0-dim "step" counters are not per-parameter
     states = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
     return {"weights": size(model.parameters()) / n,
             "grads": size(p.grad for p in model.parameters() if p.grad is not None) / n,
-            "master": 0.0, "optimizer": size(states) / n, "n_params": n}
+            "master": 0.0, "optimizer": size(states) / n, **transient}
 
 
 def zero_bytes_per_parameter(dtype, zero, group=None, out=2):
@@ -1024,16 +1097,25 @@ def demo():
     print(f"   FP8 forward GEMMs run: {fp8_log['gemm:count']} "
           f"(torch._scaled_mm {fp8_log['gemm:scaled_mm']}, emulated {fp8_log['gemm:emulated']})")
 
-    print("\n== bytes per parameter with Adam: formula | measured on the live tensors of the MLP")
+    print("\n== bytes per parameter with Adam: formula | measured on the live tensors of the MLP; transient: the")
+    print("   peak bytes of parameter copies alive at once in one forward and backward, formula | measured")
     print(f"   {'mode':24s} {'weights':>8s} {'grads':>6s} {'master':>7s} {'adam':>5s} {'total':>6s} "
-          f"{'transient':>9s} | {'measured':>8s}  note")
+          f"| {'measured':>8s} | {'transient':>9s} | {'measured':>8s}  note")
     for mode, row in BYTES_PER_PARAM.items():
-        measured = ""
+        measured = transient = transient_measured = ""
         if mode not in FORMULA_ONLY:
             m = measure_bytes_per_parameter(mode)
             measured = f"{m['weights'] + m['grads'] + m['master'] + m['optimizer']:8.1f}"
+            transient = f"{m['transient_formula'] / m['n_params']:9.3f}"
+            transient_measured = f"{m['transient']:8.3f}"
         print(f"   {mode:24s} {row['weights']:8d} {row['grads']:6d} {row['master']:7d} {row['optimizer']:5d} "
-              f"{persistent_bytes(mode):6d} {row['transient']:9d} | {measured:>8s}  {MODE_NOTES[mode]}")
+              f"{persistent_bytes(mode):6d} | {measured:>8s} | {transient:>9s} | {transient_measured:>8s}  "
+              f"{MODE_NOTES[mode]}")
+    largest = max(layer.weight.numel() for layer in MLP().layers)
+    print(f"   ({m['n_params']} parameters, the largest weight {largest}; transient per parameter = rule / "
+          f"{m['n_params']})")
+    for mode, rule in TRANSIENT_RULES.items():
+        print(f"   transient of {mode}: {rule}")
 
     print("\n== ZeRO-1 (distributed optimizer): bytes per parameter on each of d forked gloo ranks, Adam")
     print(f"   {'params':6s} {'zero':>4s} {'d':>2s} {'formula':>9s} {'=':>6s} | {'measured':>8s} = {'params':>6s} + "

@@ -271,8 +271,30 @@ def test_bytes_per_parameter_equal_the_live_tensors(mode):
     formula = mp.BYTES_PER_PARAM[mode]
     for part in ("weights", "grads", "master", "optimizer"):
         assert measured[part] == formula[part], (mode, part)
+    # the peak of the parameter copies alive at once during forward and backward, measured = formula
+    assert measured["transient_bytes"] == measured["transient_formula"], mode
+    if mode == "bf16_autocast":  # every BF16 cast alive at once: 2 bytes per parameter, exactly
+        assert measured["transient"] == 2
+    if mode == "fp8_compute":  # one GEMM at a time: 5 bytes per element of the largest weight (64 x 64)
+        assert measured["transient_bytes"] == 5 * 64 * 64
     assert mp.persistent_bytes("bf16_master") == 18  # Megatron-LM's 2 + 4 + 12
     assert mp.persistent_bytes("bf16_master_16bit_grads") == 16  # the ZeRO paper's 2 + 2 + 12
+
+
+def test_parameter_copy_tracker_counts_copies_alive_at_once_not_views_or_gemms():
+    w = torch.nn.Parameter(torch.randn(8, 4))  # 32 elements
+    x = torch.randn(3, 4)
+    with mp.ParameterCopyTracker([w]) as tracker:
+        w.t().detach()            # views share the parameter's storage
+        x @ w.t()                 # a GEMM mixes in the activations: not a copy
+        assert tracker.peak == 0
+        a = w.double()            # 256 bytes
+        b = a * torch.tensor(2.0, dtype=torch.float64)  # 256 more while a lives: 512
+        del a
+        c = b.float()             # 256 + 128
+        del b
+        d = c.to(torch.float8_e4m3fn)  # 128 + 32
+    assert tracker.peak == 512 and c.dtype == torch.float32 and d.numel() == 32
 
 
 def _zero_bytes(rank, world):
@@ -530,17 +552,36 @@ def test_fp8_scaled_mm_equals_the_emulation():
         assert torch.allclose(fused, emulated, rtol=1e-5, atol=1e-5)
 
 
+def _fp8_linear_with_scales(layer, x, x_scale, w_scale):
+    """The layer's forward with the given scales, through the file's own quantise and GEMM functions."""
+    x_fp8, _ = mp.quantize_fp8(x, scale=x_scale)
+    w_fp8, _ = mp.quantize_fp8(layer.weight, scale=w_scale)
+    return mp.fp8_matmul(x_fp8, x_scale, w_fp8, w_scale, x.dtype, layer.use_scaled_mm) + layer.bias
+
+
 def test_fp8_delayed_scaling_uses_the_history():
     torch.manual_seed(0)
     layer = mp.FP8Linear(16, 16, delayed_scaling=True, amax_history_len=4)
     small, big = torch.randn(16, 16), torch.randn(16, 16) * 100
-    layer(big)
-    layer(small)  # the scale still comes from big's amax: small is quantised coarsely
+    w_scale = mp.fp8_scale(mp.amax_of(layer.weight))
+    with torch.no_grad():
+        # first step, empty history: the current amax, i.e. the same output as current scaling
+        assert torch.equal(layer(big), mp.fp8_linear(big, layer.weight, layer.bias))
+        # second step: the input scale comes from big's amax in the history, not from small's own
+        y = layer(small)
+        from_history = _fp8_linear_with_scales(layer, small, mp.fp8_scale(mp.amax_of(big)), w_scale)
+        assert torch.equal(y, from_history)
+        assert not torch.equal(y, mp.fp8_linear(small, layer.weight, layer.bias))  # current scaling differs
     assert layer.amax_history[0, 1].item() == pytest.approx(big.abs().max().item())
     assert layer.amax_history[0, 0].item() == pytest.approx(small.abs().max().item())
-    y = layer(big * 10)  # an outlier beyond the history saturates instead of overflowing
-    assert torch.isfinite(y).all()
-
+    with torch.no_grad():
+        # an outlier beyond the history saturates at the history's scale instead of overflowing
+        outlier = big * 10
+        y = layer(outlier)
+        expected = _fp8_linear_with_scales(layer, outlier, mp.fp8_scale(mp.amax_of(big)), w_scale)
+    assert torch.isfinite(y).all() and torch.equal(y, expected)
+    x_fp8, _ = mp.quantize_fp8(outlier, scale=mp.fp8_scale(mp.amax_of(big)))
+    assert x_fp8.float().abs().max().item() == torch.finfo(torch.float8_e4m3fn).max  # saturated
 
 
 def test_fp8_linear_any_leading_shape_counts_every_gemm_and_takes_empty_inputs():

@@ -39,13 +39,13 @@ output row-parallel). The embedding is split over the vocabulary; the tied outpu
 sharded logits and the cross-entropy is assembled from them with one MAX and one SUM all-reduce of (N,) and
 (2, N) tensors instead of gathering V logits per token. Per layer: 2 all-reduces of b s h forward, 2 backward.
 
-Sequence parallelism (Korthikanti et al. 2022). Between the TP regions each TP rank holds s/t of the tokens,
-so the LayerNorms, residual adds (and dropout) work on 1/t of the activations. Each all-reduce becomes a
-reduce-scatter (after the row-parallel GEMM) and an all-gather (before the column-parallel GEMM): the same
-bytes, 4 (t-1)/t b s h e per layer forward. The column-parallel GEMM keeps only its local input shard and
-gathers it again in backward, so every activation of a layer is split by t. Kept bytes of one block (this
-file's block: no dropout, fused attention; e bytes per element, LayerNorm statistics and the attention's row
-log-sum-exp in FP32 on CUDA, e on CPU; see `block_activation_bytes`):
+Sequence parallelism (Korthikanti et al. 2022). Between the TP regions each TP rank holds s/t of the tokens, so
+the LayerNorms, residual adds (and dropout) work on 1/t of the activations. Each all-reduce becomes a
+reduce-scatter (after the row-parallel GEMM) and an all-gather (before the column-parallel GEMM): the same bytes,
+4 (t-1)/t b s h e per layer forward (`block_forward_comm_bytes`). The column-parallel GEMM keeps only its local
+input shard and gathers it again in backward, so every activation of a layer is split by t. Kept bytes of one
+block (this file's block: no dropout, fused attention; e bytes per element, LayerNorm statistics and the
+attention's row log-sum-exp in FP32 on CUDA, e on CPU; see `block_activation_bytes`):
 
     no SP   s b h e (4 + 12/t) + the LN statistics + lse / t   Korthikanti's 16-bit layer: sbh (10 + 24/t + 5as/(ht))
     SP      s b h e (16/t)     + (LN statistics + lse) / t                                  sbh (34/t + 5as/(ht))
@@ -131,7 +131,8 @@ FLOPs per token are PaLM's / nanoGPT's 6 N + 12 L h s with every matmul
 a token passes, the LM head included (`model_flops_per_token`); FlopCounterMode measures one step
 (`count_step_flops`) at exactly that plus 2 L h s per token, the QK^T that a flash kernel recomputes in backward
 (`python train_gpt.py --report` prints both for a dense and a MoE model). It also prints one block's kept bytes
-at TP=1, TP2 and TP2 with SP beside `block_activation_bytes`, and the TP collectives of its forward and backward.
+at TP=1, TP2 and TP2 with SP beside `block_activation_bytes`, the TP collectives of its forward and backward, and
+the bytes each rank sends in the forward beside `block_forward_comm_bytes`, for dense and MoE blocks.
 """
 import argparse
 import json
@@ -366,6 +367,7 @@ def _tag(params, **flags):
 # ----------------------------------------------------------------------------------------------------
 
 comm_log = Counter()  # TP/SP collectives issued by this rank, by kind and direction ("all_gather:fwd", ...)
+comm_bytes = Counter()  # the same keys: bytes of the whole tensor each collective assembles or reduces
 # torch 2.13 renames the flat collectives (the old names still work, with a deprecation warning)
 _all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -375,6 +377,7 @@ def _all_gather_seq(x, group, phase):
     """(b, s, h) sequence shards of every TP rank -> (b, t s, h), in rank order."""
     comm_log[f"all_gather:{phase}"] += 1
     out = x.new_empty((_size(group),) + tuple(x.shape))
+    comm_bytes[f"all_gather:{phase}"] += out.numel() * out.element_size()
     _all_gather_flat(out.view(-1), x.contiguous().view(-1), group=group)  # flat: any backend
     return rearrange(out, "t b s h -> b (t s) h")
 
@@ -384,6 +387,7 @@ def _reduce_scatter_seq(x, group, phase, async_op=False):
     the shard and a function that waits for it (and keeps the input alive until then)."""
     comm_log[f"reduce_scatter:{phase}"] += 1
     parts = rearrange(x, "b (t s) h -> t b s h", t=_size(group)).contiguous()
+    comm_bytes[f"reduce_scatter:{phase}"] += parts.numel() * parts.element_size()
     out = x.new_empty(parts.shape[1:])
     work = _reduce_scatter_flat(out.view(-1), parts.view(-1), group=group, async_op=async_op)
     if not async_op:
@@ -398,6 +402,7 @@ def _reduce_scatter_seq(x, group, phase, async_op=False):
 
 def _all_reduce(x, group, phase, async_op=False):
     comm_log[f"all_reduce:{phase}"] += 1
+    comm_bytes[f"all_reduce:{phase}"] += x.numel() * x.element_size()
     return dist.all_reduce(x, group=group, async_op=async_op)
 
 
@@ -740,6 +745,16 @@ def block_activation_bytes(b, s, h, a, t, sequence_parallel, e, acc_e):
         "GELU input (fc output)": 4 * sbh * e // t,
         "fc2 input (GELU output)": 4 * sbh * e // t,
     }
+
+
+def block_forward_comm_bytes(b, s, h, t, sequence_parallel, moe, e):
+    """Bytes one TP rank sends in one block's forward (ring algorithms): a dense block 4 (t-1)/t b s h e, with
+    or without SP; a MoE block the attention's half of that, plus without SP one all-gather of the MoE
+    outputs, (t-1)/t b s h e (the experts run on the token shard, so the MLP's all-reduce is gone)."""
+    sbhe = s * b * h * e
+    if not moe:
+        return 4 * (t - 1) * sbhe // t
+    return (2 if sequence_parallel else 3) * (t - 1) * sbhe // t
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1512,18 +1527,26 @@ def sample(cfg, path, n, temperature=1.0, top_k=None, prompt="\n", seed=0):
 # ----------------------------------------------------------------------------------------------------
 
 def measure_block(cfg, run, b):
-    """Bytes one dense block keeps for backward on this rank (checkpointing.measure_kept_bytes) and the TP
-    collectives of its forward and of its backward (comm_log), for a micro-batch of b sequences."""
+    """Bytes one block keeps for backward on this rank (checkpointing.measure_kept_bytes), the TP collectives of
+    its forward and of its backward (comm_log), and the bytes this rank sends in its forward's collectives."""
     plan, stage, _, _ = build(cfg, run)
     s = cfg.seq_len // run.cp // (run.tp if plan.sequence_parallel else 1)
     x = torch.randn(b, s, cfg.n_embd, generator=torch.Generator().manual_seed(0))
     comm_log.clear()
+    comm_bytes.clear()
     kept, (y, _) = checkpointing.measure_kept_bytes(nn.ModuleList(stage.blocks[:1]),
                                                     (x, torch.zeros((), dtype=torch.float64)), "none")
-    forward = dict(comm_log)
+    forward, sent = dict(comm_log), ring_bytes_sent(comm_bytes, run.tp)
     comm_log.clear()
     y.sum().backward()
-    return kept, forward, dict(comm_log)
+    return kept, forward, dict(comm_log), sent
+
+
+def ring_bytes_sent(whole_bytes, t):
+    """Bytes one rank sends for collectives over t ranks whose whole tensors are `whole_bytes` (by kind), as
+    ring algorithms move them: an all-gather or a reduce-scatter (t-1)/t of the tensor, an all-reduce twice that."""
+    factor = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}
+    return sum(factor[key.split(":")[0]] * (t - 1) * n // t for key, n in whole_bytes.items())
 
 
 def measure_stage_kept_bytes(cfg, run, b, policies=("none", "selective", "sqrt", "full")):
@@ -1569,6 +1592,8 @@ def on_cpu_ranks(world, fn, *args):
 
 # the shapes of the docstring's figures
 REPORT_BLOCK = GPTConfig(vocab_size=32, seq_len=32, n_layer=4, n_head=4, n_embd=32)       # b = 2
+REPORT_MOE = GPTConfig(vocab_size=32, seq_len=32, n_layer=4, n_head=4, n_embd=32, moe_every=1, n_experts=4,
+                       top_k=2)
 REPORT_STAGE = GPTConfig(vocab_size=32, seq_len=256, n_layer=8, n_head=8, n_embd=256)     # b = 4, PP = 2
 REPORT_STAGE_LAYOUTS = {"TP2 x PP2": dict(tp=2, pp=2), "PP2 x CP2 ring": dict(pp=2, cp=2, cp_impl="ring"),
                         "PP2 x CP2 all-gather": dict(pp=2, cp=2, cp_impl="allgather")}
@@ -1598,15 +1623,23 @@ def report():
     (float32; LayerNorm statistics and the lse in float32 too on CPU) and printed beside the formula."""
     lines = []
     out = lines.append
-    cfg, b = REPORT_BLOCK, 2
-    out(f"Kept bytes of one dense block (b={b}, s={cfg.seq_len}, h={cfg.n_embd}, a={cfg.n_head}, float32) and its TP "
-        "collectives:")
-    out(f"  {'layout':<12s} {'measured':>10s} {'formula':>10s}   forward / backward collectives")
-    for name, world, sp in (("TP=1", 1, False), ("TP2", 2, False), ("TP2 with SP", 2, True)):
+    b = 2
+    cfg = REPORT_BLOCK
+    out(f"One block (b={b}, s={cfg.seq_len}, h={cfg.n_embd}, a={cfg.n_head}, float32; MoE: {REPORT_MOE.n_experts} "
+        f"experts, top-{REPORT_MOE.top_k}): bytes kept for backward, bytes this rank sends in the forward's TP "
+        "collectives, measured (formula), and the collectives of forward / backward:")
+    out(f"  {'layout':<16s} {'kept':>18s} {'sent forward':>16s}   collectives")
+    for name, cfg, world, sp in (("TP=1", REPORT_BLOCK, 1, False), ("TP2", REPORT_BLOCK, 2, False),
+                                 ("TP2 with SP", REPORT_BLOCK, 2, True), ("TP2 MoE", REPORT_MOE, 2, False),
+                                 ("TP2 with SP, MoE", REPORT_MOE, 2, True)):
         run = TrainConfig(tp=world, sequence_parallel=sp, micro_batch=b, dtype="float32", log=False)
-        kept, fwd, bwd = on_cpu_ranks(world, measure_block, cfg, run, b)
-        formula = sum(block_activation_bytes(b, cfg.seq_len, cfg.n_embd, cfg.n_head, world, sp, 4, 4).values())
-        out(f"  {name:<12s} {kept:>10,d} {formula:>10,d}   {fwd or '-'} / {bwd or '-'}")
+        kept, fwd, bwd, sent = on_cpu_ranks(world, measure_block, cfg, run, b)
+        moe = cfg.is_moe(0)
+        terms = block_activation_bytes(b, cfg.seq_len, cfg.n_embd, cfg.n_head, world, sp, 4, 4)
+        kept_formula = "-" if moe else f"{sum(terms.values()):,d}"  # no formula here for the MoE block
+        sent_formula = block_forward_comm_bytes(b, cfg.seq_len, cfg.n_embd, world, sp, moe, 4)
+        out(f"  {name:<16s} {f'{kept:,d} ({kept_formula})':>18s} {f'{sent:,d} ({sent_formula:,d})':>16s}   "
+            f"{fwd or '-'} / {bwd or '-'}")
     cfg, b = REPORT_STAGE, 4
     policies = ("none", "selective", "sqrt", "full")
     out(f"\nKept MB of one pipeline stage of {cfg.n_layer // 2} blocks (L={cfg.n_layer}, PP=2; b={b}, s={cfg.seq_len}, "

@@ -543,7 +543,8 @@ BAD_INPUT = [  # (argv, world, what the one line must name)
     (["--peak-tflops=-5"], 1, "--peak-tflops -5.0 must be a positive number"),
     (["--sample", "5", "--sample-top-k=-1"], 1, "--sample, --sample-top-k must be >= 0 and --temperature > 0"),
     (["--report"], 2, "--report starts its own processes: use python, not torchrun"),
-    (["--out-dir", "ckpt"], 2, "--out-dir ckpt holds checkpoints of an earlier run (latest step_000001): pass --resume"),
+    (["--out-dir", "ckpt"], 2,
+     "--out-dir ckpt holds checkpoints of an earlier run (latest step_000001): pass --resume"),
 ]
 
 

@@ -125,7 +125,7 @@ A bad flag is one line on rank 0 and exit code 2, before any process group exist
 
 Metrics: one line per step on rank 0 and one JSON object per step in `--metrics`: step, loss, aux_loss, lr,
 grad_norm, tokens_per_s, step_time_s (the step itself: the batch is built before the clock starts), mfu (with
-`--peak-tflops`, or the GPU's known peak), val_loss on eval steps, and on the first line this rank's
+`--peak-tflops`, or the GPU's known dense BF16 peak, whatever --dtype: pass --peak-tflops for FP8's), val_loss on eval steps, and on the first line this rank's
 param_bytes, grad_bytes, optimizer_bytes (master_bytes: the masters' part) and micro_batches, dp, effective_batch.
 FLOPs per token are PaLM's / nanoGPT's 6 N + 12 L h s with every matmul
 a token passes, the LM head included (`model_flops_per_token`); FlopCounterMode measures one step
@@ -1709,7 +1709,8 @@ def parse_args(argv=None):
     add("--temperature", type=float, default=0.8)
     add("--sample-top-k", type=int, default=50)
     add("--metrics", default="metrics.jsonl")
-    add("--peak-tflops", type=float, default=None, help="per GPU, for MFU (known for A100/H100/H200 on CUDA)")
+    add("--peak-tflops", type=float, default=None, help="per GPU, for MFU (default on A100/H100/H200: "
+        "the dense BF16 peak, whatever --dtype)")
     add("--seed", type=int, default=0)
     add("--report", action="store_true", help="measure the docstring's kept bytes, collectives and FLOPs on gloo "
         "processes of this machine and print them beside their formulas (plain python, no torchrun)")

@@ -23,7 +23,7 @@ input's dtype (m = e) and LayerNorm keeps its statistics in the input's dtype (e
                FLOPs: one extra forward, 24 b s h^2 + 4 b s^2 h per layer: 72 -> 96, +33% of a step.
     sqrt       Chen et al. 2016: checkpoint segments of ~sqrt(L) blocks: keep ceil(L / seg) segment inputs,
                O(sqrt(L)); in backward each segment is recomputed once (one segment's activations at a time):
-               the same FLOPs as full.
+               the same FLOPs as full, fewer kept bytes, but a higher peak unless L is in the hundreds (below).
     selective  Korthikanti et al.: recompute only the attention core (QK^T, mask, softmax, dropout, xV), the
                part whose memory grows with s^2 but whose FLOPs (4 b s^2 h per layer) are small. Kept:
                s b h (16 e + 2 m) + 4 s b e_ln (34 sbh at e = 2, m = 1): the as^2 terms are gone. FLOPs: only
@@ -41,6 +41,45 @@ FLOPs are matmul FLOPs (2 per multiply-add), as `torch.utils.flop_counter.FlopCo
 forward 24 b s h^2 + 4 b s^2 h per layer (QKV 6, projection 2, MLP 16 b s h^2; QK^T and xV 2 b s^2 h each),
 backward twice that. Recomputation runs inside backward, so the counter sees it.
 
+Kept bytes are not the peak. Backward recomputes one unit at a time and holds all of its activations at once
+on top of the kept bytes: one layer under `full`, a whole segment under `sqrt`. With A = one layer's `none`
+bytes above and X = s b h e (one block input), the forward+backward peak is (`peak_bytes`, term by term in
+`peak_bytes_terms`)
+
+    peak = kept + W + T
+    W, recomputed and alive at once:  none 0;  full A - X;  sqrt seg A - X;  selective, in the attention
+          backward only, the core's q, k, v copies and s^2 tensors, 3X + a s^2 b (2 e + m);  selective_sac
+          A - X less its cached fc1 output (4X).
+    T, the transient at the largest of a block's moments (CPU kernels; b > 1 and a > 1):
+          end of its forward or recomputation, +5X: the QKV output (3X) and the attention output (X), held by
+              forward's local variables although autograd saved copies, and fc2's output before dropout;
+              (+2X under `selective`, which keeps the QKV output anyway)
+          MLP backward, +4X: the gradients through the dropout (X, its mask freed) and of the fc2 input (4X);
+          attention backward, + a s^2 b e + 3X - 13X - 2 s b e_ln: the probabilities' gradient and three
+              s b h gradients, the layer's MLP and projection tensors already freed: above the end of the
+              forward once a s / h exceeds about 15 (long sequences).
+    `peak_bytes_terms` also covers selective_sac (its cache frees each cached output once used; recomputing
+    the attention core is a fourth moment), b = 1 or a = 1 (`matmul_copies`: some reshapes are views) and a
+    shorter last sqrt segment.
+
+`measure_peak_bytes` counts every storage created during forward and backward from creation to release,
+parameter gradients excluded; it equals `peak_bytes` to the byte for every policy, dtype and shape the tests
+try. The transients are those of PyTorch's CPU kernels; CUDA's fused dropout and FP32 LayerNorm statistics
+change them in detail, not W. Two consequences, checked by the tests and printed by the report:
+
+    full never peaks above none: peak(none) - peak(full) = (L - 1)(A - X), equal at L = 1.
+    sqrt against full: the transients are the same, so
+        peak(sqrt) - peak(full) = (seg - 1) A - (L - ceil(L/seg)) X
+        (exact when seg divides L; a shorter last segment can make sqrt's one X lower). sqrt lowers the peak
+        only when ceil(L/seg) block inputs + one segment's activations < L block inputs + one layer's, which
+        with seg ~ sqrt(L) is sqrt(L) > A/X: L > (A/X)^2. A/X = 16 + 2m/e + a s (2e + m)/(h e) + 4 e_ln/(h e)
+        is at least 18 on CPU and 17 in 16-bit on CUDA and grows with a s / h: below 17^2 = 289 layers at any
+        sequence length, and below thousands for long sequences, sqrt's peak is the higher one. The report
+        prints A/X and the first such L for its shapes and for a 16-bit CUDA layer of GPT-3 6.7B's size, and
+        measures both policies at that L for a tiny block. What sqrt does lower is the kept bytes: they add
+        up when several micro-batches' activations wait at once (pipeline schedules); the working set is
+        there once.
+
 Implementation notes. Non-reentrant `torch.utils.checkpoint` (use_reentrant=False) is used throughout: it
 works with inputs that do not require grad, with keyword arguments and nested checkpoints, supports
 `torch.autograd.grad`, and stops recomputation as soon as the needed tensors are rebuilt; the reentrant
@@ -48,8 +87,10 @@ variant re-runs forward inside backward under a new graph and has none of these.
 state, so recomputed dropout masks are the original ones and gradients are bit-identical to no
 recomputation. Kept bytes are measured as the storages created during forward and still alive when
 backward would start (weak references to storages, so the SAC cache, invisible to saved-tensor hooks, is
-counted too), plus the input, minus the output. Offloading (`torch.autograd.graph.save_on_cpu`) is the
-other lever: it keeps everything but moves it to host memory, costing PCIe bandwidth instead of FLOPs.
+counted too), plus the input, minus the output; the peak by logging every storage's creation and release
+under a dispatch mode (a CPU stand-in for the CUDA allocator's statistics). Offloading
+(`torch.autograd.graph.save_on_cpu`) is the other lever: it keeps everything but moves it to host memory,
+costing PCIe bandwidth instead of FLOPs.
 
 Run `python checkpointing.py` for the table, `python checkpointing.py --json` for JSON.
 """
@@ -57,6 +98,7 @@ import argparse
 import gc
 import json
 import math
+import weakref
 
 import torch
 import torch.nn as nn
@@ -215,6 +257,92 @@ def kept_bytes(policy, layers, b, s, h, a, e, device="cpu"):
     return layers * sum(kept_bytes_per_layer(policy, b, s, h, a, e, device).values())
 
 
+def matmul_copies(b, a):
+    """Which of the block's reshapes copy, as PyTorch's matmul does them (the rest are views). q, k and v are
+    slices of the QKV output; folding their (b, a) dimensions into one batch dimension for bmm is a view only
+    when b = 1 or a = 1, so for b > 1 and a > 1 bmm saves copies of q, k, v and not the QKV output. The
+    attention output (b, a, s, d) rearranged to (b, s, a d) for the projection is a copy unless a = 1. The kept
+    bytes are 3 s b h e either way; the peak is not, because the block's forward holds the QKV output and the
+    attention output in local variables until it returns."""
+    return b > 1 and a > 1, a > 1
+
+
+def peak_bytes_terms(policy, layers, b, s, h, a, e):
+    """The moments at which the forward+backward peak can occur, each as the bytes alive on top of
+    `kept_bytes`, term by term (see the module docstring). Terms named "recomputed: ..." are the working set of
+    the recomputation; the others are that moment's transient. For PyTorch's CPU kernels (dropout masks and
+    LayerNorm statistics in the input's dtype, see `kept_bytes_per_layer`); measured by `measure_peak_bytes`."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy={policy!r}; choose one of {POLICIES}")
+    layer = kept_bytes_per_layer("none", b, s, h, a, e)
+    x, scores = s * b * h * e, a * s * s * b * e
+    qkv_copied, core_copied = matmul_copies(b, a)
+    s2 = layer["softmax output"] + layer["attention dropout mask"] + layer["attention dropout output (input of xV)"]
+    ln_stats = layer["LayerNorm mean and 1/std (2 LNs)"] // 2  # one LayerNorm's
+    mlp_saved = ln_stats + sum(layer[k] for k in ("LN2 input", "fc1 input (LN2 output)", "GELU input", "fc2 input",
+                                                  "MLP dropout mask"))
+    end = {"QKV output (a local variable of forward)": 3 * x * qkv_copied,
+           "attention output (a local variable)": x * core_copied, "fc2 output (before dropout)": x}
+    mlp = {"gradient through the MLP dropout": x, "MLP dropout mask (freed)": -layer["MLP dropout mask"],
+           "gradient of the fc2 input": 4 * x}
+    att = {"MLP and LN2 saved tensors (freed)": -mlp_saved,
+           "projection input and dropout mask (freed)": -(layer["projection input"] + layer["projection dropout mask"]),
+           "residual, attention output and V gradients": 3 * x, "attention probabilities' gradient": scores}
+    names = ("end of a block's forward", "MLP backward", "attention backward")
+    if policy == "none":
+        return dict(zip(names, (end, mlp, att)))
+    if policy in ("full", "sqrt"):
+        seg = 1 if policy == "full" else sqrt_segment_size(layers)
+        unit = {f"recomputed: {seg} layer(s) less the kept input": seg * sum(layer.values()) - x}
+        # a shorter last segment leaves the largest one below it, and by its attention backward the gradient
+        # from above (which took the place of the freed input of the segment above) is used up
+        lower = {"gradient from the segment above (used up)": -x if layers % seg else 0}
+        return dict(zip(names, ({**unit, **end}, {**unit, **mlp}, {**unit, **att, **lower})))
+    if policy == "selective":
+        # the QKV output is kept (the checkpointed core's input); backward recomputes the core, copies included
+        core = {"recomputed: q, k, v copies": 3 * x * qkv_copied, "recomputed: softmax, dropout mask and output": s2}
+        del end["QKV output (a local variable of forward)"]
+        return dict(zip(names, (end, mlp, {**core, **att})))
+    # selective_sac recomputes the layer but its cached GEMM outputs: fc1's (the GELU input) and the QKV output,
+    # which q, k, v are views of when not copied; the cache gives each cached output up once it is used
+    unit = {"recomputed: the layer less its input and cached GEMM outputs":
+            sum(layer.values()) - x - layer["GELU input"] - 3 * x * (not qkv_copied)}
+    used = {"cached QKV (if copied), projection and fc2 outputs (used, freed)": -(3 * x * qkv_copied + 2 * x)}
+    return {"end of a block's recomputation": {**unit, "attention output (a local variable)": x * core_copied,
+                                               "cached projection output (used, freed)": -x},
+            "MLP backward": {**unit, **used, **mlp}, "attention backward": {**unit, **used, **att},
+            "recomputation of the attention core": {
+                "recomputed: LN1 output and statistics, q and k copies, softmax, dropout mask and output":
+                    x + ln_stats + 2 * x * qkv_copied + s2,
+                "masked scores (a local variable until dropout returns)": scores}}
+
+
+def peak_bytes(policy, layers, b, s, h, a, e):
+    """(peak bytes, moment, working set, transient): kept + the largest moment of `peak_bytes_terms`, split into
+    its recomputed working set and the rest."""
+    moments = peak_bytes_terms(policy, layers, b, s, h, a, e)
+    moment = max(moments, key=lambda m: sum(moments[m].values()))
+    work = sum(v for k, v in moments[moment].items() if k.startswith("recomputed"))
+    transient = sum(moments[moment].values()) - work
+    return kept_bytes(policy, layers, b, s, h, a, e) + work + transient, moment, work, transient
+
+
+def sqrt_lowers_peak(layers, layer_bytes, input_bytes):
+    """Whether sqrt's peak is below full's: ceil(L / seg) kept inputs + one segment's activations against L kept
+    inputs + one layer's (each less the recomputed unit's kept input; the transients are the same). Exact when
+    seg divides L; with a shorter last segment sqrt's peak can be one input lower still (`peak_bytes_terms`)."""
+    seg = sqrt_segment_size(layers)
+    return math.ceil(layers / seg) * input_bytes + seg * layer_bytes < layers * input_bytes + layer_bytes
+
+
+def first_layers_where_sqrt_lowers_peak(layer_bytes, input_bytes):
+    """The smallest L for which `sqrt_lowers_peak`: about (A / X)^2, A one layer's activations, X its input."""
+    layers = 1
+    while not sqrt_lowers_peak(layers, layer_bytes, input_bytes):
+        layers += 1
+    return layers
+
+
 def korthikanti_bytes_per_layer(policy, b, s, h, a):
     """The paper's 16-bit figures, for comparison (no TP: t = 1)."""
     return {"none": s * b * h * (34 + 5 * a * s / h), "selective": 34 * s * b * h, "full": 2 * s * b * h}.get(policy)
@@ -273,6 +401,65 @@ def measure_kept_bytes(blocks, x, policy):
     return sum(alive.values()), y
 
 
+class _AllocationLog(TorchDispatchMode):
+    """Log, in order, every storage an op creates (+bytes) and its release (-bytes, from a weak reference to the
+    storage object, which PyTorch keeps for the storage's whole life). Outputs on a storage already logged or
+    `foreign` (created before: parameters, buffers, inputs) are views or in-place results, not new memory. A CPU
+    stand-in for the CUDA allocator's statistics: it sees the tensors ops return, not a kernel's scratch."""
+
+    def __init__(self, foreign=()):
+        super().__init__()
+        self.events, self.serial_of, self._refs, self._foreign = [], {}, {}, set(foreign)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = id(storage)  # unique while alive; the entry goes when the storage does
+                if key not in self.serial_of and key not in self._foreign:
+                    serial, nbytes = len(self.events), storage.nbytes()
+                    self.serial_of[key] = serial
+                    self.events.append((serial, nbytes))
+                    self._refs[key] = weakref.ref(storage, lambda _, k=key, n=nbytes: self._free(k, n))
+        return out
+
+    def _free(self, key, nbytes):
+        self.events.append((self.serial_of.pop(key), -nbytes))
+        del self._refs[key]
+
+
+def measure_peak_bytes(blocks, x, policy):
+    """The most bytes of activations and their gradients alive at once in one forward and backward: every
+    storage created meanwhile, from its creation until it is freed, but the parameters' gradients (parameter
+    memory, the same under every policy). The input and the gradient arriving at the output come from outside
+    and are not counted. The garbage collector is off meanwhile, so that each tensor goes when its last
+    reference does, as it would in a step without reference cycles."""
+    x = x.detach().requires_grad_(True)
+    grad_out = torch.ones_like(x)
+    for p in blocks.parameters():
+        p.grad = None
+    with _AllocationLog():
+        # the first op under a Python dispatch mode imports torch._dynamo; garbage cycles from that import hold
+        # the callers' frames (a block's forward, with its local variables) until the next collection
+        torch.zeros(1) + 1
+    foreign = {id(t.untyped_storage()) for t in [*blocks.parameters(), *blocks.buffers(), x, grad_out]}
+    gc.disable()
+    try:
+        with _AllocationLog(foreign) as log:
+            run_blocks(blocks, x, policy).backward(grad_out)
+        # AccumulateGrad adopts the tensor backward created as .grad: find them by their live storages
+        grads = {log.serial_of.get(id(p.grad.untyped_storage())) for p in blocks.parameters()}
+    finally:
+        gc.enable()
+    live = peak = 0
+    for serial, nbytes in log.events:
+        if serial not in grads:
+            live += nbytes
+            peak = max(peak, live)
+    return peak
+
+
 def measure_flops(blocks, x, policy):
     x = x.detach().requires_grad_(True)
     with FlopCounterMode(display=False) as counter:
@@ -295,18 +482,23 @@ def gradients(blocks, x, policy, seed=1234):
 # The report
 # ----------------------------------------------------------------------------------------------------
 
-def report(layers=4, b=2, s=64, h=64, a=4, dropout=0.1, dtype=torch.float32, sweep=(4, 16, 64)):
+def report(layers=4, b=2, s=64, h=64, a=4, dropout=0.1, dtype=torch.float32, sweep=(4, 16, 64), crossover=True):
     e = torch.empty(0, dtype=dtype).element_size()
     x = torch.randn(b, s, h, dtype=dtype, generator=torch.Generator().manual_seed(0))
     blocks = make_blocks(layers, h, a, s, dropout).to(dtype)
     rows = []
     for policy in POLICIES:
         kept, _ = measure_kept_bytes(blocks, x, policy)
+        peak, moment, work, transient = peak_bytes(policy, layers, b, s, h, a, e)
         rows.append({"policy": policy, "saved_bytes": kept, "formula_bytes": kept_bytes(policy, layers, b, s, h, a, e),
                      "flops": measure_flops(blocks, x, policy),
                      "formula_flops": training_flops(policy, layers, b, s, h),
                      "korthikanti_16bit_bytes": None if korthikanti_bytes_per_layer(policy, b, s, h, a) is None
-                     else layers * korthikanti_bytes_per_layer(policy, b, s, h, a)})
+                     else layers * korthikanti_bytes_per_layer(policy, b, s, h, a),
+                     "peak_bytes": measure_peak_bytes(blocks, x, policy), "formula_peak_bytes": peak,
+                     "peak_moment": moment, "peak_working_set": work, "peak_transient": transient})
+    if not sweep or min(sweep) < 1:
+        raise ValueError(f"sweep={sweep!r}: give one or more layer counts >= 1")
     sweep_rows = []
     small = dict(b=1, s=16, h=32, a=2)
     xs = torch.randn(small["b"], small["s"], small["h"], dtype=dtype)
@@ -316,14 +508,38 @@ def report(layers=4, b=2, s=64, h=64, a=4, dropout=0.1, dtype=torch.float32, swe
         for policy in ("none", "full", "sqrt"):
             row[policy] = measure_kept_bytes(bl, xs, policy)[0]
             row[policy + "_formula"] = kept_bytes(policy, L, e=e, **small)
+            row[policy + "_peak"] = measure_peak_bytes(bl, xs, policy)
+            row[policy + "_peak_formula"] = peak_bytes(policy, L, e=e, **small)[0]
         sweep_rows.append(row)
-    first, last = sweep_rows[0], sweep_rows[-1]
-    exponents = {p: math.log(last[p] / first[p]) / math.log(last["layers"] / first["layers"])
-                 for p in ("none", "full", "sqrt")}
+    first, last = min(sweep_rows, key=lambda r: r["layers"]), max(sweep_rows, key=lambda r: r["layers"])
+    exponents = None if first is last else {
+        p: math.log(last[p] / first[p]) / math.log(last["layers"] / first["layers"]) for p in ("none", "full", "sqrt")}
     return {"config": {"layers": layers, "batch": b, "seq": s, "hidden": h, "heads": a, "dropout": dropout,
                        "dtype": str(dtype).replace("torch.", ""), "bytes_per_element": e},
             "rows": rows, "sweep": {"config": {**small, "dtype": str(dtype).replace("torch.", "")},
-                                    "rows": sweep_rows, "growth_exponent": exponents}}
+                                    "rows": sweep_rows, "growth_exponent": exponents},
+            "sqrt_vs_full": sqrt_vs_full(dict(b=b, s=s, h=h, a=a), small, e, dtype, dropout, measure=crossover)}
+
+
+def sqrt_vs_full(shape, sweep_shape, e, dtype=torch.float32, dropout=0.1, measure=True):
+    """Where sqrt's peak goes below full's (`sqrt_lowers_peak`): for the report's shapes, for 16-bit on CUDA at
+    a GPT-3 6.7B-sized layer (formula only), and measured at the first such L for a tiny block, whose A / X
+    is close to the least it can be (18 on CPU, as s / h -> 0)."""
+    def case(b, s, h, a, e, device="cpu"):
+        layer, x = sum(kept_bytes_per_layer("none", b, s, h, a, e, device).values()), s * b * h * e
+        return {"shape": dict(b=b, s=s, h=h, a=a, e=e, device=device), "layer_over_input": layer / x,
+                "first_layers": first_layers_where_sqrt_lowers_peak(layer, x)}
+    out = {"report": case(e=e, **shape), "sweep": case(e=e, **sweep_shape),
+           "cuda_16bit": case(1, 2048, 4096, 32, 2, "cuda"), "tiny": case(2, 2, 32, 2, e)}
+    if measure:
+        tiny = out["tiny"]
+        sh, L = tiny["shape"], tiny["first_layers"]
+        blocks = make_blocks(L, sh["h"], sh["a"], sh["s"], dropout).to(dtype)
+        x = torch.randn(sh["b"], sh["s"], sh["h"], dtype=dtype)
+        for policy in ("full", "sqrt"):
+            tiny[policy + "_peak"] = measure_peak_bytes(blocks, x, policy)
+            tiny[policy + "_peak_formula"] = peak_bytes(policy, L, sh["b"], sh["s"], sh["h"], sh["a"], e)[0]
+    return out
 
 
 def print_report(r):
@@ -337,6 +553,12 @@ def print_report(r):
         paper = "" if row["korthikanti_16bit_bytes"] is None else f"{row['korthikanti_16bit_bytes']:.0f}"
         print(f"{row['policy']:14s} {row['saved_bytes']:11d} {row['formula_bytes']:11d} {paper:>12s} "
               f"{row['flops'] / 1e6:9.2f} {row['formula_flops'] / 1e6:9.2f} {row['flops'] / base - 1:+8.1%}")
+    print("\nforward+backward peak: measured | formula = kept + W (recomputed, alive at once) + T (transient), "
+          "at the moment it occurs")
+    for row in r["rows"]:
+        print(f"{row['policy']:14s} {row['peak_bytes']:9d} | {row['formula_peak_bytes']:9d} = "
+              f"{row['formula_bytes']:9d} + {row['peak_working_set']:8d} + {row['peak_transient']:7d}   "
+              f"{row['peak_moment']}")
     e = c["bytes_per_element"]
     terms = kept_bytes_per_layer("none", c["batch"], c["seq"], c["hidden"], c["heads"], e)
     cuda16 = kept_bytes_per_layer("none", c["batch"], c["seq"], c["hidden"], c["heads"], 2, device="cuda")
@@ -349,13 +571,26 @@ def print_report(r):
     print(f"   bf16/CUDA total {sum(cuda16.values())} = the paper's sbh(34 + 5as/h) = {paper:.0f} + {ln} bytes of "
           "LayerNorm statistics, which the paper leaves out")
     sw = r["sweep"]
-    print(f"\n== kept bytes against L (b={sw['config']['b']}, s={sw['config']['s']}, h={sw['config']['h']}): "
-          "measured (formula)")
+    print(f"\n== kept bytes and peak against L (b={sw['config']['b']}, s={sw['config']['s']}, "
+          f"h={sw['config']['h']}): measured (formula)")
     for row in sw["rows"]:
-        print(f"   L={row['layers']:3d}  none {row['none']:9d} ({row['none_formula']})  full {row['full']:8d} "
+        print(f"   L={row['layers']:3d}  kept  none {row['none']:9d} ({row['none_formula']})  full {row['full']:8d} "
               f"({row['full_formula']})  sqrt {row['sqrt']:7d} ({row['sqrt_formula']})")
+        print(f"          peak  none {row['none_peak']:9d} ({row['none_peak_formula']})  full {row['full_peak']:8d} "
+              f"({row['full_peak_formula']})  sqrt {row['sqrt_peak']:7d} ({row['sqrt_peak_formula']})")
     g = sw["growth_exponent"]
-    print(f"   growth exponent (kept ~ L^x): none {g['none']:.2f}, full {g['full']:.2f}, sqrt {g['sqrt']:.2f}")
+    if g:
+        print(f"   growth exponent (kept ~ L^x): none {g['none']:.2f}, full {g['full']:.2f}, sqrt {g['sqrt']:.2f}")
+    print("\n== sqrt's peak is below full's only when ceil(L/seg) inputs + seg layers < L inputs + 1 layer, "
+          "about L > (A/X)^2 (A: a layer's activations, X: its input)")
+    for name, case in r["sqrt_vs_full"].items():
+        sh = case["shape"]
+        line = (f"   {name:10s} b={sh['b']} s={sh['s']} h={sh['h']} a={sh['a']} e={sh['e']} {sh['device']:4s}: "
+                f"A/X = {case['layer_over_input']:6.2f}, first L = {case['first_layers']}")
+        if "sqrt_peak" in case:
+            line += (f"; measured there: full {case['full_peak']} ({case['full_peak_formula']}), "
+                     f"sqrt {case['sqrt_peak']} ({case['sqrt_peak_formula']})")
+        print(line)
 
 
 if __name__ == "__main__":
@@ -366,8 +601,12 @@ if __name__ == "__main__":
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--sweep", type=int, nargs="+", default=[4, 16, 64], help="layer counts of the L sweep")
+    ap.add_argument("--no-crossover", action="store_true",
+                    help="skip measuring full and sqrt at the first L where sqrt's peak is lower (a few seconds)")
     args = ap.parse_args()
-    result = report(args.layers, args.batch, args.seq, args.hidden, args.heads)
+    result = report(args.layers, args.batch, args.seq, args.hidden, args.heads, sweep=tuple(args.sweep),
+                    crossover=not args.no_crossover)
     print(json.dumps(result, indent=1) if args.json else "", end="")
     if not args.json:
         print_report(result)

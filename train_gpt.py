@@ -96,7 +96,10 @@ selective: minus the lse; sqrt and full: one block input per segment; CP's inter
     PP2 x CP2 ring         35.75   33.59       1.05                2.10
     PP2 x CP2 all-gather   39.94   33.59       1.05                2.10
 
-(tests/test_train_gpt.py runs the report and checks this table against it.)
+(tests/test_train_gpt.py runs the report and checks this table against it.) These are kept bytes, what waits
+for the backward per micro-batch in flight; the backward's recomputation adds its working set once: one block
+under `full`, a whole segment under `sqrt`, so sqrt's peak is the higher one below hundreds of layers
+(checkpointing.py measures and explains it).
 
 Precision (`--dtype`, mixed_precision.py). Every dtype goes through one optimizer wrapper: the gradient hook
 of each parameter adds its gradient into a persistent FP32 `main_grad` from the first micro-batch on (m BF16

@@ -240,7 +240,7 @@ def _stage_kept_bytes(rank, world):
 def test_recompute_policies_keep_less_per_stage():
     out = run_ranks(_stage_kept_bytes, 4, timeout=60)  # TP2 x PP2: two blocks per stage
     kept = out[0]
-    assert all(o == kept for o in out)  # every rank of the layout keeps the same
+    assert all(o == kept for o in out), out  # every rank of the layout keeps the same
     assert kept["none"] > kept["selective"] > kept["full"]
     # full keeps each block's input, b s h e (dense blocks pass the running router loss on untouched);
     # sqrt segments of round(sqrt(2)) = 1 block are the same as full here

@@ -9,6 +9,8 @@
 3. long_seq.py's fused ring attention on CUDA (world size 1: every ring step's kernel path) against the einsum
    reference and against F.scaled_dot_product_attention on the whole sequence, forward and backward.
 4. A checkpoint of that run saved and sampled from (the CUDA path of `--sample`).
+5. checkpointing.py's kept bytes per recomputation policy in bfloat16 on CUDA against its formula for CUDA
+   kernels (1-byte dropout masks, FP32 LayerNorm statistics), which CPU runs cannot check.
 Each section reports its own failure (an exception, or a figure outside its stated bound) and the next one still
 runs; the exit code is 1 if any section failed.
 """
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import checkpointing  # noqa: E402
 import long_seq  # noqa: E402
 import mixed_precision  # noqa: E402
 import train_gpt  # noqa: E402
@@ -124,6 +127,19 @@ def ring(device, dry):
         check(f"ring {str(dtype)[6:]} fused vs SDPA", err("fused", "sdpa"), bound, "max relative error")
 
 
+def recompute_memory(device, dry):
+    layers, b, s, h, a = (2, 2, 64, 64, 4) if dry else (4, 4, 1024, 1024, 16)
+    dtype, e = (torch.float32, 4) if device.type == "cpu" else (torch.bfloat16, 2)
+    blocks = checkpointing.make_blocks(layers, h, a, s).to(device, dtype)
+    x = torch.randn(b, s, h, device=device, dtype=dtype)
+    for policy in ("none", "selective", "full"):
+        measured, _ = checkpointing.measure_kept_bytes(blocks, x, policy)
+        formula = checkpointing.kept_bytes(policy, layers, b, s, h, a, e, device=device.type)
+        say(f"recompute {policy} kept bytes", f"{measured:,d} measured, {formula:,d} formula ({device.type}, {dtype})")
+        if measured != formula:
+            raise AssertionError(f"recompute {policy}: measured {measured} != formula {formula}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budget-s", type=float, default=240.0)
@@ -141,7 +157,8 @@ def main():
     say("torch", f"{torch.__version__}, cuda {torch.version.cuda}, device {device}")
     failed = 0
     for name, section in (("gpt2", lambda: gpt2_small(device, a.dry_run, deadline)),
-                          ("fp8", lambda: fp8(device, a.dry_run)), ("ring", lambda: ring(device, a.dry_run))):
+                          ("fp8", lambda: fp8(device, a.dry_run)), ("ring", lambda: ring(device, a.dry_run)),
+                          ("recompute", lambda: recompute_memory(device, a.dry_run))):
         if time.monotonic() > deadline:
             say(name, "skipped: time budget spent")
             continue

@@ -701,7 +701,7 @@ def test_the_gpu_check_script_runs_dry_on_cpu():
                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0 and "FAILED" not in out.stdout, out.stdout + out.stderr
     assert "gpt2 tokens/s" in out.stdout and "fp8 _scaled_mm" in out.stdout and "ring float32 fused" in out.stdout
-    assert "gpt2 checkpoint and sample: 16 tokens" in out.stdout
+    assert "gpt2 checkpoint and sample: 16 tokens" in out.stdout and "recompute full kept bytes" in out.stdout
 
 
 def _short_run(rank, world, data, cfg, **kwargs):

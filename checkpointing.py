@@ -483,6 +483,8 @@ def gradients(blocks, x, policy, seed=1234):
 # ----------------------------------------------------------------------------------------------------
 
 def report(layers=4, b=2, s=64, h=64, a=4, dropout=0.1, dtype=torch.float32, sweep=(4, 16, 64), crossover=True):
+    if not sweep or min(sweep) < 1:
+        raise ValueError(f"sweep={sweep!r}: give one or more layer counts >= 1")
     e = torch.empty(0, dtype=dtype).element_size()
     x = torch.randn(b, s, h, dtype=dtype, generator=torch.Generator().manual_seed(0))
     blocks = make_blocks(layers, h, a, s, dropout).to(dtype)
@@ -497,8 +499,6 @@ def report(layers=4, b=2, s=64, h=64, a=4, dropout=0.1, dtype=torch.float32, swe
                      else layers * korthikanti_bytes_per_layer(policy, b, s, h, a),
                      "peak_bytes": measure_peak_bytes(blocks, x, policy), "formula_peak_bytes": peak,
                      "peak_moment": moment, "peak_working_set": work, "peak_transient": transient})
-    if not sweep or min(sweep) < 1:
-        raise ValueError(f"sweep={sweep!r}: give one or more layer counts >= 1")
     sweep_rows = []
     small = dict(b=1, s=16, h=32, a=2)
     xs = torch.randn(small["b"], small["s"], small["h"], dtype=dtype)

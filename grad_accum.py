@@ -220,8 +220,9 @@ def token_loss(model, batch):
     idx, targets, mask = batch
     logits = model(idx)
     losses = nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
-    mask = mask.flatten().to(losses.dtype)
-    return (losses * mask).sum(), mask.sum()  # the count stays a tensor: no host sync per micro-batch
+    mask = mask.flatten()
+    # the count: an int64 tensor (exact in any loss dtype), kept on the device: no host sync per micro-batch
+    return (losses * mask.to(losses.dtype)).sum(), mask.sum()
 
 
 def make_batch(gen, batch, seq, vocab=32, min_len=1):

@@ -39,7 +39,7 @@ parameters' own storage); each rank rounds its updated shard into the parameter 
 rebuilds the full parameters everywhere. The bytes sent are those of an all-reduce (which is a
 reduce-scatter followed by an all-gather), while masters and optimizer states shrink by d:
 
-    bytes per parameter, Adam        zero=0            zero=1 over d ranks    (FORMULAS.md)
+    bytes per parameter, Adam        zero=0            zero=1 over d ranks    (ZeRO, Rajbhandari et al. 2020)
     FP32 params, FP32 grads          4 + 4 + 8 = 16    8 + 8/d
     BF16 params, FP32 main grads     2 + 4 + 12 = 18   6 + 12/d
 
@@ -813,7 +813,7 @@ MODE_NOTES = {
 }
 FORMULA_ONLY = ("bf16_master_16bit_grads",)  # this file accumulates 16-bit gradients in FP32
 
-# ZeRO-1 (Megatron-LM's distributed optimizer, FORMULAS.md): per parameter, the unsharded part (parameters
+# ZeRO-1 (Megatron-LM's distributed optimizer; Rajbhandari et al. 2020): per parameter, the unsharded part (parameters
 # and main grads) and the part sharded over d ranks (FP32 master where separate, Adam's two moments)
 ZERO_BYTES_PER_PARAM = {
     torch.float32: {"unsharded": 4 + 4, "sharded": 8},       # 16 -> 8 + 8/d

@@ -374,8 +374,8 @@ GB = 1e9
 MEMORY_HEADROOM = 0.9       # usable fraction of GPU memory: CUDA context, allocator fragmentation, buffers
 ACT_BYTES = 2               # 16-bit activations and gradients on the wire
 GRAD_BYTES = 2              # gradients reduced in 16 bits (Table 1 ran fp16 with fp16 gradient buffers)
-# Model states per parameter (Megatron-LM's accounting, FORMULAS.md): 16-bit weight, 16-bit gradient, and 16 bytes
-# of optimizer state: fp32 master weight, Adam's two fp32 moments and the fp32 copy of the gradient. The ZeRO
+# Model states per parameter (Megatron-LM's accounting; ZeRO, Rajbhandari et al. 2020): 16-bit weight, 16-bit
+# gradient, and 16 bytes of optimizer state: fp32 master weight, Adam's two fp32 moments and the fp32 copy of the gradient. The ZeRO
 # paper's 16 bytes leave out that gradient copy. A distributed optimizer (ZeRO-1) shards the 16 over DP x CP.
 STATE_BYTES = {"weights": 2, "grads": 2, "optimizer": 16}
 # HBM traffic of the kernels that are not GEMMs, counted from Megatron-LM's fused kernels, in bytes per element:
@@ -438,6 +438,13 @@ class Cluster:
     # and P2P communication overlap at PP=2"); 3 in 2021, whose arguments.py asserts "pipeline-model-parallel size
     # should be greater than 2 with interleaved schedule" (Table 1's 39.1B run, PP = 2, could not interleave)
     interleave_min_pp: int = 2
+
+    def __post_init__(self):
+        for name in ("gpus", "gpus_per_node", "gpu_mem_gb", "nvlink_gbps", "ib_gbps", "peak_tflops", "efficiency",
+                     "hbm_gbps", "p2p_gbps"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name}={value!r} must be > 0 (--{name.replace('_', '-')})")
 
     @classmethod
     def for_gpu(cls, gpu, gpus, **overrides):
@@ -625,7 +632,7 @@ def p2p_exchange_seconds(cluster, m, tp, cp, b, sp, pp_local):
     """One activation (or its gradient) between neighbouring stages: b s h/(t cp) elements per GPU over the
     link (Megatron-LM's scatter-gather: each TP rank sends 1/t), then without SP an all-gather over NVLink."""
     elements = b * m.seq // cp * m.hidden
-    link = cluster.p2p_gbps or (cluster.nvlink_gbps if pp_local else cluster.ib_gbps)
+    link = cluster.p2p_gbps if cluster.p2p_gbps is not None else (cluster.nvlink_gbps if pp_local else cluster.ib_gbps)
     seconds = cluster.p2p_latency_us * 1e-6 + elements / tp * ACT_BYTES / (link * GB)
     if not sp and tp > 1:
         seconds += (tp - 1) / tp * elements * ACT_BYTES / (cluster.nvlink_gbps * GB)
@@ -1283,14 +1290,18 @@ def _calibrate_main(argv):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["plan"]:
-        _plan_main(argv[1:])
-    elif argv[:1] == ["calibrate"]:
-        _calibrate_main(argv[1:])
-    elif argv[:1] == ["example"]:
-        print_chapter_example()
-    else:
-        _map_main(argv)
+    try:
+        if argv[:1] == ["plan"]:
+            _plan_main(argv[1:])
+        elif argv[:1] == ["calibrate"]:
+            _calibrate_main(argv[1:])
+        elif argv[:1] == ["example"]:
+            print_chapter_example()
+        else:
+            _map_main(argv)
+    except ValueError as e:  # a layout or constant that cannot work: one line and the usage-error code
+        print(f"topology.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

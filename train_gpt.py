@@ -1170,6 +1170,7 @@ def save_checkpoint(out_dir, step, stage, opt, cfg, run):
             f.flush()
             os.fsync(f.fileno())
         if os.path.exists(final):  # keep the old one until the new one is in place
+            shutil.rmtree(final + ".old", ignore_errors=True)  # left by a crash between these renames
             os.rename(final, final + ".old")
         os.rename(tmp, final)  # atomic: the folder appears complete or not at all
         shutil.rmtree(final + ".old", ignore_errors=True)
@@ -1364,6 +1365,10 @@ def init_distributed(timeout_s):
         # job on a machine with fewer GPUs)
         gpus_needed = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= gpus_needed else "gloo"
+        if torch.cuda.is_available() and backend == "gloo" and int(os.environ.get("RANK", 0)) == 0:
+            print(f"train_gpt.py: {gpus_needed} processes per node but {torch.cuda.device_count()} GPUs: running on "
+                  "CPU processes (gloo); pass --nproc_per_node at most the GPU count to train on the GPUs",
+                  file=sys.stderr, flush=True)
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
@@ -1429,13 +1434,16 @@ def peak_tflops(run, device):
 
 def _metrics_before(path, step):
     """The metrics lines of the steps before `step` (a line torn by a crash is dropped)."""
+    if not os.path.exists(path):
+        return []
     kept = []
-    for line in open(path) if os.path.exists(path) else []:
-        try:
-            if json.loads(line)["step"] < step:
-                kept.append(line)
-        except (ValueError, KeyError, TypeError):
-            pass
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line)["step"] < step:
+                    kept.append(line)
+            except (ValueError, KeyError, TypeError):
+                pass
     return kept
 
 
@@ -1512,7 +1520,7 @@ def sample(cfg, path, n, temperature=1.0, top_k=None, prompt="\n", seed=0):
     plan, stage, _, _ = build(cfg, run)
     load_checkpoint(path, stage)
     device = next(stage.parameters()).device
-    gen = torch.Generator().manual_seed(seed)  # draws on the CPU: the same text on every device
+    gen = torch.Generator().manual_seed(seed)  # draws on the CPU: the same random draws on every device
     ids = list(prompt.encode()) if cfg.vocab_size <= 256 else [0]
     for _ in range(n):
         context = torch.tensor([ids[-cfg.seq_len:]], device=device)
@@ -1529,10 +1537,13 @@ def sample(cfg, path, n, temperature=1.0, top_k=None, prompt="\n", seed=0):
 # The report: the docstring's memory, communication and FLOP figures, measured beside their formulas
 # ----------------------------------------------------------------------------------------------------
 
-def kept_bytes(blocks, state, policy):
+def measure_kept_bytes_settled(blocks, state, policy):
     """checkpointing.measure_kept_bytes, the smaller of two runs: gloo's worker thread may let go of the tensor
-    it just all-reduced a moment after the call returned, which can only add bytes. Returns (bytes, output)."""
+    it just all-reduced a moment after the call returned, which can only add bytes. Returns (bytes, the second
+    run's output); comm_log and comm_bytes hold the second run's collectives."""
     first, _ = checkpointing.measure_kept_bytes(blocks, state, policy)
+    comm_log.clear()
+    comm_bytes.clear()
     second, y = checkpointing.measure_kept_bytes(blocks, state, policy)
     return min(first, second), y
 
@@ -1544,10 +1555,7 @@ def measure_block(cfg, run, b):
     s = cfg.seq_len // run.cp // (run.tp if plan.sequence_parallel else 1)
     x = torch.randn(b, s, cfg.n_embd, generator=torch.Generator().manual_seed(0))
     blocks, state = nn.ModuleList(stage.blocks[:1]), (x, torch.zeros((), dtype=torch.float64))
-    kept, _ = kept_bytes(blocks, state, "none")
-    comm_log.clear()
-    comm_bytes.clear()
-    _, (y, _) = checkpointing.measure_kept_bytes(blocks, state, "none")  # the forward whose collectives count
+    kept, (y, _) = measure_kept_bytes_settled(blocks, state, "none")
     forward, sent = dict(comm_log), ring_bytes_sent(comm_bytes, run.tp)
     comm_log.clear()
     y.sum().backward()
@@ -1567,7 +1575,7 @@ def measure_stage_kept_bytes(cfg, run, b, policies=("none", "selective", "sqrt",
     s = cfg.seq_len // run.cp // (run.tp if plan.sequence_parallel else 1)
     state = (torch.randn(b, s, cfg.n_embd, generator=torch.Generator().manual_seed(0)),
              torch.zeros((), dtype=torch.float64))
-    return {policy: kept_bytes(stage.blocks, state, policy)[0] for policy in policies}
+    return {policy: measure_kept_bytes_settled(stage.blocks, state, policy)[0] for policy in policies}
 
 
 def measure_step_flops(cfg, batch, micro_batch):

@@ -245,3 +245,12 @@ def test_effective_batch_size():
     assert ga.effective_batch_size(1, 2, 2, pipeline_micro_batches=8) == 32
     with pytest.raises(ValueError, match="accum_steps"):
         ga.effective_batch_size(4, 8, 0)
+
+
+def test_token_count_is_exact_in_a_16_bit_model():
+    # 2397 tokens in bf16 would round to 2400; the count comes from the bool mask, an exact int64
+    idx = torch.zeros(1, 2400, dtype=torch.long)
+    mask = torch.ones(1, 2400, dtype=torch.bool)
+    mask[0, :3] = False
+    _, n = ga.token_loss(ga.TinyLM().to(torch.bfloat16), (idx, idx, mask))
+    assert n.dtype == torch.int64 and int(n) == 2397

@@ -512,3 +512,16 @@ def test_capacity_under_ep_equals_the_single_process_moe_per_rank():
     for e in run_ranks(_capacity_under_ep, 2, timeout=60):
         assert e["dropped"] > 0  # the capacity really drops assignments
         assert max(e["y"], e["x_grad"], e["w1_grad"]) < TOL, e
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_balancing_loss_bounds_uniform_coeff_and_collapsed_coeff_e_over_k(k):
+    # the docstring: uniform routing gives coeff; every token certain of one expert gives coeff * E / k (that
+    # expert gets 1/k of the T*k assignments, probability 1)
+    E, T, coeff = 4, 64, 0.01
+    uniform = moe_ep.load_balancing_loss(torch.zeros(T, E, dtype=torch.float64), k, coeff,
+                                         selected=torch.arange(T * k).reshape(T, k) % E)
+    assert uniform.item() == pytest.approx(coeff, rel=1e-12)
+    collapsed = torch.full((T, E), -60.0, dtype=torch.float64)
+    collapsed[:, 0] = 60.0
+    assert moe_ep.load_balancing_loss(collapsed, k, coeff).item() == pytest.approx(coeff * E / k, rel=1e-12)

@@ -663,3 +663,16 @@ def test_calibrate_cli_prints_every_row(capsys):
     for row in topology.TABLE_1:
         assert f"{row[0]:.1f}B" in out
     assert "worst error" in out
+
+
+def test_bad_cluster_constants_and_layouts_are_one_line_and_exit_code_2(capsys):
+    base = ["plan", "--gpus", "8", "--layers", "4", "--hidden", "256", "--heads", "4", "--seq", "128", "--vocab",
+            "512", "--global-batch", "8"]
+    for extra, names in ((["--p2p-gbps", "-5"], "p2p_gbps=-5.0 must be > 0 (--p2p-gbps)"),
+                         (["--p2p-gbps", "0"], "p2p_gbps=0.0 must be > 0"),
+                         (["--tp", "3", "--pp", "1", "--cp", "1"], "tp")):
+        with pytest.raises(SystemExit) as exit_:
+            topology.main(base + extra)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith("topology.py: error: "), err
+        assert names in err[0], err

@@ -605,8 +605,12 @@ if __name__ == "__main__":
     ap.add_argument("--no-crossover", action="store_true",
                     help="skip measuring full and sqrt at the first L where sqrt's peak is lower (a few seconds)")
     args = ap.parse_args()
-    result = report(args.layers, args.batch, args.seq, args.hidden, args.heads, sweep=tuple(args.sweep),
-                    crossover=not args.no_crossover)
-    print(json.dumps(result, indent=1) if args.json else "", end="")
-    if not args.json:
+    try:
+        result = report(args.layers, args.batch, args.seq, args.hidden, args.heads, sweep=tuple(args.sweep),
+                        crossover=not args.no_crossover)
+    except ValueError as e:  # a shape that cannot work: one line and the usage-error code
+        ap.exit(2, f"checkpointing.py: error: {e}\n")
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
         print_report(result)

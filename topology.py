@@ -375,8 +375,9 @@ MEMORY_HEADROOM = 0.9       # usable fraction of GPU memory: CUDA context, alloc
 ACT_BYTES = 2               # 16-bit activations and gradients on the wire
 GRAD_BYTES = 2              # gradients reduced in 16 bits (Table 1 ran fp16 with fp16 gradient buffers)
 # Model states per parameter (Megatron-LM's accounting; ZeRO, Rajbhandari et al. 2020): 16-bit weight, 16-bit
-# gradient, and 16 bytes of optimizer state: fp32 master weight, Adam's two fp32 moments and the fp32 copy of the gradient. The ZeRO
-# paper's 16 bytes leave out that gradient copy. A distributed optimizer (ZeRO-1) shards the 16 over DP x CP.
+# gradient, and 16 bytes of optimizer state: fp32 master weight, Adam's two fp32 moments and the fp32 copy of
+# the gradient. The ZeRO paper's 16 bytes leave out that gradient copy. A distributed optimizer (ZeRO-1) shards
+# the 16 over DP x CP.
 STATE_BYTES = {"weights": 2, "grads": 2, "optimizer": 16}
 # HBM traffic of the kernels that are not GEMMs, counted from Megatron-LM's fused kernels, in bytes per element:
 LAYERNORM_DROPOUT_BYTES = 22  # per element of b s h, one layer forward: 2 LayerNorms (read + write, 4 each) and

@@ -128,8 +128,9 @@ A bad flag is one line on rank 0 and exit code 2, before any process group exist
 
 Metrics: one line per step on rank 0 and one JSON object per step in `--metrics`: step, loss, aux_loss, lr,
 grad_norm, tokens_per_s, step_time_s (the step itself: the batch is built before the clock starts), mfu (with
-`--peak-tflops`, or the GPU's known dense BF16 peak, whatever --dtype: pass --peak-tflops for FP8's), val_loss on eval steps, and on the first line this rank's
-param_bytes, grad_bytes, optimizer_bytes (master_bytes: the masters' part) and micro_batches, dp, effective_batch.
+`--peak-tflops`, or the GPU's known dense BF16 peak, whatever --dtype: pass --peak-tflops for FP8's), val_loss on
+eval steps, and on the first line this rank's param_bytes, grad_bytes, optimizer_bytes (master_bytes: the
+masters' part) and micro_batches, dp, effective_batch.
 FLOPs per token are PaLM's / nanoGPT's 6 N + 12 L h s with every matmul
 a token passes, the LM head included (`model_flops_per_token`); FlopCounterMode measures one step
 (`count_step_flops`) at exactly that plus 2 L h s per token, the QK^T that a flash kernel recomputes in backward

@@ -85,10 +85,10 @@ works with inputs that do not require grad, with keyword arguments and nested ch
 `torch.autograd.grad`, and stops recomputation as soon as the needed tensors are rebuilt; the reentrant
 variant re-runs forward inside backward under a new graph and has none of these. Both restore the RNG
 state, so recomputed dropout masks are the original ones and gradients are bit-identical to no
-recomputation. Kept bytes are measured as the storages created during forward and still alive when
-backward would start (weak references to storages, so the SAC cache, invisible to saved-tensor hooks, is
-counted too), plus the input, minus the output; the peak by logging every storage's creation and release
-under a dispatch mode (a CPU stand-in for the CUDA allocator's statistics). Offloading
+recomputation. Both measurements read one log of every storage's creation and release under a dispatch
+mode (weak references to the storages, so the SAC cache, invisible to saved-tensor hooks, is counted too; a CPU
+stand-in for the CUDA allocator's statistics): kept bytes are the storages created during forward and still
+alive when backward would start, plus the input, minus the output; the peak is the log's running maximum. Offloading
 (`torch.autograd.graph.save_on_cpu`) is the other lever: it keeps everything but moves it to host memory,
 costing PCIe bandwidth instead of FLOPs.
 
@@ -104,7 +104,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -365,42 +364,6 @@ def training_flops(policy, layers, b, s, h):
 # Measuring: storages alive between forward and backward, FLOPs of a training step
 # ----------------------------------------------------------------------------------------------------
 
-class _StorageRecorder(TorchDispatchMode):
-    """Remember a weak reference to the storage of every tensor that an op creates. (Not keyed by address
-    while recording: a freed storage's memory is reused by the next allocation.)"""
-
-    def __init__(self):
-        super().__init__()
-        self.storages = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                self.storages.append((StorageWeakRef(st), st.data_ptr(), st.nbytes()))
-        return out
-
-
-def measure_kept_bytes(blocks, x, policy):
-    """Bytes alive between the end of forward and the start of backward: storages created in forward and
-    still referenced (by autograd, a checkpoint or the SAC cache), plus the input, minus the output.
-    `x` may be a tuple state (see `run_blocks`): its first tensor is the hidden state that is counted."""
-    state = tuple(t.detach() for t in _as_args(x))
-    state[0].requires_grad_(True)
-    # views of parameters, buffers (the causal mask) and the input are not activations
-    existing = {t.untyped_storage().data_ptr()
-                for t in list(blocks.parameters()) + list(blocks.buffers()) + list(state)}
-    with _StorageRecorder() as rec:
-        y = run_blocks(blocks, state if isinstance(x, tuple) else state[0], policy)
-    gc.collect()
-    alive = {ptr: n for ref, ptr, n in rec.storages if not ref.expired() and ptr not in existing}
-    for out in _as_args(y):
-        alive.pop(out.untyped_storage().data_ptr(), None)
-    alive[state[0].untyped_storage().data_ptr()] = state[0].untyped_storage().nbytes()
-    return sum(alive.values()), y
-
-
 class _AllocationLog(TorchDispatchMode):
     """Log, in order, every storage an op creates (+bytes) and its release (-bytes, from a weak reference to the
     storage object, which PyTorch keeps for the storage's whole life). Outputs on a storage already logged or
@@ -427,6 +390,23 @@ class _AllocationLog(TorchDispatchMode):
     def _free(self, key, nbytes):
         self.events.append((self.serial_of.pop(key), -nbytes))
         del self._refs[key]
+
+
+def measure_kept_bytes(blocks, x, policy):
+    """Bytes alive between the end of forward and the start of backward: storages created in forward and
+    still referenced (by autograd, a checkpoint or the SAC cache), plus the input, minus the output.
+    `x` may be a tuple state (see `run_blocks`): its first tensor is the hidden state that is counted."""
+    state = tuple(t.detach() for t in _as_args(x))
+    state[0].requires_grad_(True)
+    # views of parameters, buffers (the causal mask) and the input are not activations
+    foreign = {id(t.untyped_storage()) for t in list(blocks.parameters()) + list(blocks.buffers()) + list(state)}
+    with _AllocationLog(foreign) as log:
+        y = run_blocks(blocks, state if isinstance(x, tuple) else state[0], policy)
+    gc.collect()
+    alive = {key: log.events[serial][1] for key, serial in log.serial_of.items()}  # created, not yet freed
+    for out in _as_args(y):
+        alive.pop(id(out.untyped_storage()), None)
+    return sum(alive.values()) + state[0].untyped_storage().nbytes(), y
 
 
 def measure_peak_bytes(blocks, x, policy):

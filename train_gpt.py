@@ -1628,11 +1628,9 @@ def stage_kept_bytes_formula(cfg, run, b, policy, e=4):
     sqrt each segment's; without CP, none keeps every block's `block_activation_bytes` and selective frees
     their lse. (Under CP the ring's and the all-gather's internal copies have no formula here.)"""
     blocks, t, sp = len(stage_layers(cfg.n_layer, run.pp, 0)), run.tp, run.sequence_parallel and run.tp > 1
-    block_input = b * cfg.seq_len // run.cp * cfg.n_embd * e // (t if sp else 1)
-    if policy == "full":
-        return blocks * block_input
-    if policy == "sqrt":
-        return math.ceil(blocks / checkpointing.sqrt_segment_size(blocks)) * block_input
+    if policy in ("full", "sqrt"):  # block inputs: this rank's tokens (its CP shard, its SP shard), whole h
+        s_local = cfg.seq_len // run.cp // (t if sp else 1)
+        return checkpointing.kept_bytes(policy, blocks, b, s_local, cfg.n_embd, cfg.n_head, e)
     if run.cp > 1:
         return None
     none = blocks * sum(block_activation_bytes(b, cfg.seq_len, cfg.n_embd, cfg.n_head, t, sp, e, e).values())

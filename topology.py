@@ -978,7 +978,7 @@ CLUSTER_2021 = dict(overlap_grad_reduce="without_pp", interleave_min_pp=3)
 def published_estimate(row, **cluster_overrides):
     """The planner's estimate of one Table 1 run as published: its layout, micro-batch and interleaving, full
     recomputation, fp16, its DDP (CLUSTER_2021)."""
-    params_b, _, _, _, tp, pp, gpus, *_ = row
+    _, _, _, _, tp, pp, gpus, *_ = row
     return estimate(Cluster(gpus=gpus, **{**CLUSTER_2021, **cluster_overrides}), table_1_model(row, True), tp, pp, 1)
 
 

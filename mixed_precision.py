@@ -50,8 +50,11 @@ grad_scale = 1 / tokens), multiply by grad_scale / loss_scale, the global gradie
 gradients this rank owns (its shard; under zero=0 group rank 0 of each entry), summed over `norm_group`
 in the same 2-element all-reduce that carries the loss scaler's overflow probe (one collective, one host
 sync), skip on overflow, clip as `clip_grad_norm_`, inner step, publish the parameters, zero the main
-grads. Checkpoints: `full_state(p)` gathers p's master and optimizer states as full tensors, so a run
-saved under one layout (zero=0 on 2 ranks) resumes under another (zero=1 on 3 ranks, or one process).
+grads. Checkpoints: `owned_state(p)` hands out this rank's piece of p's master and optimizer states as the
+live tensors and the range of p they cover, for a checkpoint that writes each shard where it lies
+(train_gpt.py's); `full_state(p)` gathers them as full tensors (12 bytes per parameter for Adam, so for small
+models), so a run saved under one layout (zero=0 on 2 ranks) resumes under another (zero=1 on 3 ranks, or one
+process).
 
 FP16 dynamic loss scaling. FP16 has 5 exponent bits: gradients below 6e-8 (its smallest subnormal) flush
 to zero. Multiplying the loss by S (2^16 to start) shifts every gradient up by S; before the step the
@@ -598,6 +601,24 @@ class MixedPrecisionOptimizer:
         # optimizer is fused or capturable
         self.optimizer.state[piece] = {k: (v.detach().clone() if v.dim() == 0 else cut(v))
                                        for k, v in state.items() if k != "master"}
+
+    def owned_state(self, p, like=None):
+        """This rank's piece of p's master weight and optimizer states: the live tensors themselves, no copy and
+        no communication. Returns ((a, b), {"master": ..., "exp_avg": ..., "step": ...}): every tensor that is
+        not 0-dim holds the elements [a, b) of p.view(-1), in order (zero=0: all of p, in p's shape; zero=1: a
+        1-D piece, possibly empty). A sharded checkpoint writes these where they lie, so saving costs no memory
+        (full_state would hold the whole of every parameter's state at once: 12 bytes per parameter for Adam,
+        what ZeRO-1 saved); loading writes into them in place. `like`, {state name: (ndim, dtype)}, creates the
+        states missing before the first step, zero-filled (0-dim ones on the CPU, as torch.optim keeps them)."""
+        bucket, i = self._where[id(p)]
+        piece = bucket.pieces[i]
+        state = self.optimizer.state[piece]
+        for key, (ndim, dtype) in (like or {}).items():
+            if key not in state and key != "master":
+                state[key] = torch.zeros((), dtype=dtype) if ndim == 0 else torch.zeros_like(piece, dtype=dtype)
+        owned = {"master": piece}
+        owned.update((key, state[key]) for key in sorted(state) if torch.is_tensor(state[key]))
+        return piece.range, owned
 
     def scalar_state(self):
         """The non-tensor part: hyperparameters of each group, the loss scaler (the tensors: full_state)."""

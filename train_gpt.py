@@ -122,8 +122,9 @@ second copy.
 The job. Data is bytes of text (vocabulary 256; CPython's pydoc topics by default, no download), a folder of
 text, or nanoGPT's uint16 train.bin/val.bin; the batch of step k comes from a generator seeded by k, so every
 layout and every resumed run sees the same batches. AdamW (weight decay on 2-D weights), linear warm-up,
-cosine decay. Checkpoints (torch.distributed.checkpoint) hold every tensor as a slice of the whole parameter
-under its global name, so they resume at any layout; the job is stopped by a dead rank within `--timeout-s`.
+cosine decay. Checkpoints (torch.distributed.checkpoint) hold every tensor as boxes of the whole parameter
+under its global name, each rank writing what it holds (ZeRO-1 shards too: saving copies nothing), so they resume
+at any layout; the job is stopped by a dead rank within `--timeout-s`.
 A bad flag is one line on rank 0 and exit code 2, before any process group exists.
 
 Metrics: one line per step on rank 0 and one JSON object per step in `--metrics`: step, loss, aux_loss, lr,
@@ -1074,15 +1075,18 @@ def lr_at(step, run):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Checkpoints: torch.distributed.checkpoint, resharded to any layout on load
+# Checkpoints: torch.distributed.checkpoint, sharded as the run holds it, resharded to any layout on load
 # ----------------------------------------------------------------------------------------------------
-# Every tensor is saved as a slice of the WHOLE parameter (a DTensor: sharded over TP or EP where the layout
-# splits it, replicated elsewhere), under the parameter's global name ("h.5.mlp.fc.weight", whatever stage holds
-# layer 5): the model, and per parameter the optimizer's master weight and states gathered over its ZeRO group.
-# DCP writes each slice once (replicas over DP, CP, EDP are deduplicated) and on load reads the slices that the
-# NEW layout's tensors cover, so a checkpoint saved at TP2 x PP2 resumes at DP4 or PP1 x CP2. The rest (step,
-# model shape, loss scale) is JSON. A checkpoint is written to step_NNNNNN.tmp and renamed when complete, so
-# out_dir only ever holds complete ones; loading unpickles nothing but DCP's own metadata classes.
+# Every tensor is saved as boxes of the WHOLE parameter, under the parameter's global name ("h.5.mlp.fc.weight",
+# whatever stage holds layer 5) and the box's offsets in it: the model (each rank's TP or EP slice is one box), and
+# per parameter the optimizer's master weight and states as each rank holds them. Under ZeRO-1 a rank owns a
+# flat range of the parameter, which is at most 2 ndim - 1 boxes (`flat_range_boxes`), so every shard is written
+# where it lies: saving copies nothing and gathers nothing (gathering each parameter's whole state would cost
+# 12 bytes per parameter for Adam, all that ZeRO-1 saves). DCP writes a box that several ranks hold (replicas
+# over DP, CP, EDP, TP) once. On load each rank reads the saved boxes that overlap its own, so a checkpoint saved
+# at TP2 x PP2 with ZeRO-1 resumes at DP4 or PP1 x CP2. The rest (step, model shape, loss scale) is JSON. A
+# checkpoint is written to step_NNNNNN.tmp and renamed when complete, so out_dir only ever holds complete ones;
+# loading unpickles nothing but DCP's own metadata classes.
 
 SHAPE_FLAGS = {"vocab_size": "--vocab", "seq_len": "--seq", "n_layer": "--layers", "n_head": "--heads",
                "n_embd": "--hidden", "moe_every": "--moe-every", "n_experts": "--experts", "top_k": "--top-k"}
@@ -1116,42 +1120,90 @@ def _global_name(stage, name):
     return name
 
 
-def _meshes(plan, device):
-    from torch.distributed.device_mesh import DeviceMesh
-    ps = plan.ps
-    return {kind: DeviceMesh.from_group(ps.groups[kind], device.type) for kind in ("tp", "ep")}
-
-
-def _as_whole(t, p, meshes):
-    """`t` (shaped like parameter p on this rank) as a DTensor of the whole parameter."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    if t.dim() == 0:
-        return t
+def _slice_geometry(p, ps):
+    """Where this rank's p lies in the whole parameter: (its shape, its offsets), in the coordinates where it is
+    one box (QKV, split over TP block by block, is viewed as (3, h, ...))."""
+    shape, dim, size, rank = list(p.shape), None, 1, 0
     if getattr(p, "tp_dim", None) is not None:
-        dim, parts = p.tp_dim, getattr(p, "tp_parts", 1)
-        if parts > 1:  # QKV: three blocks split separately, so the slice is regular in a (3, ...) view
-            t, dim = t.view(parts, -1, *t.shape[1:]), dim + 1
-        return DTensor.from_local(t, meshes["tp"], [Shard(dim)], run_check=False)
-    if getattr(p, "ep_dim", None) is not None:
-        return DTensor.from_local(t, meshes["ep"], [Shard(p.ep_dim)], run_check=False)
-    return DTensor.from_local(t, meshes["tp"], [Replicate()], run_check=False)
+        dim, size, rank = p.tp_dim, ps.sizes["tp"], ps.tp_rank
+        parts = getattr(p, "tp_parts", 1)
+        if parts > 1:
+            shape, dim = [parts, shape[0] // parts, *shape[1:]], dim + 1
+    elif getattr(p, "ep_dim", None) is not None:
+        dim, size, rank = p.ep_dim, ps.sizes["ep"], ps.ep_rank
+    offsets = [0] * len(shape)
+    if dim is not None:
+        offsets[dim] = rank * shape[dim]
+    return shape, offsets
+
+
+def flat_range_boxes(shape, a, b):
+    """The elements [a, b) of a C-contiguous tensor of `shape` as boxes (offsets, sizes), each one run of memory:
+    the end of a partial first row, the whole rows, the start of a partial last row (recursively inside rows),
+    at most 2 ndim - 1 boxes. A ZeRO-1 piece is a flat range of its parameter: it is saved as these boxes."""
+    if a >= b:
+        return []
+    if len(shape) == 1:
+        return [((a,), (b - a,))]
+    row = math.prod(shape[1:])
+
+    def in_row(r, lo, hi):
+        return [((r, *o), (1, *s)) for o, s in flat_range_boxes(shape[1:], lo - r * row, hi - r * row)]
+
+    i, j = -(-a // row), b // row  # the whole rows are [i, j)
+    if i > j:  # [a, b) lies inside row j
+        return in_row(j, a, b)
+    boxes = in_row(i - 1, a, i * row) if a < i * row else []
+    if j > i:
+        boxes.append(((i,) + (0,) * (len(shape) - 1), (j - i, *shape[1:])))
+    return boxes + (in_row(j, j * row, b) if b > j * row else [])
+
+
+def _boxes(prefix, t, a, b, shape, offsets):
+    """{"PREFIX@OFFSETS": view}: t holds the elements [a, b) of this rank's slice (of `shape`, at `offsets` in the
+    whole parameter); each box becomes a view of t keyed by where it starts in the whole."""
+    flat, strides = t.reshape(-1), [math.prod(shape[k + 1:]) for k in range(len(shape))]
+    out = {}
+    for box, sizes in flat_range_boxes(shape, a, b):
+        start = sum(o * s for o, s in zip(box, strides)) - a
+        key = ",".join(str(o + off) for o, off in zip(box, offsets))
+        out[f"{prefix}@{key}"] = flat[start:start + math.prod(sizes)].view(sizes)
+    return out
 
 
 def _saved_params(stage):
-    """(global name, parameter) of every parameter; the last stage's tied copy of the embedding is "wte.weight"
-    too (it is identical to the first stage's, bit for bit: DCP writes it once)."""
-    return [(_global_name(stage, n.replace("lm_head.", "wte.")), p) for n, p in stage.named_parameters()]
+    """(global name, parameter, whether it is the last stage's tied copy of the embedding). The copy is named
+    "wte.weight" too: its weights are identical to the first stage's, bit for bit (DCP writes them once), and so
+    is its optimizer state, which only the first stage writes."""
+    return [(_global_name(stage, n.replace("lm_head.", "wte.")), p, n.startswith("lm_head."))
+            for n, p in stage.named_parameters()]
+
+
+def checkpoint_tensors(stage, opt=None, like=None):
+    """{key: tensor} that this rank saves, or loads into: every tensor a view of a live one, nothing copied (so
+    saving needs no memory: ZeRO-1's shards are written where they lie). "model/NAME@OFFSETS" and
+    "optim/NAME/STATE@OFFSETS" are boxes of the whole parameter NAME starting at OFFSETS, sizes the tensor's;
+    0-dim states (Adam's step) are "optim/NAME/STATE". Loading passes `like`, {NAME: {STATE: (ndim, dtype)}} of
+    the checkpoint, to create the optimizer states not made yet (before the first step)."""
+    ps, out = stage.plan.ps, {}
+    for name, p, tied_copy in _saved_params(stage):
+        shape, offsets = _slice_geometry(p, ps)
+        out.update(_boxes(f"model/{name}", p.detach(), 0, p.numel(), shape, offsets))
+        if opt is None or (tied_copy and like is None):  # the copy's state is saved by the first stage
+            continue
+        (a, b), owned = opt.owned_state(p, (like or {}).get(name))
+        for key, t in owned.items():
+            if t.dim() == 0:
+                out[f"optim/{name}/{key}"] = t
+            else:
+                out.update(_boxes(f"optim/{name}/{key}", t, a, b, shape, offsets))
+    return out
 
 
 def save_checkpoint(out_dir, step, stage, opt, cfg, run):
     import torch.distributed.checkpoint as dcp
-    plan, device = stage.plan, next(stage.parameters()).device
-    meshes = _meshes(plan, device)
-    state = {}
-    for name, p in _saved_params(stage):
-        state[f"model/{name}"] = _as_whole(p.detach(), p, meshes)
-        for key, value in opt.full_state(p).items():  # collective over p's ZeRO group: same order everywhere
-            state[f"optim/{name}/{key}"] = _as_whole(value, p, meshes)
+    plan = stage.plan
+    state = checkpoint_tensors(stage, opt)
     state[f"rng/{plan.ps.rank}"] = torch.get_rng_state()  # restored when the world size is the same
     final = os.path.join(out_dir, f"step_{step:06d}")
     tmp = final + ".tmp"
@@ -1159,7 +1211,7 @@ def save_checkpoint(out_dir, step, stage, opt, cfg, run):
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))  # a box saved by several ranks is written once
     dist.barrier()  # every rank's files are written (and rank 0's metadata)
     if plan.ps.rank == 0:
         train_state = {"step": step, "config": asdict(cfg), "world_size": plan.ps.world_size,
@@ -1216,40 +1268,88 @@ def _safe_reader(path):
     return SafeReader(path)
 
 
+LOAD_ROUND_BYTES = 1 << 30  # a resume at another layout reads the saved boxes it overlaps in rounds of this size
+
+
+def _overlap(off_a, size_a, off_b, size_b):
+    """The box shared by two boxes, as (offsets, sizes), or None."""
+    lo = [max(x, y) for x, y in zip(off_a, off_b)]
+    hi = [min(x + s, y + t) for x, s, y, t in zip(off_a, size_a, off_b, size_b)]
+    return None if any(h <= l for l, h in zip(lo, hi)) else (lo, [h - l for l, h in zip(lo, hi)])
+
+
+def _region(t, t_offsets, box):
+    """The part of t (a box starting at t_offsets) that `box` covers, as a view."""
+    offsets, sizes = box
+    return t[tuple(slice(o - to, o - to + s) for o, to, s in zip(offsets, t_offsets, sizes))]
+
+
+def _plan_reads(mine, saved, path):
+    """Which saved box fills which of ours. Returns (direct: {saved key: our tensor}, for a saved box that is exactly
+    one of ours or a 0-dim value; copies: {saved key: [(its offsets, our tensor, our offsets, the shared box)]})."""
+    saved_boxes = {}  # "model/NAME" -> [(offsets, sizes, key)]
+    for key, md in saved.items():
+        if "@" in key:
+            prefix, offsets = key.rsplit("@", 1)
+            saved_boxes.setdefault(prefix, []).append(([int(o) for o in offsets.split(",")], list(md.size), key))
+    direct, copies = {}, {}
+    for key, t in mine.items():
+        if "@" not in key:
+            if key in saved:
+                direct[key] = t
+            continue
+        prefix, offsets = key.rsplit("@", 1)
+        offsets, covered = [int(o) for o in offsets.split(",")], 0
+        for s_offsets, s_sizes, s_key in saved_boxes.get(prefix, []):
+            box = _overlap(offsets, list(t.shape), s_offsets, s_sizes)
+            if box is None:
+                continue
+            covered += math.prod(box[1])
+            if s_offsets == offsets and s_sizes == list(t.shape):
+                direct[s_key] = t
+            else:
+                copies.setdefault(s_key, []).append((s_offsets, t, offsets, box))
+        if covered != t.numel():
+            raise ValueError(f"checkpoint {path} covers {covered} of the {t.numel()} elements of {key}: it was not "
+                             "written by this program, or is incomplete; resume from another --out-dir")
+    return direct, copies
+
+
 def load_checkpoint(path, stage, opt=None):
-    """Fill this rank's parameters (and, with `opt`, its optimizer state) from a checkpoint of any layout."""
+    """Fill this rank's parameters (and, with `opt`, its optimizer state) from a checkpoint of any layout. Each box
+    this rank holds (checkpoint_tensors) is filled from the saved boxes that overlap it: a saved box that is exactly
+    ours (same layout) is read straight into the live tensor, others into a temporary that is copied from and
+    dropped. Every rank reads for itself (no collective), so the rounds of temporaries may differ by rank."""
     import torch.distributed.checkpoint as dcp
-    plan, device = stage.plan, next(stage.parameters()).device
-    reader = _safe_reader(path)
-    saved = reader.read_metadata().state_dict_metadata
-    meshes = _meshes(plan, device)
-    state, params = {}, _saved_params(stage)
-    for name, p in params:
-        state[f"model/{name}"] = _as_whole(torch.empty_like(p), p, meshes)
-        if opt is not None:  # every optimizer state the checkpoint holds for p, shaped like p (or 0-dim)
-            for key in sorted(k for k in saved if k.startswith(f"optim/{name}/")):
-                size = saved[key].size
-                local = torch.empty(() if len(size) == 0 else p.shape, dtype=saved[key].properties.dtype,
-                                    device="cpu" if len(size) == 0 else device)
-                state[key] = _as_whole(local, p, meshes)
-    rng_key = f"rng/{plan.ps.rank}"
-    same_world = read_train_state(path)["world_size"] == plan.ps.world_size
-    if same_world and rng_key in saved:
-        state[rng_key] = torch.empty_like(torch.get_rng_state())
-    dcp.load(state, storage_reader=reader)
-    local = lambda t: t.to_local() if hasattr(t, "to_local") else t
-    with torch.no_grad():
-        for name, p in params:
-            p.copy_(local(state[f"model/{name}"]).reshape(p.shape))
+    ps = stage.plan.ps
+    saved = _safe_reader(path).read_metadata().state_dict_metadata
+    like = {}  # NAME -> {STATE: (ndim, dtype)}: the optimizer states the checkpoint holds
+    for key, md in saved.items():
+        if key.startswith("optim/"):
+            _, name, state = key.split("@")[0].split("/")
+            like.setdefault(name, {})[state] = (len(md.size), md.properties.dtype)
+    mine = checkpoint_tensors(stage, opt, like)
+    if read_train_state(path)["world_size"] == ps.world_size and f"rng/{ps.rank}" in saved:
+        mine[f"rng/{ps.rank}"] = torch.empty_like(torch.get_rng_state())
+    direct, copies = _plan_reads(mine, saved, path)
+    dcp.load(direct, storage_reader=_safe_reader(path), no_dist=True)
+    keys = list(copies)
+    while keys:  # temporaries in rounds of about LOAD_ROUND_BYTES (at least one saved box each)
+        temp, size = {}, 0
+        while keys and (not temp or size < LOAD_ROUND_BYTES):
+            md = saved[keys[0]]
+            temp[keys.pop(0)] = torch.empty(md.size, dtype=md.properties.dtype)
+            size += math.prod(md.size) * md.properties.dtype.itemsize
+        dcp.load(temp, storage_reader=_safe_reader(path), no_dist=True)
+        with torch.no_grad():
+            for s_key, saved_tensor in temp.items():
+                for s_offsets, t, offsets, box in copies[s_key]:
+                    _region(t, offsets, box).copy_(_region(saved_tensor, s_offsets, box))
     if opt is not None:
-        for name, p in params:
-            prefix = f"optim/{name}/"
-            opt.load_full_state(p, {k[len(prefix):]: local(v).reshape(p.shape if v.dim() else ())
-                                    for k, v in state.items() if k.startswith(prefix)})
-        saved = read_train_state(path)["optimizer_state"]  # the loss scale; hyperparameters come from the flags
-        opt.load_scalar_state({**saved, "param_groups": opt.scalar_state()["param_groups"]})
-    if rng_key in state:
-        torch.set_rng_state(state[rng_key])
+        scalars = read_train_state(path)["optimizer_state"]  # the loss scale; hyperparameters come from the flags
+        opt.load_scalar_state({**scalars, "param_groups": opt.scalar_state()["param_groups"]})
+    if f"rng/{ps.rank}" in direct:
+        torch.set_rng_state(direct[f"rng/{ps.rank}"])
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -441,6 +441,46 @@ def test_full_state_round_trip_from_zero0_on_2_ranks_to_zero1_on_3_and_1():
             assert (p - r).abs().max().item() < 1e-12  # summation order only: measured 1.1e-16
 
 
+def _owned_pieces(rank, world):
+    """After two ZeRO-1 steps: each parameter's owned range and states, whether they are the live tensors, the
+    gathered full states; and on a fresh optimizer, the states `like` creates."""
+    model = _model64()
+    opt = mp.MixedPrecisionOptimizer(_decay_groups(model), torch.optim.AdamW, master_dtype=torch.float64,
+                                     shard_groups=[(model.parameters(), dist.group.WORLD)], zero=1, lr=LR)
+    for step in range(2):
+        _local_backward(model, step, rank, world)
+        opt.step(grad_scale=1 / GLOBAL_N)
+    pieces = []
+    for p in model.parameters():
+        (a, b), owned = opt.owned_state(p)
+        states = opt.optimizer.state[opt._piece(p)]
+        live = owned["master"] is opt._piece(p) and all(owned[k] is states[k] for k in states)
+        pieces.append(((a, b), {k: v.clone() for k, v in owned.items()}, live, opt.full_state(p)))
+    fresh_model = _model64()
+    fresh = mp.MixedPrecisionOptimizer(fresh_model.parameters(), torch.optim.AdamW, master_dtype=torch.float64,
+                                       zero=1, lr=LR)
+    p = next(fresh_model.parameters())
+    _, created = fresh.owned_state(p, like={"exp_avg": (1, torch.float64), "step": (0, torch.float32)})
+    return pieces, {k: (tuple(v.shape), v.dtype, v.device.type, v.abs().sum().item()) for k, v in created.items()}
+
+
+def test_owned_state_is_this_ranks_shard_of_the_full_state_without_a_copy():
+    out = run_ranks(_owned_pieces, 2, timeout=60)
+    for i, (_, _, _, full) in enumerate(out[0][0]):
+        numel = full["master"].numel()
+        ranges = [rank_out[0][i][0] for rank_out in out]
+        assert sum(b - a for a, b in ranges) == numel  # the two ranks' ranges tile the parameter ...
+        for rank_out in out:
+            (a, b), owned, live, _ = rank_out[0][i]
+            assert live  # the optimizer's own tensors, not copies
+            assert set(owned) == set(full)
+            for key in ("master", "exp_avg", "exp_avg_sq"):  # ... and hold its elements [a, b)
+                assert torch.equal(owned[key].reshape(-1), full[key].reshape(-1)[a:b])
+            assert torch.equal(owned["step"], full["step"])
+    created = out[0][1]  # zero-filled, 0-dim ones on the CPU (torch.optim keeps Adam's step there)
+    assert created["exp_avg"][1:] == (torch.float64, "cpu", 0.0) and created["step"] == ((), torch.float32, "cpu", 0.0)
+
+
 def test_master_state_round_trip_keeps_fp32_masters_of_bf16_params():
     torch.manual_seed(0)
     model, clone = mp.MLP().bfloat16(), mp.MLP().bfloat16()

@@ -394,8 +394,10 @@ def test_flops_per_token_equal_the_measured_count(moe_every):
     assert train_gpt.model_flops_per_token(cfg) > 6 * cfg.vocab_size * cfg.n_embd
 
 
-def _resume_run(rank, world, out_dir, dtype, resume, **layout):
+def _resume_run(rank, world, out_dir, dtype, resume, round_bytes=None, **layout):
     torch.set_default_dtype(getattr(torch, dtype))
+    if round_bytes:  # read the saved boxes one at a time: every resume at another layout then takes many rounds
+        train_gpt.LOAD_ROUND_BYTES = round_bytes
     run = _run(dtype=dtype, optimizer="adamw", lr=1e-2, steps=4, save_every=2, out_dir=out_dir, resume=resume,
                micro_batch=1, **layout)
     return [(r["step"], r["loss"], r["grad_norm"]) for r in train_gpt.train(CFG, run)]
@@ -414,15 +416,64 @@ def test_resume_is_exact_on_tp_pp_dp(tmp_path):
     assert resumed == full[2:]  # bit for bit: model, AdamW moments and step, schedule and data position
 
 
-@pytest.mark.parametrize("world, layout", [
-    (4, dict(zero=1)),                # TP2 x PP2 -> DP4, optimizer state sharded over 4
-    (4, dict(cp=2, zero=0)),          # TP2 x PP2 -> PP1 x CP2 x DP2
+@pytest.mark.parametrize("saved, world, layout", [
+    (dict(tp=2, pp=2), 4, dict(zero=1)),                   # TP2 x PP2 -> DP4, optimizer state sharded over 4
+    (dict(tp=2, pp=2), 4, dict(cp=2, zero=0)),             # TP2 x PP2 -> PP1 x CP2 x DP2
+    (dict(tp=2, zero=1), 4, dict(pp=2, zero=1)),           # ZeRO-1 shards of TP2 x DP2 -> those of PP2 x DP2
+    (dict(pp=2, zero=1), 3, dict(zero=1, round_bytes=1)),  # ... -> DP3, one saved box per read
 ])
-def test_resume_at_another_layout(tmp_path, world, layout):
-    full = run_ranks(_resume_run, 4, str(tmp_path / "a"), "float64", False, tp=2, pp=2, timeout=180)[0]
+def test_resume_at_another_layout(tmp_path, saved, world, layout):
+    full = run_ranks(_resume_run, 4, str(tmp_path / "a"), "float64", False, timeout=180, **saved)[0]
     _keep_first_checkpoint(tmp_path / "a", tmp_path / "b")
     resumed = run_ranks(_resume_run, world, str(tmp_path / "b"), "float64", True, timeout=180, **layout)[0]
     assert max(abs(a - b) for r, f in zip(resumed, full[2:]) for a, b in zip(r, f)) < TOL
+
+
+def test_flat_range_boxes_cover_the_range_exactly_in_runs_of_memory():
+    gen = torch.Generator().manual_seed(0)
+    for shape in [(7,), (3, 5), (2, 3, 4), (3, 1, 4, 2)]:
+        n = math.prod(shape)
+        for _ in range(40):
+            a, b = sorted(torch.randint(0, n + 1, (2,), generator=gen).tolist())
+            boxes = train_gpt.flat_range_boxes(list(shape), a, b)
+            assert len(boxes) <= 2 * len(shape) - 1
+            index = torch.arange(n).view(shape)
+            runs = [index[tuple(slice(o, o + s) for o, s in zip(off, size))].reshape(-1) for off, size in boxes]
+            for run in runs:  # each box is one run of consecutive elements ...
+                assert torch.equal(run, torch.arange(run[0], run[0] + len(run)))
+            covered = torch.cat(runs) if runs else torch.empty(0, dtype=torch.long)
+            assert torch.equal(covered, torch.arange(a, b))  # ... and together, in order, exactly [a, b)
+
+
+def _saved_bytes(rank, world, zero):
+    """What one rank hands to the checkpoint writer after a step (bf16 AdamW, ZeRO over DP = world): bytes of the
+    model and optimizer boxes, how many share storage with a live tensor, and the elements this rank owns."""
+    torch.set_default_dtype(torch.float32)
+    run = _run(dtype="bfloat16", optimizer="adamw", zero=zero, steps=1)
+    plan, stage, opt, pipe = train_gpt.build(CFG, run)
+    tokens = train_gpt.synthetic_batch(0, BATCH, CFG.seq_len, CFG.vocab_size)
+    train_gpt.train_step(stage, pipe, opt, tokens, MICRO)
+    live = {p.untyped_storage().data_ptr() for p in stage.parameters()}
+    for p in stage.parameters():
+        _, owned = opt.owned_state(p)
+        live |= {t.untyped_storage().data_ptr() for t in owned.values()}
+    tensors = train_gpt.checkpoint_tensors(stage, opt)
+    nbytes = lambda prefix: sum(t.nbytes for k, t in tensors.items() if k.startswith(prefix) and t.dim())
+    owned = sum(b - a for p in stage.parameters() for (a, b), _ in [opt.owned_state(p)])
+    shared = sum(t.untyped_storage().data_ptr() in live for t in tensors.values())
+    return nbytes("model/"), nbytes("optim/"), shared, len(tensors), owned, sum(p.numel() for p in stage.parameters())
+
+
+def test_a_checkpoint_is_written_where_it_lies_zero_1_shards_included():
+    for zero in (0, 1):
+        out = run_ranks(_saved_bytes, 2, zero, timeout=120)
+        for model_bytes, optim_bytes, shared, count, owned, n in out:
+            assert shared == count  # every tensor saved is a view of a live one: saving allocates nothing
+            assert model_bytes == 2 * n  # bf16 weights
+            # FP32 master, exp_avg, exp_avg_sq of the elements this rank owns: 12 bytes each, not 12 per parameter
+            assert optim_bytes == 12 * owned
+        owned = [o[4] for o in out]
+        assert owned == ([n, n] if zero == 0 else [math.ceil(n / 2), n - math.ceil(n / 2)])
 
 
 def test_a_checkpoint_of_another_shape_is_refused(tmp_path):

@@ -4,7 +4,9 @@ An MoE layer replaces one MLP by E expert MLPs and a router. Each token goes to 
 their outputs are summed with the router's weights: parameters grow E times, FLOPs per token only k times.
 
 Router. logits = x W_r (T x E); probabilities by a softmax over ALL experts; the top-k per token are
-selected and (by default, as Mixtral) their weights renormalised to sum to one. Without pressure the router
+selected and (by default, as Mixtral) their weights renormalised to sum to one. Not at top-1: one weight
+renormalised is always exactly 1, a constant that passes the router no gradient from the task loss, so top-1
+gates with the raw probability of the chosen expert (as Switch Transformer). Without pressure the router
 collapses onto a few experts, so two auxiliary losses are added (Switch Transformer, ST-MoE, Megatron-LM):
 
     load balancing   coeff * E * sum_i f_i P_i      f_i: share of the T*k assignments sent to expert i
@@ -232,7 +234,7 @@ class Router(nn.Module):
         scores = probs if self.bias is None else probs + self.bias
         experts = scores.topk(self.top_k, dim=-1).indices
         weights = probs.gather(-1, experts)  # the bias selects, it never weights
-        if self.normalize:
+        if self.normalize and self.top_k > 1:  # a single weight renormalised is 1: no gradient to the router
             weights = weights / weights.sum(-1, keepdim=True)
         return logits, weights.to(x.dtype), experts
 

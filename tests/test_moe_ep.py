@@ -22,7 +22,7 @@ def naive_moe(moe, x):
     y = torch.zeros_like(x)
     for t in range(x.shape[0]):
         top = probs[t].topk(moe.top_k)
-        w = top.values / top.values.sum() if moe.router.normalize else top.values
+        w = top.values / top.values.sum() if moe.router.normalize and moe.top_k > 1 else top.values
         for weight, e in zip(w, top.indices):
             y[t] += weight * (F.gelu(x[t] @ moe.w1[e]) @ moe.w2[e])
     return y
@@ -31,10 +31,27 @@ def naive_moe(moe, x):
 def test_single_process_moe_matches_the_naive_definition():
     torch.set_default_dtype(torch.float64)
     torch.manual_seed(0)
-    for k, normalize in ((1, False), (2, True), (4, True)):
+    for k, normalize in ((1, False), (1, True), (2, True), (4, True)):
         moe = moe_ep.MoE(8, 16, 4, k, normalize_topk=normalize)
         x = torch.randn(20, 8)
         assert (moe(x)[0] - naive_moe(moe, x)).abs().max() < TOL
+
+
+def test_top1_router_learns_from_the_task_loss():
+    # top-1 is not renormalised (a weight of exactly 1 is a constant): with the auxiliary losses off, the task
+    # loss alone reaches the router, the same as without normalisation. Renormalised, the router's gradient was
+    # rounding error only, far below the bound.
+    torch.set_default_dtype(torch.float64)
+    gen = torch.Generator().manual_seed(2)
+    x, g = torch.randn(20, 8, generator=gen), torch.randn(20, 8, generator=gen)
+    grads = []
+    for normalize in (True, False):
+        torch.manual_seed(0)
+        moe = moe_ep.MoE(8, 16, 4, 1, normalize_topk=normalize, aux_loss_coeff=0.0, z_loss_coeff=0.0)
+        (moe(x)[0] * g).sum().backward()
+        grads.append(moe.router.weight.grad)
+    assert grads[0].norm() > 1e-2
+    assert torch.equal(grads[0], grads[1])
 
 
 def _ep_rank(rank, P, E, k, T, route_to=None, seed=0):

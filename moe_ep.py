@@ -79,6 +79,7 @@ import math
 import os
 import tempfile
 from collections import Counter
+from fractions import Fraction
 
 import torch
 import torch.distributed as dist
@@ -211,7 +212,12 @@ def update_balancing_bias(bias, load, rate):
 
 
 def expert_capacity(tokens, top_k, num_experts, capacity_factor):
-    return math.ceil(tokens * top_k / num_experts * capacity_factor)
+    """ceil(tokens * top_k / num_experts * capacity_factor), in exact arithmetic: in floats a product that is
+    an integer comes out a hair above it (100 * 2 / 4 * 1.1 = 55.00000000000001) and ceil adds a slot."""
+    # Fraction(str(cf)), not Fraction(cf): the float 0.07 is exactly 0.0700000000000000066..., whose
+    # product with 100 is still above 7; its repr is the shortest decimal that reads back as the same
+    # float, i.e. the value the caller wrote, and that is the factor meant.
+    return math.ceil(Fraction(tokens * top_k, num_experts) * Fraction(str(capacity_factor)))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -164,6 +164,20 @@ def test_capacity_drops_exactly_the_lowest_weight_assignments():
     assert torch.bincount(ex[keep], minlength=4).max() <= 3
 
 
+def test_expert_capacity_is_exact_for_the_factor_as_written():
+    # in floats 100 * 2 / 4 * 1.1 = 55.00000000000001 and 100 * 0.07 = 7.000000000000001: ceil gave 56 and 8
+    assert moe_ep.expert_capacity(100, 2, 4, 1.1) == 55
+    assert moe_ep.expert_capacity(100, 1, 1, 0.07) == 7
+    # against integer arithmetic on the decimal as written: cf = digits / 10**places
+    for written in ("0.07", "0.1", "0.3", "0.75", "1", "1.1", "1.15", "1.2", "1.25", "1.3", "2.2"):
+        digits, places = int(written.replace(".", "")), len(written.partition(".")[2])
+        for tokens in range(0, 130, 7):
+            for top_k, num_experts in ((1, 1), (1, 4), (2, 4), (2, 6), (3, 8), (6, 64)):
+                exact = -(-tokens * top_k * digits // (num_experts * 10 ** places))
+                assert moe_ep.expert_capacity(tokens, top_k, num_experts, float(written)) == exact, \
+                    (tokens, top_k, num_experts, written)
+
+
 def test_auxiliary_losses_on_a_hand_computed_example():
     torch.set_default_dtype(torch.float64)
     logits = torch.tensor([[2.0, 0.0, 0.0], [0.0, 1.0, 0.0], [1.0, 0.0, 3.0], [0.5, 0.0, 0.0]])

@@ -33,8 +33,10 @@ load_balancing_loss(..., group=g), z_loss(..., group=g)), each in ONE small all-
 statistics: tokens per expert and probability sums per expert (balancing), sum_t lse_t^2 and the token
 count (z-loss). The MoE layer needs both, so it calls router_losses, which concatenates the two vectors and
 sums them in one all-reduce: one collective per layer per micro-batch, not two. The global token count is
-summed rather than assumed, so uneven splits are exact too, and the forward value on every rank is the
-global loss while the gradient flows through the local share only.
+summed rather than assumed, so uneven splits are exact too, down to a rank with no tokens (grad_accum.py
+allows them; it still joins the all-reduce), and the forward value on every rank is the global loss while the
+gradient flows through the local share only. With no tokens at all (alone, or over the whole group) the losses
+are a zero that stays in the autograd graph, not 0/0.
 
 Expert parallelism. With an EP group of P ranks each rank holds E/P experts (expert e on EP rank
 e // (E/P)) and T local tokens. One forward is four steps:
@@ -144,7 +146,9 @@ def _balancing_over_group(local_prob_sum, summed, top_k, coeff):
     gradient flows through this rank's probability sums."""
     E = local_prob_sum.shape[0]
     counts, prob_sum = summed[:E], summed[E:]
-    assignments = counts.sum()              # T_global * k, counted: uneven splits are exact
+    # T_global * k, counted: uneven splits are exact. At least 1: a group without any token gets 0 (its sums
+    # are all zero), not 0/0
+    assignments = counts.sum().clamp(min=1)
     tokens = assignments / top_k
     f = counts / assignments
     scale = coeff * E / tokens              # P_i = (sum of p_ti over the group's tokens) / T_global
@@ -158,6 +162,7 @@ def load_balancing_loss(router_logits, top_k, coeff, group=None, selected=None):
     counts, local_prob_sum = _balancing_parts(router_logits, top_k, selected)
     if _group_info(group)[1] == 1:
         T, E = router_logits.shape
+        T = max(T, 1)  # no tokens: the sums are zero and so is the loss, a zero still in the graph (not 0/0)
         return coeff * E * ((counts / (T * top_k)) * local_prob_sum).sum() / T
     summed = _summed_statistics(torch.cat([counts, local_prob_sum]), group)
     return _balancing_over_group(local_prob_sum, summed, top_k, coeff)
@@ -176,7 +181,8 @@ def _z_statistics(local_sum, tokens):
 
 def _z_over_group(local_sum, summed, coeff):
     """The group's z-loss from `summed` (the group's sum of lse^2 and its token count)."""
-    return _global_value(coeff * local_sum / summed[1], coeff * summed[0] / summed[1])
+    tokens = summed[1].clamp(min=1)  # a group with no tokens at all: 0, not 0/0
+    return _global_value(coeff * local_sum / tokens, coeff * summed[0] / tokens)
 
 
 def z_loss(router_logits, coeff, group=None):
@@ -184,7 +190,7 @@ def z_loss(router_logits, coeff, group=None):
     logsumexp(logits)^2."""
     local_sum, tokens = _z_parts(router_logits)
     if _group_info(group)[1] == 1:
-        return coeff * local_sum / tokens
+        return coeff * local_sum / max(tokens, 1)  # no tokens: a zero still in the graph (not 0/0)
     summed = _summed_statistics(_z_statistics(local_sum, tokens), group)
     return _z_over_group(local_sum, summed, coeff)
 

@@ -304,7 +304,7 @@ def _split_micro_batch(rank, P, sizes):
     return aux.item(), moe.router.weight.grad, moe.w1.grad, moe.w2.grad
 
 
-@pytest.mark.parametrize("sizes", [[7, 7], [3, 11], [5, 5, 5], [1, 6, 8]])
+@pytest.mark.parametrize("sizes", [[7, 7], [3, 11], [5, 5, 5], [1, 6, 8], [0, 9]])
 def test_moe_router_losses_over_a_split_micro_batch_equal_the_whole(sizes):
     torch.set_default_dtype(torch.float64)
     torch.manual_seed(0)
@@ -320,6 +320,38 @@ def test_moe_router_losses_over_a_split_micro_batch_equal_the_whole(sizes):
     # summed over the group (what the gradient reduction over CP does), every gradient is the whole one's
     for i, p in enumerate((ref.router.weight, ref.w1, ref.w2)):
         assert (sum(r[i + 1] for r in results) - p.grad).abs().max() < TOL
+
+
+def _no_tokens_in_the_group(rank, P):
+    torch.set_default_dtype(torch.float64)
+    group = dist.group.WORLD
+    torch.manual_seed(0)
+    moe = moe_ep.MoE(8, 12, 4, 2, ep_group=group, stats_group=group)
+    x = torch.randn(0, 8, requires_grad=True)
+    y, aux = moe(x)
+    (y.sum() + aux).backward()
+    return aux.item(), aux.grad_fn is not None, moe.router.weight.grad
+
+
+def test_no_tokens_give_router_losses_that_are_a_zero_in_the_graph():
+    # a rank with no tokens (grad_accum.py allows them) and no group to bring statistics from: 0, not 0/0
+    torch.set_default_dtype(torch.float64)
+    logits = torch.randn(0, 4, requires_grad=True)
+    losses = [moe_ep.load_balancing_loss(logits, 2, 0.01), moe_ep.z_loss(logits, 1e-3),
+              moe_ep.router_losses(logits, 2, 0.01, 1e-3)]
+    for loss in losses:
+        assert loss.item() == 0 and loss.requires_grad
+    sum(losses).backward()
+    assert logits.grad.shape == (0, 4)
+    torch.manual_seed(0)
+    moe = moe_ep.MoE(16, 32, 4, 2)
+    y, aux = moe(torch.randn(0, 16))
+    (y.sum() + aux).backward()
+    assert y.shape == (0, 16) and aux.item() == 0 and torch.equal(moe.router.weight.grad, torch.zeros(4, 16))
+    # a group where no rank has a token: the summed counts are zero, the losses too (one rank with none is
+    # exact: test_moe_router_losses_over_a_split_micro_batch_equal_the_whole, sizes [0, 9])
+    for aux_r, in_graph, router_grad in run_ranks(_no_tokens_in_the_group, 2, timeout=60):
+        assert aux_r == 0 and in_graph and torch.equal(router_grad, torch.zeros(4, 8))
 
 
 def _router_stats_allreduces(rank, P):

@@ -4,7 +4,9 @@ An MoE layer replaces one MLP by E expert MLPs and a router. Each token goes to 
 their outputs are summed with the router's weights: parameters grow E times, FLOPs per token only k times.
 
 Router. logits = x W_r (T x E); probabilities by a softmax over ALL experts; the top-k per token are
-selected and (by default, as Mixtral) their weights renormalised to sum to one. Without pressure the router
+selected and (by default, as Mixtral) their weights renormalised to sum to one. Not at top-1: one weight
+renormalised is always exactly 1, a constant that passes the router no gradient from the task loss, so top-1
+gates with the raw probability of the chosen expert (as Switch Transformer). Without pressure the router
 collapses onto a few experts, so two auxiliary losses are added (Switch Transformer, ST-MoE, Megatron-LM):
 
     load balancing   coeff * E * sum_i f_i P_i      f_i: share of the T*k assignments sent to expert i
@@ -31,8 +33,10 @@ load_balancing_loss(..., group=g), z_loss(..., group=g)), each in ONE small all-
 statistics: tokens per expert and probability sums per expert (balancing), sum_t lse_t^2 and the token
 count (z-loss). The MoE layer needs both, so it calls router_losses, which concatenates the two vectors and
 sums them in one all-reduce: one collective per layer per micro-batch, not two. The global token count is
-summed rather than assumed, so uneven splits are exact too, and the forward value on every rank is the
-global loss while the gradient flows through the local share only.
+summed rather than assumed, so uneven splits are exact too, down to a rank with no tokens (grad_accum.py
+allows them; it still joins the all-reduce), and the forward value on every rank is the global loss while the
+gradient flows through the local share only. With no tokens at all (alone, or over the whole group) the losses
+are a zero that stays in the autograd graph, not 0/0.
 
 Expert parallelism. With an EP group of P ranks each rank holds E/P experts (expert e on EP rank
 e // (E/P)) and T local tokens. One forward is four steps:
@@ -77,6 +81,7 @@ import math
 import os
 import tempfile
 from collections import Counter
+from fractions import Fraction
 
 import torch
 import torch.distributed as dist
@@ -141,7 +146,9 @@ def _balancing_over_group(local_prob_sum, summed, top_k, coeff):
     gradient flows through this rank's probability sums."""
     E = local_prob_sum.shape[0]
     counts, prob_sum = summed[:E], summed[E:]
-    assignments = counts.sum()              # T_global * k, counted: uneven splits are exact
+    # T_global * k, counted: uneven splits are exact. At least 1: a group without any token gets 0 (its sums
+    # are all zero), not 0/0
+    assignments = counts.sum().clamp(min=1)
     tokens = assignments / top_k
     f = counts / assignments
     scale = coeff * E / tokens              # P_i = (sum of p_ti over the group's tokens) / T_global
@@ -155,6 +162,7 @@ def load_balancing_loss(router_logits, top_k, coeff, group=None, selected=None):
     counts, local_prob_sum = _balancing_parts(router_logits, top_k, selected)
     if _group_info(group)[1] == 1:
         T, E = router_logits.shape
+        T = max(T, 1)  # no tokens: the sums are zero and so is the loss, a zero still in the graph (not 0/0)
         return coeff * E * ((counts / (T * top_k)) * local_prob_sum).sum() / T
     summed = _summed_statistics(torch.cat([counts, local_prob_sum]), group)
     return _balancing_over_group(local_prob_sum, summed, top_k, coeff)
@@ -173,7 +181,8 @@ def _z_statistics(local_sum, tokens):
 
 def _z_over_group(local_sum, summed, coeff):
     """The group's z-loss from `summed` (the group's sum of lse^2 and its token count)."""
-    return _global_value(coeff * local_sum / summed[1], coeff * summed[0] / summed[1])
+    tokens = summed[1].clamp(min=1)  # a group with no tokens at all: 0, not 0/0
+    return _global_value(coeff * local_sum / tokens, coeff * summed[0] / tokens)
 
 
 def z_loss(router_logits, coeff, group=None):
@@ -181,7 +190,7 @@ def z_loss(router_logits, coeff, group=None):
     logsumexp(logits)^2."""
     local_sum, tokens = _z_parts(router_logits)
     if _group_info(group)[1] == 1:
-        return coeff * local_sum / tokens
+        return coeff * local_sum / max(tokens, 1)  # no tokens: a zero still in the graph (not 0/0)
     summed = _summed_statistics(_z_statistics(local_sum, tokens), group)
     return _z_over_group(local_sum, summed, coeff)
 
@@ -209,7 +218,12 @@ def update_balancing_bias(bias, load, rate):
 
 
 def expert_capacity(tokens, top_k, num_experts, capacity_factor):
-    return math.ceil(tokens * top_k / num_experts * capacity_factor)
+    """ceil(tokens * top_k / num_experts * capacity_factor), in exact arithmetic: in floats a product that is
+    an integer comes out a hair above it (100 * 2 / 4 * 1.1 = 55.00000000000001) and ceil adds a slot."""
+    # Fraction(str(cf)), not Fraction(cf): the float 0.07 is exactly 0.0700000000000000066..., whose
+    # product with 100 is still above 7; its repr is the shortest decimal that reads back as the same
+    # float, i.e. the value the caller wrote, and that is the factor meant.
+    return math.ceil(Fraction(tokens * top_k, num_experts) * Fraction(str(capacity_factor)))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -232,7 +246,7 @@ class Router(nn.Module):
         scores = probs if self.bias is None else probs + self.bias
         experts = scores.topk(self.top_k, dim=-1).indices
         weights = probs.gather(-1, experts)  # the bias selects, it never weights
-        if self.normalize:
+        if self.normalize and self.top_k > 1:  # a single weight renormalised is 1: no gradient to the router
             weights = weights / weights.sum(-1, keepdim=True)
         return logits, weights.to(x.dtype), experts
 

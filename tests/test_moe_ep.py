@@ -22,7 +22,7 @@ def naive_moe(moe, x):
     y = torch.zeros_like(x)
     for t in range(x.shape[0]):
         top = probs[t].topk(moe.top_k)
-        w = top.values / top.values.sum() if moe.router.normalize else top.values
+        w = top.values / top.values.sum() if moe.router.normalize and moe.top_k > 1 else top.values
         for weight, e in zip(w, top.indices):
             y[t] += weight * (F.gelu(x[t] @ moe.w1[e]) @ moe.w2[e])
     return y
@@ -31,10 +31,27 @@ def naive_moe(moe, x):
 def test_single_process_moe_matches_the_naive_definition():
     torch.set_default_dtype(torch.float64)
     torch.manual_seed(0)
-    for k, normalize in ((1, False), (2, True), (4, True)):
+    for k, normalize in ((1, False), (1, True), (2, True), (4, True)):
         moe = moe_ep.MoE(8, 16, 4, k, normalize_topk=normalize)
         x = torch.randn(20, 8)
         assert (moe(x)[0] - naive_moe(moe, x)).abs().max() < TOL
+
+
+def test_top1_router_learns_from_the_task_loss():
+    # top-1 is not renormalised (a weight of exactly 1 is a constant): with the auxiliary losses off, the task
+    # loss alone reaches the router, the same as without normalisation. Renormalised, the router's gradient was
+    # rounding error only, far below the bound.
+    torch.set_default_dtype(torch.float64)
+    gen = torch.Generator().manual_seed(2)
+    x, g = torch.randn(20, 8, generator=gen), torch.randn(20, 8, generator=gen)
+    grads = []
+    for normalize in (True, False):
+        torch.manual_seed(0)
+        moe = moe_ep.MoE(8, 16, 4, 1, normalize_topk=normalize, aux_loss_coeff=0.0, z_loss_coeff=0.0)
+        (moe(x)[0] * g).sum().backward()
+        grads.append(moe.router.weight.grad)
+    assert grads[0].norm() > 1e-2
+    assert torch.equal(grads[0], grads[1])
 
 
 def _ep_rank(rank, P, E, k, T, route_to=None, seed=0):
@@ -145,6 +162,20 @@ def test_capacity_drops_exactly_the_lowest_weight_assignments():
                 expected[t] += w[t, j] * (F.gelu(x[t] @ moe.w1[e]) @ moe.w2[e])
     assert (y - expected).abs().max() < TOL
     assert torch.bincount(ex[keep], minlength=4).max() <= 3
+
+
+def test_expert_capacity_is_exact_for_the_factor_as_written():
+    # in floats 100 * 2 / 4 * 1.1 = 55.00000000000001 and 100 * 0.07 = 7.000000000000001: ceil gave 56 and 8
+    assert moe_ep.expert_capacity(100, 2, 4, 1.1) == 55
+    assert moe_ep.expert_capacity(100, 1, 1, 0.07) == 7
+    # against integer arithmetic on the decimal as written: cf = digits / 10**places
+    for written in ("0.07", "0.1", "0.3", "0.75", "1", "1.1", "1.15", "1.2", "1.25", "1.3", "2.2"):
+        digits, places = int(written.replace(".", "")), len(written.partition(".")[2])
+        for tokens in range(0, 130, 7):
+            for top_k, num_experts in ((1, 1), (1, 4), (2, 4), (2, 6), (3, 8), (6, 64)):
+                exact = -(-tokens * top_k * digits // (num_experts * 10 ** places))
+                assert moe_ep.expert_capacity(tokens, top_k, num_experts, float(written)) == exact, \
+                    (tokens, top_k, num_experts, written)
 
 
 def test_auxiliary_losses_on_a_hand_computed_example():
@@ -273,7 +304,7 @@ def _split_micro_batch(rank, P, sizes):
     return aux.item(), moe.router.weight.grad, moe.w1.grad, moe.w2.grad
 
 
-@pytest.mark.parametrize("sizes", [[7, 7], [3, 11], [5, 5, 5], [1, 6, 8]])
+@pytest.mark.parametrize("sizes", [[7, 7], [3, 11], [5, 5, 5], [1, 6, 8], [0, 9]])
 def test_moe_router_losses_over_a_split_micro_batch_equal_the_whole(sizes):
     torch.set_default_dtype(torch.float64)
     torch.manual_seed(0)
@@ -289,6 +320,38 @@ def test_moe_router_losses_over_a_split_micro_batch_equal_the_whole(sizes):
     # summed over the group (what the gradient reduction over CP does), every gradient is the whole one's
     for i, p in enumerate((ref.router.weight, ref.w1, ref.w2)):
         assert (sum(r[i + 1] for r in results) - p.grad).abs().max() < TOL
+
+
+def _no_tokens_in_the_group(rank, P):
+    torch.set_default_dtype(torch.float64)
+    group = dist.group.WORLD
+    torch.manual_seed(0)
+    moe = moe_ep.MoE(8, 12, 4, 2, ep_group=group, stats_group=group)
+    x = torch.randn(0, 8, requires_grad=True)
+    y, aux = moe(x)
+    (y.sum() + aux).backward()
+    return aux.item(), aux.grad_fn is not None, moe.router.weight.grad
+
+
+def test_no_tokens_give_router_losses_that_are_a_zero_in_the_graph():
+    # a rank with no tokens (grad_accum.py allows them) and no group to bring statistics from: 0, not 0/0
+    torch.set_default_dtype(torch.float64)
+    logits = torch.randn(0, 4, requires_grad=True)
+    losses = [moe_ep.load_balancing_loss(logits, 2, 0.01), moe_ep.z_loss(logits, 1e-3),
+              moe_ep.router_losses(logits, 2, 0.01, 1e-3)]
+    for loss in losses:
+        assert loss.item() == 0 and loss.requires_grad
+    sum(losses).backward()
+    assert logits.grad.shape == (0, 4)
+    torch.manual_seed(0)
+    moe = moe_ep.MoE(16, 32, 4, 2)
+    y, aux = moe(torch.randn(0, 16))
+    (y.sum() + aux).backward()
+    assert y.shape == (0, 16) and aux.item() == 0 and torch.equal(moe.router.weight.grad, torch.zeros(4, 16))
+    # a group where no rank has a token: the summed counts are zero, the losses too (one rank with none is
+    # exact: test_moe_router_losses_over_a_split_micro_batch_equal_the_whole, sizes [0, 9])
+    for aux_r, in_graph, router_grad in run_ranks(_no_tokens_in_the_group, 2, timeout=60):
+        assert aux_r == 0 and in_graph and torch.equal(router_grad, torch.zeros(4, 8))
 
 
 def _router_stats_allreduces(rank, P):
@@ -338,6 +401,7 @@ def test_local_router_losses_do_depend_on_the_split():
 # ----------------------------------------------------------------------------------------------------
 
 def test_host_sync_counter_sees_every_kind_of_host_read():
+    tolist = torch.Tensor.tolist
     x = torch.randn(12)
     e = torch.tensor([0, 2, 2, 1])
     w = torch.randn(4, requires_grad=True)
@@ -367,7 +431,7 @@ def test_host_sync_counter_sees_every_kind_of_host_read():
     with moe_ep.HostSyncCounter() as c:
         torch.tensor(float(x.shape[0]))
     assert c.uploads == 1
-    assert torch.Tensor.tolist is not None and e.tolist() == [0, 2, 2, 1]  # restored on exit
+    assert torch.Tensor.tolist is tolist and e.tolist() == [0, 2, 2, 1]  # restored on exit
 
 
 def _syncs_of_a_step(rank, P, dtype, impl, capacity_factor, layers=2, micro_batches=2):

@@ -814,7 +814,7 @@ def bench(seq, batch, heads, kv_heads, head_dim, dtype, repeats, reference):
     peaks = {}
     for name, (fn, inputs, dout) in runs.items():
         peak, largest = _peak_bytes(fn, inputs, dout, device)
-        found = torch.tensor([peak, largest or 0], dtype=torch.float64)
+        found = torch.tensor([peak, largest or 0], dtype=torch.float64, device=device)  # NCCL: GPU tensors only
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
         peaks[name] = found.tolist()
     times = {name: [] for name in runs}
@@ -823,7 +823,7 @@ def bench(seq, batch, heads, kv_heads, head_dim, dtype, repeats, reference):
             dist.barrier()
             t0 = time.perf_counter()
             _fwd_bwd(fn, inputs, dout, device)
-            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step waits for the slowest rank
             times[name].append(elapsed.item())
 

@@ -121,7 +121,7 @@ class Block(nn.Module):
         super().__init__()
         if hidden % heads:
             raise ValueError(f"hidden={hidden} must be divisible by heads={heads}")
-        self.heads, self.dropout = heads, dropout
+        self.heads, self.dropout, self.seq_len = heads, dropout, seq_len
         self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
         self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
         self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
@@ -137,6 +137,9 @@ class Block(nn.Module):
         return att @ v
 
     def forward(self, x):
+        if x.shape[1] > self.seq_len:  # the causal mask is built once, seq_len x seq_len
+            raise ValueError(f"sequence length {x.shape[1]} exceeds the block's seq_len={self.seq_len}; "
+                             f"build the block with seq_len >= {x.shape[1]}")
         q, k, v = rearrange(self.qkv(self.ln1(x)), "b s (three a d) -> three b a s d", three=3, a=self.heads)
         core = attention_core(self, self.attention_core, q, k, v)
         x = x + F.dropout(self.proj(rearrange(core, "b a s d -> b s (a d)")), self.dropout, self.training)
@@ -463,8 +466,12 @@ def gradients(blocks, x, policy, seed=1234):
 # ----------------------------------------------------------------------------------------------------
 
 def report(layers=4, b=2, s=64, h=64, a=4, dropout=0.1, dtype=torch.float32, sweep=(4, 16, 64), crossover=True):
+    for name, flag, value in (("layers", "--layers", layers), ("b", "--batch", b), ("s", "--seq", s),
+                              ("h", "--hidden", h), ("a", "--heads", a)):
+        if value < 1:  # else a division by zero or a math domain error deep in the formulas
+            raise ValueError(f"{name}={value} must be a positive integer ({flag})")
     if not sweep or min(sweep) < 1:
-        raise ValueError(f"sweep={sweep!r}: give one or more layer counts >= 1")
+        raise ValueError(f"sweep={sweep!r}: give one or more layer counts >= 1 (--sweep)")
     e = torch.empty(0, dtype=dtype).element_size()
     x = torch.randn(b, s, h, dtype=dtype, generator=torch.Generator().manual_seed(0))
     blocks = make_blocks(layers, h, a, s, dropout).to(dtype)
@@ -573,7 +580,7 @@ def print_report(r):
         print(line)
 
 
-if __name__ == "__main__":
+def main(argv=None):
     ap = argparse.ArgumentParser(description="Measure activation recomputation policies against the formulas.")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--layers", type=int, default=4)
@@ -584,7 +591,7 @@ if __name__ == "__main__":
     ap.add_argument("--sweep", type=int, nargs="+", default=[4, 16, 64], help="layer counts of the L sweep")
     ap.add_argument("--no-crossover", action="store_true",
                     help="skip measuring full and sqrt at the first L where sqrt's peak is lower (a few seconds)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     try:
         result = report(args.layers, args.batch, args.seq, args.hidden, args.heads, sweep=tuple(args.sweep),
                         crossover=not args.no_crossover)
@@ -594,3 +601,7 @@ if __name__ == "__main__":
         print(json.dumps(result, indent=1))
     else:
         print_report(result)
+
+
+if __name__ == "__main__":
+    main()

@@ -105,8 +105,16 @@ def _group_info(group):
 # Sharding the sequence
 # ----------------------------------------------------------------------------------------------------
 
+def _check_rank(rank, world):
+    # chunk indexing would accept rank -1 (the last rank's chunks) and rank >= world (other ranks' chunks)
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"rank={rank}, world={world}: need world >= 1 and 0 <= rank < world (this rank's index "
+                         "in the group that shares the sequence)")
+
+
 def zigzag_shard(x, dim, rank, world):
     """Rank `rank`'s zigzag shard of x along `dim`: chunks rank and 2*world-1-rank of 2*world."""
+    _check_rank(rank, world)
     if x.shape[dim] % (2 * world):
         raise ValueError(f"sequence length {x.shape[dim]} (dim {dim}) is not divisible by 2*world = {2 * world}; "
                          f"pad the sequence to a multiple of {2 * world}")
@@ -123,6 +131,7 @@ def zigzag_unshard(shards, dim):
 
 def contiguous_shard(x, dim, rank, world):
     """Rank `rank`'s contiguous shard of x along `dim` (Ulysses, non-causal ring)."""
+    _check_rank(rank, world)
     if x.shape[dim] % world:
         raise ValueError(f"sequence length {x.shape[dim]} (dim {dim}) is not divisible by world = {world}; "
                          f"pad the sequence to a multiple of {world}")
@@ -137,6 +146,10 @@ def _check_qkv(q, k, v):
                          "must match, and share batch, seq and head_dim with q")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads H={q.shape[1]} must be a multiple of KV heads H_kv={k.shape[1]} (GQA)")
+    # the kernels would reject a mix only after the first KV hop, all-to-all or all-gather: a peer may hang
+    if not q.dtype == k.dtype == v.dtype or not q.device == k.device == v.device:
+        raise ValueError(f"q ({q.dtype}, {q.device}), k ({k.dtype}, {k.device}) and v ({v.dtype}, {v.device}) must "
+                         "share dtype and device; convert k and v with .to(q)")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -801,7 +814,7 @@ def bench(seq, batch, heads, kv_heads, head_dim, dtype, repeats, reference):
     peaks = {}
     for name, (fn, inputs, dout) in runs.items():
         peak, largest = _peak_bytes(fn, inputs, dout, device)
-        found = torch.tensor([peak, largest or 0], dtype=torch.float64)
+        found = torch.tensor([peak, largest or 0], dtype=torch.float64, device=device)  # NCCL: GPU tensors only
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
         peaks[name] = found.tolist()
     times = {name: [] for name in runs}
@@ -810,7 +823,7 @@ def bench(seq, batch, heads, kv_heads, head_dim, dtype, repeats, reference):
             dist.barrier()
             t0 = time.perf_counter()
             _fwd_bwd(fn, inputs, dout, device)
-            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step waits for the slowest rank
             times[name].append(elapsed.item())
 

@@ -124,6 +124,31 @@ def test_sqrt_lowers_the_peak_only_beyond_about_a_over_x_squared():
     assert tiny["sqrt_peak"] == tiny["sqrt_peak_formula"] < tiny["full_peak"] == tiny["full_peak_formula"]
 
 
+@pytest.mark.parametrize("argv, names", [
+    (["--layers", "0"], "layers=0 must be a positive integer (--layers)"),
+    (["--layers", "-2"], "layers=-2 must be a positive integer (--layers)"),  # was a math domain error
+    (["--seq", "0"], "s=0 must be a positive integer (--seq)"),
+    (["--batch", "0"], "b=0 must be a positive integer (--batch)"),
+    (["--heads", "0"], "a=0 must be a positive integer (--heads)"),
+    (["--hidden", "0"], "h=0 must be a positive integer (--hidden)"),
+    (["--heads", "3"], "hidden=64 must be divisible by heads=3"),
+    (["--sweep", "0"], "layer counts >= 1 (--sweep)"),
+])
+def test_bad_sizes_on_the_command_line_are_one_line_and_exit_code_2(capsys, argv, names):
+    with pytest.raises(SystemExit) as exit_:
+        ck.main(argv + ["--no-crossover"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith("checkpointing.py: error: "), err
+    assert names in err[0], err
+
+
+def test_sequence_longer_than_the_blocks_seq_len_names_it():
+    block = ck.Block(16, 2, seq_len=8)
+    with pytest.raises(ValueError, match="sequence length 9 exceeds the block's seq_len=8"):
+        block(torch.randn(1, 9, 16))
+    assert block(torch.randn(1, 8, 16)).shape == (1, 8, 16)
+
+
 def test_bad_policy_raises(setup):
     blocks, x = setup
     with pytest.raises(ValueError, match="policy='half'"):

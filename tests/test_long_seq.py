@@ -379,6 +379,7 @@ def _bad_inputs(rank, P):
     group = dist.group.WORLD
     q = torch.randn(1, 6, 5, 4)
     kv = torch.randn(1, 6, 5, 4)
+    q32, kv64 = torch.randn(1, 2, 4, 4), torch.randn(1, 2, 4, 4, dtype=torch.float64)
     ls.comm_log.clear()
     msgs = value_errors(
         lambda: ls.ring_attention(q, kv, kv, group, causal=True),                    # odd local length: zigzag
@@ -392,6 +393,12 @@ def _bad_inputs(rank, P):
                                   torch.randn(1, 2, 4, 4), group, impl="flash"),     # unknown impl
         lambda: ls.allgather_attention(torch.randn(1, 2, 4, 4), torch.randn(1, 2, 4, 4),
                                        torch.randn(1, 2, 4, 4), group, impl="x"),    # unknown impl
+        # q in float32, k and v in float64: the kernels would fail only after the first collective
+        lambda: ls.ring_attention(q32, kv64, kv64, group),
+        lambda: ls.ulysses_attention(q32, kv64, kv64, group),
+        lambda: ls.allgather_attention(q32, kv64, kv64, group),
+        lambda: ls.ring_attention(torch.randn(1, 2, 4, 4), torch.randn(1, 2, 4, 4),
+                                  torch.randn(1, 2, 4, 4, device="meta"), group),    # v on another device
     )
     return msgs, dict(ls.comm_log)
 
@@ -406,6 +413,19 @@ def test_bad_input_raises_before_any_communication():
         assert "not divisible by world = 2" in msgs[4]
         assert "impl='flash'" in msgs[5] and "'fused'" in msgs[5]
         assert "impl='x'" in msgs[6]
+        for msg in msgs[7:10]:
+            assert "k (torch.float64, cpu)" in msg and "must share dtype and device" in msg and ".to(q)" in msg
+        assert "v (torch.float32, meta)" in msgs[10]
+
+
+def test_shard_rank_must_be_in_the_group():
+    # chunk indexing took rank -1 as the last rank and rank == world as another rank's chunks, silently
+    x = torch.arange(8).view(1, 8)
+    for shard in (ls.zigzag_shard, ls.contiguous_shard):
+        for rank, world in ((2, 2), (-1, 2), (0, 0)):
+            with pytest.raises(ValueError, match=f"rank={rank}, world={world}: need world >= 1 and 0 <= rank < world"):
+                shard(x, 1, rank, world)
+        assert shard(x, 1, 1, 2).shape == (1, 4)
 
 
 def test_demo_head_counts_split_over_any_world_size():

@@ -80,6 +80,7 @@ Run `torchrun --nproc_per_node=4 moe_ep.py` (or `python moe_ep.py` for one rank)
 import math
 import os
 import tempfile
+import threading
 from collections import Counter
 from fractions import Fraction
 
@@ -317,18 +318,25 @@ _grouped_gemm_works = {}  # (device, dtype) -> does torch._grouped_mm run there
 def grouped_gemm_supported(device, dtype):
     """Whether torch provides a grouped GEMM for this device and dtype, forward and backward, found by trying
     it once on a tiny aligned problem (the set differs by torch version and GPU generation; trying is the
-    honest test)."""
+    honest test). The try runs on a thread of its own: grad mode, saved-tensor hooks and dispatch modes are
+    per thread, so it works under no_grad and stays invisible to the caller's activation checkpointing (whose
+    recomputation would otherwise save fewer tensors than the first forward, which ran the try) and to its
+    FLOP or memory counters."""
     key = (str(device), dtype)
     if key not in _grouped_gemm_works:
-        try:
-            a = torch.zeros(8, 8, dtype=dtype, device=device, requires_grad=True)
-            w = torch.zeros(1, 8, 8, dtype=dtype, device=device, requires_grad=True)
-            out = torch._grouped_mm(a, w, offs=torch.full((1,), 8, dtype=torch.int32, device=device))
-            out.backward(torch.ones_like(out))  # a dense gradient, as the experts' backward receives
-            _grouped_gemm_works[key] = True
-        except (AttributeError, RuntimeError, NotImplementedError):
-            _grouped_gemm_works[key] = False
-    return _grouped_gemm_works[key]
+        def attempt():
+            try:
+                a = torch.zeros(8, 8, dtype=dtype, device=device, requires_grad=True)
+                w = torch.zeros(1, 8, 8, dtype=dtype, device=device, requires_grad=True)
+                out = torch._grouped_mm(a, w, offs=torch.full((1,), 8, dtype=torch.int32, device=device))
+                out.backward(torch.ones_like(out))  # a dense gradient, as the experts' backward receives
+                _grouped_gemm_works[key] = True
+            except (AttributeError, RuntimeError, NotImplementedError):
+                _grouped_gemm_works[key] = False
+        thread = threading.Thread(target=attempt)
+        thread.start()
+        thread.join()
+    return _grouped_gemm_works.setdefault(key, False)  # an unexpected error (printed by the thread): unsupported
 
 
 def experts_loop(rows, w1, w2, sizes):

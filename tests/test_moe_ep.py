@@ -524,6 +524,30 @@ def test_expert_impl_choice():
     assert not moe_ep.MoE(16, 32, 4, 2, expert_impl="loop").float().uses_grouped_gemm(torch.randn(3, 16).float())
 
 
+def _first_probe(rank, P, dtype):
+    """A process that has never tried the grouped GEMM: its first MoE forward runs inside activation
+    checkpointing, after a first try under no_grad."""
+    moe_ep._grouped_gemm_works.clear()
+    with torch.no_grad():
+        under_no_grad = moe_ep.grouped_gemm_supported(torch.device("cpu"), dtype)
+    moe_ep._grouped_gemm_works.clear()
+    torch.manual_seed(0)
+    moe = moe_ep.MoE(16, 32, 4, 2).to(dtype)
+    x = torch.randn(8, 16, dtype=dtype, requires_grad=True)
+    y, aux = torch.utils.checkpoint.checkpoint(moe, x, use_reentrant=False)
+    (y.sum() + aux).backward()  # the recomputation must save what the first forward saved
+    return under_no_grad, moe_ep._grouped_gemm_works[(str(torch.device("cpu")), dtype)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_grouped_gemm_try_is_invisible_to_checkpointing_and_no_grad(dtype):
+    # The try used to run in the caller's context: inside a checkpointed block it saved 3 more tensors in the
+    # first forward than the recomputation (CheckpointError), and under no_grad its backward failed, so a
+    # supported dtype was recorded as unsupported. A fresh process is forked so that nothing is cached.
+    under_no_grad, supported = run_ranks(_first_probe, 1, dtype, timeout=60)[0]
+    assert under_no_grad == supported
+
+
 def _bad_impl(rank, P):
     moe_ep.comm_log.clear()
     group = dist.group.WORLD

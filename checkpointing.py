@@ -119,6 +119,9 @@ POLICIES = ("none", "full", "sqrt", "selective", "selective_sac")
 class Block(nn.Module):
     def __init__(self, hidden, heads, seq_len, dropout=0.1):
         super().__init__()
+        for name, value in (("hidden", hidden), ("heads", heads), ("seq_len", seq_len)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
         if hidden % heads:
             raise ValueError(f"hidden={hidden} must be divisible by heads={heads}")
         self.heads, self.dropout, self.seq_len = heads, dropout, seq_len

@@ -64,6 +64,7 @@ import argparse
 import math
 import os
 import statistics
+import sys
 import tempfile
 import time
 import weakref
@@ -783,6 +784,10 @@ def _peak_bytes(fn, inputs, dout, device):
 def bench(seq, batch, heads, kv_heads, head_dim, dtype, repeats, reference):
     """Ring attention forward + backward at a long sequence: peak memory and time, fused against reference,
     and single-rank SDPA on the whole sequence; the measured memory beside ring_memory_bytes (O(s/P))."""
+    for flag, value in (("--seq", seq), ("--batch", batch), ("--heads", heads), ("--kv-heads", kv_heads),
+                        ("--head-dim", head_dim), ("--repeats", repeats)):
+        if value < 1:  # before the process group: every rank fails alike, none waits for the others
+            raise ValueError(f"{flag} {value} must be a positive integer")
     cuda = torch.cuda.is_available()
     rank, P = _init("nccl" if cuda else "gloo")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
@@ -865,8 +870,13 @@ def _main():
     args = parser.parse_args()
     if not args.bench:
         return demo()
-    bench(args.seq, args.batch, args.heads, args.kv_heads or args.heads, args.head_dim, getattr(torch, args.dtype),
-          args.repeats, not args.no_reference)
+    try:
+        bench(args.seq, args.batch, args.heads, args.heads if args.kv_heads is None else args.kv_heads, args.head_dim,
+              getattr(torch, args.dtype), args.repeats, not args.no_reference)
+    except ValueError as e:  # bad input: one line on rank 0 and exit code 2, not a traceback per rank
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"long_seq.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

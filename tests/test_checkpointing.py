@@ -149,6 +149,12 @@ def test_sequence_longer_than_the_blocks_seq_len_names_it():
     assert block(torch.randn(1, 8, 16)).shape == (1, 8, 16)
 
 
+@pytest.mark.parametrize("args, names", [((16, 0, 8), "heads=0"), ((0, 2, 8), "hidden=0"), ((16, 2, 0), "seq_len=0")])
+def test_a_block_of_no_size_names_it(args, names):
+    with pytest.raises(ValueError, match=f"{names} must be a positive integer"):
+        ck.Block(*args)
+
+
 def test_bad_policy_raises(setup):
     blocks, x = setup
     with pytest.raises(ValueError, match="policy='half'"):

@@ -1,6 +1,8 @@
 """long_seq.py: ring (zigzag causal and non-causal; fused kernels and the einsum reference), Ulysses and all-gather
 attention against SDPA on the whole sequence, on every rank; communication counted and overlapped; zigzag balance;
 saved and peak memory O(s/P) at s = 32768; validation before communication."""
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -435,3 +437,12 @@ def test_demo_head_counts_split_over_any_world_size():
         h, h_kv, why = ls._demo_heads(P)
         assert _ulysses_allowed(h, h_kv, P) and h % h_kv == 0, P
         assert bool(why) == ((h, h_kv) != (8, 4)), P
+
+
+@pytest.mark.parametrize("flag", ["--seq", "--batch", "--heads", "--kv-heads", "--head-dim", "--repeats"])
+def test_bench_sizes_below_one_are_one_line_and_exit_code_2(flag):
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "long_seq.py", "--bench", flag, "0"], capture_output=True, text=True,
+                         timeout=60, cwd=os.path.dirname(os.path.abspath(ls.__file__)))
+    assert out.returncode == 2 and out.stderr.strip() == f"long_seq.py: error: {flag} 0 must be a positive integer"

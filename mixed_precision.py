@@ -609,13 +609,14 @@ class MixedPrecisionOptimizer:
         1-D piece, possibly empty). A sharded checkpoint writes these where they lie, so saving costs no memory
         (full_state would hold the whole of every parameter's state at once: 12 bytes per parameter for Adam,
         what ZeRO-1 saved); loading writes into them in place. `like`, {state name: (ndim, dtype)}, creates the
-        states missing before the first step, zero-filled (0-dim ones on the CPU, as torch.optim keeps them)."""
+        states missing before the first step, zero-filled: 0-dim ones in that dtype on the CPU, as torch.optim
+        keeps them, the others like the piece (in the master dtype, whatever a checkpoint saved them in)."""
         bucket, i = self._where[id(p)]
         piece = bucket.pieces[i]
         state = self.optimizer.state[piece]
         for key, (ndim, dtype) in (like or {}).items():
             if key not in state and key != "master":
-                state[key] = torch.zeros((), dtype=dtype) if ndim == 0 else torch.zeros_like(piece, dtype=dtype)
+                state[key] = torch.zeros((), dtype=dtype) if ndim == 0 else torch.zeros_like(piece)
         owned = {"master": piece}
         owned.update((key, state[key]) for key in sorted(state) if torch.is_tensor(state[key]))
         return piece.range, owned

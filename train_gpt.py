@@ -123,7 +123,7 @@ The job. Data is bytes of text (vocabulary 256; CPython's pydoc topics by defaul
 text, or nanoGPT's uint16 train.bin/val.bin; the batch of step k comes from a generator seeded by k, so every
 layout and every resumed run sees the same batches. AdamW (weight decay on 2-D weights), linear warm-up,
 cosine decay. Checkpoints (torch.distributed.checkpoint) hold every tensor as boxes of the whole parameter
-under its global name, each rank writing what it holds (ZeRO-1 shards too: saving copies nothing), so they resume
+under its global name, each rank writing what it holds (ZeRO-1 shards too: saving gathers nothing), so they resume
 at any layout; the job is stopped by a dead rank within `--timeout-s`.
 A bad flag is one line on rank 0 and exit code 2, before any process group exists.
 
@@ -147,6 +147,7 @@ import pickle
 import shutil
 import sys
 import time
+import warnings
 import zlib
 from collections import Counter
 from dataclasses import asdict, dataclass, fields
@@ -656,9 +657,10 @@ class Block(nn.Module):
         if cfg.is_moe(i):
             # moe_ep.MoE draws all its weights from the default RNG: seeding it by the layer's name makes them
             # the same in every layout. Its weights are whole on every TP rank (tokens are split instead).
-            torch.manual_seed(cfg.seed * 1_000_003 + zlib.crc32(f"h.{i}.moe".encode()))
-            self.moe = moe_ep.MoE(h, 4 * h, cfg.n_experts, cfg.top_k, ep_group=plan.ep, stats_group=plan.tp_cp,
-                                  aux_loss_coeff=cfg.aux_loss_coeff, z_loss_coeff=cfg.z_loss_coeff).to(dtype)
+            with torch.random.fork_rng(devices=[]):  # and leaves the process's RNG as it was
+                torch.default_generator.manual_seed(cfg.seed * 1_000_003 + zlib.crc32(f"h.{i}.moe".encode()))
+                self.moe = moe_ep.MoE(h, 4 * h, cfg.n_experts, cfg.top_k, ep_group=plan.ep, stats_group=plan.tp_cp,
+                                      aux_loss_coeff=cfg.aux_loss_coeff, z_loss_coeff=cfg.z_loss_coeff).to(dtype)
             _tag(self.moe.parameters(), tp_replicated=True, sequence_parallel=plan.tp is not None)
             _tag(self.moe.expert_params(), expert=True, ep_dim=0)
         else:
@@ -1081,13 +1083,14 @@ def lr_at(step, run):
 # whatever stage holds layer 5) and the box's offsets in it: the model (each rank's TP or EP slice is one box), and
 # per parameter the optimizer's master weight and states as each rank holds them. Under ZeRO-1 a rank owns a
 # flat range of the parameter, which is at most 2 ndim - 1 boxes (`flat_range_boxes`), so every shard is written
-# where it lies: saving copies nothing and gathers nothing (gathering each parameter's whole state would cost
-# 12 bytes per parameter for Adam, all that ZeRO-1 saves). DCP writes a box that several ranks hold (replicas
-# over DP, CP, EDP, TP) once. On load each rank reads the saved boxes that overlap its own, so a checkpoint saved
+# from where it lies: saving gathers nothing and allocates nothing on the device (gathering each parameter's whole
+# state would cost 12 bytes per parameter for Adam, all that ZeRO-1 saves); DCP's writer stages a host copy of
+# this rank's own boxes, its share. DCP writes a box that several ranks hold (replicas over DP, CP, EDP, TP) once. On load each rank reads the saved boxes that overlap its own, so a checkpoint saved
 # at TP2 x PP2 with ZeRO-1 resumes at DP4 or PP1 x CP2. The rest (step, model shape, loss scale) is JSON. A
 # checkpoint is written to step_NNNNNN.tmp and renamed when complete, so out_dir only ever holds complete ones;
 # loading unpickles nothing but DCP's own metadata classes.
 
+CHECKPOINT_FORMAT = "boxes"  # in train_state.json: how the tensors are stored (the comment above)
 SHAPE_FLAGS = {"vocab_size": "--vocab", "seq_len": "--seq", "n_layer": "--layers", "n_head": "--heads",
                "n_embd": "--hidden", "moe_every": "--moe-every", "n_experts": "--experts", "top_k": "--top-k"}
 
@@ -1105,6 +1108,10 @@ def read_train_state(path, cfg=None):
     """The JSON part of a checkpoint; with `cfg`, refuses a checkpoint of another model shape."""
     with open(os.path.join(path, "train_state.json")) as f:
         state = json.load(f)
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"checkpoint {path} was written by an earlier train_gpt.py (its tensors are not stored as "
+                         "boxes of the whole parameters): resume or sample it with that version, or pass another "
+                         "--out-dir")
     for field, flag in SHAPE_FLAGS.items() if cfg is not None else ():
         if state["config"][field] != getattr(cfg, field):
             raise ValueError(f"checkpoint {path} holds a model with {flag} {state['config'][field]}, this run has "
@@ -1180,8 +1187,8 @@ def _saved_params(stage):
 
 
 def checkpoint_tensors(stage, opt=None, like=None):
-    """{key: tensor} that this rank saves, or loads into: every tensor a view of a live one, nothing copied (so
-    saving needs no memory: ZeRO-1's shards are written where they lie). "model/NAME@OFFSETS" and
+    """{key: tensor} that this rank saves, or loads into: every tensor a view of a live one, nothing gathered or
+    copied (ZeRO-1's shards are handed to the writer where they lie). "model/NAME@OFFSETS" and
     "optim/NAME/STATE@OFFSETS" are boxes of the whole parameter NAME starting at OFFSETS, sizes the tensor's;
     0-dim states (Adam's step) are "optim/NAME/STATE". Loading passes `like`, {NAME: {STATE: (ndim, dtype)}} of
     the checkpoint, to create the optimizer states not made yet (before the first step)."""
@@ -1214,7 +1221,8 @@ def save_checkpoint(out_dir, step, stage, opt, cfg, run):
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))  # a box saved by several ranks is written once
     dist.barrier()  # every rank's files are written (and rank 0's metadata)
     if plan.ps.rank == 0:
-        train_state = {"step": step, "config": asdict(cfg), "world_size": plan.ps.world_size,
+        train_state = {"format": CHECKPOINT_FORMAT, "step": step, "config": asdict(cfg),
+                       "world_size": plan.ps.world_size,
                        "layout": {k: getattr(run, k) for k in ("tp", "pp", "cp", "ep", "zero", "dtype")},
                        "optimizer": run.optimizer, "data": run.data,
                        "optimizer_state": opt.scalar_state()}
@@ -1315,12 +1323,38 @@ def _plan_reads(mine, saved, path):
     return direct, copies
 
 
+def _dcp_read(tensors, path):
+    """Read the saved keys of `tensors` into them, on this rank alone (no_dist: the ranks read different keys)."""
+    import torch.distributed.checkpoint as dcp
+    with warnings.catch_warnings():  # no_dist says it assumes one process: true of each rank's read
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(tensors, storage_reader=_safe_reader(path), no_dist=True)
+
+
+def _read_boxes(mine, saved, path):
+    """Fill `mine` from the checkpoint: exact matches in place, the rest through temporaries in rounds of about
+    LOAD_ROUND_BYTES (at least one saved box each)."""
+    direct, copies = _plan_reads(mine, saved, path)
+    _dcp_read(direct, path)
+    keys = list(copies)
+    while keys:
+        temp, size = {}, 0
+        while keys and (not temp or size < LOAD_ROUND_BYTES):
+            md = saved[keys[0]]
+            temp[keys.pop(0)] = torch.empty(md.size, dtype=md.properties.dtype)
+            size += math.prod(md.size) * md.properties.dtype.itemsize
+        _dcp_read(temp, path)
+        with torch.no_grad():
+            for s_key, saved_tensor in temp.items():
+                for s_offsets, t, offsets, box in copies[s_key]:
+                    _region(t, offsets, box).copy_(_region(saved_tensor, s_offsets, box))
+
+
 def load_checkpoint(path, stage, opt=None):
     """Fill this rank's parameters (and, with `opt`, its optimizer state) from a checkpoint of any layout. Each box
     this rank holds (checkpoint_tensors) is filled from the saved boxes that overlap it: a saved box that is exactly
     ours (same layout) is read straight into the live tensor, others into a temporary that is copied from and
     dropped. Every rank reads for itself (no collective), so the rounds of temporaries may differ by rank."""
-    import torch.distributed.checkpoint as dcp
     ps = stage.plan.ps
     saved = _safe_reader(path).read_metadata().state_dict_metadata
     like = {}  # NAME -> {STATE: (ndim, dtype)}: the optimizer states the checkpoint holds
@@ -1329,27 +1363,19 @@ def load_checkpoint(path, stage, opt=None):
             _, name, state = key.split("@")[0].split("/")
             like.setdefault(name, {})[state] = (len(md.size), md.properties.dtype)
     mine = checkpoint_tensors(stage, opt, like)
+    rng = None
     if read_train_state(path)["world_size"] == ps.world_size and f"rng/{ps.rank}" in saved:
-        mine[f"rng/{ps.rank}"] = torch.empty_like(torch.get_rng_state())
-    direct, copies = _plan_reads(mine, saved, path)
-    dcp.load(direct, storage_reader=_safe_reader(path), no_dist=True)
-    keys = list(copies)
-    while keys:  # temporaries in rounds of about LOAD_ROUND_BYTES (at least one saved box each)
-        temp, size = {}, 0
-        while keys and (not temp or size < LOAD_ROUND_BYTES):
-            md = saved[keys[0]]
-            temp[keys.pop(0)] = torch.empty(md.size, dtype=md.properties.dtype)
-            size += math.prod(md.size) * md.properties.dtype.itemsize
-        dcp.load(temp, storage_reader=_safe_reader(path), no_dist=True)
-        with torch.no_grad():
-            for s_key, saved_tensor in temp.items():
-                for s_offsets, t, offsets, box in copies[s_key]:
-                    _region(t, offsets, box).copy_(_region(saved_tensor, s_offsets, box))
+        mine[f"rng/{ps.rank}"] = rng = torch.empty_like(torch.get_rng_state())
+    # the model first, then the optimizer state: where an FP32 weight is its own master the master is read last
+    # (after a change of --dtype the saved weights are rounded, the master is not)
+    model = {k: t for k, t in mine.items() if k.startswith("model/")}
+    _read_boxes(model, saved, path)
+    _read_boxes({k: t for k, t in mine.items() if k not in model}, saved, path)
     if opt is not None:
         scalars = read_train_state(path)["optimizer_state"]  # the loss scale; hyperparameters come from the flags
         opt.load_scalar_state({**scalars, "param_groups": opt.scalar_state()["param_groups"]})
-    if f"rng/{ps.rank}" in direct:
-        torch.set_rng_state(direct[f"rng/{ps.rank}"])
+    if rng is not None:
+        torch.set_rng_state(rng)
 
 
 # ----------------------------------------------------------------------------------------------------

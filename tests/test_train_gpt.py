@@ -476,11 +476,36 @@ def test_a_checkpoint_is_written_where_it_lies_zero_1_shards_included():
         assert owned == ([n, n] if zero == 0 else [math.ceil(n / 2), n - math.ceil(n / 2)])
 
 
-def test_a_checkpoint_of_another_shape_is_refused(tmp_path):
+def test_a_checkpoint_of_another_shape_or_format_is_refused(tmp_path):
+    import json
     run_ranks(_resume_run, 1, str(tmp_path), "float32", False, timeout=120)
     other = train_gpt.GPTConfig(**{**CFG.__dict__, "n_embd": 32})
     with pytest.raises(ValueError, match="--hidden 16, this run has --hidden 32"):
         train_gpt.check_inputs(other, _run(resume=True, out_dir=str(tmp_path)), 1)
+    state_file = tmp_path / "step_000004" / "train_state.json"  # as an earlier train_gpt.py wrote it
+    state_file.write_text(json.dumps({k: v for k, v in json.loads(state_file.read_text()).items() if k != "format"}))
+    with pytest.raises(ValueError, match="written by an earlier train_gpt.py"):
+        train_gpt.check_inputs(CFG, _run(resume=True, out_dir=str(tmp_path)), 1)
+
+
+def test_resume_in_another_dtype(tmp_path):
+    # float64 AdamW saved on one rank, resumed in float32 under ZeRO-1 on two: the moments are created in the
+    # float32 master dtype (they used to keep the checkpoint's float64, and AdamW stopped at the first step)
+    full = run_ranks(_resume_run, 1, str(tmp_path / "a"), "float64", False, timeout=120)[0]
+    _keep_first_checkpoint(tmp_path / "a", tmp_path / "b")
+    resumed = run_ranks(_resume_run, 2, str(tmp_path / "b"), "float32", True, zero=1, timeout=120)[0]
+    # float32 rounding of two steps of a float64 trajectory (losses ~3.4): measured below 1e-6
+    assert max(abs(a - b) for r, f in zip(resumed, full[2:]) for a, b in zip(r[1:], f[1:])) < 1e-5
+
+
+def _rng_after_building_moe(rank, world):
+    before = torch.get_rng_state()
+    train_gpt.build(CFG_MOE, _run())
+    return torch.equal(before, torch.get_rng_state())
+
+
+def test_building_moe_layers_leaves_the_processs_rng_alone():
+    assert run_ranks(_rng_after_building_moe, 1, timeout=60)[0]
 
 
 def _main_on_forked_ranks(argv, world, cwd, timeout=60):

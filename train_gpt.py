@@ -58,8 +58,9 @@ rank's CP shard.
 Pipeline parallelism with 1F1B (Narayanan et al. 2021). Stage i holds L/p consecutive layers; the first stage
 the embeddings, the last the final LayerNorm and the (tied) output layer. With m micro-batches a stage runs
 p - 1 - i warm-up forwards, then alternates one forward and one backward, then drains: at most p micro-
-batches of activations alive on stage 0 (GPipe keeps m), bubble (p-1)/(m+p-1). Sends and receives that must
-meet are posted together (`batch_isend_irecv`), so no stage waits on a partner that is itself waiting.
+batches of activations alive on stage 0 (GPipe keeps m), bubble (p-1)/(m+p-1) (`replay_pipeline` times the
+order each stage ran; `--report` prints it beside the formula). Sends and receives that must meet are posted
+together (`batch_isend_irecv`), so no stage waits on a partner that is itself waiting.
 
 Data and context parallelism. DP ranks take different sequences of the global batch; CP ranks take shards of
 the same sequences (zigzag for the causal ring and all-gather attention: causal work balanced; contiguous for
@@ -830,18 +831,23 @@ class Pipeline:
         return buf.requires_grad_(True)
 
 
+class ScheduleStats(NamedTuple):
+    peak: int     # micro-batches whose activations were alive at once
+    held: int     # bytes of their outputs still held (0: each output's storage is freed once sent)
+    order: list   # ("F" or "B", micro-batch) in the order this stage ran them
+
+
 def one_f_one_b(stage, pipe, micro_batches, tokens_per_micro_batch, grad_scale=1.0):
     """Forward and backward of every micro-batch with the 1F1B schedule. Returns this stage's summed LM loss
     (last stage), its summed router loss (each micro-batch's weighted by its global token count, as the LM
-    loss is a sum over tokens) and the peak number of micro-batches whose activations were alive at once, and
-    the peak bytes of their outputs still held (0: each output's storage is freed once sent).
+    loss is a sum over tokens) and ScheduleStats: what was in flight, and the order it ran.
     `grad_scale` multiplies the losses where each backward starts (the last stage's loss and every stage's
     router loss; the gradients that travel between stages carry it from there): 1 / the global token count,
     times the loss scale under FP16."""
     ps = stage.plan.ps
     m = len(micro_batches)
     warmup = min(ps.sizes["pp"] - ps.pp_rank - 1, m)
-    in_flight, peak, held = [], 0, 0
+    in_flight, peak, held, order = [], 0, 0, []
     device = next(stage.parameters()).device
     loss_total = torch.zeros((), dtype=torch.float64, device=device)
     aux_total = torch.zeros((), dtype=torch.float64, device=device)
@@ -854,11 +860,13 @@ def one_f_one_b(stage, pipe, micro_batches, tokens_per_micro_batch, grad_scale=1
             out = stage.loss_sum(out, targets)
         aux = aux * tokens_per_micro_batch
         aux_total = aux_total + aux.detach()
-        in_flight.append((x, out, aux))
+        in_flight.append((i, x, out, aux))
+        order.append(("F", i))
         return out
 
     def backward(grad_out):
-        x, out, aux = in_flight.pop(0)
+        i, x, out, aux = in_flight.pop(0)
+        order.append(("B", i))
         if stage.last:
             ((out + aux) * grad_scale).backward()
         elif aux.requires_grad:  # an MoE stage: its router loss starts its own backward here
@@ -868,7 +876,7 @@ def one_f_one_b(stage, pipe, micro_batches, tokens_per_micro_batch, grad_scale=1
         return None if x is None else x.grad
 
     def outputs_held():
-        return sum(out.untyped_storage().nbytes() for _, out, _ in in_flight if not stage.last)
+        return sum(out.untyped_storage().nbytes() for _, _, out, _ in in_flight if not stage.last)
 
     for i in range(warmup):
         out = forward(i, pipe.recv_forward())
@@ -889,7 +897,34 @@ def one_f_one_b(stage, pipe, micro_batches, tokens_per_micro_batch, grad_scale=1
             x = pipe.send_backward_recv_forward(grad_in)
     for _ in range(warmup):
         pipe.send_backward(backward(pipe.recv_backward()))
-    return loss_total, aux_total, (peak, held)
+    return loss_total, aux_total, ScheduleStats(peak, held, order)
+
+
+def replay_pipeline(orders, forward=1, backward=2):
+    """The time the stages' orders take (orders[k]: what stage k ran, in order) when a forward takes `forward`
+    units, a backward `backward`, and each waits only for its input: the previous stage's forward of its
+    micro-batch, the next stage's backward. Communication is free. 1F1B's: (m + p - 1)(forward + backward)."""
+    p, done = len(orders), {}
+    clock, pos = [0] * p, [0] * p
+    progress = True
+    while progress:
+        progress = False
+        for k in range(p):
+            while pos[k] < len(orders[k]):
+                kind, i = orders[k][pos[k]]
+                needs = (k - 1, "F", i) if kind == "F" else (k + 1, "B", i)
+                if needs[0] not in range(p):  # the first stage's forwards, the last stage's backwards
+                    ready = 0
+                elif needs in done:
+                    ready = done[needs]
+                else:
+                    break
+                clock[k] = max(clock[k], ready) + (forward if kind == "F" else backward)
+                done[(k, kind, i)] = clock[k]
+                pos[k], progress = pos[k] + 1, True
+    if pos != [len(o) for o in orders]:
+        raise ValueError("the stages' orders wait on each other forever")
+    return max(clock)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -980,8 +1015,7 @@ def _split_text(name, tokens, seq_len):
 
 def train_step(stage, pipe, optimizer, tokens, micro_batch, grad_clip=0.0):
     """Forward and backward of the global batch (B, s + 1), the plan's gradient sums, one optimizer step.
-    Returns (LM loss, router loss, global gradient norm, whether the step was taken, and the 1F1B peaks:
-    micro-batches in flight, bytes of their outputs still held)."""
+    Returns (LM loss, router loss, global gradient norm, whether the step was taken, the 1F1B ScheduleStats)."""
     plan = stage.plan
     device = next(stage.parameters()).device
     micro = plan.micro_batches(tokens, micro_batch, device)
@@ -990,7 +1024,7 @@ def train_step(stage, pipe, optimizer, tokens, micro_batch, grad_clip=0.0):
     # that the optimizer divides out again
     global_tokens = tokens.shape[0] * (tokens.shape[1] - 1)
     loss_scale = optimizer.loss_scaler.scale if optimizer.loss_scaler is not None else 1.0
-    loss_sum, aux_sum, peak = one_f_one_b(stage, pipe, micro, micro_batch * (tokens.shape[1] - 1),
+    loss_sum, aux_sum, schedule = one_f_one_b(stage, pipe, micro, micro_batch * (tokens.shape[1] - 1),
                                           loss_scale / global_tokens)
     for r in plan.reductions:
         if not r.data_parallel:  # the optimizer runs the data-parallel sums (and ZeRO's reduce-scatter)
@@ -1005,7 +1039,7 @@ def train_step(stage, pipe, optimizer, tokens, micro_batch, grad_clip=0.0):
     if plan.world is not None:
         dist.all_reduce(report)
     loss, aux = (report / global_tokens).tolist()
-    return loss, aux, grad_norm, stepped, peak
+    return loss, aux, grad_norm, stepped, schedule
 
 
 def model_flops_per_token(cfg):
@@ -1619,7 +1653,7 @@ def train(cfg, run, data=None):
             record["val_loss"] = evaluate(stage, pipe, data, run, cfg)
         if step == start:  # this rank's memory, from the live tensors, and what makes the batch
             m = run.batch // (ps.sizes["dp"] * run.micro_batch)
-            record.update(opt.memory_bytes(), in_flight_peak=in_flight[0], micro_batches=m, dp=ps.sizes["dp"],
+            record.update(opt.memory_bytes(), in_flight_peak=in_flight.peak, micro_batches=m, dp=ps.sizes["dp"],
                           effective_batch=grad_accum.effective_batch_size(run.micro_batch, ps.sizes["dp"], 1, m))
         records.append(record)
         if out:
@@ -1706,13 +1740,26 @@ def measure_stage_kept_bytes(cfg, run, b, policies=("none", "selective", "sqrt",
 
 
 def measure_step_flops(cfg, batch, micro_batch):
-    """One rank's counted FLOPs of one float32 step on `batch` synthetic sequences (after a first step: the
-    grouped-GEMM probe of moe_ep runs once and is not part of a step)."""
+    """One rank's counted FLOPs of one float32 step on `batch` synthetic sequences (after a first step, so that
+    what runs once, such as the optimizer's state creation, is not part of it)."""
     run = TrainConfig(batch=batch, micro_batch=micro_batch, dtype="float32", log=False, data="synthetic")
     plan, stage, opt, pipe = build(cfg, run)
     tokens = synthetic_batch(0, batch, cfg.seq_len, cfg.vocab_size)
     train_step(stage, pipe, opt, tokens, micro_batch)
     return count_step_flops(stage, pipe, opt, tokens, micro_batch)
+
+
+def measure_schedule(cfg, batch):
+    """The order every stage ran one step's micro-batches in (one micro-batch per sequence; PP = the world),
+    gathered on every rank, first stage first."""
+    run = TrainConfig(pp=dist.get_world_size(), batch=batch, micro_batch=1, dtype="float32", log=False,
+                      data="synthetic")
+    plan, stage, opt, pipe = build(cfg, run)
+    tokens = synthetic_batch(0, batch, cfg.seq_len, cfg.vocab_size)
+    order = train_step(stage, pipe, opt, tokens, 1)[-1].order
+    orders = [None] * dist.get_world_size()
+    dist.all_gather_object(orders, (plan.ps.pp_rank, order))
+    return [o for _, o in sorted(orders)]
 
 
 def _report_rank(rank, world, store_path, queue, fn, args):
@@ -1747,6 +1794,7 @@ REPORT_STAGE_LAYOUTS = {"TP2 x PP2": dict(tp=2, pp=2), "PP2 x CP2 ring": dict(pp
 REPORT_FLOPS = {"dense": GPTConfig(vocab_size=64, seq_len=32, n_layer=2, n_head=4, n_embd=32),
                 "MoE": GPTConfig(vocab_size=64, seq_len=32, n_layer=2, n_head=4, n_embd=32, moe_every=1,
                                  n_experts=4, top_k=2)}
+REPORT_PIPELINE_STAGES, REPORT_PIPELINE_MICRO_BATCHES = 4, (2, 8)
 
 
 def stage_kept_bytes_formula(cfg, run, b, policy, e=4):
@@ -1806,6 +1854,13 @@ def report():
         model = model_flops_per_token(cfg) * tokens
         flash = 2 * cfg.n_layer * cfg.n_embd * cfg.seq_len * tokens
         out(f"  {name:<6s} measured {measured:>12,d}   formula {model:,d} + {flash:,d} = {model + flash:,d}")
+    p = REPORT_PIPELINE_STAGES
+    out(f"\n1F1B bubble: the order each of p={p} stages ran one step in, replayed with a forward taking 1 unit and a "
+        "backward 2 (replay_pipeline), against (m + p - 1) x 3 and the bubble (p - 1) / (m + p - 1):")
+    for m in REPORT_PIPELINE_MICRO_BATCHES:
+        span = replay_pipeline(on_cpu_ranks(p, measure_schedule, REPORT_BLOCK, m))
+        out(f"  m={m:<3d} replayed {span:>3d} units (formula {(m + p - 1) * 3}), bubble {1 - 3 * m / span:.3f} "
+            f"(formula {(p - 1) / (m + p - 1):.3f})")
     return "\n".join(lines)
 
 

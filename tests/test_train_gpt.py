@@ -100,7 +100,7 @@ def _pipeline_peak(rank, world):
     torch.set_default_dtype(torch.float64)
     plan, stage, opt, pipe = train_gpt.build(CFG, _run(pp=world, micro_batch=1, batch=8))
     tokens = train_gpt.synthetic_batch(0, 8, CFG.seq_len, CFG.vocab_size)
-    *_, (peak, held) = train_gpt.train_step(stage, pipe, opt, tokens, micro_batch=1)
+    *_, (peak, held, _) = train_gpt.train_step(stage, pipe, opt, tokens, micro_batch=1)
     return plan.ps.pp_rank, peak, held
 
 
@@ -109,6 +109,26 @@ def test_1f1b_keeps_at_most_p_micro_batches_in_flight_and_frees_sent_outputs():
     # outputs: each output's storage is freed as soon as it is sent (the parity tests show the backward intact)
     for stage, peak, held in run_ranks(_pipeline_peak, 4, timeout=120):
         assert peak == 4 - stage and held == 0
+
+
+def _schedule(rank, world, m):
+    return train_gpt.measure_schedule(CFG, m)
+
+
+@pytest.mark.parametrize("m", [2, 8])
+def test_1f1b_as_run_takes_m_plus_p_minus_1_stage_times(m):
+    # the order each of 4 stages ran, replayed with forward 1 and backward 2 units: the bubble is (p-1)/(m+p-1)
+    orders = run_ranks(_schedule, 4, m, timeout=120)[0]
+    assert [len(o) for o in orders] == [2 * m] * 4
+    assert train_gpt.replay_pipeline(orders) == (m + 4 - 1) * 3
+
+
+def test_the_replay_sees_a_schedule_without_warm_up_and_one_that_waits_forever():
+    p, m = 3, 4
+    no_warm_up = [[(kind, i) for i in range(m) for kind in "FB"] for _ in range(p)]  # each micro-batch in turn
+    assert train_gpt.replay_pipeline(no_warm_up) == m * p * 3 > (m + p - 1) * 3
+    with pytest.raises(ValueError, match="wait on each other forever"):
+        train_gpt.replay_pipeline([[("B", 0), ("F", 0)], [("F", 0), ("B", 0)]])
 
 
 def _bad_layout(rank, world, kwargs):
@@ -893,6 +913,10 @@ def test_report_measures_what_the_docstring_states():
     for row in flops:
         numbers = _numbers(row)
         assert numbers[0] == numbers[-1] == numbers[-3] + numbers[-2], row
+    bubbles = [re.findall(r"[\d.]+", line) for line in lines if line.startswith("  m=")]
+    assert len(bubbles) == len(train_gpt.REPORT_PIPELINE_MICRO_BATCHES)
+    for m, replayed, units, bubble, formula in bubbles:  # units and bubble fraction each equal their formula
+        assert (replayed, bubble) == (units, formula), (m, replayed, units, bubble, formula)
 
 
 def test_the_latest_checkpoint_is_the_highest_step_and_torn_metrics_lines_are_dropped(tmp_path):

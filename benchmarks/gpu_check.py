@@ -80,6 +80,13 @@ def gpt2_small(device, dry, deadline):
         raise AssertionError(f"gpt2: the loss did not fall ({losses[0]:.3f} -> {losses[-1]:.3f})")
     with tempfile.TemporaryDirectory() as out_dir:
         path = train_gpt.save_checkpoint(out_dir, len(losses), stage, opt, cfg, run)
+        _, stage2, opt2, _ = train_gpt.build(cfg, run)  # a fresh model and optimizer, loaded on the device
+        train_gpt.load_checkpoint(path, stage2, opt2)
+        saved, loaded = (train_gpt.checkpoint_tensors(s, o) for s, o in ((stage, opt), (stage2, opt2)))
+        differ = [k for k in saved if not torch.equal(saved[k].cpu(), loaded[k].cpu())]
+        say("gpt2 checkpoint round trip", f"{len(saved) - len(differ)} of {len(saved)} tensors equal")
+        if differ or saved.keys() != loaded.keys():
+            raise AssertionError(f"checkpoint: {len(differ)} tensors differ after loading, e.g. {differ[:3]}")
         text = train_gpt.sample(cfg, path, 16)
         say("gpt2 checkpoint and sample", f"{len(text)} tokens sampled from {os.path.basename(path)}")
 

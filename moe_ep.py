@@ -381,7 +381,7 @@ class MoE(nn.Module):
                              f"use an EP size dividing {num_experts}")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be between 1 and num_experts={num_experts}")
-        if capacity_factor is not None and capacity_factor <= 0:
+        if capacity_factor is not None and not capacity_factor > 0:  # nan too
             raise ValueError(f"capacity_factor={capacity_factor} must be positive, or None for dropless")
         if expert_impl not in ("auto", "grouped", "loop"):
             raise ValueError(f"expert_impl={expert_impl!r} must be 'auto', 'grouped' or 'loop'")

@@ -1547,8 +1547,9 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def build(cfg, run):
-    """Process groups, the plan, this rank's stage of the model, its optimizer and its pipeline transfers."""
+def build(cfg, run, optimizer=True):
+    """Process groups, the plan, this rank's stage of the model, its optimizer (None without `optimizer`: its FP32
+    gradient buffers are 4 bytes per parameter) and its pipeline transfers."""
     validate(cfg, run, _world_size())
     init_distributed(run.timeout_s)
     ps = topology.init_parallel(tp=run.tp, pp=run.pp, cp=run.cp, ep=run.ep, with_mesh=False)
@@ -1556,7 +1557,7 @@ def build(cfg, run):
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     stage = GPTStage(cfg, plan, run.param_dtype, fp8=run.dtype == "fp8").to(device)
     plan_gradient_reductions(plan, stage)
-    opt = make_optimizer(stage, plan, run)
+    opt = make_optimizer(stage, plan, run) if optimizer else None
     s_local = cfg.seq_len // run.cp // (run.tp if plan.sequence_parallel else 1)
     pipe = Pipeline(plan, (run.micro_batch, s_local, cfg.n_embd), run.param_dtype, device)
     return plan, stage, opt, pipe
@@ -1678,7 +1679,7 @@ def train(cfg, run, data=None):
 def sample(cfg, path, n, temperature=1.0, top_k=None, prompt="\n", seed=0):
     """Generate n tokens on one process from a checkpoint of any layout (bytes decoded as UTF-8)."""
     run = TrainConfig(batch=1, micro_batch=1, log=False)
-    plan, stage, _, _ = build(cfg, run)
+    plan, stage, _, _ = build(cfg, run, optimizer=False)
     load_checkpoint(path, stage)
     device = next(stage.parameters()).device
     gen = torch.Generator().manual_seed(seed)  # draws on the CPU: the same random draws on every device

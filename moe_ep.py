@@ -324,7 +324,13 @@ def grouped_gemm_supported(device, dtype):
     FLOP or memory counters."""
     key = (str(device), dtype)
     if key not in _grouped_gemm_works:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+
         def attempt():
+            if device.type == "cuda":  # a new thread starts on GPU 0: stay off the other ranks' GPUs
+                torch.cuda.set_device(device)
             try:
                 a = torch.zeros(8, 8, dtype=dtype, device=device, requires_grad=True)
                 w = torch.zeros(1, 8, 8, dtype=dtype, device=device, requires_grad=True)

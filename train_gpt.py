@@ -1639,7 +1639,7 @@ def train(cfg, run, data=None):
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss, aux, grad_norm, stepped, in_flight = train_step(stage, pipe, opt, tokens, run.micro_batch,
+        loss, aux, grad_norm, stepped, schedule = train_step(stage, pipe, opt, tokens, run.micro_batch,
                                                               run.grad_clip)
         dt = time.perf_counter() - t0  # train_step ends with a host sync (the loss), so dt is the whole step
         tokens_per_s = run.batch * cfg.seq_len / dt
@@ -1654,7 +1654,7 @@ def train(cfg, run, data=None):
             record["val_loss"] = evaluate(stage, pipe, data, run, cfg)
         if step == start:  # this rank's memory, from the live tensors, and what makes the batch
             m = run.batch // (ps.sizes["dp"] * run.micro_batch)
-            record.update(opt.memory_bytes(), in_flight_peak=in_flight.peak, micro_batches=m, dp=ps.sizes["dp"],
+            record.update(opt.memory_bytes(), in_flight_peak=schedule.peak, micro_batches=m, dp=ps.sizes["dp"],
                           effective_batch=grad_accum.effective_batch_size(run.micro_batch, ps.sizes["dp"], 1, m))
         records.append(record)
         if out:

@@ -1640,7 +1640,7 @@ def train(cfg, run, data=None):
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         loss, aux, grad_norm, stepped, schedule = train_step(stage, pipe, opt, tokens, run.micro_batch,
-                                                              run.grad_clip)
+                                                             run.grad_clip)
         dt = time.perf_counter() - t0  # train_step ends with a host sync (the loss), so dt is the whole step
         tokens_per_s = run.batch * cfg.seq_len / dt
         record = {"step": step, "loss": loss, "aux_loss": aux, "lr": lr,

@@ -441,17 +441,34 @@ class Cluster:
     interleave_min_pp: int = 2
 
     def __post_init__(self):
+        # `not value > 0` rather than `value <= 0`: NaN fails it too
         for name in ("gpus", "gpus_per_node", "gpu_mem_gb", "nvlink_gbps", "ib_gbps", "peak_tflops", "efficiency",
-                     "hbm_gbps", "p2p_gbps"):
+                     "gemm_half_dim", "hbm_gbps", "p2p_gbps"):
             value = getattr(self, name)
             if value is not None and not value > 0:
-                raise ValueError(f"{name}={value!r} must be > 0 (--{name.replace('_', '-')})")
+                raise ValueError(f"{name}={value!r} must be > 0 ({_flag(name)})")
+        for name in ("launch_us", "collective_latency_us", "p2p_latency_us"):  # 0: a cost left out on purpose
+            value = getattr(self, name)
+            if not value >= 0:
+                raise ValueError(f"{name}={value!r} must be >= 0 ({_flag(name)})")
+        _check_count("interleave_min_pp", self.interleave_min_pp, "2 today, 3 for Megatron-LM 2021")
 
     @classmethod
     def for_gpu(cls, gpu, gpus, **overrides):
         if gpu not in GPU_PRESETS:
             raise ValueError(f"gpu={gpu!r} is unknown; choose one of {sorted(GPU_PRESETS)} or pass every constant")
         return cls(gpus=gpus, **{**GPU_PRESETS[gpu], **overrides})
+
+
+def _flag(name):
+    """The command-line flag of a Cluster or ModelShape field: its name with dashes, but for e_max's."""
+    return next((flag for flag, (f, _) in _CONSTANT_FLAGS.items() if f == name), "--" + name.replace("_", "-"))
+
+
+def _check_count(name, value, fix):
+    """A size or a count: an integer >= 1, else a ValueError naming the field, its flag and `fix`."""
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an integer >= 1 ({_flag(name)}); {fix}")
 
 
 RECOMPUTE_POLICIES = ("none", "selective", "full")  # cheapest first
@@ -473,6 +490,15 @@ class ModelShape:
     sequence_parallel: bool = None
     zero: bool = None              # distributed optimizer (ZeRO-1) over the DP x CP ranks
     virtual_stages: int = None     # model chunks per GPU of the interleaved 1F1B schedule (1: plain 1F1B)
+
+    def __post_init__(self):
+        # a size of 0 would otherwise surface as a ZeroDivisionError deep in the cost model
+        for name in ("layers", "hidden", "heads", "seq", "vocab"):
+            _check_count(name, getattr(self, name), "give the model's size")
+        _check_count("global_batch", self.global_batch, "give the sequences per optimizer step")
+        for name in ("micro_batch", "virtual_stages"):  # None: the planner chooses
+            if getattr(self, name) is not None:
+                _check_count(name, getattr(self, name), "omit it to let the planner choose")
 
 
 def parameter_count(m):
@@ -781,12 +807,12 @@ def evaluate(cluster, m, lay, b, v, recompute, sp, zero):
 def _knob_choices(m, lay):
     """The knob values the search tries on one layout: the given ones, or every sensible value."""
     per_pipeline = m.global_batch // lay.dp
-    bs = [m.micro_batch] if m.micro_batch else [b for b in _divisors(per_pipeline) if b <= MAX_MICRO_BATCH]
+    bs = [m.micro_batch] if m.micro_batch is not None else [b for b in _divisors(per_pipeline) if b <= MAX_MICRO_BATCH]
     sps = [m.sequence_parallel] if m.sequence_parallel is not None else ([False, True] if lay.tp > 1 else [False])
     zeros = [m.zero] if m.zero is not None else ([False, True] if lay.dp * lay.cp > 1 else [False])
-    recomputes = [m.recompute] if m.recompute else list(RECOMPUTE_POLICIES)  # cheapest first
+    recomputes = [m.recompute] if m.recompute is not None else list(RECOMPUTE_POLICIES)  # cheapest first
     for b in bs:
-        if m.virtual_stages:
+        if m.virtual_stages is not None:
             vs = [m.virtual_stages]
         elif lay.pp < max(2, lay.interleave_min_pp) or (per_pipeline // b) % lay.pp:  # and m a multiple of p
             vs = [1]
@@ -840,19 +866,24 @@ def _best_for_layout(cluster, m, lay):
 def candidate_layouts(cluster, m, tp=None, pp=None, cp=None):
     """The planner's choice for every (tp, pp, cp) that divides the cluster and the model; TP inside a node
     unless given, CP up to 16."""
+    for name, value in (("tp", tp), ("pp", pp), ("cp", cp)):  # None: every size that divides is tried
+        if value is not None:
+            _check_count(name, value, "omit it to let the planner choose")
     out = []
-    tps = [tp] if tp else [t for t in _divisors(cluster.gpus_per_node) if m.heads % t == 0]
-    pps = [pp] if pp else _divisors(m.layers)
-    cps = [cp] if cp else [c for c in range(1, 17) if cluster.gpus % c == 0 and (c == 1 or m.seq % (2 * c) == 0)]
+    all_fixed = None not in (tp, pp, cp)
+    tps = [tp] if tp is not None else [t for t in _divisors(cluster.gpus_per_node) if m.heads % t == 0]
+    pps = [pp] if pp is not None else _divisors(m.layers)
+    cps = [cp] if cp is not None else [c for c in range(1, 17)
+                                       if cluster.gpus % c == 0 and (c == 1 or m.seq % (2 * c) == 0)]
     for t, p, c in itertools.product(tps, pps, cps):
         divides = (cluster.gpus % (t * p * c) == 0 and m.layers % p == 0 and m.heads % t == 0
                    and m.global_batch % (cluster.gpus // (t * p * c)) == 0)
-        if not divides and not (tp and pp and cp):  # skip early: building the error text costs more than planning
+        if not divides and not all_fixed:  # skip early: building the error text costs more than planning
             continue
         try:
             out.append(estimate(cluster, m, t, p, c))
         except ValueError:
-            if tp and pp and cp:
+            if all_fixed:
                 raise
     return out
 
@@ -1253,6 +1284,8 @@ def _plan_main(argv):
     ap.add_argument("--limit", type=int, default=12, help="rows of the table")
     ap.add_argument("--json", action="store_true", help="every layout as JSON, best first")
     a = ap.parse_args(argv)
+    if a.limit < 0:
+        raise ValueError(f"limit={a.limit} must be >= 0 (--limit): the number of rows to print")
     cluster = _cluster_from_args(a)
     m = ModelShape(a.layers, a.hidden, a.heads, a.seq, a.vocab, a.global_batch, a.micro_batch, a.recompute,
                    None if a.sequence_parallel is None else a.sequence_parallel == "on",

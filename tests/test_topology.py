@@ -676,3 +676,60 @@ def test_bad_cluster_constants_and_layouts_are_one_line_and_exit_code_2(capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith("topology.py: error: "), err
         assert names in err[0], err
+
+
+_PLAN_BASE = ["plan", "--gpus", "8", "--layers", "4", "--hidden", "256", "--heads", "4", "--seq", "128", "--vocab",
+              "512", "--global-batch", "8"]
+
+
+@pytest.mark.parametrize("extra, names", [
+    # sizes of the model: each used to end in a ZeroDivisionError or TypeError traceback
+    (["--heads", "0"], "heads=0 must be an integer >= 1 (--heads)"),
+    (["--hidden", "0"], "hidden=0 must be an integer >= 1 (--hidden)"),
+    (["--seq", "0"], "seq=0 must be an integer >= 1 (--seq)"),
+    (["--vocab", "0"], "vocab=0 must be an integer >= 1 (--vocab)"),
+    (["--layers", "0"], "layers=0 must be an integer >= 1 (--layers)"),
+    (["--global-batch", "0"], "global_batch=0 must be an integer >= 1 (--global-batch)"),
+    # fixed knobs and layout sizes: 0 used to be taken for "not given" and -1 to crash
+    (["--micro-batch", "-1"], "micro_batch=-1 must be an integer >= 1 (--micro-batch)"),
+    (["--micro-batch", "0"], "micro_batch=0 must be an integer >= 1 (--micro-batch)"),
+    (["--virtual-stages", "-1"], "virtual_stages=-1 must be an integer >= 1 (--virtual-stages)"),
+    (["--virtual-stages", "0"], "virtual_stages=0 must be an integer >= 1 (--virtual-stages)"),
+    (["--tp", "0"], "tp=0 must be an integer >= 1 (--tp)"),
+    (["--pp", "0"], "pp=0 must be an integer >= 1 (--pp)"),
+    (["--cp", "-2"], "cp=-2 must be an integer >= 1 (--cp)"),
+    # constants of the cluster: a negative latency used to print a negative step time with exit code 0
+    (["--gemm-half-dim", "-128"], "gemm_half_dim=-128.0 must be > 0 (--gemm-half-dim)"),
+    (["--launch-us", "-1000"], "launch_us=-1000.0 must be >= 0 (--launch-us)"),
+    (["--collective-latency-us", "-1"], "collective_latency_us=-1.0 must be >= 0 (--collective-latency-us)"),
+    (["--p2p-latency-us", "-1"], "p2p_latency_us=-1.0 must be >= 0 (--p2p-latency-us)"),
+    (["--interleave-min-pp", "0"], "interleave_min_pp=0 must be an integer >= 1 (--interleave-min-pp)"),
+    (["--gemm-efficiency", "0"], "efficiency=0.0 must be > 0 (--gemm-efficiency)"),
+    (["--limit", "-1"], "limit=-1 must be >= 0 (--limit)"),
+])
+def test_bad_plan_input_is_one_line_naming_the_flag_and_exit_code_2(capsys, extra, names):
+    with pytest.raises(SystemExit) as exit_:
+        topology.main(_PLAN_BASE + extra)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith("topology.py: error: "), err
+    assert names in err[0], err
+
+
+def test_zero_latencies_are_allowed_and_fixed_knobs_are_honoured(capsys):
+    topology.main(_PLAN_BASE + ["--launch-us", "0", "--collective-latency-us", "0", "--p2p-latency-us", "0",
+                                "--tp", "2", "--micro-batch", "2", "--json"])
+    import json
+    plans = json.loads(capsys.readouterr().out)
+    assert plans and all(p["tp"] == 2 and p["micro_batch"] == 2 for p in plans)
+
+
+def test_model_shape_refuses_sizes_below_one():
+    with pytest.raises(ValueError, match="heads=0 must be an integer >= 1"):
+        topology.ModelShape(layers=4, hidden=256, heads=0, seq=128, vocab=512, global_batch=8)
+    with pytest.raises(ValueError, match="hidden=2.5 must be an integer >= 1"):
+        topology.ModelShape(layers=4, hidden=2.5, heads=4, seq=128, vocab=512, global_batch=8)
+    m = topology.ModelShape(layers=4, hidden=256, heads=4, seq=128, vocab=512, global_batch=8)
+    with pytest.raises(ValueError, match="micro_batch=0 must be an integer >= 1 .*omit it"):
+        topology.estimate(topology.Cluster(gpus=8), m, tp=1, pp=1, cp=1, micro_batch=0)
+    with pytest.raises(ValueError, match="tp=0 must be an integer >= 1"):
+        topology.plan(topology.Cluster(gpus=8), m, tp=0)

@@ -148,20 +148,37 @@ def _check_positive(**sizes):
             raise ValueError(f"{name} must be a positive integer, got {value!r}; use {name}=1 to disable it")
 
 
+def _flag(name):
+    """The command-line flag of a Cluster or ModelShape field: its name with dashes, but for e_max's."""
+    return next((flag for flag, (f, _) in _CONSTANT_FLAGS.items() if f == name), "--" + name.replace("_", "-"))
+
+
+def _check_count(name, value, fix):
+    """A size or a count: an integer >= 1, else a ValueError naming the field, its flag and `fix`."""
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an integer >= 1 ({_flag(name)}); {fix}")
+
+
 def _divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def validate_layout(world_size, tp=1, pp=1, cp=1, ep=1):
     """Check that the sizes tile the world; return dp. Raises ValueError naming the parameter and a fix."""
-    _check_positive(world_size=world_size, tp=tp, pp=pp, cp=cp, ep=ep)
+    if not isinstance(world_size, int) or world_size < 1:  # no size 1 "disables" the world, unlike tp..ep
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}: the number of ranks")
+    _check_positive(tp=tp, pp=pp, cp=cp, ep=ep)
     model_parallel = tp * pp * cp
     if world_size % model_parallel != 0:
-        fits = [(t, p) for t in _divisors(world_size) for p in _divisors(world_size // t)
-                if world_size % (t * p * cp) == 0]
-        hint = ", ".join(f"tp={t} pp={p}" for t, p in fits[:6])
+        if world_size % cp:
+            fix = f"cp={cp} does not divide {world_size}, so no tp and pp can: choose cp among {_divisors(world_size)}"
+        else:
+            fits = [(t, p) for t in _divisors(world_size) for p in _divisors(world_size // t)
+                    if world_size % (t * p * cp) == 0]
+            hint = ", ".join(f"tp={t} pp={p}" for t, p in fits[:6])
+            fix = f"choose tp, pp, cp whose product divides {world_size} (with cp={cp}: {hint})"
         raise ValueError(f"world_size={world_size} is not divisible by tp*pp*cp={tp}*{pp}*{cp}={model_parallel}; "
-                         f"choose tp, pp, cp whose product divides {world_size} (with cp={cp}: {hint})")
+                         + fix)
     dp = world_size // model_parallel
     if (cp * dp) % ep != 0:
         raise ValueError(f"ep={ep} must divide cp*dp={cp}*{dp}={cp * dp} (experts fold over the data- and "
@@ -340,6 +357,9 @@ def init_parallel(tp=1, pp=1, cp=1, ep=1, gpus_per_node=None, with_mesh=True):
 
 def rank_map(nodes, gpus_per_node, tp=1, pp=1, cp=1, ep=1):
     """A node x GPU grid of (tp, cp, dp, pp) coordinates, then the group lists and where each kind lives."""
+    # each on its own: -1 nodes x -8 GPUs would make a world of 8 and an empty grid
+    _check_count("nodes", nodes, "the number of nodes to draw")
+    _check_count("gpus_per_node", gpus_per_node, "the GPUs of one node")
     world = nodes * gpus_per_node
     groups = rank_groups(world, tp, pp, cp, ep)
     dp = world // (tp * pp * cp)
@@ -458,17 +478,6 @@ class Cluster:
         if gpu not in GPU_PRESETS:
             raise ValueError(f"gpu={gpu!r} is unknown; choose one of {sorted(GPU_PRESETS)} or pass every constant")
         return cls(gpus=gpus, **{**GPU_PRESETS[gpu], **overrides})
-
-
-def _flag(name):
-    """The command-line flag of a Cluster or ModelShape field: its name with dashes, but for e_max's."""
-    return next((flag for flag, (f, _) in _CONSTANT_FLAGS.items() if f == name), "--" + name.replace("_", "-"))
-
-
-def _check_count(name, value, fix):
-    """A size or a count: an integer >= 1, else a ValueError naming the field, its flag and `fix`."""
-    if not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be an integer >= 1 ({_flag(name)}); {fix}")
 
 
 RECOMPUTE_POLICIES = ("none", "selective", "full")  # cheapest first

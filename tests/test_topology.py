@@ -733,3 +733,26 @@ def test_model_shape_refuses_sizes_below_one():
         topology.estimate(topology.Cluster(gpus=8), m, tp=1, pp=1, cp=1, micro_batch=0)
     with pytest.raises(ValueError, match="tp=0 must be an integer >= 1"):
         topology.plan(topology.Cluster(gpus=8), m, tp=0)
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--nodes", "0", "--gpus-per-node", "8"], "nodes=0 must be an integer >= 1 (--nodes)"),
+    # -1 x -8 = 8 used to pass as a world of 8 and print an empty map with exit code 0
+    (["--nodes", "-1", "--gpus-per-node", "-8"], "nodes=-1 must be an integer >= 1 (--nodes)"),
+    (["--nodes", "2", "--gpus-per-node", "0"], "gpus_per_node=0 must be an integer >= 1 (--gpus-per-node)"),
+    # no tp, pp divide 16 with cp=3: the hint used to end in an empty list, "(with cp=3: )"
+    (["--nodes", "2", "--gpus-per-node", "8", "--cp", "3"],
+     "cp=3 does not divide 16, so no tp and pp can: choose cp among [1, 2, 4, 8, 16]"),
+])
+def test_bad_map_input_is_one_line_naming_the_flag_and_exit_code_2(capsys, argv, names):
+    with pytest.raises(SystemExit) as exit_:
+        topology.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith("topology.py: error: "), err
+    assert names in err[0] and ": )" not in err[0], err
+
+
+def test_a_world_of_no_ranks_is_not_told_to_disable_itself():
+    with pytest.raises(ValueError, match="world_size must be a positive integer, got 0") as e:
+        topology.validate_layout(0)
+    assert "disable" not in str(e.value)

@@ -920,14 +920,18 @@ def _knobs_name(r):
 OVERHEADS = ("tp_s", "cp_s", "pp_p2p_s", "bubble_s", "dp_s", "optimizer_s")
 
 
-def explain(plans, cluster):
-    """Say in words why the first plan wins."""
+def explain(plans, cluster, recompute=None):
+    """Say in words why the first plan wins. `recompute`: the policy the user fixed (None: the planner tried
+    them all, full recomputation included), so that a layout that does not fit is said to fail with what was
+    tried."""
     best = plans[0]
     lines = []
+    tried = "even with full recomputation" if recompute is None else f"with recompute fixed to {recompute}"
     if not best["fits"]:
-        lines.append(f"No layout fits in {cluster.gpu_mem_gb} GB (x{MEMORY_HEADROOM} headroom), even with full "
-                     f"recomputation; the least bad is {_layout_name(best)} at {best['memory_gb']:.1f} GB: use ZeRO-1, "
-                     "more pipeline stages or more GPUs.")
+        untried = "full recomputation, " if recompute not in (None, "full") else ""
+        lines.append(f"No layout fits in {cluster.gpu_mem_gb} GB (x{MEMORY_HEADROOM} headroom) {tried}; the least "
+                     f"bad is {_layout_name(best)} at {best['memory_gb']:.1f} GB: use {untried}ZeRO-1, more pipeline "
+                     "stages or more GPUs.")
         return "\n".join(lines)
     where = {True: "NVLink (inside a node)", False: "InfiniBand (across nodes)"}
     lines.append(f"Best: {_layout_name(best)} with {_knobs_name(best)}: {best['micro_batches']} micro-batches per "
@@ -950,7 +954,7 @@ def explain(plans, cluster):
                      f"(+{diffs[why]:.3f} s).")
     too_big = [r for r in plans if not r["fits"]]
     if too_big:
-        lines.append(f"  {len(too_big)} of {len(plans)} layouts do not fit in memory even with full recomputation "
+        lines.append(f"  {len(too_big)} of {len(plans)} layouts do not fit in memory {tried} "
                      f"(e.g. {_layout_name(too_big[0])}: {too_big[0]['memory_gb']:.1f} GB).")
     return "\n".join(lines)
 
@@ -1307,7 +1311,7 @@ def _plan_main(argv):
           "(96 B s L h^2 (1 + s/6h + V/16Lh))")
     print(format_table(plans, a.limit))
     print()
-    print(explain(plans, cluster))
+    print(explain(plans, cluster, m.recompute))
 
 
 def _calibrate_main(argv):

@@ -756,3 +756,27 @@ def test_a_world_of_no_ranks_is_not_told_to_disable_itself():
     with pytest.raises(ValueError, match="world_size must be a positive integer, got 0") as e:
         topology.validate_layout(0)
     assert "disable" not in str(e.value)
+
+
+_PLAN_64 = ["plan", "--gpus", "64", "--layers", "40", "--hidden", "5120", "--heads", "40", "--seq", "2048", "--vocab",
+            "51200", "--global-batch", "512"]
+
+
+def test_explain_says_which_recomputation_was_tried(capsys):
+    topology.main(_PLAN_64 + ["--recompute", "none"])
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "do not fit in memory" in x)
+    assert "even with full recomputation" not in line and "with recompute fixed to none" in line, line
+    # the old claim was false: the layout it named fits once full recomputation is allowed
+    c = topology.Cluster(gpus=64)
+    m = topology.ModelShape(layers=40, hidden=5120, heads=40, seq=2048, vocab=51200, global_batch=512)
+    assert "TP=1 PP=1 DP=64 CP=1" in line and topology.estimate(c, m, 1, 1, 1, recompute="full")["fits"]
+    # nothing fits on 8 GPUs with no recomputation: the advice starts with what was not tried
+    small = ["plan", "--gpus", "8", "--layers", "40", "--hidden", "12288", "--heads", "96", "--seq", "2048",
+             "--vocab", "51200", "--global-batch", "512"]
+    topology.main(small + ["--recompute", "none"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "with recompute fixed to none" in last and "use full recomputation, ZeRO-1" in last, last
+    topology.main(small)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "even with full recomputation" in last and "use ZeRO-1" in last, last

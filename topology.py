@@ -927,11 +927,12 @@ def explain(plans, cluster, recompute=None):
     best = plans[0]
     lines = []
     tried = "even with full recomputation" if recompute is None else f"with recompute fixed to {recompute}"
-    if not best["fits"]:
+    if not best["fits"]:  # plans are ranked by step time: the least bad is the smallest, not the first
+        least = min(plans, key=lambda r: r["memory_gb"])
         untried = "full recomputation, " if recompute not in (None, "full") else ""
         lines.append(f"No layout fits in {cluster.gpu_mem_gb} GB (x{MEMORY_HEADROOM} headroom) {tried}; the least "
-                     f"bad is {_layout_name(best)} at {best['memory_gb']:.1f} GB: use {untried}ZeRO-1, more pipeline "
-                     "stages or more GPUs.")
+                     f"bad is {_layout_name(least)} at {least['memory_gb']:.1f} GB: use {untried}ZeRO-1, more "
+                     "pipeline stages or more GPUs.")
         return "\n".join(lines)
     where = {True: "NVLink (inside a node)", False: "InfiniBand (across nodes)"}
     lines.append(f"Best: {_layout_name(best)} with {_knobs_name(best)}: {best['micro_batches']} micro-batches per "

@@ -780,3 +780,14 @@ def test_explain_says_which_recomputation_was_tried(capsys):
     topology.main(small)
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert "even with full recomputation" in last and "use ZeRO-1" in last, last
+
+
+def test_when_nothing_fits_explain_names_the_layout_with_least_memory():
+    c = topology.Cluster(gpus=8)
+    m = topology.ModelShape(layers=40, hidden=12288, heads=96, seq=2048, vocab=51200, global_batch=512)
+    plans = topology.plan(c, m)
+    assert not any(p["fits"] for p in plans)
+    least = min(plans, key=lambda p: p["memory_gb"])
+    assert plans[0] is not least  # the fastest of the layouts that do not fit is not the smallest
+    text = topology.explain(plans, c)
+    assert f"the least bad is {topology._layout_name(least)} at {least['memory_gb']:.1f} GB" in text, text

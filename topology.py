@@ -1186,12 +1186,14 @@ def chapter_example():
         b = estimate(cluster, m, tp=4, pp=8, cp=1)
         winner = min((x for x in (a, b) if x["fits"]), key=lambda x: x["step_time_s"], default=None)
         out.append({"shape": name, "model": m.__dict__, "plan_a": a, "plan_b": b,
-                    "preferred": None if winner is None else ("A" if winner is a else "B")})
+                    "preferred": None if winner is None else ("A" if winner is a else "B"),
+                    "compute_b_over_a": b["compute_s"] / a["compute_s"] - 1})
     return out
 
 
 def print_chapter_example():
-    for ex in chapter_example():
+    examples = chapter_example()
+    for ex in examples:
         m = ex["model"]
         print(f"\n== {ex['shape']}: L={m['layers']} h={m['hidden']} a={m['heads']} s={m['seq']} "
               f"B={m['global_batch']} recompute={m['recompute']} on 64 GPUs (8 nodes x 8)")
@@ -1214,8 +1216,10 @@ def print_chapter_example():
           "with twice the pipeline depth: a bubble of 7/m of the busy time instead of 3/m, and 8 micro-batches "
           "of activations in flight on stage 0 instead of 4 (twice A's activation memory). Few micro-batches "
           "(small global batch, many large layers) favour A; many micro-batches and narrower layers favour B. "
-          "(B's compute is 2-3% above A's: its last stage carries the logits, V/4 wide, beside L/8 layers; A's "
-          "V/8 beside L/4; its wider GEMMs do not make up for it.)")
+          "(B's compute against A's: "
+          + ", ".join(f"{ex['compute_b_over_a']:+.1%} ({ex['shape']})" for ex in examples)
+          + ". B's last stage carries the logits, V/4 wide, beside L/8 layers; A's V/8 beside L/4; B's wider GEMMs "
+          "do not make up for it.)")
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -791,3 +791,16 @@ def test_when_nothing_fits_explain_names_the_layout_with_least_memory():
     assert plans[0] is not least  # the fastest of the layouts that do not fit is not the smallest
     text = topology.explain(plans, c)
     assert f"the least bad is {topology._layout_name(least)} at {least['memory_gb']:.1f} GB" in text, text
+
+
+def test_chapter_example_prints_the_compute_gap_it_computes(capsys):
+    examples = topology.chapter_example()
+    topology.print_chapter_example()
+    out = capsys.readouterr().out
+    for ex in examples:
+        gap = ex["plan_b"]["compute_s"] / ex["plan_a"]["compute_s"] - 1
+        assert ex["compute_b_over_a"] == gap
+        # the prose explains why B's compute is above A's (its last stage's logits): it must be
+        assert gap > 0, (ex["shape"], gap)
+        assert f"{gap:+.1%} ({ex['shape']})" in out
+    assert "2-3%" not in out

@@ -804,3 +804,10 @@ def test_chapter_example_prints_the_compute_gap_it_computes(capsys):
         assert gap > 0, (ex["shape"], gap)
         assert f"{gap:+.1%} ({ex['shape']})" in out
     assert "2-3%" not in out
+
+
+@pytest.mark.parametrize("rank", [100, 8, -1])
+def test_rank_coordinates_refuses_a_rank_outside_the_world(rank):
+    # rank 100 of 8 used to answer with rank 4's coordinates, and -1 with rank 7's
+    with pytest.raises(ValueError, match=f"rank={rank} must be an integer in 0..7 \\(world_size=8\\)"):
+        topology.rank_coordinates(rank, 8, tp=2, pp=2)

@@ -156,7 +156,7 @@ def _flag(name):
 def _check_count(name, value, fix):
     """A size or a count: an integer >= 1, else a ValueError naming the field, its flag and `fix`."""
     if not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be an integer >= 1 ({_flag(name)}); {fix}")
+        raise ValueError(f"{name}={value!r} must be a positive integer ({_flag(name)}); {fix}")
 
 
 def _divisors(n):

@@ -684,26 +684,26 @@ _PLAN_BASE = ["plan", "--gpus", "8", "--layers", "4", "--hidden", "256", "--head
 
 @pytest.mark.parametrize("extra, names", [
     # sizes of the model: each used to end in a ZeroDivisionError or TypeError traceback
-    (["--heads", "0"], "heads=0 must be an integer >= 1 (--heads)"),
-    (["--hidden", "0"], "hidden=0 must be an integer >= 1 (--hidden)"),
-    (["--seq", "0"], "seq=0 must be an integer >= 1 (--seq)"),
-    (["--vocab", "0"], "vocab=0 must be an integer >= 1 (--vocab)"),
-    (["--layers", "0"], "layers=0 must be an integer >= 1 (--layers)"),
-    (["--global-batch", "0"], "global_batch=0 must be an integer >= 1 (--global-batch)"),
+    (["--heads", "0"], "heads=0 must be a positive integer (--heads)"),
+    (["--hidden", "0"], "hidden=0 must be a positive integer (--hidden)"),
+    (["--seq", "0"], "seq=0 must be a positive integer (--seq)"),
+    (["--vocab", "0"], "vocab=0 must be a positive integer (--vocab)"),
+    (["--layers", "0"], "layers=0 must be a positive integer (--layers)"),
+    (["--global-batch", "0"], "global_batch=0 must be a positive integer (--global-batch)"),
     # fixed knobs and layout sizes: 0 used to be taken for "not given" and -1 to crash
-    (["--micro-batch", "-1"], "micro_batch=-1 must be an integer >= 1 (--micro-batch)"),
-    (["--micro-batch", "0"], "micro_batch=0 must be an integer >= 1 (--micro-batch)"),
-    (["--virtual-stages", "-1"], "virtual_stages=-1 must be an integer >= 1 (--virtual-stages)"),
-    (["--virtual-stages", "0"], "virtual_stages=0 must be an integer >= 1 (--virtual-stages)"),
-    (["--tp", "0"], "tp=0 must be an integer >= 1 (--tp)"),
-    (["--pp", "0"], "pp=0 must be an integer >= 1 (--pp)"),
-    (["--cp", "-2"], "cp=-2 must be an integer >= 1 (--cp)"),
+    (["--micro-batch", "-1"], "micro_batch=-1 must be a positive integer (--micro-batch)"),
+    (["--micro-batch", "0"], "micro_batch=0 must be a positive integer (--micro-batch)"),
+    (["--virtual-stages", "-1"], "virtual_stages=-1 must be a positive integer (--virtual-stages)"),
+    (["--virtual-stages", "0"], "virtual_stages=0 must be a positive integer (--virtual-stages)"),
+    (["--tp", "0"], "tp=0 must be a positive integer (--tp)"),
+    (["--pp", "0"], "pp=0 must be a positive integer (--pp)"),
+    (["--cp", "-2"], "cp=-2 must be a positive integer (--cp)"),
     # constants of the cluster: a negative latency used to print a negative step time with exit code 0
     (["--gemm-half-dim", "-128"], "gemm_half_dim=-128.0 must be > 0 (--gemm-half-dim)"),
     (["--launch-us", "-1000"], "launch_us=-1000.0 must be >= 0 (--launch-us)"),
     (["--collective-latency-us", "-1"], "collective_latency_us=-1.0 must be >= 0 (--collective-latency-us)"),
     (["--p2p-latency-us", "-1"], "p2p_latency_us=-1.0 must be >= 0 (--p2p-latency-us)"),
-    (["--interleave-min-pp", "0"], "interleave_min_pp=0 must be an integer >= 1 (--interleave-min-pp)"),
+    (["--interleave-min-pp", "0"], "interleave_min_pp=0 must be a positive integer (--interleave-min-pp)"),
     (["--gemm-efficiency", "0"], "efficiency=0.0 must be > 0 (--gemm-efficiency)"),
     (["--limit", "-1"], "limit=-1 must be >= 0 (--limit)"),
 ])
@@ -724,22 +724,22 @@ def test_zero_latencies_are_allowed_and_fixed_knobs_are_honoured(capsys):
 
 
 def test_model_shape_refuses_sizes_below_one():
-    with pytest.raises(ValueError, match="heads=0 must be an integer >= 1"):
+    with pytest.raises(ValueError, match="heads=0 must be a positive integer"):
         topology.ModelShape(layers=4, hidden=256, heads=0, seq=128, vocab=512, global_batch=8)
-    with pytest.raises(ValueError, match="hidden=2.5 must be an integer >= 1"):
+    with pytest.raises(ValueError, match="hidden=2.5 must be a positive integer"):
         topology.ModelShape(layers=4, hidden=2.5, heads=4, seq=128, vocab=512, global_batch=8)
     m = topology.ModelShape(layers=4, hidden=256, heads=4, seq=128, vocab=512, global_batch=8)
-    with pytest.raises(ValueError, match="micro_batch=0 must be an integer >= 1 .*omit it"):
+    with pytest.raises(ValueError, match="micro_batch=0 must be a positive integer .*omit it"):
         topology.estimate(topology.Cluster(gpus=8), m, tp=1, pp=1, cp=1, micro_batch=0)
-    with pytest.raises(ValueError, match="tp=0 must be an integer >= 1"):
+    with pytest.raises(ValueError, match="tp=0 must be a positive integer"):
         topology.plan(topology.Cluster(gpus=8), m, tp=0)
 
 
 @pytest.mark.parametrize("argv, names", [
-    (["--nodes", "0", "--gpus-per-node", "8"], "nodes=0 must be an integer >= 1 (--nodes)"),
+    (["--nodes", "0", "--gpus-per-node", "8"], "nodes=0 must be a positive integer (--nodes)"),
     # -1 x -8 = 8 used to pass as a world of 8 and print an empty map with exit code 0
-    (["--nodes", "-1", "--gpus-per-node", "-8"], "nodes=-1 must be an integer >= 1 (--nodes)"),
-    (["--nodes", "2", "--gpus-per-node", "0"], "gpus_per_node=0 must be an integer >= 1 (--gpus-per-node)"),
+    (["--nodes", "-1", "--gpus-per-node", "-8"], "nodes=-1 must be a positive integer (--nodes)"),
+    (["--nodes", "2", "--gpus-per-node", "0"], "gpus_per_node=0 must be a positive integer (--gpus-per-node)"),
     # no tp, pp divide 16 with cp=3: the hint used to end in an empty list, "(with cp=3: )"
     (["--nodes", "2", "--gpus-per-node", "8", "--cp", "3"],
      "cp=3 does not divide 16, so no tp and pp can: choose cp among [1, 2, 4, 8, 16]"),

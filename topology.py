@@ -148,20 +148,37 @@ def _check_positive(**sizes):
             raise ValueError(f"{name} must be a positive integer, got {value!r}; use {name}=1 to disable it")
 
 
+def _flag(name):
+    """The command-line flag of a Cluster or ModelShape field: its name with dashes, but for e_max's."""
+    return next((flag for flag, (f, _) in _CONSTANT_FLAGS.items() if f == name), "--" + name.replace("_", "-"))
+
+
+def _check_count(name, value, fix):
+    """A size or a count: an integer >= 1, else a ValueError naming the field, its flag and `fix`."""
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer ({_flag(name)}); {fix}")
+
+
 def _divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def validate_layout(world_size, tp=1, pp=1, cp=1, ep=1):
     """Check that the sizes tile the world; return dp. Raises ValueError naming the parameter and a fix."""
-    _check_positive(world_size=world_size, tp=tp, pp=pp, cp=cp, ep=ep)
+    if not isinstance(world_size, int) or world_size < 1:  # no size 1 "disables" the world, unlike tp..ep
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}: the number of ranks")
+    _check_positive(tp=tp, pp=pp, cp=cp, ep=ep)
     model_parallel = tp * pp * cp
     if world_size % model_parallel != 0:
-        fits = [(t, p) for t in _divisors(world_size) for p in _divisors(world_size // t)
-                if world_size % (t * p * cp) == 0]
-        hint = ", ".join(f"tp={t} pp={p}" for t, p in fits[:6])
+        if world_size % cp:
+            fix = f"cp={cp} does not divide {world_size}, so no tp and pp can: choose cp among {_divisors(world_size)}"
+        else:
+            fits = [(t, p) for t in _divisors(world_size) for p in _divisors(world_size // t)
+                    if world_size % (t * p * cp) == 0]
+            hint = ", ".join(f"tp={t} pp={p}" for t, p in fits[:6])
+            fix = f"choose tp, pp, cp whose product divides {world_size} (with cp={cp}: {hint})"
         raise ValueError(f"world_size={world_size} is not divisible by tp*pp*cp={tp}*{pp}*{cp}={model_parallel}; "
-                         f"choose tp, pp, cp whose product divides {world_size} (with cp={cp}: {hint})")
+                         + fix)
     dp = world_size // model_parallel
     if (cp * dp) % ep != 0:
         raise ValueError(f"ep={ep} must divide cp*dp={cp}*{dp}={cp * dp} (experts fold over the data- and "
@@ -209,6 +226,8 @@ def rank_groups(world_size, tp=1, pp=1, cp=1, ep=1):
 def rank_coordinates(rank, world_size, tp=1, pp=1, cp=1, ep=1):
     """(tp, cp, dp, pp, ep, edp) coordinates of one rank: the inverse of the rank formula."""
     dp = validate_layout(world_size, tp, pp, cp, ep)
+    if not isinstance(rank, int) or not 0 <= rank < world_size:  # the digits below would wrap around silently
+        raise ValueError(f"rank={rank!r} must be an integer in 0..{world_size - 1} (world_size={world_size})")
     coords = {}
     rest = rank
     for name, size in (("tp", tp), ("cp", cp), ("dp", dp), ("pp", pp)):
@@ -340,6 +359,9 @@ def init_parallel(tp=1, pp=1, cp=1, ep=1, gpus_per_node=None, with_mesh=True):
 
 def rank_map(nodes, gpus_per_node, tp=1, pp=1, cp=1, ep=1):
     """A node x GPU grid of (tp, cp, dp, pp) coordinates, then the group lists and where each kind lives."""
+    # each on its own: -1 nodes x -8 GPUs would make a world of 8 and an empty grid
+    _check_count("nodes", nodes, "the number of nodes to draw")
+    _check_count("gpus_per_node", gpus_per_node, "the GPUs of one node")
     world = nodes * gpus_per_node
     groups = rank_groups(world, tp, pp, cp, ep)
     dp = world // (tp * pp * cp)
@@ -441,11 +463,17 @@ class Cluster:
     interleave_min_pp: int = 2
 
     def __post_init__(self):
+        # `not value > 0` rather than `value <= 0`: NaN fails it too
         for name in ("gpus", "gpus_per_node", "gpu_mem_gb", "nvlink_gbps", "ib_gbps", "peak_tflops", "efficiency",
-                     "hbm_gbps", "p2p_gbps"):
+                     "gemm_half_dim", "hbm_gbps", "p2p_gbps"):
             value = getattr(self, name)
             if value is not None and not value > 0:
-                raise ValueError(f"{name}={value!r} must be > 0 (--{name.replace('_', '-')})")
+                raise ValueError(f"{name}={value!r} must be > 0 ({_flag(name)})")
+        for name in ("launch_us", "collective_latency_us", "p2p_latency_us"):  # 0: a cost left out on purpose
+            value = getattr(self, name)
+            if not value >= 0:
+                raise ValueError(f"{name}={value!r} must be >= 0 ({_flag(name)})")
+        _check_count("interleave_min_pp", self.interleave_min_pp, "2 today, 3 for Megatron-LM 2021")
 
     @classmethod
     def for_gpu(cls, gpu, gpus, **overrides):
@@ -473,6 +501,15 @@ class ModelShape:
     sequence_parallel: bool = None
     zero: bool = None              # distributed optimizer (ZeRO-1) over the DP x CP ranks
     virtual_stages: int = None     # model chunks per GPU of the interleaved 1F1B schedule (1: plain 1F1B)
+
+    def __post_init__(self):
+        # a size of 0 would otherwise surface as a ZeroDivisionError deep in the cost model
+        for name in ("layers", "hidden", "heads", "seq", "vocab"):
+            _check_count(name, getattr(self, name), "give the model's size")
+        _check_count("global_batch", self.global_batch, "give the sequences per optimizer step")
+        for name in ("micro_batch", "virtual_stages"):  # None: the planner chooses
+            if getattr(self, name) is not None:
+                _check_count(name, getattr(self, name), "omit it to let the planner choose")
 
 
 def parameter_count(m):
@@ -781,12 +818,12 @@ def evaluate(cluster, m, lay, b, v, recompute, sp, zero):
 def _knob_choices(m, lay):
     """The knob values the search tries on one layout: the given ones, or every sensible value."""
     per_pipeline = m.global_batch // lay.dp
-    bs = [m.micro_batch] if m.micro_batch else [b for b in _divisors(per_pipeline) if b <= MAX_MICRO_BATCH]
+    bs = [m.micro_batch] if m.micro_batch is not None else [b for b in _divisors(per_pipeline) if b <= MAX_MICRO_BATCH]
     sps = [m.sequence_parallel] if m.sequence_parallel is not None else ([False, True] if lay.tp > 1 else [False])
     zeros = [m.zero] if m.zero is not None else ([False, True] if lay.dp * lay.cp > 1 else [False])
-    recomputes = [m.recompute] if m.recompute else list(RECOMPUTE_POLICIES)  # cheapest first
+    recomputes = [m.recompute] if m.recompute is not None else list(RECOMPUTE_POLICIES)  # cheapest first
     for b in bs:
-        if m.virtual_stages:
+        if m.virtual_stages is not None:
             vs = [m.virtual_stages]
         elif lay.pp < max(2, lay.interleave_min_pp) or (per_pipeline // b) % lay.pp:  # and m a multiple of p
             vs = [1]
@@ -840,19 +877,24 @@ def _best_for_layout(cluster, m, lay):
 def candidate_layouts(cluster, m, tp=None, pp=None, cp=None):
     """The planner's choice for every (tp, pp, cp) that divides the cluster and the model; TP inside a node
     unless given, CP up to 16."""
+    for name, value in (("tp", tp), ("pp", pp), ("cp", cp)):  # None: every size that divides is tried
+        if value is not None:
+            _check_count(name, value, "omit it to let the planner choose")
     out = []
-    tps = [tp] if tp else [t for t in _divisors(cluster.gpus_per_node) if m.heads % t == 0]
-    pps = [pp] if pp else _divisors(m.layers)
-    cps = [cp] if cp else [c for c in range(1, 17) if cluster.gpus % c == 0 and (c == 1 or m.seq % (2 * c) == 0)]
+    all_fixed = None not in (tp, pp, cp)
+    tps = [tp] if tp is not None else [t for t in _divisors(cluster.gpus_per_node) if m.heads % t == 0]
+    pps = [pp] if pp is not None else _divisors(m.layers)
+    cps = [cp] if cp is not None else [c for c in range(1, 17)
+                                       if cluster.gpus % c == 0 and (c == 1 or m.seq % (2 * c) == 0)]
     for t, p, c in itertools.product(tps, pps, cps):
         divides = (cluster.gpus % (t * p * c) == 0 and m.layers % p == 0 and m.heads % t == 0
                    and m.global_batch % (cluster.gpus // (t * p * c)) == 0)
-        if not divides and not (tp and pp and cp):  # skip early: building the error text costs more than planning
+        if not divides and not all_fixed:  # skip early: building the error text costs more than planning
             continue
         try:
             out.append(estimate(cluster, m, t, p, c))
         except ValueError:
-            if tp and pp and cp:
+            if all_fixed:
                 raise
     return out
 
@@ -880,14 +922,19 @@ def _knobs_name(r):
 OVERHEADS = ("tp_s", "cp_s", "pp_p2p_s", "bubble_s", "dp_s", "optimizer_s")
 
 
-def explain(plans, cluster):
-    """Say in words why the first plan wins."""
+def explain(plans, cluster, recompute=None):
+    """Say in words why the first plan wins. `recompute`: the policy the user fixed (None: the planner tried
+    them all, full recomputation included), so that a layout that does not fit is said to fail with what was
+    tried."""
     best = plans[0]
     lines = []
-    if not best["fits"]:
-        lines.append(f"No layout fits in {cluster.gpu_mem_gb} GB (x{MEMORY_HEADROOM} headroom), even with full "
-                     f"recomputation; the least bad is {_layout_name(best)} at {best['memory_gb']:.1f} GB: use ZeRO-1, "
-                     "more pipeline stages or more GPUs.")
+    tried = "even with full recomputation" if recompute is None else f"with recompute fixed to {recompute}"
+    if not best["fits"]:  # plans are ranked by step time: the least bad is the smallest, not the first
+        least = min(plans, key=lambda r: r["memory_gb"])
+        untried = "full recomputation, " if recompute not in (None, "full") else ""
+        lines.append(f"No layout fits in {cluster.gpu_mem_gb} GB (x{MEMORY_HEADROOM} headroom) {tried}; the least "
+                     f"bad is {_layout_name(least)} at {least['memory_gb']:.1f} GB: use {untried}ZeRO-1, more "
+                     "pipeline stages or more GPUs.")
         return "\n".join(lines)
     where = {True: "NVLink (inside a node)", False: "InfiniBand (across nodes)"}
     lines.append(f"Best: {_layout_name(best)} with {_knobs_name(best)}: {best['micro_batches']} micro-batches per "
@@ -910,7 +957,7 @@ def explain(plans, cluster):
                      f"(+{diffs[why]:.3f} s).")
     too_big = [r for r in plans if not r["fits"]]
     if too_big:
-        lines.append(f"  {len(too_big)} of {len(plans)} layouts do not fit in memory even with full recomputation "
+        lines.append(f"  {len(too_big)} of {len(plans)} layouts do not fit in memory {tried} "
                      f"(e.g. {_layout_name(too_big[0])}: {too_big[0]['memory_gb']:.1f} GB).")
     return "\n".join(lines)
 
@@ -1141,12 +1188,14 @@ def chapter_example():
         b = estimate(cluster, m, tp=4, pp=8, cp=1)
         winner = min((x for x in (a, b) if x["fits"]), key=lambda x: x["step_time_s"], default=None)
         out.append({"shape": name, "model": m.__dict__, "plan_a": a, "plan_b": b,
-                    "preferred": None if winner is None else ("A" if winner is a else "B")})
+                    "preferred": None if winner is None else ("A" if winner is a else "B"),
+                    "compute_b_over_a": b["compute_s"] / a["compute_s"] - 1})
     return out
 
 
 def print_chapter_example():
-    for ex in chapter_example():
+    examples = chapter_example()
+    for ex in examples:
         m = ex["model"]
         print(f"\n== {ex['shape']}: L={m['layers']} h={m['hidden']} a={m['heads']} s={m['seq']} "
               f"B={m['global_batch']} recompute={m['recompute']} on 64 GPUs (8 nodes x 8)")
@@ -1169,8 +1218,10 @@ def print_chapter_example():
           "with twice the pipeline depth: a bubble of 7/m of the busy time instead of 3/m, and 8 micro-batches "
           "of activations in flight on stage 0 instead of 4 (twice A's activation memory). Few micro-batches "
           "(small global batch, many large layers) favour A; many micro-batches and narrower layers favour B. "
-          "(B's compute is 2-3% above A's: its last stage carries the logits, V/4 wide, beside L/8 layers; A's "
-          "V/8 beside L/4; its wider GEMMs do not make up for it.)")
+          "(B's compute against A's: "
+          + ", ".join(f"{ex['compute_b_over_a']:+.1%} ({ex['shape']})" for ex in examples)
+          + ". B's last stage carries the logits, V/4 wide, beside L/8 layers; A's V/8 beside L/4; B's wider GEMMs "
+          "do not make up for it.)")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1253,6 +1304,8 @@ def _plan_main(argv):
     ap.add_argument("--limit", type=int, default=12, help="rows of the table")
     ap.add_argument("--json", action="store_true", help="every layout as JSON, best first")
     a = ap.parse_args(argv)
+    if a.limit < 0:
+        raise ValueError(f"limit={a.limit} must be >= 0 (--limit): the number of rows to print")
     cluster = _cluster_from_args(a)
     m = ModelShape(a.layers, a.hidden, a.heads, a.seq, a.vocab, a.global_batch, a.micro_batch, a.recompute,
                    None if a.sequence_parallel is None else a.sequence_parallel == "on",
@@ -1265,7 +1318,7 @@ def _plan_main(argv):
           "(96 B s L h^2 (1 + s/6h + V/16Lh))")
     print(format_table(plans, a.limit))
     print()
-    print(explain(plans, cluster))
+    print(explain(plans, cluster, m.recompute))
 
 
 def _calibrate_main(argv):

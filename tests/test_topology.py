@@ -676,3 +676,138 @@ def test_bad_cluster_constants_and_layouts_are_one_line_and_exit_code_2(capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith("topology.py: error: "), err
         assert names in err[0], err
+
+
+_PLAN_BASE = ["plan", "--gpus", "8", "--layers", "4", "--hidden", "256", "--heads", "4", "--seq", "128", "--vocab",
+              "512", "--global-batch", "8"]
+
+
+@pytest.mark.parametrize("extra, names", [
+    # sizes of the model: each used to end in a ZeroDivisionError or TypeError traceback
+    (["--heads", "0"], "heads=0 must be a positive integer (--heads)"),
+    (["--hidden", "0"], "hidden=0 must be a positive integer (--hidden)"),
+    (["--seq", "0"], "seq=0 must be a positive integer (--seq)"),
+    (["--vocab", "0"], "vocab=0 must be a positive integer (--vocab)"),
+    (["--layers", "0"], "layers=0 must be a positive integer (--layers)"),
+    (["--global-batch", "0"], "global_batch=0 must be a positive integer (--global-batch)"),
+    # fixed knobs and layout sizes: 0 used to be taken for "not given" and -1 to crash
+    (["--micro-batch", "-1"], "micro_batch=-1 must be a positive integer (--micro-batch)"),
+    (["--micro-batch", "0"], "micro_batch=0 must be a positive integer (--micro-batch)"),
+    (["--virtual-stages", "-1"], "virtual_stages=-1 must be a positive integer (--virtual-stages)"),
+    (["--virtual-stages", "0"], "virtual_stages=0 must be a positive integer (--virtual-stages)"),
+    (["--tp", "0"], "tp=0 must be a positive integer (--tp)"),
+    (["--pp", "0"], "pp=0 must be a positive integer (--pp)"),
+    (["--cp", "-2"], "cp=-2 must be a positive integer (--cp)"),
+    # constants of the cluster: a negative latency used to print a negative step time with exit code 0
+    (["--gemm-half-dim", "-128"], "gemm_half_dim=-128.0 must be > 0 (--gemm-half-dim)"),
+    (["--launch-us", "-1000"], "launch_us=-1000.0 must be >= 0 (--launch-us)"),
+    (["--collective-latency-us", "-1"], "collective_latency_us=-1.0 must be >= 0 (--collective-latency-us)"),
+    (["--p2p-latency-us", "-1"], "p2p_latency_us=-1.0 must be >= 0 (--p2p-latency-us)"),
+    (["--interleave-min-pp", "0"], "interleave_min_pp=0 must be a positive integer (--interleave-min-pp)"),
+    (["--gemm-efficiency", "0"], "efficiency=0.0 must be > 0 (--gemm-efficiency)"),
+    (["--limit", "-1"], "limit=-1 must be >= 0 (--limit)"),
+])
+def test_bad_plan_input_is_one_line_naming_the_flag_and_exit_code_2(capsys, extra, names):
+    with pytest.raises(SystemExit) as exit_:
+        topology.main(_PLAN_BASE + extra)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith("topology.py: error: "), err
+    assert names in err[0], err
+
+
+def test_zero_latencies_are_allowed_and_fixed_knobs_are_honoured(capsys):
+    topology.main(_PLAN_BASE + ["--launch-us", "0", "--collective-latency-us", "0", "--p2p-latency-us", "0",
+                                "--tp", "2", "--micro-batch", "2", "--json"])
+    import json
+    plans = json.loads(capsys.readouterr().out)
+    assert plans and all(p["tp"] == 2 and p["micro_batch"] == 2 for p in plans)
+
+
+def test_model_shape_refuses_sizes_below_one():
+    with pytest.raises(ValueError, match="heads=0 must be a positive integer"):
+        topology.ModelShape(layers=4, hidden=256, heads=0, seq=128, vocab=512, global_batch=8)
+    with pytest.raises(ValueError, match="hidden=2.5 must be a positive integer"):
+        topology.ModelShape(layers=4, hidden=2.5, heads=4, seq=128, vocab=512, global_batch=8)
+    m = topology.ModelShape(layers=4, hidden=256, heads=4, seq=128, vocab=512, global_batch=8)
+    with pytest.raises(ValueError, match="micro_batch=0 must be a positive integer .*omit it"):
+        topology.estimate(topology.Cluster(gpus=8), m, tp=1, pp=1, cp=1, micro_batch=0)
+    with pytest.raises(ValueError, match="tp=0 must be a positive integer"):
+        topology.plan(topology.Cluster(gpus=8), m, tp=0)
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--nodes", "0", "--gpus-per-node", "8"], "nodes=0 must be a positive integer (--nodes)"),
+    # -1 x -8 = 8 used to pass as a world of 8 and print an empty map with exit code 0
+    (["--nodes", "-1", "--gpus-per-node", "-8"], "nodes=-1 must be a positive integer (--nodes)"),
+    (["--nodes", "2", "--gpus-per-node", "0"], "gpus_per_node=0 must be a positive integer (--gpus-per-node)"),
+    # no tp, pp divide 16 with cp=3: the hint used to end in an empty list, "(with cp=3: )"
+    (["--nodes", "2", "--gpus-per-node", "8", "--cp", "3"],
+     "cp=3 does not divide 16, so no tp and pp can: choose cp among [1, 2, 4, 8, 16]"),
+])
+def test_bad_map_input_is_one_line_naming_the_flag_and_exit_code_2(capsys, argv, names):
+    with pytest.raises(SystemExit) as exit_:
+        topology.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith("topology.py: error: "), err
+    assert names in err[0] and ": )" not in err[0], err
+
+
+def test_a_world_of_no_ranks_is_not_told_to_disable_itself():
+    with pytest.raises(ValueError, match="world_size must be a positive integer, got 0") as e:
+        topology.validate_layout(0)
+    assert "disable" not in str(e.value)
+
+
+_PLAN_64 = ["plan", "--gpus", "64", "--layers", "40", "--hidden", "5120", "--heads", "40", "--seq", "2048", "--vocab",
+            "51200", "--global-batch", "512"]
+
+
+def test_explain_says_which_recomputation_was_tried(capsys):
+    topology.main(_PLAN_64 + ["--recompute", "none"])
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "do not fit in memory" in x)
+    assert "even with full recomputation" not in line and "with recompute fixed to none" in line, line
+    # the old claim was false: the layout it named fits once full recomputation is allowed
+    c = topology.Cluster(gpus=64)
+    m = topology.ModelShape(layers=40, hidden=5120, heads=40, seq=2048, vocab=51200, global_batch=512)
+    assert "TP=1 PP=1 DP=64 CP=1" in line and topology.estimate(c, m, 1, 1, 1, recompute="full")["fits"]
+    # nothing fits on 8 GPUs with no recomputation: the advice starts with what was not tried
+    small = ["plan", "--gpus", "8", "--layers", "40", "--hidden", "12288", "--heads", "96", "--seq", "2048",
+             "--vocab", "51200", "--global-batch", "512"]
+    topology.main(small + ["--recompute", "none"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "with recompute fixed to none" in last and "use full recomputation, ZeRO-1" in last, last
+    topology.main(small)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "even with full recomputation" in last and "use ZeRO-1" in last, last
+
+
+def test_when_nothing_fits_explain_names_the_layout_with_least_memory():
+    c = topology.Cluster(gpus=8)
+    m = topology.ModelShape(layers=40, hidden=12288, heads=96, seq=2048, vocab=51200, global_batch=512)
+    plans = topology.plan(c, m)
+    assert not any(p["fits"] for p in plans)
+    least = min(plans, key=lambda p: p["memory_gb"])
+    assert plans[0] is not least  # the fastest of the layouts that do not fit is not the smallest
+    text = topology.explain(plans, c)
+    assert f"the least bad is {topology._layout_name(least)} at {least['memory_gb']:.1f} GB" in text, text
+
+
+def test_chapter_example_prints_the_compute_gap_it_computes(capsys):
+    examples = topology.chapter_example()
+    topology.print_chapter_example()
+    out = capsys.readouterr().out
+    for ex in examples:
+        gap = ex["plan_b"]["compute_s"] / ex["plan_a"]["compute_s"] - 1
+        assert ex["compute_b_over_a"] == gap
+        # the prose explains why B's compute is above A's (its last stage's logits): it must be
+        assert gap > 0, (ex["shape"], gap)
+        assert f"{gap:+.1%} ({ex['shape']})" in out
+    assert "2-3%" not in out
+
+
+@pytest.mark.parametrize("rank", [100, 8, -1])
+def test_rank_coordinates_refuses_a_rank_outside_the_world(rank):
+    # rank 100 of 8 used to answer with rank 4's coordinates, and -1 with rank 7's
+    with pytest.raises(ValueError, match=f"rank={rank} must be an integer in 0..7 \\(world_size=8\\)"):
+        topology.rank_coordinates(rank, 8, tp=2, pp=2)

@@ -23,8 +23,9 @@ gradients in a BF16 .grad rounds m times to 8 significant bits (measured: 16 mic
 the sum's size away from the exact sum). `MixedPrecisionOptimizer` gives every parameter a persistent
 `main_grad` in the master dtype, a view of one flat buffer, and a gradient hook adds each backward's p.grad
 into it and frees p.grad: one FP32 rounding per micro-batch (measured 1e-8). A parameter already in the
-master dtype needs no hook: its .grad IS its main_grad view, and autograd accumulates into the flat buffer
-in place (DDP's gradient_as_bucket_view). Data-parallel reductions run on these FP32
+master dtype needs no copy: its .grad IS its main_grad view, and autograd accumulates into the flat buffer
+in place (DDP's gradient_as_bucket_view); its hook only copies back a .grad that replaced the view (autograd
+sums out of place under create_graph=True). Data-parallel reductions run on these FP32
 buffers, so the sum over ranks does not round in BF16 either. Per parameter with Adam: 2 (BF16 weight)
 + 4 (FP32 main grad) + 4 (FP32 master) + 8 (Adam moments) = 18 bytes; the ZeRO paper's 16 keeps BF16
 gradients. A parameter already in the master dtype (FP32, or float64 for tests) has no separate master:
@@ -204,8 +205,21 @@ def _accumulate_main_grad(p):
 
 def _grad_is_main_grad(p):
     """A parameter already in the master dtype has p.grad = p.main_grad: autograd accumulates in place into
-    the flat buffer (DDP's gradient_as_bucket_view), with no hook and no copy."""
+    the flat buffer (DDP's gradient_as_bucket_view), with no copy."""
     return p.grad is not None and p.grad.data_ptr() == p.main_grad.data_ptr()
+
+
+def _adopt_grad(p):
+    """Gradient hook of a parameter already in the master dtype. Its p.grad is its gradient, as torch defines
+    it: when something replaced the main_grad view (autograd accumulates out of place, main_grad + new, under
+    create_graph=True; a user writes p.grad = p.grad * 2 or p.grad = g), the new tensor is the whole gradient.
+    It is COPIED into main_grad, not added (adding would count main_grad's content twice), and p.grad points
+    at main_grad again."""
+    if p.grad is None or _grad_is_main_grad(p):
+        return
+    with torch.no_grad():
+        p.main_grad.copy_(p.grad.detach())
+    p.grad = p.main_grad
 
 
 class _Bucket:
@@ -320,7 +334,8 @@ class MixedPrecisionOptimizer:
     as in Megatron-LM); under zero=0 it sees whole parameters of their shapes.
 
     The parameters become views of flat buffers (one per entry, dtype and device), and each gets a gradient
-    hook (or, in the master dtype, a .grad that is its main_grad view: leave it, zero_grad() keeps it):
+    hook (in the master dtype also a .grad that is its main_grad view: leave it, zero_grad() keeps it; a
+    p.grad that replaces it is taken as the whole gradient, as in torch):
     build the optimizer once the model has its final dtype and device, before anything else takes views of
     the parameters' storage, and only one optimizer per parameter.
     """
@@ -348,6 +363,7 @@ class MixedPrecisionOptimizer:
         for p in self.params:
             if p.dtype == master_dtype:
                 p.grad = p.main_grad
+                p.register_post_accumulate_grad_hook(_adopt_grad)
             else:
                 p.register_post_accumulate_grad_hook(_accumulate_main_grad)
         self.optimizer = optimizer_class(
@@ -432,12 +448,14 @@ class MixedPrecisionOptimizer:
     # ---- the step ----
 
     def _fold_stray_grads(self):
-        """A gradient written to p.grad directly, not by backward (which the hook catches), joins the sum."""
+        """A gradient written to p.grad directly, not by backward (which the hooks catch), joins the sum: added
+        to the main grad of a narrower parameter (whose p.grad holds only what came since the last hook),
+        copied into that of a parameter in the master dtype (whose p.grad is the whole gradient)."""
         for p in self.params:
-            if p.grad is not None and not _grad_is_main_grad(p):
+            if p.dtype == self.master_dtype:
+                _adopt_grad(p)
+            elif p.grad is not None:
                 _accumulate_main_grad(p)
-                if p.dtype == self.master_dtype:
-                    p.grad = p.main_grad
 
     def all_reduce_grads(self, params, group):
         """SUM the main grads of `params` over `group` in one flat all-reduce (None or size 1: nothing). For

@@ -157,6 +157,43 @@ def test_main_grad_is_persistent_fp32_and_zeroed_by_step():
     assert w.main_grad is buffer and torch.all(w.main_grad == 0)
 
 
+def _gradient_rewrites(w, step):
+    """Four ways a gradient reaches w, each followed by step(): (a) a backward, then one with create_graph=True
+    (autograd sums out of place: w.grad becomes a new tensor, old + new); (b) a backward, then w.grad = w.grad * 2;
+    (c) w.grad written before any backward, then a backward; (d) w.grad written, no backward."""
+    before = w.detach().clone()
+    (w * 2).sum().backward()
+    (w * 3).sum().backward(create_graph=True)
+    step()
+    (w * 2).sum().backward()
+    w.grad = w.grad * 2
+    step()
+    w.grad = torch.full_like(w, 1.0)
+    (w * 2).sum().backward()
+    step()
+    w.grad = torch.full_like(w, 1.0)
+    step()
+    return before - w.detach()
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph")
+def test_a_master_dtype_grad_replaced_out_of_place_is_the_gradient_not_an_increment():
+    ref = torch.nn.Parameter(torch.ones(3))
+    ref_opt = torch.optim.SGD([ref], lr=1.0)
+    expected = _gradient_rewrites(ref, lambda: (ref_opt.step(), ref_opt.zero_grad()))
+    assert torch.equal(expected, torch.full((3,), 5.0 + 4.0 + 3.0 + 1.0))
+    w = torch.nn.Parameter(torch.ones(3))  # in the master dtype: w.grad is its main_grad view
+    opt = mp.MixedPrecisionOptimizer([w], torch.optim.SGD, lr=1.0)
+    (w * 2).sum().backward()
+    (w * 3).sum().backward(create_graph=True)
+    # the hook copies the out-of-place sum into the main grad at once and points w.grad back at it
+    assert torch.equal(w.main_grad, torch.full((3,), 5.0)) and w.grad.data_ptr() == w.main_grad.data_ptr()
+    assert opt.step().grad_norm == pytest.approx(math.sqrt(3 * 25.0))
+    w2 = torch.nn.Parameter(torch.ones(3))
+    opt2 = mp.MixedPrecisionOptimizer([w2], torch.optim.SGD, lr=1.0)
+    assert torch.equal(_gradient_rewrites(w2, opt2.step), expected)  # as torch counts them, no double count
+
+
 def _step_sums(rank, world, zero):
     torch.manual_seed(0)
     model = mp.MLP(dim=4, hidden=8, depth=1).bfloat16()

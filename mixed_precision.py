@@ -607,11 +607,13 @@ class MixedPrecisionOptimizer:
 
     def load_full_state(self, p, state):
         """Inverse of full_state, whatever the layout that saved it: p takes the master rounded to its dtype,
-        this rank keeps the piece of the master and of every state tensor in its shard. No communication."""
+        this rank keeps the piece of the master and of every state tensor in its shard, in the piece's dtype
+        and device (a checkpoint saved with another master dtype loads: the inner optimizer wants its states
+        in the dtype of its parameters). No communication."""
         bucket, i = self._where[id(p)]
         piece = bucket.pieces[i]
         a, b = piece.range
-        cut = lambda t: t.detach().reshape(-1)[a:b].reshape(piece.shape).to(piece.device).clone()
+        cut = lambda t: t.detach().reshape(-1)[a:b].reshape(piece.shape).to(piece.device, piece.dtype, copy=True)
         with torch.no_grad():
             p.copy_(state["master"].reshape(p.shape))
             piece.copy_(cut(state["master"]))

@@ -542,6 +542,25 @@ def test_master_state_round_trip_keeps_fp32_masters_of_bf16_params():
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), clone.parameters()))
 
 
+def test_a_checkpoint_of_another_master_dtype_loads_in_this_optimizers_dtype():
+    torch.manual_seed(0)
+    saved_model, model = torch.nn.Linear(4, 4).double(), torch.nn.Linear(4, 4)
+    saved = mp.MixedPrecisionOptimizer(saved_model.parameters(), torch.optim.AdamW, master_dtype=torch.float64,
+                                       lr=1e-2)
+    saved_model(torch.randn(2, 4).double()).sum().backward()
+    saved.step()
+    opt = mp.MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)  # FP32 masters
+    opt.load_state_dict(saved.state_dict())
+    for p, q in zip(saved_model.parameters(), model.parameters()):
+        full = saved.full_state(p)
+        _, owned = opt.owned_state(q)
+        for key in ("master", "exp_avg", "exp_avg_sq"):  # float64 moments rounded to the FP32 masters' dtype
+            assert owned[key].dtype == torch.float32 and torch.equal(owned[key], full[key].float()), key
+        assert torch.equal(owned["step"], full["step"])  # 0-dim: as saved
+    model(torch.randn(2, 4)).sum().backward()
+    assert opt.step()  # AdamW steps: its states match its parameters' dtype
+
+
 # ---- bad arguments -----------------------------------------------------------------------------------
 
 def test_bad_arguments_raise_value_error_naming_the_argument():

@@ -86,6 +86,7 @@ an outlier spoils only its block, FP8 weight caches and FP8 all-gathers.
 import math
 from typing import NamedTuple
 import multiprocessing
+import numbers
 import os
 import tempfile
 from collections import Counter
@@ -134,9 +135,18 @@ class DynamicLossScaler:
     """Scale the loss up, unscale the gradients, skip the step and back off on inf/NaN, grow when clean."""
 
     def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
-        if growth_factor <= 1.0 or not 0.0 < backoff_factor < 1.0 or growth_interval < 1:
-            raise ValueError("need growth_factor > 1, 0 < backoff_factor < 1 and growth_interval >= 1")
+        # GradScaler checks only growth_factor > 1 and backoff_factor < 1; the rest would fail silently: a
+        # scale of 0 turns every gradient into NaN after unscaling (0 * 1/0) and steps on it, an infinite or NaN
+        # scale overflows every step and skips them all forever, a fractional interval never grows
         self._scale = torch.tensor(init_scale, dtype=torch.float32)  # FP32, as GradScaler keeps it
+        if not (torch.isfinite(self._scale) and self._scale > 0):
+            raise ValueError(f"init_scale={init_scale!r} must be finite and > 0 in FP32 (2.0 ** 16 is usual)")
+        if not (math.isfinite(growth_factor) and growth_factor > 1.0):
+            raise ValueError(f"growth_factor={growth_factor!r} must be finite and > 1 (2.0 is usual)")
+        if not 0.0 < backoff_factor < 1.0:
+            raise ValueError(f"backoff_factor={backoff_factor!r} must be in (0, 1) (0.5 is usual)")
+        if not isinstance(growth_interval, numbers.Integral) or growth_interval < 1:
+            raise ValueError(f"growth_interval={growth_interval!r} must be an int >= 1 (2000 is usual)")
         self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
         self._growth_tracker = 0
 

@@ -87,6 +87,18 @@ def test_loss_scaler_never_grows_to_infinity_and_round_trips_state():
     assert t.state_dict() == s.state_dict()
 
 
+def test_loss_scaler_refuses_scales_and_factors_that_would_fail_silently():
+    bad = {"init_scale": [0.0, -1.0, float("inf"), float("nan"), 1e39],  # 1e39 is infinite in FP32
+           "growth_factor": [1.0, 0.5, float("inf"), float("nan")],
+           "backoff_factor": [0.0, 1.0, -0.5, float("nan")],
+           "growth_interval": [0, -3, 2.5]}
+    for name, values in bad.items():
+        for value in values:
+            messages = value_errors(lambda: mp.DynamicLossScaler(**{name: value}))
+            assert messages[0] is not None and messages[0].startswith(f"{name}="), (name, value, messages)
+    mp.DynamicLossScaler(init_scale=1e-3, growth_factor=1.5, backoff_factor=0.9, growth_interval=1)  # all fine
+
+
 def _overflow_on_one_rank(rank, world):
     p = torch.nn.Parameter(torch.ones(3))
     s = mp.DynamicLossScaler()

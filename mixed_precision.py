@@ -159,6 +159,7 @@ class DynamicLossScaler:
 
     def unscale_and_check(self, params, group=None):
         """Divide every gradient by the scale in place; True if any gradient anywhere in `group` is inf/NaN."""
+        group_size = _group_size(group, "unscale_and_check's group")
         grads = [p.grad for p in params if p.grad is not None]
         device = grads[0].device if grads else torch.device("cpu")
         inv_scale = self._scale.double().reciprocal().float().to(device)  # as GradScaler: one rounding of 1/S
@@ -166,7 +167,7 @@ class DynamicLossScaler:
         for g in grads:  # no host sync per tensor: the flag stays on the device until the end
             found = torch.maximum(found, (~torch.isfinite(g)).any().float())
             g.mul_(inv_scale)
-        if group is not None and dist.get_world_size(group) > 1:
+        if group_size > 1:
             # every rank must skip together, or their weights diverge
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         return bool(found.item())
@@ -201,8 +202,17 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _group_size(group):
-    return 1 if group is None else dist.get_world_size(group)
+def _group_size(group, name="group"):
+    """1 for None (no communication). A group without this rank is refused: torch answers -1 for its size and
+    its collectives return at once there, so this rank would silently leave the sum (and clip, or skip,
+    alone)."""
+    if group is None:
+        return 1
+    size = dist.get_world_size(group)
+    if size < 0:
+        raise ValueError(f"{name}: this rank is not a member of the group; pass a group that contains this rank "
+                         "(or None for no communication)")
+    return size
 
 
 def _accumulate_main_grad(p):
@@ -476,8 +486,9 @@ class MixedPrecisionOptimizer:
             if id(p) not in self._where:
                 raise ValueError(f"all_reduce_grads: a parameter (shape {tuple(p.shape)}) is not managed by "
                                  "this optimizer")
+        group_size = _group_size(group, "all_reduce_grads' group")
         self._fold_stray_grads()
-        if _group_size(group) == 1 or not params:
+        if group_size == 1 or not params:
             return
         flat = torch.cat([p.main_grad.reshape(-1) for p in params])
         dist.all_reduce(flat, group=group)
@@ -516,7 +527,8 @@ class MixedPrecisionOptimizer:
         if max_norm < 0 or not math.isfinite(grad_scale):
             raise ValueError(f"need max_norm >= 0 (0 disables clipping) and a finite grad_scale, got "
                              f"max_norm={max_norm}, grad_scale={grad_scale}")
-        if (max_norm > 0 or self.loss_scaler is not None) and _group_size(norm_group) == 1 and any(
+        norm_group_size = _group_size(norm_group, "norm_group")
+        if (max_norm > 0 or self.loss_scaler is not None) and norm_group_size == 1 and any(
                 b.group_size > 1 for b in self._buckets):
             raise ValueError("norm_group is None but gradients are reduced over groups of more than one rank: "
                              "each rank then holds only part of the norm, and clipping or skipping would differ "
@@ -727,8 +739,9 @@ def agreed_amax(x, weight, amax_group=None):
     shard with the scale of the full tensor, or the shards are rounded on different grids and the layer
     is no longer the same function as on one GPU. The MAX of the shards' amaxes is the full tensor's amax.
     For a tensor that is replicated over the group the reduction changes nothing."""
+    group_size = _group_size(amax_group, "amax_group")
     amax = torch.stack([amax_of(x), amax_of(weight)])
-    if amax_group is not None and dist.get_world_size(amax_group) > 1:
+    if group_size > 1:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_group)
         fp8_log["amax:all_reduce"] += 1
     return amax

@@ -420,6 +420,30 @@ def test_grad_norm_and_clipping_equal_clip_grad_norm_in_float64(zero):
             assert (p - r).abs().max().item() < 1e-12  # measured 1.4e-17
 
 
+def _outside_the_group(rank, world):
+    """Ranks 0 and 1 form a group; rank 2 passes it too, to every call that reduces over a group."""
+    pair = dist.new_group([0, 1])
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = mp.MixedPrecisionOptimizer([w], torch.optim.SGD, lr=0.1)
+    w.grad = torch.full((4,), float(rank + 1))
+    if rank == 2:
+        return value_errors(lambda: opt.step(max_norm=1.0, norm_group=pair),
+                            lambda: opt.step(norm_group=pair),  # no clipping: the norm still would be partial
+                            lambda: opt.all_reduce_grads([w], pair),
+                            lambda: mp.DynamicLossScaler().unscale_and_check([w], group=pair),
+                            lambda: mp.agreed_amax(w.detach(), w.detach(), amax_group=pair)), w.grad.tolist()
+    return opt.step(max_norm=1.0, norm_group=pair).grad_norm
+
+
+def test_a_group_without_this_rank_is_refused_before_any_collective():
+    first, second, (messages, grad) = run_ranks(_outside_the_group, 3, timeout=60)
+    assert first == second == pytest.approx(math.sqrt(4 * (1 + 4)))  # ranks 0 and 1: the norm of both
+    for message, name in zip(messages, ["norm_group", "norm_group", "all_reduce_grads", "unscale_and_check",
+                                        "amax_group"]):
+        assert message is not None and message.startswith(name) and "not a member" in message, (name, message)
+    assert grad == [3.0] * 4  # nothing was unscaled or folded before the refusal
+
+
 # ---- FP16 with a loss scaler: overflow on one rank -----------------------------------------------------
 
 def _fp16_overflow(rank, world, zero):

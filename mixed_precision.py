@@ -460,6 +460,15 @@ class MixedPrecisionOptimizer:
         bucket, i = self._where[id(p)]
         return bucket.pieces[i]
 
+    def _managed(self, p, caller):
+        """(bucket, piece) of one of this optimizer's parameters; any other tensor is refused here, before the
+        all-reduces of full_state (a KeyError on one rank would leave the others waiting in them)."""
+        if id(p) not in self._where:
+            raise ValueError(f"{caller}: a parameter (shape {tuple(p.shape)}) is not managed by this optimizer; "
+                             "pass one of the parameters it was built over")
+        bucket, i = self._where[id(p)]
+        return bucket, bucket.pieces[i]
+
     @property
     def param_groups(self):
         """The inner optimizer's groups (same order and options as given): set the learning rate here."""
@@ -606,8 +615,7 @@ class MixedPrecisionOptimizer:
         FULL tensor of p's shape (0-dim states as they are), in master/state dtype. Under zero=1 the pieces
         are gathered over p's shard group (an all-reduce SUM of zero-filled full tensors, each element owned
         by exactly one rank, so exact): every rank of the group calls it for the same params in order."""
-        bucket, i = self._where[id(p)]
-        piece = bucket.pieces[i]
+        bucket, piece = self._managed(p, "full_state")
         full = {"master": self._gather(bucket, piece, piece.range, p)}
         state = self.optimizer.state.get(piece, {})
         for key in sorted(state):  # the same keys in the same order on every rank: the pieces step alike
@@ -632,8 +640,7 @@ class MixedPrecisionOptimizer:
         this rank keeps the piece of the master and of every state tensor in its shard, in the piece's dtype
         and device (a checkpoint saved with another master dtype loads: the inner optimizer wants its states
         in the dtype of its parameters). No communication."""
-        bucket, i = self._where[id(p)]
-        piece = bucket.pieces[i]
+        _, piece = self._managed(p, "load_full_state")
         a, b = piece.range
         cut = lambda t: t.detach().reshape(-1)[a:b].reshape(piece.shape).to(piece.device, piece.dtype, copy=True)
         with torch.no_grad():
@@ -653,8 +660,7 @@ class MixedPrecisionOptimizer:
         what ZeRO-1 saved); loading writes into them in place. `like`, {state name: (ndim, dtype)}, creates the
         states missing before the first step, zero-filled: 0-dim ones in that dtype on the CPU, as torch.optim
         keeps them, the others like the piece (in the master dtype, whatever a checkpoint saved them in)."""
-        bucket, i = self._where[id(p)]
-        piece = bucket.pieces[i]
+        _, piece = self._managed(p, "owned_state")
         state = self.optimizer.state[piece]
         for key, (ndim, dtype) in (like or {}).items():
             if key not in state and key != "master":
@@ -674,18 +680,27 @@ class MixedPrecisionOptimizer:
         return {"scalars": self.scalar_state(), "params": [self.full_state(p) for p in self.params]}
 
     def load_state_dict(self, state):
-        """Inverse of state_dict, at any zero setting and shard-group size."""
+        """Inverse of state_dict, at any zero setting and shard-group size. Everything is checked before
+        anything is overwritten, so a refused state leaves the optimizer and the model as they were."""
         if len(state["params"]) != len(self.params):
             raise ValueError(f"state_dict holds {len(state['params'])} parameters, this optimizer "
                              f"{len(self.params)}: build it over the same parameters")
+        for i, (p, full) in enumerate(zip(self.params, state["params"])):
+            if full["master"].numel() != p.numel():
+                raise ValueError(f"state_dict's parameter {i} has {full['master'].numel()} elements, this "
+                                 f"optimizer's {p.numel()} (shape {tuple(p.shape)}): build it over the same parameters")
+        self._check_param_groups(state["scalars"])
         for p, full in zip(self.params, state["params"]):
             self.load_full_state(p, full)
         self.load_scalar_state(state["scalars"])
 
-    def load_scalar_state(self, state):
+    def _check_param_groups(self, state):
         if len(state["param_groups"]) != len(self.param_groups):
             raise ValueError(f"state_dict has {len(state['param_groups'])} param groups, this optimizer "
                              f"{len(self.param_groups)}: build it with the same groups")
+
+    def load_scalar_state(self, state):
+        self._check_param_groups(state)
         for group, saved in zip(self.param_groups, state["param_groups"]):
             group.update(saved)
         if self.loss_scaler is not None and state["loss_scaler"] is not None:

@@ -615,12 +615,33 @@ def test_bad_arguments_raise_value_error_naming_the_argument():
         lambda: opt([fresh(2)]).step(max_norm=-1.0),
         lambda: opt([fresh(2)]).all_reduce_grads([stranger], None),
         lambda: (opt([c]), opt([c])),
+        lambda: opt([fresh(2)]).full_state(stranger),  # under zero=1: before its all-reduce
+        lambda: opt([fresh(2)]).load_full_state(stranger, {"master": torch.zeros(2)}),
+        lambda: opt([fresh(2)]).owned_state(stranger),
     )
     for message, word in zip(messages, ["zero=2", "shard_groups[0] and shard_groups[1]", "master_dtype",
                                         "shard_groups=", "shard_groups[0]", "twice", "params_or_param_groups",
                                         "norm_params", "max_norm", "all_reduce_grads",
-                                        "one optimizer per parameter"]):
+                                        "one optimizer per parameter", "full_state", "load_full_state",
+                                        "owned_state"], strict=True):
         assert message is not None and word in message, (word, message)
+    assert all("not managed" in m for m in messages[-3:])
+
+
+def test_a_refused_state_dict_overwrites_nothing():
+    torch.manual_seed(0)
+    saved = mp.MixedPrecisionOptimizer(torch.nn.Linear(2, 2).parameters(), torch.optim.SGD, lr=0.1).state_dict()
+    fresh = lambda *shape: torch.nn.Parameter(torch.randn(*shape))
+    two_groups = [fresh(2, 2), fresh(2)]                   # the same parameters in two groups
+    longer_bias = [fresh(2, 2), fresh(3)]                  # the second parameter differs, the first matches
+    for params, groups, word in ((two_groups, [{"params": [two_groups[0]]}, {"params": [two_groups[1]]}],
+                                  "param groups"), (longer_bias, longer_bias, "parameter 1 has 2 elements")):
+        opt = mp.MixedPrecisionOptimizer(groups, torch.optim.SGD, lr=0.1)
+        before = [p.detach().clone() for p in params]
+        message, = value_errors(lambda: opt.load_state_dict(saved))
+        assert message is not None and word in message, message
+        assert all(torch.equal(a, p) for a, p in zip(before, params))  # the model
+        assert all(torch.equal(a, opt.full_state(p)["master"]) for a, p in zip(before, params))  # the masters
 
 
 # ---- FP8 --------------------------------------------------------------------------------------------

@@ -840,6 +840,9 @@ class FP8Linear(nn.Module):
     def __init__(self, in_features, out_features, bias=True, delayed_scaling=False, amax_history_len=16,
                  use_scaled_mm=True, amax_group=None, device=None, dtype=None):
         super().__init__()
+        if not isinstance(amax_history_len, numbers.Integral) or amax_history_len < 1:
+            raise ValueError(f"amax_history_len={amax_history_len!r} must be an int >= 1 (the steps whose amaxes "
+                             "delayed scaling takes the max of; 16 is usual)")
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         self.delayed_scaling, self.use_scaled_mm, self.amax_group = delayed_scaling, use_scaled_mm, amax_group
@@ -930,7 +933,11 @@ def transient_bytes(mode, model):
     if mode == "bf16_autocast":
         return 2 * sum(p.numel() for p in model.parameters())
     if mode == "fp8_compute":
-        return 5 * max(m.weight.numel() for m in model.modules() if isinstance(m, FP8Linear))
+        weights = [m.weight.numel() for m in model.modules() if isinstance(m, FP8Linear)]
+        if not weights:
+            raise ValueError("transient_bytes('fp8_compute', model): the model has no FP8Linear layer; build it "
+                             "with linear=FP8Linear (as build() does)")
+        return 5 * max(weights)
     return 0
 
 

@@ -737,6 +737,13 @@ def test_fp8_delayed_scaling_uses_the_history():
     assert x_fp8.float().abs().max().item() == torch.finfo(torch.float8_e4m3fn).max  # saturated
 
 
+def test_fp8_arguments_that_would_fail_later_are_refused_by_name():
+    messages = value_errors(lambda: mp.FP8Linear(16, 16, delayed_scaling=True, amax_history_len=0),
+                            lambda: mp.transient_bytes("fp8_compute", mp.MLP()))  # nn.Linear layers only
+    assert messages[0] is not None and messages[0].startswith("amax_history_len=0"), messages[0]
+    assert messages[1] is not None and "no FP8Linear" in messages[1], messages[1]
+
+
 def test_fp8_linear_any_leading_shape_counts_every_gemm_and_takes_empty_inputs():
     torch.manual_seed(0)
     layer = mp.FP8Linear(64, 48).bfloat16()

@@ -533,7 +533,8 @@ def _owned_pieces(rank, world):
     fresh = mp.MixedPrecisionOptimizer(fresh_model.parameters(), torch.optim.AdamW, master_dtype=torch.float64,
                                        zero=1, lr=LR)
     p = next(fresh_model.parameters())
-    _, created = fresh.owned_state(p, like={"exp_avg": (1, torch.float64), "step": (0, torch.float32)})
+    # `like` names FP32 for exp_avg (a checkpoint saved with FP32 masters): it is created in the master dtype
+    _, created = fresh.owned_state(p, like={"exp_avg": (1, torch.float32), "step": (0, torch.float32)})
     return pieces, {k: (tuple(v.shape), v.dtype, v.device.type, v.abs().sum().item()) for k, v in created.items()}
 
 
@@ -551,6 +552,7 @@ def test_owned_state_is_this_ranks_shard_of_the_full_state_without_a_copy():
                 assert torch.equal(owned[key].reshape(-1), full[key].reshape(-1)[a:b])
             assert torch.equal(owned["step"], full["step"])
     created = out[0][1]  # zero-filled, 0-dim ones on the CPU (torch.optim keeps Adam's step there)
+    # exp_avg in the float64 master dtype although `like` said float32; the 0-dim step in like's float32
     assert created["exp_avg"][1:] == (torch.float64, "cpu", 0.0) and created["step"] == ((), torch.float32, "cpu", 0.0)
 
 

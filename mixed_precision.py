@@ -79,9 +79,13 @@ weight's FP32 staging copy (scaled and clamped in place) and its FP8 copy, 4 + 1
 the largest weight at the peak, not a cost per parameter (`transient_bytes`, measured).
 Relative rounding error is at most eps/2: 6.25% for E4M3 (about 31 dB SQNR on Gaussian data), 12.5% for
 E5M2. Delayed scaling (Transformer Engine) takes the scale from the amax history of earlier steps, so it
-needs no extra pass over the tensor, at the risk of saturating a sudden outlier. Real FP8 training adds:
-E5M2 gradients in the backward GEMMs, per-block scaling (MXFP8, DeepSeek-V3's 1x128 / 128x128 tiles) so
-an outlier spoils only its block, FP8 weight caches and FP8 all-gathers.
+needs no extra pass over the tensor, at the risk of saturating a sudden outlier. Here it does not combine
+with activation checkpointing: recomputation reruns the forward, which appends its amax to the history a
+second time and takes its scale from a history the first run already changed, so the backward works on
+activations the forward never produced (Transformer Engine saves the forward's scales for its recompute
+phase). Current scaling, the default, is a function of the tensors alone and recomputes exactly. Real
+FP8 training adds: E5M2 gradients in the backward GEMMs, per-block scaling (MXFP8, DeepSeek-V3's 1x128 /
+128x128 tiles) so an outlier spoils only its block, FP8 weight caches and FP8 all-gathers.
 """
 import math
 from typing import NamedTuple
@@ -835,7 +839,10 @@ class FP8Linear(nn.Module):
     amax_group: the group whose ranks hold shards of this weight or of its input (see agreed_amax).
     delayed_scaling=True takes each scale from the largest amax of the last `amax_history_len` steps
     (Transformer Engine's recipe) instead of the current tensor; the history records the agreed amax, so it
-    is identical on every rank of amax_group."""
+    is identical on every rank of amax_group. Every training forward records one entry, so do not use it
+    under activation checkpointing: the recomputed forward records a second entry and quantises with a scale
+    from the changed history, not the one the forward used (Transformer Engine keeps the forward's scales for
+    its recompute; this layer does not). Current scaling (the default) recomputes identically."""
 
     def __init__(self, in_features, out_features, bias=True, delayed_scaling=False, amax_history_len=16,
                  use_scaled_mm=True, amax_group=None, device=None, dtype=None):

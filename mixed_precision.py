@@ -23,8 +23,9 @@ gradients in a BF16 .grad rounds m times to 8 significant bits (measured: 16 mic
 the sum's size away from the exact sum). `MixedPrecisionOptimizer` gives every parameter a persistent
 `main_grad` in the master dtype, a view of one flat buffer, and a gradient hook adds each backward's p.grad
 into it and frees p.grad: one FP32 rounding per micro-batch (measured 1e-8). A parameter already in the
-master dtype needs no hook: its .grad IS its main_grad view, and autograd accumulates into the flat buffer
-in place (DDP's gradient_as_bucket_view). Data-parallel reductions run on these FP32
+master dtype needs no copy: its .grad IS its main_grad view, and autograd accumulates into the flat buffer
+in place (DDP's gradient_as_bucket_view); its hook only copies back a .grad that replaced the view (autograd
+sums out of place under create_graph=True). Data-parallel reductions run on these FP32
 buffers, so the sum over ranks does not round in BF16 either. Per parameter with Adam: 2 (BF16 weight)
 + 4 (FP32 main grad) + 4 (FP32 master) + 8 (Adam moments) = 18 bytes; the ZeRO paper's 16 keeps BF16
 gradients. A parameter already in the master dtype (FP32, or float64 for tests) has no separate master:
@@ -78,13 +79,18 @@ weight's FP32 staging copy (scaled and clamped in place) and its FP8 copy, 4 + 1
 the largest weight at the peak, not a cost per parameter (`transient_bytes`, measured).
 Relative rounding error is at most eps/2: 6.25% for E4M3 (about 31 dB SQNR on Gaussian data), 12.5% for
 E5M2. Delayed scaling (Transformer Engine) takes the scale from the amax history of earlier steps, so it
-needs no extra pass over the tensor, at the risk of saturating a sudden outlier. Real FP8 training adds:
-E5M2 gradients in the backward GEMMs, per-block scaling (MXFP8, DeepSeek-V3's 1x128 / 128x128 tiles) so
-an outlier spoils only its block, FP8 weight caches and FP8 all-gathers.
+needs no extra pass over the tensor, at the risk of saturating a sudden outlier. Here it does not combine
+with activation checkpointing: recomputation reruns the forward, which appends its amax to the history a
+second time and takes its scale from a history the first run already changed, so the backward works on
+activations the forward never produced (Transformer Engine saves the forward's scales for its recompute
+phase). Current scaling, the default, is a function of the tensors alone and recomputes exactly. Real
+FP8 training adds: E5M2 gradients in the backward GEMMs, per-block scaling (MXFP8, DeepSeek-V3's 1x128 /
+128x128 tiles) so an outlier spoils only its block, FP8 weight caches and FP8 all-gathers.
 """
 import math
 from typing import NamedTuple
 import multiprocessing
+import numbers
 import os
 import tempfile
 from collections import Counter
@@ -133,9 +139,18 @@ class DynamicLossScaler:
     """Scale the loss up, unscale the gradients, skip the step and back off on inf/NaN, grow when clean."""
 
     def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
-        if growth_factor <= 1.0 or not 0.0 < backoff_factor < 1.0 or growth_interval < 1:
-            raise ValueError("need growth_factor > 1, 0 < backoff_factor < 1 and growth_interval >= 1")
+        # GradScaler checks only growth_factor > 1 and backoff_factor < 1; the rest would fail silently: a
+        # scale of 0 turns every gradient into NaN after unscaling (0 * 1/0) and steps on it, an infinite or NaN
+        # scale overflows every step and skips them all forever, a fractional interval never grows
         self._scale = torch.tensor(init_scale, dtype=torch.float32)  # FP32, as GradScaler keeps it
+        if not (torch.isfinite(self._scale) and self._scale > 0):
+            raise ValueError(f"init_scale={init_scale!r} must be finite and > 0 in FP32 (2.0 ** 16 is usual)")
+        if not (math.isfinite(growth_factor) and growth_factor > 1.0):
+            raise ValueError(f"growth_factor={growth_factor!r} must be finite and > 1 (2.0 is usual)")
+        if not 0.0 < backoff_factor < 1.0:
+            raise ValueError(f"backoff_factor={backoff_factor!r} must be in (0, 1) (0.5 is usual)")
+        if not isinstance(growth_interval, numbers.Integral) or growth_interval < 1:
+            raise ValueError(f"growth_interval={growth_interval!r} must be an int >= 1 (2000 is usual)")
         self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
         self._growth_tracker = 0
 
@@ -148,6 +163,7 @@ class DynamicLossScaler:
 
     def unscale_and_check(self, params, group=None):
         """Divide every gradient by the scale in place; True if any gradient anywhere in `group` is inf/NaN."""
+        group_size = _group_size(group, "unscale_and_check's group")
         grads = [p.grad for p in params if p.grad is not None]
         device = grads[0].device if grads else torch.device("cpu")
         inv_scale = self._scale.double().reciprocal().float().to(device)  # as GradScaler: one rounding of 1/S
@@ -155,7 +171,7 @@ class DynamicLossScaler:
         for g in grads:  # no host sync per tensor: the flag stays on the device until the end
             found = torch.maximum(found, (~torch.isfinite(g)).any().float())
             g.mul_(inv_scale)
-        if group is not None and dist.get_world_size(group) > 1:
+        if group_size > 1:
             # every rank must skip together, or their weights diverge
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         return bool(found.item())
@@ -190,8 +206,17 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _group_size(group):
-    return 1 if group is None else dist.get_world_size(group)
+def _group_size(group, name="group"):
+    """1 for None (no communication). A group without this rank is refused: torch answers -1 for its size and
+    its collectives return at once there, so this rank would silently leave the sum (and clip, or skip,
+    alone)."""
+    if group is None:
+        return 1
+    size = dist.get_world_size(group)
+    if size < 0:
+        raise ValueError(f"{name}: this rank is not a member of the group; pass a group that contains this rank "
+                         "(or None for no communication)")
+    return size
 
 
 def _accumulate_main_grad(p):
@@ -204,8 +229,21 @@ def _accumulate_main_grad(p):
 
 def _grad_is_main_grad(p):
     """A parameter already in the master dtype has p.grad = p.main_grad: autograd accumulates in place into
-    the flat buffer (DDP's gradient_as_bucket_view), with no hook and no copy."""
+    the flat buffer (DDP's gradient_as_bucket_view), with no copy."""
     return p.grad is not None and p.grad.data_ptr() == p.main_grad.data_ptr()
+
+
+def _adopt_grad(p):
+    """Gradient hook of a parameter already in the master dtype. Its p.grad is its gradient, as torch defines
+    it: when something replaced the main_grad view (autograd accumulates out of place, main_grad + new, under
+    create_graph=True; a user writes p.grad = p.grad * 2 or p.grad = g), the new tensor is the whole gradient.
+    It is COPIED into main_grad, not added (adding would count main_grad's content twice), and p.grad points
+    at main_grad again."""
+    if p.grad is None or _grad_is_main_grad(p):
+        return
+    with torch.no_grad():
+        p.main_grad.copy_(p.grad.detach())
+    p.grad = p.main_grad
 
 
 class _Bucket:
@@ -320,7 +358,8 @@ class MixedPrecisionOptimizer:
     as in Megatron-LM); under zero=0 it sees whole parameters of their shapes.
 
     The parameters become views of flat buffers (one per entry, dtype and device), and each gets a gradient
-    hook (or, in the master dtype, a .grad that is its main_grad view: leave it, zero_grad() keeps it):
+    hook (in the master dtype also a .grad that is its main_grad view: leave it, zero_grad() keeps it; a
+    p.grad that replaces it is taken as the whole gradient, as in torch):
     build the optimizer once the model has its final dtype and device, before anything else takes views of
     the parameters' storage, and only one optimizer per parameter.
     """
@@ -348,6 +387,7 @@ class MixedPrecisionOptimizer:
         for p in self.params:
             if p.dtype == master_dtype:
                 p.grad = p.main_grad
+                p.register_post_accumulate_grad_hook(_adopt_grad)
             else:
                 p.register_post_accumulate_grad_hook(_accumulate_main_grad)
         self.optimizer = optimizer_class(
@@ -424,6 +464,15 @@ class MixedPrecisionOptimizer:
         bucket, i = self._where[id(p)]
         return bucket.pieces[i]
 
+    def _managed(self, p, caller):
+        """(bucket, piece) of one of this optimizer's parameters; any other tensor is refused here, before the
+        all-reduces of full_state (a KeyError on one rank would leave the others waiting in them)."""
+        if id(p) not in self._where:
+            raise ValueError(f"{caller}: a parameter (shape {tuple(p.shape)}) is not managed by this optimizer; "
+                             "pass one of the parameters it was built over")
+        bucket, i = self._where[id(p)]
+        return bucket, bucket.pieces[i]
+
     @property
     def param_groups(self):
         """The inner optimizer's groups (same order and options as given): set the learning rate here."""
@@ -432,12 +481,14 @@ class MixedPrecisionOptimizer:
     # ---- the step ----
 
     def _fold_stray_grads(self):
-        """A gradient written to p.grad directly, not by backward (which the hook catches), joins the sum."""
+        """A gradient written to p.grad directly, not by backward (which the hooks catch), joins the sum: added
+        to the main grad of a narrower parameter (whose p.grad holds only what came since the last hook),
+        copied into that of a parameter in the master dtype (whose p.grad is the whole gradient)."""
         for p in self.params:
-            if p.grad is not None and not _grad_is_main_grad(p):
+            if p.dtype == self.master_dtype:
+                _adopt_grad(p)
+            elif p.grad is not None:
                 _accumulate_main_grad(p)
-                if p.dtype == self.master_dtype:
-                    p.grad = p.main_grad
 
     def all_reduce_grads(self, params, group):
         """SUM the main grads of `params` over `group` in one flat all-reduce (None or size 1: nothing). For
@@ -448,8 +499,9 @@ class MixedPrecisionOptimizer:
             if id(p) not in self._where:
                 raise ValueError(f"all_reduce_grads: a parameter (shape {tuple(p.shape)}) is not managed by "
                                  "this optimizer")
+        group_size = _group_size(group, "all_reduce_grads' group")
         self._fold_stray_grads()
-        if _group_size(group) == 1 or not params:
+        if group_size == 1 or not params:
             return
         flat = torch.cat([p.main_grad.reshape(-1) for p in params])
         dist.all_reduce(flat, group=group)
@@ -488,7 +540,8 @@ class MixedPrecisionOptimizer:
         if max_norm < 0 or not math.isfinite(grad_scale):
             raise ValueError(f"need max_norm >= 0 (0 disables clipping) and a finite grad_scale, got "
                              f"max_norm={max_norm}, grad_scale={grad_scale}")
-        if (max_norm > 0 or self.loss_scaler is not None) and _group_size(norm_group) == 1 and any(
+        norm_group_size = _group_size(norm_group, "norm_group")
+        if (max_norm > 0 or self.loss_scaler is not None) and norm_group_size == 1 and any(
                 b.group_size > 1 for b in self._buckets):
             raise ValueError("norm_group is None but gradients are reduced over groups of more than one rank: "
                              "each rank then holds only part of the norm, and clipping or skipping would differ "
@@ -566,8 +619,7 @@ class MixedPrecisionOptimizer:
         FULL tensor of p's shape (0-dim states as they are), in master/state dtype. Under zero=1 the pieces
         are gathered over p's shard group (an all-reduce SUM of zero-filled full tensors, each element owned
         by exactly one rank, so exact): every rank of the group calls it for the same params in order."""
-        bucket, i = self._where[id(p)]
-        piece = bucket.pieces[i]
+        bucket, piece = self._managed(p, "full_state")
         full = {"master": self._gather(bucket, piece, piece.range, p)}
         state = self.optimizer.state.get(piece, {})
         for key in sorted(state):  # the same keys in the same order on every rank: the pieces step alike
@@ -589,11 +641,12 @@ class MixedPrecisionOptimizer:
 
     def load_full_state(self, p, state):
         """Inverse of full_state, whatever the layout that saved it: p takes the master rounded to its dtype,
-        this rank keeps the piece of the master and of every state tensor in its shard. No communication."""
-        bucket, i = self._where[id(p)]
-        piece = bucket.pieces[i]
+        this rank keeps the piece of the master and of every state tensor in its shard, in the piece's dtype
+        and device (a checkpoint saved with another master dtype loads: the inner optimizer wants its states
+        in the dtype of its parameters). No communication."""
+        _, piece = self._managed(p, "load_full_state")
         a, b = piece.range
-        cut = lambda t: t.detach().reshape(-1)[a:b].reshape(piece.shape).to(piece.device).clone()
+        cut = lambda t: t.detach().reshape(-1)[a:b].reshape(piece.shape).to(piece.device, piece.dtype, copy=True)
         with torch.no_grad():
             p.copy_(state["master"].reshape(p.shape))
             piece.copy_(cut(state["master"]))
@@ -611,8 +664,7 @@ class MixedPrecisionOptimizer:
         what ZeRO-1 saved); loading writes into them in place. `like`, {state name: (ndim, dtype)}, creates the
         states missing before the first step, zero-filled: 0-dim ones in that dtype on the CPU, as torch.optim
         keeps them, the others like the piece (in the master dtype, whatever a checkpoint saved them in)."""
-        bucket, i = self._where[id(p)]
-        piece = bucket.pieces[i]
+        _, piece = self._managed(p, "owned_state")
         state = self.optimizer.state[piece]
         for key, (ndim, dtype) in (like or {}).items():
             if key not in state and key != "master":
@@ -632,18 +684,27 @@ class MixedPrecisionOptimizer:
         return {"scalars": self.scalar_state(), "params": [self.full_state(p) for p in self.params]}
 
     def load_state_dict(self, state):
-        """Inverse of state_dict, at any zero setting and shard-group size."""
+        """Inverse of state_dict, at any zero setting and shard-group size. Everything is checked before
+        anything is overwritten, so a refused state leaves the optimizer and the model as they were."""
         if len(state["params"]) != len(self.params):
             raise ValueError(f"state_dict holds {len(state['params'])} parameters, this optimizer "
                              f"{len(self.params)}: build it over the same parameters")
+        for i, (p, full) in enumerate(zip(self.params, state["params"])):
+            if full["master"].numel() != p.numel():
+                raise ValueError(f"state_dict's parameter {i} has {full['master'].numel()} elements, this "
+                                 f"optimizer's {p.numel()} (shape {tuple(p.shape)}): build it over the same parameters")
+        self._check_param_groups(state["scalars"])
         for p, full in zip(self.params, state["params"]):
             self.load_full_state(p, full)
         self.load_scalar_state(state["scalars"])
 
-    def load_scalar_state(self, state):
+    def _check_param_groups(self, state):
         if len(state["param_groups"]) != len(self.param_groups):
             raise ValueError(f"state_dict has {len(state['param_groups'])} param groups, this optimizer "
                              f"{len(self.param_groups)}: build it with the same groups")
+
+    def load_scalar_state(self, state):
+        self._check_param_groups(state)
         for group, saved in zip(self.param_groups, state["param_groups"]):
             group.update(saved)
         if self.loss_scaler is not None and state["loss_scaler"] is not None:
@@ -697,8 +758,9 @@ def agreed_amax(x, weight, amax_group=None):
     shard with the scale of the full tensor, or the shards are rounded on different grids and the layer
     is no longer the same function as on one GPU. The MAX of the shards' amaxes is the full tensor's amax.
     For a tensor that is replicated over the group the reduction changes nothing."""
+    group_size = _group_size(amax_group, "amax_group")
     amax = torch.stack([amax_of(x), amax_of(weight)])
-    if amax_group is not None and dist.get_world_size(amax_group) > 1:
+    if group_size > 1:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_group)
         fp8_log["amax:all_reduce"] += 1
     return amax
@@ -777,11 +839,17 @@ class FP8Linear(nn.Module):
     amax_group: the group whose ranks hold shards of this weight or of its input (see agreed_amax).
     delayed_scaling=True takes each scale from the largest amax of the last `amax_history_len` steps
     (Transformer Engine's recipe) instead of the current tensor; the history records the agreed amax, so it
-    is identical on every rank of amax_group."""
+    is identical on every rank of amax_group. Every training forward records one entry, so do not use it
+    under activation checkpointing: the recomputed forward records a second entry and quantises with a scale
+    from the changed history, not the one the forward used (Transformer Engine keeps the forward's scales for
+    its recompute; this layer does not). Current scaling (the default) recomputes identically."""
 
     def __init__(self, in_features, out_features, bias=True, delayed_scaling=False, amax_history_len=16,
                  use_scaled_mm=True, amax_group=None, device=None, dtype=None):
         super().__init__()
+        if not isinstance(amax_history_len, numbers.Integral) or amax_history_len < 1:
+            raise ValueError(f"amax_history_len={amax_history_len!r} must be an int >= 1 (the steps whose amaxes "
+                             "delayed scaling takes the max of; 16 is usual)")
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         self.delayed_scaling, self.use_scaled_mm, self.amax_group = delayed_scaling, use_scaled_mm, amax_group
@@ -872,7 +940,11 @@ def transient_bytes(mode, model):
     if mode == "bf16_autocast":
         return 2 * sum(p.numel() for p in model.parameters())
     if mode == "fp8_compute":
-        return 5 * max(m.weight.numel() for m in model.modules() if isinstance(m, FP8Linear))
+        weights = [m.weight.numel() for m in model.modules() if isinstance(m, FP8Linear)]
+        if not weights:
+            raise ValueError("transient_bytes('fp8_compute', model): the model has no FP8Linear layer; build it "
+                             "with linear=FP8Linear (as build() does)")
+        return 5 * max(weights)
     return 0
 
 

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 import mixed_precision as mp
 from multirank import run_ranks, value_errors
@@ -87,6 +88,18 @@ def test_loss_scaler_never_grows_to_infinity_and_round_trips_state():
     assert t.state_dict() == s.state_dict()
 
 
+def test_loss_scaler_refuses_scales_and_factors_that_would_fail_silently():
+    bad = {"init_scale": [0.0, -1.0, float("inf"), float("nan"), 1e39],  # 1e39 is infinite in FP32
+           "growth_factor": [1.0, 0.5, float("inf"), float("nan")],
+           "backoff_factor": [0.0, 1.0, -0.5, float("nan")],
+           "growth_interval": [0, -3, 2.5]}
+    for name, values in bad.items():
+        for value in values:
+            messages = value_errors(lambda: mp.DynamicLossScaler(**{name: value}))
+            assert messages[0] is not None and messages[0].startswith(f"{name}="), (name, value, messages)
+    mp.DynamicLossScaler(init_scale=1e-3, growth_factor=1.5, backoff_factor=0.9, growth_interval=1)  # all fine
+
+
 def _overflow_on_one_rank(rank, world):
     p = torch.nn.Parameter(torch.ones(3))
     s = mp.DynamicLossScaler()
@@ -155,6 +168,43 @@ def test_main_grad_is_persistent_fp32_and_zeroed_by_step():
     assert w.grad is None and w.main_grad.dtype == torch.float32 and w.main_grad.abs().sum() > 0
     opt.step()
     assert w.main_grad is buffer and torch.all(w.main_grad == 0)
+
+
+def _gradient_rewrites(w, step):
+    """Four ways a gradient reaches w, each followed by step(): (a) a backward, then one with create_graph=True
+    (autograd sums out of place: w.grad becomes a new tensor, old + new); (b) a backward, then w.grad = w.grad * 2;
+    (c) w.grad written before any backward, then a backward; (d) w.grad written, no backward."""
+    before = w.detach().clone()
+    (w * 2).sum().backward()
+    (w * 3).sum().backward(create_graph=True)
+    step()
+    (w * 2).sum().backward()
+    w.grad = w.grad * 2
+    step()
+    w.grad = torch.full_like(w, 1.0)
+    (w * 2).sum().backward()
+    step()
+    w.grad = torch.full_like(w, 1.0)
+    step()
+    return before - w.detach()
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph")
+def test_a_master_dtype_grad_replaced_out_of_place_is_the_gradient_not_an_increment():
+    ref = torch.nn.Parameter(torch.ones(3))
+    ref_opt = torch.optim.SGD([ref], lr=1.0)
+    expected = _gradient_rewrites(ref, lambda: (ref_opt.step(), ref_opt.zero_grad()))
+    assert torch.equal(expected, torch.full((3,), 5.0 + 4.0 + 3.0 + 1.0))
+    w = torch.nn.Parameter(torch.ones(3))  # in the master dtype: w.grad is its main_grad view
+    opt = mp.MixedPrecisionOptimizer([w], torch.optim.SGD, lr=1.0)
+    (w * 2).sum().backward()
+    (w * 3).sum().backward(create_graph=True)
+    # the hook copies the out-of-place sum into the main grad at once and points w.grad back at it
+    assert torch.equal(w.main_grad, torch.full((3,), 5.0)) and w.grad.data_ptr() == w.main_grad.data_ptr()
+    assert opt.step().grad_norm == pytest.approx(math.sqrt(3 * 25.0))
+    w2 = torch.nn.Parameter(torch.ones(3))
+    opt2 = mp.MixedPrecisionOptimizer([w2], torch.optim.SGD, lr=1.0)
+    assert torch.equal(_gradient_rewrites(w2, opt2.step), expected)  # as torch counts them, no double count
 
 
 def _step_sums(rank, world, zero):
@@ -371,6 +421,30 @@ def test_grad_norm_and_clipping_equal_clip_grad_norm_in_float64(zero):
             assert (p - r).abs().max().item() < 1e-12  # measured 1.4e-17
 
 
+def _outside_the_group(rank, world):
+    """Ranks 0 and 1 form a group; rank 2 passes it too, to every call that reduces over a group."""
+    pair = dist.new_group([0, 1])
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = mp.MixedPrecisionOptimizer([w], torch.optim.SGD, lr=0.1)
+    w.grad = torch.full((4,), float(rank + 1))
+    if rank == 2:
+        return value_errors(lambda: opt.step(max_norm=1.0, norm_group=pair),
+                            lambda: opt.step(norm_group=pair),  # no clipping: the norm still would be partial
+                            lambda: opt.all_reduce_grads([w], pair),
+                            lambda: mp.DynamicLossScaler().unscale_and_check([w], group=pair),
+                            lambda: mp.agreed_amax(w.detach(), w.detach(), amax_group=pair)), w.grad.tolist()
+    return opt.step(max_norm=1.0, norm_group=pair).grad_norm
+
+
+def test_a_group_without_this_rank_is_refused_before_any_collective():
+    first, second, (messages, grad) = run_ranks(_outside_the_group, 3, timeout=60)
+    assert first == second == pytest.approx(math.sqrt(4 * (1 + 4)))  # ranks 0 and 1: the norm of both
+    for message, name in zip(messages, ["norm_group", "norm_group", "all_reduce_grads", "unscale_and_check",
+                                        "amax_group"]):
+        assert message is not None and message.startswith(name) and "not a member" in message, (name, message)
+    assert grad == [3.0] * 4  # nothing was unscaled or folded before the refusal
+
+
 # ---- FP16 with a loss scaler: overflow on one rank -----------------------------------------------------
 
 def _fp16_overflow(rank, world, zero):
@@ -460,7 +534,8 @@ def _owned_pieces(rank, world):
     fresh = mp.MixedPrecisionOptimizer(fresh_model.parameters(), torch.optim.AdamW, master_dtype=torch.float64,
                                        zero=1, lr=LR)
     p = next(fresh_model.parameters())
-    _, created = fresh.owned_state(p, like={"exp_avg": (1, torch.float64), "step": (0, torch.float32)})
+    # `like` names FP32 for exp_avg (a checkpoint saved with FP32 masters): it is created in the master dtype
+    _, created = fresh.owned_state(p, like={"exp_avg": (1, torch.float32), "step": (0, torch.float32)})
     return pieces, {k: (tuple(v.shape), v.dtype, v.device.type, v.abs().sum().item()) for k, v in created.items()}
 
 
@@ -478,6 +553,7 @@ def test_owned_state_is_this_ranks_shard_of_the_full_state_without_a_copy():
                 assert torch.equal(owned[key].reshape(-1), full[key].reshape(-1)[a:b])
             assert torch.equal(owned["step"], full["step"])
     created = out[0][1]  # zero-filled, 0-dim ones on the CPU (torch.optim keeps Adam's step there)
+    # exp_avg in the float64 master dtype although `like` said float32; the 0-dim step in like's float32
     assert created["exp_avg"][1:] == (torch.float64, "cpu", 0.0) and created["step"] == ((), torch.float32, "cpu", 0.0)
 
 
@@ -505,6 +581,25 @@ def test_master_state_round_trip_keeps_fp32_masters_of_bf16_params():
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), clone.parameters()))
 
 
+def test_a_checkpoint_of_another_master_dtype_loads_in_this_optimizers_dtype():
+    torch.manual_seed(0)
+    saved_model, model = torch.nn.Linear(4, 4).double(), torch.nn.Linear(4, 4)
+    saved = mp.MixedPrecisionOptimizer(saved_model.parameters(), torch.optim.AdamW, master_dtype=torch.float64,
+                                       lr=1e-2)
+    saved_model(torch.randn(2, 4).double()).sum().backward()
+    saved.step()
+    opt = mp.MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)  # FP32 masters
+    opt.load_state_dict(saved.state_dict())
+    for p, q in zip(saved_model.parameters(), model.parameters()):
+        full = saved.full_state(p)
+        _, owned = opt.owned_state(q)
+        for key in ("master", "exp_avg", "exp_avg_sq"):  # float64 moments rounded to the FP32 masters' dtype
+            assert owned[key].dtype == torch.float32 and torch.equal(owned[key], full[key].float()), key
+        assert torch.equal(owned["step"], full["step"])  # 0-dim: as saved
+    model(torch.randn(2, 4)).sum().backward()
+    assert opt.step()  # AdamW steps: its states match its parameters' dtype
+
+
 # ---- bad arguments -----------------------------------------------------------------------------------
 
 def test_bad_arguments_raise_value_error_naming_the_argument():
@@ -523,12 +618,33 @@ def test_bad_arguments_raise_value_error_naming_the_argument():
         lambda: opt([fresh(2)]).step(max_norm=-1.0),
         lambda: opt([fresh(2)]).all_reduce_grads([stranger], None),
         lambda: (opt([c]), opt([c])),
+        lambda: opt([fresh(2)]).full_state(stranger),  # under zero=1: before its all-reduce
+        lambda: opt([fresh(2)]).load_full_state(stranger, {"master": torch.zeros(2)}),
+        lambda: opt([fresh(2)]).owned_state(stranger),
     )
     for message, word in zip(messages, ["zero=2", "shard_groups[0] and shard_groups[1]", "master_dtype",
                                         "shard_groups=", "shard_groups[0]", "twice", "params_or_param_groups",
                                         "norm_params", "max_norm", "all_reduce_grads",
-                                        "one optimizer per parameter"]):
+                                        "one optimizer per parameter", "full_state", "load_full_state",
+                                        "owned_state"], strict=True):
         assert message is not None and word in message, (word, message)
+    assert all("not managed" in m for m in messages[-3:])
+
+
+def test_a_refused_state_dict_overwrites_nothing():
+    torch.manual_seed(0)
+    saved = mp.MixedPrecisionOptimizer(torch.nn.Linear(2, 2).parameters(), torch.optim.SGD, lr=0.1).state_dict()
+    fresh = lambda *shape: torch.nn.Parameter(torch.randn(*shape))
+    two_groups = [fresh(2, 2), fresh(2)]                   # the same parameters in two groups
+    longer_bias = [fresh(2, 2), fresh(3)]                  # the second parameter differs, the first matches
+    for params, groups, word in ((two_groups, [{"params": [two_groups[0]]}, {"params": [two_groups[1]]}],
+                                  "param groups"), (longer_bias, longer_bias, "parameter 1 has 2 elements")):
+        opt = mp.MixedPrecisionOptimizer(groups, torch.optim.SGD, lr=0.1)
+        before = [p.detach().clone() for p in params]
+        message, = value_errors(lambda: opt.load_state_dict(saved))
+        assert message is not None and word in message, message
+        assert all(torch.equal(a, p) for a, p in zip(before, params))  # the model
+        assert all(torch.equal(a, opt.full_state(p)["master"]) for a, p in zip(before, params))  # the masters
 
 
 # ---- FP8 --------------------------------------------------------------------------------------------
@@ -622,6 +738,32 @@ def test_fp8_delayed_scaling_uses_the_history():
     assert torch.isfinite(y).all() and torch.equal(y, expected)
     x_fp8, _ = mp.quantize_fp8(outlier, scale=mp.fp8_scale(mp.amax_of(big)))
     assert x_fp8.float().abs().max().item() == torch.finfo(torch.float8_e4m3fn).max  # saturated
+
+
+def test_fp8_arguments_that_would_fail_later_are_refused_by_name():
+    messages = value_errors(lambda: mp.FP8Linear(16, 16, delayed_scaling=True, amax_history_len=0),
+                            lambda: mp.transient_bytes("fp8_compute", mp.MLP()))  # nn.Linear layers only
+    assert messages[0] is not None and messages[0].startswith("amax_history_len=0"), messages[0]
+    assert messages[1] is not None and "no FP8Linear" in messages[1], messages[1]
+
+
+def _fp8_then_linear(delayed, checkpointed):
+    """FP8Linear -> GELU -> Linear, one backward, optionally under activation checkpointing (non-reentrant)."""
+    torch.manual_seed(0)
+    fp8, after = mp.FP8Linear(16, 16, delayed_scaling=delayed, amax_history_len=4), torch.nn.Linear(16, 16)
+    f = lambda x: after(torch.nn.functional.gelu(fp8(x)))
+    x = torch.randn(16, 16)
+    y = checkpoint(f, x, use_reentrant=False) if checkpointed else f(x)
+    y.pow(2).sum().backward()
+    return after.weight.grad, int((fp8.amax_history[0] > 0).sum())
+
+
+def test_fp8_current_scaling_recomputes_exactly_and_delayed_scaling_records_the_recompute_too():
+    grad, _ = _fp8_then_linear(False, False)
+    assert torch.equal(_fp8_then_linear(False, True)[0], grad)  # the scale is a function of the tensors
+    # the documented limitation: the recomputed forward records a second amax (and, from the second step
+    # on, would quantise with a scale the forward did not use)
+    assert _fp8_then_linear(True, False)[1] == 1 and _fp8_then_linear(True, True)[1] == 2
 
 
 def test_fp8_linear_any_leading_shape_counts_every_gemm_and_takes_empty_inputs():

@@ -165,7 +165,7 @@ class DynamicLossScaler:
         """Divide every gradient by the scale in place; True if any gradient anywhere in `group` is inf/NaN."""
         group_size = _group_size(group, "unscale_and_check's group")
         grads = [p.grad for p in params if p.grad is not None]
-        device = grads[0].device if grads else torch.device("cpu")
+        device = grads[0].device if grads else _collective_device(group if group_size > 1 else None)
         inv_scale = self._scale.double().reciprocal().float().to(device)  # as GradScaler: one rounding of 1/S
         found = torch.zeros(1, device=device)
         for g in grads:  # no host sync per tensor: the flag stays on the device until the end
@@ -204,6 +204,14 @@ class DynamicLossScaler:
 
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _collective_device(group):
+    """Where a tensor must live to take part in `group`'s collectives: this process's GPU under NCCL (which
+    takes no CPU tensors), else the CPU. For a rank that has no tensor of its own to take the device from."""
+    if group is not None and "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _group_size(group, name="group"):

@@ -71,6 +71,25 @@ def test_loss_scaler_equals_grad_scaler_with_inf_and_nan():
     assert min(ours[0]) < 2.0 ** 16                            # and backed off on overflows
 
 
+def _unscale_without_gradients(rank, world):
+    """Rank 0 holds an inf gradient, rank 1 none at all: both must skip."""
+    w = torch.nn.Parameter(torch.ones(2))
+    if rank == 0:
+        w.grad = torch.tensor([1.0, float("inf")])
+    return mp.DynamicLossScaler().unscale_and_check([w], dist.group.WORLD)
+
+
+def test_a_rank_without_gradients_joins_the_overflow_vote_on_the_groups_device(monkeypatch):
+    assert run_ranks(_unscale_without_gradients, 2, timeout=60) == [True, True]
+    # with no gradient to take the device from, the flag goes where the group's backend takes tensors: NCCL
+    # takes none on the CPU (no GPU here: the choice is checked, not run)
+    monkeypatch.setattr(mp.dist, "get_backend", lambda group: "nccl")
+    monkeypatch.setattr(mp.torch.cuda, "current_device", lambda: 3)
+    assert mp._collective_device(object()) == torch.device("cuda", 3)
+    monkeypatch.setattr(mp.dist, "get_backend", lambda group: "gloo")
+    assert mp._collective_device(object()) == mp._collective_device(None) == torch.device("cpu")
+
+
 def test_loss_scaler_never_grows_to_infinity_and_round_trips_state():
     s = mp.DynamicLossScaler(init_scale=3e38, growth_interval=1)
     s.update(False)

@@ -667,9 +667,9 @@ class MixedPrecisionOptimizer:
         """This rank's piece of p's master weight and optimizer states: the live tensors themselves, no copy and
         no communication. Returns ((a, b), {"master": ..., "exp_avg": ..., "step": ...}): every tensor that is
         not 0-dim holds the elements [a, b) of p.view(-1), in order (zero=0: all of p, in p's shape; zero=1: a
-        1-D piece, possibly empty). A sharded checkpoint writes these where they lie, so saving costs no memory
-        (full_state would hold the whole of every parameter's state at once: 12 bytes per parameter for Adam,
-        what ZeRO-1 saved); loading writes into them in place. `like`, {state name: (ndim, dtype)}, creates the
+        1-D piece, possibly empty). A sharded checkpoint writes these from where they lie, so saving gathers
+        nothing (full_state would hold the whole of every parameter's state at once: 12 bytes per parameter for
+        Adam, what ZeRO-1 saved); loading writes into them in place. `like`, {state name: (ndim, dtype)}, creates the
         states missing before the first step, zero-filled: 0-dim ones in that dtype on the CPU, as torch.optim
         keeps them, the others like the piece (in the master dtype, whatever a checkpoint saved them in)."""
         _, piece = self._managed(p, "owned_state")

@@ -781,13 +781,20 @@ def _peak_bytes(fn, inputs, dout, device):
     return mem.peak + held, mem.largest
 
 
+def check_bench_args(seq, batch, heads, kv_heads, head_dim, repeats, world):
+    """The bench's sizes, before any process group: every rank fails alike, none waits for the others."""
+    for flag, value in (("--seq", seq), ("--batch", batch), ("--heads", heads), ("--kv-heads", kv_heads),
+                        ("--head-dim", head_dim), ("--repeats", repeats)):
+        if value < 1:
+            raise ValueError(f"{flag} {value} must be a positive integer")
+    if seq % (2 * world):
+        raise ValueError(f"--seq {seq} must be a multiple of 2 x the {world} ranks (zigzag shards)")
+
+
 def bench(seq, batch, heads, kv_heads, head_dim, dtype, repeats, reference):
     """Ring attention forward + backward at a long sequence: peak memory and time, fused against reference,
     and single-rank SDPA on the whole sequence; the measured memory beside ring_memory_bytes (O(s/P))."""
-    for flag, value in (("--seq", seq), ("--batch", batch), ("--heads", heads), ("--kv-heads", kv_heads),
-                        ("--head-dim", head_dim), ("--repeats", repeats)):
-        if value < 1:  # before the process group: every rank fails alike, none waits for the others
-            raise ValueError(f"{flag} {value} must be a positive integer")
+    check_bench_args(seq, batch, heads, kv_heads, head_dim, repeats, int(os.environ.get("WORLD_SIZE", 1)))
     cuda = torch.cuda.is_available()
     rank, P = _init("nccl" if cuda else "gloo")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
@@ -796,8 +803,6 @@ def bench(seq, batch, heads, kv_heads, head_dim, dtype, repeats, reference):
     else:
         torch.set_num_threads(max(1, torch.get_num_threads() // P))
     say = print if rank == 0 else (lambda *a, **k: None)
-    if seq % (2 * P):
-        raise ValueError(f"--seq {seq} must be a multiple of 2*P = {2 * P} (zigzag shards)")
     b, h, h_kv, d, s = batch, heads, kv_heads, head_dim, seq
     s_local, group = s // P, dist.group.WORLD
     gen = torch.Generator(device).manual_seed(rank)
@@ -870,13 +875,16 @@ def _main():
     args = parser.parse_args()
     if not args.bench:
         return demo()
+    kv_heads = args.heads if args.kv_heads is None else args.kv_heads
     try:
-        bench(args.seq, args.batch, args.heads, args.heads if args.kv_heads is None else args.kv_heads, args.head_dim,
-              getattr(torch, args.dtype), args.repeats, not args.no_reference)
+        check_bench_args(args.seq, args.batch, args.heads, kv_heads, args.head_dim, args.repeats,
+                         int(os.environ.get("WORLD_SIZE", 1)))
     except ValueError as e:  # bad input: one line on rank 0 and exit code 2, not a traceback per rank
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"long_seq.py: error: {e}", file=sys.stderr)
         sys.exit(2)
+    bench(args.seq, args.batch, args.heads, kv_heads, args.head_dim, getattr(torch, args.dtype), args.repeats,
+          not args.no_reference)
 
 
 if __name__ == "__main__":

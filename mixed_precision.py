@@ -504,9 +504,7 @@ class MixedPrecisionOptimizer:
         parameters replicated across TP under sequence parallelism over the TP group. Call before step()."""
         params = list(params)
         for p in params:
-            if id(p) not in self._where:
-                raise ValueError(f"all_reduce_grads: a parameter (shape {tuple(p.shape)}) is not managed by "
-                                 "this optimizer")
+            self._managed(p, "all_reduce_grads")
         group_size = _group_size(group, "all_reduce_grads' group")
         self._fold_stray_grads()
         if group_size == 1 or not params:

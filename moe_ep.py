@@ -387,8 +387,8 @@ class MoE(nn.Module):
                              f"use an EP size dividing {num_experts}")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be between 1 and num_experts={num_experts}")
-        if capacity_factor is not None and not capacity_factor > 0:  # nan too
-            raise ValueError(f"capacity_factor={capacity_factor} must be positive, or None for dropless")
+        if capacity_factor is not None and not (math.isfinite(capacity_factor) and capacity_factor > 0):
+            raise ValueError(f"capacity_factor={capacity_factor} must be positive and finite, or None for dropless")
         if expert_impl not in ("auto", "grouped", "loop"):
             raise ValueError(f"expert_impl={expert_impl!r} must be 'auto', 'grouped' or 'loop'")
         self.d_model, self.d_hidden, self.num_experts, self.top_k = d_model, d_hidden, num_experts, top_k

@@ -127,6 +127,7 @@ import argparse
 import itertools
 import json
 import math
+import numbers
 import os
 import sys
 import warnings
@@ -142,9 +143,14 @@ GROUP_KINDS = ("tp", "cp", "dp", "pp", "dp_cp", "tp_cp", "tp_pp", "embedding", "
 # The layout: pure arithmetic on rank numbers, no process group needed
 # ----------------------------------------------------------------------------------------------------
 
+def _is_count(value):
+    """An integer >= 1: Python's or numpy's, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+
+
 def _check_positive(**sizes):
     for name, value in sizes.items():
-        if not isinstance(value, int) or value < 1:
+        if not _is_count(value):
             raise ValueError(f"{name} must be a positive integer, got {value!r}; use {name}=1 to disable it")
 
 
@@ -155,7 +161,7 @@ def _flag(name):
 
 def _check_count(name, value, fix):
     """A size or a count: an integer >= 1, else a ValueError naming the field, its flag and `fix`."""
-    if not isinstance(value, int) or value < 1:
+    if not _is_count(value):
         raise ValueError(f"{name}={value!r} must be a positive integer ({_flag(name)}); {fix}")
 
 
@@ -165,7 +171,7 @@ def _divisors(n):
 
 def validate_layout(world_size, tp=1, pp=1, cp=1, ep=1):
     """Check that the sizes tile the world; return dp. Raises ValueError naming the parameter and a fix."""
-    if not isinstance(world_size, int) or world_size < 1:  # no size 1 "disables" the world, unlike tp..ep
+    if not _is_count(world_size):  # no size 1 "disables" the world, unlike tp..ep
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}: the number of ranks")
     _check_positive(tp=tp, pp=pp, cp=cp, ep=ep)
     model_parallel = tp * pp * cp
@@ -226,7 +232,7 @@ def rank_groups(world_size, tp=1, pp=1, cp=1, ep=1):
 def rank_coordinates(rank, world_size, tp=1, pp=1, cp=1, ep=1):
     """(tp, cp, dp, pp, ep, edp) coordinates of one rank: the inverse of the rank formula."""
     dp = validate_layout(world_size, tp, pp, cp, ep)
-    if not isinstance(rank, int) or not 0 <= rank < world_size:  # the digits below would wrap around silently
+    if not (isinstance(rank, numbers.Integral) and not isinstance(rank, bool) and 0 <= rank < world_size):  # the digits below would wrap around silently
         raise ValueError(f"rank={rank!r} must be an integer in 0..{world_size - 1} (world_size={world_size})")
     coords = {}
     rest = rank
@@ -465,11 +471,12 @@ class Cluster:
     def __post_init__(self):
         # `not value > 0` rather than `value <= 0`: NaN fails it too
         for name in ("gpus", "gpus_per_node", "gpu_mem_gb", "nvlink_gbps", "ib_gbps", "peak_tflops", "efficiency",
-                     "gemm_half_dim", "hbm_gbps", "p2p_gbps"):
+                     "hbm_gbps", "p2p_gbps"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name}={value!r} must be > 0 ({_flag(name)})")
-        for name in ("launch_us", "collective_latency_us", "p2p_latency_us"):  # 0: a cost left out on purpose
+        # 0: a cost left out on purpose (gemm_half_dim 0: GEMMs at e_max whatever their size)
+        for name in ("gemm_half_dim", "launch_us", "collective_latency_us", "p2p_latency_us"):
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"{name}={value!r} must be >= 0 ({_flag(name)})")

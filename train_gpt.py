@@ -1165,14 +1165,14 @@ def _global_name(stage, name):
 def _slice_geometry(p, ps):
     """Where this rank's p lies in the whole parameter: (its shape, its offsets), in the coordinates where it is
     one box (QKV, split over TP block by block, is viewed as (3, h, ...))."""
-    shape, dim, size, rank = list(p.shape), None, 1, 0
+    shape, dim, rank = list(p.shape), None, 0
     if getattr(p, "tp_dim", None) is not None:
-        dim, size, rank = p.tp_dim, ps.sizes["tp"], ps.tp_rank
+        dim, rank = p.tp_dim, ps.tp_rank
         parts = getattr(p, "tp_parts", 1)
         if parts > 1:
             shape, dim = [parts, shape[0] // parts, *shape[1:]], dim + 1
     elif getattr(p, "ep_dim", None) is not None:
-        dim, size, rank = p.ep_dim, ps.sizes["ep"], ps.ep_rank
+        dim, rank = p.ep_dim, ps.ep_rank
     offsets = [0] * len(shape)
     if dim is not None:
         offsets[dim] = rank * shape[dim]
@@ -1327,9 +1327,10 @@ def _region(t, t_offsets, box):
     return t[tuple(slice(o - to, o - to + s) for o, to, s in zip(offsets, t_offsets, sizes))]
 
 
-def _plan_reads(mine, saved, path):
-    """Which saved box fills which of ours. Returns (direct: {saved key: our tensor}, for a saved box that is exactly
-    one of ours or a 0-dim value; copies: {saved key: [(its offsets, our tensor, our offsets, the shared box)]})."""
+def _plan_reads(mine, saved, path, source=None):
+    """Which saved box fills which of ours; `source` maps one of our prefixes to the saved prefix to read it from.
+    Returns (direct: {saved key: our tensor}, for a saved box that is exactly one of ours or a 0-dim value;
+    copies: {saved key: [(its offsets, our tensor, our offsets, the shared box)]})."""
     saved_boxes = {}  # "model/NAME" -> [(offsets, sizes, key)]
     for key, md in saved.items():
         if "@" in key:
@@ -1343,7 +1344,7 @@ def _plan_reads(mine, saved, path):
             continue
         prefix, offsets = key.rsplit("@", 1)
         offsets, covered = [int(o) for o in offsets.split(",")], 0
-        for s_offsets, s_sizes, s_key in saved_boxes.get(prefix, []):
+        for s_offsets, s_sizes, s_key in saved_boxes.get((source or {}).get(prefix, prefix), []):
             box = _overlap(offsets, list(t.shape), s_offsets, s_sizes)
             if box is None:
                 continue
@@ -1366,10 +1367,10 @@ def _dcp_read(tensors, path):
         dcp.load(tensors, storage_reader=_safe_reader(path), no_dist=True)
 
 
-def _read_boxes(mine, saved, path):
-    """Fill `mine` from the checkpoint: exact matches in place, the rest through temporaries in rounds of about
-    LOAD_ROUND_BYTES (at least one saved box each)."""
-    direct, copies = _plan_reads(mine, saved, path)
+def _read_boxes(mine, saved, path, source=None):
+    """Fill `mine` from the checkpoint (`source`: see _plan_reads): exact matches in place, the rest through
+    temporaries in rounds of about LOAD_ROUND_BYTES (at least one saved box each)."""
+    direct, copies = _plan_reads(mine, saved, path, source)
     _dcp_read(direct, path)
     keys = list(copies)
     while keys:
@@ -1401,11 +1402,12 @@ def load_checkpoint(path, stage, opt=None):
     rng = None
     if read_train_state(path)["world_size"] == ps.world_size and f"rng/{ps.rank}" in saved:
         mine[f"rng/{ps.rank}"] = rng = torch.empty_like(torch.get_rng_state())
-    # the model first, then the optimizer state: where an FP32 weight is its own master the master is read last
-    # (after a change of --dtype the saved weights are rounded, the master is not)
-    model = {k: t for k, t in mine.items() if k.startswith("model/")}
-    _read_boxes(model, saved, path)
-    _read_boxes({k: t for k, t in mine.items() if k not in model}, saved, path)
+    # A weight in the master dtype is its own master: read it from the saved master, which covers the whole
+    # parameter and is exact where the saved weights may be rounded (a run saved in bfloat16, resumed in float32).
+    # Read from the saved weights, each ZeRO-1 rank would hold exact values on its shard and rounded ones elsewhere.
+    source = {f"model/{name}": f"optim/{name}/master" for name, p, _ in _saved_params(stage)
+              if opt is not None and p.dtype == opt.master_dtype and "master" in like.get(name, {})}
+    _read_boxes(mine, saved, path, source)
     if opt is not None:
         scalars = read_train_state(path)["optimizer_state"]  # the loss scale; hyperparameters come from the flags
         opt.load_scalar_state({**scalars, "param_groups": opt.scalar_state()["param_groups"]})

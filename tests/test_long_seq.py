@@ -446,3 +446,13 @@ def test_bench_sizes_below_one_are_one_line_and_exit_code_2(flag):
     out = subprocess.run([sys.executable, "long_seq.py", "--bench", flag, "0"], capture_output=True, text=True,
                          timeout=60, cwd=os.path.dirname(os.path.abspath(ls.__file__)))
     assert out.returncode == 2 and out.stderr.strip() == f"long_seq.py: error: {flag} 0 must be a positive integer"
+
+
+def test_bench_sequence_that_the_ranks_cannot_zigzag_is_one_line_before_any_group():
+    import subprocess
+    import sys
+    env = {**os.environ, "WORLD_SIZE": "4", "RANK": "0"}  # as torchrun would set them: no group is started
+    out = subprocess.run([sys.executable, "long_seq.py", "--bench", "--seq", "12"], capture_output=True, text=True,
+                         timeout=60, cwd=os.path.dirname(os.path.abspath(ls.__file__)), env=env)
+    assert out.returncode == 2
+    assert out.stderr.strip() == "long_seq.py: error: --seq 12 must be a multiple of 2 x the 4 ranks (zigzag shards)"

@@ -242,7 +242,8 @@ def _bad_moe(rank, P):
     msgs = value_errors(lambda: moe_ep.MoE(8, 8, 5, 1, ep_group=dist.group.WORLD),
                         lambda: moe_ep.MoE(8, 8, 4, 5, ep_group=dist.group.WORLD),
                         lambda: moe_ep.MoE(8, 8, 4, 1, ep_group=dist.group.WORLD)(torch.randn(3, 7)),
-                        lambda: moe_ep.MoE(8, 8, 4, 1, ep_group=dist.group.WORLD, capacity_factor=float("nan")))
+                        lambda: moe_ep.MoE(8, 8, 4, 1, ep_group=dist.group.WORLD, capacity_factor=float("nan")),
+                        lambda: moe_ep.MoE(8, 8, 4, 1, ep_group=dist.group.WORLD, capacity_factor=float("inf")))
     return msgs, dict(moe_ep.comm_log)
 
 
@@ -252,7 +253,8 @@ def test_bad_input_raises_before_any_collective():
         assert "num_experts=5 is not divisible by the EP group size 2" in msgs[0]
         assert "top_k=5 must be between 1 and num_experts=4" in msgs[1]
         assert "d_model=8" in msgs[2]
-        assert "capacity_factor=nan must be positive" in msgs[3]
+        assert "capacity_factor=nan must be positive and finite" in msgs[3]
+        assert "capacity_factor=inf must be positive and finite" in msgs[4]
 
 
 def _folded_layout(rank, world):

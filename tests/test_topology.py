@@ -699,7 +699,7 @@ _PLAN_BASE = ["plan", "--gpus", "8", "--layers", "4", "--hidden", "256", "--head
     (["--pp", "0"], "pp=0 must be a positive integer (--pp)"),
     (["--cp", "-2"], "cp=-2 must be a positive integer (--cp)"),
     # constants of the cluster: a negative latency used to print a negative step time with exit code 0
-    (["--gemm-half-dim", "-128"], "gemm_half_dim=-128.0 must be > 0 (--gemm-half-dim)"),
+    (["--gemm-half-dim", "-128"], "gemm_half_dim=-128.0 must be >= 0 (--gemm-half-dim)"),
     (["--launch-us", "-1000"], "launch_us=-1000.0 must be >= 0 (--launch-us)"),
     (["--collective-latency-us", "-1"], "collective_latency_us=-1.0 must be >= 0 (--collective-latency-us)"),
     (["--p2p-latency-us", "-1"], "p2p_latency_us=-1.0 must be >= 0 (--p2p-latency-us)"),
@@ -811,3 +811,13 @@ def test_rank_coordinates_refuses_a_rank_outside_the_world(rank):
     # rank 100 of 8 used to answer with rank 4's coordinates, and -1 with rank 7's
     with pytest.raises(ValueError, match=f"rank={rank} must be an integer in 0..7 \\(world_size=8\\)"):
         topology.rank_coordinates(rank, 8, tp=2, pp=2)
+
+
+def test_numpy_counts_and_a_flat_gemm_curve_are_accepted():
+    import numpy as np
+    m = topology.ModelShape(layers=np.int64(4), hidden=64, heads=np.int64(4), seq=128, vocab=256, global_batch=8)
+    cluster = topology.Cluster(gpus=8, interleave_min_pp=np.int64(3), gemm_half_dim=0)  # x0 = 0: e_max for all
+    assert topology.plan(cluster, m)[0]["fits"]
+    assert topology.rank_coordinates(np.int64(3), 8, tp=2)["tp"] == 1
+    with pytest.raises(ValueError, match="micro_batch=True must be a positive integer"):
+        topology.ModelShape(4, 64, 4, 128, 256, 8, micro_batch=True)  # a bool is not a count

@@ -232,7 +232,8 @@ def rank_groups(world_size, tp=1, pp=1, cp=1, ep=1):
 def rank_coordinates(rank, world_size, tp=1, pp=1, cp=1, ep=1):
     """(tp, cp, dp, pp, ep, edp) coordinates of one rank: the inverse of the rank formula."""
     dp = validate_layout(world_size, tp, pp, cp, ep)
-    if not (isinstance(rank, numbers.Integral) and not isinstance(rank, bool) and 0 <= rank < world_size):  # the digits below would wrap around silently
+    # the digits below would wrap around silently
+    if not (isinstance(rank, numbers.Integral) and not isinstance(rank, bool) and 0 <= rank < world_size):
         raise ValueError(f"rank={rank!r} must be an integer in 0..{world_size - 1} (world_size={world_size})")
     coords = {}
     rest = rank

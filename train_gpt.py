@@ -1367,10 +1367,20 @@ def _dcp_read(tensors, path):
         dcp.load(tensors, storage_reader=_safe_reader(path), no_dist=True)
 
 
-def _read_boxes(mine, saved, path, source=None):
-    """Fill `mine` from the checkpoint (`source`: see _plan_reads): exact matches in place, the rest through
-    temporaries in rounds of about LOAD_ROUND_BYTES (at least one saved box each)."""
-    direct, copies = _plan_reads(mine, saved, path, source)
+def _all_agree(error, device):
+    """Raise on every rank if any rank's reads could not be planned: that rank alone raising would leave the
+    others waiting in the first training collective."""
+    failed = torch.tensor([error is not None], dtype=torch.int32, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failed.item():
+        raise error or ValueError("another rank could not read its part of the checkpoint (its error says why)")
+
+
+def _read_boxes(reads, saved, path):
+    """Fill our tensors as _plan_reads planned: exact matches in place, the rest through temporaries in rounds of
+    about LOAD_ROUND_BYTES (at least one saved box each)."""
+    direct, copies = reads
     _dcp_read(direct, path)
     keys = list(copies)
     while keys:
@@ -1390,7 +1400,8 @@ def load_checkpoint(path, stage, opt=None):
     """Fill this rank's parameters (and, with `opt`, its optimizer state) from a checkpoint of any layout. Each box
     this rank holds (checkpoint_tensors) is filled from the saved boxes that overlap it: a saved box that is exactly
     ours (same layout) is read straight into the live tensor, others into a temporary that is copied from and
-    dropped. Every rank reads for itself (no collective), so the rounds of temporaries may differ by rank."""
+    dropped. Every rank reads for itself, so the rounds of temporaries may differ by rank; the one collective is
+    the ranks' agreement that every one of them found its boxes."""
     ps = stage.plan.ps
     saved = _safe_reader(path).read_metadata().state_dict_metadata
     like = {}  # NAME -> {STATE: (ndim, dtype)}: the optimizer states the checkpoint holds
@@ -1407,7 +1418,13 @@ def load_checkpoint(path, stage, opt=None):
     # Read from the saved weights, each ZeRO-1 rank would hold exact values on its shard and rounded ones elsewhere.
     source = {f"model/{name}": f"optim/{name}/master" for name, p, _ in _saved_params(stage)
               if opt is not None and p.dtype == opt.master_dtype and "master" in like.get(name, {})}
-    _read_boxes(mine, saved, path, source)
+    reads = error = None
+    try:
+        reads = _plan_reads(mine, saved, path, source)
+    except ValueError as e:
+        error = e
+    _all_agree(error, next(stage.parameters()).device)
+    _read_boxes(reads, saved, path)
     if opt is not None:
         scalars = read_train_state(path)["optimizer_state"]  # the loss scale; hyperparameters come from the flags
         opt.load_scalar_state({**scalars, "param_groups": opt.scalar_state()["param_groups"]})

@@ -452,6 +452,26 @@ def test_resume_at_another_layout(tmp_path, saved, world, layout):
     assert max(abs(a - b) for r, f in zip(resumed, full[2:]) for a, b in zip(r, f)) < TOL
 
 
+def _load_with_one_rank_failing(rank, world, path):
+    torch.set_default_dtype(torch.float32)
+    plan, stage, opt, _ = train_gpt.build(CFG, _run(dtype="float32", optimizer="adamw"))
+    if rank == 1:  # as if this rank's slice were missing from the checkpoint
+        def fail(*args):
+            raise ValueError("checkpoint covers 0 of the 64 elements of model/wte.weight@0,0")
+        train_gpt._plan_reads = fail
+    try:
+        train_gpt.load_checkpoint(path, stage, opt)
+    except ValueError as e:
+        return str(e)
+
+
+def test_a_rank_that_cannot_read_its_part_stops_every_rank(tmp_path):
+    run_ranks(_resume_run, 2, str(tmp_path), "float32", False, timeout=120)
+    path = train_gpt.checkpoint_dirs(str(tmp_path))[-1]
+    messages = run_ranks(_load_with_one_rank_failing, 2, path, timeout=60)  # a hang here is the timeout
+    assert messages[0].startswith("another rank could not read its part") and messages[1].startswith("checkpoint")
+
+
 def test_flat_range_boxes_cover_the_range_exactly_in_runs_of_memory():
     gen = torch.Generator().manual_seed(0)
     for shape in [(7,), (3, 5), (2, 3, 4), (3, 1, 4, 2)]:

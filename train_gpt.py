@@ -1410,8 +1410,8 @@ def load_checkpoint(path, stage, opt=None):
             _, name, state = key.split("@")[0].split("/")
             like.setdefault(name, {})[state] = (len(md.size), md.properties.dtype)
     mine = checkpoint_tensors(stage, opt, like)
-    rng = None
-    if read_train_state(path)["world_size"] == ps.world_size and f"rng/{ps.rank}" in saved:
+    train_state, rng = read_train_state(path), None
+    if train_state["world_size"] == ps.world_size and f"rng/{ps.rank}" in saved:
         mine[f"rng/{ps.rank}"] = rng = torch.empty_like(torch.get_rng_state())
     # A weight in the master dtype is its own master: read it from the saved master, which covers the whole
     # parameter and is exact where the saved weights may be rounded (a run saved in bfloat16, resumed in float32).
@@ -1426,7 +1426,7 @@ def load_checkpoint(path, stage, opt=None):
     _all_agree(error, next(stage.parameters()).device)
     _read_boxes(reads, saved, path)
     if opt is not None:
-        scalars = read_train_state(path)["optimizer_state"]  # the loss scale; hyperparameters come from the flags
+        scalars = train_state["optimizer_state"]  # the loss scale; hyperparameters come from the flags
         opt.load_scalar_state({**scalars, "param_groups": opt.scalar_state()["param_groups"]})
     if rng is not None:
         torch.set_rng_state(rng)

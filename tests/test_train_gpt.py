@@ -550,7 +550,7 @@ def test_resume_from_bfloat16_in_float32_gives_every_zero_1_rank_the_masters(tmp
     _keep_first_checkpoint(tmp_path / "a", tmp_path / "c")
     one = run_ranks(_resume_run, 1, str(tmp_path / "b"), "float32", True, timeout=120)[0]
     two = run_ranks(_resume_run, 2, str(tmp_path / "c"), "float32", True, zero=1, timeout=120)[0]
-    assert max(abs(a - b) for r, f in zip(one, two) for a, b in zip(r[1:], f[1:])) < 1e-6  # summation order
+    assert max(abs(a - b) for r, f in zip(one, two) for a, b in zip(r[1:], f[1:])) < 1e-6  # order: measured 1.7e-8
 
 
 def _rng_after_building_moe(rank, world):

@@ -139,11 +139,15 @@ class DynamicLossScaler:
     """Scale the loss up, unscale the gradients, skip the step and back off on inf/NaN, grow when clean."""
 
     def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
+        self._set(init_scale, growth_factor, backoff_factor, growth_interval, growth_tracker=0)
+
+    def _set(self, init_scale, growth_factor, backoff_factor, growth_interval, growth_tracker):
+        """Check everything, then assign: a bad value (a constructor's or a checkpoint's) changes nothing."""
         # GradScaler checks only growth_factor > 1 and backoff_factor < 1; the rest would fail silently: a
         # scale of 0 turns every gradient into NaN after unscaling (0 * 1/0) and steps on it, an infinite or NaN
         # scale overflows every step and skips them all forever, a fractional interval never grows
-        self._scale = torch.tensor(init_scale, dtype=torch.float32)  # FP32, as GradScaler keeps it
-        if not (torch.isfinite(self._scale) and self._scale > 0):
+        scale = torch.tensor(init_scale, dtype=torch.float32)  # FP32, as GradScaler keeps it
+        if not (torch.isfinite(scale) and scale > 0):
             raise ValueError(f"init_scale={init_scale!r} must be finite and > 0 in FP32 (2.0 ** 16 is usual)")
         if not (math.isfinite(growth_factor) and growth_factor > 1.0):
             raise ValueError(f"growth_factor={growth_factor!r} must be finite and > 1 (2.0 is usual)")
@@ -151,8 +155,12 @@ class DynamicLossScaler:
             raise ValueError(f"backoff_factor={backoff_factor!r} must be in (0, 1) (0.5 is usual)")
         if not isinstance(growth_interval, numbers.Integral) or growth_interval < 1:
             raise ValueError(f"growth_interval={growth_interval!r} must be an int >= 1 (2000 is usual)")
+        if not isinstance(growth_tracker, numbers.Integral) or not 0 <= growth_tracker < growth_interval:
+            raise ValueError(f"_growth_tracker={growth_tracker!r} must be an int in [0, growth_interval="
+                             f"{growth_interval}): the clean steps since the last change of scale")
+        self._scale = scale
         self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
-        self._growth_tracker = 0
+        self._growth_tracker = growth_tracker
 
     @property
     def scale(self):
@@ -193,9 +201,10 @@ class DynamicLossScaler:
                 "growth_interval": self.growth_interval, "_growth_tracker": self._growth_tracker}
 
     def load_state_dict(self, state):
-        self._scale = torch.tensor(state["scale"], dtype=torch.float32)
-        self.growth_factor, self.backoff_factor = state["growth_factor"], state["backoff_factor"]
-        self.growth_interval, self._growth_tracker = state["growth_interval"], state["_growth_tracker"]
+        """Checked as the constructor checks, so a corrupt checkpoint (a scale of 0 or inf) stops here instead of
+        stepping on NaN or skipping every step."""
+        self._set(state["scale"], state["growth_factor"], state["backoff_factor"], state["growth_interval"],
+                  state["_growth_tracker"])
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -117,7 +117,9 @@ from the 2021 layouts.
 
 TFLOP/s per GPU are counted as Narayanan et al. count them, 96 B s L h^2 (1 + s/6h + V/16Lh) per step
 (every layer 4 x its forward, as with full recomputation), divided by step time and GPUs, whatever the plan
-recomputes: a throughput in Table 1's units. `mfu` uses the model FLOPs, 72 B s L h^2 (1 + s/6h + V/12Lh).
+recomputes: a throughput in Table 1's units. `mfu` uses the model FLOPs, 72 B s L h^2 (1 + s/6h + V/12Lh);
+`hfu` the hardware FLOPs, the model FLOPs plus what the plan recomputes (Korthikanti et al. 2022: full
+recomputation adds 24 B s L h^2 (1 + s/6h), selective the attention core's 4 B s^2 h L).
 
 Run `python topology.py --help`; `python topology.py --nodes 8 --gpus-per-node 8 --tp 8 --pp 4` draws
 the rank map; `python topology.py plan ...` plans; `python topology.py calibrate` prints Table 1 beside the
@@ -320,9 +322,13 @@ def init_parallel(tp=1, pp=1, cp=1, ep=1, gpus_per_node=None, with_mesh=True):
     The layout is validated before any group is created, so a bad layout raises the same ValueError on every
     rank and none of them hangs in `new_group`.
     """
+    if gpus_per_node is not None and not _is_count(gpus_per_node):
+        raise ValueError(f"gpus_per_node={gpus_per_node!r} must be a positive integer; omit it to read "
+                         "LOCAL_WORLD_SIZE")
     rank, world_size = init_distributed()
     groups = rank_groups(world_size, tp, pp, cp, ep)  # raises before any communication
-    gpus_per_node = gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if gpus_per_node is None:
+        gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     warn_if_tp_crosses_nodes(groups, gpus_per_node)
 
     # new_group is collective over the whole default group: every rank must call it for every group, in the
@@ -547,10 +553,21 @@ def model_flops(m):
     return 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
 
 
+def _knob_value(name, given, from_model, default):
+    """A knob given to the call, else the model's, else the default. None means "not given": a 0 or an empty
+    string is a value, and a wrong one."""
+    value = given if given is not None else from_model if from_model is not None else default
+    if name == "recompute" and value not in RECOMPUTE_POLICIES:
+        raise ValueError(f"recompute={value!r}; choose one of {', '.join(RECOMPUTE_POLICIES)}")
+    if name == "micro_batch":
+        _check_count(name, value, "give the sequences per micro-batch, or omit it for 1")
+    return value
+
+
 def training_flops(m, recompute=None):
     """Hardware FLOPs of one step: model FLOPs plus what the recomputation redoes: full redoes each layer's
     forward, 24 B s L h^2 (1 + s/6h) (giving the 96 formula); selective redoes the attention core, 4 B s^2 h L."""
-    recompute = recompute or m.recompute or "none"
+    recompute = _knob_value("recompute", recompute, m.recompute, "none")
     B, s, L, h = m.global_batch, m.seq, m.layers, m.hidden
     extra = {"none": 0, "selective": 4 * B * s * s * h * L,
              "full": 24 * B * s * L * h * h * (1 + s / (6 * h))}[recompute]
@@ -562,8 +579,8 @@ def activation_bytes_per_layer(m, tp, cp, recompute=None, micro_batch=None, sequ
     without SP  none s b h (10 + 24/t + 5as/(ht)), selective s b h (10 + 24/t), full 2 s b h;
     with SP     none s b h/t (34 + 5as/h),        selective 34 s b h/t,       full 2 s b h/t.
     Knobs not given come from `m` (then: no recomputation, micro-batch 1, SP on)."""
-    recompute = recompute or m.recompute or "none"
-    b = micro_batch or m.micro_batch or 1
+    recompute = _knob_value("recompute", recompute, m.recompute, "none")
+    b = _knob_value("micro_batch", micro_batch, m.micro_batch, 1)
     if sequence_parallel is None:
         sequence_parallel = m.sequence_parallel is not False
     s_local, s, h, a, t = m.seq // cp, m.seq, m.hidden, m.heads, tp
@@ -818,6 +835,7 @@ def evaluate(cluster, m, lay, b, v, recompute, sp, zero):
         "bubble_fraction": (lay.pp - 1) / v / (micro_batches + (lay.pp - 1) / v),
         "tflops_per_gpu": paper_flops(m) / step_time_s / cluster.gpus / 1e12,
         "mfu": model_flops(m) / step_time_s / cluster.gpus / (cluster.peak_tflops * 1e12),
+        "hfu": training_flops(m, recompute) / step_time_s / cluster.gpus / (cluster.peak_tflops * 1e12),
         "tokens_per_s": m.global_batch * m.seq / step_time_s,
         "intra_node": dict(lay.local),
     }
@@ -947,7 +965,8 @@ def explain(plans, cluster, recompute=None):
     where = {True: "NVLink (inside a node)", False: "InfiniBand (across nodes)"}
     lines.append(f"Best: {_layout_name(best)} with {_knobs_name(best)}: {best['micro_batches']} micro-batches per "
                  f"pipeline, {best['memory_gb']:.1f} GB per GPU, {best['step_time_s']:.3f} s per step, "
-                 f"{best['tflops_per_gpu']:.0f} TFLOP/s per GPU (Narayanan et al.'s count), MFU {best['mfu']:.1%}.")
+                 f"{best['tflops_per_gpu']:.0f} TFLOP/s per GPU (Narayanan et al.'s count), MFU {best['mfu']:.1%}, "
+                 f"HFU {best['hfu']:.1%}.")
     pp_sends = f"; PP sends on {where[best['intra_node']['pp']]}" if best["pp"] > 1 else ""
     lines.append(f"  TP collectives run on {where[best['intra_node']['tp']]}; DP gradient reduction on "
                  f"{where[best['intra_node']['dp_cp']]}{pp_sends}.")

@@ -119,6 +119,20 @@ def test_loss_scaler_refuses_scales_and_factors_that_would_fail_silently():
     mp.DynamicLossScaler(init_scale=1e-3, growth_factor=1.5, backoff_factor=0.9, growth_interval=1)  # all fine
 
 
+def test_loss_scaler_refuses_a_corrupt_state_and_keeps_its_own():
+    s = mp.DynamicLossScaler(init_scale=2.0 ** 8, growth_interval=4)
+    s.update(False)
+    before = s.state_dict()
+    for key, value in [("scale", 0.0), ("scale", float("inf")), ("growth_factor", 1.0), ("backoff_factor", 1.0),
+                       ("growth_interval", 0), ("_growth_tracker", 4), ("_growth_tracker", -1)]:
+        with pytest.raises(ValueError):
+            s.load_state_dict({**before, key: value})
+        assert s.state_dict() == before, key  # checked before anything is assigned
+    s.load_state_dict({**before, "_growth_tracker": 3})
+    s.update(False)  # the fourth clean step grows the scale
+    assert s.scale == 2.0 ** 9
+
+
 def _overflow_on_one_rank(rank, world):
     p = torch.nn.Parameter(torch.ones(3))
     s = mp.DynamicLossScaler()

@@ -235,6 +235,8 @@ def test_planner_terms_reproduced_by_hand():
     assert r["tflops_per_gpu"] == pytest.approx(paper / r["step_time_s"] / 64 / 1e12, rel=1e-12)
     model = 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
     assert r["mfu"] == pytest.approx(model / r["step_time_s"] / 64 / 312e12, rel=1e-12)
+    redone = 4 * B * s * s * h * L  # selective: QK^T and AV again
+    assert r["hfu"] == pytest.approx((model + redone) / r["step_time_s"] / 64 / 312e12, rel=1e-12)
 
 
 def test_planner_zero_interleaving_cp_terms_by_hand():
@@ -280,6 +282,23 @@ def test_planner_zero_interleaving_cp_terms_by_hand():
     paper = 96 * 16 * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
     assert topology.training_flops(m, "full") == pytest.approx(paper, rel=1e-12)
     assert topology.paper_flops(m) == pytest.approx(paper, rel=1e-12)
+    assert r["hfu"] == pytest.approx(paper / r["step_time_s"] / 32 / 312e12, rel=1e-12)
+    selective = 72 * 16 * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h)) + 4 * 16 * s * s * h * L
+    assert topology.training_flops(m, "selective") == pytest.approx(selective, rel=1e-12)
+
+
+def test_knobs_given_as_zero_or_unknown_are_refused_not_taken_as_missing():
+    m = topology.ModelShape(layers=8, hidden=1024, heads=16, seq=4096, vocab=32000, global_batch=16)
+    for call, starts in [(lambda: topology.activation_bytes_per_layer(m, 2, 1, micro_batch=0), "micro_batch=0"),
+                         (lambda: topology.activation_bytes_per_layer(m, 2, 1, recompute=""), "recompute=''"),
+                         (lambda: topology.training_flops(m, "fulll"), "recompute='fulll'"),
+                         (lambda: topology.init_parallel(gpus_per_node=0), "gpus_per_node=0")]:
+        with pytest.raises(ValueError) as e:
+            call()
+        assert str(e.value).startswith(starts), str(e.value)
+    # None still means "from the model, else the default"
+    assert topology.activation_bytes_per_layer(m, 2, 1, micro_batch=None, recompute=None) == \
+        topology.activation_bytes_per_layer(m, 2, 1, micro_batch=1, recompute="none")
 
 
 def test_layout_locality_matches_the_groups():

@@ -861,20 +861,36 @@ def bench(seq, batch, heads, kv_heads, head_dim, dtype, repeats, reference):
     dist.destroy_process_group()
 
 
+BENCH_DEFAULTS = {"seq": 8192, "batch": 1, "heads": 2, "head_dim": 64, "dtype": "float32", "repeats": 3}
+
+
 def _main():
-    parser = argparse.ArgumentParser(description="Ring / Ulysses / all-gather attention: demo, or --bench")
+    parser = argparse.ArgumentParser(description="Ring / Ulysses / all-gather attention: demo (fixed small sizes, "
+                                     "every variant checked against SDPA), or --bench with the sizes below")
     parser.add_argument("--bench", action="store_true", help="peak memory and time at a long sequence")
-    parser.add_argument("--seq", type=int, default=8192, help="full sequence length (bench)")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=2)
-    parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seq", type=int, help=f"full sequence length (default {BENCH_DEFAULTS['seq']})")
+    parser.add_argument("--batch", type=int, help=f"default {BENCH_DEFAULTS['batch']}")
+    parser.add_argument("--heads", type=int, help=f"default {BENCH_DEFAULTS['heads']}")
+    parser.add_argument("--kv-heads", type=int, help="default: --heads")
+    parser.add_argument("--head-dim", type=int, help=f"default {BENCH_DEFAULTS['head_dim']}")
+    parser.add_argument("--dtype", choices=["float32", "float64", "bfloat16", "float16"],
+                        help=f"default {BENCH_DEFAULTS['dtype']}")
+    parser.add_argument("--repeats", type=int, help=f"default {BENCH_DEFAULTS['repeats']}")
     parser.add_argument("--no-reference", action="store_true", help="skip the einsum reference (O((s/P)^2))")
     args = parser.parse_args()
+    sizes = ("seq", "batch", "heads", "kv_heads", "head_dim", "dtype", "repeats", "no_reference")
+    given = [name for name in sizes if getattr(args, name) is not None and getattr(args, name) is not False]
     if not args.bench:
+        if given:  # the demo's sizes are fixed: a flag it would ignore is a mistake, said before any group
+            if int(os.environ.get("RANK", 0)) == 0:
+                flags = ", ".join("--" + name.replace("_", "-") for name in given)
+                print(f"long_seq.py: error: {flags} apply only with --bench (the demo's sizes are fixed)",
+                      file=sys.stderr)
+            sys.exit(2)
         return demo()
+    for name, value in BENCH_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     kv_heads = args.heads if args.kv_heads is None else args.kv_heads
     try:
         check_bench_args(args.seq, args.batch, args.heads, kv_heads, args.head_dim, args.repeats,

@@ -456,3 +456,14 @@ def test_bench_sequence_that_the_ranks_cannot_zigzag_is_one_line_before_any_grou
                          timeout=60, cwd=os.path.dirname(os.path.abspath(ls.__file__)), env=env)
     assert out.returncode == 2
     assert out.stderr.strip() == "long_seq.py: error: --seq 12 must be a multiple of 2 x the 4 ranks (zigzag shards)"
+
+
+def test_demo_refuses_the_bench_flags_it_would_ignore():
+    import subprocess
+    import sys
+    env = {**os.environ, "WORLD_SIZE": "4", "RANK": "0"}  # as torchrun would set them: no group is started
+    out = subprocess.run([sys.executable, "long_seq.py", "--seq", "0", "--dtype", "float16"], capture_output=True,
+                         text=True, timeout=60, cwd=os.path.dirname(os.path.abspath(ls.__file__)), env=env)
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("long_seq.py: error: --seq, --dtype apply only with --bench "
+                                  "(the demo's sizes are fixed)")

@@ -475,6 +475,9 @@ def report(layers=4, b=2, s=64, h=64, a=4, dropout=0.1, dtype=torch.float32, swe
             raise ValueError(f"{name}={value} must be a positive integer ({flag})")
     if not sweep or min(sweep) < 1:
         raise ValueError(f"sweep={sweep!r}: give one or more layer counts >= 1 (--sweep)")
+    if not 0.0 < dropout < 1.0:  # p = 0 keeps no masks, and the formulas count them: every figure would differ
+        raise ValueError(f"dropout={dropout!r} must be in (0, 1): the formulas printed beside the measurements "
+                         "count the dropout masks (Korthikanti et al.'s accounting); 0.1 is usual")
     e = torch.empty(0, dtype=dtype).element_size()
     x = torch.randn(b, s, h, dtype=dtype, generator=torch.Generator().manual_seed(0))
     blocks = make_blocks(layers, h, a, s, dropout).to(dtype)

@@ -397,13 +397,15 @@ def ring_attention(q, k, v, group, causal=True, scale=None, impl="fused"):
     """Attention over a sequence sharded across `group`. (batch, heads, seq_local, head_dim) tensors.
 
     causal=True expects the zigzag layout (zigzag_shard of the full sequence); causal=False any consistent
-    sharding. GQA/MQA: k and v may have fewer heads than q. impl="fused" runs each block in a fused kernel
-    (fused_kernel(q, k); the reference where none fits the device and dtype), impl="reference" in einsums.
+    sharding. Every rank's shard has the same shape: the ring passes fixed-size KV buffers (gloo aborts the
+    process on a size mismatch, NCCL reads garbage). GQA/MQA: k and v may have fewer heads than q.
+    impl="fused" runs each block in a fused kernel (fused_kernel(q, k); the reference where none fits the
+    device and dtype), impl="reference" in einsums.
     Validation happens before any communication."""
     _check_qkv(q, k, v)
     _check_impl(impl)
     _, world = _group_info(group)
-    if causal and q.shape[2] % 2:
+    if causal and world > 1 and q.shape[2] % 2:  # one rank: the diagonal block's mask covers any length
         raise ValueError(f"causal ring attention takes zigzag shards (two chunks per rank): the local sequence "
                          f"length {q.shape[2]} must be even, i.e. the full length a multiple of 2*P = {2 * world}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -472,7 +474,8 @@ def _heads_to_seq(x, group, world):
 
 
 def ulysses_attention(q, k, v, group, causal=True, scale=None):
-    """Attention over contiguous sequence shards via two all-to-alls around full-sequence attention."""
+    """Attention over contiguous sequence shards via two all-to-alls around full-sequence attention. Every
+    rank's shard has the same shape, as for ring_attention (the all-to-alls move fixed-size pieces)."""
     _check_qkv(q, k, v)
     _, world = _group_info(group)
     h, h_kv = q.shape[1], k.shape[1]
@@ -573,7 +576,8 @@ def allgather_attention(q, k, v, group, causal=True, scale=None, impl="fused"):
     """Each rank gathers the whole K and V (O(s) memory per rank, one exposed all-gather) and attends its
     zigzag query shard (causal) or any shard (non-causal) to them. Simple, and cheap when h_kv is small (GQA).
     Causal: each query chunk meets its prefix as an unmasked block plus a causal diagonal block, merged by
-    log-sum-exp, so the fused kernels run (a boolean (s/P) x s position mask would rule them out)."""
+    log-sum-exp, so the fused kernels run (a boolean (s/P) x s position mask would rule them out). Every rank's
+    shard has the same shape, as for ring_attention."""
     _check_qkv(q, k, v)
     _check_impl(impl)
     rank, world = _group_info(group)

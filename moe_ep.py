@@ -78,6 +78,7 @@ rank's mean loss divides by DP x CP).
 Run `torchrun --nproc_per_node=4 moe_ep.py` (or `python moe_ep.py` for one rank).
 """
 import math
+import numbers
 import os
 import tempfile
 import threading
@@ -131,8 +132,20 @@ def _global_value(local_share, global_value):
     return local_share + (global_value - local_share.detach())
 
 
+def _check_router_logits(router_logits, top_k=None):
+    """Before any all-reduce, so every rank fails alike: the losses count tokens along dimension 0."""
+    if router_logits.dim() != 2:
+        raise ValueError(f"router_logits has shape {tuple(router_logits.shape)}; pass (tokens, experts): "
+                         "logits.reshape(-1, num_experts)")
+    E = router_logits.shape[1]
+    if top_k is not None and not (isinstance(top_k, numbers.Integral) and not isinstance(top_k, bool)
+                                  and 1 <= top_k <= E):
+        raise ValueError(f"top_k={top_k!r} must be an int between 1 and the {E} experts")
+
+
 def _balancing_parts(router_logits, top_k, selected):
     """This rank's tokens per expert (as the probabilities' dtype) and probability sums per expert."""
+    _check_router_logits(router_logits, top_k)
     T, E = router_logits.shape
     if selected is not None and selected.shape != (T, top_k):
         raise ValueError(f"selected has shape {tuple(selected.shape)}; pass the ({T}, top_k={top_k}) experts chosen")
@@ -171,6 +184,7 @@ def load_balancing_loss(router_logits, top_k, coeff, group=None, selected=None):
 
 def _z_parts(router_logits):
     """This rank's sum over tokens of logsumexp(logits)^2, and its token count."""
+    _check_router_logits(router_logits)
     lse = torch.logsumexp(_router_precision(router_logits), -1)
     return (lse ** 2).sum(), lse.shape[0]
 
@@ -213,6 +227,8 @@ def router_losses(router_logits, top_k, aux_coeff, z_coeff, group=None, selected
 def update_balancing_bias(bias, load, rate):
     """DeepSeek-V3 auxiliary-loss-free balancing: raise the bias of underloaded experts, lower the others.
     `load` (E,) token counts of the step (sum them over the data-parallel ranks first)."""
+    if bias.dtype != torch.float32:  # steps of `rate` added in 16 bits round away (bf16 stalls at 0.5 for 1e-3)
+        raise ValueError(f"bias is {bias.dtype}; keep the balancing bias in torch.float32 (Router keeps it so)")
     with torch.no_grad():
         bias += rate * torch.sign(load.float().mean() - load.float()).to(bias.dtype)
     return bias
@@ -239,6 +255,15 @@ class Router(nn.Module):
         self.top_k, self.normalize = top_k, normalize
         # selection-only bias of auxiliary-loss-free balancing: a buffer, never trained by gradients
         self.register_buffer("bias", torch.zeros(num_experts) if balancing_bias else None)
+
+    def _apply(self, fn, recurse=True):
+        # .to(torch.bfloat16) or .half() would cast the bias buffer too, and the 16-bit bias would then round
+        # away update_balancing_bias's small steps: it follows the module's device, never its dtype
+        bias = self.bias
+        out = super()._apply(fn, recurse)
+        if bias is not None and self.bias.dtype != bias.dtype:
+            self.bias = bias.to(self.bias.device)
+        return out
 
     def forward(self, x):
         """x (T, d) -> logits (T, E), weights (T, k), experts (T, k)."""

@@ -68,6 +68,12 @@ def test_sqrt_policy_grows_sublinearly():
     assert g["full"] == pytest.approx(1.0, abs=0.05) and g["none"] == pytest.approx(1.0, abs=0.05)
 
 
+def test_report_refuses_a_dropout_its_formulas_do_not_describe():
+    for p in (0.0, 1.0, -0.1):
+        with pytest.raises(ValueError, match=f"dropout={p!r} must be in \\(0, 1\\)"):
+            ck.report(layers=2, b=1, s=8, h=16, a=2, dropout=p, sweep=(2,), crossover=False)
+
+
 def test_json_report_from_the_command_line():
     out = subprocess.run([sys.executable, "checkpointing.py", "--json", "--layers", "2", "--seq", "16",
                           "--hidden", "16", "--heads", "2", "--batch", "1", "--sweep", "2", "--no-crossover"],

@@ -74,7 +74,9 @@ def _all_cases(rank, P):
     results = {}  # key -> (error, finite)
     for fn in (ls.ring_attention, ls.ulysses_attention, ls.allgather_attention):
         for causal in (True, False):
-            for h_kv in (H, 4, 1):  # MHA, GQA, MQA
+            # MHA, GQA, MQA; for Ulysses also H_kv=2, which P=4 replicates (two query groups per KV head: a
+            # replication in the wrong order pairs query heads with the wrong KV heads)
+            for h_kv in (H, 4, 2, 1) if fn is ls.ulysses_attention else (H, 4, 1):
                 if fn is ls.ulysses_attention and not _ulysses_allowed(H, h_kv, P):
                     continue
                 for dtype in (torch.float64, torch.float32):
@@ -467,3 +469,15 @@ def test_demo_refuses_the_bench_flags_it_would_ignore():
     assert out.returncode == 2
     assert out.stderr.strip() == ("long_seq.py: error: --seq, --dtype apply only with --bench "
                                   "(the demo's sizes are fixed)")
+
+
+@pytest.mark.parametrize("impl", ["fused", "reference"])
+def test_one_rank_ring_attention_takes_any_causal_length(impl):
+    # no zigzag on one rank: the diagonal block's causal mask covers an odd length too
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 7, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out = ls.ring_attention(q, k, v, None, causal=True, impl=impl)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
+    assert max((a - b).abs().max().item() for a, b in zip((out, *grads), (ref, *ref_grads))) < 1e-12

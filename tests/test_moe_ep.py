@@ -257,6 +257,40 @@ def test_bad_input_raises_before_any_collective():
         assert "capacity_factor=inf must be positive and finite" in msgs[4]
 
 
+def _bad_router_losses(rank, P):
+    moe_ep.comm_log.clear()
+    g = dist.group.WORLD
+    logits = torch.randn(2, 5, 4)  # (batch, seq, experts): the losses count tokens along dimension 0
+    msgs = value_errors(lambda: moe_ep.z_loss(logits, 0.1, group=g),
+                        lambda: moe_ep.load_balancing_loss(logits, 1, 0.1, group=g),
+                        lambda: moe_ep.router_losses(logits, 1, 0.1, 0.1, group=g),
+                        lambda: moe_ep.load_balancing_loss(logits[0], 0, 0.1, group=g),
+                        lambda: moe_ep.router_losses(logits[0], 5, 0.1, 0.1, group=g),
+                        lambda: moe_ep.z_loss(logits, 0.1))
+    return msgs, dict(moe_ep.comm_log)
+
+
+def test_router_losses_refuse_bad_input_before_any_collective():
+    for msgs, log in run_ranks(_bad_router_losses, 2, timeout=60):
+        assert log == {}
+        assert all(m is not None and "router_logits has shape (2, 5, 4)" in m for m in msgs[:3] + msgs[5:]), msgs
+        assert "top_k=0 must be an int between 1 and the 4 experts" in msgs[3]
+        assert "top_k=5 must be an int between 1 and the 4 experts" in msgs[4]
+
+
+def test_balancing_bias_stays_float32_when_the_model_is_cast_to_bfloat16():
+    router = moe_ep.Router(8, 4, 2, balancing_bias=True).to(torch.bfloat16)
+    assert router.weight.dtype == torch.bfloat16 and router.bias.dtype == torch.float32
+    for _ in range(1000):  # expert 3 always under-loaded: +1e-3 per step, 1.0 after 1000 (bf16 stalls at 0.5)
+        moe_ep.update_balancing_bias(router.bias, torch.tensor([5, 5, 5, 1]), rate=1e-3)
+    assert router.bias[3].item() == pytest.approx(1.0, abs=1e-4)
+    assert router.state_dict()["bias"].dtype == torch.float32
+    _, weights, _ = router(torch.randn(3, 8, dtype=torch.bfloat16))
+    assert weights.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="keep the balancing bias in torch.float32"):
+        moe_ep.update_balancing_bias(torch.zeros(4, dtype=torch.bfloat16), torch.tensor([1, 1, 1, 1]), 1e-3)
+
+
 def _folded_layout(rank, world):
     """4 ranks, DP=4, EP=2 -> EDP=2 (topology's folded expert grid); each rank a different batch."""
     torch.set_default_dtype(torch.float64)

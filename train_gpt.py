@@ -952,8 +952,9 @@ class TokenData:
     seeded by (seed, split, k), so every layout sees the same global batch at every step and a resumed run
     continues the same sequence of batches (its data position is the step)."""
 
-    def __init__(self, source, train=None, val=None, vocab=256):
+    def __init__(self, source, train=None, val=None, vocab=256, text=False):
         self.source, self.train, self.val, self.vocab = source, train, val, vocab  # vocab: ids the data uses
+        self.text = text  # the ids are the bytes of a text: a sample is decoded as UTF-8
 
     def batch(self, split, step, batch, seq_len, seed, device="cpu"):
         if self.source == "synthetic":  # validation batches from their own seeds (negative steps)
@@ -1006,7 +1007,7 @@ def _split_text(name, tokens, seq_len):
         raise ValueError(f"{name} holds {len(tokens)} bytes: too few for --seq {seq_len} (each split needs more "
                          f"than --seq tokens, the validation split is the last {VAL_FRACTION:.0%}); pass more text "
                          "or a smaller --seq")
-    return TokenData(name, tokens[:-n_val], tokens[-n_val:], vocab=int(tokens.max()) + 1)
+    return TokenData(name, tokens[:-n_val], tokens[-n_val:], vocab=int(tokens.max()) + 1, text=True)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1102,7 +1103,8 @@ def evaluate(stage, pipe, data, run, cfg):
 
 
 def lr_at(step, run):
-    """nanoGPT's schedule: linear warm-up over `warmup` steps, then cosine decay to `min_lr` at the last step."""
+    """nanoGPT's schedule: linear warm-up over `warmup` steps, then cosine decay to `min_lr` at the last step
+    (a warm-up as long as the run, warmup >= steps - 1, leaves no step to decay: the last one runs at `lr`)."""
     min_lr = run.lr / 10 if run.min_lr is None else run.min_lr
     if step < run.warmup:
         return run.lr * (step + 1) / run.warmup
@@ -1242,7 +1244,9 @@ def checkpoint_tensors(stage, opt=None, like=None):
     return out
 
 
-def save_checkpoint(out_dir, step, stage, opt, cfg, run):
+def save_checkpoint(out_dir, step, stage, opt, cfg, run, text=False):
+    """Writes out_dir/step_NNNNNN atomically (the comment above); `text`: the data were bytes of text, which
+    tells --sample to decode what it draws."""
     import torch.distributed.checkpoint as dcp
     plan = stage.plan
     state = checkpoint_tensors(stage, opt)
@@ -1259,7 +1263,7 @@ def save_checkpoint(out_dir, step, stage, opt, cfg, run):
         train_state = {"format": CHECKPOINT_FORMAT, "step": step, "config": asdict(cfg),
                        "world_size": plan.ps.world_size,
                        "layout": {k: getattr(run, k) for k in ("tp", "pp", "cp", "ep", "zero", "dtype")},
-                       "optimizer": run.optimizer, "data": run.data,
+                       "optimizer": run.optimizer, "data": run.data, "text": text,
                        "optimizer_state": opt.scalar_state()}
         with open(os.path.join(tmp, "train_state.json"), "w") as f:
             json.dump(train_state, f)
@@ -1520,11 +1524,15 @@ def check_inputs(cfg, run, world):
     if data.vocab > cfg.vocab_size:
         raise ValueError(f"--vocab {cfg.vocab_size} is smaller than the data's vocabulary ({data.source} uses ids "
                          f"up to {data.vocab - 1}): pass --vocab {-(-data.vocab // run.tp) * run.tp} or more")
-    if run.out_dir and os.path.exists(run.out_dir) and not os.path.isdir(run.out_dir):
-        raise ValueError(f"--out-dir {run.out_dir} is a file: pass a folder (it is created if missing)")
-    folder = os.path.dirname(os.path.abspath(run.metrics)) if run.metrics else None
-    if folder and not os.path.isdir(folder):
-        raise ValueError(f"--metrics {run.metrics}: the folder {folder} does not exist; create it or pass another path")
+    if run.out_dir:
+        _check_folder_can_exist("--out-dir", run.out_dir)
+    if run.metrics:
+        if os.path.isdir(run.metrics):
+            raise ValueError(f"--metrics {run.metrics} is a folder: pass a file path, e.g. {run.metrics}/metrics.jsonl")
+        folder = os.path.dirname(os.path.abspath(run.metrics))
+        if not os.path.isdir(folder):
+            what = "is a file" if os.path.exists(folder) else "does not exist"
+            raise ValueError(f"--metrics {run.metrics}: the folder {folder} {what}; create it or pass another path")
     if not run.resume and checkpoint_dirs(run.out_dir):
         raise ValueError(f"--out-dir {run.out_dir} holds checkpoints of an earlier run (latest "
                          f"{os.path.basename(checkpoint_dirs(run.out_dir)[-1])}): pass --resume to continue it, or "
@@ -1534,7 +1542,27 @@ def check_inputs(cfg, run, world):
         if state["optimizer"] != run.optimizer:
             raise ValueError(f"checkpoint {checkpoint_dirs(run.out_dir)[-1]} holds {state['optimizer']} state, this "
                              f"run has --optimizer {run.optimizer}: pass --optimizer {state['optimizer']}")
+        if state["config"]["seed"] != cfg.seed:  # the seed draws the batches: another one is another run
+            raise ValueError(f"checkpoint {checkpoint_dirs(run.out_dir)[-1]} was trained with --seed "
+                             f"{state['config']['seed']}, this run has --seed {cfg.seed}: pass --seed "
+                             f"{state['config']['seed']} to continue its sequence of batches")
+        if state["data"] != run.data and int(os.environ.get("RANK", 0)) == 0:  # moved data is fine, new may be meant
+            print(f"train_gpt.py: warning: resuming a run trained on --data {state['data']} with --data {run.data}",
+                  file=sys.stderr, flush=True)
     return data
+
+
+def _check_folder_can_exist(flag, path):
+    """A folder that exists, or whose nearest existing ancestor is a writable folder (it is created later)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a file: pass a folder (it is created if missing)")
+    ancestor = os.path.abspath(path)
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise ValueError(f"{flag} {path}: {ancestor} is a file, so the folder cannot be created; pass another path")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: {ancestor} is not writable; pass another path")
 
 
 def init_distributed(timeout_s):
@@ -1586,14 +1614,14 @@ def build(cfg, run, optimizer=True):
 def make_optimizer(stage, plan, run):
     """mixed_precision.py's optimizer for every dtype: gradients accumulate in FP32 (float64 in tests) from
     the first micro-batch, the data-parallel sums are its shard groups (ZeRO-1 shards them), FP16 scales the
-    loss. AdamW decays the 2-D weights only (nanoGPT)."""
+    loss. Weight decay applies to the 2-D weights only (nanoGPT), with AdamW or SGD."""
     params = [p for p in stage.parameters() if p.requires_grad]
     if run.optimizer == "adamw":
         opt_class, defaults = torch.optim.AdamW, dict(lr=run.lr, betas=(0.9, 0.95))
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": run.weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    else:
-        opt_class, defaults, groups = torch.optim.SGD, dict(lr=run.lr), [{"params": params}]
+    else:  # SGD's weight decay is L2 in the gradient, AdamW's decoupled: the flag decays the same weights
+        opt_class, defaults = torch.optim.SGD, dict(lr=run.lr)
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": run.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     scaler = mixed_precision.DynamicLossScaler() if run.dtype == "float16" else None
     return mixed_precision.MixedPrecisionOptimizer(
         [g for g in groups if g["params"]], opt_class, zero=run.zero, loss_scaler=scaler,
@@ -1687,7 +1715,7 @@ def train(cfg, run, data=None):
                   flush=True)
         done = step + 1 == run.steps
         if run.out_dir and ((run.save_every and (step + 1) % run.save_every == 0) or done):
-            path = save_checkpoint(run.out_dir, step + 1, stage, opt, cfg, run)
+            path = save_checkpoint(run.out_dir, step + 1, stage, opt, cfg, run, text=data.text)
             if run.log and ps.rank == 0:
                 print(f"saved {path}", flush=True)
     if out:
@@ -1697,22 +1725,28 @@ def train(cfg, run, data=None):
 
 @torch.no_grad()
 def sample(cfg, path, n, temperature=1.0, top_k=None, prompt="\n", seed=0):
-    """Generate n tokens on one process from a checkpoint of any layout (bytes decoded as UTF-8)."""
+    """Generate n tokens on one process from a checkpoint of any layout: a model trained on bytes of text
+    draws bytes only (a vocabulary padded for TP, e.g. 258, has ids no text uses) and returns the text; any
+    other model returns the token ids, drawn after token 0."""
     run = TrainConfig(batch=1, micro_batch=1, log=False)
     plan, stage, _, _ = build(cfg, run, optimizer=False)
     load_checkpoint(path, stage)
+    text = read_train_state(path).get("text", cfg.vocab_size <= 256)  # saved before "text" was: the old rule
     device = next(stage.parameters()).device
     gen = torch.Generator().manual_seed(seed)  # draws on the CPU: the same random draws on every device
-    ids = list(prompt.encode()) if cfg.vocab_size <= 256 else [0]
+    ids = ([i for i in prompt.encode() if i < cfg.vocab_size] if text else []) or [0]
+    given = len(ids)
     for _ in range(n):
         context = torch.tensor([ids[-cfg.seq_len:]], device=device)
         logits, _ = stage(context, torch.arange(context.shape[1], device=device))
         logits = logits[0, -1].float().cpu() / max(temperature, 1e-6)
+        if text:
+            logits[256:] = -float("inf")
         if top_k:
             logits[logits < logits.topk(min(top_k, logits.numel())).values[-1]] = -float("inf")
         ids.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)))
-    generated = ids[len(prompt.encode()):] if cfg.vocab_size <= 256 else ids[1:]
-    return bytes(generated).decode("utf-8", errors="replace") if cfg.vocab_size <= 256 else generated
+    generated = ids[given:]
+    return bytes(generated).decode("utf-8", errors="replace") if text else generated
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1917,7 +1951,7 @@ def parse_args(argv=None):
     add("--lr", type=float, default=3e-3)
     add("--min-lr", type=float, default=None, help="cosine decay target (default lr/10)")
     add("--warmup", type=int, default=0)
-    add("--weight-decay", type=float, default=0.1)
+    add("--weight-decay", type=float, default=0.1, help="of the 2-D weights (AdamW: decoupled; SGD: L2)")
     add("--grad-clip", type=float, default=1.0, help="global gradient-norm clipping (0: off)")
     add("--dtype", default="float32", choices=list(DTYPES))
     add("--zero", type=int, default=0, choices=[0, 1], help="1: shard master weights and optimizer states")
@@ -1946,7 +1980,7 @@ def main(argv=None):
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     try:
         cfg, run, a = parse_args(argv)
-        if a.sample < 0 or a.temperature <= 0 or a.sample_top_k < 0:
+        if a.sample < 0 or not (math.isfinite(a.temperature) and a.temperature > 0) or a.sample_top_k < 0:
             raise ValueError("--sample, --sample-top-k must be >= 0 and --temperature > 0 (e.g. --sample 300 "
                              "--temperature 0.8 --sample-top-k 50; --sample-top-k 0 samples from every token)")
         if a.report:

@@ -673,6 +673,12 @@ BAD_INPUT = [  # (argv, world, what the one line must name)
     (["--lr", "1e-3", "--min-lr", "1.0"], 1, "--min-lr 1.0 exceeds --lr 0.001"),
     (["--peak-tflops=-5"], 1, "--peak-tflops -5.0 must be a positive number"),
     (["--sample", "5", "--sample-top-k=-1"], 1, "--sample, --sample-top-k must be >= 0 and --temperature > 0"),
+    (["--sample", "5", "--temperature", "nan"], 1, "--temperature > 0"),
+    (["--out-dir", "ckpt", "--resume", "--layers", "1", "--seq", "16", "--hidden", "32", "--optimizer", "sgd",
+      "--seed", "1"], 2, "was trained with --seed 0, this run has --seed 1: pass --seed 0"),
+    (["--out-dir", "empty.txt/sub"], 2, "empty.txt is a file, so the folder cannot be created"),
+    (["--metrics", "ckpt"], 2, "--metrics ckpt is a folder: pass a file path"),
+    (["--metrics", "empty.txt/m.jsonl"], 1, "empty.txt is a file; create it or pass another path"),
     (["--report"], 2, "--report starts its own processes: use python, not torchrun"),
     (["--out-dir", "ckpt"], 2,
      "--out-dir ckpt holds checkpoints of an earlier run (latest step_000001): pass --resume"),
@@ -869,6 +875,31 @@ def test_text_folders_and_nanogpt_bin_files_train(tmp_path):
         assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
         if data == str(docs):  # the text has structure to learn; the .bin ids are uniformly random
             assert losses[1] < losses[0]
+
+
+def _train_then_sample(rank, world, cfg, data, out):
+    train_gpt.train(cfg, _run(dtype="float32", data=data, steps=1, batch=2, out_dir=out))
+    path = train_gpt.checkpoint_dirs(out)[-1]
+    return train_gpt.sample(cfg, path, 200, temperature=3.0, seed=1), train_gpt.read_train_state(path)["text"]
+
+
+def test_sample_decodes_text_models_whatever_their_padded_vocabulary_and_returns_ids_otherwise(tmp_path):
+    # a text model padded for TP (--vocab 258, as validate() advises for --tp 3) draws bytes and returns text;
+    # a model of token ids returns ids, even with a vocabulary smaller than the prompt's newline (10)
+    (tmp_path / "t.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    for name, data, vocab in (("text", str(tmp_path / "t.txt"), 258), ("ids", "synthetic", 8)):
+        cfg = train_gpt.GPTConfig(vocab_size=vocab, seq_len=16, n_layer=1, n_head=2, n_embd=16)
+        got, text = run_ranks(_train_then_sample, 1, cfg, data, str(tmp_path / name), timeout=120)[0]
+        if name == "text":  # hot sampling draws ids >= 256 unless they are excluded
+            # 200 bytes decoded: 50 to 200 characters (an id >= 256 would have stopped bytes() with a ValueError)
+            assert text is True and isinstance(got, str) and 50 <= len(got) <= 200
+        else:
+            assert text is False and isinstance(got, list) and len(got) == 200 and set(got) == set(range(8))
+
+
+def test_sgd_applies_the_weight_decay_flag(tmp_path):
+    curves = [run_ranks(_short_run, 1, "synthetic", CFG, weight_decay=wd, timeout=120)[0] for wd in (0.0, 0.5)]
+    assert curves[0][0] == curves[1][0] and curves[0][1] != curves[1][1]  # the first step's update differs
 
 
 def test_an_odd_sequence_length_trains_without_context_parallelism():

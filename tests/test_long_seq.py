@@ -25,12 +25,6 @@ TOL_X100 = 1e-10
 TOL_FUSED_VS_REFERENCE = {torch.float64: 1e-13, torch.float32: 2e-5}
 H = 12  # divisible by 1, 2, 3, 4 ranks
 
-# The first TorchDispatchMode of a process imports torch._dynamo (about 1 s): pay it once here, and the forked
-# ranks inherit it.
-with ls.PeakMemory():
-    torch.zeros(1)
-
-
 def _ulysses_allowed(h, h_kv, P):
     return h % P == 0 and (h_kv % P == 0 or P % h_kv == 0)
 

@@ -37,8 +37,10 @@ buffers padded to a multiple of the group size d; rank r owns the r-th 1/d of th
 reduce-scatter (SUM) of the main grads, so each rank receives the sum of its shard only; the inner
 optimizer steps the pieces of the parameters that fall in the shard (their FP32 masters, or the
 parameters' own storage); each rank rounds its updated shard into the parameter buffer; one all-gather
-rebuilds the full parameters everywhere. The bytes sent are those of an all-reduce (which is a
-reduce-scatter followed by an all-gather), while masters and optimizer states shrink by d:
+rebuilds the full parameters everywhere. Each rank sends (d-1)/d x (4 + e) bytes per parameter (FP32 gradients
+scattered, parameters of e bytes gathered): for FP32 parameters the 2 (d-1)/d x 4 of the all-reduce without
+ZeRO (a reduce-scatter and an all-gather are its two halves), for BF16 ones 3/4 of it. Masters and optimizer
+states shrink by d:
 
     bytes per parameter, Adam        zero=0            zero=1 over d ranks    (ZeRO, Rajbhandari et al. 2020)
     FP32 params, FP32 grads          4 + 4 + 8 = 16    8 + 8/d
@@ -173,6 +175,11 @@ class DynamicLossScaler:
         """Divide every gradient by the scale in place; True if any gradient anywhere in `group` is inf/NaN."""
         group_size = _group_size(group, "unscale_and_check's group")
         grads = [p.grad for p in params if p.grad is not None]
+        if any(g.dtype == torch.float16 for g in grads):  # on every rank alike, before the all-reduce
+            # divided in FP16, the small gradients that the scale lifted above FP16's smallest value fall back
+            # to 0 (GradScaler refuses them likewise)
+            raise ValueError("params: an FP16 gradient cannot be unscaled in FP16; keep FP32 gradients (e.g. the "
+                             "FP32 main grads of MixedPrecisionOptimizer, which unscales them itself)")
         device = grads[0].device if grads else _collective_device(group if group_size > 1 else None)
         inv_scale = self._scale.double().reciprocal().float().to(device)  # as GradScaler: one rounding of 1/S
         found = torch.zeros(1, device=device)
@@ -212,6 +219,14 @@ class DynamicLossScaler:
 # ----------------------------------------------------------------------------------------------------
 
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# Bytes this rank sends in the buckets' collectives, as a ring sends them: an all-reduce 2 (d-1)/d of its buffer,
+# a reduce-scatter (d-1)/d of its input, an all-gather (d-1)/d of its output (the demo reads it)
+comm_bytes = Counter()
+
+
+def _count_sent(kind, tensor, d, factor):
+    comm_bytes[kind] += factor * (d - 1) / d * tensor.numel() * tensor.element_size()
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
@@ -332,8 +347,10 @@ class _Bucket:
         if self.group_size == 1:
             return
         if self.zero == 1:
+            _count_sent("reduce_scatter", self.grad_flat, self.group_size, 1)
             _reduce_scatter_flat(self.grad_flat[self.lo:self.hi], self.grad_flat, group=self.group)
         else:
+            _count_sent("all_reduce", self.grad_flat, self.group_size, 2)
             dist.all_reduce(self.grad_flat, group=self.group)
 
     def publish_params(self):
@@ -342,6 +359,7 @@ class _Bucket:
             if self.separate_master:
                 self.param_flat[self.lo:self.hi].copy_(self.master_flat)
             if self.sharded:
+                _count_sent("all_gather", self.param_flat, self.group_size, 1)
                 _all_gather_flat(self.param_flat, self.param_flat[self.lo:self.hi], group=self.group)
 
 
@@ -552,7 +570,7 @@ class MixedPrecisionOptimizer:
         counted = None if norm_params is None else {id(p) for p in norm_params}
         if counted is not None and not counted <= set(self._where):
             raise ValueError("norm_params holds a parameter that this optimizer does not manage")
-        if max_norm < 0 or not math.isfinite(grad_scale):
+        if not max_norm >= 0 or not math.isfinite(grad_scale):  # `not >=`: NaN fails it too
             raise ValueError(f"need max_norm >= 0 (0 disables clipping) and a finite grad_scale, got "
                              f"max_norm={max_norm}, grad_scale={grad_scale}")
         norm_group_size = _group_size(norm_group, "norm_group")
@@ -561,6 +579,8 @@ class MixedPrecisionOptimizer:
             raise ValueError("norm_group is None but gradients are reduced over groups of more than one rank: "
                              "each rank then holds only part of the norm, and clipping or skipping would differ "
                              "between ranks; pass a norm_group that contains every shard group (the world)")
+        if (max_norm > 0 or self.loss_scaler is not None) and norm_group_size > 1:
+            self._check_norm_group_covers_shards(norm_group)
         self._fold_stray_grads()
         for bucket in self._buckets:
             bucket.reduce_grads()
@@ -584,6 +604,16 @@ class MixedPrecisionOptimizer:
             bucket.publish_params()
         self.zero_grad()
         return StepResult(True, norm)
+
+    def _check_norm_group_covers_shards(self, norm_group):
+        """Every shard group's ranks in norm_group (rank lists, no communication): a norm summed over a part of
+        a shard group misses the other ranks' shards, and the ranks of that group clip or skip differently."""
+        covered = set(dist.get_process_group_ranks(norm_group))
+        for bucket in self._buckets:
+            if bucket.group_size > 1 and not set(dist.get_process_group_ranks(bucket.group)) <= covered:
+                raise ValueError(f"norm_group holds ranks {sorted(covered)}, which miss part of a shard group "
+                                 f"({sorted(dist.get_process_group_ranks(bucket.group))}): pass a norm_group that "
+                                 "contains every shard group (the world)")
 
     def _global_norm(self, counted, norm_group):
         """(norm, found_inf) from one all-reduce of [sum of squares counted, sum of squares owned]."""
@@ -704,11 +734,20 @@ class MixedPrecisionOptimizer:
         if len(state["params"]) != len(self.params):
             raise ValueError(f"state_dict holds {len(state['params'])} parameters, this optimizer "
                              f"{len(self.params)}: build it over the same parameters")
+        keys = None
         for i, (p, full) in enumerate(zip(self.params, state["params"])):
-            if full["master"].numel() != p.numel():
-                raise ValueError(f"state_dict's parameter {i} has {full['master'].numel()} elements, this "
-                                 f"optimizer's {p.numel()} (shape {tuple(p.shape)}): build it over the same parameters")
+            for key, value in full.items():
+                if value.dim() > 0 and value.numel() != p.numel():
+                    raise ValueError(f"state_dict's parameter {i} has {value.numel()} elements in {key!r}, this "
+                                     f"optimizer's {p.numel()} (shape {tuple(p.shape)}): build it over the same "
+                                     "parameters")
+            if "master" not in full or (keys is not None and full.keys() != keys):
+                raise ValueError(f"state_dict's parameter {i} holds {sorted(full)}, the others {sorted(keys or [])}"
+                                 ": every parameter needs a master and the same optimizer states")
+            keys = full.keys()
         self._check_param_groups(state["scalars"])
+        if self.loss_scaler is not None and state["scalars"]["loss_scaler"] is not None:
+            DynamicLossScaler().load_state_dict(state["scalars"]["loss_scaler"])  # checked on a throwaway
         for p, full in zip(self.params, state["params"]):
             self.load_full_state(p, full)
         self.load_scalar_state(state["scalars"])
@@ -1076,11 +1115,19 @@ def zero_bytes_per_parameter(dtype, zero, group=None, out=2):
     opt = MixedPrecisionOptimizer(model.parameters(), torch.optim.Adam, shard_groups=[(model.parameters(), group)],
                                   zero=zero, lr=1e-3)
     model(torch.randn(8, 32).to(dtype)).float().pow(2).mean().backward()
+    comm_bytes.clear()
     opt.step()
     n = sum(p.numel() for p in model.parameters())
     m = opt.memory_bytes()
     return {"n_params": n, "padding": sum(b.padding for b in opt._buckets), "bytes": m,
-            "per_param": {k: v / n for k, v in m.items()}}
+            "per_param": {k: v / n for k, v in m.items()}, "sent_per_param": sum(comm_bytes.values()) / n}
+
+
+def zero_sent_formula(dtype, d, zero=1):
+    """Bytes a rank sends per parameter and step: 2 (d-1)/d x 4 (an all-reduce of FP32 main grads), or with
+    ZeRO-1 (d-1)/d x (4 + e) (a reduce-scatter of them and an all-gather of the e-byte parameters)."""
+    e = torch.empty(0, dtype=dtype).element_size()
+    return (d - 1) / d * (4 + e if zero == 1 else 8)
 
 
 def accumulation_errors(m=16, seed=0):
@@ -1226,9 +1273,10 @@ def demo():
     for mode, rule in TRANSIENT_RULES.items():
         print(f"   transient of {mode}: {rule}")
 
-    print("\n== ZeRO-1 (distributed optimizer): bytes per parameter on each of d forked gloo ranks, Adam")
+    print("\n== ZeRO-1 (distributed optimizer): bytes per parameter on each of d forked gloo ranks, Adam; sent: the")
+    print("   bytes a rank sends per parameter in one step's gradient and parameter collectives (ring algorithms)")
     print(f"   {'params':6s} {'zero':>4s} {'d':>2s} {'formula':>9s} {'=':>6s} | {'measured':>8s} = {'params':>6s} + "
-          f"{'grads':>5s} + {'optimizer':>9s}  padding")
+          f"{'grads':>5s} + {'optimizer':>9s}  padding | {'sent':>4s} formula")
     for dtype, name, form in ((torch.float32, "fp32", "8 + 8/d"), (torch.bfloat16, "bf16", "6 + 12/d")):
         for zero, d in ((0, 2), (1, 2), (1, 3)):
             r = on_forked_ranks(zero_bytes_per_parameter, d, dtype, zero)[0]  # rank 0's figures
@@ -1237,7 +1285,7 @@ def demo():
             label = form if zero else str(round(zero_bytes_formula(dtype, d, 0)))
             print(f"   {name:6s} {zero:4d} {d:2d} {label:>9s} {zero_bytes_formula(dtype, d, zero):6.2f} | "
                   f"{total:8.2f} = {b['param_bytes']:6.2f} + {b['grad_bytes']:5.2f} + {b['optimizer_bytes']:9.2f}"
-                  f"  {r['padding']:7d}")
+                  f"  {r['padding']:7d} | {r['sent_per_param']:4.2f} {zero_sent_formula(dtype, d, zero):7.2f}")
     print(f"   ({r['n_params']} parameters, divisible by 2 and 3: no padding; other sizes pad each flat buffer "
           "to a multiple of d)")
 

@@ -133,6 +133,16 @@ def test_loss_scaler_refuses_a_corrupt_state_and_keeps_its_own():
     assert s.scale == 2.0 ** 9
 
 
+def test_fp16_gradients_are_refused_by_unscale_and_check():
+    # in FP16 a gradient of 1e-9 scaled by 2^16 (6.6e-5) unscales back to 0: the loss scale would have been for
+    # nothing (GradScaler refuses FP16 gradients too)
+    w = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+    scaler = mp.DynamicLossScaler()
+    scaler.scale_loss((w.float() * 1e-9).sum()).backward()
+    with pytest.raises(ValueError, match="FP16 gradient cannot be unscaled"):
+        scaler.unscale_and_check([w])
+
+
 def _overflow_on_one_rank(rank, world):
     p = torch.nn.Parameter(torch.ones(3))
     s = mp.DynamicLossScaler()
@@ -396,6 +406,11 @@ def test_zero1_bytes_per_parameter_follow_megatron_table(d):
                 total = b["param_bytes"] + b["grad_bytes"] + b["optimizer_bytes"]
                 assert total == mp.zero_bytes_formula(dtype, d, zero)  # 16, 8 + 8/d; 18, 6 + 12/d
                 assert b["optimizer_bytes"] == row["sharded"] / (d if zero else 1)
+                # sent per step: an all-reduce of FP32 main grads, or ZeRO-1's reduce-scatter of them and all-gather
+                # of the parameters (3/4 of the all-reduce for BF16 parameters at d = 2)
+                assert r["sent_per_param"] == pytest.approx(mp.zero_sent_formula(dtype, d, zero), rel=1e-12)
+                assert r["sent_per_param"] == pytest.approx((d - 1) / d * (8 if zero == 0 or dtype == torch.float32
+                                                                           else 6), rel=1e-12)
             else:  # 6337 parameters: under ZeRO-1 the flat buffers are padded to a multiple of d
                 raw, padded = r["bytes"], n + pad
                 assert pad == ((-n) % d if zero else 0)  # 1 on 2 ranks, 2 on 3 ranks
@@ -479,6 +494,44 @@ def test_a_group_without_this_rank_is_refused_before_any_collective():
 
 
 # ---- FP16 with a loss scaler: overflow on one rank -----------------------------------------------------
+
+def _norm_group_misses_part_of_a_shard_group(rank, world, zero):
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    model = mp.MLP(dim=4, hidden=8, depth=1)
+    opt = mp.MixedPrecisionOptimizer(model.parameters(), torch.optim.SGD, shard_groups=[
+        (model.parameters(), dist.group.WORLD)], zero=zero, lr=0.1)
+    model(torch.randn(4, 4)).pow(2).mean().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    message, = value_errors(lambda: opt.step(max_norm=1.0, norm_group=pairs[rank // 2]))
+    return message, all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_a_norm_group_that_misses_part_of_a_shard_group_is_refused(zero):
+    # ranks {0, 1} and {2, 3} each summing their own norm would clip differently and the replicas diverge
+    for message, unchanged in run_ranks(_norm_group_misses_part_of_a_shard_group, 4, zero, timeout=60):
+        assert message is not None and "miss part of a shard group ([0, 1, 2, 3])" in message and unchanged
+
+
+def _inf_outside_the_norm(rank, world, zero):
+    torch.manual_seed(0)
+    model = mp.MLP(dim=4, hidden=8, depth=1)
+    scaler = mp.DynamicLossScaler(init_scale=2.0 ** 4)
+    opt = mp.MixedPrecisionOptimizer(model.parameters(), torch.optim.SGD, shard_groups=[
+        (model.parameters(), dist.group.WORLD)], zero=zero, loss_scaler=scaler, lr=0.1)
+    scaler.scale_loss(model(torch.randn(4, 4)).pow(2).mean()).backward()
+    outside = model.layers[1].bias  # left out of the norm, as train_gpt leaves out replicated copies
+    outside.main_grad[0] = float("inf")
+    before = [p.detach().clone() for p in model.parameters()]
+    stepped, _ = opt.step(norm_group=dist.group.WORLD,
+                          norm_params=[p for p in model.parameters() if p is not outside])
+    return stepped, scaler.scale, all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_an_overflow_in_a_gradient_left_out_of_the_norm_still_skips_the_step(zero):
+    assert run_ranks(_inf_outside_the_norm, 2, zero, timeout=60) == [(False, 2.0 ** 3, True)] * 2
+
 
 def _fp16_overflow(rank, world, zero):
     torch.manual_seed(0)
@@ -649,6 +702,7 @@ def test_bad_arguments_raise_value_error_naming_the_argument():
         lambda: opt([]),
         lambda: opt([fresh(2)]).step(norm_params=[stranger]),
         lambda: opt([fresh(2)]).step(max_norm=-1.0),
+        lambda: opt([fresh(2)]).step(max_norm=float("nan")),
         lambda: opt([fresh(2)]).all_reduce_grads([stranger], None),
         lambda: (opt([c]), opt([c])),
         lambda: opt([fresh(2)]).full_state(stranger),  # under zero=1: before its all-reduce
@@ -657,7 +711,7 @@ def test_bad_arguments_raise_value_error_naming_the_argument():
     )
     for message, word in zip(messages, ["zero=2", "shard_groups[0] and shard_groups[1]", "master_dtype",
                                         "shard_groups=", "shard_groups[0]", "twice", "params_or_param_groups",
-                                        "norm_params", "max_norm", "all_reduce_grads",
+                                        "norm_params", "max_norm", "max_norm=nan", "all_reduce_grads",
                                         "one optimizer per parameter", "full_state", "load_full_state",
                                         "owned_state"], strict=True):
         assert message is not None and word in message, (word, message)
@@ -678,6 +732,30 @@ def test_a_refused_state_dict_overwrites_nothing():
         assert message is not None and word in message, message
         assert all(torch.equal(a, p) for a, p in zip(before, params))  # the model
         assert all(torch.equal(a, opt.full_state(p)["master"]) for a, p in zip(before, params))  # the masters
+    # a corrupt loss scale, a truncated moment, a missing moment: refused before any parameter is written
+    adam = lambda model: mp.MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, lr=0.1,
+                                                    loss_scaler=mp.DynamicLossScaler())
+    model = torch.nn.Linear(2, 2)
+    source = adam(model)
+    model(torch.ones(1, 2)).sum().backward()
+    source.step()
+    saved = source.state_dict()
+    corrupt_scale = {**saved, "scalars": {**saved["scalars"], "loss_scaler": {
+        **saved["scalars"]["loss_scaler"], "scale": 0.0}}}
+    truncated = {**saved, "params": [{**saved["params"][0], "exp_avg": saved["params"][0]["exp_avg"][:1]},
+                                     saved["params"][1]]}
+    missing = {**saved, "params": [saved["params"][0], {k: v for k, v in saved["params"][1].items()
+                                                        if k != "exp_avg_sq"}]}
+    for state, word in ((corrupt_scale, "init_scale=0.0"), (truncated, "in 'exp_avg'"),
+                        (missing, "the same optimizer states")):
+        fresh_model = torch.nn.Linear(2, 2)  # other weights than the saved ones: a partial load would show
+        opt = adam(fresh_model)
+        before = [p.detach().clone() for p in fresh_model.parameters()]
+        lr = opt.param_groups[0]["lr"]
+        message, = value_errors(lambda: opt.load_state_dict(state))
+        assert message is not None and word in message, (word, message)
+        assert all(torch.equal(a, p) for a, p in zip(before, fresh_model.parameters()))
+        assert opt.param_groups[0]["lr"] == lr and opt.loss_scaler.scale == 2.0 ** 16
 
 
 # ---- FP8 --------------------------------------------------------------------------------------------
@@ -771,6 +849,16 @@ def test_fp8_delayed_scaling_uses_the_history():
     assert torch.isfinite(y).all() and torch.equal(y, expected)
     x_fp8, _ = mp.quantize_fp8(outlier, scale=mp.fp8_scale(mp.amax_of(big)))
     assert x_fp8.float().abs().max().item() == torch.finfo(torch.float8_e4m3fn).max  # saturated
+
+
+def test_fp8_delayed_scaling_in_eval_mode_leaves_the_history_alone():
+    layer = mp.FP8Linear(16, 16, delayed_scaling=True, amax_history_len=4)
+    with torch.no_grad():
+        layer(torch.randn(8, 16))
+        history = layer.amax_history.clone()
+        layer.eval()
+        layer(torch.randn(8, 16) * 100)  # evaluation batches must not move the training's scales
+    assert torch.equal(layer.amax_history, history)
 
 
 def test_fp8_arguments_that_would_fail_later_are_refused_by_name():

@@ -227,7 +227,7 @@ def router_losses(router_logits, top_k, aux_coeff, z_coeff, group=None, selected
 def update_balancing_bias(bias, load, rate):
     """DeepSeek-V3 auxiliary-loss-free balancing: raise the bias of underloaded experts, lower the others.
     `load` (E,) token counts of the step (sum them over the data-parallel ranks first)."""
-    if bias.dtype != torch.float32:  # steps of `rate` added in 16 bits round away (bf16 stalls at 0.5 for 1e-3)
+    if bias.dtype not in (torch.float32, torch.float64):  # steps of `rate` in 16 bits round away (bf16: stalls at 0.5)
         raise ValueError(f"bias is {bias.dtype}; keep the balancing bias in torch.float32 (Router keeps it so)")
     with torch.no_grad():
         bias += rate * torch.sign(load.float().mean() - load.float()).to(bias.dtype)
@@ -254,7 +254,7 @@ class Router(nn.Module):
         nn.init.normal_(self.weight, std=d_model ** -0.5)
         self.top_k, self.normalize = top_k, normalize
         # selection-only bias of auxiliary-loss-free balancing: a buffer, never trained by gradients
-        self.register_buffer("bias", torch.zeros(num_experts) if balancing_bias else None)
+        self.register_buffer("bias", torch.zeros(num_experts, dtype=torch.float32) if balancing_bias else None)
 
     def _apply(self, fn, recurse=True):
         # .to(torch.bfloat16) or .half() would cast the bias buffer too, and the 16-bit bias would then round

@@ -1,5 +1,6 @@
 """moe_ep.py: EP on 2/3/4 ranks equals the single-process MoE (float64), edge cases, losses, gradient placement."""
 import math
+import os
 
 import pytest
 import torch
@@ -651,3 +652,12 @@ def test_balancing_loss_bounds_uniform_coeff_and_collapsed_coeff_e_over_k(k):
     collapsed = torch.full((T, E), -60.0, dtype=torch.float64)
     collapsed[:, 0] = 60.0
     assert moe_ep.load_balancing_loss(collapsed, k, coeff).item() == pytest.approx(coeff * E / k, rel=1e-12)
+
+
+def test_the_demo_runs_to_its_last_line():
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "moe_ep.py"], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.abspath(moe_ep.__file__)))
+    assert out.returncode == 0, out.stderr
+    assert "balancing bias after one update with loads [10, 2, 2, 2]: [-0.001, 0.001, 0.001, 0.001]" in out.stdout

@@ -380,15 +380,15 @@ def rank_map(nodes, gpus_per_node, tp=1, pp=1, cp=1, ep=1):
     dp = world // (tp * pp * cp)
     lines = [f"world={world} = tp {tp} x cp {cp} x dp {dp} x pp {pp}   (ep {ep}, edp {cp * dp // ep})",
              "each cell: rank tp.cp.dp.pp"]
-    header = "        " + "".join(f"gpu{g:<11d}" for g in range(gpus_per_node))
-    lines.append(header)
+    cells = []
+    for r in range(world):
+        c = rank_coordinates(r, world, tp, pp, cp, ep)
+        cells.append(f"{r:>3d} {c['tp']}.{c['cp']}.{c['dp']}.{c['pp']}")
+    width = max(len(cell) for cell in cells) + 1  # at least one space between cells, however many digits
+    lines.append(("        " + "".join(f"gpu{g}".ljust(width) for g in range(gpus_per_node))).rstrip())
     for n in range(nodes):
-        cells = []
-        for g in range(gpus_per_node):
-            r = n * gpus_per_node + g
-            c = rank_coordinates(r, world, tp, pp, cp, ep)
-            cells.append(f"{r:>3d} {c['tp']}.{c['cp']}.{c['dp']}.{c['pp']}".ljust(14))
-        lines.append(f"node{n:<3d} " + "".join(cells))
+        row = cells[n * gpus_per_node:(n + 1) * gpus_per_node]
+        lines.append(f"node{n:<3d} " + "".join(cell.ljust(width) for cell in row).rstrip())
     local = group_locality(groups, gpus_per_node)
     lines.append("")
     for kind in GROUP_KINDS:
@@ -487,6 +487,8 @@ class Cluster:
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"{name}={value!r} must be >= 0 ({_flag(name)})")
+        if not self.efficiency <= 1:  # a fraction of the datasheet peak: above 1, GEMMs would beat the hardware
+            raise ValueError(f"efficiency={self.efficiency!r} must be in (0, 1] ({_flag('efficiency')})")
         _check_count("interleave_min_pp", self.interleave_min_pp, "2 today, 3 for Megatron-LM 2021")
 
     @classmethod
@@ -752,7 +754,8 @@ def _check_knobs(m, dp, pp, b, v, interleave_min_pp=2):
         raise ValueError(f"global_batch={m.global_batch} is not divisible by micro_batch*dp={b}*{dp}; "
                          "change global_batch, micro_batch or the layout")
     if (m.layers // pp) % v:
-        raise ValueError(f"virtual_stages={v} must divide layers/pp={m.layers // pp}")
+        raise ValueError(f"virtual_stages={v} must divide layers/pp={m.layers // pp}; choose among "
+                         f"{_divisors(m.layers // pp)}")
     if v > 1 and pp < interleave_min_pp:
         raise ValueError(f"virtual_stages={v} needs pp >= {interleave_min_pp} with this implementation "
                          f"(Cluster.interleave_min_pp); use virtual_stages=1 or a deeper pipeline")
@@ -922,6 +925,9 @@ def candidate_layouts(cluster, m, tp=None, pp=None, cp=None):
         except ValueError:
             if all_fixed:
                 raise
+    if not out:  # the given sizes or knobs rule out every layout: the first one's own error names what and why
+        for t, p, c in itertools.product(tps, pps, cps):
+            estimate(cluster, m, t, p, c)
     return out
 
 
@@ -957,10 +963,12 @@ def explain(plans, cluster, recompute=None):
     tried = "even with full recomputation" if recompute is None else f"with recompute fixed to {recompute}"
     if not best["fits"]:  # plans are ranked by step time: the least bad is the smallest, not the first
         least = min(plans, key=lambda r: r["memory_gb"])
-        untried = "full recomputation, " if recompute not in (None, "full") else ""
+        untried = ["full recomputation"] if recompute not in (None, "full") else []
+        if not least["zero"] and least["dp"] * least["cp"] > 1:  # ZeRO-1 shards over DP x CP: only there it helps
+            untried.append("ZeRO-1")
         lines.append(f"No layout fits in {cluster.gpu_mem_gb} GB (x{MEMORY_HEADROOM} headroom) {tried}; the least "
-                     f"bad is {_layout_name(least)} at {least['memory_gb']:.1f} GB: use {untried}ZeRO-1, more "
-                     "pipeline stages or more GPUs.")
+                     f"bad is {_layout_name(least)} at {least['memory_gb']:.1f} GB: use "
+                     f"{', '.join(untried + ['more pipeline stages or more GPUs'])}.")
         return "\n".join(lines)
     where = {True: "NVLink (inside a node)", False: "InfiniBand (across nodes)"}
     lines.append(f"Best: {_layout_name(best)} with {_knobs_name(best)}: {best['micro_batches']} micro-batches per "

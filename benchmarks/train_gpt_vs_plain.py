@@ -73,11 +73,20 @@ def main():
                           ("--rounds", 15), ("--steps-per-round", 5), ("--threads", 0)):
         ap.add_argument(flag, type=int, default=default)
     a = ap.parse_args()
-    if a.threads:
-        torch.set_num_threads(a.threads)
     cfg = train_gpt.GPTConfig(vocab_size=256, seq_len=a.seq, n_layer=a.layers, n_head=a.heads, n_embd=a.hidden)
     run = train_gpt.TrainConfig(batch=a.batch, micro_batch=a.batch, lr=1e-3, log=False, data="embedded")
-    data = train_gpt.check_inputs(cfg, run, 1)
+    try:  # bad sizes: one line and exit code 2, as train_gpt.py does
+        for flag in ("rounds", "steps_per_round"):
+            if getattr(a, flag) < 1:
+                raise ValueError(f"--{flag.replace('_', '-')} {getattr(a, flag)} must be a positive integer")
+        if a.threads < 0:
+            raise ValueError(f"--threads {a.threads} must be >= 0 (0: torch's default)")
+        data = train_gpt.check_inputs(cfg, run, 1)
+    except ValueError as e:
+        print(f"train_gpt_vs_plain.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     _, stage, opt, pipe = train_gpt.build(cfg, run)
     device = next(stage.parameters()).device  # both on the device train_gpt.py chose
     torch.manual_seed(0)
@@ -99,7 +108,8 @@ def main():
     steps = {"train_gpt.py": step_train_gpt, "plain": step_plain}
     k = 0
     for r in range(a.rounds + 1):  # round 0 warms up both and is not counted
-        for name, step in steps.items():
+        # ABBA: which program goes first alternates, so neither always runs on a cache the other warmed
+        for name, step in (list(steps.items()) if r % 2 else list(steps.items())[::-1]):
             for _ in range(a.steps_per_round):
                 tokens = data.batch("train", k, a.batch, a.seq, 0, device)
                 k += 1

@@ -104,6 +104,11 @@ def test_rank_map_picture():
     text = topology.rank_map(8, 8, tp=8, pp=4)
     assert "node7" in text and "CROSSES nodes" in text
     assert " 63 7.0.1.3" in text  # last rank: tp 7, cp 0, dp 1, pp 3
+    # four-digit ranks with two-digit coordinates: the cells stay apart and aligned
+    rows = [line for line in topology.rank_map(128, 8, pp=16).splitlines() if line.startswith("node125 ")]
+    assert rows[0].split() == ["node125", "1000", "0.0.40.15", "1001", "0.0.41.15", "1002", "0.0.42.15", "1003",
+                               "0.0.43.15", "1004", "0.0.44.15", "1005", "0.0.45.15", "1006", "0.0.46.15", "1007",
+                               "0.0.47.15"]
 
 
 # ---- process groups on 8 gloo ranks --------------------------------------------------------------
@@ -724,6 +729,11 @@ _PLAN_BASE = ["plan", "--gpus", "8", "--layers", "4", "--hidden", "256", "--head
     (["--p2p-latency-us", "-1"], "p2p_latency_us=-1.0 must be >= 0 (--p2p-latency-us)"),
     (["--interleave-min-pp", "0"], "interleave_min_pp=0 must be a positive integer (--interleave-min-pp)"),
     (["--gemm-efficiency", "0"], "efficiency=0.0 must be > 0 (--gemm-efficiency)"),
+    (["--gemm-efficiency", "5"], "efficiency=5.0 must be in (0, 1] (--gemm-efficiency)"),  # faster than the peak
+    # a fixed knob that rules out every layout: its own error, not "no layout divides"
+    (["--virtual-stages", "3"], "virtual_stages=3 must divide layers/pp=4; choose among [1, 2, 4]"),
+    (["--virtual-stages", "2", "--pp", "1"], "virtual_stages=2 needs pp >= 2"),
+    (["--micro-batch", "3"], "global_batch=8 is not divisible by micro_batch*dp=3*"),
     (["--limit", "-1"], "limit=-1 must be >= 0 (--limit)"),
 ])
 def test_bad_plan_input_is_one_line_naming_the_flag_and_exit_code_2(capsys, extra, names):
@@ -795,10 +805,18 @@ def test_explain_says_which_recomputation_was_tried(capsys):
              "--vocab", "51200", "--global-batch", "512"]
     topology.main(small + ["--recompute", "none"])
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert "with recompute fixed to none" in last and "use full recomputation, ZeRO-1" in last, last
+    assert "with recompute fixed to none" in last and "use full recomputation, more pipeline stages" in last, last
     topology.main(small)
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert "even with full recomputation" in last and "use ZeRO-1" in last, last
+    # the least bad layout is TP=8 PP=1 DP=1: ZeRO-1 would shard over one rank, so it is not advised
+    assert "even with full recomputation" in last and "DP=1 CP=1" in last and "ZeRO-1" not in last, last
+    # ZeRO-1 is advised where the least bad layout has it off and DP x CP > 1, not where it is already on
+    two_layers = ["plan", "--gpus", "64", "--layers", "2", "--hidden", "131072", "--heads", "128", "--seq", "2048",
+                  "--vocab", "51200", "--global-batch", "512"]
+    for zero, advised in (("0", True), ("1", False)):
+        topology.main(two_layers + ["--zero", zero])
+        last = capsys.readouterr().out.strip().splitlines()[-1]
+        assert "CP=4" in last and ("use ZeRO-1" in last) == advised, last
 
 
 def test_when_nothing_fits_explain_names_the_layout_with_least_memory():

@@ -841,6 +841,19 @@ def test_the_gpu_check_script_runs_dry_on_cpu():
     assert "gpt2 checkpoint and sample: 16 tokens" in out.stdout and "recompute full kept bytes" in out.stdout
 
 
+def test_the_speed_benchmark_runs_and_refuses_bad_sizes_in_one_line():
+    import subprocess
+    bench = [sys.executable, os.path.join(ROOT, "benchmarks", "train_gpt_vs_plain.py")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(bench + ["--rounds", "2", "--steps-per-round", "1", "--layers", "1", "--hidden", "32",
+                                  "--seq", "32"], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0 and "ratio plain / train_gpt.py" in out.stdout, out.stdout + out.stderr
+    for argv, line in ((["--rounds", "0"], "--rounds 0 must be a positive integer"),
+                       (["--heads", "3"], "--hidden 128 must be divisible by --heads 3; e.g. --hidden 129")):
+        out = subprocess.run(bench + argv, capture_output=True, text=True, timeout=60, env=env)
+        assert out.returncode == 2 and out.stderr.strip() == f"train_gpt_vs_plain.py: error: {line}", out.stderr
+
+
 def _short_run(rank, world, data, cfg, **kwargs):
     return [r["loss"] for r in train_gpt.train(cfg, _run(dtype="float32", data=data, steps=2, batch=4, **kwargs))]
 

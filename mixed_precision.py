@@ -734,17 +734,17 @@ class MixedPrecisionOptimizer:
         if len(state["params"]) != len(self.params):
             raise ValueError(f"state_dict holds {len(state['params'])} parameters, this optimizer "
                              f"{len(self.params)}: build it over the same parameters")
-        keys = None
         for i, (p, full) in enumerate(zip(self.params, state["params"])):
+            # the states may differ between param groups (momentum or amsgrad in one group only): only the
+            # master is required, and every state tensor must match its parameter
+            if "master" not in full:
+                raise ValueError(f"state_dict's parameter {i} holds {sorted(full)} but no 'master': pass a "
+                                 "state_dict written by MixedPrecisionOptimizer.state_dict")
             for key, value in full.items():
                 if value.dim() > 0 and value.numel() != p.numel():
                     raise ValueError(f"state_dict's parameter {i} has {value.numel()} elements in {key!r}, this "
                                      f"optimizer's {p.numel()} (shape {tuple(p.shape)}): build it over the same "
                                      "parameters")
-            if "master" not in full or (keys is not None and full.keys() != keys):
-                raise ValueError(f"state_dict's parameter {i} holds {sorted(full)}, the others {sorted(keys or [])}"
-                                 ": every parameter needs a master and the same optimizer states")
-            keys = full.keys()
         self._check_param_groups(state["scalars"])
         if self.loss_scaler is not None and state["scalars"]["loss_scaler"] is not None:
             DynamicLossScaler().load_state_dict(state["scalars"]["loss_scaler"])  # checked on a throwaway

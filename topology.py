@@ -879,13 +879,17 @@ def _best_for_layout(cluster, m, lay):
     """The search on one layout. Memory is checked first and the step time computed only for what fits; the
     full row (evaluate) is built once, for the winner."""
     limit = cluster.gpu_mem_gb * MEMORY_HEADROOM
-    best, best_time, least, least_memory = None, math.inf, None, math.inf
+    best, best_time, least, least_memory, refused = None, math.inf, None, math.inf, None
     for b, vs, sps, zeros, recomputes in _knob_choices(m, lay):
         micro_batches = m.global_batch // (lay.dp * b)
         for sp in sps:
             f = None
             for v in vs:
-                _check_knobs(m, lay.dp, lay.pp, b, v, lay.interleave_min_pp)
+                try:
+                    _check_knobs(m, lay.dp, lay.pp, b, v, lay.interleave_min_pp)
+                except ValueError as e:  # this (b, v) cannot run on this layout; another micro-batch may
+                    refused = refused or e
+                    continue
                 for zero in zeros:
                     for recompute in recomputes:
                         params, _, mem = first_stage_memory(cluster, m, lay.tp, lay.pp, lay.cp, lay.dp, b, v,
@@ -900,6 +904,8 @@ def _best_for_layout(cluster, m, lay):
                         if step < best_time:
                             best, best_time = (b, v, recompute, sp, zero), step
                         break  # the cheapest recomputation that fits: a costlier one only adds time
+    if best is None and least is None:
+        raise refused
     return evaluate(cluster, m, lay, *(best or least))
 
 
@@ -915,19 +921,26 @@ def candidate_layouts(cluster, m, tp=None, pp=None, cp=None):
     pps = [pp] if pp is not None else _divisors(m.layers)
     cps = [cp] if cp is not None else [c for c in range(1, 17)
                                        if cluster.gpus % c == 0 and (c == 1 or m.seq % (2 * c) == 0)]
-    for t, p, c in itertools.product(tps, pps, cps):
-        divides = (cluster.gpus % (t * p * c) == 0 and m.layers % p == 0 and m.heads % t == 0
-                   and m.global_batch % (cluster.gpus // (t * p * c)) == 0)
-        if not divides and not all_fixed:  # skip early: building the error text costs more than planning
-            continue
+    layouts = list(itertools.product(tps, pps, cps))
+    divide = [(t, p, c) for t, p, c in layouts  # checked early: building the error text costs more than planning
+              if cluster.gpus % (t * p * c) == 0 and m.layers % p == 0 and m.heads % t == 0
+              and m.global_batch % (cluster.gpus // (t * p * c)) == 0]
+    for t, p, c in layouts if all_fixed else divide:
         try:
             out.append(estimate(cluster, m, t, p, c))
         except ValueError:
             if all_fixed:
                 raise
-    if not out:  # the given sizes or knobs rule out every layout: the first one's own error names what and why
-        for t, p, c in itertools.product(tps, pps, cps):
-            estimate(cluster, m, t, p, c)
+    if not out:  # the given sizes or knobs rule out every layout: the distinct reasons, of those that divide first
+        reasons = {}
+        for t, p, c in divide or layouts:
+            try:
+                estimate(cluster, m, t, p, c)
+            except ValueError as e:
+                reasons.setdefault(str(e), f"TP={t} PP={p} CP={c}")
+        if reasons:
+            raise ValueError("no layout takes these sizes and knobs: " + "; ".join(
+                f"{where}: {why}" for why, where in list(reasons.items())[:3]))
     return out
 
 

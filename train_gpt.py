@@ -211,7 +211,7 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr: float = None              # cosine decay to min_lr at the last step (None: lr / 10, nanoGPT)
     warmup: int = 0                   # linear warm-up steps
-    weight_decay: float = 0.1         # AdamW, on 2-D weights only
+    weight_decay: float = 0.1         # on 2-D weights only (AdamW: decoupled; SGD: L2)
     grad_clip: float = 1.0            # global gradient-norm clipping; 0 disables
     out_dir: str = None               # checkpoints: out_dir/step_NNNNNN
     save_every: int = 0               # steps between checkpoints (0: only at the end, if out_dir is set)
@@ -1531,8 +1531,9 @@ def check_inputs(cfg, run, world):
             raise ValueError(f"--metrics {run.metrics} is a folder: pass a file path, e.g. {run.metrics}/metrics.jsonl")
         folder = os.path.dirname(os.path.abspath(run.metrics))
         if not os.path.isdir(folder):
-            what = "is a file" if os.path.exists(folder) else "does not exist"
-            raise ValueError(f"--metrics {run.metrics}: the folder {folder} {what}; create it or pass another path")
+            what = ("is a file; pass another path" if os.path.exists(folder)
+                    else "does not exist; create it or pass another path")
+            raise ValueError(f"--metrics {run.metrics}: the folder {folder} {what}")
     if not run.resume and checkpoint_dirs(run.out_dir):
         raise ValueError(f"--out-dir {run.out_dir} holds checkpoints of an earlier run (latest "
                          f"{os.path.basename(checkpoint_dirs(run.out_dir)[-1])}): pass --resume to continue it, or "
@@ -1981,8 +1982,9 @@ def main(argv=None):
     try:
         cfg, run, a = parse_args(argv)
         if a.sample < 0 or not (math.isfinite(a.temperature) and a.temperature > 0) or a.sample_top_k < 0:
-            raise ValueError("--sample, --sample-top-k must be >= 0 and --temperature > 0 (e.g. --sample 300 "
-                             "--temperature 0.8 --sample-top-k 50; --sample-top-k 0 samples from every token)")
+            raise ValueError("--sample, --sample-top-k must be >= 0 and --temperature finite and > 0 (e.g. "
+                             "--sample 300 --temperature 0.8 --sample-top-k 50; --sample-top-k 0 samples from every "
+                             "token)")
         if a.report:
             if world != 1:
                 raise ValueError("--report starts its own processes: use python, not torchrun")

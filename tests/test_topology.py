@@ -858,3 +858,13 @@ def test_numpy_counts_and_a_flat_gemm_curve_are_accepted():
     assert topology.rank_coordinates(np.int64(3), 8, tp=2)["tp"] == 1
     with pytest.raises(ValueError, match="micro_batch=True must be a positive integer"):
         topology.ModelShape(4, 64, 4, 128, 256, 8, micro_batch=True)  # a bool is not a count
+
+
+def test_a_fixed_knob_skips_only_the_micro_batches_it_rules_out():
+    # --virtual-stages 2 on 8 GPUs: at PP=2 the micro-batch 16 (1 micro-batch, not a multiple of pp) cannot
+    # interleave, smaller ones can; the layout stays in the plan with one of those
+    c = topology.Cluster(gpus=8)
+    m = topology.ModelShape(layers=4, hidden=64, heads=4, seq=64, vocab=100, global_batch=16, virtual_stages=2)
+    plans = topology.plan(c, m)
+    assert plans and all(r["pp"] >= 2 and r["virtual_stages"] == 2 for r in plans)
+    assert all(r["micro_batches"] % r["pp"] == 0 for r in plans)

@@ -52,6 +52,8 @@ def test_formula_at_16_bit_on_cuda_is_the_papers_plus_layernorm_statistics():
         assert ours == ck.korthikanti_bytes_per_layer("none", b, s, h, a) + 4 * s * b * 4
         sel = sum(ck.kept_bytes_per_layer("selective", b, s, h, a, e=2, device="cuda").values())
         assert sel == ck.korthikanti_bytes_per_layer("selective", b, s, h, a) + 4 * s * b * 4
+        full = sum(ck.kept_bytes_per_layer("full", b, s, h, a, e=2, device="cuda").values())
+        assert full == ck.korthikanti_bytes_per_layer("full", b, s, h, a) == 2 * s * b * h  # the block input
 
 
 def test_sqrt_policy_grows_sublinearly():

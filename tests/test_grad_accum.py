@@ -254,3 +254,54 @@ def test_token_count_is_exact_in_a_16_bit_model():
     mask[0, :3] = False
     _, n = ga.token_loss(ga.TinyLM().to(torch.bfloat16), (idx, idx, mask))
     assert n.dtype == torch.int64 and int(n) == 2397
+
+
+def test_buckets_hold_one_dtype_and_stay_under_the_cap_unless_one_tensor_exceeds_it():
+    model = ga.TinyLM()
+    buckets = ga.gradient_buckets(list(model.parameters()), 4096)
+    nbytes = lambda bucket: sum(p.numel() * p.element_size() for p in bucket)
+    assert [p for b in buckets for p in b] == list(model.parameters())  # consecutive, every parameter once
+    assert all(len(b) == 1 or nbytes(b) <= 4096 for b in buckets) and len(buckets) >= 3
+    # a bucket is closed before it would overflow, not after: no two neighbours would fit in one
+    assert all(nbytes(a) + nbytes(b[:1]) > 4096 for a, b in zip(buckets, buckets[1:]))
+    fp32, bf16 = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    assert [[p.dtype for p in b] for b in ga.gradient_buckets([fp32, bf16])] == [[torch.float32], [torch.bfloat16]]
+
+
+def _ddp_misuse(rank, world):
+    torch.set_default_dtype(torch.float64)
+    ddp = DDP(ga.TinyLM())
+    other = dist.new_group(list(range(world)))  # the same ranks, but not DDP's group object
+    batch = ga.make_batch(torch.Generator().manual_seed(rank), 2, 4)
+    errors = []
+    for call in (lambda: ga.accumulate_gradients(ddp, [batch], ga.token_loss, dp_group=other),
+                 lambda: ga.accumulate_gradients(ddp, [], ga.token_loss, dp_group=dist.group.WORLD)):
+        try:
+            call()
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_ddp_with_another_group_or_no_micro_batches_is_refused_before_any_collective():
+    for wrong_group, empty in run_ranks(_ddp_misuse, 2, timeout=60):
+        assert wrong_group is not None and "dp_group differs" in wrong_group
+        assert empty is not None and "micro_batches is empty" in empty
+
+
+def _hooked_ddp_and_manual_sync(rank, world):
+    torch.set_default_dtype(torch.float64)
+    micro = _data(world, 2)[rank]
+    torch.manual_seed(0)
+    model, plain = ga.TinyLM(), ga.TinyLM()
+    plain.load_state_dict(model.state_dict())
+    ddp = DDP(model)
+    ga.count_ddp_collectives(ddp)  # the counting hook must average exactly as DDP does
+    ga.accumulate_gradients(ddp, micro, ga.token_loss)
+    ga.accumulate_gradients(plain, micro, ga.token_loss, dp_group=dist.group.WORLD)
+    return _max_grad_diff(model, plain)
+
+
+def test_the_counting_hook_gives_ddps_gradients():
+    assert max(run_ranks(_hooked_ddp_and_manual_sync, 2, timeout=60)) < TOL

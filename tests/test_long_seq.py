@@ -202,6 +202,10 @@ def test_collectives_counted_and_bytes_match_the_formulas(P):
             ag = r["allgather"]["all"]
             assert ag["allgather_kv_fwd:count"] == 1 and ag["allgather_kv_bwd:count"] == 1
             assert ag["allgather_kv_fwd:bytes"] == (P - 1) * 2 * b * (s // P) * h_kv * d * e  # the ring's KV bytes
+            # backward: the same bytes again (KV passed again; the all-to-alls reversed; dK, dV reduce-scattered)
+            assert ring["ring_kv_bwd:bytes"] == ring["ring_kv_fwd:bytes"]
+            assert uly["ulysses_a2a_bwd:bytes"] == uly["ulysses_a2a_fwd:bytes"]
+            assert ag["allgather_kv_bwd:bytes"] == ag["allgather_kv_fwd:bytes"]
 
 
 @pytest.mark.parametrize("P, dtype", [(2, torch.float64), (3, torch.float32), (4, torch.float32)])

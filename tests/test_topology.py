@@ -868,3 +868,36 @@ def test_a_fixed_knob_skips_only_the_micro_batches_it_rules_out():
     plans = topology.plan(c, m)
     assert plans and all(r["pp"] >= 2 and r["virtual_stages"] == 2 for r in plans)
     assert all(r["micro_batches"] % r["pp"] == 0 for r in plans)
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("recompute, sp", [(r, sp) for r in ("none", "selective", "full") for sp in (True, False)])
+def test_activation_bytes_are_korthikantis_table_2(recompute, sp, cp):
+    # Korthikanti et al. 2022, Table 2, written out; under CP the s of s b h is s/c, the scores keep s keys
+    m = topology.ModelShape(layers=8, hidden=5120, heads=40, seq=2048, vocab=51200, global_batch=16)
+    s, b, h, a, t = 2048, 2, 5120, 40, 4
+    sbh = s // cp * b * h
+    table = {("none", True): sbh / t * (34 + 5 * a * s / h), ("selective", True): 34 * sbh / t,
+             ("full", True): 2 * sbh / t, ("none", False): sbh * (10 + 24 / t + 5 * a * s / (h * t)),
+             ("selective", False): sbh * (10 + 24 / t), ("full", False): 2 * sbh}
+    got = topology.activation_bytes_per_layer(m, t, cp, recompute, b, sp)
+    assert got == pytest.approx(table[(recompute, sp)], rel=1e-12)
+
+
+def test_first_stage_memory_with_selective_recompute_under_cp_and_logits_without_a_pipeline():
+    c = topology.Cluster(gpus=32)
+    L, h, a, s, V, B, t = 8, 1024, 16, 4096, 32000, 16, 2
+    m = topology.ModelShape(layers=L, hidden=h, heads=a, seq=s, vocab=V, global_batch=B)
+    # TP2 PP2 CP2: the attention core being recomputed holds the scores of s/c queries against s keys
+    r = topology.estimate(c, m, tp=2, pp=2, cp=2, micro_batch=1, recompute="selective", sequence_parallel=False,
+                          zero=False, virtual_stages=1)
+    sl, p = s // 2, 2
+    kept = (L // p) * sl * h * (10 + 24 / t) * p + 5 * a * sl * s / t + sl * h * p  # layers, working set, mask
+    assert r["activations_gb"] == pytest.approx(kept / GB, rel=1e-12)
+    # TP8 PP1 CP1 on 8 GPUs: the first stage is also the last, and holds the fp32 logits 4 s b V / t
+    c8 = topology.Cluster(gpus=8)
+    r = topology.estimate(c8, m, tp=8, pp=1, cp=1, micro_batch=1, recompute="full", sequence_parallel=False,
+                          zero=False, virtual_stages=1)
+    working = s * h * (10 + 24 / 8 + 5 * a * s / (h * 8))  # one layer in full while it is recomputed
+    kept = L * 2 * s * h + working + s * h + 4 * s * V / 8
+    assert r["activations_gb"] == pytest.approx(kept / GB, rel=1e-12)

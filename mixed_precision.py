@@ -607,13 +607,17 @@ class MixedPrecisionOptimizer:
 
     def _check_norm_group_covers_shards(self, norm_group):
         """Every shard group's ranks in norm_group (rank lists, no communication): a norm summed over a part of
-        a shard group misses the other ranks' shards, and the ranks of that group clip or skip differently."""
+        a shard group misses the other ranks' shards, and the ranks of that group clip or skip differently.
+        Groups never change: a norm_group found to cover them once is not checked again at the next step."""
+        if norm_group is getattr(self, "_covering_norm_group", None):
+            return
         covered = set(dist.get_process_group_ranks(norm_group))
         for bucket in self._buckets:
             if bucket.group_size > 1 and not set(dist.get_process_group_ranks(bucket.group)) <= covered:
                 raise ValueError(f"norm_group holds ranks {sorted(covered)}, which miss part of a shard group "
                                  f"({sorted(dist.get_process_group_ranks(bucket.group))}): pass a norm_group that "
                                  "contains every shard group (the world)")
+        self._covering_norm_group = norm_group
 
     def _global_norm(self, counted, norm_group):
         """(norm, found_inf) from one all-reduce of [sum of squares counted, sum of squares owned]."""

@@ -1539,12 +1539,13 @@ def check_inputs(cfg, run, world):
                          f"{os.path.basename(checkpoint_dirs(run.out_dir)[-1])}): pass --resume to continue it, or "
                          "another --out-dir (a fresh run would mix its checkpoints with the old ones)")
     if run.resume and checkpoint_dirs(run.out_dir):
-        state = read_train_state(checkpoint_dirs(run.out_dir)[-1], cfg)
+        latest = checkpoint_dirs(run.out_dir)[-1]
+        state = read_train_state(latest, cfg)
         if state["optimizer"] != run.optimizer:
-            raise ValueError(f"checkpoint {checkpoint_dirs(run.out_dir)[-1]} holds {state['optimizer']} state, this "
+            raise ValueError(f"checkpoint {latest} holds {state['optimizer']} state, this "
                              f"run has --optimizer {run.optimizer}: pass --optimizer {state['optimizer']}")
         if state["config"]["seed"] != cfg.seed:  # the seed draws the batches: another one is another run
-            raise ValueError(f"checkpoint {checkpoint_dirs(run.out_dir)[-1]} was trained with --seed "
+            raise ValueError(f"checkpoint {latest} was trained with --seed "
                              f"{state['config']['seed']}, this run has --seed {cfg.seed}: pass --seed "
                              f"{state['config']['seed']} to continue its sequence of batches")
         if state["data"] != run.data and int(os.environ.get("RANK", 0)) == 0:  # moved data is fine, new may be meant

@@ -5,7 +5,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import grad_accum as ga
-from multirank import run_ranks
+from multirank import run_ranks, value_errors
 
 # float64 everywhere: the accumulated and the one-batch gradients differ only by summation order, ~1e-16
 # relative; 1e-12 leaves four orders of magnitude for a handful of additions.
@@ -273,15 +273,8 @@ def _ddp_misuse(rank, world):
     ddp = DDP(ga.TinyLM())
     other = dist.new_group(list(range(world)))  # the same ranks, but not DDP's group object
     batch = ga.make_batch(torch.Generator().manual_seed(rank), 2, 4)
-    errors = []
-    for call in (lambda: ga.accumulate_gradients(ddp, [batch], ga.token_loss, dp_group=other),
-                 lambda: ga.accumulate_gradients(ddp, [], ga.token_loss, dp_group=dist.group.WORLD)):
-        try:
-            call()
-            errors.append(None)
-        except ValueError as e:
-            errors.append(str(e))
-    return errors
+    return value_errors(lambda: ga.accumulate_gradients(ddp, [batch], ga.token_loss, dp_group=other),
+                        lambda: ga.accumulate_gradients(ddp, [], ga.token_loss, dp_group=dist.group.WORLD))
 
 
 def test_ddp_with_another_group_or_no_micro_batches_is_refused_before_any_collective():

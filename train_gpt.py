@@ -151,7 +151,7 @@ import time
 import warnings
 import zlib
 from collections import Counter
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from functools import partial
 from datetime import timedelta
 from typing import NamedTuple
@@ -1123,13 +1123,14 @@ def lr_at(step, run):
 # state would cost 12 bytes per parameter for Adam, all that ZeRO-1 saves); DCP's writer stages a host copy of
 # this rank's own boxes, its share. DCP writes a box that several ranks hold (replicas over DP, CP, EDP, TP)
 # once. On load each rank reads the saved boxes that overlap its own, so a checkpoint saved at TP2 x PP2 with
-# ZeRO-1 resumes at DP4 or PP1 x CP2. The rest (step, model shape, loss scale) is JSON. A checkpoint is written to
+# ZeRO-1 resumes at DP4 or PP1 x CP2. The rest (step, model shape, learning-rate schedule, loss scale) is JSON. A checkpoint is written to
 # step_NNNNNN.tmp and renamed when complete, so out_dir only ever holds complete ones; loading unpickles nothing
 # but DCP's own metadata classes.
 
 CHECKPOINT_FORMAT = "boxes"  # in train_state.json: how the tensors are stored (the comment above)
 SHAPE_FLAGS = {"vocab_size": "--vocab", "seq_len": "--seq", "n_layer": "--layers", "n_head": "--heads",
                "n_embd": "--hidden", "moe_every": "--moe-every", "n_experts": "--experts", "top_k": "--top-k"}
+SCHEDULE_FIELDS = ("lr", "min_lr", "warmup", "steps")  # saved, so that a resume with another schedule is told
 
 
 def checkpoint_dirs(out_dir):
@@ -1264,6 +1265,7 @@ def save_checkpoint(out_dir, step, stage, opt, cfg, run, text=False):
                        "world_size": plan.ps.world_size,
                        "layout": {k: getattr(run, k) for k in ("tp", "pp", "cp", "ep", "zero", "dtype")},
                        "optimizer": run.optimizer, "data": run.data, "text": text,
+                       "schedule": {k: getattr(run, k) for k in SCHEDULE_FIELDS},
                        "optimizer_state": opt.scalar_state()}
         with open(os.path.join(tmp, "train_state.json"), "w") as f:
             json.dump(train_state, f)
@@ -1548,10 +1550,27 @@ def check_inputs(cfg, run, world):
             raise ValueError(f"checkpoint {latest} was trained with --seed "
                              f"{state['config']['seed']}, this run has --seed {cfg.seed}: pass --seed "
                              f"{state['config']['seed']} to continue its sequence of batches")
-        if state["data"] != run.data and int(os.environ.get("RANK", 0)) == 0:  # moved data is fine, new may be meant
-            print(f"train_gpt.py: warning: resuming a run trained on --data {state['data']} with --data {run.data}",
-                  file=sys.stderr, flush=True)
+        if int(os.environ.get("RANK", 0)) == 0:  # moved data is fine, and a longer run is a new schedule: warn
+            if state["data"] != run.data:
+                _warn(f"resuming a run trained on --data {state['data']} with --data {run.data}")
+            if state.get("schedule", {}) and state["schedule"] != {k: getattr(run, k) for k in SCHEDULE_FIELDS}:
+                _warn(_schedule_change(state["schedule"], run, state["step"]))
     return data
+
+
+def _warn(message):
+    print(f"train_gpt.py: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _schedule_change(saved, run, step):
+    """Megatron-LM refuses a resumed run whose learning-rate schedule differs from its checkpoint's (unless told
+    to override); a longer --steps is a common wish, so here it is a warning that says what the learning rate
+    does at the step where the run continues: the cosine now ends at the new last step."""
+    before = replace(run, **saved)
+    changed = ", ".join(f"--{k.replace('_', '-')} {saved[k]} -> {getattr(run, k)}" for k in SCHEDULE_FIELDS
+                        if saved[k] != getattr(run, k))
+    return (f"resuming with another learning-rate schedule ({changed}): at step {step} the learning rate is "
+            f"{lr_at(step, run):.3g}, where the checkpoint's schedule gives {lr_at(step, before):.3g}")
 
 
 def _check_folder_can_exist(flag, path):

@@ -544,6 +544,24 @@ def test_a_checkpoint_of_another_shape_or_format_is_refused(tmp_path):
         train_gpt.check_inputs(CFG, _run(resume=True, out_dir=str(tmp_path)), 1)
 
 
+def test_resume_with_another_learning_rate_schedule_says_what_the_rate_does(tmp_path, capsys):
+    # Megatron-LM refuses a resumed run whose schedule differs from its checkpoint's; training longer is a common
+    # wish, so here it is a warning on rank 0 with the learning rate at the step where the run continues
+    saved = _run(steps=2, out_dir=str(tmp_path), warmup=1)
+    run_ranks(lambda rank, world: train_gpt.train(CFG, saved), 1, timeout=120)
+    capsys.readouterr()
+    train_gpt.check_inputs(CFG, train_gpt.TrainConfig(**{**saved.__dict__, "resume": True}), 1)
+    assert "warning" not in capsys.readouterr().err  # the same schedule
+    longer = train_gpt.TrainConfig(**{**saved.__dict__, "resume": True, "steps": 6, "min_lr": 0.01})
+    train_gpt.check_inputs(CFG, longer, 1)
+    err = capsys.readouterr().err.strip().splitlines()
+    # the saved schedule ended at min_lr = lr / 10 = 0.05 on step 1; stretched to 6 steps, step 2 runs at 0.428
+    assert err == ["train_gpt.py: warning: resuming with another learning-rate schedule (--min-lr None -> 0.01, "
+                   "--steps 2 -> 6): at step 2 the learning rate is 0.428, where the checkpoint's schedule gives "
+                   "0.05"], err
+    assert train_gpt.lr_at(2, longer) == pytest.approx(0.01 + 0.5 * (1 + math.cos(math.pi / 4)) * 0.49)
+
+
 def test_resume_in_another_dtype(tmp_path):
     # float64 AdamW saved on one rank, resumed in float32 under ZeRO-1 on two: the moments are created in the
     # float32 master dtype (they used to keep the checkpoint's float64, and AdamW stopped at the first step)

@@ -1123,9 +1123,9 @@ def lr_at(step, run):
 # state would cost 12 bytes per parameter for Adam, all that ZeRO-1 saves); DCP's writer stages a host copy of
 # this rank's own boxes, its share. DCP writes a box that several ranks hold (replicas over DP, CP, EDP, TP)
 # once. On load each rank reads the saved boxes that overlap its own, so a checkpoint saved at TP2 x PP2 with
-# ZeRO-1 resumes at DP4 or PP1 x CP2. The rest (step, model shape, learning-rate schedule, loss scale) is JSON. A checkpoint is written to
-# step_NNNNNN.tmp and renamed when complete, so out_dir only ever holds complete ones; loading unpickles nothing
-# but DCP's own metadata classes.
+# ZeRO-1 resumes at DP4 or PP1 x CP2. The rest (step, model shape, learning-rate schedule, loss scale) is JSON. A
+# checkpoint is written to step_NNNNNN.tmp and renamed when complete, so out_dir only ever holds complete ones;
+# loading unpickles nothing but DCP's own metadata classes.
 
 CHECKPOINT_FORMAT = "boxes"  # in train_state.json: how the tensors are stored (the comment above)
 SHAPE_FLAGS = {"vocab_size": "--vocab", "seq_len": "--seq", "n_layer": "--layers", "n_head": "--heads",

@@ -306,10 +306,23 @@ class ParallelState:
         return self.coords["edp"]
 
 
+def choose_backend():
+    """NCCL when every process on this node has a GPU of its own, else gloo on CPU processes (with a warning
+    where GPUs exist): more processes than GPUs would fail in `torch.cuda.set_device` ("invalid device ordinal")."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if not torch.cuda.is_available():
+        return "gloo"
+    if torch.cuda.device_count() < local_world:
+        warnings.warn(f"{local_world} processes per node but {torch.cuda.device_count()} GPUs: running on CPU "
+                      "processes (gloo); start at most one process per GPU to use them")
+        return "gloo"
+    return "nccl"
+
+
 def init_distributed():
-    """Initialise the default process group from torchrun's environment: NCCL on CUDA, gloo on CPU."""
+    """Initialise the default process group from torchrun's environment (`choose_backend`)."""
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = choose_backend()
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend)

@@ -168,6 +168,19 @@ def test_bad_layout_raises_on_every_rank_before_any_group():
         assert group_count == 1  # only the default group exists
 
 
+def test_nccl_only_when_every_process_of_the_node_has_a_gpu(monkeypatch):
+    # more processes than GPUs used to pick NCCL and fail in torch.cuda.set_device ("invalid device ordinal")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert topology.choose_backend() == "nccl"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.warns(UserWarning, match="8 processes per node but 4 GPUs: running on CPU processes"):
+        assert topology.choose_backend() == "gloo"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert topology.choose_backend() == "gloo"
+
+
 # ---- the planner, reproduced by hand ----------------------------------------------------------------
 
 GB = 1e9

@@ -958,7 +958,8 @@ class TokenData:
 
     def batch(self, split, step, batch, seq_len, seed, device="cpu"):
         if self.source == "synthetic":  # validation batches from their own seeds (negative steps)
-            return synthetic_batch(step if split == "train" else -1 - step, batch, seq_len, self.vocab, seed)
+            return synthetic_batch(step if split == "train" else -1 - step, batch, seq_len, self.vocab,
+                                   seed).to(device)
         stream = self.train if split == "train" else self.val
         gen = torch.Generator().manual_seed(seed * 1_000_003 + 2 * step + (split == "val"))
         starts = torch.randint(len(stream) - seq_len, (batch,), generator=gen)

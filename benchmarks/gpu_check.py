@@ -102,7 +102,9 @@ def fp8(device, dry):
     if available:
         fused = mixed_precision.fp8_matmul(a8, sa, b8, sb, torch.float32, use_scaled_mm=True)
         rel = ((fused - emulated).norm() / emulated.norm()).item()
-        check("fp8 _scaled_mm vs emulation", rel, 1e-5, "relative error (FP32 accumulation order only)")
+        # not bit-equal: Hopper's FP8 tensor cores accumulate with fewer bits than FP32 (DeepSeek-V3 report,
+        # section 3.3.2: about 14); a wrong scale or operand order would be off by O(1)
+        check("fp8 _scaled_mm vs emulation", rel, 1e-2, "relative error (the tensor cores' accumulation)")
     exact = a @ b.t()
     sqnr = mixed_precision.sqnr_db(exact, emulated)
     say("fp8 emulation vs FP32 GEMM", f"SQNR {sqnr:.1f} dB (E4M3 operands: ~25-30 dB; bound 20)")

@@ -877,8 +877,8 @@ def _knob_choices(m, lay):
 def estimate(cluster, m, tp, pp, cp, micro_batch=None, recompute=None, sequence_parallel=None, zero=None,
              virtual_stages=None):
     """The planner's choice for one layout: over the knobs not fixed (here or in `m`), the cheapest
-    recomputation that fits for each combination, then the fastest combination that fits (the one with the
-    least memory when none does). Raises ValueError for a layout or knob that does not divide."""
+    recomputation that fits for each combination, then the fastest combination that fits (when none does, the
+    fastest of those with the least memory). Raises ValueError for a layout or knob that does not divide."""
     fixed = {"micro_batch": micro_batch, "recompute": recompute, "sequence_parallel": sequence_parallel,
              "zero": zero, "virtual_stages": virtual_stages}
     m = replace(m, **{k: v for k, v in fixed.items() if v is not None})
@@ -889,10 +889,10 @@ def estimate(cluster, m, tp, pp, cp, micro_batch=None, recompute=None, sequence_
 
 
 def _best_for_layout(cluster, m, lay):
-    """The search on one layout. Memory is checked first and the step time computed only for what fits; the
-    full row (evaluate) is built once, for the winner."""
+    """The search on one layout. Memory is checked first and the step time computed only for what fits or
+    holds no more than the least memory so far; the full row (evaluate) is built once, for the winner."""
     limit = cluster.gpu_mem_gb * MEMORY_HEADROOM
-    best, best_time, least, least_memory, refused = None, math.inf, None, math.inf, None
+    best, best_time, least, least_key, refused = None, math.inf, None, (math.inf, math.inf), None
     for b, vs, sps, zeros, recomputes in _knob_choices(m, lay):
         micro_batches = m.global_batch // (lay.dp * b)
         for sp in sps:
@@ -908,12 +908,16 @@ def _best_for_layout(cluster, m, lay):
                         params, _, mem = first_stage_memory(cluster, m, lay.tp, lay.pp, lay.cp, lay.dp, b, v,
                                                             recompute, sp, zero, micro_batches)
                         memory_gb = sum(mem.values())
-                        if memory_gb > limit:
-                            if memory_gb < least_memory:
-                                least, least_memory = (b, v, recompute, sp, zero), memory_gb
+                        if memory_gb > limit and memory_gb > least_key[0]:
                             continue
                         f = f or layer_forward(cluster, m, lay.tp, lay.cp, b, sp, lay)
                         step = sum(step_time_terms(cluster, m, lay, b, v, recompute, sp, zero, f, params).values())
+                        if memory_gb > limit:
+                            # knob sets can tie on memory (another b or v with as many sequences in
+                            # flight): of those, the fastest, not the first tried
+                            if (memory_gb, step) < least_key:
+                                least, least_key = (b, v, recompute, sp, zero), (memory_gb, step)
+                            continue
                         if step < best_time:
                             best, best_time = (b, v, recompute, sp, zero), step
                         break  # the cheapest recomputation that fits: a costlier one only adds time

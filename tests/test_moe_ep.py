@@ -102,6 +102,8 @@ def test_ep_equals_single_process_moe(P, E, k):
             assert r[key] < TOL, (key, r[key])
         assert r["log"]["dispatch_fwd:count"] == 1 and r["log"]["combine_fwd:count"] == 1
         assert r["log"]["dispatch_bwd:count"] == 1 and r["log"]["combine_bwd:count"] == 1
+        # the counts all-to-all: E/P int64 counts to each of the P-1 other ranks (P=2, E=4: 16 bytes, not 32)
+        assert r["log"]["counts_a2a:bytes"] == E // P * 8 * (P - 1)
 
 
 def test_top_k_equal_to_num_experts():
@@ -198,6 +200,17 @@ def test_auxiliary_losses_on_a_hand_computed_example():
     # uniform routing gives exactly coeff
     assert moe_ep.load_balancing_loss(torch.zeros(8, 4), 1, 0.01, selected=torch.arange(8).remainder(4)[:, None]) \
         .item() == pytest.approx(0.01)
+
+
+def test_router_losses_of_16_bit_logits_are_computed_in_float32():
+    # bfloat16 logits (randn(64, 8) * 3, seed 0): measured 1.084054 and 28.853458 in float32, equal to the losses
+    # of the logits cast to float32; in bfloat16 they were 1.078125 and 28.875
+    torch.manual_seed(0)
+    logits = (torch.randn(64, 8, dtype=torch.float32) * 3).bfloat16()
+    for loss in (lambda x: moe_ep.load_balancing_loss(x, 2, 1.0), lambda x: moe_ep.z_loss(x, 1.0)):
+        got, want = loss(logits), loss(logits.float())
+        assert got.dtype == torch.float32 and want.dtype == torch.float32
+        assert abs(got.item() - want.item()) < 1e-6, (got.item(), want.item())
 
 
 def test_balancing_bias_update_rule_and_selection_only():
@@ -560,6 +573,10 @@ def test_expert_impl_choice():
         assert moe.float().uses_grouped_gemm(torch.randn(3, 16, dtype=torch.float32))
         odd = moe_ep.MoE(6, 32, 4, 2).float()  # 6 x 4 bytes: rows not 16-byte aligned
         assert not odd.uses_grouped_gemm(torch.randn(3, 6, dtype=torch.float32))
+        # alignment is in bytes: 4 and 12 float32 elements are rows of 16 and 48 bytes
+        assert moe_ep.MoE(4, 12, 4, 2).float().uses_grouped_gemm(torch.randn(3, 4, dtype=torch.float32))
+    if moe_ep.grouped_gemm_supported(torch.device("cpu"), torch.bfloat16):  # 8 and 24 bf16: 16 and 48 bytes
+        assert moe_ep.MoE(8, 24, 4, 2).bfloat16().uses_grouped_gemm(torch.randn(3, 8, dtype=torch.bfloat16))
     assert not moe_ep.MoE(16, 32, 4, 2, expert_impl="loop").float().uses_grouped_gemm(torch.randn(3, 16).float())
 
 

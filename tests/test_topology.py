@@ -819,6 +819,9 @@ def test_explain_says_which_recomputation_was_tried(capsys):
     topology.main(small + ["--recompute", "none"])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert "with recompute fixed to none" in last and "use full recomputation, more pipeline stages" in last, last
+    topology.main(small + ["--recompute", "full"])  # full was tried: not advised again
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "with recompute fixed to full" in last and "GB: use more pipeline stages" in last, last
     topology.main(small)
     last = capsys.readouterr().out.strip().splitlines()[-1]
     # the least bad layout is TP=8 PP=1 DP=1: ZeRO-1 would shard over one rank, so it is not advised
@@ -914,3 +917,136 @@ def test_first_stage_memory_with_selective_recompute_under_cp_and_logits_without
     working = s * h * (10 + 24 / 8 + 5 * a * s / (h * 8))  # one layer in full while it is recomputed
     kept = L * 2 * s * h + working + s * h + 4 * s * V / 8
     assert r["activations_gb"] == pytest.approx(kept / GB, rel=1e-12)
+
+
+# ---- what a mutation sweep found unchecked: each test below failed on one one-line change of topology.py ----
+
+_CH = dict(layers=40, hidden=5120, heads=40, seq=2048, vocab=51200, global_batch=512)  # the chapter's 64-GPU model
+
+
+def test_cp_ring_across_nodes_by_hand():
+    # TP=2 CP=8 on 8-GPU nodes: TP inside a node, the CP group (stride 2, 16 GPUs) crosses nodes, so the ring
+    # runs on InfiniBand and exceeds the attention core it overlaps with (forward 7 kv/IB 0.80 ms against
+    # 0.08 ms; backward 15 kv/IB against twice that). Measured cp_fwd 0.905 ms, cp_bwd 1.946 ms; on NVLink
+    # (TP's locality taken for CP's) cp_fwd was 0.187 ms, hidden behind 1x attention cp_bwd was 2.024 ms.
+    c = topology.Cluster(gpus=64, **A100)
+    m = topology.ModelShape(**_CH)
+    lay = topology._Layout(c, m, 2, 1, 8)
+    assert lay.local["tp"] and not lay.local["cp"]
+    f = topology.layer_forward(c, m, 2, 8, 1, True, lay)
+    h, a, s, t, cp = 5120, 40, 2048, 2, 8
+    M = s // cp
+    scores = (a // t) * M * s
+    attention = 13 * scores / 1730e9  # memory-bound: head size 128
+    kv = 2 * M * h / t * 2
+    per_step, merge = 10e-6 + 3 * 4e-6, 12 * M * h / t / 1730e9
+    assert (cp - 1) * kv / 23e9 > attention and (2 * cp - 1) * kv / 23e9 > 2 * attention  # both exposed
+    cp_fwd = (cp - 1) * kv / 23e9 - attention + (cp - 1) * (per_step + merge)
+    cp_bwd = (2 * cp - 1) * kv / 23e9 - 2 * attention + (2 * cp - 1) * per_step + 2 * (cp - 1) * merge
+    assert f["cp_fwd"] == pytest.approx(cp_fwd, rel=1e-12)
+    assert f["cp_bwd"] == pytest.approx(cp_bwd, rel=1e-12)
+
+
+def test_layer_step_redoes_what_each_recomputation_redoes():
+    # per layer and micro-batch: forward + 2x backward; selective redoes the attention core and so its CP
+    # ring's forward exchange too (measured at TP1 CP2: cp term 0.255 ms, 0.197 ms if not redone); full redoes
+    # the whole forward and its TP collectives. Inputs are distinct primes, so any mixed-up term shows.
+    f = {"gemm": 2.0, "attention": 3.0, "elementwise": 5.0, "tp": 7.0, "cp_fwd": 11.0, "cp_bwd": 13.0}
+    work = 2.0 + 3.0 + 5.0
+    assert topology.layer_step(f, "none") == (3 * work, 2 * 7.0, 11.0 + 13.0)
+    assert topology.layer_step(f, "selective") == (3 * work + 3.0, 2 * 7.0, 2 * 11.0 + 13.0)
+    assert topology.layer_step(f, "full") == (4 * work, 3 * 7.0, 2 * 11.0 + 13.0)
+
+
+def test_overlapped_gradient_reduction_hides_behind_the_backward_by_hand():
+    # overlap_grad_reduce: the reduction runs during the stage's backward, 2x the forward work of its layers.
+    # TP=8 PP=1 CP=8 DP=1, micro-batch 1, no recomputation, SP, no ZeRO: the DP x CP group (stride 8) has one
+    # member per node, one NIC's worth of InfiniBand. Measured 0.2460 s raw, 0.2268 s exposed (0.2172 s if 3x).
+    c = topology.Cluster(gpus=64, overlap_grad_reduce=True, **A100)
+    r = topology.estimate(c, topology.ModelShape(**_CH), 8, 1, 8, micro_batch=1, recompute="none",
+                          sequence_parallel=True, zero=False)
+    L, h, a, s, V, t = 40, 5120, 40, 2048, 51200, 8
+    M, hbm = s // 8, 1730e9
+    params = ((12 * h * h + 13 * h) * L + V * h) / t + s * h
+    gemms = _gemm(M, h, 3 * h // t) + _gemm(M, h // t, h) + _gemm(M, h, 4 * h // t) + _gemm(M, 4 * h // t, h)
+    attention = 13 * (a // t) * M * s / hbm
+    elementwise = M * h * (22 / t + 16 / t) / hbm + 20 * 4e-6
+    raw = 2 * 7 / 8 * 2 * params / 23e9
+    assert raw > L * 2 * (gemms + attention + elementwise) > 0  # partly hidden
+    assert r["dp_s"] == pytest.approx(raw - L * 2 * (gemms + attention + elementwise), rel=1e-12)
+
+
+def test_hfu_counts_the_recomputation_the_search_chose():
+    # TP=1 PP=1 CP=1 with the knobs searched: only selective recomputation fits, and HFU counts its QK^T and AV
+    # again (4 B s^2 h L): measured HFU/MFU 1.0204 (HFU was MFU, 52.1%, when it ignored the choice)
+    c = topology.Cluster(gpus=64, **A100)
+    r = topology.estimate(c, topology.ModelShape(**_CH), 1, 1, 1)
+    assert r["recompute"] == "selective"
+    B, s, L, h, V = 512, 2048, 40, 5120, 51200
+    model = 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+    assert r["hfu"] / r["mfu"] == pytest.approx((model + 4 * B * s * s * h * L) / model, rel=1e-12)
+
+
+def test_zero_is_tried_where_dp_is_one_but_cp_is_not():
+    # ZeRO-1 shards over DP x CP: at TP=2 PP=4 CP=8 DP=1 it still cuts the optimizer state 8 ways. Measured
+    # 27.6 GB and 25.522 s with it, 51.6 GB and 25.563 s without: the search must take it.
+    c = topology.Cluster(gpus=64, **A100)
+    r = topology.estimate(c, topology.ModelShape(**_CH), 2, 4, 8, recompute="selective")
+    assert r["dp"] == 1 and r["cp"] == 8 and r["zero"]
+    assert r["optimizer_gb"] == pytest.approx(16 * r["params_per_gpu"] / 8 / GB, rel=1e-12)
+
+
+def test_the_search_tries_every_virtual_stage_count_up_to_the_maximum():
+    # 128 GPUs, L=48 h=8192 a=64 s=8192, TP=2 PP=2: 24 layers per stage; the step time falls with v up to
+    # MAX_VIRTUAL_STAGES = 8 (measured 42.56 s at v=1, 38.90 s at 6, 38.80 s at 8): 8 must be tried and win
+    c = topology.Cluster(gpus=128, **A100)
+    m = topology.ModelShape(layers=48, hidden=8192, heads=64, seq=8192, vocab=51200, global_batch=256)
+    by_v = {v: topology.estimate(c, m, 2, 2, 1, virtual_stages=v)["step_time_s"] for v in (1, 2, 3, 4, 6, 8)}
+    assert topology.MAX_VIRTUAL_STAGES == 8 == min(by_v, key=by_v.get)
+    searched = topology.estimate(c, m, 2, 2, 1)
+    assert searched["virtual_stages"] == 8 and searched["step_time_s"] == by_v[8]
+
+
+def test_candidate_cp_sizes_go_up_to_16():
+    # s = 131072 on 16 GPUs: every CP size that divides the cluster, 16 included (the docstring's "up to 16")
+    m = topology.ModelShape(layers=8, hidden=2048, heads=16, seq=131072, vocab=51200, global_batch=16)
+    assert {r["cp"] for r in topology.plan(topology.Cluster(gpus=16, **A100), m)} == {1, 2, 4, 8, 16}
+
+
+def test_explain_names_the_largest_overhead_and_where_the_runner_up_loses():
+    # the chapter's model on 64 GPUs: measured largest overhead dp (0.271 s, TP next at 0.259 s), runner-up
+    # TP=2 PP=2 slower mostly in the bubble (+0.124 s; its DP is 0.126 s faster). Against the rows themselves.
+    c = topology.Cluster(gpus=64, **A100)
+    plans = topology.plan(c, topology.ModelShape(**_CH))
+    text = topology.explain(plans, c)
+    best, second = [r for r in plans if r["fits"]][:2]
+    overheads = {k: best[k] for k in topology.OVERHEADS}
+    assert max(overheads.values()) == best["dp_s"] > 0
+    assert f"the largest overhead is dp ({best['dp_s']:.3f} s)" in text, text
+    gaps = {k: second[k] - best[k] for k in ("compute_s",) + topology.OVERHEADS}
+    assert max(gaps.values()) == gaps["bubble_s"] > 0
+    assert f"mostly in bubble (+{gaps['bubble_s']:.3f} s)" in text, text
+
+
+def test_when_nothing_fits_the_least_memory_tie_goes_to_the_fastest():
+    # 32 GPUs, s = 32768, TP=1 PP=2: no knob set fits, and several tie on the least memory (another b or v with
+    # as many sequences in flight). The least bad must be the fastest of them: measured 91.3 GB (full
+    # recomputation, ZeRO-1) at v = 1, 2, 4 in 7.52, 6.30, 5.72 s; with recomputation fixed to none 707.4 GB at
+    # b=1 v = 1, 2, 4 in 5.76, 4.83, 4.41 s and b=2 in 7.67 s. The search used to keep the first tied knob set
+    # tried (7.52 s and 5.76 s). Checked against every knob set, each evaluated alone.
+    c = topology.Cluster(gpus=32, **A100)
+    m = topology.ModelShape(layers=8, hidden=2048, heads=16, seq=32768, vocab=51200, global_batch=32)
+    for policies in (topology.RECOMPUTE_POLICIES, ("none",)):
+        rows = []
+        for b, v, recompute, zero in itertools.product((1, 2), (1, 2, 4), policies, (False, True)):
+            try:
+                rows.append(topology.estimate(c, m, 1, 2, 1, micro_batch=b, virtual_stages=v, recompute=recompute,
+                                              sequence_parallel=False, zero=zero))
+            except ValueError:  # b = 2 leaves one micro-batch: too few to interleave
+                continue
+        assert not any(r["fits"] for r in rows)
+        least = min(r["memory_gb"] for r in rows)
+        tied = [r["step_time_s"] for r in rows if r["memory_gb"] == least]
+        assert len(set(tied)) > 1
+        r = topology.estimate(c, m, 1, 2, 1, recompute=None if len(policies) > 1 else "none")
+        assert not r["fits"] and r["memory_gb"] == least and r["step_time_s"] == min(tied), (r["step_time_s"], tied)

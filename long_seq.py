@@ -800,11 +800,11 @@ def bench(seq, batch, heads, kv_heads, head_dim, dtype, repeats, reference):
     and single-rank SDPA on the whole sequence; the measured memory beside ring_memory_bytes (O(s/P))."""
     check_bench_args(seq, batch, heads, kv_heads, head_dim, repeats, int(os.environ.get("WORLD_SIZE", 1)))
     cuda = torch.cuda.is_available()
-    rank, P = _init("nccl" if cuda else "gloo")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
+    if cuda:  # before the process group: NCCL binds each rank's communicators to its current device
         torch.cuda.set_device(device)
-    else:
+    rank, P = _init("nccl" if cuda else "gloo")
+    if not cuda:
         torch.set_num_threads(max(1, torch.get_num_threads() // P))
     say = print if rank == 0 else (lambda *a, **k: None)
     b, h, h_kv, d, s = batch, heads, kv_heads, head_dim, seq

@@ -23,6 +23,12 @@ def test_dtype_table_matches_the_bit_layouts():
     # E4M3 (fn: no infinities, one NaN pattern) tops at 1.75 * 2^8; E5M2 is IEEE-like: 1.75 * 2^15
     assert rows["FP8 E4M3"]["max"] == 448 and rows["FP8 E5M2"]["max"] == 57344
     assert rows["FP16"]["min_normal"] == 2.0 ** -14 and rows["BF16"]["min_normal"] == rows["FP32"]["min_normal"]
+    # the smallest subnormal is the value of bit pattern 1 (FP16 2^-24 = 5.96e-8, E4M3 2^-9, E5M2 2^-16)
+    ints = {"FP32": torch.int32, "FP16": torch.int16, "BF16": torch.int16, "FP8 E4M3": torch.int8,
+            "FP8 E5M2": torch.int8}
+    for name, r in rows.items():
+        assert r["min_subnormal"] == torch.tensor(1, dtype=ints[name]).view(getattr(torch, r["dtype"])).item(), name
+    assert (rows["FP16"]["min_subnormal"], rows["FP8 E4M3"]["min_subnormal"]) == (2.0 ** -24, 2.0 ** -9)
 
 
 # ---- the loss scaler against torch.amp.GradScaler -----------------------------------------------------
@@ -107,6 +113,26 @@ def test_loss_scaler_never_grows_to_infinity_and_round_trips_state():
     assert t.state_dict() == s.state_dict()
 
 
+def test_loss_scaler_grows_every_growth_interval_clean_steps_as_grad_scaler():
+    # the clean-step count restarts after each growth: 6 clean steps at interval 2 grow three times, 1 -> 8
+    # (GradScaler: 8.0); without the restart the scale would grow once (2.0) and the tracker pass the interval
+    ours = mp.DynamicLossScaler(init_scale=1.0, growth_interval=2)
+    ref = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=2)
+    p = torch.nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD([p], lr=0.0)
+    for _ in range(6):
+        ours.update(False)
+        ref.scale(p.sum()).backward()
+        ref.step(opt)
+        ref.update()
+        opt.zero_grad()
+        assert ours.scale == ref.get_scale()
+    assert ours.scale == 8.0
+    again = mp.DynamicLossScaler()
+    again.load_state_dict(ours.state_dict())  # a tracker in [0, growth_interval): its own state loads
+    assert again.state_dict() == ours.state_dict()
+
+
 def test_loss_scaler_refuses_scales_and_factors_that_would_fail_silently():
     bad = {"init_scale": [0.0, -1.0, float("inf"), float("nan"), 1e39],  # 1e39 is infinite in FP32
            "growth_factor": [1.0, 0.5, float("inf"), float("nan")],
@@ -141,6 +167,13 @@ def test_fp16_gradients_are_refused_by_unscale_and_check():
     scaler.scale_loss((w.float() * 1e-9).sum()).backward()
     with pytest.raises(ValueError, match="FP16 gradient cannot be unscaled"):
         scaler.unscale_and_check([w])
+    # one FP16 gradient among FP32 ones is refused too, before any gradient is divided
+    fp32 = torch.nn.Parameter(torch.ones(2))
+    fp32.grad = torch.ones(2)
+    fp16_grad = w.grad.clone()
+    with pytest.raises(ValueError, match="FP16 gradient cannot be unscaled"):
+        scaler.unscale_and_check([fp32, w])
+    assert torch.equal(fp32.grad, torch.ones(2)) and torch.equal(w.grad, fp16_grad)
 
 
 def _overflow_on_one_rank(rank, world):
@@ -211,6 +244,14 @@ def test_main_grad_is_persistent_fp32_and_zeroed_by_step():
     assert w.grad is None and w.main_grad.dtype == torch.float32 and w.main_grad.abs().sum() > 0
     opt.step()
     assert w.main_grad is buffer and torch.all(w.main_grad == 0)
+    # a parameter in the master dtype (FP32) keeps w.grad as a view of its main grad after the step, so a
+    # backward accumulates straight into the FP32 buffer
+    w32 = torch.nn.Parameter(torch.ones(3))
+    opt32 = mp.MixedPrecisionOptimizer([w32], torch.optim.SGD, lr=0.1)
+    (w32 * 2).sum().backward()
+    opt32.step()
+    assert w32.grad is not None and w32.grad.data_ptr() == w32.main_grad.data_ptr()
+    assert torch.all(w32.grad == 0)
 
 
 def _gradient_rewrites(w, step):
@@ -282,6 +323,31 @@ def test_grad_scale_multiplies_the_fp32_gradients_before_the_step():
     w.grad = torch.full_like(w, 3.0)
     opt.step(grad_scale=0.25)  # e.g. 1 / tokens in train_gpt.py
     assert torch.equal(opt.full_state(w)["master"], torch.full((3,), -0.75))
+
+
+def _sgd_step(loss_scaler=None, max_norm=0.0, dtype=torch.bfloat16):
+    w = torch.nn.Parameter(torch.ones(4, dtype=dtype))
+    opt = mp.MixedPrecisionOptimizer([w], torch.optim.SGD, loss_scaler=loss_scaler, lr=0.1)
+    loss = (w.float() * torch.tensor([1.0, 2.0, 3.0, 4.0])).sum()
+    (loss_scaler.scale_loss(loss) if loss_scaler else loss).backward()
+    return opt.step(max_norm=max_norm).grad_norm, w.detach().clone()
+
+
+def test_the_loss_scale_is_divided_out_and_clipping_never_scales_up():
+    # gradient [1, 2, 3, 4], norm sqrt(30) = 5.477, SGD lr 0.1: the same step with a loss scale of 16 as without
+    # one (kept in: norm 87.6 and negative weights)
+    norm, w = _sgd_step()
+    scaled_norm, scaled_w = _sgd_step(mp.DynamicLossScaler(init_scale=16.0))
+    assert norm == pytest.approx(math.sqrt(30)) and scaled_norm == norm and torch.equal(scaled_w, w)
+    assert torch.equal(w, (1 - 0.1 * torch.tensor([1.0, 2.0, 3.0, 4.0])).bfloat16())
+    # a norm below max_norm leaves the gradient as it is, as clip_grad_norm_ does (scaled up 10/5.477, the
+    # weights would move 1.8x as far)
+    ref = torch.nn.Parameter(torch.ones(4))
+    (ref * torch.tensor([1.0, 2.0, 3.0, 4.0])).sum().backward()
+    torch.nn.utils.clip_grad_norm_([ref], 10.0)
+    torch.optim.SGD([ref], lr=0.1).step()
+    norm, w = _sgd_step(max_norm=10.0, dtype=torch.float32)
+    assert norm == pytest.approx(math.sqrt(30)) and torch.equal(w, ref.detach())
 
 
 # ---- ZeRO-1, in float64 against ZeRO-0 and one process -----------------------------------------------
@@ -372,6 +438,17 @@ def test_bytes_per_parameter_equal_the_live_tensors(mode):
         assert measured["transient_bytes"] == 5 * 64 * 64
     assert mp.persistent_bytes("bf16_master") == 18  # Megatron-LM's 2 + 4 + 12
     assert mp.persistent_bytes("bf16_master_16bit_grads") == 16  # the ZeRO paper's 2 + 2 + 12
+
+
+def test_build_gives_each_mode_its_parameter_dtype_and_fp16_its_loss_scaler():
+    # bytes per parameter cannot tell FP16 from BF16 weights (2 each): the dtype itself is checked
+    expected = {"fp32": torch.float32, "bf16_autocast": torch.float32, "bf16_master": torch.bfloat16,
+                "fp16_master_scaler": torch.float16, "fp8_compute": torch.bfloat16, "bf16_pure": torch.bfloat16}
+    assert set(expected) == {m for m in mp.BYTES_PER_PARAM if m not in mp.FORMULA_ONLY}
+    for mode, dtype in expected.items():
+        model, _, opt = mp.build(mode)
+        assert {p.dtype for p in model.parameters()} == {dtype}, mode
+        assert (getattr(opt, "loss_scaler", None) is not None) == (mode == "fp16_master_scaler"), mode
 
 
 def test_parameter_copy_tracker_counts_copies_alive_at_once_not_views_or_gemms():
@@ -493,24 +570,69 @@ def test_a_group_without_this_rank_is_refused_before_any_collective():
     assert grad == [3.0] * 4  # nothing was unscaled or folded before the refusal
 
 
+def _stray_grad_all_reduced(rank, world):
+    b = torch.nn.Parameter(torch.zeros(2))
+    opt = mp.MixedPrecisionOptimizer([b], torch.optim.SGD, lr=1.0)
+    b.grad = torch.full((2,), float(rank + 1))  # written directly, not by a backward: no hook saw it
+    opt.all_reduce_grads([b], dist.group.WORLD)
+    opt.step()
+    return b.tolist()
+
+
+def test_all_reduce_grads_sums_a_gradient_written_to_grad_directly():
+    # 1 + 2 summed, SGD lr 1: -3 on both ranks (without folding it first, each rank steps on its own: -1, -2)
+    assert run_ranks(_stray_grad_all_reduced, 2, timeout=60) == [[-3.0, -3.0]] * 2
+
+
+def _zero1_over_pairs(rank, world):
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    w = torch.nn.Parameter(torch.arange(8, dtype=torch.float32))
+    opt = mp.MixedPrecisionOptimizer([w], torch.optim.SGD, shard_groups=[([w], pairs[rank // 2])], zero=1, lr=1.0)
+    w.grad = torch.ones(8)
+    opt.step()
+    return opt.owned_state(w)[0], w.tolist()
+
+
+def test_zero1_over_subgroups_shards_by_the_rank_within_the_subgroup():
+    # world ranks 2 and 3 own the shards of their pair's ranks 0 and 1 (by world rank: [8, 12) and [12, 16) of
+    # an 8-element buffer); each pair sums its two gradients of 1: arange(8) - 2 everywhere, as one process
+    ref = torch.nn.Parameter(torch.arange(8, dtype=torch.float32))
+    ref.grad = torch.full((8,), 2.0)
+    torch.optim.SGD([ref], lr=1.0).step()
+    out = run_ranks(_zero1_over_pairs, 4, timeout=60)
+    assert [r for r, _ in out] == [(0, 4), (4, 8)] * 2
+    assert all(w == ref.tolist() for _, w in out)
+
+
 # ---- FP16 with a loss scaler: overflow on one rank -----------------------------------------------------
 
-def _norm_group_misses_part_of_a_shard_group(rank, world, zero):
+def _norm_group_misses_part_of_a_shard_group(rank, world, zero, max_norm, scaler):
+    """The pair is refused on a fresh optimizer, and again after a step whose norm_group (the world) covered."""
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     model = mp.MLP(dim=4, hidden=8, depth=1)
     opt = mp.MixedPrecisionOptimizer(model.parameters(), torch.optim.SGD, shard_groups=[
-        (model.parameters(), dist.group.WORLD)], zero=zero, lr=0.1)
-    model(torch.randn(4, 4)).pow(2).mean().backward()
-    before = [p.detach().clone() for p in model.parameters()]
-    message, = value_errors(lambda: opt.step(max_norm=1.0, norm_group=pairs[rank // 2]))
-    return message, all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        (model.parameters(), dist.group.WORLD)], zero=zero, lr=0.1,
+        loss_scaler=mp.DynamicLossScaler() if scaler else None)
+    out = []
+    for covered_before in (False, True):
+        if covered_before:
+            model(torch.randn(4, 4)).pow(2).mean().backward()
+            assert opt.step(max_norm=max_norm, norm_group=dist.group.WORLD)
+        model(torch.randn(4, 4)).pow(2).mean().backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        message, = value_errors(lambda: opt.step(max_norm=max_norm, norm_group=pairs[rank // 2]))
+        out.append((message, all(torch.equal(a, p) for a, p in zip(before, model.parameters()))))
+    return out
 
 
-@pytest.mark.parametrize("zero", [0, 1])
-def test_a_norm_group_that_misses_part_of_a_shard_group_is_refused(zero):
-    # ranks {0, 1} and {2, 3} each summing their own norm would clip differently and the replicas diverge
-    for message, unchanged in run_ranks(_norm_group_misses_part_of_a_shard_group, 4, zero, timeout=60):
-        assert message is not None and "miss part of a shard group ([0, 1, 2, 3])" in message and unchanged
+@pytest.mark.parametrize("zero, max_norm, scaler", [(0, 1.0, False), (1, 1.0, False), (1, 0.0, True)])
+def test_a_norm_group_that_misses_part_of_a_shard_group_is_refused(zero, max_norm, scaler):
+    # ranks {0, 1} and {2, 3} each summing their own norm would clip differently, or (a loss scaler, no
+    # clipping) skip differently: the replicas diverge, and under zero=1 the all-gather of the ranks that
+    # stepped waits for those that skipped. A world norm_group accepted at one step excuses no pair later.
+    for rank_out in run_ranks(_norm_group_misses_part_of_a_shard_group, 4, zero, max_norm, scaler, timeout=60):
+        for message, unchanged in rank_out:
+            assert message is not None and "miss part of a shard group ([0, 1, 2, 3])" in message and unchanged
 
 
 def _inf_outside_the_norm(rank, world, zero):
@@ -523,14 +645,18 @@ def _inf_outside_the_norm(rank, world, zero):
     outside = model.layers[1].bias  # left out of the norm, as train_gpt leaves out replicated copies
     outside.main_grad[0] = float("inf")
     before = [p.detach().clone() for p in model.parameters()]
+    # without a norm_group each rank would vote on its own part (under zero=1 its shard) and skip alone
+    refused, = value_errors(lambda: opt.step())
     stepped, _ = opt.step(norm_group=dist.group.WORLD,
                           norm_params=[p for p in model.parameters() if p is not outside])
-    return stepped, scaler.scale, all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    return refused, stepped, scaler.scale, all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
 @pytest.mark.parametrize("zero", [0, 1])
 def test_an_overflow_in_a_gradient_left_out_of_the_norm_still_skips_the_step(zero):
-    assert run_ranks(_inf_outside_the_norm, 2, zero, timeout=60) == [(False, 2.0 ** 3, True)] * 2
+    for refused, *rest in run_ranks(_inf_outside_the_norm, 2, zero, timeout=60):
+        assert refused is not None and refused.startswith("norm_group is None"), refused
+        assert rest == [False, 2.0 ** 3, True]
 
 
 def _fp16_overflow(rank, world, zero):
@@ -620,8 +746,11 @@ def _owned_pieces(rank, world):
     fresh = mp.MixedPrecisionOptimizer(fresh_model.parameters(), torch.optim.AdamW, master_dtype=torch.float64,
                                        zero=1, lr=LR)
     p = next(fresh_model.parameters())
-    # `like` names FP32 for exp_avg (a checkpoint saved with FP32 masters): it is created in the master dtype
-    _, created = fresh.owned_state(p, like={"exp_avg": (1, torch.float32), "step": (0, torch.float32)})
+    # `like` names FP32 for exp_avg (a checkpoint saved with FP32 masters): it is created in the master dtype;
+    # "master" in `like` (a checkpoint lists it too) still returns the live master, which a load writes into
+    _, created = fresh.owned_state(p, like={"master": (1, torch.float32), "exp_avg": (1, torch.float32),
+                                            "step": (0, torch.float32)})
+    assert created.pop("master") is fresh._piece(p) and "master" not in fresh.optimizer.state[fresh._piece(p)]
     return pieces, {k: (tuple(v.shape), v.dtype, v.device.type, v.abs().sum().item()) for k, v in created.items()}
 
 
@@ -696,6 +825,7 @@ def test_bad_arguments_raise_value_error_naming_the_argument():
         lambda: opt([a], zero=2),
         lambda: opt([a, c], shard_groups=[([a], None), ([a, c], None)]),
         lambda: opt([fresh(3, dtype=torch.float64)]),       # float64 param, float32 master
+        lambda: opt([fresh(3, dtype=torch.float16)], master_dtype=torch.bfloat16),  # as wide, 3 bits fewer
         lambda: opt([a], dp_group=None),
         lambda: opt([a], shard_groups=[([stranger], None)]),
         lambda: opt([a, a]),
@@ -710,10 +840,10 @@ def test_bad_arguments_raise_value_error_naming_the_argument():
         lambda: opt([fresh(2)]).owned_state(stranger),
     )
     for message, word in zip(messages, ["zero=2", "shard_groups[0] and shard_groups[1]", "master_dtype",
-                                        "shard_groups=", "shard_groups[0]", "twice", "params_or_param_groups",
-                                        "norm_params", "max_norm", "max_norm=nan", "all_reduce_grads",
-                                        "one optimizer per parameter", "full_state", "load_full_state",
-                                        "owned_state"], strict=True):
+                                        "master_dtype", "shard_groups=", "shard_groups[0]", "twice",
+                                        "params_or_param_groups", "norm_params", "max_norm", "max_norm=nan",
+                                        "all_reduce_grads", "one optimizer per parameter", "full_state",
+                                        "load_full_state", "owned_state"], strict=True):
         assert message is not None and word in message, (word, message)
     assert all("not managed" in m for m in messages[-3:])
 
@@ -737,8 +867,10 @@ def test_a_refused_state_dict_overwrites_nothing():
     fresh = lambda *shape: torch.nn.Parameter(torch.randn(*shape))
     two_groups = [fresh(2, 2), fresh(2)]                   # the same parameters in two groups
     longer_bias = [fresh(2, 2), fresh(3)]                  # the second parameter differs, the first matches
+    wide_bias = [fresh(2, 2), fresh(2, 3)]                 # the same first dimension, 6 elements against 2
     for params, groups, word in ((two_groups, [{"params": [two_groups[0]]}, {"params": [two_groups[1]]}],
-                                  "param groups"), (longer_bias, longer_bias, "parameter 1 has 2 elements")):
+                                  "param groups"), (longer_bias, longer_bias, "parameter 1 has 2 elements"),
+                                 (wide_bias, wide_bias, "parameter 1 has 2 elements in 'master', this optimizer's 6")):
         opt = mp.MixedPrecisionOptimizer(groups, torch.optim.SGD, lr=0.1)
         before = [p.detach().clone() for p in params]
         message, = value_errors(lambda: opt.load_state_dict(saved))
@@ -831,6 +963,22 @@ def test_fp8_scaled_mm_equals_the_emulation():
         assert torch.allclose(fused, emulated, rtol=1e-5, atol=1e-5)
 
 
+def test_fp8_matmul_takes_scaled_mm_only_where_it_applies(monkeypatch):
+    # _scaled_mm needs FP8 tensor cores: compute capability 8.9 (Ada: L4, RTX 4090) or later, not 8.6 (A10)
+    for capability, available in (((8, 6), False), ((8, 9), True), ((9, 0), True)):
+        monkeypatch.setattr(mp.torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert mp.scaled_mm_available(torch.device("cuda", 0)) == available, capability
+    # where it is available, a dimension that is no multiple of 16 (b's 8 rows) or use_scaled_mm=False takes
+    # the emulation
+    monkeypatch.setattr(mp, "scaled_mm_available", lambda device: True)
+    a, b, b8 = torch.randn(32, 64), torch.randn(48, 64), torch.randn(8, 64)
+    for x, y, use_scaled_mm in ((a, b8, True), (a, b, False)):
+        (qx, sx), (qy, sy) = mp.quantize_fp8(x), mp.quantize_fp8(y)
+        before = mp.fp8_log.copy()
+        mp.fp8_matmul(qx, sx, qy, sy, torch.float32, use_scaled_mm=use_scaled_mm)
+        assert mp.fp8_log - before == {"gemm:emulated": 1}, (y.shape, use_scaled_mm)
+
+
 def _fp8_linear_with_scales(layer, x, x_scale, w_scale):
     """The layer's forward with the given scales, through the file's own quantise and GEMM functions."""
     x_fp8, _ = mp.quantize_fp8(x, scale=x_scale)
@@ -863,12 +1011,33 @@ def test_fp8_delayed_scaling_uses_the_history():
     assert x_fp8.float().abs().max().item() == torch.finfo(torch.float8_e4m3fn).max  # saturated
 
 
-def test_fp8_delayed_scaling_in_eval_mode_leaves_the_history_alone():
-    layer = mp.FP8Linear(16, 16, delayed_scaling=True, amax_history_len=4)
+def test_fp8_delayed_scaling_forgets_an_amax_after_amax_history_len_steps():
+    torch.manual_seed(0)
+    layer = mp.FP8Linear(16, 16, delayed_scaling=True, amax_history_len=2)
+    assert layer.amax_history.shape == (2, 2)  # (input, weight) x the last 2 steps
+    big, small = torch.randn(16, 16) * 100, torch.randn(16, 16)
+    current = lambda: mp.fp8_linear(small, layer.weight, layer.bias)
     with torch.no_grad():
-        layer(torch.randn(8, 16))
+        layer(big)
+        assert not torch.equal(layer(small), current())  # big's amax is in the window: its scale
+        layer(small)
+        assert torch.equal(layer(small), current())  # two smalls since: small's own scale again
+
+
+def test_fp8_delayed_scaling_in_eval_mode_uses_and_leaves_the_history():
+    torch.manual_seed(0)
+    layer = mp.FP8Linear(16, 16, delayed_scaling=True, amax_history_len=4)
+    big, x = torch.randn(16, 16) * 100, torch.randn(8, 16)
+    with torch.no_grad():
+        layer(big)
         history = layer.amax_history.clone()
         layer.eval()
+        # evaluation quantises with the training's scale (from big), not x's own: the outputs differ by up to
+        # 0.075 here (measured)
+        y = layer(x)
+        w_scale = mp.fp8_scale(mp.amax_of(layer.weight))
+        assert torch.equal(y, _fp8_linear_with_scales(layer, x, mp.fp8_scale(mp.amax_of(big)), w_scale))
+        assert not torch.equal(y, mp.fp8_linear(x, layer.weight, layer.bias))
         layer(torch.randn(8, 16) * 100)  # evaluation batches must not move the training's scales
     assert torch.equal(layer.amax_history, history)
 

@@ -431,6 +431,15 @@ def ring_memory_bytes(b, h, h_kv, s_local, d, dtype):
     return b * s_local * d * ((3 * h + 6 * h_kv) * e + (h + 4 * h_kv) * acc_e) + b * h * s_local * acc_e
 
 
+def whole_sequence_memory_bytes(b, h, h_kv, s, d, dtype):
+    """The O(s) memory of attention forward + backward on the whole sequence on one rank (the bench's SDPA
+    run), the unit its measured peak is compared with: q, out, dout, dq (h heads) and k, v, dk, dv (h_kv heads)
+    at e bytes per element, and the lse at the accumulator's width."""
+    e = torch.empty(0, dtype=dtype).element_size()
+    acc_e = torch.empty(0, dtype=_acc_dtype(dtype)).element_size()
+    return b * s * d * (4 * h + 4 * h_kv) * e + b * h * s * acc_e
+
+
 # ----------------------------------------------------------------------------------------------------
 # Ulysses
 # ----------------------------------------------------------------------------------------------------
@@ -841,10 +850,9 @@ def bench(seq, batch, heads, kv_heads, head_dim, dtype, repeats, reference):
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the step waits for the slowest rank
             times[name].append(elapsed.item())
 
-    e = torch.empty(0, dtype=dtype).element_size()
     acc_e = torch.empty(0, dtype=_acc_dtype(dtype)).element_size()
     formula = ring_memory_bytes(b, h, h_kv, s_local, d, dtype)
-    whole = b * s * d * (4 * h + 4 * h_kv) * e + b * h * s * acc_e  # q, k, v, out, dout, dq, dk, dv, lse at s
+    whole = whole_sequence_memory_bytes(b, h, h_kv, s, d, dtype)
     block = b * h * s_local ** 2 * acc_e
     say(f"   O(s/P) formula per rank (ring_memory_bytes: q, out, dout, dq; k, v, dk, dv, two KV blocks; lse): "
         f"{formula / 2**20:.1f} MiB")

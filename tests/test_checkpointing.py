@@ -1,10 +1,12 @@
 """checkpointing.py: identical gradients under every policy; kept bytes, peak bytes and FLOPs equal to the formulas."""
 import json
+import math
 import subprocess
 import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import checkpointing as ck
 
@@ -64,6 +66,11 @@ def test_sqrt_policy_grows_sublinearly():
             assert row[p + "_peak"] == row[p + "_peak_formula"]
         # fewer kept bytes, a higher peak: L is far below (A/X)^2
         assert row["sqrt"] < row["full"] and row["sqrt_peak"] > row["full_peak"]
+    # the paper's 16-bit figure is per layer, the row is for all L = 2: s b h (34 + 5 a s / h) = 128 x 39 bytes a
+    # layer without recomputation, 34 s b h selective, 2 s b h full (one layer's: 4992, 4352, 256)
+    paper = {row["policy"]: row["korthikanti_16bit_bytes"] for row in r["rows"]}
+    assert paper == {"none": 2 * 128 * 39, "selective": 2 * 34 * 128, "full": 2 * 2 * 128, "sqrt": None,
+                     "selective_sac": None}
     g = r["sweep"]["growth_exponent"]
     # measured: none 1.00, full 1.00, sqrt 0.50 (segments of sqrt(L): L / sqrt(L) inputs kept)
     assert g["sqrt"] == pytest.approx(0.5, abs=0.05)
@@ -128,6 +135,17 @@ def test_sqrt_lowers_the_peak_only_beyond_about_a_over_x_squared():
         ratio, first = case["layer_over_input"], case["first_layers"]
         assert abs(first - ratio ** 2) <= ratio
     assert r["cuda_16bit"]["first_layers"] > 17 ** 2 and r["tiny"]["layer_over_input"] < 19
+    # the 16-bit CUDA layer (b 1, s 2048, h 4096, a 32) with CUDA's rules, a bool dropout mask (m = 1) and FP32
+    # LayerNorm statistics: A/X = 16 + 2m/e + a s (2e + m)/(h e) + 4 e_ln/(h e) = 17 + 40 + 2/1024 (with CPU's
+    # rules 66.001, first L 4358). sqrt wins when ceil(L/seg) + seg A/X < L + A/X, seg = round(sqrt(L)): at
+    # L = 3251 (seg 57) 58 + 56 A/X < 3251, i.e. A/X < 57.018; at 3250 it would need A/X < 57
+    cuda = r["cuda_16bit"]
+    ratio = 57 + 2 / 1024
+    assert cuda["shape"]["device"] == "cuda" and cuda["layer_over_input"] == pytest.approx(ratio, rel=1e-12)
+    assert cuda["first_layers"] == 3251
+    for layers in (3250, 3251):
+        seg = round(math.sqrt(layers))
+        assert (math.ceil(layers / seg) + seg * ratio < layers + ratio) == (layers == 3251)
     tiny = r["tiny"]  # measured at its first L: sqrt's peak is now the lower one
     assert tiny["sqrt_peak"] == tiny["sqrt_peak_formula"] < tiny["full_peak"] == tiny["full_peak_formula"]
 
@@ -148,6 +166,19 @@ def test_bad_sizes_on_the_command_line_are_one_line_and_exit_code_2(capsys, argv
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith("checkpointing.py: error: "), err
     assert names in err[0], err
+
+
+def test_attention_core_is_causal_scaled_dot_product_attention_and_eval_turns_dropout_off():
+    # float64 against torch's own causal attention: 6.7e-16 apart; scores scaled by sqrt(d) instead of
+    # 1/sqrt(d) are 2.0 off, a mask hiding the past instead of the future 3.0, dropout 0.5 left on in eval 2.3
+    torch.manual_seed(0)
+    block = ck.Block(32, 4, 16, dropout=0.5).double().eval()
+    q, k, v = (torch.randn(2, 4, 12, 8, dtype=torch.float64) for _ in range(3))  # 12 < seq_len: a mask slice
+    reference = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert (block.attention_core(q, k, v) - reference).abs().max().item() < 1e-12
+    x = torch.randn(1, 16, 32, dtype=torch.float64)
+    with torch.no_grad():
+        assert torch.equal(block(x), block(x))
 
 
 def test_sequence_longer_than_the_blocks_seq_len_names_it():

@@ -119,7 +119,7 @@ def _count_collectives(rank, world, K):
     buckets = counter["allreduce"]
     counts = {"buckets": buckets}
     for name in ("right", "none", "trap"):
-        counter["allreduce"] = 0
+        counter["allreduce"] = counter["bytes"] = 0
         if name == "right":
             ga.accumulate_gradients(ddp, all_micro[rank], ga.token_loss)
         elif name == "none":
@@ -128,6 +128,7 @@ def _count_collectives(rank, world, K):
         else:
             ga.ddp_sync_trap(ddp, all_micro[rank], ga.token_loss)
         counts[name] = counter["allreduce"]
+        counts[name + "_bytes"] = counter["bytes"]
     # the manual path: count every all_reduce issued during one accumulate_and_step
     plain = ga.TinyLM()
     issued = []
@@ -157,6 +158,9 @@ def test_gradient_collectives_counted():
         assert c["right"] == c["buckets"]            # one all-reduce per bucket per step
         assert c["none"] == K * c["buckets"]         # syncing every micro-step
         assert c["trap"] == K * c["buckets"]         # no_sync around the backward only does not help
+        # the hook counts bytes, not elements: one synchronised step moves every float64 gradient once
+        # (3184 parameters: 25472 bytes; counting numel would give 3184)
+        assert c["right_bytes"] == 8 * c["n_params"] and c["none_bytes"] == K * c["right_bytes"]
         # manual: one all-reduce per bucket, plus the 2-number loss/token total
         assert len(c["manual"]) == c["manual_buckets"] + 1 and c["manual_buckets"] >= 2
         assert sum(c["manual"][:-1]) == c["n_params"] and c["manual"][-1] == 2
@@ -165,6 +169,36 @@ def test_gradient_collectives_counted():
 def test_single_rank_issues_no_gradient_collective():
     model = ga.TinyLM()
     assert ga.sync_gradients(list(model.parameters()), None) == 0
+
+
+def _sync_counting_all_reduces(rank, world, freeze_embedding):
+    torch.manual_seed(0)
+    model = ga.TinyLM()
+    model.embed.weight.requires_grad_(not freeze_embedding)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.ones_like(p)
+    issued = []
+    real_all_reduce = dist.all_reduce
+    dist.all_reduce = lambda t, *a, **k: issued.append(t.numel()) or real_all_reduce(t, *a, **k)
+    try:
+        n = ga.sync_gradients(model.parameters(), dist.group.WORLD, bucket_bytes=4096)
+    finally:
+        dist.all_reduce = real_all_reduce
+    return n, len(issued), model.embed.weight.grad is None
+
+
+def test_a_one_rank_group_issues_no_gradient_collective():
+    # a real process group of one rank has nothing to sum: 0 all-reduces (not one per bucket, 5 here)
+    assert run_ranks(_sync_counting_all_reduces, 1, False, timeout=60) == [(0, 0, False)]
+
+
+def test_frozen_parameters_are_not_synced():
+    # a frozen embedding keeps .grad None: a zero gradient put there would let AdamW's weight decay move it
+    # (0.205 at lr=0.1, weight_decay=0.5, when sync_gradients kept it). The trainable float32 tensors of
+    # 4096, 256, 4096, 64+2048+128 bytes make 4 buckets of at most 4096 (with the embedding's 2048: 5)
+    for n, issued, frozen_grad_is_none in run_ranks(_sync_counting_all_reduces, 2, True, timeout=60):
+        assert frozen_grad_is_none and n == issued == 4
 
 
 def _none_group_is_local(rank, world):
@@ -245,6 +279,37 @@ def test_effective_batch_size():
     assert ga.effective_batch_size(1, 2, 2, pipeline_micro_batches=8) == 32
     with pytest.raises(ValueError, match="accum_steps"):
         ga.effective_batch_size(4, 8, 0)
+    # a float is refused even where it is >= 1 (it would give 2.5 x 2 x 2 = 10.0 sequences), and so is a
+    # pipeline with no micro-batch (it would give an effective batch of 0)
+    with pytest.raises(ValueError, match="^micro_batch must be a positive integer, got 2.5"):
+        ga.effective_batch_size(2.5, 2, 2)
+    with pytest.raises(ValueError, match="^pipeline_micro_batches must be a positive integer, got 0"):
+        ga.effective_batch_size(4, 8, 16, pipeline_micro_batches=0)
+
+
+def test_loss_of_a_16_bit_model_is_summed_in_float64():
+    # 8 bf16 micro-batch loss sums (~230 each) added in bf16 lose their low bits: 3.607477 per token instead
+    # of 3.596963; added in float64 the returned loss is their float64 sum over the tokens, to rounding
+    gen = torch.Generator().manual_seed(0)
+    mbs = [ga.make_batch(gen, 2, 64) for _ in range(8)]
+    torch.manual_seed(0)
+    model = ga.TinyLM().to(torch.bfloat16)
+    sums = []
+
+    def recording_loss(m, batch):
+        s, n = ga.token_loss(m, batch)
+        sums.append(float(s.detach()))
+        return s, n
+
+    loss = ga.accumulate_gradients(model, mbs, recording_loss)
+    assert loss == pytest.approx(sum(sums) / sum(int(mb[2].sum()) for mb in mbs), abs=1e-9)
+
+
+def test_make_batch_draws_every_length_from_min_len_to_seq():
+    # a full-length row must be possible: over 640 rows of seq 6 every length 1..6 occurs
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.cat([ga.make_batch(gen, 64, 6)[2].sum(1) for _ in range(10)])
+    assert sorted(set(lengths.tolist())) == [1, 2, 3, 4, 5, 6]
 
 
 def test_token_count_is_exact_in_a_16_bit_model():

@@ -215,6 +215,19 @@ def test_ring_saved_memory_per_rank_is_the_o_s_over_p_formula(P, dtype):
         assert r["ring"]["saved"] == ls.ring_saved_bytes(b, h, h_kv, s // P, d, dtype)
 
 
+def test_memory_formulas_by_hand():
+    # ring_memory_bytes, one rank's O(s/P): q, out, dout (3h) and k, v, the KV block in use and the one arriving
+    # (6 h_kv) at e; dq (h), the dK/dV held and arriving (4 h_kv) at the accumulator's width; the lse (h per
+    # row) at that width. All sizes 1 in float32: (3 + 6) 4 + (1 + 4) 4 + 4 = 60 bytes (without the lse 56,
+    # with 4 h_kv at e 52). In bfloat16 at b 1, H 4, H_kv 2, s/P 3, d 5: 15 ((12 + 12) 2 + (4 + 8) 4) + 4 x 3 x 4
+    assert ls.ring_memory_bytes(1, 1, 1, 1, 1, torch.float32) == 60
+    assert ls.ring_memory_bytes(1, 4, 2, 3, 5, torch.bfloat16) == 15 * (24 * 2 + 12 * 4) + 48 == 1488
+    # the whole sequence on one rank (the bench's SDPA unit): q, out, dout, dq (4h) and k, v, dk, dv (4 h_kv) at
+    # e, the lse at the accumulator's width: 15 (16 + 8) 2 + 48 = 768 (counting k, v only, 2 h_kv: 648)
+    assert ls.whole_sequence_memory_bytes(1, 4, 2, 3, 5, torch.bfloat16) == 15 * 24 * 2 + 48 == 768
+    assert ls.whole_sequence_memory_bytes(1, 1, 1, 1, 1, torch.float32) == (4 + 4) * 4 + 4
+
+
 # ---- Peak memory: O(s/P), measured by ls.PeakMemory (live storages of every op's outputs) ----
 
 def _peak(rank, P, fn, b, h, h_kv, s, d, dtype, **kwargs):
@@ -401,6 +414,8 @@ def _bad_inputs(rank, P):
         lambda: ls.allgather_attention(q32, kv64, kv64, group),
         lambda: ls.ring_attention(torch.randn(1, 2, 4, 4), torch.randn(1, 2, 4, 4),
                                   torch.randn(1, 2, 4, 4, device="meta"), group),    # v on another device
+        lambda: ls.ring_attention(torch.randn(1, 2, 4, 4), torch.randn(1, 2, 6, 4),
+                                  torch.randn(1, 2, 6, 4), group),                   # q seq 4, k/v seq 6
     )
     return msgs, dict(ls.comm_log)
 
@@ -418,6 +433,8 @@ def test_bad_input_raises_before_any_communication():
         for msg in msgs[7:10]:
             assert "k (torch.float64, cpu)" in msg and "must share dtype and device" in msg and ".to(q)" in msg
         assert "v (torch.float32, meta)" in msgs[10]
+        # another sequence length in k and v than in q: the kernels would attend it without complaint
+        assert "shape mismatch: q (1, 2, 4, 4), k (1, 2, 6, 4)" in msgs[11] and "seq" in msgs[11]
 
 
 def test_shard_rank_must_be_in_the_group():

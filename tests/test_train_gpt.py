@@ -134,6 +134,16 @@ def test_the_replay_sees_a_schedule_without_warm_up_and_one_that_waits_forever()
         train_gpt.replay_pipeline([[("B", 0), ("F", 0)], [("F", 0), ("B", 0)]])
 
 
+def test_the_replay_is_the_last_stage_to_finish_with_each_kind_its_duration():
+    # by hand, forward 1 unit and backward 2: stage 0 runs F0, F1 at t = 1, 2; stage 1 runs F0 at 2, F1 at 3 and
+    # its two backwards (the last stage's need nothing) at 5, 7. The first stage's clock (2), or the durations
+    # swapped (8), would be wrong; two stages' single forwards, the second after the first, end at 2
+    order = [[("F", 0), ("F", 1)], [("F", 0), ("F", 1), ("B", 0), ("B", 1)]]
+    assert train_gpt.replay_pipeline(order) == 7
+    assert train_gpt.replay_pipeline([[("F", 0)], [("F", 0)]]) == 2
+    assert train_gpt.replay_pipeline([[("F", 0)], [("F", 0)]], forward=3, backward=1) == 6
+
+
 def _bad_layout(rank, world, kwargs):
     import torch.distributed as dist
     try:
@@ -544,6 +554,41 @@ def test_a_checkpoint_of_another_shape_or_format_is_refused(tmp_path):
         train_gpt.check_inputs(CFG, _run(resume=True, out_dir=str(tmp_path)), 1)
 
 
+def _save_twice(rank, world, out):
+    """One AdamW step (--weight-decay 0.1) saved as step 1, then step 1 saved again (a re-run over the folder)."""
+    plan, stage, opt, pipe = train_gpt.build(CFG, _run(dtype="float32", optimizer="adamw", weight_decay=0.1))
+    train_gpt.train_step(stage, pipe, opt, train_gpt.synthetic_batch(0, BATCH, CFG.seq_len, CFG.vocab_size), MICRO)
+    for _ in range(2):
+        train_gpt.save_checkpoint(out, 1, stage, opt, CFG, _run(optimizer="adamw"))
+    return sorted(os.listdir(out))
+
+
+def _load_in_rounds(rank, world, path):
+    """Load at TP2 with --weight-decay 0 and rounds of one saved box: the boxes each read asked for, whether the
+    process's RNG was left alone, and the weight decay of the optimizer's groups afterwards."""
+    plan, stage, opt, _ = train_gpt.build(CFG, _run(tp=2, dtype="float32", optimizer="adamw", weight_decay=0.0))
+    train_gpt.LOAD_ROUND_BYTES = 1
+    reads, real = [], train_gpt._dcp_read
+    train_gpt._dcp_read = lambda tensors, p: reads.append(len(tensors)) or real(tensors, p)
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
+    train_gpt.load_checkpoint(path, stage, opt)
+    return reads, torch.equal(before, torch.get_rng_state()), [g["weight_decay"] for g in opt.param_groups]
+
+
+def test_a_load_at_another_world_size_reads_in_rounds_and_keeps_the_flags_and_the_rng(tmp_path):
+    # saving a step that exists already replaces it (the old folder moved aside, then dropped)
+    assert run_ranks(_save_twice, 1, str(tmp_path), timeout=60)[0] == ["step_000001"]
+    for reads, rng_kept, decay in run_ranks(_load_in_rounds, 2, str(tmp_path / "step_000001"), timeout=60):
+        # the boxes that match (replicated weights, their states) are read in place in one read; the TP-split
+        # ones through temporaries, one saved box per round at LOAD_ROUND_BYTES = 1 (measured: a read of 133
+        # boxes, then 75 of 1; rounds that never grow read all 75 at once)
+        assert len(reads) > 2 and reads[1:] == [1] * (len(reads) - 1), reads
+        # a checkpoint of another world size leaves this process's RNG alone (rank 0's saved state is another
+        # process's), and the hyperparameters are the flags' (--weight-decay 0 here, 0.1 when saved)
+        assert rng_kept and decay == [0.0, 0.0]
+
+
 def test_resume_with_another_learning_rate_schedule_says_what_the_rate_does(tmp_path, capsys):
     # Megatron-LM refuses a resumed run whose schedule differs from its checkpoint's; training longer is a common
     # wish, so here it is a warning on rank 0 with the learning rate at the step where the run continues
@@ -665,6 +710,7 @@ BAD_INPUT = [  # (argv, world, what the one line must name)
     (["--cp", "2", "--seq", "30"], 2, "--seq 30 must be divisible by 2*cp = 4"),
     (["--cp", "3", "--cp-impl", "ulysses"], 3, "--cp-impl ulysses splits each TP rank's 4 heads over --cp 3"),
     (["--tp", "2", "--sequence-parallel", "--seq", "33"], 2, "--seq/--cp = 33 must be divisible by --tp 2"),
+    (["--tp", "2", "--moe-every", "1", "--seq", "33"], 2, "--seq/--cp = 33 must be divisible by --tp 2"),  # MoE
     (["--moe-every", "1", "--experts", "6", "--ep", "4"], 4, "--experts 6 must be divisible by --ep 4"),
     (["--ep", "2"], 2, "--ep 2 needs MoE layers"),
     (["--moe-every", "1", "--top-k", "9"], 1, "--top-k 9 must be between 1 and --experts 8"),
@@ -731,6 +777,12 @@ def test_bad_input_is_one_line_on_rank_0_and_exit_code_2(bad_input_dir, argv, wo
             assert len(lines) == 1 and lines[0].startswith("train_gpt.py: error: ") and names in lines[0], out
         else:
             assert out == "", (rank, out)  # the other ranks print nothing
+
+
+def test_the_limits_themselves_are_valid():
+    # the last layer may be the only MoE one (--moe-every = --layers), and --min-lr = --lr is a constant rate
+    train_gpt.validate(train_gpt.GPTConfig(n_layer=4, moe_every=4), train_gpt.TrainConfig(), 1)
+    train_gpt.validate(train_gpt.GPTConfig(), train_gpt.TrainConfig(lr=1e-3, min_lr=1e-3), 1)
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -864,6 +916,24 @@ def test_cross_entropy_keeps_one_fp32_logits_buffer_and_merges_its_sums():
         assert calls == [(n,), (2, n)]  # the MAX of (N,), then one SUM of [sum of exps, target logit]
 
 
+def _sharded_cross_entropy(rank, world, shift):
+    """Vocabulary-parallel CE of float32 logits shift + N(0, 1), each rank holding 16 of the 32 columns, and the
+    largest difference from F.cross_entropy of the whole (N, 32) in float64."""
+    import torch.distributed as dist
+    shard = lambda r: shift + torch.randn(8, 16, generator=torch.Generator().manual_seed(r))
+    targets = torch.arange(8) * 4  # half of them in each rank's shard
+    loss = train_gpt.vocab_parallel_cross_entropy(shard(rank), targets, rank * 16, dist.group.WORLD)
+    whole = torch.cat([shard(r) for r in range(world)], 1).double()
+    return (loss.double() - F.cross_entropy(whole, targets, reduction="none")).abs().max().item()
+
+
+def test_sharded_cross_entropy_is_stable_far_from_zero():
+    # the stable shift is the MAX of the shards' row maxima: a sum of them (-200 for logits near -100) overflows
+    # exp in float32 (inf), and near +100 misses by 0.4; measured 2.2e-7 at both (float32), asserted at 1e-5
+    for shift in (-100.0, 100.0):
+        assert all(err < 1e-5 for err in run_ranks(_sharded_cross_entropy, 2, shift, timeout=60)), shift
+
+
 def test_the_gpu_check_script_runs_dry_on_cpu():
     """benchmarks/gpu_check.py is run by hand when a GPU is lent; its --dry-run keeps it from rotting here."""
     import subprocess
@@ -923,10 +993,41 @@ def test_text_folders_and_nanogpt_bin_files_train(tmp_path):
             assert losses[1] < losses[0]
 
 
+def test_batches_stay_inside_their_stream_and_synthetic_validation_is_not_training():
+    # a stream of exactly seq + 1 = 17 tokens has one window, the whole stream: 200 draws of 4 all take it (a start
+    # range one too long would index token 17)
+    data = train_gpt.TokenData("t", torch.arange(17), torch.arange(17))
+    for step in range(200):
+        assert torch.equal(data.batch("train", step, 4, 16, 0), torch.arange(17).expand(4, 17))
+    # the synthetic language draws its validation batches from other seeds than its training batches
+    synthetic = train_gpt.load_data("synthetic", 16, 32)
+    assert not torch.equal(synthetic.batch("val", 0, 4, 16, 0), synthetic.batch("train", 0, 4, 16, 0))
+
+
+def test_text_and_bin_files_one_token_too_short_are_refused(tmp_path):
+    import numpy as np
+    # each split needs seq + 1 tokens: 320 bytes split 288 + 32 (10%), one short at --seq 32; 330 split 297 + 33
+    with pytest.raises(ValueError, match="holds 320 bytes: too few for --seq 32"):
+        train_gpt._split_text("t", torch.arange(320) % 256, 32)
+    assert train_gpt._split_text("t", torch.arange(330) % 256, 32).batch("val", 0, 2, 32, 0).shape == (2, 33)
+    # .bin files hold uint16 tokens, 2 bytes each: 32 tokens (64 bytes) are one short at --seq 32, 33 are enough
+    for n in (32, 33):
+        for name in ("train.bin", "val.bin"):
+            np.arange(n, dtype=np.uint16).tofile(tmp_path / name)
+        if n == 32:
+            with pytest.raises(ValueError, match="shorter than --seq \\+ 1 = 33 tokens"):
+                train_gpt.load_data(str(tmp_path), 32, 64)
+        else:
+            bins = train_gpt.load_data(str(tmp_path), 32, 64)
+            assert torch.equal(bins.batch("val", 0, 2, 32, 0)[0], torch.arange(33))
+
+
 def _train_then_sample(rank, world, cfg, data, out):
     train_gpt.train(cfg, _run(dtype="float32", data=data, steps=1, batch=2, out_dir=out))
     path = train_gpt.checkpoint_dirs(out)[-1]
-    return train_gpt.sample(cfg, path, 200, temperature=3.0, seed=1), train_gpt.read_train_state(path)["text"]
+    greedy = [train_gpt.sample(cfg, path, 8, temperature=3.0, top_k=1, seed=seed) for seed in (0, 5)]
+    return (train_gpt.sample(cfg, path, 200, temperature=3.0, seed=1), train_gpt.read_train_state(path)["text"],
+            greedy, train_gpt.sample(cfg, path, 0, prompt="Hello"))
 
 
 def test_sample_decodes_text_models_whatever_their_padded_vocabulary_and_returns_ids_otherwise(tmp_path):
@@ -935,7 +1036,10 @@ def test_sample_decodes_text_models_whatever_their_padded_vocabulary_and_returns
     (tmp_path / "t.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
     for name, data, vocab in (("text", str(tmp_path / "t.txt"), 258), ("ids", "synthetic", 8)):
         cfg = train_gpt.GPTConfig(vocab_size=vocab, seq_len=16, n_layer=1, n_head=2, n_embd=16)
-        got, text = run_ranks(_train_then_sample, 1, cfg, data, str(tmp_path / name), timeout=120)[0]
+        got, text, greedy, nothing = run_ranks(_train_then_sample, 1, cfg, data, str(tmp_path / name), timeout=120)[0]
+        # top-k 1 keeps the largest logit alone: greedy, whatever the seed; asked for 0 tokens after a prompt,
+        # sample returns none of the prompt
+        assert greedy[0] == greedy[1] and 0 < len(greedy[0]) <= 8 and nothing == ("" if name == "text" else [])
         if name == "text":  # hot sampling draws ids >= 256 unless they are excluded
             # 200 bytes decoded: 50 to 200 characters (an id >= 256 would have stopped bytes() with a ValueError)
             assert text is True and isinstance(got, str) and 50 <= len(got) <= 200

@@ -1266,7 +1266,7 @@ def save_checkpoint(out_dir, step, stage, opt, cfg, run, text=False):
                        "world_size": plan.ps.world_size,
                        "layout": {k: getattr(run, k) for k in ("tp", "pp", "cp", "ep", "zero", "dtype")},
                        "optimizer": run.optimizer, "data": run.data, "text": text,
-                       "schedule": {k: getattr(run, k) for k in SCHEDULE_FIELDS},
+                       "schedule": _schedule(run),
                        "optimizer_state": opt.scalar_state()}
         with open(os.path.join(tmp, "train_state.json"), "w") as f:
             json.dump(train_state, f)
@@ -1554,13 +1554,17 @@ def check_inputs(cfg, run, world):
         if int(os.environ.get("RANK", 0)) == 0:  # moved data is fine, and a longer run is a new schedule: warn
             if state["data"] != run.data:
                 _warn(f"resuming a run trained on --data {state['data']} with --data {run.data}")
-            if state.get("schedule", {}) and state["schedule"] != {k: getattr(run, k) for k in SCHEDULE_FIELDS}:
+            if state.get("schedule") and state["schedule"] != _schedule(run):  # older checkpoints have none
                 _warn(_schedule_change(state["schedule"], run, state["step"]))
     return data
 
 
 def _warn(message):
     print(f"train_gpt.py: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _schedule(run):
+    return {k: getattr(run, k) for k in SCHEDULE_FIELDS}
 
 
 def _schedule_change(saved, run, step):

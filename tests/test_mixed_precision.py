@@ -422,6 +422,23 @@ def test_zero1_equals_zero0_and_one_process_in_float64(world):
             assert (p0 - p1).abs().max().item() < 1e-12
 
 
+def _zero1_over_pairs(rank, world):
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    w = torch.nn.Parameter(torch.arange(8, dtype=torch.float32))
+    opt = mp.MixedPrecisionOptimizer([w], torch.optim.SGD, shard_groups=[([w], pairs[rank // 2])], zero=1, lr=1.0)
+    w.grad = torch.ones(8)
+    opt.step()
+    return opt.owned_state(w)[0], w.tolist()
+
+
+def test_zero1_over_subgroups_shards_by_the_rank_within_the_subgroup():
+    # world ranks 2 and 3 own the shards of their pair's ranks 0 and 1 (by world rank: [8, 12) and [12, 16) of
+    # an 8-element buffer); each pair sums its two gradients of 1: arange(8) - 2 everywhere, as one process
+    out = run_ranks(_zero1_over_pairs, 4, timeout=60)
+    assert [r for r, _ in out] == [(0, 4), (4, 8)] * 2
+    assert all(w == (torch.arange(8.0) - 2).tolist() for _, w in out)
+
+
 # ---- bytes per parameter -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mode", [m for m in mp.BYTES_PER_PARAM if m not in mp.FORMULA_ONLY])
@@ -582,26 +599,6 @@ def _stray_grad_all_reduced(rank, world):
 def test_all_reduce_grads_sums_a_gradient_written_to_grad_directly():
     # 1 + 2 summed, SGD lr 1: -3 on both ranks (without folding it first, each rank steps on its own: -1, -2)
     assert run_ranks(_stray_grad_all_reduced, 2, timeout=60) == [[-3.0, -3.0]] * 2
-
-
-def _zero1_over_pairs(rank, world):
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    w = torch.nn.Parameter(torch.arange(8, dtype=torch.float32))
-    opt = mp.MixedPrecisionOptimizer([w], torch.optim.SGD, shard_groups=[([w], pairs[rank // 2])], zero=1, lr=1.0)
-    w.grad = torch.ones(8)
-    opt.step()
-    return opt.owned_state(w)[0], w.tolist()
-
-
-def test_zero1_over_subgroups_shards_by_the_rank_within_the_subgroup():
-    # world ranks 2 and 3 own the shards of their pair's ranks 0 and 1 (by world rank: [8, 12) and [12, 16) of
-    # an 8-element buffer); each pair sums its two gradients of 1: arange(8) - 2 everywhere, as one process
-    ref = torch.nn.Parameter(torch.arange(8, dtype=torch.float32))
-    ref.grad = torch.full((8,), 2.0)
-    torch.optim.SGD([ref], lr=1.0).step()
-    out = run_ranks(_zero1_over_pairs, 4, timeout=60)
-    assert [r for r, _ in out] == [(0, 4), (4, 8)] * 2
-    assert all(w == ref.tolist() for _, w in out)
 
 
 # ---- FP16 with a loss scaler: overflow on one rank -----------------------------------------------------

@@ -1,5 +1,6 @@
 """train_gpt.py: the loss curve is the same for every layout (TP, PP, DP, CP and their products), and the
 one-rank model is the plain nanoGPT computation."""
+import dataclasses
 import math
 import sys
 import os
@@ -556,10 +557,11 @@ def test_a_checkpoint_of_another_shape_or_format_is_refused(tmp_path):
 
 def _save_twice(rank, world, out):
     """One AdamW step (--weight-decay 0.1) saved as step 1, then step 1 saved again (a re-run over the folder)."""
-    plan, stage, opt, pipe = train_gpt.build(CFG, _run(dtype="float32", optimizer="adamw", weight_decay=0.1))
+    run = _run(dtype="float32", optimizer="adamw", weight_decay=0.1)
+    plan, stage, opt, pipe = train_gpt.build(CFG, run)
     train_gpt.train_step(stage, pipe, opt, train_gpt.synthetic_batch(0, BATCH, CFG.seq_len, CFG.vocab_size), MICRO)
     for _ in range(2):
-        train_gpt.save_checkpoint(out, 1, stage, opt, CFG, _run(optimizer="adamw"))
+        train_gpt.save_checkpoint(out, 1, stage, opt, CFG, run)
     return sorted(os.listdir(out))
 
 
@@ -595,9 +597,9 @@ def test_resume_with_another_learning_rate_schedule_says_what_the_rate_does(tmp_
     saved = _run(steps=2, out_dir=str(tmp_path), warmup=1)
     run_ranks(lambda rank, world: train_gpt.train(CFG, saved), 1, timeout=120)
     capsys.readouterr()
-    train_gpt.check_inputs(CFG, train_gpt.TrainConfig(**{**saved.__dict__, "resume": True}), 1)
+    train_gpt.check_inputs(CFG, dataclasses.replace(saved, resume=True), 1)
     assert "warning" not in capsys.readouterr().err  # the same schedule
-    longer = train_gpt.TrainConfig(**{**saved.__dict__, "resume": True, "steps": 6, "min_lr": 0.01})
+    longer = dataclasses.replace(saved, resume=True, steps=6, min_lr=0.01)
     train_gpt.check_inputs(CFG, longer, 1)
     err = capsys.readouterr().err.strip().splitlines()
     # the saved schedule ended at min_lr = lr / 10 = 0.05 on step 1; stretched to 6 steps, step 2 runs at 0.428
@@ -1011,15 +1013,13 @@ def test_text_and_bin_files_one_token_too_short_are_refused(tmp_path):
         train_gpt._split_text("t", torch.arange(320) % 256, 32)
     assert train_gpt._split_text("t", torch.arange(330) % 256, 32).batch("val", 0, 2, 32, 0).shape == (2, 33)
     # .bin files hold uint16 tokens, 2 bytes each: 32 tokens (64 bytes) are one short at --seq 32, 33 are enough
-    for n in (32, 33):
-        for name in ("train.bin", "val.bin"):
-            np.arange(n, dtype=np.uint16).tofile(tmp_path / name)
-        if n == 32:
-            with pytest.raises(ValueError, match="shorter than --seq \\+ 1 = 33 tokens"):
-                train_gpt.load_data(str(tmp_path), 32, 64)
-        else:
-            bins = train_gpt.load_data(str(tmp_path), 32, 64)
-            assert torch.equal(bins.batch("val", 0, 2, 32, 0)[0], torch.arange(33))
+    for name in ("train.bin", "val.bin"):
+        np.arange(32, dtype=np.uint16).tofile(tmp_path / name)
+    with pytest.raises(ValueError, match="shorter than --seq \\+ 1 = 33 tokens"):
+        train_gpt.load_data(str(tmp_path), 32, 64)
+    for name in ("train.bin", "val.bin"):
+        np.arange(33, dtype=np.uint16).tofile(tmp_path / name)
+    assert torch.equal(train_gpt.load_data(str(tmp_path), 32, 64).batch("val", 0, 2, 32, 0)[0], torch.arange(33))
 
 
 def _train_then_sample(rank, world, cfg, data, out):

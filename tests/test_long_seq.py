@@ -152,6 +152,29 @@ def test_low_precision_within_the_error_of_sdpa_in_that_dtype(P, dtype):
             assert rms <= 1.5 * sdpa_rms, (rank, key, rms, sdpa_rms)
 
 
+# The ring merges its blocks in an FP32 accumulator and rounds to the 16-bit dtype once, at the end. Uniform
+# scores (k = 0) and a constant v per rank's block make every block's output exact (its value, c_r) and the
+# answer the mean of the P values; for P = 3 the mean of three 16-bit numbers in [1, 2) stays at least a third of
+# a half-ulp from a rounding tie, far beyond FP32's error, so one rounding gives round(mean) on every entry.
+# Merging in the 16-bit dtype (the first block's output kept in it) rounds after each merge: measured 120-168 of
+# 512 entries off per rank, while it moves the RMS ratio of the test above by at most 0.14 (P = 2 to 4; bar 1.5).
+def _ring_mean_of_block_values(rank, P, dtype):
+    b, h, s_local, d = 2, 4, 8, 8
+    gen = torch.Generator().manual_seed(0)
+    c = (torch.rand(P, b, h, d, generator=gen, dtype=torch.float64) + 1).to(dtype)  # rank r's value c_r
+    q = torch.randn(b, h, s_local, d, generator=gen).to(dtype)
+    k = torch.zeros(b, h, s_local, d, dtype=dtype)
+    v = c[rank][:, :, None, :].expand(b, h, s_local, d).contiguous()
+    out = ls.ring_attention(q, k, v, dist.group.WORLD, causal=False)
+    want = c.double().mean(0).to(dtype)[:, :, None, :].expand_as(out)
+    return int((out != want).sum())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_ring_merge_rounds_once(dtype):
+    assert run_ranks(_ring_mean_of_block_values, 3, dtype, timeout=60) == [0, 0, 0]
+
+
 KV_HEADS = {1: 2, 2: 1, 3: 3, 4: 2}  # P=2 (MQA) and P=4 replicate KV heads for Ulysses; P=3 splits them
 
 

@@ -1,6 +1,7 @@
 """topology.py: Megatron-LM's layout, groups that reach exactly their ranks, the planner's arithmetic."""
 import dataclasses
 import itertools
+import os
 import random
 import time
 
@@ -111,6 +112,26 @@ def test_rank_map_picture():
                                "0.0.47.15"]
 
 
+def test_rank_map_header_long_lists_and_warning():
+    # 8 GPUs as tp 2 x cp 2 x dp 2: cp*dp = 4 ranks fold into ep 4, so edp is 1 (not dp / ep)
+    assert topology.rank_map(1, 8, tp=2, cp=2, ep=4).splitlines()[0] == (
+        "world=8 = tp 2 x cp 2 x dp 2 x pp 1   (ep 4, edp 1)")
+    # 9 one-rank TP groups: the first 8 are shown, then the count
+    lines = topology.rank_map(1, 9).splitlines()
+    assert "       tp [inside a node]: [0] [1] [2] [3] [4] [5] [6] [7] ... (9 groups)" in lines
+    assert "       dp [inside a node]: [0, 1, 2, 3, 4, 5, 6, 7, 8]" in lines
+    # the warning follows TP alone: TP 8 over two 4-GPU nodes warns though DP (size 1) stays put; TP 8 in 8-GPU
+    # nodes does not, though DP pairs and PP cross nodes
+    assert topology.rank_map(2, 4, tp=8).splitlines()[-1].startswith("WARNING: TP crosses nodes")
+    text = topology.rank_map(8, 8, tp=8, pp=4)
+    assert "dp [CROSSES nodes]" in text and "WARNING" not in text
+
+
+def test_map_cli_defaults_to_ep_1(capsys):
+    topology.main(["--nodes", "1", "--gpus-per-node", "4"])
+    assert capsys.readouterr().out.splitlines()[0] == "world=4 = tp 1 x cp 1 x dp 4 x pp 1   (ep 1, edp 4)"
+
+
 # ---- process groups on 8 gloo ranks --------------------------------------------------------------
 
 def _init_and_probe(rank, world_size, tp, pp, cp, ep, gpus_per_node):
@@ -127,7 +148,7 @@ def _init_and_probe(rank, world_size, tp, pp, cp, ep, gpus_per_node):
     mesh = {dim: dist.get_process_group_ranks(state.mesh.get_group(dim)) for dim in ("pp", "dp", "cp", "tp")}
     return {"reached": reached, "ranks": state.ranks, "mesh": mesh, "coords": state.coords,
             "prev": state.pp_prev, "next": state.pp_next, "first": state.is_first_stage,
-            "last": state.is_last_stage, "intra": state.intra_node}
+            "last": state.is_last_stage, "intra": state.intra_node, "sizes": state.sizes}
 
 
 @pytest.mark.parametrize("world, tp, pp, cp, ep, gpus_per_node",
@@ -150,6 +171,19 @@ def test_init_parallel_groups_reach_exactly_their_ranks(world, tp, pp, cp, ep, g
         assert o["next"] == (pp_ranks[stage + 1] if stage < pp - 1 else None)
         assert o["intra"]["tp"]  # TP fits inside a node in every case here
         assert o["intra"]["pp"] == (pp == 1)  # PP strides across nodes in every case here
+        # each size is the length of this rank's group of that kind (ep 4 over cp*dp = 4: edp 1, tp_cp 4)
+        assert o["sizes"] == {kind: len(o["ranks"][kind]) for kind in o["sizes"]}, (rank, o["sizes"])
+
+
+def _intra_node_without_gpus_per_node(rank, world_size):
+    os.environ.pop("LOCAL_WORLD_SIZE", None)  # no torchrun: the whole world is taken as one node
+    return topology.init_parallel(tp=2, pp=2, with_mesh=False).intra_node
+
+
+def test_without_gpus_per_node_or_local_world_size_every_group_is_inside_one_node():
+    # taking one GPU per node instead would call every group of more than one rank cross-node (and warn on TP)
+    for intra in run_ranks(_intra_node_without_gpus_per_node, 4, timeout=60):
+        assert intra == dict.fromkeys(topology.GROUP_KINDS, True)
 
 
 def _bad_layout(rank, world_size):
@@ -868,6 +902,25 @@ def test_a_world_of_no_ranks_is_not_told_to_disable_itself():
 
 _PLAN_64 = ["plan", "--gpus", "64", "--layers", "40", "--hidden", "5120", "--heads", "40", "--seq", "2048", "--vocab",
             "51200", "--global-batch", "512"]
+
+
+def test_plan_cli_without_knob_flags_is_the_planner_with_every_knob_free(capsys):
+    # an absent --zero or --sequence-parallel leaves the knob to the planner (None), not off: here it turns
+    # ZeRO-1 on for 59 of the 60 layouts and sequence parallelism for 41, and the CLI's JSON is plan()'s
+    import json
+    topology.main(_PLAN_64 + ["--json"])
+    plans = json.loads(capsys.readouterr().out)
+    assert {p["zero"] for p in plans} == {p["sequence_parallel"] for p in plans} == {True, False}
+    cluster = topology.Cluster.for_gpu("a100", 64, gpus_per_node=8)
+    free = topology.plan(cluster, topology.ModelShape(40, 5120, 40, 2048, 51200, 512))
+    assert plans == json.loads(json.dumps(free))
+
+
+def test_plan_cli_limit_0_prints_no_rows(capsys):
+    topology.main(_PLAN_64 + ["--limit", "0"])  # 0 rows is a valid request; only negative limits are refused
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["tp", "pp"])
+    assert lines[header + 1].startswith("... ") and lines[header + 1].endswith(" more")
 
 
 def test_explain_says_which_recomputation_was_tried(capsys):

@@ -439,6 +439,7 @@ def _bad_inputs(rank, P):
                                   torch.randn(1, 2, 4, 4, device="meta"), group),    # v on another device
         lambda: ls.ring_attention(torch.randn(1, 2, 4, 4), torch.randn(1, 2, 6, 4),
                                   torch.randn(1, 2, 6, 4), group),                   # q seq 4, k/v seq 6
+        lambda: ls.ring_attention(q32, q32, kv64, group),                            # only v in float64
     )
     return msgs, dict(ls.comm_log)
 
@@ -458,6 +459,7 @@ def test_bad_input_raises_before_any_communication():
         assert "v (torch.float32, meta)" in msgs[10]
         # another sequence length in k and v than in q: the kernels would attend it without complaint
         assert "shape mismatch: q (1, 2, 4, 4), k (1, 2, 6, 4)" in msgs[11] and "seq" in msgs[11]
+        assert "v (torch.float64, cpu) must share dtype" in msgs[12]
 
 
 def test_shard_rank_must_be_in_the_group():
@@ -519,3 +521,11 @@ def test_one_rank_ring_attention_takes_any_causal_length(impl):
     grads = torch.autograd.grad(out.sum(), (q, k, v))
     ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
     assert max((a - b).abs().max().item() for a, b in zip((out, *grads), (ref, *ref_grads))) < 1e-12
+
+
+def test_one_rank_causal_allgather_refuses_an_odd_length():
+    # unlike the ring, its two query chunks need an even length even on one rank: with 5 rows the chunks would
+    # cover rows 0-3 only and row 4 would come back wrong (measured max error 2.06 against SDPA), not refused
+    q = torch.randn(1, 2, 5, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="local length 5 must be even"):
+        ls.allgather_attention(q, q, q, None, causal=True)

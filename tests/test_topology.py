@@ -127,9 +127,12 @@ def test_rank_map_header_long_lists_and_warning():
     assert "dp [CROSSES nodes]" in text and "WARNING" not in text
 
 
-def test_map_cli_defaults_to_ep_1(capsys):
+def test_map_cli_defaults_to_ep_1_and_torchruns_gpus_per_node(capsys, monkeypatch):
     topology.main(["--nodes", "1", "--gpus-per-node", "4"])
     assert capsys.readouterr().out.splitlines()[0] == "world=4 = tp 1 x cp 1 x dp 4 x pp 1   (ep 1, edp 4)"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # 2 nodes of 4, not of the fallback 8
+    topology.main(["--nodes", "2"])
+    assert capsys.readouterr().out.splitlines()[0] == "world=8 = tp 1 x cp 1 x dp 8 x pp 1   (ep 1, edp 8)"
 
 
 # ---- process groups on 8 gloo ranks --------------------------------------------------------------
@@ -914,6 +917,17 @@ def test_plan_cli_without_knob_flags_is_the_planner_with_every_knob_free(capsys)
     cluster = topology.Cluster.for_gpu("a100", 64, gpus_per_node=8)
     free = topology.plan(cluster, topology.ModelShape(40, 5120, 40, 2048, 51200, 512))
     assert plans == json.loads(json.dumps(free))
+
+
+def test_plan_cli_overlap_flag_reaches_the_cluster(capsys):
+    # the flag hides the gradient reduction behind the backward: best step 7.93 s here against 8.20 s without
+    import json
+    topology.main(_PLAN_64 + ["--json", "--overlap-grad-reduce"])
+    plans = json.loads(capsys.readouterr().out)
+    m = topology.ModelShape(40, 5120, 40, 2048, 51200, 512)
+    with_overlap, without = (json.loads(json.dumps(topology.plan(topology.Cluster.for_gpu(
+        "a100", 64, gpus_per_node=8, overlap_grad_reduce=overlap), m))) for overlap in (True, False))
+    assert plans == with_overlap != without
 
 
 def test_plan_cli_limit_0_prints_no_rows(capsys):

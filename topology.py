@@ -134,6 +134,7 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -306,39 +307,80 @@ class ParallelState:
         return self.coords["edp"]
 
 
-def choose_backend():
+def choose_backend(say=None):
     """NCCL when every process on this node has a GPU of its own, else gloo on CPU processes (with a warning
-    where GPUs exist): more processes than GPUs would fail in `torch.cuda.set_device` ("invalid device ordinal")."""
+    where GPUs exist): more processes than GPUs would fail in `torch.cuda.set_device` ("invalid device ordinal").
+    `say(message)` speaks the warning (default `warnings.warn`; a trainer passes one that prints on rank 0 only)."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if not torch.cuda.is_available():
         return "gloo"
     if torch.cuda.device_count() < local_world:
-        warnings.warn(f"{local_world} processes per node but {torch.cuda.device_count()} GPUs: running on CPU "
-                      "processes (gloo); start at most one process per GPU to use them")
+        (say or warnings.warn)(f"{local_world} processes per node but {torch.cuda.device_count()} GPUs: running on "
+                               "CPU processes (gloo); start at most one process per GPU to use them")
         return "gloo"
     return "nccl"
 
 
-def init_distributed():
-    """Initialise the default process group from torchrun's environment (`choose_backend`)."""
+def _timeout(timeout_s):
+    """A collective that waits longer than this raises (gloo) or aborts the process (NCCL's watchdog). None: torch's
+    default, 30 minutes for a new_group, which is why every group here is given the caller's timeout."""
+    return None if timeout_s is None else timedelta(seconds=timeout_s)
+
+
+def init_distributed(timeout_s=None, say=None):
+    """Initialise the default process group from torchrun's environment (`choose_backend`), or a one-process group
+    when the program runs as plain `python` (no RANK in the environment)."""
     if not dist.is_initialized():
-        backend = choose_backend()
+        if "RANK" not in os.environ:
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        backend = choose_backend(say)
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=_timeout(timeout_s))
     return dist.get_rank(), dist.get_world_size()
 
 
-def init_parallel(tp=1, pp=1, cp=1, ep=1, gpus_per_node=None, with_mesh=True):
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parallel_state(rank, world_size, tp=1, pp=1, cp=1, ep=1, gpus_per_node=None, groups=None):
+    """One rank's ParallelState from arithmetic alone: coordinates, sizes, the ranks of each of its groups and its
+    pipeline neighbours. `groups` (kind -> process group) is filled in by init_parallel; without it every group is
+    None, so a one-process program (or a tool that only needs the layout) needs no process group."""
+    layout = rank_groups(world_size, tp, pp, cp, ep)  # raises before any communication
+    coords = rank_coordinates(rank, world_size, tp, pp, cp, ep)
+    # a middle pipeline stage is in no embedding group: None and [] there
+    my_ranks = {kind: next((list(g) for g in layout[kind] if rank in g), []) for kind in GROUP_KINDS}
+    dp, stage, pp_ranks = world_size // (tp * pp * cp), coords["pp"], my_ranks["pp"]
+    return ParallelState(
+        rank=rank, world_size=world_size,
+        sizes={"tp": tp, "cp": cp, "dp": dp, "pp": pp, "ep": ep, "edp": cp * dp // ep, "dp_cp": dp * cp,
+               "tp_cp": tp * cp},
+        coords=coords, groups=dict(groups or dict.fromkeys(GROUP_KINDS)), ranks=my_ranks,
+        pp_prev=pp_ranks[stage - 1] if stage > 0 else None,
+        pp_next=pp_ranks[stage + 1] if stage < pp - 1 else None,
+        is_first_stage=stage == 0, is_last_stage=stage == pp - 1,
+        intra_node=group_locality(layout, gpus_per_node or world_size))
+
+
+def init_parallel(tp=1, pp=1, cp=1, ep=1, gpus_per_node=None, with_mesh=True, timeout_s=None):
     """Create every group of the layout on the default process group; return this rank's ParallelState.
 
     The layout is validated before any group is created, so a bad layout raises the same ValueError on every
-    rank and none of them hangs in `new_group`.
+    rank and none of them hangs in `new_group`. `timeout_s` bounds every collective of every group (and of the
+    default group, if this call creates it): without it a sub-group would wait torch's default 30 minutes for a
+    rank that stopped, whatever the default group's timeout.
     """
     if gpus_per_node is not None and not _is_count(gpus_per_node):
         raise ValueError(f"gpus_per_node={gpus_per_node!r} must be a positive integer; omit it to read "
                          "LOCAL_WORLD_SIZE")
-    rank, world_size = init_distributed()
+    if timeout_s is not None and not (isinstance(timeout_s, numbers.Real) and 0 < timeout_s < math.inf):
+        raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds (or None)")
+    rank, world_size = init_distributed(timeout_s)
     groups = rank_groups(world_size, tp, pp, cp, ep)  # raises before any communication
     if gpus_per_node is None:
         gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -347,36 +389,21 @@ def init_parallel(tp=1, pp=1, cp=1, ep=1, gpus_per_node=None, with_mesh=True):
     # new_group is collective over the whole default group: every rank must call it for every group, in the
     # same order, even for the groups it is not in; otherwise group ids disagree across ranks and the next
     # collective deadlocks. Kinds that coincide (dp_cp == dp when cp == 1) reuse one handle.
-    handles = {}
-    # a middle pipeline stage is in no embedding group: None and [] there
-    mine, my_ranks = dict.fromkeys(GROUP_KINDS), {kind: [] for kind in GROUP_KINDS}
+    handles, mine = {}, dict.fromkeys(GROUP_KINDS)
     for kind in GROUP_KINDS:
         for ranks in groups[kind]:
             key = tuple(ranks)
             if key not in handles:
-                handles[key] = dist.new_group(ranks)
+                handles[key] = dist.new_group(ranks, timeout=_timeout(timeout_s))
             if rank in ranks:
-                mine[kind], my_ranks[kind] = handles[key], list(ranks)
-
-    coords = rank_coordinates(rank, world_size, tp, pp, cp, ep)
-    dp = world_size // (tp * pp * cp)
-    pp_ranks = my_ranks["pp"]
-    stage = coords["pp"]
-    mesh = None
+                mine[kind] = handles[key]
+    state = parallel_state(rank, world_size, tp, pp, cp, ep, gpus_per_node, groups=mine)
     if with_mesh:
         from torch.distributed.device_mesh import init_device_mesh
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
         # mesh dims outermost first: pp, dp, cp, tp (tp fastest) is exactly the rank formula above
-        mesh = init_device_mesh(device, (pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
-    return ParallelState(
-        rank=rank, world_size=world_size,
-        sizes={"tp": tp, "cp": cp, "dp": dp, "pp": pp, "ep": ep, "edp": cp * dp // ep, "dp_cp": dp * cp,
-               "tp_cp": tp * cp},
-        coords=coords, groups=mine, ranks=my_ranks,
-        pp_prev=pp_ranks[stage - 1] if stage > 0 else None,
-        pp_next=pp_ranks[stage + 1] if stage < pp - 1 else None,
-        is_first_stage=stage == 0, is_last_stage=stage == pp - 1,
-        intra_node=group_locality(groups, gpus_per_node), mesh=mesh)
+        state.mesh = init_device_mesh(device, (pp, state.sizes["dp"], cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
+    return state
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -145,7 +145,11 @@ import json
 import math
 import os
 import pickle
+import re
 import shutil
+import signal
+import socket
+import stat
 import sys
 import time
 import warnings
@@ -969,6 +973,35 @@ class TokenData:
         return torch.from_numpy(stream[index.numpy()].astype(np.int64)).to(device)  # a uint16 memmap
 
 
+def _kind(mode):
+    return next((name for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
+                                          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                                          (stat.S_ISSOCK, "a socket")) if test(mode)), "not a regular file")
+
+
+def input_file(what, path, error=ValueError):
+    """os.stat of `path` if it is a regular file this process may read, else `error`, one line naming `what` (the flag
+    or the checkpoint) and the file: opening a FIFO would block forever, a folder or a device holds no data."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise error(f"{what}: {path} cannot be read ({e.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise error(f"{what}: {path} is {_kind(st.st_mode)}, not a regular file")
+    if not os.access(path, os.R_OK):
+        raise error(f"{what}: {path} is not readable (its permissions)")
+    return st
+
+
+def _read_bytes(what, path):
+    input_file(what, path)
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"{what}: {path} cannot be read ({e.strerror})") from None
+
+
 def _text_tokens(text_bytes):
     return torch.from_numpy(np.frombuffer(text_bytes, dtype=np.uint8).astype(np.int64))
 
@@ -983,23 +1016,32 @@ def load_data(spec, seq_len, vocab):
         import pydoc_data.topics
         text = "".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)).encode()
         return _split_text("embedded corpus", _text_tokens(text), seq_len)
+    what = f"--data {spec}"
     if not os.path.exists(spec):
-        raise ValueError(f"--data {spec}: no such file or folder; pass a text file, a folder of text files, a "
+        raise ValueError(f"{what}: no such file or folder; pass a text file, a folder of text files, a "
                          "folder with train.bin and val.bin, or 'embedded'")
     folder = os.path.dirname(os.path.abspath(spec)) if spec.endswith(".bin") else spec
     if os.path.isdir(folder) and os.path.exists(os.path.join(folder, "train.bin")):
         streams = []
         for name in ("train.bin", "val.bin"):
             path = os.path.join(folder, name)
-            if not os.path.exists(path) or os.path.getsize(path) < 2 * (seq_len + 1):
-                raise ValueError(f"--data {spec}: {path} is missing or shorter than --seq + 1 = {seq_len + 1} tokens")
+            if not os.path.exists(path):
+                raise ValueError(f"{what}: {path} is missing (a nanoGPT folder holds train.bin and val.bin)")
+            size = input_file(what, path).st_size
+            if size % 2:
+                raise ValueError(f"{what}: {path} holds {size} bytes, an odd number: not uint16 token ids")
+            if size < 2 * (seq_len + 1):
+                raise ValueError(f"{what}: {path} is shorter than --seq + 1 = {seq_len + 1} tokens")
             streams.append(np.memmap(path, dtype=np.uint16, mode="r"))
         vocab = 1 + max(int(s.max()) for s in streams)  # one pass over the ids: catches a too small --vocab
         return TokenData(spec, *streams, vocab=vocab)
-    files = [spec] if os.path.isfile(spec) else sorted(
-        os.path.join(root, f) for root, _, names in os.walk(spec) for f in names if not f.startswith("."))
-    text = b"".join(open(f, "rb").read() for f in files)
-    return _split_text(f"--data {spec}", _text_tokens(text), seq_len)
+    if os.path.isdir(spec):
+        files = sorted(os.path.join(root, f) for root, _, names in os.walk(spec) for f in names
+                       if not f.startswith("."))
+    else:
+        files = [spec]
+    text = b"".join(_read_bytes(what, f) for f in files)  # each file checked before it is opened: a FIFO blocks
+    return _split_text(what, _text_tokens(text), seq_len)
 
 
 def _split_text(name, tokens, seq_len):
@@ -1128,10 +1170,18 @@ def lr_at(step, run):
 # checkpoint is written to step_NNNNNN.tmp and renamed when complete, so out_dir only ever holds complete ones;
 # loading unpickles nothing but DCP's own metadata classes.
 
-CHECKPOINT_FORMAT = "boxes"  # in train_state.json: how the tensors are stored (the comment above)
+CHECKPOINT_FORMAT = "boxes+crc32"  # in train_state.json: tensors stored as boxes, every file's CRC32 recorded
 SHAPE_FLAGS = {"vocab_size": "--vocab", "seq_len": "--seq", "n_layer": "--layers", "n_head": "--heads",
                "n_embd": "--hidden", "moe_every": "--moe-every", "n_experts": "--experts", "top_k": "--top-k"}
 SCHEDULE_FIELDS = ("lr", "min_lr", "warmup", "steps")  # saved, so that a resume with another schedule is told
+OPTIMIZER_STATES = {"adamw": ("master", "step", "exp_avg", "exp_avg_sq"), "sgd": ("master", "momentum_buffer")}
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+DATA_FILE = re.compile(r"__\d+_\d+\.distcp")  # the names DCP's FileSystemWriter gives the tensor files
+JSON_MAX_BYTES = 1 << 20
+
+
+class BadCheckpoint(ValueError):
+    """A checkpoint that fails a check; the message is one line naming the file and what is wrong."""
 
 
 def checkpoint_dirs(out_dir):
@@ -1143,14 +1193,99 @@ def checkpoint_dirs(out_dir):
     return [os.path.join(out_dir, n) for n in sorted(names, key=lambda n: int(n[5:]))]
 
 
+def _int(lo=None, hi=None):
+    what = "an integer" + (f" between {lo} and {hi}" if hi is not None else f" >= {lo}" if lo is not None else "")
+    return (lambda v: type(v) is int and (lo is None or v >= lo) and (hi is None or v <= hi)), what
+
+
+def _real(lo=0.0, above=False, none=False):
+    what = f"a finite number {'>' if above else '>='} {lo}" + (" or null" if none else "")
+    ok = lambda v: (none and v is None) or (type(v) in (int, float) and math.isfinite(v) and (v > lo if above
+                                                                                               else v >= lo))
+    return ok, what
+
+
+def _one_of(choices):
+    return (lambda v: isinstance(v, str) and v in choices), f"one of {sorted(choices)}"
+
+
+_OBJECT = (lambda v: isinstance(v, dict)), "an object"
+TRAIN_STATE_FIELDS = {  # key: (check, what it must be); `format` and `step` are checked first, by name
+    "format": ((lambda v: v == CHECKPOINT_FORMAT), repr(CHECKPOINT_FORMAT)), "step": _int(1),
+    "config": _OBJECT, "world_size": _int(1, 1 << 20), "layout": _OBJECT, "optimizer": _one_of(OPTIMIZER_STATES),
+    "data": ((lambda v: isinstance(v, str)), "a string"), "text": ((lambda v: isinstance(v, bool)), "true or false"),
+    "schedule": _OBJECT, "optimizer_state": _OBJECT, "files": _OBJECT}
+CONFIG_FIELDS = {**{k: _int(1) for k in ("vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "n_experts",
+                                         "top_k")},
+                 "moe_every": _int(0), "seed": _int(0, 2 ** 31 - 1), "aux_loss_coeff": _real(), "z_loss_coeff": _real()}
+LAYOUT_FIELDS = {**{k: _int(1, 1 << 20) for k in ("tp", "pp", "cp", "ep")}, "zero": _int(0, 3),
+                 "dtype": _one_of(("float32", "bfloat16", "float16", "fp8", "float64"))}
+SCHEDULE_CHECKS = {"lr": _real(above=True), "min_lr": _real(none=True), "warmup": _int(0), "steps": _int(1)}
+OPTIMIZER_STATE_FIELDS = {"param_groups": ((lambda v: isinstance(v, list) and len(v) <= 16 and
+                                            all(isinstance(g, dict) for g in v)), "a list of objects"),
+                          "loss_scaler": ((lambda v: v is None or isinstance(v, dict)), "an object or null")}
+
+
+def _check_fields(obj, checks, where, prefix=""):
+    """Every key of `checks` present and passing its check, and no other key (this program writes exactly these)."""
+    for key, (ok, what) in checks.items():
+        if key not in obj:
+            raise BadCheckpoint(f"{where}: '{prefix}{key}' is missing: it was not written by this program")
+        if not ok(obj[key]):
+            shown = repr(obj[key])
+            raise BadCheckpoint(f"{where}: '{prefix}{key}' is {shown[:60] + '...' * (len(shown) > 60)}; it must be "
+                                f"{what}")
+    for key in obj:
+        if key not in checks:
+            raise BadCheckpoint(f"{where}: unknown key '{prefix}{key}': it was not written by this program")
+
+
+def _read_json(where):
+    """A JSON object from a regular file of at most JSON_MAX_BYTES (a FIFO would block, a huge file exhaust memory)."""
+    st = input_file(f"checkpoint {os.path.dirname(where)}", where, BadCheckpoint)
+    if st.st_size > JSON_MAX_BYTES:
+        raise BadCheckpoint(f"{where}: {st.st_size} bytes, far more than this program writes")
+    try:
+        with open(where, "rb") as f:
+            state = json.loads(f.read().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise BadCheckpoint(f"{where}: not valid JSON ({str(e).splitlines()[0]})") from None
+    if not isinstance(state, dict):
+        raise BadCheckpoint(f"{where}: not a JSON object")
+    return state
+
+
 def read_train_state(path, cfg=None):
-    """The JSON part of a checkpoint; with `cfg`, refuses a checkpoint of another model shape."""
-    with open(os.path.join(path, "train_state.json")) as f:
-        state = json.load(f)
-    if state.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"checkpoint {path} was written by an earlier train_gpt.py (its tensors are not stored as "
-                         "boxes of the whole parameters): resume or sample it with that version, or pass another "
-                         "--out-dir")
+    """The JSON part of a checkpoint, checked field by field (the keys it must have, types, ranges, the model a
+    possible one) before anything uses it; with `cfg`, refuses a checkpoint of another model shape. Raises
+    BadCheckpoint, one line naming the file."""
+    where = os.path.join(path, "train_state.json")
+    state = _read_json(where)
+    if state.get("format") in ("boxes", None) and "files" not in state:
+        raise BadCheckpoint(f"checkpoint {path} was written by an earlier train_gpt.py (without checksums of its "
+                            "files): resume or sample it with that version, or pass another --out-dir")
+    _check_fields(state, TRAIN_STATE_FIELDS, where)
+    folder_step = os.path.basename(os.path.normpath(path))[5:]
+    if not folder_step.isdigit() or int(folder_step) != state["step"]:
+        raise BadCheckpoint(f"{where}: 'step' is {state['step']}, but the folder is {os.path.basename(path)}")
+    for key, checks in (("config", CONFIG_FIELDS), ("layout", LAYOUT_FIELDS), ("schedule", SCHEDULE_CHECKS),
+                        ("optimizer_state", OPTIMIZER_STATE_FIELDS)):
+        _check_fields(state[key], checks, where, prefix=key + ".")
+    try:
+        validate(GPTConfig(**state["config"]), TrainConfig(), 1)
+        scaler = state["optimizer_state"]["loss_scaler"]
+        if scaler is not None:
+            mixed_precision.DynamicLossScaler().load_state_dict(scaler)  # its own checks, on a throwaway
+    except (ValueError, TypeError, KeyError) as e:
+        raise BadCheckpoint(f"{where}: {str(e).splitlines()[0]}") from None
+    size_ok, crc_ok = _int(0)[0], _int(0, 2 ** 32 - 1)[0]
+    for name, entry in state["files"].items():
+        if not (name == ".metadata" or DATA_FILE.fullmatch(name)) or not (
+                isinstance(entry, list) and len(entry) == 2 and size_ok(entry[0]) and crc_ok(entry[1])):
+            raise BadCheckpoint(f"{where}: 'files' holds {name!r}: {entry!r}, not a file this program writes with its "
+                                "[size, CRC32]")
+    if ".metadata" not in state["files"]:
+        raise BadCheckpoint(f"{where}: 'files' does not list .metadata")
     for field, flag in SHAPE_FLAGS.items() if cfg is not None else ():
         if state["config"][field] != getattr(cfg, field):
             raise ValueError(f"checkpoint {path} holds a model with {flag} {state['config'][field]}, this run has "
@@ -1251,6 +1386,9 @@ def save_checkpoint(out_dir, step, stage, opt, cfg, run, text=False):
     tells --sample to decode what it draws."""
     import torch.distributed.checkpoint as dcp
     plan = stage.plan
+    if not weights_are_finite(stage):  # agreed over the world: no rank writes, none waits
+        raise Diverged(f"after step {step} the weights hold non-finite values: no checkpoint is written (lower --lr, "
+                       "or keep --grad-clip on)")
     state = checkpoint_tensors(stage, opt)
     state[f"rng/{plan.ps.rank}"] = torch.get_rng_state()  # restored when the world size is the same
     final = os.path.join(out_dir, f"step_{step:06d}")
@@ -1261,13 +1399,20 @@ def save_checkpoint(out_dir, step, stage, opt, cfg, run, text=False):
     dist.barrier()
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))  # a box saved by several ranks is written once
     dist.barrier()  # every rank's files are written (and rank 0's metadata)
-    if plan.ps.rank == 0:
+    # each rank checksums the files it wrote (DCP names them __RANK_N.distcp; rank 0 also writes .metadata)
+    rank = plan.ps.rank
+    mine = checksums(tmp, [n for n in os.listdir(tmp)
+                           if n.startswith(f"__{rank}_") or (rank == 0 and n == ".metadata")])
+    every = [None] * plan.ps.world_size if rank == 0 else None
+    dist.gather_object(mine, every, dst=0)
+    if rank == 0:
+        files = {name: entry for part in every for name, entry in part.items()}
         train_state = {"format": CHECKPOINT_FORMAT, "step": step, "config": asdict(cfg),
                        "world_size": plan.ps.world_size,
                        "layout": {k: getattr(run, k) for k in ("tp", "pp", "cp", "ep", "zero", "dtype")},
                        "optimizer": run.optimizer, "data": run.data, "text": text,
                        "schedule": _schedule(run),
-                       "optimizer_state": opt.scalar_state()}
+                       "optimizer_state": opt.scalar_state(), "files": files}
         with open(os.path.join(tmp, "train_state.json"), "w") as f:
             json.dump(train_state, f)
             f.flush()
@@ -1279,6 +1424,14 @@ def save_checkpoint(out_dir, step, stage, opt, cfg, run, text=False):
         shutil.rmtree(final + ".old", ignore_errors=True)
     dist.barrier()
     return final
+
+
+def weights_are_finite(stage):
+    """Whether every weight of every rank is finite (one MIN all-reduce of a flag over the world)."""
+    finite = torch.stack([torch.isfinite(p).all() for p in stage.parameters()]).all().to(torch.int32).view(1)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    return bool(finite.item())
 
 
 _DCP_METADATA_NAMES = {  # everything DCP's metadata pickle refers to (torch 2.13), and nothing else
@@ -1316,6 +1469,162 @@ def _safe_reader(path):
             return metadata
 
     return SafeReader(path)
+
+
+RNG_STATE_BYTES = torch.get_rng_state().numel()  # the CPU generator's state, saved per rank
+
+
+def model_geometry(cfg):
+    """{global name: the whole parameter's shape, in the coordinates of its boxes (QKV as (3, h, ...))} for every
+    parameter of the model, whatever stage holds it: a one-process model built on the meta device (no memory, no
+    process group)."""
+    plan = make_plan(topology.parallel_state(0, 1))
+    with torch.device("meta"):
+        stage = GPTStage(cfg, plan)
+    return {name: _slice_geometry(p, plan.ps)[0] for name, p, _ in _saved_params(stage)}
+
+
+def _check_entry(where, key, md, geometry, states, world_size):
+    """One saved tensor entry: a name this program writes, a box inside its parameter, a dtype it saves."""
+    def bad(why):
+        return BadCheckpoint(f"{where}: entry {key!r} {why}: it was not written by this program")
+
+    size, dtype = tuple(md.size), md.properties.dtype
+    name, _, offsets = key.partition("@")
+    kind, *parts = name.split("/")
+    if kind == "rng" and len(parts) == 1 and not offsets:
+        if not (parts[0].isdigit() and int(parts[0]) < world_size):
+            raise bad(f"is the RNG state of a rank outside the world of {world_size}")
+        if size != (RNG_STATE_BYTES,) or dtype != torch.uint8:
+            raise bad(f"is an RNG state of shape {size} and {dtype}")
+    elif kind in ("model", "optim") and len(parts) == (1 if kind == "model" else 2) and parts[0] in geometry:
+        whole, state = geometry[parts[0]], parts[1] if kind == "optim" else None
+        if state is not None and state not in states:
+            raise bad(f"holds an optimizer state {state!r} (expected one of {states})")
+        if state == "step":
+            if offsets or size != () or dtype not in (torch.float32, torch.float64):
+                raise bad(f"is a step counter of shape {size} and {dtype}")
+        else:
+            try:
+                offs = [int(o) for o in offsets.split(",")]
+            except ValueError:
+                raise bad("has no offsets in its parameter") from None
+            if len(offs) != len(whole) or len(size) != len(whole) or any(
+                    o < 0 or s < 1 or o + s > w for o, s, w in zip(offs, size, whole)):
+                raise bad(f"of shape {size} at {offs} does not lie inside the parameter's {tuple(whole)}")
+            if dtype not in (FLOAT_DTYPES if kind == "model" else (torch.float32, torch.float64)):
+                raise bad(f"is {dtype}")
+    else:
+        raise bad("names nothing that this model has")
+    inside = all(len(c.offsets) == len(size) == len(c.sizes) and all(
+        0 <= o and o + s <= n for o, s, n in zip(c.offsets, c.sizes, size)) for c in md.chunks)
+    if not inside or sum(math.prod(c.sizes) for c in md.chunks) != math.prod(size):
+        raise bad("is not stored as chunks that tile it")
+
+
+def check_checkpoint(path, cfg=None):
+    """Everything about a checkpoint that can be checked without reading its tensors, before DCP reads a byte of
+    them: train_state.json (read_train_state), every file it lists present with its recorded size, and DCP's
+    metadata unpickled safely with every entry checked: only tensors (a bytes entry makes DCP's loader call
+    torch.load(weights_only=False) on the bytes it points to, which can run any code), under the names this
+    program writes, inside their parameters, of the dtypes it saves, each stored piece inside a listed file and
+    untransformed. Returns (train_state, metadata); raises BadCheckpoint (one line) or, for a checkpoint of
+    another model shape than `cfg`, ValueError."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+    train_state = read_train_state(path, cfg)
+    files = train_state["files"]
+    for name, (size, _) in files.items():
+        st = input_file(f"checkpoint {path}", os.path.join(path, name), BadCheckpoint)
+        if st.st_size != size:
+            raise BadCheckpoint(f"checkpoint {path}: {name} holds {st.st_size} bytes, {size} were written (truncated "
+                                "or damaged)")
+    where = os.path.join(path, ".metadata")
+    try:
+        metadata = _safe_reader(path).read_metadata()
+    except Exception as e:  # untrusted bytes: any failure to parse them is a damaged file (nothing was run)
+        raise BadCheckpoint(f"{where} cannot be read: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                            ) from None
+    if type(metadata) is not Metadata or not isinstance(metadata.state_dict_metadata, dict) or not isinstance(
+            metadata.storage_data, dict):
+        raise BadCheckpoint(f"{where}: not the DCP metadata this program writes")
+    geometry = model_geometry(GPTConfig(**train_state["config"]))
+    states = OPTIMIZER_STATES[train_state["optimizer"]]
+    for key, md in metadata.state_dict_metadata.items():
+        if type(md) is not TensorStorageMetadata:
+            raise BadCheckpoint(f"{where}: entry {key!r} is a {type(md).__name__}, which this program never writes "
+                                "(DCP would load it with torch.load(weights_only=False), which can run code)")
+        _check_entry(where, key, md, geometry, states, train_state["world_size"])
+        for chunk in md.chunks:
+            if MetadataIndex(key, torch.Size(chunk.offsets)) not in metadata.storage_data:
+                raise BadCheckpoint(f"{where}: entry {key!r} has a chunk stored nowhere")
+    for index, info in metadata.storage_data.items():
+        if type(info) is not _StorageInfo or type(index) is not MetadataIndex or (
+                index.fqn not in metadata.state_dict_metadata):
+            raise BadCheckpoint(f"{where}: a stored piece of {getattr(index, 'fqn', index)!r} is not described "
+                                "as this program writes it")
+        if info.relative_path == ".metadata" or info.relative_path not in files:
+            raise BadCheckpoint(f"{where}: {index.fqn!r} is stored in {info.relative_path!r}, which train_state.json "
+                                "does not list")
+        if not (_int(0)[0](info.offset) and _int(0)[0](info.length)) or (
+                info.offset + info.length > files[info.relative_path][0]):
+            raise BadCheckpoint(f"{where}: {index.fqn!r} is stored outside {info.relative_path}")
+        if info.transform_descriptors:
+            raise BadCheckpoint(f"{where}: {index.fqn!r} is stored through transforms "
+                                f"{info.transform_descriptors!r}, which this program never writes")
+    return train_state, metadata
+
+
+def file_crc32(path, chunk=1 << 24):
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def checksums(folder, names):
+    """{name: [size, CRC32]} of files in folder. CRC32 catches accidental damage (flipped bits, torn or truncated
+    writes, a copy gone wrong); it is no protection against a deliberate edit, whose author recomputes it."""
+    return {n: [os.path.getsize(os.path.join(folder, n)), file_crc32(os.path.join(folder, n))] for n in names}
+
+
+def verify_checksums(path, files):
+    """Check the recorded CRC32 of every listed file, each rank its share (every world-th file), so the job reads
+    the checkpoint once; every rank learns of a damaged one (an all-gather of the ranks' findings). Raises
+    BadCheckpoint naming the first damaged file."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    found = None
+    for name in sorted(files)[rank::world]:
+        if file_crc32(os.path.join(path, name)) != files[name][1]:
+            found = f"checkpoint {path}: {name} does not match its recorded CRC32 (damaged after it was written)"
+            break
+    if world > 1:
+        every = [None] * world
+        dist.all_gather_object(every, found)
+        found = next((f for f in every if f), None)
+    if found:
+        raise BadCheckpoint(found)
+
+
+def latest_checkpoint(out_dir, cfg=None, say=None):
+    """The newest checkpoint in out_dir that passes check_checkpoint, as (path, train_state), or (None, None) if
+    out_dir holds none. Each newer one refused is told in one line through `say`; BadCheckpoint when every one is
+    refused (naming the newest's fault)."""
+    refused = []
+    for path in reversed(checkpoint_dirs(out_dir)):
+        try:
+            state = check_checkpoint(path, cfg)[0]
+        except BadCheckpoint as e:
+            refused.append((path, str(e)))
+            continue
+        for bad, why in refused if say else ():
+            say(f"skipping checkpoint {bad}: {why}")
+        return path, state
+    if refused:
+        raise BadCheckpoint(f"--out-dir {out_dir}: none of its {len(refused)} checkpoints passes its checks; the "
+                            f"newest: {refused[0][1]}")
+    return None, None
 
 
 LOAD_ROUND_BYTES = 1 << 30  # a resume at another layout reads the saved boxes it overlaps in rounds of this size
@@ -1410,14 +1719,16 @@ def load_checkpoint(path, stage, opt=None):
     dropped. Every rank reads for itself, so the rounds of temporaries may differ by rank; the one collective is
     the ranks' agreement that every one of them found its boxes."""
     ps = stage.plan.ps
-    saved = _safe_reader(path).read_metadata().state_dict_metadata
+    train_state, metadata = check_checkpoint(path, stage.cfg)  # before DCP reads a byte of it
+    verify_checksums(path, train_state["files"])
+    saved = metadata.state_dict_metadata
     like = {}  # NAME -> {STATE: (ndim, dtype)}: the optimizer states the checkpoint holds
     for key, md in saved.items():
         if key.startswith("optim/"):
             _, name, state = key.split("@")[0].split("/")
             like.setdefault(name, {})[state] = (len(md.size), md.properties.dtype)
     mine = checkpoint_tensors(stage, opt, like)
-    train_state, rng = read_train_state(path), None
+    rng = None
     if train_state["world_size"] == ps.world_size and f"rng/{ps.rank}" in saved:
         mine[f"rng/{ps.rank}"] = rng = torch.empty_like(torch.get_rng_state())
     # A weight in the master dtype is its own master: read it from the saved master, which covers the whole
@@ -1444,6 +1755,7 @@ def load_checkpoint(path, stage, opt=None):
 # ----------------------------------------------------------------------------------------------------
 
 DTYPES = ("float32", "bfloat16", "float16", "fp8", "float64")
+TIMEOUT_RANGE_S = (1, 7 * 24 * 3600)  # --timeout-s: below a second every collective of a busy rank would fail
 RECOMPUTE = ("none", "full", "sqrt", "selective")
 
 
@@ -1461,10 +1773,11 @@ def validate(cfg, run, world):
                         "--save-every": run.save_every}.items():
         if value < 0:
             raise ValueError(f"{flag} {value} must be 0 or more")
-    for flag, value in {"--lr": run.lr, "--timeout-s": run.timeout_s}.items():
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{flag} {value} must be a positive finite number (e.g. {flag} 3e-3)"
-                             if flag == "--lr" else f"{flag} {value} must be a positive number of seconds")
+    if not (math.isfinite(run.lr) and run.lr > 0):
+        raise ValueError(f"--lr {run.lr} must be a positive finite number (e.g. --lr 3e-3)")
+    if not TIMEOUT_RANGE_S[0] <= run.timeout_s <= TIMEOUT_RANGE_S[1]:  # NaN fails it too
+        raise ValueError(f"--timeout-s {run.timeout_s} must be between {TIMEOUT_RANGE_S[0]} and {TIMEOUT_RANGE_S[1]} "
+                         "seconds (a stopped rank ends the job after about this long)")
     for flag, value in {"--min-lr": run.min_lr, "--weight-decay": run.weight_decay,
                         "--grad-clip": run.grad_clip}.items():
         if value is not None and not (math.isfinite(value) and value >= 0):
@@ -1520,30 +1833,34 @@ def validate(cfg, run, world):
 
 
 def check_inputs(cfg, run, world):
-    """validate(), then the data (present, long enough, ids below --vocab) and the checkpoint to resume (the
-    same model shape): everything that can fail, before any process group exists. Returns the data."""
+    """validate(), the --out-dir lock (rank 0), then the data (present, long enough, ids below --vocab), the metrics
+    file and the checkpoint to resume (the newest that passes its checks, of the same model shape): everything that
+    can fail, before any process group exists. Returns the data."""
+    try:
+        return _check_inputs(cfg, run, world)
+    except ValueError:
+        release_out_dir(run.out_dir)
+        raise
+
+
+def _check_inputs(cfg, run, world):
     validate(cfg, run, world)
+    if run.out_dir:
+        _check_folder_can_exist("--out-dir", run.out_dir)
+        if _global_rank() == 0:  # before anything is written, and before the folder is looked at
+            hold_out_dir(run.out_dir)
     data = load_data(run.data, cfg.seq_len, cfg.vocab_size)
     if data.vocab > cfg.vocab_size:
         raise ValueError(f"--vocab {cfg.vocab_size} is smaller than the data's vocabulary ({data.source} uses ids "
                          f"up to {data.vocab - 1}): pass --vocab {-(-data.vocab // run.tp) * run.tp} or more")
-    if run.out_dir:
-        _check_folder_can_exist("--out-dir", run.out_dir)
     if run.metrics:
-        if os.path.isdir(run.metrics):
-            raise ValueError(f"--metrics {run.metrics} is a folder: pass a file path, e.g. {run.metrics}/metrics.jsonl")
-        folder = os.path.dirname(os.path.abspath(run.metrics))
-        if not os.path.isdir(folder):
-            what = ("is a file; pass another path" if os.path.exists(folder)
-                    else "does not exist; create it or pass another path")
-            raise ValueError(f"--metrics {run.metrics}: the folder {folder} {what}")
+        _check_metrics_file(run.metrics)
     if not run.resume and checkpoint_dirs(run.out_dir):
         raise ValueError(f"--out-dir {run.out_dir} holds checkpoints of an earlier run (latest "
                          f"{os.path.basename(checkpoint_dirs(run.out_dir)[-1])}): pass --resume to continue it, or "
                          "another --out-dir (a fresh run would mix its checkpoints with the old ones)")
-    if run.resume and checkpoint_dirs(run.out_dir):
-        latest = checkpoint_dirs(run.out_dir)[-1]
-        state = read_train_state(latest, cfg)
+    latest, state = latest_checkpoint(run.out_dir, cfg) if run.resume else (None, None)
+    if latest:
         if state["optimizer"] != run.optimizer:
             raise ValueError(f"checkpoint {latest} holds {state['optimizer']} state, this "
                              f"run has --optimizer {run.optimizer}: pass --optimizer {state['optimizer']}")
@@ -1561,6 +1878,73 @@ def check_inputs(cfg, run, world):
 
 def _warn(message):
     print(f"train_gpt.py: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _global_rank():
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def _warn_on_rank_0(message):
+    if _global_rank() == 0:
+        _warn(message)
+
+
+def _check_metrics_file(path):
+    """--metrics names a regular file (or none yet) in a folder this process can write."""
+    if os.path.isdir(path):
+        raise ValueError(f"--metrics {path} is a folder: pass a file path, e.g. {path}/metrics.jsonl")
+    if os.path.exists(path):
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"--metrics {path} is {_kind(st.st_mode)}, not a regular file: pass a file path")
+        if not os.access(path, os.R_OK | os.W_OK):
+            raise ValueError(f"--metrics {path} is not readable and writable (its permissions): pass another path")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        what = ("is a file; pass another path" if os.path.exists(folder)
+                else "does not exist; create it or pass another path")
+        raise ValueError(f"--metrics {path}: the folder {folder} {what}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"--metrics {path}: the folder {folder} is not writable; pass another path")
+
+
+_OUT_DIR_LOCKS = {}  # absolute --out-dir -> the open lock file this process holds
+
+
+def hold_out_dir(out_dir):
+    """One writer per --out-dir: an exclusive advisory lock (flock) on OUT/.lock, taken by rank 0 before anything
+    is written and held while the process lives (released by the kernel when it exits, however it exits, so a
+    crashed run leaves no lock behind: the file then only names its last holder). A second run is refused in
+    one line naming the holder. Across nodes this needs a filesystem that carries flock to its server (NFSv4,
+    Lustre mounted with -o flock, GPFS); where locks are refused, the run warns and goes on unprotected."""
+    import fcntl
+    key = os.path.abspath(out_dir)
+    if key in _OUT_DIR_LOCKS:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, ".lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 512).decode(errors="replace").strip() or "a holder that has not written its name yet"
+        os.close(fd)
+        raise ValueError(f"--out-dir {out_dir} is in use by another run ({holder}; lock file {path}): wait for it "
+                         "to end, or pass another --out-dir") from None
+    except OSError as e:
+        os.close(fd)
+        _warn(f"--out-dir {out_dir}: this filesystem refuses file locks ({e.strerror}): nothing stops a second run "
+              "from writing checkpoints into the same folder")
+        return
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+    _OUT_DIR_LOCKS[key] = fd
+
+
+def release_out_dir(out_dir):
+    fd = _OUT_DIR_LOCKS.pop(os.path.abspath(out_dir), None) if out_dir else None
+    if fd is not None:
+        os.close(fd)  # closing the file releases the lock
 
 
 def _schedule(run):
@@ -1591,42 +1975,16 @@ def _check_folder_can_exist(flag, path):
         raise ValueError(f"{flag} {path}: {ancestor} is not writable; pass another path")
 
 
-def init_distributed(timeout_s):
-    """torchrun's environment, or a one-process group when run as plain `python train_gpt.py`."""
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        # NCCL when every local rank has its own GPU; otherwise CPU processes on gloo (e.g. the README's 8-process
-        # job on a machine with fewer GPUs)
-        gpus_needed = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= gpus_needed else "gloo"
-        if torch.cuda.is_available() and backend == "gloo" and int(os.environ.get("RANK", 0)) == 0:
-            print(f"train_gpt.py: {gpus_needed} processes per node but {torch.cuda.device_count()} GPUs: running on "
-                  "CPU processes (gloo); pass --nproc_per_node at most the GPU count to train on the GPUs",
-                  file=sys.stderr, flush=True)
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    return dist.get_rank(), dist.get_world_size()
-
-
 def _world_size():
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
-
-
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build(cfg, run, optimizer=True):
     """Process groups, the plan, this rank's stage of the model, its optimizer (None without `optimizer`: its FP32
     gradient buffers are 4 bytes per parameter) and its pipeline transfers."""
     validate(cfg, run, _world_size())
-    init_distributed(run.timeout_s)
-    ps = topology.init_parallel(tp=run.tp, pp=run.pp, cp=run.cp, ep=run.ep, with_mesh=False)
+    topology.init_distributed(run.timeout_s, say=_warn_on_rank_0)
+    ps = topology.init_parallel(tp=run.tp, pp=run.pp, cp=run.cp, ep=run.ep, with_mesh=False, timeout_s=run.timeout_s)
     plan = make_plan(ps, run.sequence_parallel, run.cp_impl, run.recompute)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     stage = GPTStage(cfg, plan, run.param_dtype, fp8=run.dtype == "fp8").to(device)
@@ -1683,16 +2041,63 @@ def _metrics_before(path, step):
     return kept
 
 
+class Diverged(RuntimeError):
+    """Training went non-finite (or FP16's loss scale collapsed): the run stops at that step, and no checkpoint of
+    non-finite weights is written."""
+
+
+class Stalled(RuntimeError):
+    """A collective failed: a peer stopped, hung or died, and the wait reached --timeout-s (or its socket closed)."""
+
+
+MIN_LOSS_SCALE = 1.0  # FP16: a scale below this (Megatron-LM's default --min-loss-scale) stops the run ...
+MAX_SKIPPED_STEPS = 20  # ... and so do this many overflowing steps in a row
+
+
+def check_progress(step, loss, grad_norm, stepped, opt, run, skipped):
+    """Stop a diverging run with one line (the step, the value, the flag to look at); returns the count of FP16
+    steps skipped in a row. A non-finite loss stops every dtype (the loss scale does not act on the forward); a
+    non-finite gradient norm stops every dtype but FP16, whose loss scaler skips the step and backs off, unless it
+    does so MAX_SKIPPED_STEPS times in a row or the scale falls below MIN_LOSS_SCALE: then no scale fits the
+    gradients. Every rank holds the same all-reduced loss and norm, so all stop together."""
+    hint = f"lower --lr ({run.lr:g}), keep --grad-clip on ({run.grad_clip:g}), or try --dtype bfloat16 or float32"
+    if not math.isfinite(loss):
+        raise Diverged(f"step {step}: the loss is {loss}: training diverged; {hint}")
+    if opt.loss_scaler is None:
+        if not math.isfinite(grad_norm):
+            raise Diverged(f"step {step}: the gradient norm is {grad_norm}: training diverged; {hint}")
+        return 0
+    skipped = 0 if stepped else skipped + 1
+    scale = opt.loss_scaler.scale
+    if skipped >= MAX_SKIPPED_STEPS or scale < MIN_LOSS_SCALE:
+        raise Diverged(f"step {step}: FP16 skipped {skipped} steps in a row and its loss scale fell to {scale:g}: the "
+                       f"gradients overflow at any scale; {hint}")
+    return skipped
+
+
+def _is_communication_failure(error):
+    """gloo raises RuntimeError("... Timed out waiting ...") at the timeout, or a closed connection when a peer died;
+    NCCL's watchdog raises DistBackendError (or aborts the process itself)."""
+    return isinstance(error, dist.DistError) or any(
+        s in str(error) for s in ("Timed out", "Connection closed", "Connection reset", "Broken pipe", "gloo"))
+
+
 def train(cfg, run, data=None):
-    """Train (resuming from out_dir's latest checkpoint with run.resume); returns one record per step run."""
+    """Train (resuming from out_dir's newest checkpoint that passes its checks, with run.resume); returns one
+    record per step run."""
+    try:
+        return _train(cfg, run, data)
+    finally:
+        release_out_dir(run.out_dir)
+
+
+def _train(cfg, run, data=None):
     data = data or check_inputs(cfg, run, _world_size())
     plan, stage, opt, pipe = build(cfg, run)
     ps, device = plan.ps, next(stage.parameters()).device
     start = 0
     if run.resume and checkpoint_dirs(run.out_dir):
-        path = checkpoint_dirs(run.out_dir)[-1]
-        load_checkpoint(path, stage, opt)
-        start = read_train_state(path)["step"]
+        start = resume(run.out_dir, stage, opt)
     if run.out_dir and ps.rank == 0:
         os.makedirs(run.out_dir, exist_ok=True)
     flops_per_token, peak = model_flops_per_token(cfg), peak_tflops(run, device)
@@ -1704,49 +2109,87 @@ def train(cfg, run, data=None):
         out = open(run.metrics, "a")
     if run.log and ps.rank == 0 and start >= run.steps:
         print(f"{checkpoint_dirs(run.out_dir)[-1]} already holds step {start} of --steps {run.steps}: nothing to train")
-    records = []
-    for step in range(start, run.steps):
-        lr = lr_at(step, run)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        tokens = data.batch("train", step, run.batch, cfg.seq_len, cfg.seed, device)  # not part of the timing
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        loss, aux, grad_norm, stepped, schedule = train_step(stage, pipe, opt, tokens, run.micro_batch,
-                                                             run.grad_clip)
-        dt = time.perf_counter() - t0  # train_step ends with a host sync (the loss), so dt is the whole step
-        tokens_per_s = run.batch * cfg.seq_len / dt
-        record = {"step": step, "loss": loss, "aux_loss": aux, "lr": lr,
-                  "grad_norm": grad_norm if math.isfinite(grad_norm) else None,  # JSON has no inf (FP16 skips)
-                  "tokens_per_s": tokens_per_s, "step_time_s": dt}
-        if peak:
-            record["mfu"] = flops_per_token * tokens_per_s / (peak * 1e12 * ps.world_size)
-        if not stepped:
-            record["skipped"] = True  # FP16 overflow: no update, the loss scale backed off
-        if run.eval_every and ((step + 1) % run.eval_every == 0 or step == run.steps - 1):
-            record["val_loss"] = evaluate(stage, pipe, data, run, cfg)
-        if step == start:  # this rank's memory, from the live tensors, and what makes the batch
-            m = run.batch // (ps.sizes["dp"] * run.micro_batch)
-            record.update(opt.memory_bytes(), in_flight_peak=schedule.peak, micro_batches=m, dp=ps.sizes["dp"],
-                          effective_batch=grad_accum.effective_batch_size(run.micro_batch, ps.sizes["dp"], 1, m))
-        records.append(record)
-        if out:
-            out.write(json.dumps(record) + "\n")
-            out.flush()
-        if run.log and ps.rank == 0:
-            print(f"step {step}: loss {loss:.4f}" + (f", val {record['val_loss']:.4f}" if "val_loss" in record else "")
-                  + (f", aux {aux:.4f}" if cfg.moe_every else "") + f", lr {lr:.2e}, |g| {grad_norm:.3f}, "
-                  f"{dt * 1000:.0f} ms, {tokens_per_s:,.0f} tok/s" + (f", mfu {record['mfu']:.1%}" if peak else ""),
-                  flush=True)
-        done = step + 1 == run.steps
-        if run.out_dir and ((run.save_every and (step + 1) % run.save_every == 0) or done):
-            path = save_checkpoint(run.out_dir, step + 1, stage, opt, cfg, run, text=data.text)
+    records, skipped = [], 0
+    step = start
+    try:
+        for step in range(start, run.steps):
+            lr = lr_at(step, run)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            tokens = data.batch("train", step, run.batch, cfg.seq_len, cfg.seed, device)  # not part of the timing
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss, aux, grad_norm, stepped, schedule = train_step(stage, pipe, opt, tokens, run.micro_batch,
+                                                                 run.grad_clip)
+            dt = time.perf_counter() - t0  # train_step ends with a host sync (the loss), so dt is the whole step
+            skipped = check_progress(step, loss, grad_norm, stepped, opt, run, skipped)
+            tokens_per_s = run.batch * cfg.seq_len / dt
+            record = {"step": step, "loss": loss, "aux_loss": aux, "lr": lr,
+                      "grad_norm": grad_norm if math.isfinite(grad_norm) else None,  # JSON has no inf (FP16 skips)
+                      "tokens_per_s": tokens_per_s, "step_time_s": dt}
+            if peak:
+                record["mfu"] = flops_per_token * tokens_per_s / (peak * 1e12 * ps.world_size)
+            if opt.loss_scaler is not None:
+                record["loss_scale"] = opt.loss_scaler.scale
+            if not stepped:
+                record["skipped"] = True  # FP16 overflow: no update, the loss scale backed off
+            if run.eval_every and ((step + 1) % run.eval_every == 0 or step == run.steps - 1):
+                record["val_loss"] = evaluate(stage, pipe, data, run, cfg)
+            if step == start:  # this rank's memory, from the live tensors, and what makes the batch
+                m = run.batch // (ps.sizes["dp"] * run.micro_batch)
+                record.update(opt.memory_bytes(), in_flight_peak=schedule.peak, micro_batches=m, dp=ps.sizes["dp"],
+                              effective_batch=grad_accum.effective_batch_size(run.micro_batch, ps.sizes["dp"], 1, m))
+            records.append(record)
+            if out:
+                out.write(json.dumps(record) + "\n")
+                out.flush()
             if run.log and ps.rank == 0:
-                print(f"saved {path}", flush=True)
-    if out:
-        out.close()
+                print(step_line(record, skipped, moe=cfg.moe_every > 0), flush=True)
+            done = step + 1 == run.steps
+            if run.out_dir and ((run.save_every and (step + 1) % run.save_every == 0) or done):
+                path = save_checkpoint(run.out_dir, step + 1, stage, opt, cfg, run, text=data.text)
+                if run.log and ps.rank == 0:
+                    print(f"saved {path}", flush=True)
+    except RuntimeError as e:  # a collective of the step, the evaluation or the save
+        if isinstance(e, (Diverged, Stalled)) or not _is_communication_failure(e):
+            raise
+        raise Stalled(f"rank {ps.rank}, step {step}: a collective waited past --timeout-s {run.timeout_s:g} or lost "
+                      f"its peer: a rank stopped, hung or died ({str(e).splitlines()[0]})") from e
+    finally:
+        if out:
+            out.close()
     return records
+
+
+def step_line(record, skipped, moe):
+    """The one line a step prints on rank 0."""
+    r = record
+    return (f"step {r['step']}: loss {r['loss']:.4f}" + (f", val {r['val_loss']:.4f}" if "val_loss" in r else "")
+            + (f", aux {r['aux_loss']:.4f}" if moe else "") + f", lr {r['lr']:.2e}, |g| "
+            + (f"{r['grad_norm']:.3f}, " if r["grad_norm"] is not None else "inf, ")
+            + (f"skipped (FP16 overflow, {skipped} in a row, loss scale now {r['loss_scale']:g}), "
+               if r.get("skipped") else "")
+            + f"{r['step_time_s'] * 1000:.0f} ms, {r['tokens_per_s']:,.0f} tok/s"
+            + (f", mfu {r['mfu']:.1%}" if "mfu" in r else ""))
+
+
+def resume(out_dir, stage, opt=None):
+    """Load the newest checkpoint of out_dir that passes every check (check_checkpoint, then the checksums, which
+    the ranks verify together), telling on rank 0 in one line each one skipped; returns its step. BadCheckpoint
+    when none passes."""
+    refused = []
+    for path in reversed(checkpoint_dirs(out_dir)):
+        try:
+            load_checkpoint(path, stage, opt)
+        except BadCheckpoint as e:  # raised on every rank alike, before any tensor was read
+            refused.append((path, str(e)))
+            continue
+        for bad, why in refused:
+            _warn_on_rank_0(f"skipping checkpoint {bad}: {why}")
+        return read_train_state(path)["step"]
+    raise BadCheckpoint(f"--out-dir {out_dir}: none of its {len(refused)} checkpoints passes its checks; the newest: "
+                        f"{refused[0][1] if refused else 'none'}")
 
 
 @torch.no_grad()
@@ -1756,7 +2199,7 @@ def sample(cfg, path, n, temperature=1.0, top_k=None, prompt="\n", seed=0):
     other model returns the token ids, drawn after token 0."""
     run = TrainConfig(batch=1, micro_batch=1, log=False)
     plan, stage, _, _ = build(cfg, run, optimizer=False)
-    load_checkpoint(path, stage)
+    load_checkpoint(path, stage)  # checked, and its checksums verified, first
     text = read_train_state(path).get("text", cfg.vocab_size <= 256)  # saved before "text" was: the old rule
     device = next(stage.parameters()).device
     gen = torch.Generator().manual_seed(seed)  # draws on the CPU: the same random draws on every device
@@ -1986,7 +2429,8 @@ def parse_args(argv=None):
     add("--save-every", type=int, default=0)
     add("--resume", action="store_true", help="continue from the latest complete checkpoint in --out-dir")
     add("--timeout-s", type=float, default=300.0, help="process-group timeout")
-    add("--sample", type=int, default=0, help="print this many generated bytes from --out-dir's latest checkpoint")
+    add("--sample", type=int, default=None, help="print this many generated bytes (N >= 1) from --out-dir's newest "
+        "checkpoint that passes its checks")
     add("--temperature", type=float, default=0.8)
     add("--sample-top-k", type=int, default=50)
     add("--metrics", default="metrics.jsonl")
@@ -2002,43 +2446,102 @@ def parse_args(argv=None):
     return cfg, run, a
 
 
+def _fail(rank, code, message, everyone=False):
+    """One line on stderr (on rank 0 alone unless `everyone`: what only this rank knows), then exit `code`."""
+    if rank == 0 or everyone:
+        print(f"train_gpt.py: error: {message}", file=sys.stderr, flush=True)
+    else:  # torchrun stops the job at the first exit: let rank 0 say why first
+        time.sleep(0.5)
+    sys.exit(code)
+
+
+def watch_launcher(interval_s=0.5):
+    """Under torchrun, stop this worker within about interval_s once its launcher is gone (its parent changes: the
+    kernel hands an orphan to init or a subreaper): a killed agent must not leave workers training and writing
+    checkpoints beside a restarted job. Exiting mid-save leaves only a .tmp folder, never a checkpoint."""
+    import threading
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        print(f"train_gpt.py: error: rank {os.environ.get('RANK')}: the torchrun agent (pid {parent}) is gone: "
+              "stopping", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="watch_launcher").start()
+
+
+def stop_local_peers():
+    """SIGKILL the other workers of this torchrun agent on this node (same parent, same command line). After a
+    collective timed out the job is over; torchrun would SIGTERM the workers and wait 30 s before killing one that
+    cannot act on it (a SIGSTOPped or hung rank), so the job would outlive --timeout-s by that much."""
+    if not os.path.isdir("/proc"):
+        return
+    me, parent = os.getpid(), os.getppid()
+    with open(f"/proc/{me}/cmdline", "rb") as f:
+        command = f.read()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                same = f.read() == command
+            if ppid == parent and same:
+                os.kill(int(entry), signal.SIGKILL)
+        except (OSError, ValueError, IndexError):
+            pass  # gone already, or not ours
+
+
 def main(argv=None):
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    if torchrun:
+        watch_launcher()
     try:
         cfg, run, a = parse_args(argv)
-        if a.sample < 0 or not (math.isfinite(a.temperature) and a.temperature > 0) or a.sample_top_k < 0:
-            raise ValueError("--sample, --sample-top-k must be >= 0 and --temperature finite and > 0 (e.g. "
-                             "--sample 300 --temperature 0.8 --sample-top-k 50; --sample-top-k 0 samples from every "
-                             "token)")
+        if a.sample is not None and a.sample < 1:
+            raise ValueError(f"--sample {a.sample} must be >= 1: the number of tokens to draw (omit it to train)")
+        if not (math.isfinite(a.temperature) and a.temperature > 0) or a.sample_top_k < 0:
+            raise ValueError("--sample-top-k must be >= 0 and --temperature finite and > 0 (e.g. --sample 300 "
+                             "--temperature 0.8 --sample-top-k 50; --sample-top-k 0 samples from every token)")
         if a.report:
             if world != 1:
                 raise ValueError("--report starts its own processes: use python, not torchrun")
         elif a.sample:
-            if not checkpoint_dirs(run.out_dir):
-                raise ValueError(f"--sample needs a checkpoint: --out-dir {run.out_dir} holds none")
-            cfg = GPTConfig(**read_train_state(checkpoint_dirs(run.out_dir)[-1])["config"])
             if world != 1:
                 raise ValueError("--sample runs on one process: use python, not torchrun")
+            path, state = latest_checkpoint(run.out_dir, say=_warn)
+            if path is None:
+                raise ValueError(f"--sample needs a checkpoint: --out-dir {run.out_dir} holds none")
+            cfg = GPTConfig(**state["config"])
         else:
             data = check_inputs(cfg, run, world)
     except ValueError as e:
-        if rank == 0:
-            print(f"train_gpt.py: error: {e}", file=sys.stderr, flush=True)
-        else:  # torchrun stops the job at the first exit: let rank 0 say why first
-            time.sleep(0.5)
-        sys.exit(2)
+        _fail(rank, 2, e)
     if os.environ.get("OMP_NUM_THREADS") is None and not torch.cuda.is_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     if a.report:
         print(report())
         return
-    if a.sample:
-        print(sample(cfg, checkpoint_dirs(run.out_dir)[-1], a.sample, a.temperature, a.sample_top_k, seed=a.seed))
-    else:
-        records = train(cfg, run, data)
-        if dist.get_rank() == 0 and records:
-            print(f"loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} in {len(records)} steps; metrics in "
-                  f"{run.metrics}")
+    try:
+        if a.sample:
+            print(sample(cfg, path, a.sample, a.temperature, a.sample_top_k, seed=a.seed))
+        else:
+            records = train(cfg, run, data)
+            if dist.get_rank() == 0 and records:
+                print(f"loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} in {len(records)} steps; metrics "
+                      f"in {run.metrics}")
+    except BadCheckpoint as e:  # every rank found it (checksums are agreed)
+        _fail(rank, 2, e)
+    except Diverged as e:  # every rank holds the same loss and norm
+        _fail(rank, 1, e)
+    except Stalled as e:  # only the ranks that waited know: each says so, then the job ends now
+        if torchrun:
+            stop_local_peers()
+        _fail(rank, 1, e, everyone=True)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -160,7 +160,7 @@ def main():
     if not a.dry_run and not torch.cuda.is_available():
         say("gpu", "none: run with --dry-run on CPU")
         return 1
-    train_gpt.init_distributed(120)
+    train_gpt.topology.init_distributed(120)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and not a.dry_run \
         else torch.device("cpu")
     say("torch", f"{torch.__version__}, cuda {torch.version.cuda}, device {device}")

@@ -549,9 +549,11 @@ def test_a_checkpoint_of_another_shape_or_format_is_refused(tmp_path):
     other = train_gpt.GPTConfig(**{**CFG.__dict__, "n_embd": 32})
     with pytest.raises(ValueError, match="--hidden 16, this run has --hidden 32"):
         train_gpt.check_inputs(other, _run(resume=True, out_dir=str(tmp_path)), 1)
-    state_file = tmp_path / "step_000004" / "train_state.json"  # as an earlier train_gpt.py wrote it
-    state_file.write_text(json.dumps({k: v for k, v in json.loads(state_file.read_text()).items() if k != "format"}))
-    with pytest.raises(ValueError, match="written by an earlier train_gpt.py"):
+    for step in ("step_000002", "step_000004"):  # as an earlier train_gpt.py wrote them (no format, no checksums)
+        state_file = tmp_path / step / "train_state.json"
+        state_file.write_text(json.dumps({k: v for k, v in json.loads(state_file.read_text()).items()
+                                          if k not in ("format", "files")}))
+    with pytest.raises(ValueError, match="none of its 2 checkpoints passes.*written by an earlier train_gpt.py"):
         train_gpt.check_inputs(CFG, _run(resume=True, out_dir=str(tmp_path)), 1)
 
 
@@ -663,7 +665,7 @@ def _main_on_forked_ranks(argv, world, cwd, timeout=60):
                 os.chdir(cwd)
                 os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
-                train_gpt.main(argv + ["--timeout-s", "5"])
+                train_gpt.main(["--timeout-s", "5"] + argv)  # argv may set its own
                 code = 0
             except SystemExit as e:
                 code = e.code if isinstance(e.code, int) else 1
@@ -698,6 +700,15 @@ def bad_input_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("bad")
     (d / "empty.txt").write_text("")
     (d / "short.txt").write_text("too short")
+    (d / "withfifo").mkdir()  # a folder of text with a named pipe in it: opening the pipe would block forever
+    (d / "withfifo" / "a.txt").write_text("some text " * 100)
+    os.mkfifo(d / "withfifo" / "pipe")
+    os.mkfifo(d / "fifo")
+    (d / "dangling").mkdir()
+    os.symlink(d / "nowhere.txt", d / "dangling" / "a.txt")
+    (d / "odd").mkdir()
+    (d / "odd" / "train.bin").write_bytes(bytes(2001))
+    (d / "odd" / "val.bin").write_bytes(bytes(2000))
     # a checkpoint of another shape (--hidden 32), for --resume
     run_ranks(lambda rank, world: train_gpt.train(train_gpt.GPTConfig(n_embd=32, n_layer=1, seq_len=16),
                                                   _run(dtype="float32", steps=1, out_dir=str(d / "ckpt"))), 1)
@@ -752,7 +763,7 @@ BAD_INPUT = [  # (argv, world, what the one line must name)
     (["--lr", "1e-3", "--min-lr", "1.0"], 1, "--min-lr 1.0 exceeds --lr 0.001"),
     (["--peak-tflops=-5"], 1, "--peak-tflops -5.0 must be a positive number"),
     (["--sample", "5", "--sample-top-k=-1"], 1,
-     "--sample, --sample-top-k must be >= 0 and --temperature finite and > 0"),
+     "--sample-top-k must be >= 0 and --temperature finite and > 0"),
     (["--sample", "5", "--temperature", "nan"], 1, "--temperature finite and > 0"),
     (["--sample", "5", "--temperature", "inf"], 1, "--temperature finite and > 0"),
     (["--out-dir", "ckpt", "--resume", "--layers", "1", "--seq", "16", "--hidden", "32", "--optimizer", "sgd",
@@ -761,6 +772,15 @@ BAD_INPUT = [  # (argv, world, what the one line must name)
     (["--metrics", "ckpt"], 2, "--metrics ckpt is a folder: pass a file path"),
     (["--metrics", "empty.txt/m.jsonl"], 1, "empty.txt is a file; pass another path"),
     (["--report"], 2, "--report starts its own processes: use python, not torchrun"),
+    (["--sample", "0", "--out-dir", "ckpt"], 1, "--sample 0 must be >= 1"),
+    (["--timeout-s", "1e-9"], 2, "--timeout-s 1e-09 must be between 1 and 604800 seconds"),
+    (["--timeout-s", "1e300"], 2, "--timeout-s 1e+300 must be between 1 and 604800 seconds"),
+    (["--timeout-s", "nan"], 1, "--timeout-s nan must be between"),
+    (["--data", "withfifo"], 2, "--data withfifo: withfifo/pipe is a FIFO, not a regular file"),
+    (["--data", "fifo"], 1, "--data fifo: fifo is a FIFO, not a regular file"),
+    (["--data", "dangling"], 1, "--data dangling: dangling/a.txt cannot be read (No such file or directory)"),
+    (["--data", "odd"], 1, "train.bin holds 2001 bytes, an odd number: not uint16 token ids"),
+    (["--metrics", "fifo"], 2, "--metrics fifo is a FIFO, not a regular file"),
     (["--out-dir", "ckpt"], 2,
      "--out-dir ckpt holds checkpoints of an earlier run (latest step_000001): pass --resume"),
 ]
@@ -851,7 +871,7 @@ def test_a_killed_rank_ends_the_job_and_resume_reproduces_the_run(tmp_path):
     assert time.monotonic() - t0 < 20, "the job outlived its --timeout-s"
     assert not _worker_pids(killed.pid)  # every rank is gone
     for name in os.listdir(tmp_path / "ckpt"):  # under their final names, complete checkpoints only
-        if not name.endswith(".tmp"):
+        if name != ".lock" and not name.endswith(".tmp"):
             assert {".metadata", "train_state.json"} <= set(os.listdir(tmp_path / "ckpt" / name)), name
     resumed = _torchrun(4, args + ["--out-dir", "ckpt", "--metrics", "resumed.jsonl", "--resume"], str(tmp_path))
     assert resumed.wait(timeout=300) == 0, resumed.communicate()[0]
@@ -1201,3 +1221,384 @@ def test_the_latest_checkpoint_is_the_highest_step_and_torn_metrics_lines_are_dr
     metrics = tmp_path / "m.jsonl"
     metrics.write_text('{"step": 0}\n{"step": 1}\n{"step": 2}\n{"st')  # the last line torn by a crash
     assert train_gpt._metrics_before(str(metrics), 2) == ['{"step": 0}\n', '{"step": 1}\n']
+
+
+# ---- a job that cannot be turned against its user: checkpoints run no code, damage is found, one writer, -------
+# ---- every rank bound by the timeout, no orphans, divergence stopped --------------------------------------------
+
+def _saved_checkpoint(out):
+    """A one-rank checkpoint of a small MoE model (AdamW, FP16: model, optimizer, RNG and loss-scaler entries)."""
+    cfg = train_gpt.GPTConfig(vocab_size=32, seq_len=16, n_layer=2, n_head=2, n_embd=16, moe_every=2, n_experts=2,
+                              top_k=1)
+    run_ranks(lambda rank, world: train_gpt.train(cfg, _run(dtype="float16", optimizer="adamw", lr=1e-3, steps=1,
+                                                            out_dir=out)), 1, timeout=120)
+    return os.path.join(out, "step_000001")
+
+
+@pytest.fixture(scope="module")
+def pristine_checkpoint(tmp_path_factory):
+    return _saved_checkpoint(str(tmp_path_factory.mktemp("pristine")))
+
+
+def _copy(src, tmp_path, name="c"):
+    import shutil
+    dst = tmp_path / name / "step_000001"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_metadata(path, edit, extra_files=()):
+    """Rewrite DCP's .metadata with `edit(metadata)` applied, as a crafter would, and record the new files' sizes
+    and CRCs in train_state.json (so that only the edit itself can be refused)."""
+    import json
+    import pickle
+    metadata = train_gpt._safe_reader(str(path)).read_metadata()
+    edit(metadata)
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    state = json.loads((path / "train_state.json").read_text())
+    state["files"].update(train_gpt.checksums(str(path), [".metadata", *extra_files]))
+    (path / "train_state.json").write_text(json.dumps(state))
+
+
+def _edit_state(path, edit):
+    import json
+    state = json.loads((path / "train_state.json").read_text())
+    edit(state)
+    (path / "train_state.json").write_text(json.dumps(state))
+
+
+def _sentinel_pickle(sentinel):
+    """The bytes of a pickle that runs `touch sentinel` when loaded by anything that unpickles arbitrary objects."""
+    import pickle
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {sentinel}",)
+    return pickle.dumps(Payload())
+
+
+def _bytes_entry(sentinel):
+    """The issue's attack: an entry of the program's own (rng/0) turned into a bytes entry whose bytes, in a new
+    listed file, are a pickle that runs a command: DCP's default planner loads bytes with torch.load(weights_only=
+    False)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    def edit(md):
+        md.state_dict_metadata["rng/0"] = BytesStorageMetadata()
+        md.storage_data = {k: v for k, v in md.storage_data.items() if k.fqn != "rng/0"}
+        md.storage_data[MetadataIndex("rng/0")] = _StorageInfo("__0_9.distcp", 0, len(_sentinel_pickle(sentinel)))
+    return edit
+
+
+def _tensor_md(size, dtype):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+    return TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(size),
+                                 [ChunkStorageMetadata(torch.Size([0] * len(size)), torch.Size(size))])
+
+
+def _set_entry(key, md_of):
+    def edit(metadata):
+        old = metadata.state_dict_metadata.get(key)
+        metadata.state_dict_metadata[key] = md_of(old)
+    return edit
+
+
+def _rename_entry(old_key, new_key):
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    def edit(metadata):
+        metadata.state_dict_metadata[new_key] = metadata.state_dict_metadata.pop(old_key)
+        metadata.storage_data = {(MetadataIndex(new_key, k.offset, k.index) if k.fqn == old_key else k): v
+                                 for k, v in metadata.storage_data.items()}
+    return edit
+
+
+def _storage(edit_info):
+    import dataclasses as dc
+
+    def edit(metadata):
+        first = next(iter(metadata.storage_data))
+        metadata.storage_data[first] = dc.replace(metadata.storage_data[first], **edit_info)
+    return edit
+
+
+CRAFTED_METADATA = [  # (what is crafted, the edit of DCP's metadata, what the one line must say)
+    ("a bytes entry (BytesStorageMetadata)", "bytes", "is a BytesStorageMetadata, which this program never writes"),
+    ("an entry that is no storage kind", _set_entry("rng/0", lambda old: 7), "is a int, which this program never"),
+    ("an entry under an unknown name", _rename_entry("rng/0", "evil"), "'evil' names nothing that this model has"),
+    ("an unknown layer", _rename_entry("model/wpe@0,0", "model/h.9.attn.w@0,0"), "names nothing that this model has"),
+    ("an unknown optimizer state", _rename_entry("optim/wpe/exp_avg@0,0", "optim/wpe/evil@0,0"),
+     "holds an optimizer state 'evil'"),
+    ("the RNG of a rank outside the world", _rename_entry("rng/0", "rng/5"), "outside the world of 1"),
+    ("a box outside its parameter", _rename_entry("model/wpe@0,0", "model/wpe@1,0"),
+     "of shape (16, 16) at [1, 0] does not lie inside the parameter's (16, 16)"),
+    ("a tensor of the wrong shape", _set_entry("model/wpe@0,0", lambda old: _tensor_md((16, 17), torch.float16)),
+     "does not lie inside the parameter's (16, 16)"),
+    ("a tensor of another rank", _set_entry("model/wpe@0,0", lambda old: _tensor_md((16,), torch.float16)),
+     "does not lie inside"),
+    ("a model tensor of an integer dtype", _set_entry("model/wpe@0,0", lambda old: _tensor_md((16, 16), torch.int64)),
+     "is torch.int64"),
+    ("a master in FP16", _set_entry("optim/wpe/master@0,0", lambda old: _tensor_md((16, 16), torch.float16)),
+     "is torch.float16"),
+    ("an RNG state of another size", _set_entry("rng/0", lambda old: _tensor_md((7,), torch.uint8)),
+     "is an RNG state of shape (7,)"),
+    ("a piece in an unlisted file", _storage(dict(relative_path="../../etc/passwd")), "which train_state.json does"),
+    ("a piece past its file's end", _storage(dict(offset=10 ** 9)), "is stored outside __0_0.distcp"),
+    ("a piece through a transform", _storage(dict(transform_descriptors=["zstd"])), "through transforms"),
+]
+
+
+@pytest.mark.parametrize("what, edit, says", CRAFTED_METADATA, ids=[c[0] for c in CRAFTED_METADATA])
+def test_crafted_checkpoint_metadata_is_refused_in_one_line_and_runs_nothing(pristine_checkpoint, tmp_path, what, edit,
+                                                                           says):
+    sentinel = tmp_path / "pwned"
+    path = _copy(pristine_checkpoint, tmp_path)
+    extra = ()
+    if edit == "bytes":
+        (path / "__0_9.distcp").write_bytes(_sentinel_pickle(sentinel))
+        edit, extra = _bytes_entry(sentinel), ("__0_9.distcp",)
+    _edit_metadata(path, edit, extra)
+    with pytest.raises(train_gpt.BadCheckpoint) as refused:
+        train_gpt.check_checkpoint(str(path))
+    message = str(refused.value)
+    assert says in message and str(path) in message and "\n" not in message, message
+    assert not sentinel.exists()
+
+
+def test_the_bytes_entry_attack_is_real_and_neither_resume_nor_sample_runs_it(pristine_checkpoint, tmp_path):
+    """Positive control: DCP's own reader runs the crafted checkpoint's command. train_gpt.py refuses it on --sample
+    and --resume in one line, exit code 2, before any process group, and the command never runs."""
+    import torch.distributed.checkpoint as dcp
+    sentinel = tmp_path / "pwned"
+    path = _copy(pristine_checkpoint, tmp_path)
+    (path / "__0_9.distcp").write_bytes(_sentinel_pickle(sentinel))
+    _edit_metadata(path, _bytes_entry(sentinel), ("__0_9.distcp",))
+    import warnings
+    with warnings.catch_warnings(), pytest.raises(BaseException):  # it runs, then torch.load fails on its result
+        warnings.simplefilter("ignore")  # no_dist on one process
+        dcp.load({"rng/0": torch.empty(5056, dtype=torch.uint8)}, storage_reader=dcp.FileSystemReader(str(path)),
+                 no_dist=True)
+    assert sentinel.exists()  # the attack works against a plain DCP load
+    sentinel.unlink()
+    for argv in (["--sample", "5", "--out-dir", "c"],
+                 ["--resume", "--out-dir", "c", "--layers", "2", "--heads", "2", "--hidden", "16", "--seq", "16",
+                  "--vocab", "32", "--moe-every", "2", "--experts", "2", "--top-k", "1", "--data", "synthetic"]):
+        (code, out, initialised), = _main_on_forked_ranks(argv, 1, str(tmp_path))
+        assert code == 2 and not initialised, out
+        lines = out.strip().splitlines()
+        assert len(lines) == 1 and "none of its 1 checkpoints passes its checks" in lines[0] and \
+            "BytesStorageMetadata" in lines[0], out
+        assert not sentinel.exists()
+
+
+def _drop(key):
+    return lambda s: s.pop(key)
+
+
+def _set(key, value):
+    def edit(state):
+        obj = state
+        *parents, last = key.split(".")
+        for p in parents:
+            obj = obj[p]
+        obj[last] = value
+    return edit
+
+
+CRAFTED_STATE = [  # (what is crafted in train_state.json, the edit, what the one line must say)
+    ("invalid JSON", "{not json", "not valid JSON"),
+    ("not an object", "[1, 2]", "not a JSON object"),
+    ("a step of another type", _set("step", "1"), "'step' is '1'; it must be an integer >= 1"),
+    ("a negative step", _set("step", -3), "'step' is -3"),
+    ("a step that is not the folder's", _set("step", 7), "but the folder is step_000001"),
+    ("no world size", _drop("world_size"), "'world_size' is missing"),
+    ("a world size of 0", _set("world_size", 0), "'world_size' is 0"),
+    ("a huge world size", _set("world_size", 10 ** 12), "'world_size' is 1000000000000"),
+    ("no checksums", _drop("files"), "'files' is missing"),
+    ("an unknown key", _set("hook", "os.system"), "unknown key 'hook'"),
+    ("a config of the wrong type", _set("config.n_layer", 2.0), "'config.n_layer' is 2.0"),
+    ("a missing config field", lambda s: s["config"].pop("seq_len"), "'config.seq_len' is missing"),
+    ("an impossible model", _set("config.n_head", 3), "--hidden 16 must be divisible by --heads 3"),
+    ("a text flag that is not a boolean", _set("text", "yes"), "'text' is 'yes'; it must be true or false"),
+    ("an unknown optimizer", _set("optimizer", "lion"), "'optimizer' is 'lion'"),
+    ("a loss scale of 0", _set("optimizer_state.loss_scaler.scale", 0.0), "init_scale=0.0 must be finite and > 0"),
+    ("a negative learning rate", _set("schedule.lr", -1.0), "'schedule.lr' is -1.0"),
+    ("a listed file outside the folder", lambda s: s["files"].update({"../../x": [1, 2]}), "'files' holds '../../x'"),
+    ("a checksum of the wrong kind", lambda s: s["files"].update({".metadata": [10, "abc"]}),
+     "'files' holds '.metadata'"),
+]
+
+
+@pytest.mark.parametrize("what, edit, says", CRAFTED_STATE, ids=[c[0] for c in CRAFTED_STATE])
+def test_crafted_train_state_is_refused_in_one_line(pristine_checkpoint, tmp_path, what, edit, says):
+    path = _copy(pristine_checkpoint, tmp_path)
+    if isinstance(edit, str):
+        (path / "train_state.json").write_text(edit)
+    else:
+        _edit_state(path, edit)
+    with pytest.raises(train_gpt.BadCheckpoint) as refused:
+        train_gpt.check_checkpoint(str(path))
+    message = str(refused.value)
+    assert says in message and "train_state.json" in message and "\n" not in message, message
+
+
+def test_a_truncated_or_garbled_metadata_file_is_one_line(pristine_checkpoint, tmp_path):
+    path = _copy(pristine_checkpoint, tmp_path)
+    data = (path / ".metadata").read_bytes()
+    (path / ".metadata").write_bytes(data[: len(data) // 2])
+    with pytest.raises(train_gpt.BadCheckpoint, match=r"\.metadata holds \d+ bytes, \d+ were written"):
+        train_gpt.check_checkpoint(str(path))
+    _edit_state(path, lambda s: s["files"].update(train_gpt.checksums(str(path), [".metadata"])))  # recorded too
+    with pytest.raises(train_gpt.BadCheckpoint, match=r"\.metadata cannot be read: "):
+        train_gpt.check_checkpoint(str(path))
+
+
+def _resume_collecting_warnings(rank, world, out_dir, resume, **layout):
+    said = []
+    train_gpt._warn = said.append
+    curve = _resume_run(rank, world, out_dir, "float32", resume, **layout)
+    return curve, said
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated"])
+def test_a_damaged_checkpoint_is_skipped_and_the_run_resumes_from_the_one_before(tmp_path, damage):
+    full, _ = run_ranks(_resume_collecting_warnings, 2, str(tmp_path / "a"), False, timeout=120)[0]
+    import shutil
+    shutil.copytree(tmp_path / "a", tmp_path / "b", ignore=shutil.ignore_patterns(".lock"))
+    victim = tmp_path / "b" / "step_000004" / "__1_0.distcp"  # written by rank 1: verified by rank 1 on load
+    data = bytearray(victim.read_bytes())
+    if damage == "flipped byte":
+        data[len(data) // 2] ^= 0x10  # inside a tensor's bytes: DCP itself would load it without a word
+        victim.write_bytes(bytes(data))
+    else:
+        victim.write_bytes(bytes(data[: len(data) - 100]))
+    (resumed, said), (_, said_1) = run_ranks(_resume_collecting_warnings, 2, str(tmp_path / "b"), True, timeout=120)
+    assert [r[0] for r in resumed] == [2, 3]  # from step_000002
+    assert resumed == full[2:]  # bit for bit the uninterrupted run
+    why = "does not match its recorded CRC32" if damage == "flipped byte" else "holds"
+    assert len(said) == 1 and said[0].startswith(f"skipping checkpoint {tmp_path / 'b' / 'step_000004'}") and \
+        why in said[0] and "__1_0.distcp" in said[0] and "\n" not in said[0], said
+    assert said_1 == []  # rank 0 alone says it
+
+
+def test_two_runs_on_one_out_dir_one_is_refused_and_the_other_resumes_bit_exactly(tmp_path):
+    import subprocess
+    import time
+    args = [sys.executable, os.path.join(ROOT, "train_gpt.py")] + JOB + ["--out-dir", "out", "--save-every", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen(args + ["--steps", "6", "--metrics", "first.jsonl"], cwd=tmp_path, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lock = tmp_path / "out" / ".lock"
+    while not (lock.exists() and f"pid {first.pid}" in lock.read_text()):  # the first run holds the folder
+        assert first.poll() is None, first.communicate()[0]
+        time.sleep(0.02)
+    second = subprocess.run(args + ["--steps", "6", "--metrics", "second.jsonl"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert second.returncode == 2 and second.stdout == "", second
+    line, = second.stderr.strip().splitlines()
+    assert f"--out-dir out is in use by another run (pid {first.pid} on" in line, line
+    assert first.wait(timeout=300) == 0, first.communicate()[0]
+    import shutil
+    shutil.rmtree(tmp_path / "out" / "step_000006")  # as if the first run had stopped after step 4
+    again = subprocess.run(args + ["--steps", "6", "--metrics", "again.jsonl", "--resume"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again
+    reference, resumed = _losses(tmp_path / "first.jsonl"), _losses(tmp_path / "again.jsonl")
+    assert sorted(resumed) == [4, 5] and all(resumed[s] == reference[s] for s in resumed)  # bit for bit
+
+
+def _newest_weights_finite(rank, world, out_dir):
+    path, state = train_gpt.latest_checkpoint(out_dir)
+    cfg = train_gpt.GPTConfig(**state["config"])
+    plan, stage, _, _ = train_gpt.build(cfg, train_gpt.TrainConfig(batch=1, micro_batch=1, log=False))
+    train_gpt.load_checkpoint(path, stage)
+    return state["step"], all(torch.isfinite(p).all().item() for p in stage.parameters())
+
+
+@pytest.mark.parametrize("dtype, warmup", [("float32", 0), ("float16", 100)])
+def test_a_diverging_run_stops_in_one_line_and_writes_no_non_finite_checkpoint(tmp_path, dtype, warmup):
+    argv = JOB[:-2] + ["--lr", "1e6", "--warmup", str(warmup), "--dtype", dtype, "--steps", "10", "--save-every", "1",
+                       "--out-dir", "out", "--metrics", "m.jsonl"]
+    import subprocess  # a process of its own: a forked one would inherit the suite's port and thread pools
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "train_gpt.py")] + argv, cwd=tmp_path, timeout=120,
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    code, out = done.returncode, done.stdout + done.stderr
+    errors = [l for l in out.splitlines() if "error" in l]
+    assert code == 1 and len(errors) == 1 and "training diverged" in errors[0] and "--lr" in errors[0], out
+    assert "Traceback" not in out
+    step, finite = run_ranks(_newest_weights_finite, 1, str(tmp_path / "out"), timeout=60)[0]
+    assert step >= 1 and finite
+
+
+class _Scaler:
+    def __init__(self, scale):
+        self.scale = scale
+
+
+def test_fp16_skips_are_logged_and_a_collapsing_loss_scale_stops_the_run():
+    run = train_gpt.TrainConfig(dtype="float16")
+    opt = type("Opt", (), {"loss_scaler": _Scaler(2.0 ** 10)})()
+    skipped = 0
+    for step in range(train_gpt.MAX_SKIPPED_STEPS - 1):  # overflowing steps, each skipped by the loss scaler
+        skipped = train_gpt.check_progress(step, 3.0, math.inf, False, opt, run, skipped)
+    assert skipped == train_gpt.MAX_SKIPPED_STEPS - 1
+    assert train_gpt.check_progress(99, 3.0, 1.0, True, opt, run, skipped) == 0  # a clean step resets the count
+    with pytest.raises(train_gpt.Diverged, match=f"FP16 skipped {train_gpt.MAX_SKIPPED_STEPS} steps in a row"):
+        for step in range(train_gpt.MAX_SKIPPED_STEPS):
+            skipped = train_gpt.check_progress(step, 3.0, math.inf, False, opt, run, skipped)
+    opt.loss_scaler.scale = 0.5  # below the floor: no scale fits
+    with pytest.raises(train_gpt.Diverged, match="loss scale fell to 0.5"):
+        train_gpt.check_progress(7, 3.0, math.inf, False, opt, run, 0)
+    record = {"step": 3, "loss": 3.0, "aux_loss": 0.0, "lr": 1e-3, "grad_norm": None, "tokens_per_s": 10.0,
+              "step_time_s": 0.1, "loss_scale": 512.0, "skipped": True}
+    assert "skipped (FP16 overflow, 2 in a row, loss scale now 512)" in train_gpt.step_line(record, 2, moe=False)
+
+
+def _gone(pids):
+    return all(not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(") ")[1][0] == "Z"
+               for pid in pids)
+
+
+def test_a_stopped_rank_or_a_killed_launcher_ends_every_process_within_the_timeout(tmp_path):
+    """SIGSTOP of one rank at TP2 and at DP2 with --timeout-s 10: every worker gone within 10 s + 5 s (the rank
+    that waited raises at the timeout, then kills its node's peers, which torchrun would leave 30 s to a stopped
+    one). SIGKILL of the torchrun agent: its workers gone within a few seconds (each polls its parent twice a
+    second), with no new checkpoint."""
+    import signal
+    import time
+    long_job = JOB + ["--steps", "100000", "--save-every", "1", "--timeout-s", "10"]
+    jobs = {name: _torchrun(2, long_job + layout + ["--out-dir", name, "--metrics", f"{name}.jsonl"], str(tmp_path))
+            for name, layout in (("tp2", ["--tp", "2"]), ("dp2", []), ("agent", []))}
+    for name in jobs:
+        while not (tmp_path / name / "step_000002").exists():
+            assert jobs[name].poll() is None, jobs[name].communicate()[0]
+            time.sleep(0.05)
+    workers = {name: _worker_pids(job.pid) for name, job in jobs.items()}
+    assert all(len(w) == 2 for w in workers.values()), workers
+    t0 = time.monotonic()
+    os.kill(workers["tp2"][1], signal.SIGSTOP)
+    os.kill(workers["dp2"][0], signal.SIGSTOP)
+    os.kill(jobs["agent"].pid, signal.SIGKILL)
+    gone_at = {}
+    while len(gone_at) < 3 and time.monotonic() - t0 < 60:
+        for name in jobs:
+            if name not in gone_at and _gone(workers[name]):
+                gone_at[name] = time.monotonic() - t0
+        time.sleep(0.05)
+    for pid in workers["tp2"] + workers["dp2"] + workers["agent"]:  # whatever is left, so nothing outlives the test
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert gone_at.get("agent", 99) < 5, gone_at
+    assert 9 < gone_at.get("tp2", 99) < 15 and 9 < gone_at.get("dp2", 99) < 15, gone_at
+    for name in ("tp2", "dp2"):
+        out, _ = jobs[name].communicate(timeout=60)
+        assert jobs[name].returncode != 0
+        stalled = [l for l in out.splitlines() if "train_gpt.py: error:" in l]
+        assert stalled and all("a collective waited past --timeout-s 10" in l and ", step " in l for l in stalled), out
+    steps = sorted(int(n[5:]) for n in os.listdir(tmp_path / "agent") if n.startswith("step_") and n[5:].isdigit())
+    time.sleep(1)
+    assert sorted(int(n[5:]) for n in os.listdir(tmp_path / "agent")
+                  if n.startswith("step_") and n[5:].isdigit()) == steps  # nothing written after the workers went

@@ -130,6 +130,32 @@ def zigzag_unshard(shards, dim):
     return torch.cat([halves[r][0] for r in range(world)] + [halves[r][1] for r in reversed(range(world))], dim=dim)
 
 
+def hybrid_shard(x, dim, ulysses_rank, ulysses_size, ring_rank, ring_size):
+    """The shard of x along `dim` for hybrid_attention at Ulysses rank i of u and ring rank j of r: zigzag over
+    the ring (chunks j and 2r-1-j of 2r), each of the two chunks split contiguously into u pieces, piece i of the
+    early chunk and piece u-1-i of the late one (mirrored, like zigzag itself). That is zigzag_shard over the
+    whole CP group at CP rank c = i + u j (inner ranks consecutive, as topology.py numbers them), so positions
+    and labels shard as for the ring at the same CP. Needs the length to be a multiple of 2 u r."""
+    _check_rank(ulysses_rank, ulysses_size)
+    _check_rank(ring_rank, ring_size)
+    world = ulysses_size * ring_size
+    if x.shape[dim] % (2 * world):
+        raise ValueError(f"sequence length {x.shape[dim]} (dim {dim}) is not divisible by 2*u*r = 2*{ulysses_size}"
+                         f"*{ring_size} = {2 * world}; pad the sequence to a multiple of {2 * world}")
+    ring = x.chunk(2 * ring_size, dim=dim)
+    early = ring[ring_rank].chunk(ulysses_size, dim=dim)[ulysses_rank]
+    late = ring[2 * ring_size - 1 - ring_rank].chunk(ulysses_size, dim=dim)[ulysses_size - 1 - ulysses_rank]
+    return torch.cat([early, late], dim=dim)
+
+
+def hybrid_unshard(shards, dim, ulysses_size, ring_size):
+    """Inverse of hybrid_shard: the full tensor from every rank's shard, in CP rank order c = i + u j."""
+    if len(shards) != ulysses_size * ring_size:
+        raise ValueError(f"{len(shards)} shards for u*r = {ulysses_size}*{ring_size} ranks: pass one per CP rank")
+    ring_shards = [zigzag_unshard(shards[j * ulysses_size:(j + 1) * ulysses_size], dim) for j in range(ring_size)]
+    return zigzag_unshard(ring_shards, dim)
+
+
 def contiguous_shard(x, dim, rank, world):
     """Rank `rank`'s contiguous shard of x along `dim` (Ulysses, non-causal ring)."""
     _check_rank(rank, world)
@@ -505,6 +531,80 @@ def ulysses_attention(q, k, v, group, causal=True, scale=None):
 
 
 # ----------------------------------------------------------------------------------------------------
+# Hybrid: Ulysses inside, ring across (USP)
+# ----------------------------------------------------------------------------------------------------
+
+def _gather_ring_shard(x, group, u):
+    """(..., b, H, s/P, d) hybrid shard -> (..., b, H/u, s/r, d): this rank's H/u heads of its ring rank's zigzag
+    shard. The all-to-all brings piece i from Ulysses rank i, [early_i, late_(u-1-i)]; zigzag_unshard puts the
+    u pieces in order (early pieces ascending, then late pieces ascending)."""
+    x = rearrange(x, "... (p h) s d -> p ... h s d", p=u).contiguous()
+    x = _AllToAll.apply(x, group, "hybrid_a2a")
+    return zigzag_unshard(list(x.unbind(0)), dim=-2)
+
+
+def _scatter_ring_shard(x, group, u):
+    """(b, H/u, s/r, d) -> (b, H, s/P, d): the inverse; Ulysses rank i gets back its pieces of every head."""
+    x = torch.stack([zigzag_shard(x, -2, i, u) for i in range(u)])
+    x = _AllToAll.apply(x, group, "hybrid_a2a")
+    return rearrange(x, "p b h s d -> b (p h) s d")
+
+
+def check_hybrid(kv_heads, seq_local, ulysses_size):
+    """The hybrid's rules on sizes, before any communication: u divides the KV heads (then the query heads too,
+    a multiple of them), and with u > 1 the local length is even (two zigzag pieces per rank)."""
+    if kv_heads % ulysses_size:
+        raise ValueError(f"hybrid attention splits the KV heads over the Ulysses group: H_kv={kv_heads} must be "
+                         f"divisible by the Ulysses size u={ulysses_size} (cp_ulysses); choose u among "
+                         f"{[n for n in range(1, kv_heads + 1) if kv_heads % n == 0]}")
+    if ulysses_size > 1 and seq_local % 2:
+        raise ValueError(f"hybrid attention takes hybrid_shard shards (two pieces per rank): the local sequence "
+                         f"length {seq_local} must be even, i.e. the full length a multiple of 2*u*r")
+
+
+def hybrid_attention(q, k, v, ulysses_group, ring_group, causal=True, scale=None, impl="fused"):
+    """Attention over a sequence sharded across u x r ranks (hybrid_shard): an all-to-all over `ulysses_group`
+    trades sequence pieces for heads, ring_attention over `ring_group` runs on the gathered zigzag ring shard
+    (H/u heads, s/r tokens), and the inverse all-to-all restores the (b, H, s/P, d) layout. Either group None
+    is a dimension of size 1: pure ring (ulysses_group None) or pure Ulysses (ring_group None). GQA/MQA: u must
+    divide the KV heads. Every rank's shard has the same shape; validation happens before any communication."""
+    _check_qkv(q, k, v)
+    _check_impl(impl)
+    _, u = _group_info(ulysses_group)
+    check_hybrid(k.shape[1], q.shape[2], u)
+    if u == 1:  # a group of one rank issues no communication
+        return ring_attention(q, k, v, ring_group, causal=causal, scale=scale, impl=impl)
+    q = _gather_ring_shard(q, ulysses_group, u)
+    k, v = _gather_ring_shard(torch.stack([k, v]), ulysses_group, u).unbind(0)  # one message for K and V
+    out = ring_attention(q, k, v, ring_group, causal=causal, scale=scale, impl=impl)
+    return _scatter_ring_shard(out, ulysses_group, u)
+
+
+def hybrid_comm_bytes(b, s, q_width, kv_width, ulysses, ring, e, e_acc=None):
+    """Bytes one rank sends per attention layer under hybrid_attention, by group and direction (the docstring's
+    derivation); ulysses=1 is the pure ring, ring=1 pure Ulysses (KV heads divisible by P). q_width and kv_width
+    are the query and KV widths this rank's attention holds, heads x head_dim (under TP: / t); e bytes per
+    element, e_acc those of the ring's dK/dV accumulator (FP32 for 16-bit, default e).
+    Keys: ulysses_fwd, ulysses_bwd (the all-to-alls, inner group), ring_fwd, ring_bwd (the KV passes, outer)."""
+    e_acc = e if e_acc is None else e_acc
+    u, r = ulysses, ring
+    a2a = (u - 1) / u * b * s / (u * r) * (2 * q_width + 2 * kv_width) * e
+    kv_block = 2 * b * (s / r) * (kv_width / u)  # K and V of one ring shard, elements
+    return {"ulysses_fwd": a2a, "ulysses_bwd": a2a,
+            "ring_fwd": (r - 1) * kv_block * e,
+            "ring_bwd": (r - 1) * kv_block * e + (r * kv_block * e_acc if r > 1 else 0)}
+
+
+def hybrid_memory_bytes(b, h, h_kv, s, d, dtype, ulysses, ring):
+    """The O(s/P) memory of hybrid_attention forward + backward on one rank: the ring's (ring_memory_bytes) on
+    its gathered shard, s/r tokens of h/u and h_kv/u heads (as many elements as s/P tokens of h and h_kv heads),
+    and with u > 1 the layer's own s/P tensors beside the all-to-alls' copies: q, k, v, out, dout at e."""
+    u, r = ulysses, ring
+    local = b * (s // (u * r)) * d * (3 * h + 2 * h_kv) * torch.empty(0, dtype=dtype).element_size()
+    return ring_memory_bytes(b, h // u, h_kv // u, s // r, d, dtype) + (local if u > 1 else 0)
+
+
+# ----------------------------------------------------------------------------------------------------
 # Optional: all-gather KV (Llama 3's context parallelism)
 # ----------------------------------------------------------------------------------------------------
 
@@ -611,6 +711,13 @@ def causal_pairs_per_rank(seq, world, layout):
     positions = torch.arange(seq)
     shard = zigzag_shard if layout == "zigzag" else contiguous_shard
     return [int((shard(positions, 0, r, world) + 1).sum()) for r in range(world)]
+
+
+def hybrid_pairs_per_rank(seq, heads, ulysses, ring, ring_layout="zigzag"):
+    """Causal attention work of each CP rank (c = ulysses_rank + ulysses * ring_rank) under hybrid_attention:
+    heads/u query heads times the attended pairs of its ring rank's shard (`ring_layout` of the ring)."""
+    pairs = causal_pairs_per_rank(seq, ring, ring_layout)
+    return [heads // ulysses * pairs[c // ulysses] for c in range(ulysses * ring)]
 
 
 # ----------------------------------------------------------------------------------------------------

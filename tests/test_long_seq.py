@@ -1,6 +1,7 @@
 """long_seq.py: ring (zigzag causal and non-causal; fused kernels and the einsum reference), Ulysses and all-gather
 attention against SDPA on the whole sequence, on every rank; communication counted and overlapped; zigzag balance;
 saved and peak memory O(s/P) at s = 32768; validation before communication."""
+import itertools
 import os
 
 import pytest
@@ -491,7 +492,8 @@ def test_demo_head_counts_split_over_any_world_size():
         assert bool(why) == ((h, h_kv) != (8, 4)), P
 
 
-@pytest.mark.parametrize("flag", ["--seq", "--batch", "--heads", "--kv-heads", "--head-dim", "--repeats"])
+@pytest.mark.parametrize("flag", ["--seq", "--batch", "--heads", "--kv-heads", "--head-dim", "--repeats",
+                                  "--cp-ulysses"])
 def test_bench_sizes_below_one_are_one_line_and_exit_code_2(flag):
     import subprocess
     import sys
@@ -508,6 +510,15 @@ def test_bench_sequence_that_the_ranks_cannot_zigzag_is_one_line_before_any_grou
                          timeout=60, cwd=os.path.dirname(os.path.abspath(ls.__file__)), env=env)
     assert out.returncode == 2
     assert out.stderr.strip() == "long_seq.py: error: --seq 12 must be a multiple of 2 x the 4 ranks (zigzag shards)"
+
+
+def test_bench_hybrid_sizes_are_checked_before_any_group():
+    for args, msg in (((8, 1, 4, 4, 64, 1, 4, 3), "--cp-ulysses 3 must divide the 4 ranks and --kv-heads 4"),
+                      ((8, 1, 4, 2, 64, 1, 4, 4), "--cp-ulysses 4 must divide the 4 ranks and --kv-heads 2"),
+                      ((8, 1, 4, 3, 64, 1, 4, None), "--heads 4 must be a multiple of --kv-heads 3 (GQA)")):
+        with pytest.raises(ValueError, match=msg.replace("(", "\\(").replace(")", "\\)")):
+            ls.check_bench_args(*args)
+    ls.check_bench_args(8, 1, 4, 2, 64, 1, 4, 2)  # u = 2 of 4 ranks, dividing 2 KV heads: accepted
 
 
 def test_demo_refuses_the_bench_flags_it_would_ignore():
@@ -561,6 +572,40 @@ def test_hybrid_shard_is_zigzag_over_the_ring_contiguous_inside_and_zigzag_over_
         ls.hybrid_shard(torch.zeros(1, 24), 1, 2, 2, 0, 3)
     with pytest.raises(ValueError, match="5 shards for u\\*r = 2\\*3"):
         ls.hybrid_unshard([torch.zeros(1, 4)] * 5, 1, 2, 3)
+
+
+def test_hybrid_comm_formula_by_hand():
+    # b 1, s 48, widths 32 (queries) and 8 (KV), u 2, r 3, bf16 with FP32 dK/dV: each all-to-all keeps 1/2 of the
+    # s/P = 8 tokens' q, k, v, out (2 x 32 + 2 x 8 = 80 wide): 1/2 x 8 x 80 x 2 = 640; a ring shard's K and V are
+    # 2 x 16 tokens x 4 (8 / u) wide = 128 elements, passed r - 1 = 2 times: 512 bytes; backward 512 + 3 x 128 x 4
+    assert ls.hybrid_comm_bytes(1, 48, 32, 8, 2, 3, 2, 4) == {"ulysses_fwd": 640, "ulysses_bwd": 640,
+                                                              "ring_fwd": 512, "ring_bwd": 512 + 1536}
+    # the limits: u = 1 is the ring, 2 (P-1)/P b s h_kv e (backward also P dK/dV hops, 2 b s h_kv e_acc); r = 1 is
+    # Ulysses, (P-1)/P^2 b s (2h + 2h_kv) e, no ring
+    assert ls.hybrid_comm_bytes(1, 48, 32, 8, 1, 6, 2) == {"ulysses_fwd": 0, "ulysses_bwd": 0,
+                                                           "ring_fwd": 2 * 5 / 6 * 48 * 8 * 2,
+                                                           "ring_bwd": 2 * 5 / 6 * 48 * 8 * 2 + 2 * 48 * 8 * 2}
+    assert ls.hybrid_comm_bytes(1, 48, 32, 8, 6, 1, 2) == {"ulysses_fwd": 5 / 36 * 48 * 80 * 2,
+                                                           "ulysses_bwd": 5 / 36 * 48 * 80 * 2,
+                                                           "ring_fwd": 0, "ring_bwd": 0}
+    # the docstring's comparison at the same P, forward: pure Ulysses minus the hybrid is
+    # (r-1)/P b s ((2H + 2H_kv)/P - 2 H_kv) e, so Ulysses sends fewer bytes exactly when P > 1 + H/H_kv
+    signs = set()
+    for h, h_kv, u, r in itertools.product((8, 32), (1, 4, 8), (2, 4), (2, 3, 4)):
+        P = u * r
+        fwd = {key: sum(v for k, v in ls.hybrid_comm_bytes(1, 96, h, h_kv, *key, 2).items() if k.endswith("fwd"))
+               for key in ((u, r), (P, 1))}
+        gap = (r - 1) / P * 96 * ((2 * h + 2 * h_kv) / P - 2 * h_kv) * 2
+        assert fwd[(P, 1)] - fwd[(u, r)] == pytest.approx(gap), (h, h_kv, u, r)
+        if P != 1 + h / h_kv:
+            assert (gap < 0) == (P > 1 + h / h_kv), (h, h_kv, u, r)
+            signs.add(gap < 0)
+    assert signs == {True, False}  # both sides of the boundary occur
+    # memory: the ring's on s/r = 16 tokens of H/u = 2 and H_kv/u = 1 heads, + q, k, v, out, dout of s/P = 8 tokens
+    assert ls.hybrid_memory_bytes(1, 4, 2, 48, 8, torch.bfloat16, 2, 3) == (
+        ls.ring_memory_bytes(1, 2, 1, 16, 8, torch.bfloat16) + 8 * 8 * (3 * 4 + 2 * 2) * 2)
+    assert ls.hybrid_memory_bytes(1, 4, 2, 48, 8, torch.bfloat16, 1, 6) == ls.ring_memory_bytes(1, 4, 2, 8, 8,
+                                                                                                torch.bfloat16)
 
 
 def test_hybrid_causal_work_is_the_same_on_every_rank():
@@ -624,6 +669,8 @@ def _hybrid_all_cases(rank, P, layouts):
                 for dtype in (torch.float64, torch.float32):
                     results[(u, r, h_kv, causal, str(dtype))] = _hybrid_case(rank, P, *groups, u, r, h_kv, causal,
                                                                              dtype)
+        # 16-bit: the ring's dK/dV travel in the FP32 accumulator (its bytes only; precision is the ring's tests')
+        results[(u, r, u, True, "torch.bfloat16")] = _hybrid_case(rank, P, *groups, u, r, u, True, torch.bfloat16)
         results[(u, r, u, True, "reference")] = _hybrid_case(rank, P, *groups, u, r, u, True, torch.float64,
                                                              impl="reference")
         ls.comm_log.clear()
@@ -659,9 +706,10 @@ def _check_hybrid_results(P, per_rank):
                 continue
             u, r, h_kv, causal, kind = key
             err, log, work = value
-            assert err < TOL_HYBRID[torch.float32 if kind == "torch.float32" else torch.float64], (rank, key, err)
-            width = d * h_kv
-            want = ls.hybrid_comm_bytes(b, s, H_HYBRID * d, width, u, r, 4 if kind == "torch.float32" else e)
+            if kind != "torch.bfloat16":
+                assert err < TOL_HYBRID[torch.float32 if kind == "torch.float32" else torch.float64], (rank, key, err)
+            elem, acc = {"torch.float32": (4, 4), "torch.bfloat16": (2, 4)}.get(kind, (e, e))
+            want = ls.hybrid_comm_bytes(b, s, H_HYBRID * d, d * h_kv, u, r, elem, acc)
             got = {"ulysses_fwd": log.get("hybrid_a2a_fwd:bytes", 0), "ulysses_bwd": log.get("hybrid_a2a_bwd:bytes", 0),
                    "ring_fwd": log.get("ring_kv_fwd:bytes", 0),
                    "ring_bwd": log.get("ring_kv_bwd:bytes", 0) + log.get("ring_dkv_bwd:bytes", 0)}
@@ -704,8 +752,8 @@ def _hybrid_peak(rank, P, u, b, h, h_kv, s, d, dtype):
 # Formula (ls.hybrid_memory_bytes): the ring's O(s/P) on the gathered shard (s/r tokens of H/u heads: the elements
 # of s/P tokens of H heads) plus the layer's own s/P tensors q, k, v, out, dout beside the all-to-alls' copies.
 # Float32, b=1, H=4, H_kv=2, s=16384, d=64 on 2 x 2 ranks: 52.1 MiB; measured 56.1 MiB = 1.08 x on every rank (the
-# ring's own 1.07 x at P = 2: a block's gradients while they are summed), bound 1.25 x. One FP32 block of the ring's scores
-# would be b (H/u) (s/r)^2 4 = 512 MiB, 9.1 x the peak. About 3 s.
+# ring's own 1.07 x at P = 2: a block's gradients while they are summed), bound 1.25 x. One FP32 block of the ring's
+# scores would be b (H/u) (s/r)^2 4 = 512 MiB, 9.1 x the peak. About 3 s.
 def test_hybrid_attention_at_s_16384_stays_within_1_25x_the_o_s_over_p_formula():
     P, u, b, h, h_kv, s, d = 4, 2, 1, 4, 2, 16384, 64
     formula = ls.hybrid_memory_bytes(b, h, h_kv, s, d, torch.float32, u, P // u)

@@ -1,7 +1,7 @@
-"""Long sequences: Ring Attention, Ulysses and context-parallel (zigzag) sharding.
+"""Long sequences: Ring Attention, Ulysses, their hybrid (USP) and context-parallel (zigzag) sharding.
 
 Attention costs O(s^2) compute and, unfused, O(s^2) memory; at 128K+ tokens even one layer's activations
-outgrow a GPU. Four techniques split the sequence, and they differ in WHAT they split and WHERE they talk:
+outgrow a GPU. Five techniques split the sequence, and they differ in WHAT they split and WHERE they talk:
 
     technique            splits                          collectives per layer                 constraint
     Megatron SP          non-attention activations       all-gather + reduce-scatter (in TP)   inside a TP group
@@ -9,6 +9,7 @@ outgrow a GPU. Four techniques split the sequence, and they differ in WHAT they 
     context parallel     every activation along s        only inside attention (ring/Ulysses) s % 2P (zigzag)
     Ring Attention       q, k, v along s; KV travels      P-1 KV sends fwd; P-1 KV + P dKV bwd  any head count
     Ulysses              s -> heads by all-to-all         4 all-to-alls fwd (q, k, v, out), 4 bwd  H % P
+    Hybrid (USP)         Ulysses over u, ring over r      4 all-to-alls in u; r-1 KV sends in r  H_kv % u
 
 Per GPU per layer (bytes sent, forward, e bytes per element, s the full sequence, P ranks):
     Ring:      (P-1) x 2 b (s/P) h_kv d e = 2 (P-1)/P b s h_kv d e   (overlappable with the block compute)
@@ -56,9 +57,51 @@ all-to-all restores sequence shards. The heads must divide by P; with grouped-qu
 KV heads than ranks, each KV head is replicated (`repeat_interleave`, so query head i still meets KV head
 i // (H/H_kv)).
 
+Hybrid: Ulysses inside, ring across (USP, Fang and Zhao 2024; Megatron-LM's a2a+p2p with hierarchical CP sizes).
+Ulysses stops at P = H_kv (and its all-to-alls cross nodes once P leaves one); the ring's blocks shrink with s/P
+until its KV transfers no longer hide behind them. The hybrid splits CP = u x r: u consecutive CP ranks form a
+Ulysses group (inside a node when TP x u fits one), the r ranks at stride u a ring (topology.py's cp_ulysses and
+cp_ring groups). hybrid_attention runs an all-to-all over the Ulysses group that trades the rank's s/P tokens of
+all H heads for s/r tokens of H/u heads (K and V alike: u must divide H_kv), the fused zigzag ring over the ring
+group on that chunk, and the inverse all-to-all. The layout (hybrid_shard) is zigzag over the ring, each of its
+two chunks cut contiguously into u pieces, Ulysses rank i holding piece i of the early chunk and piece u-1-i of
+the late one: exactly zigzag_shard over all P = u r ranks at CP rank c = i + u j, so positions and labels shard as
+for the ring, and the u pieces an all-to-all brings in fall into the ring's order by zigzag_unshard. Causal work
+is balanced twice over: the ring ranks by zigzag, the Ulysses ranks by computing the same chunk for different
+heads (hybrid_pairs_per_rank: (H/u) x the ring shard's pairs, the same on every rank).
+
+Its communication per rank per layer (hybrid_comm_bytes; H, H_kv the query and KV widths, heads x head_dim, e
+bytes per element): the 4 all-to-alls (q, k, v, out; K and V travel in one message) each keep 1/u of a tensor of
+s/P tokens and send (u-1)/u of it,
+    all-to-all   (u-1)/u b (s/(u r)) (2 H + 2 H_kv) e             forward, the same again backward (dq, dk, dv, dout)
+    ring         (r-1) x 2 b (s/r) (H_kv/u) e = 2 (r-1)/(r u) b s H_kv e     forward (K and V r-1 times)
+                 backward: the same KV bytes, and dK, dV r times at the accumulator's width (2 b (s/u) H_kv e_acc)
+u = 1 is the pure ring, 2 (P-1)/P b s H_kv e, and r = 1 pure Ulysses, (P-1)/P^2 b s (2 H + 2 H_kv) e (measured
+equal to both, and the hybrid to its sum, in tests/test_long_seq.py and --bench). Memory per rank is O(s/P) for
+all three: after the all-to-all a rank holds s/r tokens of H/u heads, as many elements as s/P tokens of H heads, so
+the ring's part is ring_memory_bytes of the pure ring at P; the layer's own s/P tensors (q, k, v, out, dout) stay
+beside the all-to-alls' copies: hybrid_memory_bytes = ring_memory_bytes(b, H/u, H_kv/u, s/r, d) + b (s/P) d
+(3 H + 2 H_kv) e (measured 1.08 x at s = 16K on 2 x 2 ranks); Ulysses holds the full s of H/P heads, also s/P.
+
+When the hybrid wins. (1) Past the KV heads: Ulysses needs H_kv % P (or replicates KV heads: more bytes, more
+memory); the hybrid needs only H_kv % u, so a GQA model with 8 KV heads runs CP 32 as 8 x 4. (2) Past a node:
+with the Ulysses group inside it, only the ring crosses nodes, and it sends 2 (r-1)/(r u) b s H_kv e there instead
+of the pure ring's 2 (P-1)/P: about u times less; pure Ulysses at that P would run its all-to-alls (exposed, on
+the critical path) over the slow links. (3) Short chunks: a ring step computes half a causal block, 2 b l^2 H FLOPs
+for l local rows (QK^T and PV), while the next K and V, 2 b l H_kv e bytes, travel; the transfer hides when
+l >= (H_kv/H) e F / B (F FLOP/s, B the link's bytes/s). The pure ring has l = s/P, the hybrid's ring l = s/r: it
+hides at u times shorter sequences. H100 (F = 989e12 at e = 2) over InfiniBand (B = 45 GB/s per GPU) with H_kv/H =
+1/8: l >= 5.5K tokens, so a ring of 32 needs s >= 176K, the hybrid 8 x 4 s >= 22K. Bytes alone, forward, at the
+same P: pure Ulysses minus the hybrid = (r-1)/P b s ((2 H + 2 H_kv)/P - 2 H_kv) e, so Ulysses sends fewer exactly when
+P > 1 + H/H_kv (MHA: P > 2; 8 query heads per KV head: P > 9), but every byte of it is exposed, while the ring's
+part of the hybrid can hide (backward adds the ring's dK, dV to the hybrid). Inside one node with H_kv % P == 0,
+pure Ulysses is the simple choice (one SDPA call, no ring steps); the hybrid pays off past the KV heads and past
+the node.
+
 Run `torchrun --nproc_per_node=4 long_seq.py` (or plain `python long_seq.py` for one rank). `--bench` (also
 under torchrun; NCCL on GPUs) measures the peak memory and time of ring attention forward + backward at a long
-sequence, fused against reference and against SDPA on the whole sequence on one rank, beside the formula.
+sequence, fused against reference and against SDPA on the whole sequence on one rank, beside the formula; and
+the bytes and peak memory of the hybrid, the ring and Ulysses at the same CP beside their formulas.
 """
 import argparse
 import math
@@ -128,6 +171,32 @@ def zigzag_unshard(shards, dim):
     world = len(shards)
     halves = [s.chunk(2, dim=dim) for s in shards]
     return torch.cat([halves[r][0] for r in range(world)] + [halves[r][1] for r in reversed(range(world))], dim=dim)
+
+
+def hybrid_shard(x, dim, ulysses_rank, ulysses_size, ring_rank, ring_size):
+    """The shard of x along `dim` for hybrid_attention at Ulysses rank i of u and ring rank j of r: zigzag over
+    the ring (chunks j and 2r-1-j of 2r), each of the two chunks split contiguously into u pieces, piece i of the
+    early chunk and piece u-1-i of the late one (mirrored, like zigzag itself). That is zigzag_shard over the
+    whole CP group at CP rank c = i + u j (inner ranks consecutive, as topology.py numbers them), so positions
+    and labels shard as for the ring at the same CP. Needs the length to be a multiple of 2 u r."""
+    _check_rank(ulysses_rank, ulysses_size)
+    _check_rank(ring_rank, ring_size)
+    world = ulysses_size * ring_size
+    if x.shape[dim] % (2 * world):
+        raise ValueError(f"sequence length {x.shape[dim]} (dim {dim}) is not divisible by 2*u*r = 2*{ulysses_size}"
+                         f"*{ring_size} = {2 * world}; pad the sequence to a multiple of {2 * world}")
+    ring = x.chunk(2 * ring_size, dim=dim)
+    early = ring[ring_rank].chunk(ulysses_size, dim=dim)[ulysses_rank]
+    late = ring[2 * ring_size - 1 - ring_rank].chunk(ulysses_size, dim=dim)[ulysses_size - 1 - ulysses_rank]
+    return torch.cat([early, late], dim=dim)
+
+
+def hybrid_unshard(shards, dim, ulysses_size, ring_size):
+    """Inverse of hybrid_shard: the full tensor from every rank's shard, in CP rank order c = i + u j."""
+    if len(shards) != ulysses_size * ring_size:
+        raise ValueError(f"{len(shards)} shards for u*r = {ulysses_size}*{ring_size} ranks: pass one per CP rank")
+    ring_shards = [zigzag_unshard(shards[j * ulysses_size:(j + 1) * ulysses_size], dim) for j in range(ring_size)]
+    return zigzag_unshard(ring_shards, dim)
 
 
 def contiguous_shard(x, dim, rank, world):
@@ -505,6 +574,80 @@ def ulysses_attention(q, k, v, group, causal=True, scale=None):
 
 
 # ----------------------------------------------------------------------------------------------------
+# Hybrid: Ulysses inside, ring across (USP)
+# ----------------------------------------------------------------------------------------------------
+
+def _gather_ring_shard(x, group, u):
+    """(..., b, H, s/P, d) hybrid shard -> (..., b, H/u, s/r, d): this rank's H/u heads of its ring rank's zigzag
+    shard. The all-to-all brings piece i from Ulysses rank i, [early_i, late_(u-1-i)]; zigzag_unshard puts the
+    u pieces in order (early pieces ascending, then late pieces ascending)."""
+    x = rearrange(x, "... (p h) s d -> p ... h s d", p=u).contiguous()
+    x = _AllToAll.apply(x, group, "hybrid_a2a")
+    return zigzag_unshard(list(x.unbind(0)), dim=-2)
+
+
+def _scatter_ring_shard(x, group, u):
+    """(b, H/u, s/r, d) -> (b, H, s/P, d): the inverse; Ulysses rank i gets back its pieces of every head."""
+    x = torch.stack([zigzag_shard(x, -2, i, u) for i in range(u)])
+    x = _AllToAll.apply(x, group, "hybrid_a2a")
+    return rearrange(x, "p b h s d -> b (p h) s d")
+
+
+def check_hybrid(kv_heads, seq_local, ulysses_size):
+    """The hybrid's rules on sizes, before any communication: u divides the KV heads (then the query heads too,
+    a multiple of them), and with u > 1 the local length is even (two zigzag pieces per rank)."""
+    if kv_heads % ulysses_size:
+        raise ValueError(f"hybrid attention splits the KV heads over the Ulysses group: H_kv={kv_heads} must be "
+                         f"divisible by the Ulysses size u={ulysses_size} (cp_ulysses); choose u among "
+                         f"{[n for n in range(1, kv_heads + 1) if kv_heads % n == 0]}")
+    if ulysses_size > 1 and seq_local % 2:
+        raise ValueError(f"hybrid attention takes hybrid_shard shards (two pieces per rank): the local sequence "
+                         f"length {seq_local} must be even, i.e. the full length a multiple of 2*u*r")
+
+
+def hybrid_attention(q, k, v, ulysses_group, ring_group, causal=True, scale=None, impl="fused"):
+    """Attention over a sequence sharded across u x r ranks (hybrid_shard): an all-to-all over `ulysses_group`
+    trades sequence pieces for heads, ring_attention over `ring_group` runs on the gathered zigzag ring shard
+    (H/u heads, s/r tokens), and the inverse all-to-all restores the (b, H, s/P, d) layout. Either group None
+    is a dimension of size 1: pure ring (ulysses_group None) or pure Ulysses (ring_group None). GQA/MQA: u must
+    divide the KV heads. Every rank's shard has the same shape; validation happens before any communication."""
+    _check_qkv(q, k, v)
+    _check_impl(impl)
+    _, u = _group_info(ulysses_group)
+    check_hybrid(k.shape[1], q.shape[2], u)
+    if u == 1:  # a group of one rank issues no communication
+        return ring_attention(q, k, v, ring_group, causal=causal, scale=scale, impl=impl)
+    q = _gather_ring_shard(q, ulysses_group, u)
+    k, v = _gather_ring_shard(torch.stack([k, v]), ulysses_group, u).unbind(0)  # one message for K and V
+    out = ring_attention(q, k, v, ring_group, causal=causal, scale=scale, impl=impl)
+    return _scatter_ring_shard(out, ulysses_group, u)
+
+
+def hybrid_comm_bytes(b, s, q_width, kv_width, ulysses, ring, e, e_acc=None):
+    """Bytes one rank sends per attention layer under hybrid_attention, by group and direction (the docstring's
+    derivation); ulysses=1 is the pure ring, ring=1 pure Ulysses (KV heads divisible by P). q_width and kv_width
+    are the query and KV widths this rank's attention holds, heads x head_dim (under TP: / t); e bytes per
+    element, e_acc those of the ring's dK/dV accumulator (FP32 for 16-bit, default e).
+    Keys: ulysses_fwd, ulysses_bwd (the all-to-alls, inner group), ring_fwd, ring_bwd (the KV passes, outer)."""
+    e_acc = e if e_acc is None else e_acc
+    u, r = ulysses, ring
+    a2a = (u - 1) / u * b * s / (u * r) * (2 * q_width + 2 * kv_width) * e
+    kv_block = 2 * b * (s / r) * (kv_width / u)  # K and V of one ring shard, elements
+    return {"ulysses_fwd": a2a, "ulysses_bwd": a2a,
+            "ring_fwd": (r - 1) * kv_block * e,
+            "ring_bwd": (r - 1) * kv_block * e + (r * kv_block * e_acc if r > 1 else 0)}
+
+
+def hybrid_memory_bytes(b, h, h_kv, s, d, dtype, ulysses, ring):
+    """The O(s/P) memory of hybrid_attention forward + backward on one rank: the ring's (ring_memory_bytes) on
+    its gathered shard, s/r tokens of h/u and h_kv/u heads (as many elements as s/P tokens of h and h_kv heads),
+    and with u > 1 the layer's own s/P tensors beside the all-to-alls' copies: q, k, v, out, dout at e."""
+    u, r = ulysses, ring
+    local = b * (s // (u * r)) * d * (3 * h + 2 * h_kv) * torch.empty(0, dtype=dtype).element_size()
+    return ring_memory_bytes(b, h // u, h_kv // u, s // r, d, dtype) + (local if u > 1 else 0)
+
+
+# ----------------------------------------------------------------------------------------------------
 # Optional: all-gather KV (Llama 3's context parallelism)
 # ----------------------------------------------------------------------------------------------------
 
@@ -613,6 +756,13 @@ def causal_pairs_per_rank(seq, world, layout):
     return [int((shard(positions, 0, r, world) + 1).sum()) for r in range(world)]
 
 
+def hybrid_pairs_per_rank(seq, heads, ulysses, ring, ring_layout="zigzag"):
+    """Causal attention work of each CP rank (c = ulysses_rank + ulysses * ring_rank) under hybrid_attention:
+    heads/u query heads times the attended pairs of its ring rank's shard (`ring_layout` of the ring)."""
+    pairs = causal_pairs_per_rank(seq, ring, ring_layout)
+    return [heads // ulysses * pairs[c // ulysses] for c in range(ulysses * ring)]
+
+
 # ----------------------------------------------------------------------------------------------------
 # Measuring peak memory on CPU
 # ----------------------------------------------------------------------------------------------------
@@ -674,12 +824,124 @@ def _demo_heads(P):
     return 2 * P, P, f" (H=8, H_kv=4 do not split over P={P} ranks for Ulysses; H=2P, H_kv=P instead)"
 
 
+def _demo_ulysses(P, h_kv):
+    """The hybrid's Ulysses size for the demo and the bench: the smallest u > 1 that divides P (leaving a ring of
+    r = P/u > 1) and the KV heads; else pure Ulysses (u = P) where it divides them, else pure ring (u = 1)."""
+    for u in range(2, P):
+        if P % u == 0 and h_kv % u == 0:
+            return u
+    return P if h_kv % P == 0 else 1
+
+
+def _hybrid_groups(rank, P, u):
+    """This rank's (Ulysses group, ring group, Ulysses rank, ring rank) for CP = u x (P/u) over the world, CP rank
+    = Ulysses rank + u x ring rank (topology.py's cp_ulysses and cp_ring, built here so the file stays copyable).
+    new_group is collective: every rank creates every group, in the same order."""
+    r = P // u
+    inner = [dist.new_group(list(range(j * u, (j + 1) * u))) if u > 1 else None for j in range(r)]
+    outer = [dist.new_group(list(range(i, P, u))) if r > 1 else None for i in range(u)]
+    i, j = rank % u, rank // u
+    return inner[j], outer[i], i, j
+
+
+def _run_variant(fn, shard, q, k, v, dout, leaves):
+    """One forward + backward of `fn` on this rank's shards: the max error against the whole-sequence reference
+    `leaves` (out and grads) over ranks, what it sent (comm_log), the bytes it saved for backward and the attended
+    pairs its forward computed (work_log)."""
+    local = [shard(t).clone().requires_grad_(True) for t in (q, k, v)]
+    comm_log.clear()
+    work_log.clear()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = fn(*local)
+    work = work_log["pairs"]
+    out.backward(shard(dout))
+    ref = leaves[-1]
+    errs = [_max_err(out, shard(ref))] + [_max_err(l.grad, shard(r.grad)) for l, r in zip(local, leaves)]
+    err = torch.tensor(max(errs))
+    dist.all_reduce(err, op=dist.ReduceOp.MAX)
+    saved_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}.values())
+    return {"err": err.item(), "log": dict(comm_log), "saved": saved_bytes, "work": work}
+
+
+def show_equivalence(rows, say):
+    """Claim: every variant computes attention on the whole sequence, outputs and gradients, to rounding."""
+    say("\n== errors against F.scaled_dot_product_attention on the whole sequence (out, dq, dk, dv; max over ranks)")
+    for name, row in rows.items():
+        say(f"   {name:22s} {row['err']:.1e}")
+
+
+def show_bytes(rows, formulas, say):
+    """Claim: what each variant sends per rank equals the formula of the module docstring."""
+    say("\n== bytes sent by rank 0, per collective kind (forward + backward), beside the forward formula")
+    for name, row in rows.items():
+        say(f"-- {name}")
+        for key in sorted(k for k in row["log"] if k.endswith(":count")):
+            kind = key[:-6]
+            say(f"   {kind:20s} {row['log'][key]:3d} sends, {row['log'][kind + ':bytes']:9d} bytes")
+        say(f"   formula: {formulas[name]}")
+
+
+def show_saved_memory(rows, b, h, h_kv, s_local, d, say):
+    """Claim: ring attention keeps only its O(s/P) shard for backward (q, k, v, out, lse)."""
+    say(f"\n== tensors saved for backward on rank 0; ring formula (ring_saved_bytes) "
+        f"{ring_saved_bytes(b, h, h_kv, s_local, d, torch.float64)} bytes")
+    for name, row in rows.items():
+        say(f"   {name:22s} {row['saved']:9d} bytes")
+
+
+def show_balance(rows, s, P, b, h, u, say):
+    """Claim: under a causal mask zigzag gives every rank the same work, contiguous shards do not; the ring's and
+    the hybrid's blocks compute exactly those pairs."""
+    say(f"\n== causal attention work per rank (attended query-key pairs), s={s}:")
+    for layout in ("contiguous", "zigzag"):
+        pairs = causal_pairs_per_rank(s, P, layout)
+        say(f"   {layout:10s} {pairs}  max/min = {max(pairs) / min(pairs):.2f}")
+    for name in ("ring (zigzag)", f"hybrid {u} x {P // u}"):
+        mine = torch.tensor([rows[name]["work"]], dtype=torch.float64)
+        every = [torch.zeros(1, dtype=torch.float64) for _ in range(P)]
+        dist.all_gather(every, mine)
+        say(f"   {name} blocks, b x heads x pairs per rank: {[int(w.item()) for w in every]}")
+    say(f"   hybrid_pairs_per_rank x b (heads/u x the ring shard's pairs): "
+        f"{[b * w for w in hybrid_pairs_per_rank(s, h, u, P // u)]}; with a contiguous ring: "
+        f"{[b * w for w in hybrid_pairs_per_rank(s, h, u, P // u, ring_layout='contiguous')]}")
+
+
+def show_table(rows, b, s, P, h, h_kv, d, u, say):
+    """What splits what: the techniques side by side, forward bytes per rank (formula, measured), saved bytes."""
+    e = 8  # float64
+    fwd = {name: sum(v for key, v in row["log"].items() if key.endswith("fwd:bytes")) for name, row in rows.items()}
+    h_rep = max(h_kv, P)  # Ulysses replicates KV heads when H_kv < P
+    hyb = hybrid_comm_bytes(b, s, h * d, h_kv * d, u, P // u, e)
+    table = [
+        ("Megatron SP", "LN/dropout acts along s", "AG + RS in TP", "4(t-1)/t b s (h d) e", "(in TP code)",
+         "inside a TP group", "non-attention acts / t"),
+        ("context par.", "every activation along s", "attention only", "ring or Ulysses below", "",
+         "s % 2P (zigzag)", "all acts / P"),
+        ("Ring", "q, k, v along s", f"{P - 1} KV sends", f"{2 * (P - 1) / P * b * s * h_kv * d * e:.0f}",
+         fwd["ring (zigzag)"], "none on heads", rows["ring (zigzag)"]["saved"]),
+        ("Ulysses", "s -> heads", "4 all-to-alls", f"{(P - 1) / P ** 2 * b * s * (2 * h + 2 * h_rep) * d * e:.0f}",
+         fwd["ulysses"], "H % P == 0", rows["ulysses"]["saved"]),
+        (f"hybrid {u}x{P // u}", "s -> heads in u, ring r", "a2a + ring", f"{hyb['ulysses_fwd'] + hyb['ring_fwd']:.0f}",
+         fwd[f"hybrid {u} x {P // u}"], "H_kv % u == 0", rows[f"hybrid {u} x {P // u}"]["saved"]),
+        ("all-gather KV", "q along s, full KV", "1 all-gather", f"{(P - 1) / P * b * s * 2 * h_kv * d * e:.0f}",
+         fwd["all-gather KV"], "none on heads", rows["all-gather KV"]["saved"]),
+    ]
+    say("\n== what splits what (bytes per GPU per attention layer, forward; saved = bytes kept for backward)")
+    head = ("technique", "splits", "collectives", "formula bytes", "measured", "constraint", "saved bytes")
+    widths = [13, 25, 15, 26, 12, 18, 22]
+    for row in (head,) + tuple(table):
+        say("   " + " ".join(str(c).ljust(w) for c, w in zip(row, widths)))
+
+
 def demo():
     rank, P = _init()
     torch.set_num_threads(max(1, torch.get_num_threads() // P))
     say = print if rank == 0 else (lambda *a, **k: None)
-    group = dist.group.WORLD
+    world = dist.group.WORLD
     h, h_kv, why = _demo_heads(P)
+    u = _demo_ulysses(P, h_kv)
+    ulysses_group, ring_group, i, j = _hybrid_groups(rank, P, u)
     b, d, s = 2, 16, 64 * P
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(b, n, s, d, generator=gen, dtype=torch.float64) for n in (h, h_kv, h_kv))
@@ -687,85 +949,45 @@ def demo():
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     ref = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
     ref.backward(dout)
-    say(f"== P={P} ranks, b={b}, H={h}, H_kv={h_kv}{why}, s={s}, d={d}, float64, causal; errors against "
-        "F.scaled_dot_product_attention on the whole sequence (max over ranks); blocks run in the fused kernel "
-        f"{fused_kernel(q, k)!r}, 'ring reference' in einsums")
+    say(f"== P={P} ranks, b={b}, H={h}, H_kv={h_kv}{why}, s={s}, d={d}, float64, causal; blocks run in the fused "
+        f"kernel {fused_kernel(q, k)!r}, 'ring reference' in einsums; hybrid: Ulysses {u} x ring {P // u}")
 
-    def ring_reference(q, k, v, group, causal):
-        return ring_attention(q, k, v, group, causal=causal, impl="reference")
+    def zigzag(t):
+        return zigzag_shard(t, 2, rank, P)
 
-    rows = []
-    for name, fn, shard in (("ring (zigzag)", ring_attention, zigzag_shard),
-                            ("ring reference", ring_reference, zigzag_shard),
-                            ("ulysses", ulysses_attention, contiguous_shard),
-                            ("all-gather KV", allgather_attention, zigzag_shard)):
-        local = [shard(t, 2, rank, P).clone().requires_grad_(True) for t in (q, k, v)]
-        comm_log.clear()
-        saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-            out = fn(*local, group, causal=True)
-        out.backward(shard(dout, 2, rank, P))
-        errs = [_max_err(out, shard(ref, 2, rank, P))] + [_max_err(l.grad, shard(r.grad, 2, rank, P))
-                                                          for l, r in zip(local, leaves)]
-        err = torch.tensor(max(errs))
-        dist.all_reduce(err, op=dist.ReduceOp.MAX)
-        saved_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}.values())
-        rows.append((name, err.item(), dict(comm_log), saved_bytes))
+    variants = {
+        "ring (zigzag)": (lambda q, k, v: ring_attention(q, k, v, world), zigzag),
+        "ring reference": (lambda q, k, v: ring_attention(q, k, v, world, impl="reference"), zigzag),
+        "ulysses": (lambda q, k, v: ulysses_attention(q, k, v, world), lambda t: contiguous_shard(t, 2, rank, P)),
+        f"hybrid {u} x {P // u}": (lambda q, k, v: hybrid_attention(q, k, v, ulysses_group, ring_group),
+                                   lambda t: hybrid_shard(t, 2, i, u, j, P // u)),
+        "all-gather KV": (lambda q, k, v: allgather_attention(q, k, v, world), zigzag),
+    }
+    rows = {name: _run_variant(fn, shard, q, k, v, dout, leaves + [ref]) for name, (fn, shard) in variants.items()}
 
     e = 8  # float64
+    hyb = hybrid_comm_bytes(b, s, h * d, h_kv * d, u, P // u, e)
     formulas = {
         "ring (zigzag)": f"fwd KV 2(P-1)/P b s h_kv d e = {2 * (P - 1) / P * b * s * h_kv * d * e:.0f}; bwd the same "
                          f"KV plus dK,dV P times: 2 b s h_kv d e_acc = {2 * b * s * h_kv * d * e:.0f}",
         "ring reference": "the same collectives as the fused ring",
         "ulysses": f"fwd (P-1)/P^2 b s (2h + 2h_kv') d e = "
-                   f"{(P - 1) / P ** 2 * b * s * (2 * h + 2 * max(h_kv, P if P > h_kv else h_kv)) * d * e:.0f}",
-        "all-gather KV": f"fwd KV (P-1)/P b s 2 h_kv d e = {(P - 1) / P * b * s * 2 * h_kv * d * e:.0f}",
+                   f"{(P - 1) / P ** 2 * b * s * (2 * h + 2 * max(h_kv, P)) * d * e:.0f} (h_kv' = max(h_kv, P): KV "
+                   "heads replicated to P)",
+        f"hybrid {u} x {P // u}": f"hybrid_comm_bytes: all-to-alls (u-1)/u b s/P (2h + 2h_kv) d e = "
+                                  f"{hyb['ulysses_fwd']:.0f} each way; ring KV 2 (r-1)/(r u) b s h_kv d e = "
+                                  f"{hyb['ring_fwd']:.0f}, backward {hyb['ring_bwd']:.0f} with the dK/dV",
+        "all-gather KV": f"fwd KV (P-1)/P b s 2 h_kv d e = {(P - 1) / P * b * s * 2 * h_kv * d * e:.0f} (a ring "
+                         "all-gather forwards P-1 shards: the ring's KV bytes in one exposed collective, the whole KV "
+                         "held)",
     }
-    for name, err, log, saved_bytes in rows:
-        say(f"\n-- {name}: max error {err:.1e}; tensors saved for backward on rank 0: {saved_bytes} bytes")
-        for key in sorted(k for k in log if k.endswith(":count")):
-            kind = key[:-6]
-            say(f"   {kind:20s} {log[key]:3d} sends, {log[kind + ':bytes']:9d} bytes sent by this rank")
-        say(f"   formula: {formulas[name]}" + (" (a ring all-gather forwards P-1 shards: the ring's KV bytes in "
-                                                 "one exposed collective, the whole KV held)"
-                                                 if name == "all-gather KV" else ""))
-    say(f"   ring formula for the saved tensors: {ring_saved_bytes(b, h, h_kv, s // P, d, torch.float64)} bytes "
-        f"(q, k, v, out and lse of the local shard: O(s/P))")
-
-    say("\n== causal attention work per rank (attended query-key pairs), s=%d:" % s)
-    for layout in ("contiguous", "zigzag"):
-        pairs = causal_pairs_per_rank(s, P, layout)
-        say(f"   {layout:10s} {pairs}  max/min = {max(pairs) / min(pairs):.2f}")
-    work_log.clear()
-    local = [zigzag_shard(t, 2, rank, P) for t in (q, k, v)]
-    ring_attention(*local, group, causal=True)
-    mine = torch.tensor([work_log["pairs"]], dtype=torch.float64)
-    all_work = [torch.zeros(1, dtype=torch.float64) for _ in range(P)]
-    dist.all_gather(all_work, mine)
-    say(f"   pairs computed by ring_attention's blocks per rank (b*H*pairs): {[int(w.item()) for w in all_work]}")
-
-    fwd_bytes = {name: sum(v for key, v in log.items() if key.endswith("fwd:bytes")) for name, _, log, _ in rows}
-    saved = {name: sb for name, _, _, sb in rows}
-    h_rep = max(h_kv, P)  # Ulysses replicates KV heads when H_kv < P
-    table = [
-        ("Megatron SP", "LN/dropout acts along s", "AG + RS in TP", "4(t-1)/t b s (h d) e", "(in TP code)",
-         "inside a TP group", "non-attention acts / t"),
-        ("context par.", "every activation along s", "attention only", "ring or Ulysses below", "",
-         "s % 2P (zigzag)", "all acts / P"),
-        ("Ring", "q, k, v along s", f"{P - 1} KV sends", f"{2 * (P - 1) / P * b * s * h_kv * d * e:.0f}",
-         str(fwd_bytes["ring (zigzag)"]), "none on heads", str(saved["ring (zigzag)"])),
-        ("Ulysses", "s -> heads", "4 all-to-alls", f"{(P - 1) / P ** 2 * b * s * (2 * h + 2 * h_rep) * d * e:.0f}",
-         str(fwd_bytes["ulysses"]), "H % P == 0", str(saved["ulysses"])),
-        ("all-gather KV", "q along s, full KV", "1 all-gather", f"{(P - 1) / P * b * s * 2 * h_kv * d * e:.0f}",
-         str(fwd_bytes["all-gather KV"]), "none on heads", str(saved["all-gather KV"])),
-    ]
-    say("\n== what splits what (bytes per GPU per attention layer, forward; saved = bytes kept for backward)")
-    head = ("technique", "splits", "collectives", "formula bytes", "measured", "constraint", "saved bytes")
-    widths = [13, 25, 15, 26, 12, 18, 22]
-    for row in (head,) + tuple(table):
-        say("   " + " ".join(str(c).ljust(w) for c, w in zip(row, widths)))
-    say("\n(peak memory and time at a long sequence, fused against reference: python long_seq.py --bench, "
-        "or under torchrun)")
+    show_equivalence(rows, say)
+    show_bytes(rows, formulas, say)
+    show_saved_memory(rows, b, h, h_kv, s // P, d, say)
+    show_balance(rows, s, P, b, h, u, say)
+    show_table(rows, b, s, P, h, h_kv, d, u, say)
+    say("\n(peak memory and time at a long sequence, fused against reference, and the hybrid's bytes and memory "
+        "beside ring and Ulysses: python long_seq.py --bench, or under torchrun)")
     dist.barrier()  # gloo aborts a rank that tears down while a peer still talks to it
     dist.destroy_process_group()
 
@@ -794,20 +1016,55 @@ def _peak_bytes(fn, inputs, dout, device):
     return mem.peak + held, mem.largest
 
 
-def check_bench_args(seq, batch, heads, kv_heads, head_dim, repeats, world):
+def check_bench_args(seq, batch, heads, kv_heads, head_dim, repeats, world, cp_ulysses=None):
     """The bench's sizes, before any process group: every rank fails alike, none waits for the others."""
     for flag, value in (("--seq", seq), ("--batch", batch), ("--heads", heads), ("--kv-heads", kv_heads),
-                        ("--head-dim", head_dim), ("--repeats", repeats)):
+                        ("--head-dim", head_dim), ("--repeats", repeats), ("--cp-ulysses", 1 if cp_ulysses is None else cp_ulysses)):
         if value < 1:
             raise ValueError(f"{flag} {value} must be a positive integer")
     if seq % (2 * world):
         raise ValueError(f"--seq {seq} must be a multiple of 2 x the {world} ranks (zigzag shards)")
+    if heads % kv_heads:
+        raise ValueError(f"--heads {heads} must be a multiple of --kv-heads {kv_heads} (GQA)")
+    if cp_ulysses is not None and (world % cp_ulysses or kv_heads % cp_ulysses):
+        raise ValueError(f"--cp-ulysses {cp_ulysses} must divide the {world} ranks and --kv-heads {kv_heads}")
 
 
-def bench(seq, batch, heads, kv_heads, head_dim, dtype, repeats, reference):
-    """Ring attention forward + backward at a long sequence: peak memory and time, fused against reference,
-    and single-rank SDPA on the whole sequence; the measured memory beside ring_memory_bytes (O(s/P))."""
-    check_bench_args(seq, batch, heads, kv_heads, head_dim, repeats, int(os.environ.get("WORLD_SIZE", 1)))
+def _bench_runs(b, h, h_kv, s, d, dtype, P, u, local, full, dout_local, dout_full, reference, rank, say):
+    """name -> (function of q, k, v, its inputs, its dout, memory formula, bytes formula) for the bench."""
+    r = P // u
+    ulysses_group, ring_group, _, _ = _hybrid_groups(rank, P, u)  # collective: every rank, before any run
+    e = torch.empty(0, dtype=dtype).element_size()
+    e_acc = torch.empty(0, dtype=_acc_dtype(dtype)).element_size()
+
+    def sent(u_, r_):  # hybrid_comm_bytes forward + backward: u_ = 1 the ring, r_ = 1 Ulysses
+        return sum(hybrid_comm_bytes(b, s, h * d, h_kv * d, u_, r_, e, e_acc).values())
+
+    world = dist.group.WORLD
+    ring_mem = ring_memory_bytes(b, h, h_kv, s // P, d, dtype)
+    runs = {"ring fused": (lambda q, k, v: ring_attention(q, k, v, world), local, dout_local, ring_mem, sent(1, P))}
+    if reference:
+        runs["ring reference"] = (lambda q, k, v: ring_attention(q, k, v, world, impl="reference"), local, dout_local,
+                                  ring_mem, sent(1, P))
+    if h_kv % P == 0:  # no KV replication: the formula's case
+        runs["ulysses"] = (lambda q, k, v: ulysses_attention(q, k, v, world), local, dout_local,
+                           hybrid_memory_bytes(b, h, h_kv, s, d, dtype, P, 1), sent(P, 1))
+    else:
+        say(f"   (ulysses skipped: --kv-heads {h_kv} is not a multiple of the {P} ranks)")
+    runs[f"hybrid {u} x {r}"] = (lambda q, k, v: hybrid_attention(q, k, v, ulysses_group, ring_group), local,
+                                 dout_local, hybrid_memory_bytes(b, h, h_kv, s, d, dtype, u, r), sent(u, r))
+    runs["SDPA, whole seq, 1 rank"] = (lambda q, k, v: F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=h_kv != h), full, dout_full,
+        whole_sequence_memory_bytes(b, h, h_kv, s, d, dtype), 0)
+    return runs
+
+
+def bench(seq, batch, heads, kv_heads, head_dim, dtype, repeats, reference, cp_ulysses=None):
+    """Forward + backward at a long sequence, causal: peak memory, bytes sent and time of ring attention (fused
+    and reference), Ulysses, the hybrid (Ulysses cp_ulysses x ring) and single-rank SDPA on the whole sequence,
+    each beside its formulas (ring_memory_bytes, hybrid_memory_bytes, hybrid_comm_bytes: all O(s/P))."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    check_bench_args(seq, batch, heads, kv_heads, head_dim, repeats, world, cp_ulysses)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:  # before the process group: NCCL binds each rank's communicators to its current device
@@ -817,7 +1074,8 @@ def bench(seq, batch, heads, kv_heads, head_dim, dtype, repeats, reference):
         torch.set_num_threads(max(1, torch.get_num_threads() // P))
     say = print if rank == 0 else (lambda *a, **k: None)
     b, h, h_kv, d, s = batch, heads, kv_heads, head_dim, seq
-    s_local, group = s // P, dist.group.WORLD
+    u = _demo_ulysses(P, h_kv) if cp_ulysses is None else cp_ulysses
+    s_local = s // P
     gen = torch.Generator(device).manual_seed(rank)
 
     def leaves(n, length):
@@ -826,23 +1084,20 @@ def bench(seq, batch, heads, kv_heads, head_dim, dtype, repeats, reference):
     local, full = [leaves(n, s_local) for n in (h, h_kv, h_kv)], [leaves(n, s) for n in (h, h_kv, h_kv)]
     dout_local, dout_full = leaves(h, s_local).detach(), leaves(h, s).detach()
     kernel = fused_kernel(local[0], local[1])
-    runs = {"ring fused": (lambda q, k, v: ring_attention(q, k, v, group, impl="fused"), local, dout_local)}
-    if reference:
-        runs["ring reference"] = (lambda q, k, v: ring_attention(q, k, v, group, impl="reference"), local, dout_local)
-    runs["SDPA, whole seq, 1 rank"] = (lambda q, k, v: F.scaled_dot_product_attention(
-        q, k, v, is_causal=True, enable_gqa=h_kv != h), full, dout_full)
-
-    say(f"== ring attention forward + backward, causal zigzag: P={P} ranks, b={b}, H={h}, H_kv={h_kv}, s={s} "
-        f"(s/P={s_local}), d={d}, {str(dtype)[6:]}, {device.type}; fused kernel: {kernel or 'none (reference math)'}")
-    peaks = {}
-    for name, (fn, inputs, dout) in runs.items():
+    say(f"== attention forward + backward, causal: P={P} ranks, b={b}, H={h}, H_kv={h_kv}, s={s} (s/P={s_local}), "
+        f"d={d}, {str(dtype)[6:]}, {device.type}; fused kernel: {kernel or 'none (reference math)'}")
+    runs = _bench_runs(b, h, h_kv, s, d, dtype, P, u, local, full, dout_local, dout_full, reference, rank, say)
+    peaks, sent = {}, {}
+    for name, (fn, inputs, dout, _, _) in runs.items():
+        comm_log.clear()
         peak, largest = _peak_bytes(fn, inputs, dout, device)
+        sent[name] = sum(v for key, v in comm_log.items() if key.endswith(":bytes"))
         found = torch.tensor([peak, largest or 0], dtype=torch.float64, device=device)  # NCCL: GPU tensors only
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
         peaks[name] = found.tolist()
     times = {name: [] for name in runs}
     for _ in range(repeats):  # alternating, so that a slow spell of a shared machine hits every variant
-        for name, (fn, inputs, dout) in runs.items():
+        for name, (fn, inputs, dout, _, _) in runs.items():
             dist.barrier()
             t0 = time.perf_counter()
             _fwd_bwd(fn, inputs, dout, device)
@@ -851,29 +1106,31 @@ def bench(seq, batch, heads, kv_heads, head_dim, dtype, repeats, reference):
             times[name].append(elapsed.item())
 
     acc_e = torch.empty(0, dtype=_acc_dtype(dtype)).element_size()
-    formula = ring_memory_bytes(b, h, h_kv, s_local, d, dtype)
-    whole = whole_sequence_memory_bytes(b, h, h_kv, s, d, dtype)
     block = b * h * s_local ** 2 * acc_e
-    say(f"   O(s/P) formula per rank (ring_memory_bytes: q, out, dout, dq; k, v, dk, dv, two KV blocks; lse): "
-        f"{formula / 2**20:.1f} MiB")
+    say(f"   memory formulas per rank: ring_memory_bytes (q, out, dout, dq; k, v, dk, dv, two KV blocks; lse) "
+        f"{runs['ring fused'][3] / 2**20:.1f} MiB; hybrid_memory_bytes (the ring's on s/r tokens of H/u heads + "
+        f"the layer's own q, k, v, out, dout) {runs[f'hybrid {u} x {P // u}'][3] / 2**20:.1f} MiB")
     say(f"   for scale: one block's scores, b H (s/P)^2 at {acc_e} bytes, = {block / 2**20:.1f} MiB "
-        f"(the reference holds several); the whole-sequence O(s) formula = {whole / 2**20:.1f} MiB")
-    say(f"   {'':26s} {'peak MiB/rank':>14s} {'x formula':>10s} {'largest tensor MiB':>19s} "
-        f"{'median s (fwd+bwd)':>19s}  all runs")
-    for name in runs:
+        f"(the reference holds several); the whole-sequence O(s) formula = "
+        f"{runs['SDPA, whole seq, 1 rank'][3] / 2**20:.1f} MiB")
+    say(f"   {'':24s} {'peak MiB/rank':>13s} {'x formula':>9s} {'largest MiB':>11s} {'bytes sent':>11s} "
+        f"{'formula':>11s} {'median s':>9s}  all runs (fwd+bwd)")
+    for name, (_, _, _, mem_formula, bytes_formula) in runs.items():
         peak, largest = peaks[name]
-        unit = whole if name.startswith("SDPA") else formula
-        biggest = f"{largest / 2**20:19.1f}" if not cuda else f"{'-':>19s}"
-        say(f"   {name:26s} {peak / 2**20:14.1f} {peak / unit:10.2f} {biggest} {statistics.median(times[name]):19.3f}  "
+        biggest = f"{largest / 2**20:11.1f}" if not cuda else f"{'-':>11s}"
+        say(f"   {name:24s} {peak / 2**20:13.1f} {peak / mem_formula:9.2f} {biggest} {sent[name]:11d} "
+            f"{bytes_formula:11.0f} {statistics.median(times[name]):9.3f}  "
             + " ".join(f"{t:.3f}" for t in times[name]))
-    say("   (x formula: against ring_memory_bytes for the ring, the whole-sequence formula for SDPA; "
+    say("   (x formula: ring_memory_bytes for the ring, hybrid_memory_bytes for the hybrid and for Ulysses (u = P, "
+        "r = 1), the whole-sequence formula for SDPA; bytes: rank 0's, forward + backward, beside "
+        "hybrid_comm_bytes (u = 1 the ring, r = 1 Ulysses); "
         + ("CUDA peak from torch.cuda.max_memory_allocated)" if cuda else
            "CPU peak from PeakMemory, the live storages of every op's outputs, plus the inputs)"))
     dist.barrier()  # no rank tears its sockets down while a peer may still be using them
     dist.destroy_process_group()
 
 
-BENCH_DEFAULTS = {"seq": 8192, "batch": 1, "heads": 2, "head_dim": 64, "dtype": "float32", "repeats": 3}
+BENCH_DEFAULTS = {"seq": 8192, "batch": 1, "heads": 4, "head_dim": 64, "dtype": "float32", "repeats": 3}
 
 
 def _main():
@@ -889,8 +1146,10 @@ def _main():
                         help=f"default {BENCH_DEFAULTS['dtype']}")
     parser.add_argument("--repeats", type=int, help=f"default {BENCH_DEFAULTS['repeats']}")
     parser.add_argument("--no-reference", action="store_true", help="skip the einsum reference (O((s/P)^2))")
+    parser.add_argument("--cp-ulysses", type=int, help="the hybrid's Ulysses size u (default: the smallest u > 1 "
+                        "dividing the ranks, leaving a ring, and the KV heads)")
     args = parser.parse_args()
-    sizes = ("seq", "batch", "heads", "kv_heads", "head_dim", "dtype", "repeats", "no_reference")
+    sizes = ("seq", "batch", "heads", "kv_heads", "head_dim", "dtype", "repeats", "no_reference", "cp_ulysses")
     given = [name for name in sizes if getattr(args, name) is not None and getattr(args, name) is not False]
     if not args.bench:
         if given:  # the demo's sizes are fixed: a flag it would ignore is a mistake, said before any group
@@ -906,13 +1165,13 @@ def _main():
     kv_heads = args.heads if args.kv_heads is None else args.kv_heads
     try:
         check_bench_args(args.seq, args.batch, args.heads, kv_heads, args.head_dim, args.repeats,
-                         int(os.environ.get("WORLD_SIZE", 1)))
+                         int(os.environ.get("WORLD_SIZE", 1)), args.cp_ulysses)
     except ValueError as e:  # bad input: one line on rank 0 and exit code 2, not a traceback per rank
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"long_seq.py: error: {e}", file=sys.stderr)
         sys.exit(2)
     bench(args.seq, args.batch, args.heads, kv_heads, args.head_dim, getattr(torch, args.dtype), args.repeats,
-          not args.no_reference)
+          not args.no_reference, args.cp_ulysses)
 
 
 if __name__ == "__main__":

@@ -139,7 +139,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-GROUP_KINDS = ("tp", "cp", "dp", "pp", "dp_cp", "tp_cp", "tp_pp", "embedding", "ep", "edp")
+GROUP_KINDS = ("tp", "cp", "dp", "pp", "dp_cp", "tp_cp", "tp_pp", "embedding", "ep", "edp", "cp_ulysses", "cp_ring")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -172,11 +172,14 @@ def _divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def validate_layout(world_size, tp=1, pp=1, cp=1, ep=1):
+def validate_layout(world_size, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1):
     """Check that the sizes tile the world; return dp. Raises ValueError naming the parameter and a fix."""
     if not _is_count(world_size):  # no size 1 "disables" the world, unlike tp..ep
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}: the number of ranks")
-    _check_positive(tp=tp, pp=pp, cp=cp, ep=ep)
+    _check_positive(tp=tp, pp=pp, cp=cp, ep=ep, cp_ulysses=cp_ulysses)
+    if cp % cp_ulysses:
+        raise ValueError(f"cp_ulysses={cp_ulysses} must divide cp={cp} (the hybrid's CP = Ulysses size x ring "
+                         f"size); valid cp_ulysses values: {_divisors(cp)}")
     model_parallel = tp * pp * cp
     if world_size % model_parallel != 0:
         if world_size % cp:
@@ -210,15 +213,19 @@ def _groups_varying(shape, names, vary):
     return sorted(groups)
 
 
-def rank_groups(world_size, tp=1, pp=1, cp=1, ep=1):
+def rank_groups(world_size, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1):
     """Every group of every kind for a Megatron-LM layout, as lists of ranks.
 
-    Keys: tp cp dp pp dp_cp tp_cp tp_pp embedding ep edp. Dense grid order tp-cp-dp-pp (tp fastest); expert
-    grid tp-ep-edp-pp with ep * edp = cp * dp. `embedding` pairs the first and last stage of each pipeline (they
-    hold the tied input and output embeddings and all-reduce its gradient). `tp_cp` holds the ranks that share
-    the tokens of one micro-batch (Megatron-LM's group for MoE router statistics).
+    Keys: tp cp dp pp dp_cp tp_cp tp_pp embedding ep edp cp_ulysses cp_ring. Dense grid order tp-cp-dp-pp (tp
+    fastest); expert grid tp-ep-edp-pp with ep * edp = cp * dp. `embedding` pairs the first and last stage of
+    each pipeline (they hold the tied input and output embeddings and all-reduce its gradient). `tp_cp` holds the
+    ranks that share the tokens of one micro-batch (Megatron-LM's group for MoE router statistics).
+    Each CP group splits for hybrid attention (long_seq.py) into cp_ulysses x cp_ring, the CP rank being
+    `ulysses_rank + cp_ulysses * ring_rank` (Megatron-LM's hierarchical CP: the first, inner size takes
+    consecutive CP ranks): a `cp_ulysses` group is cp_ulysses consecutive CP ranks, TP x cp_ulysses consecutive
+    ranks in all (inside a node when that fits one), and a `cp_ring` group strides by TP x cp_ulysses.
     """
-    dp = validate_layout(world_size, tp, pp, cp, ep)
+    dp = validate_layout(world_size, tp, pp, cp, ep, cp_ulysses)
     dense_shape, dense_names = (tp, cp, dp, pp), ("tp", "cp", "dp", "pp")
     expert_shape, expert_names = (tp, ep, cp * dp // ep, pp), ("tp", "ep", "edp", "pp")
     groups = {kind: _groups_varying(dense_shape, dense_names, [kind])
@@ -229,12 +236,16 @@ def rank_groups(world_size, tp=1, pp=1, cp=1, ep=1):
     groups["embedding"] = [[g[0], g[-1]] if len(g) > 1 else list(g) for g in groups["pp"]]
     groups["ep"] = _groups_varying(expert_shape, expert_names, ["ep"])
     groups["edp"] = _groups_varying(expert_shape, expert_names, ["edp"])
+    hybrid_shape = (tp, cp_ulysses, cp // cp_ulysses, dp, pp)  # the cp digit split, ulysses fastest
+    hybrid_names = ("tp", "cp_ulysses", "cp_ring", "dp", "pp")
+    for kind in ("cp_ulysses", "cp_ring"):
+        groups[kind] = _groups_varying(hybrid_shape, hybrid_names, [kind])
     return groups
 
 
-def rank_coordinates(rank, world_size, tp=1, pp=1, cp=1, ep=1):
-    """(tp, cp, dp, pp, ep, edp) coordinates of one rank: the inverse of the rank formula."""
-    dp = validate_layout(world_size, tp, pp, cp, ep)
+def rank_coordinates(rank, world_size, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1):
+    """(tp, cp, dp, pp, ep, edp, cp_ulysses, cp_ring) coordinates of one rank: the inverse of the rank formula."""
+    dp = validate_layout(world_size, tp, pp, cp, ep, cp_ulysses)
     # the digits below would wrap around silently
     if not (isinstance(rank, numbers.Integral) and not isinstance(rank, bool) and 0 <= rank < world_size):
         raise ValueError(f"rank={rank!r} must be an integer in 0..{world_size - 1} (world_size={world_size})")
@@ -245,6 +256,7 @@ def rank_coordinates(rank, world_size, tp=1, pp=1, cp=1, ep=1):
     # the expert grid shares tp and pp; its middle digit cp_rank + cp * dp_rank splits as ep fastest
     middle = coords["cp"] + cp * coords["dp"]
     coords["ep"], coords["edp"] = middle % ep, middle // ep
+    coords["cp_ulysses"], coords["cp_ring"] = coords["cp"] % cp_ulysses, coords["cp"] // cp_ulysses
     return coords
 
 
@@ -306,6 +318,14 @@ class ParallelState:
     def edp_rank(self):
         return self.coords["edp"]
 
+    @property
+    def cp_ulysses_rank(self):
+        return self.coords["cp_ulysses"]
+
+    @property
+    def cp_ring_rank(self):
+        return self.coords["cp_ring"]
+
 
 def choose_backend(say=None):
     """NCCL when every process on this node has a GPU of its own, else gloo on CPU processes (with a warning
@@ -347,19 +367,19 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def parallel_state(rank, world_size, tp=1, pp=1, cp=1, ep=1, gpus_per_node=None, groups=None):
+def parallel_state(rank, world_size, tp=1, pp=1, cp=1, ep=1, gpus_per_node=None, groups=None, cp_ulysses=1):
     """One rank's ParallelState from arithmetic alone: coordinates, sizes, the ranks of each of its groups and its
     pipeline neighbours. `groups` (kind -> process group) is filled in by init_parallel; without it every group is
     None, so a one-process program (or a tool that only needs the layout) needs no process group."""
-    layout = rank_groups(world_size, tp, pp, cp, ep)  # raises before any communication
-    coords = rank_coordinates(rank, world_size, tp, pp, cp, ep)
+    layout = rank_groups(world_size, tp, pp, cp, ep, cp_ulysses)  # raises before any communication
+    coords = rank_coordinates(rank, world_size, tp, pp, cp, ep, cp_ulysses)
     # a middle pipeline stage is in no embedding group: None and [] there
     my_ranks = {kind: next((list(g) for g in layout[kind] if rank in g), []) for kind in GROUP_KINDS}
     dp, stage, pp_ranks = world_size // (tp * pp * cp), coords["pp"], my_ranks["pp"]
     return ParallelState(
         rank=rank, world_size=world_size,
         sizes={"tp": tp, "cp": cp, "dp": dp, "pp": pp, "ep": ep, "edp": cp * dp // ep, "dp_cp": dp * cp,
-               "tp_cp": tp * cp},
+               "tp_cp": tp * cp, "cp_ulysses": cp_ulysses, "cp_ring": cp // cp_ulysses},
         coords=coords, groups=dict(groups or dict.fromkeys(GROUP_KINDS)), ranks=my_ranks,
         pp_prev=pp_ranks[stage - 1] if stage > 0 else None,
         pp_next=pp_ranks[stage + 1] if stage < pp - 1 else None,
@@ -367,7 +387,7 @@ def parallel_state(rank, world_size, tp=1, pp=1, cp=1, ep=1, gpus_per_node=None,
         intra_node=group_locality(layout, gpus_per_node or world_size))
 
 
-def init_parallel(tp=1, pp=1, cp=1, ep=1, gpus_per_node=None, with_mesh=True, timeout_s=None):
+def init_parallel(tp=1, pp=1, cp=1, ep=1, gpus_per_node=None, with_mesh=True, cp_ulysses=1, timeout_s=None):
     """Create every group of the layout on the default process group; return this rank's ParallelState.
 
     The layout is validated before any group is created, so a bad layout raises the same ValueError on every
@@ -381,7 +401,7 @@ def init_parallel(tp=1, pp=1, cp=1, ep=1, gpus_per_node=None, with_mesh=True, ti
     if timeout_s is not None and not (isinstance(timeout_s, numbers.Real) and 0 < timeout_s < math.inf):
         raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds (or None)")
     rank, world_size = init_distributed(timeout_s)
-    groups = rank_groups(world_size, tp, pp, cp, ep)  # raises before any communication
+    groups = rank_groups(world_size, tp, pp, cp, ep, cp_ulysses)  # raises before any communication
     if gpus_per_node is None:
         gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     warn_if_tp_crosses_nodes(groups, gpus_per_node)
@@ -397,7 +417,7 @@ def init_parallel(tp=1, pp=1, cp=1, ep=1, gpus_per_node=None, with_mesh=True, ti
                 handles[key] = dist.new_group(ranks, timeout=_timeout(timeout_s))
             if rank in ranks:
                 mine[kind] = handles[key]
-    state = parallel_state(rank, world_size, tp, pp, cp, ep, gpus_per_node, groups=mine)
+    state = parallel_state(rank, world_size, tp, pp, cp, ep, gpus_per_node, groups=mine, cp_ulysses=cp_ulysses)
     if with_mesh:
         from torch.distributed.device_mesh import init_device_mesh
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -410,19 +430,21 @@ def init_parallel(tp=1, pp=1, cp=1, ep=1, gpus_per_node=None, with_mesh=True, ti
 # The rank map picture
 # ----------------------------------------------------------------------------------------------------
 
-def rank_map(nodes, gpus_per_node, tp=1, pp=1, cp=1, ep=1):
-    """A node x GPU grid of (tp, cp, dp, pp) coordinates, then the group lists and where each kind lives."""
+def rank_map(nodes, gpus_per_node, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1):
+    """A node x GPU grid of (tp, cp, dp, pp) coordinates, then the group lists and where each kind lives (the
+    hybrid's cp_ulysses and cp_ring kinds only where cp_ulysses > 1: else they are single ranks and cp itself)."""
     # each on its own: -1 nodes x -8 GPUs would make a world of 8 and an empty grid
     _check_count("nodes", nodes, "the number of nodes to draw")
     _check_count("gpus_per_node", gpus_per_node, "the GPUs of one node")
     world = nodes * gpus_per_node
-    groups = rank_groups(world, tp, pp, cp, ep)
+    groups = rank_groups(world, tp, pp, cp, ep, cp_ulysses)
     dp = world // (tp * pp * cp)
-    lines = [f"world={world} = tp {tp} x cp {cp} x dp {dp} x pp {pp}   (ep {ep}, edp {cp * dp // ep})",
+    hybrid = f", cp {cp} = ulysses {cp_ulysses} x ring {cp // cp_ulysses}" if cp_ulysses > 1 else ""
+    lines = [f"world={world} = tp {tp} x cp {cp} x dp {dp} x pp {pp}   (ep {ep}, edp {cp * dp // ep}{hybrid})",
              "each cell: rank tp.cp.dp.pp"]
     cells = []
     for r in range(world):
-        c = rank_coordinates(r, world, tp, pp, cp, ep)
+        c = rank_coordinates(r, world, tp, pp, cp, ep, cp_ulysses)
         cells.append(f"{r:>3d} {c['tp']}.{c['cp']}.{c['dp']}.{c['pp']}")
     width = max(len(cell) for cell in cells) + 1  # at least one space between cells, however many digits
     lines.append(("        " + "".join(f"gpu{g}".ljust(width) for g in range(gpus_per_node))).rstrip())
@@ -431,11 +453,13 @@ def rank_map(nodes, gpus_per_node, tp=1, pp=1, cp=1, ep=1):
         lines.append(f"node{n:<3d} " + "".join(cell.ljust(width) for cell in row).rstrip())
     local = group_locality(groups, gpus_per_node)
     lines.append("")
-    for kind in GROUP_KINDS:
+    kinds = [kind for kind in GROUP_KINDS if cp_ulysses > 1 or kind not in ("cp_ulysses", "cp_ring")]
+    name_width = max(9, *(len(kind) for kind in kinds))
+    for kind in kinds:
         gs = groups[kind]
         shown = " ".join(str(g) for g in gs[:8]) + (f" ... ({len(gs)} groups)" if len(gs) > 8 else "")
         where = "inside a node" if local[kind] else "CROSSES nodes"
-        lines.append(f"{kind:>9s} [{where}]: {shown}")
+        lines.append(f"{kind:>{name_width}s} [{where}]: {shown}")
     if not local["tp"]:
         lines.append("WARNING: TP crosses nodes; TP wants NVLink, put the extra factor into pp or dp")
     return "\n".join(lines)

@@ -91,6 +91,63 @@ def test_bad_layouts_name_the_parameter(kwargs, name):
         topology.rank_groups(**kwargs)
 
 
+def _brute_force_hybrid(world, tp, pp, cp, cp_ulysses):
+    """The hybrid's sub-groups by enumeration: CP rank c = i + u j (i the Ulysses rank, j the ring rank)."""
+    u, dp = cp_ulysses, world // (tp * pp * cp)
+    buckets = {"cp_ulysses": {}, "cp_ring": {}}
+    for t, i, j, d, p in itertools.product(range(tp), range(u), range(cp // u), range(dp), range(pp)):
+        r = t + tp * ((i + u * j) + cp * (d + dp * p))
+        buckets["cp_ulysses"].setdefault((t, j, d, p), []).append(r)
+        buckets["cp_ring"].setdefault((t, i, d, p), []).append(r)
+    return {k: sorted(sorted(v) for v in b.values()) for k, b in buckets.items()}
+
+
+def test_hybrid_cp_sub_groups_match_brute_force_and_split_each_cp_group():
+    rng = random.Random(1)
+    for _ in range(100):
+        tp, pp, dp, cp = rng.choice([1, 2, 3]), rng.choice([1, 2]), rng.choice([1, 2]), rng.choice([1, 2, 4, 6])
+        u = rng.choice(topology._divisors(cp))
+        world = tp * pp * cp * dp
+        g = topology.rank_groups(world, tp=tp, pp=pp, cp=cp, cp_ulysses=u)
+        assert {k: g[k] for k in ("cp_ulysses", "cp_ring")} == _brute_force_hybrid(world, tp, pp, cp, u)
+        assert g == {**topology.rank_groups(world, tp=tp, pp=pp, cp=cp), "cp_ulysses": g["cp_ulysses"],
+                     "cp_ring": g["cp_ring"]}  # the other kinds do not move
+        cp_of = {r: grp for grp in g["cp"] for r in grp}
+        for grp in g["cp_ulysses"]:  # u consecutive ranks of one CP group
+            cp_group = cp_of[grp[0]]
+            start = cp_group.index(grp[0])
+            assert grp == cp_group[start:start + u] and start % u == 0
+        for grp in g["cp_ring"]:  # every u-th rank of one CP group
+            assert grp == cp_of[grp[0]][cp_of[grp[0]].index(grp[0])::u] and len(grp) == cp // u
+        for r in range(world):
+            c = topology.rank_coordinates(r, world, tp, pp, cp, cp_ulysses=u)
+            assert c["cp"] == c["cp_ulysses"] + u * c["cp_ring"]
+            # each coordinate is the rank's index in its group of that kind
+            for kind in ("cp_ulysses", "cp_ring"):
+                assert next(grp for grp in g[kind] if r in grp).index(r) == c[kind], (kind, r)
+
+
+def test_hybrid_ulysses_groups_stay_in_a_node_when_tp_times_u_fits_one():
+    # 16 GPUs in nodes of 8, TP 2 x CP 8: Ulysses 4 (TP x u = 8) on NVLink, the ring of 2 across the two nodes
+    local = topology.group_locality(topology.rank_groups(16, tp=2, cp=8, cp_ulysses=4), 8)
+    assert local["cp_ulysses"] and not local["cp_ring"] and not local["cp"]
+    assert not topology.group_locality(topology.rank_groups(16, tp=2, cp=8, cp_ulysses=8), 8)["cp_ulysses"]
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(world_size=8, cp=4, cp_ulysses=3), "cp_ulysses=3 must divide cp=4 .*valid cp_ulysses values: \\[1, 2, 4\\]"),
+    (dict(world_size=8, cp=4, cp_ulysses=0), "cp_ulysses must be a positive integer"),
+])
+def test_bad_hybrid_sizes_name_the_parameter(kwargs, name):
+    for call in (topology.rank_groups, topology.validate_layout):
+        with pytest.raises(ValueError, match=name):
+            call(**kwargs)
+    with pytest.raises(ValueError, match=name):
+        topology.rank_coordinates(0, **kwargs)
+    with pytest.raises(ValueError, match=name):
+        topology.rank_map(1, 8, cp=4, cp_ulysses=kwargs["cp_ulysses"])
+
+
 def test_tp_across_nodes_warns_and_locality_is_reported():
     g = topology.rank_groups(16, tp=16)
     with pytest.warns(UserWarning, match="TP group crosses nodes"):
@@ -127,6 +184,15 @@ def test_rank_map_header_long_lists_and_warning():
     assert "dp [CROSSES nodes]" in text and "WARNING" not in text
 
 
+def test_rank_map_shows_the_hybrid_sub_groups_only_when_cp_is_split():
+    lines = topology.rank_map(2, 8, tp=2, cp=8, cp_ulysses=4).splitlines()
+    assert lines[0] == "world=16 = tp 2 x cp 8 x dp 1 x pp 1   (ep 1, edp 8, cp 8 = ulysses 4 x ring 2)"
+    assert "cp_ulysses [inside a node]: [0, 2, 4, 6] [1, 3, 5, 7] [8, 10, 12, 14] [9, 11, 13, 15]" in lines
+    assert "   cp_ring [CROSSES nodes]: [0, 8] [1, 9] [2, 10] [3, 11] [4, 12] [5, 13] [6, 14] [7, 15]" in lines
+    assert "        tp [inside a node]: [0, 1] [2, 3] [4, 5] [6, 7] [8, 9] [10, 11] [12, 13] [14, 15]" in lines
+    assert "cp_ulysses" not in topology.rank_map(2, 8, tp=2, cp=8)
+
+
 def test_map_cli_defaults_to_ep_1_and_torchruns_gpus_per_node(capsys, monkeypatch):
     topology.main(["--nodes", "1", "--gpus-per-node", "4"])
     assert capsys.readouterr().out.splitlines()[0] == "world=4 = tp 1 x cp 1 x dp 4 x pp 1   (ep 1, edp 4)"
@@ -137,8 +203,8 @@ def test_map_cli_defaults_to_ep_1_and_torchruns_gpus_per_node(capsys, monkeypatc
 
 # ---- process groups on 8 gloo ranks --------------------------------------------------------------
 
-def _init_and_probe(rank, world_size, tp, pp, cp, ep, gpus_per_node):
-    state = topology.init_parallel(tp=tp, pp=pp, cp=cp, ep=ep, gpus_per_node=gpus_per_node)
+def _init_and_probe(rank, world_size, tp, pp, cp, ep, gpus_per_node, cp_ulysses=1):
+    state = topology.init_parallel(tp=tp, pp=pp, cp=cp, ep=ep, gpus_per_node=gpus_per_node, cp_ulysses=cp_ulysses)
     reached = {}
     for kind, group in state.groups.items():
         if group is None:  # a middle pipeline stage holds no embedding
@@ -151,14 +217,18 @@ def _init_and_probe(rank, world_size, tp, pp, cp, ep, gpus_per_node):
     mesh = {dim: dist.get_process_group_ranks(state.mesh.get_group(dim)) for dim in ("pp", "dp", "cp", "tp")}
     return {"reached": reached, "ranks": state.ranks, "mesh": mesh, "coords": state.coords,
             "prev": state.pp_prev, "next": state.pp_next, "first": state.is_first_stage,
-            "last": state.is_last_stage, "intra": state.intra_node, "sizes": state.sizes}
+            "last": state.is_last_stage, "intra": state.intra_node, "sizes": state.sizes,
+            "hybrid_ranks": (state.cp_ulysses_rank, state.cp_ring_rank)}
 
 
-@pytest.mark.parametrize("world, tp, pp, cp, ep, gpus_per_node",
-                         [(8, 2, 2, 1, 2, 4), (8, 2, 1, 2, 4, 4), (6, 3, 2, 1, 1, 3), (3, 1, 3, 1, 1, 1)])
-def test_init_parallel_groups_reach_exactly_their_ranks(world, tp, pp, cp, ep, gpus_per_node):
-    out = run_ranks(_init_and_probe, world, tp, pp, cp, ep, gpus_per_node, timeout=90)
-    groups = topology.rank_groups(world, tp=tp, pp=pp, cp=cp, ep=ep)
+# the last two: CP 4 = Ulysses 2 x ring 2 under TP 2 (Ulysses inside a node of 4, the ring across), and CP 6 =
+# Ulysses 3 x ring 2 (odd sizes)
+@pytest.mark.parametrize("world, tp, pp, cp, ep, gpus_per_node, cp_ulysses",
+                         [(8, 2, 2, 1, 2, 4, 1), (8, 2, 1, 2, 4, 4, 1), (6, 3, 2, 1, 1, 3, 1), (3, 1, 3, 1, 1, 1, 1),
+                          (8, 2, 1, 4, 1, 4, 2), (6, 1, 1, 6, 1, 3, 3)])
+def test_init_parallel_groups_reach_exactly_their_ranks(world, tp, pp, cp, ep, gpus_per_node, cp_ulysses):
+    out = run_ranks(_init_and_probe, world, tp, pp, cp, ep, gpus_per_node, cp_ulysses, timeout=90)
+    groups = topology.rank_groups(world, tp=tp, pp=pp, cp=cp, ep=ep, cp_ulysses=cp_ulysses)
     for rank, o in enumerate(out):
         for kind in topology.GROUP_KINDS:
             expected = next((g for g in groups[kind] if rank in g), [])
@@ -166,7 +236,11 @@ def test_init_parallel_groups_reach_exactly_their_ranks(world, tp, pp, cp, ep, g
             assert o["reached"][kind] == expected, (rank, kind)
         for dim in ("pp", "dp", "cp", "tp"):
             assert o["mesh"][dim] == o["ranks"][dim], (rank, dim)
-        assert o["coords"] == topology.rank_coordinates(rank, world, tp, pp, cp, ep)
+        assert o["coords"] == topology.rank_coordinates(rank, world, tp, pp, cp, ep, cp_ulysses)
+        assert o["hybrid_ranks"] == (o["ranks"]["cp_ulysses"].index(rank), o["ranks"]["cp_ring"].index(rank))
+        assert o["coords"]["cp"] == o["coords"]["cp_ulysses"] + cp_ulysses * o["coords"]["cp_ring"]
+        if cp_ulysses > 1:  # TP x u ranks fill a node: the all-to-all stays inside it, the ring crosses
+            assert o["intra"]["cp_ulysses"] and not o["intra"]["cp_ring"]
         pp_ranks = o["ranks"]["pp"]
         stage = pp_ranks.index(rank)
         assert o["first"] == (stage == 0) and o["last"] == (stage == pp - 1)

@@ -2,143 +2,50 @@
 
     torchrun --nproc_per_node=8 train_gpt.py --tp 2 --pp 2 --cp 2 --out-dir out       # DP = 8 / (2*2*2) = 1
     python3 train_gpt.py --sample 300 --out-dir out                                     # text from its checkpoint
-    torchrun --nproc_per_node=16 train_gpt.py --tp 2 --sequence-parallel --pp 2 --cp 2 --cp-impl ulysses \\
-        --ep 4 --moe-every 2 --experts 8 --dtype bfloat16 --zero 1 --recompute selective  # every dimension: DP 2
 
-Every parallel dimension is decided in ONE place, the `Plan` built at start-up from the layout flags; the
-model and the training step only read it:
+Every parallel dimension is decided in ONE place, the `Plan` made at start-up from the layout flags (with every
+value the layout implies: shard lengths, micro-batch count, this stage's layers); the model and the step read it:
 
-    dimension      group (None if size 1)   what it splits                               the function that does it
-    TP  tensor     plan.tp                  weight matrices: heads, MLP columns/rows,    _TPLinear, reduce_tp,
-                                            the vocabulary                               VocabParallelEmbedding
-    SP  sequence   plan.tp (same ranks)     LayerNorm/residual activations along s       _TPLinear (gather),
-                                            between the TP regions                       reduce_tp (scatter)
-    CP  context    plan.cp                  the sequence, attention included             plan.attention (long_seq.py:
-                                                                                         ring / ulysses / allgather)
-    PP  pipeline   plan.pp                  the layers                                   Pipeline, one_f_one_b
-    DP  data       plan.dp_cp (with CP)     the batch (sequences)                        plan.micro_batches
-    EP  expert     plan.ep, plan.edp        the experts of MoE layers (folded over DP    moe_ep.MoE
-                                            x CP), expert tokens by all-to-all
-    recompute      -                        memory against FLOPs, per stage              plan.run_blocks
-                                                                                         (checkpointing.py)
+    dimension     group (None: size 1)  what it splits                                  done by
+    TP tensor     plan.tp               weights: heads, MLP columns and rows, the vocab  Column/RowParallelLinear
+    SP sequence   plan.tp (same ranks)  LayerNorm and residual activations along s       _TPLinear, plan.reduce_tp
+    CP context    plan.cp               the sequence, attention included                 plan.attention (long_seq)
+    PP pipeline   plan.pp               the layers                                       Pipeline, one_f_one_b
+    DP data       plan.dp_cp (with CP)  the batch, in sequences                          plan.micro_batches
+    EP expert     plan.ep, plan.edp     the experts of MoE layers, folded over DP x CP   moe_ep.MoE
+    recompute     -                     memory against FLOPs, per stage                  plan.run_blocks
 
-and the list of gradient reductions, each a SUM of (parameters, group), then one division by the global token
-count: dense weights over DP x CP, experts over EDP, the tied embedding over the embedding group (first and
-last stage), and the parameters replicated across TP whose gradients are partial because they act on a
-token shard (LayerNorms, row-parallel biases and position embeddings under SP; the MoE router and experts)
-over TP. `python train_gpt.py --help` lists the flags; the technique files (topology.py, long_seq.py, moe_ep.py,
-checkpointing.py, grad_accum.py, mixed_precision.py) are used through their public functions. Gradient
-accumulation follows grad_accum.py's rules: the pipeline's micro-batches are the accumulation steps (effective
-batch = micro-batch x micro-batches x DP), gradients are synced once per step, after the last micro-batch,
-and normalised by the global token count; they accumulate in mixed_precision.py's FP32 buffers.
+The gradient reductions (`gradient_reductions`), each a SUM over a group, then ONE normalisation by the global
+token count, applied where each backward starts: the tied embedding over the embedding group (its copies on the
+first and last stage); the parameters replicated over TP that act on a token shard (LayerNorms, row-parallel
+biases and positions under SP; the MoE layers under TP) over TP; dense weights over DP x CP and experts over EDP,
+both in the optimizer (all-reduce, or ZeRO-1's reduce-scatter).
 
-Tensor parallelism (Shoeybi et al. 2019). An MLP's first weight is split by output columns and its second by
-input rows, so the pair needs one all-reduce in forward (after the row-parallel GEMM) and one in backward (of
-the column-parallel GEMM's input gradient). Attention splits the heads the same way (QKV column-parallel,
-output row-parallel). The embedding is split over the vocabulary; the tied output layer produces vocabulary-
-sharded logits and the cross-entropy is assembled from them with one MAX and one SUM all-reduce of (N,) and
-(2, N) tensors instead of gathering V logits per token. Per layer: 2 all-reduces of b s h forward, 2 backward.
+TP (Shoeybi et al. 2019): an MLP's first weight is split by output columns and its second by input rows, so the
+pair needs one all-reduce forward and one backward; attention splits the heads alike; the tied embedding is split
+over the vocabulary and the loss assembled from vocabulary-sharded logits (one MAX and one SUM of (N,) values).
 
-Sequence parallelism (Korthikanti et al. 2022). Between the TP regions each TP rank holds s/t of the tokens, so
-the LayerNorms, residual adds (and dropout) work on 1/t of the activations. Each all-reduce becomes a
-reduce-scatter (after the row-parallel GEMM) and an all-gather (before the column-parallel GEMM): the same bytes,
-4 (t-1)/t b s h e per layer forward (`block_forward_comm_bytes`). The column-parallel GEMM keeps only its local
-input shard and gathers it again in backward, so every activation of a layer is split by t. Kept bytes of one
-block (this file's block: no dropout, fused attention; e bytes per element, LayerNorm statistics and the
-attention's row log-sum-exp in FP32 on CUDA, e on CPU; see `block_activation_bytes`):
+SP (Korthikanti et al. 2022): between the TP regions each rank holds s/t of the tokens; each all-reduce becomes a
+reduce-scatter and an all-gather (the same bytes), and every activation of a block is split by t
+(`block_activation_bytes`).
 
-    no SP   s b h e (4 + 12/t) + the LN statistics + lse / t   Korthikanti's 16-bit layer: sbh (10 + 24/t + 5as/(ht))
-    SP      s b h e (16/t)     + (LN statistics + lse) / t                                  sbh (34/t + 5as/(ht))
+PP with 1F1B (Narayanan et al. 2021): stage i holds L/p layers and runs p - 1 - i warm-up forwards, then one forward
+and one backward at a time: at most p micro-batches in flight, a bubble of (p-1)/(m+p-1) (`replay_pipeline`).
 
-(our 4 replicated terms are the two LayerNorm inputs and outputs, his 10 add dropout masks; his as/h terms
-are the s x s softmax that a fused attention kernel never stores.) The embedding output is reduce-scattered
-along the sequence and the LM head input gathered. SP composes with CP: each SP shard is a slice of this
-rank's CP shard.
+DP and CP: DP ranks take other sequences of the batch, CP ranks shards of the same ones (zigzag: causal work
+balanced); under one seed every layout holds the same global weights (each parameter drawn whole from a generator
+named after it), so every layout trains the same model (tested to 1e-12 in float64).
 
-Pipeline parallelism with 1F1B (Narayanan et al. 2021). Stage i holds L/p consecutive layers; the first stage
-the embeddings, the last the final LayerNorm and the (tied) output layer. With m micro-batches a stage runs
-p - 1 - i warm-up forwards, then alternates one forward and one backward, then drains: at most p micro-
-batches of activations alive on stage 0 (GPipe keeps m), bubble (p-1)/(m+p-1) (`replay_pipeline` times the
-order each stage ran; `--report` prints it beside the formula). Sends and receives that must meet are posted
-together (`batch_isend_irecv`), so no stage waits on a partner that is itself waiting.
+EP: MoE layers run on the TP ranks' token shards with whole expert weights, experts spread over EP by all-to-all;
+the router losses come from statistics summed over TP x CP, as in Megatron-LM.
 
-Data and context parallelism. DP ranks take different sequences of the global batch; CP ranks take shards of
-the same sequences (zigzag for the causal ring and all-gather attention: causal work balanced; contiguous for
-Ulysses), the position ids and targets sharded the same way. Under one seed every layout holds the same
-global weights (each parameter drawn whole from a generator seeded by its name, each rank keeping its
-slice), so the loss curve is the same for every layout: tests/test_train_gpt.py checks it to 1e-12 in
-float64, MoE router losses included.
+Memory and precision: recomputation per stage (checkpointing.py); FP32 main grads and masters, FP16 loss scaling,
+FP8 block GEMMs and ZeRO-1 (mixed_precision.py); the micro-batches are grad_accum.py's accumulation steps.
 
-Experts under TP (our choice: tokens split across TP, weights not). MoE layers always run on the sequence-
-parallel token shard: under SP that is the activation as it is; without SP the block hands each TP rank
-1/t of the tokens before the MoE and all-gathers the outputs after it (one all-gather of b s h e (t-1)/t per
-MoE layer forward, nothing extra in backward but the all-gather of the input gradient). Each TP rank so
-computes 1/t of the expert FLOPs and sends 1/t of the all-to-all bytes, expert weights stay whole and their
-gradients are summed over TP (and EDP). The router's balancing and z losses are formed from statistics
-summed over the ranks holding tokens of the same micro-batch, the `tp_cp` group (moe_ep.py's
-`stats_group`), as in Megatron-LM: their value and gradients are the same in every layout. Each micro-batch's
-router loss is weighted by its token count and divided by the global token count, like the LM loss; the
-metrics log it as `aux_loss` beside the LM `loss`.
-
-Activation recomputation (`--recompute`, checkpointing.py, per pipeline stage on that stage's blocks): `full`
-keeps each block's input, `sqrt` one input per segment of sqrt(L/p) blocks, `selective` recomputes the
-attention core (Korthikanti's choice). Here the core is a fused kernel (SDPA, or long_seq.py's ring over
-fused blocks) that keeps no s x s tensor: it saves q, k, v, its output and the row log-sum-exp, all O(s).
-Checkpointing it drops what the core saves beyond its inputs and its output (which the projection keeps
-anyway): the lse, and under CP the ring's and Ulysses' internal copies or the all-gathered K and V, at the
-price of one more attention forward (and its communication) in backward. So with fused kernels selective
-saves little without CP and most under all-gather CP. Kept MB of one stage of 4 blocks (L = 8, PP = 2;
-b = 4, s = 256, h = 256, a = 8, float32), measured with checkpointing.measure_kept_bytes by
-`python train_gpt.py --report`, which prints the formula beside each (none: L/p x block_activation_bytes;
-selective: minus the lse; sqrt and full: one block input per segment; CP's internal copies have none):
-
-    layout                 none    selective   sqrt (2 segments)   full
-    TP2 x PP2              42.07   42.01       2.10                4.19
-    PP2 x CP2 ring         35.75   33.59       1.05                2.10
-    PP2 x CP2 all-gather   39.94   33.59       1.05                2.10
-
-(tests/test_train_gpt.py runs the report and checks this table against it.) These are kept bytes, what waits
-for the backward per micro-batch in flight; the backward's recomputation adds its working set once: one block
-under `full`, a whole segment under `sqrt`, so sqrt's peak is the higher one below hundreds of layers
-(checkpointing.py measures and explains it).
-
-Precision (`--dtype`, mixed_precision.py). Every dtype goes through one optimizer wrapper: the gradient hook
-of each parameter adds its gradient into a persistent FP32 `main_grad` from the first micro-batch on (m BF16
-micro-batches cost one FP32 rounding each, not m BF16 roundings), the data-parallel sums run in FP32, and the
-optimizer steps FP32 master weights (a float32 model's own weights; float64 in the parity tests). bfloat16:
-BF16 weights and activations. float16: the same with dynamic loss scaling; the loss is multiplied by the
-scale where each backward starts (with the 1 / global-token normalisation), and the overflow check rides on
-the gradient-norm all-reduce over the whole world, so every rank of every stage skips an overflowing step
-together. fp8: the block linears' forward GEMMs in FP8 E4M3 with per-tensor dynamic scales, agreed (MAX of
-the amax) over the TP group, since the shards of one weight, and a row-parallel layer's input shards, are
-one tensor; backward in BF16; the LM head and the experts stay BF16. (CP and DP ranks quantise their own
-shards of the activations with their own scales, so unlike the other dtypes FP8 results depend slightly on
-the CP split; Transformer Engine also reduces the activation amax over CP.) `--zero 1`: master weights and Adam
-states sharded over DP x CP (experts over EDP), gradients reduce-scattered and parameters all-gathered in
-flat buffers (Megatron-LM's distributed optimizer): 6 + 12/d bytes per parameter for BF16, 8 + 8/d for FP32,
-against 18 and 16. Global gradient-norm clipping (`--grad-clip`) counts every distinct parameter once: the
-optimizer leaves out DP x CP and EDP replicas, the plan the copies replicated over TP and the tied embedding's
-second copy.
-
-The job. Data is bytes of text (vocabulary 256; CPython's pydoc topics by default, no download), a folder of
-text, or nanoGPT's uint16 train.bin/val.bin; the batch of step k comes from a generator seeded by k, so every
-layout and every resumed run sees the same batches. AdamW (weight decay on 2-D weights), linear warm-up,
-cosine decay. Checkpoints (torch.distributed.checkpoint) hold every tensor as boxes of the whole parameter
-under its global name, each rank writing what it holds (ZeRO-1 shards too: saving gathers nothing), so they resume
-at any layout; the job is stopped by a dead rank within `--timeout-s`.
-A bad flag is one line on rank 0 and exit code 2, before any process group exists.
-
-Metrics: one line per step on rank 0 and one JSON object per step in `--metrics`: step, loss, aux_loss, lr,
-grad_norm, tokens_per_s, step_time_s (the step itself: the batch is built before the clock starts), mfu (with
-`--peak-tflops`, or the GPU's known dense BF16 peak, whatever --dtype: pass --peak-tflops for FP8's), val_loss on
-eval steps, and on the first line this rank's param_bytes, grad_bytes, optimizer_bytes (master_bytes: the
-masters' part) and micro_batches, dp, effective_batch.
-FLOPs per token are PaLM's / nanoGPT's 6 N + 12 L h s with every matmul
-a token passes, the LM head included (`model_flops_per_token`); FlopCounterMode measures one step
-(`count_step_flops`) at exactly that plus 2 L h s per token, the QK^T that a flash kernel recomputes in backward
-(`python train_gpt.py --report` prints both for a dense and a MoE model). It also prints one block's kept bytes
-at TP=1, TP2 and TP2 with SP beside `block_activation_bytes`, the TP collectives of its forward and backward, and
-the bytes each rank sends in the forward beside `block_forward_comm_bytes`, for dense and MoE blocks.
+Reading order is run order: the configs, the Plan, TP/SP, the model, the pipeline, the step, `build`, the loop and
+`main`; then, under one banner, the job around training (data, checkpoints, input checks, sampling, the command
+line). `benchmarks/report.py` measures the memory, communication and FLOP figures stated here beside their
+formulas.
 """
 import argparse
 import json
@@ -154,10 +61,8 @@ import sys
 import time
 import warnings
 import zlib
-from collections import Counter
 from dataclasses import asdict, dataclass, fields, replace
 from functools import partial
-from datetime import timedelta
 from typing import NamedTuple
 
 import numpy as np
@@ -174,6 +79,10 @@ import mixed_precision
 import moe_ep
 import topology
 
+
+# ----------------------------------------------------------------------------------------------------
+# Configs: the model, and everything about a run that is not the model
+# ----------------------------------------------------------------------------------------------------
 
 @dataclass
 class GPTConfig:
@@ -234,16 +143,8 @@ class TrainConfig:
         return torch.float64 if self.dtype == "float64" else torch.float32
 
 
-def _size(group):
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def _rank(group):
-    return 0 if group is None else dist.get_rank(group)
-
-
 # ----------------------------------------------------------------------------------------------------
-# The plan: every group, the attention and sharding functions, the recomputation, the gradient reductions
+# The plan: every group, every layout-derived value, the attention and sharding functions, the recomputation
 # ----------------------------------------------------------------------------------------------------
 
 CP_IMPLS = {  # the attention of a context-parallel group and the sequence shard it expects
@@ -251,6 +152,51 @@ CP_IMPLS = {  # the attention of a context-parallel group and the sequence shard
     "ulysses": (long_seq.ulysses_attention, long_seq.contiguous_shard),
     "allgather": (long_seq.allgather_attention, long_seq.zigzag_shard),
 }
+
+
+class Layout(NamedTuple):
+    """What a layout makes of the model and the batch: derived once (`layout_of`), checked by `validate` before any
+    process group exists, carried by the Plan."""
+    dp: int                  # world / (tp cp pp)
+    seq_cp: int              # tokens of one sequence on a CP rank: s / cp
+    seq_hidden: int          # tokens of the hidden state between the TP regions: s / cp, and / tp under SP
+    sequence_parallel: bool  # --sequence-parallel, with TP > 1
+    moe_token_split: bool    # MoE layers run on 1/tp of the tokens, as SP shards (TP > 1): their weights stay whole
+    micro_batch_count: int   # m = batch / (dp micro_batch): the pipeline's micro-batches, the accumulation steps
+    layers_per_stage: int    # L / pp
+
+
+def layout_of(cfg, run, world):
+    tp, dp = run.tp, world // (run.tp * run.cp * run.pp)
+    sequence_parallel = run.sequence_parallel and tp > 1
+    seq_cp = cfg.seq_len // run.cp
+    return Layout(dp=dp, seq_cp=seq_cp, seq_hidden=seq_cp // tp if sequence_parallel else seq_cp,
+                  sequence_parallel=sequence_parallel, moe_token_split=tp > 1,
+                  micro_batch_count=run.batch // (dp * run.micro_batch), layers_per_stage=cfg.n_layer // run.pp)
+
+
+# Parameter tags: how a parameter lies across the ranks. Set once, where the parameter is made (`tag`); read by the
+# gradient reductions and the checkpoints. The whole contract between the model and the rest:
+#
+#     tag            set by                                        read by
+#     tp_dim         Column/RowParallelLinear (0 / 1), Vocab-      _slice_geometry: where a checkpoint box lies;
+#                    ParallelEmbedding (0): split over TP along    gradient_reductions: None (the same on every
+#                    that dim; None: whole on every TP rank        TP rank) counts in the norm on TP rank 0 only
+#     tp_parts       ColumnParallelLinear(parts=3): Q, K and V     _slice_geometry
+#                    each split over TP on its own
+#     token_sharded  LayerNorm, row-parallel bias, wpe (under      gradient_reductions: its gradient is partial
+#                    SP); the MoE layer (TP > 1)                   over TP, summed there
+#     expert         moe_ep.MoE's expert weights (split over EP    gradient_reductions: summed over EDP, not
+#                    along dim 0)                                  DP x CP; _slice_geometry
+TAGS = {"tp_dim": None, "tp_parts": 1, "token_sharded": False, "expert": False}
+
+
+def tag(params, **tags):
+    """Give parameters their tags (TAGS): the ones named here, the defaults for those not set yet."""
+    for p in params:
+        for name, default in TAGS.items():
+            setattr(p, name, tags[name] if name in tags else getattr(p, name, default))
+    return params
 
 
 class Reduction(NamedTuple):
@@ -262,11 +208,14 @@ class Reduction(NamedTuple):
     data_parallel: bool
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    ps: topology.ParallelState       # this rank's coordinates
-    world: object                    # the default group (None on one rank): the global norm and overflow check
-    tp: object                       # process groups, None where the dimension has size 1
+    """This rank's parallel decisions, made once (make_plan) and only read afterwards: its coordinates (ps), its
+    process groups (None where the dimension has size 1), the layout's values (Layout), this stage's layers, which
+    of the ranks holding the same loss count it in the log, and the functions that act on the layout."""
+    ps: topology.ParallelState
+    world: object                # the default group (None on one rank): the global norm and the logged losses
+    tp: object
     cp: object
     pp: object
     dp_cp: object
@@ -274,11 +223,23 @@ class Plan:
     edp: object
     tp_cp: object
     embedding: object
-    sequence_parallel: bool
     cp_impl: str
     recompute: str
-    reductions: list = None          # [Reduction], set by `plan_gradient_reductions`
-    norm_params: list = None         # the parameters this rank counts in the global gradient norm
+    dp: int
+    seq_cp: int
+    seq_hidden: int
+    sequence_parallel: bool
+    moe_token_split: bool
+    micro_batch_count: int
+    layers_per_stage: int
+    layers: range                # the global indices of this stage's layers
+    logs_lm_loss: bool           # the LM loss from the last stage's TP rank 0 (the other TP ranks hold the same)
+    logs_router_loss: bool       # the router loss from TP rank 0, CP rank 0 of every stage (likewise over tp_cp)
+
+    @property
+    def sizes(self):
+        """The size of every dimension: the one way to ask one (plan.sizes["tp"])."""
+        return self.ps.sizes
 
     def attention(self, q, k, v):
         """Causal attention of (b, heads, s_local, d) tensors over this rank's CP shard of the sequence."""
@@ -290,7 +251,7 @@ class Plan:
         """This rank's CP shard of a full-sequence tensor, in the layout `attention` expects."""
         if self.cp is None:
             return x
-        return CP_IMPLS[self.cp_impl][1](x, dim, self.ps.cp_rank, _size(self.cp))
+        return CP_IMPLS[self.cp_impl][1](x, dim, self.ps.cp_rank, self.sizes["cp"])
 
     def run_blocks(self, blocks, state):
         return checkpointing.run_blocks(blocks, state, self.recompute)
@@ -300,37 +261,41 @@ class Plan:
         return reduce_scatter_to_sp(x, self.tp) if self.sequence_parallel else reduce_from_tp(x, self.tp)
 
     def to_token_shard(self, x):
-        """MoE layers run on the sequence-parallel shard of the tokens (1/t of them per TP rank)."""
-        return x if self.sequence_parallel else scatter_to_sp(x, self.tp)
+        """The tokens a MoE layer runs on: the sequence-parallel shard (1/t of them per TP rank)."""
+        return scatter_to_sp(x, self.tp) if self.moe_token_split and not self.sequence_parallel else x
 
     def from_token_shard(self, y):
-        return y if self.sequence_parallel else gather_from_sp(y, self.tp)
+        return gather_from_sp(y, self.tp) if self.moe_token_split and not self.sequence_parallel else y
 
     def micro_batches(self, tokens, micro_batch, device):
         """This rank's micro-batches of a global batch (B, s + 1): its DP slice of the sequences, cut into
         micro-batches, and its CP shard of the inputs, targets and (global) positions."""
-        mine = tokens.chunk(self.ps.sizes["dp"])[self.ps.dp_rank].to(device)
+        mine = tokens.chunk(self.dp)[self.ps.dp_rank].to(device)
         positions = self.shard(torch.arange(tokens.shape[1] - 1, device=device), 0)
         return [(self.shard(mb[:, :-1], 1), positions, self.shard(mb[:, 1:], 1)) for mb in mine.split(micro_batch)]
 
 
-def make_plan(ps, sequence_parallel=False, cp_impl="ring", recompute="none"):
+def make_plan(cfg, run, ps):
     group = lambda kind: ps.groups[kind] if len(ps.ranks[kind]) > 1 else None
+    layout = layout_of(cfg, run, ps.world_size)
+    first_layer = ps.pp_rank * layout.layers_per_stage
     return Plan(ps=ps, world=dist.group.WORLD if ps.world_size > 1 else None, tp=group("tp"), cp=group("cp"),
-                pp=group("pp"), dp_cp=group("dp_cp"), ep=group("ep"),
-                edp=group("edp"), tp_cp=group("tp_cp"), embedding=group("embedding"),
-                sequence_parallel=sequence_parallel and ps.sizes["tp"] > 1, cp_impl=cp_impl, recompute=recompute)
+                pp=group("pp"), dp_cp=group("dp_cp"), ep=group("ep"), edp=group("edp"), tp_cp=group("tp_cp"),
+                embedding=group("embedding"), cp_impl=run.cp_impl, recompute=run.recompute, **layout._asdict(),
+                layers=range(first_layer, first_layer + layout.layers_per_stage),
+                logs_lm_loss=ps.is_last_stage and ps.tp_rank == 0,
+                logs_router_loss=ps.tp_rank == 0 and ps.cp_rank == 0)
 
 
-def plan_gradient_reductions(plan, stage):
-    """Every gradient SUM of a step, and the parameters this rank counts in the gradient norm.
+def gradient_reductions(plan, stage):
+    """Every gradient SUM of a step, and the parameters this rank counts in the gradient norm (the stage makes
+    both once, when its parameters exist).
 
     A parameter's gradient is complete once it has been summed over every group that saw other tokens
     through the same weights. The norm counts every distinct parameter once in the world: a parameter
     replicated over TP only on TP rank 0, the tied embedding only on the first stage (the optimizer leaves
     out the DP x CP and EDP replicas itself)."""
     params = [p for p in stage.parameters() if p.requires_grad]
-    is_expert = lambda p: getattr(p, "expert", False)
     tied = []
     if plan.embedding is not None:  # the first stage's wte and the last stage's copy: the sum of both uses
         tied = [stage.wte.weight if stage.first else stage.lm_head.weight]
@@ -338,67 +303,43 @@ def plan_gradient_reductions(plan, stage):
     # the two copies of the tied embedding take their DP x CP sum in a buffer of their own, laid out alike on
     # both stages: summed in the same order, they stay equal to the bit (inside the other dense weights' buffer
     # an element's place, so the order of its sum, would differ between the stages)
-    plan.reductions = [r for r in (
+    reductions = [r for r in (
         Reduction("tied embedding", tied, plan.embedding, False),
-        Reduction("token-sharded, replicated over TP",
-                  [p for p in params if getattr(p, "sequence_parallel", False)], plan.tp, False),
+        Reduction("token-sharded, replicated over TP", [p for p in params if p.token_sharded], plan.tp, False),
         Reduction("tied embedding over DP x CP", tied, plan.dp_cp, True),
-        Reduction("dense over DP x CP", [p for p in params if not is_expert(p) and id(p) not in tied_ids],
+        Reduction("dense over DP x CP", [p for p in params if not p.expert and id(p) not in tied_ids],
                   plan.dp_cp, True),
-        Reduction("experts over EDP", [p for p in params if is_expert(p)], plan.edp, True),
+        Reduction("experts over EDP", [p for p in params if p.expert], plan.edp, True),
     ) if r.params and (r.group is not None or r.data_parallel)]
     second_copy = {id(p) for p in tied if not stage.first}
-    plan.norm_params = [p for p in params if id(p) not in second_copy and
-                        (plan.ps.tp_rank == 0 or not getattr(p, "tp_replicated", False))]
-
-
-# ----------------------------------------------------------------------------------------------------
-# Layout-independent initialisation: every parameter drawn whole from a generator named after it
-# ----------------------------------------------------------------------------------------------------
-
-def full_init(name, shape, std, seed, dtype):
-    """N(0, std^2) weights of the WHOLE parameter `name`, from a generator seeded by that name."""
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    return (torch.randn(shape, generator=gen, dtype=torch.float64) * std).to(dtype)
-
-
-def _tag(params, **flags):
-    """Mark parameters for the plan: `tp_replicated` (the same on every TP rank), `sequence_parallel` (its
-    gradient is partial over TP: it acted on a token shard), `expert` (summed over EDP, not DP x CP); and for
-    checkpoints, how this rank's tensor is a slice of the whole: `tp_dim` (split over TP along that dim, with
-    `tp_parts` blocks such as Q, K, V split separately), `ep_dim` (split over EP)."""
-    for p in params:
-        for k, v in flags.items():
-            setattr(p, k, v)
-    return params
+    norm_params = [p for p in params if id(p) not in second_copy and (plan.ps.tp_rank == 0 or p.tp_dim is not None)]
+    return reductions, norm_params
 
 
 # ----------------------------------------------------------------------------------------------------
 # Tensor and sequence parallelism: the communication, then the layers
 # ----------------------------------------------------------------------------------------------------
 
-comm_log = Counter()  # TP/SP collectives issued by this rank, by kind and direction ("all_gather:fwd", ...)
-comm_bytes = Counter()  # the same keys: bytes of the whole tensor each collective assembles or reduces
 # torch 2.13 renames the flat collectives (the old names still work, with a deprecation warning)
 _all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
-def _all_gather_seq(x, group, phase):
+def _group_size(group):
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _all_gather_seq(x, group):
     """(b, s, h) sequence shards of every TP rank -> (b, t s, h), in rank order."""
-    comm_log[f"all_gather:{phase}"] += 1
-    out = x.new_empty((_size(group),) + tuple(x.shape))
-    comm_bytes[f"all_gather:{phase}"] += out.numel() * out.element_size()
+    out = x.new_empty((_group_size(group),) + tuple(x.shape))
     _all_gather_flat(out.view(-1), x.contiguous().view(-1), group=group)  # flat: any backend
     return rearrange(out, "t b s h -> b (t s) h")
 
 
-def _reduce_scatter_seq(x, group, phase, async_op=False):
+def _reduce_scatter_seq(x, group, async_op=False):
     """(b, t s, h) partial sums -> this rank's (b, s, h) sequence shard of their sum. With async_op, returns
     the shard and a function that waits for it (and keeps the input alive until then)."""
-    comm_log[f"reduce_scatter:{phase}"] += 1
-    parts = rearrange(x, "b (t s) h -> t b s h", t=_size(group)).contiguous()
-    comm_bytes[f"reduce_scatter:{phase}"] += parts.numel() * parts.element_size()
+    parts = rearrange(x, "b (t s) h -> t b s h", t=_group_size(group)).contiguous()
     out = x.new_empty(parts.shape[1:])
     work = _reduce_scatter_flat(out.view(-1), parts.view(-1), group=group, async_op=async_op)
     if not async_op:
@@ -411,12 +352,6 @@ def _reduce_scatter_seq(x, group, phase, async_op=False):
     return out, wait
 
 
-def _all_reduce(x, group, phase, async_op=False):
-    comm_log[f"all_reduce:{phase}"] += 1
-    comm_bytes[f"all_reduce:{phase}"] += x.numel() * x.element_size()
-    return dist.all_reduce(x, group=group, async_op=async_op)
-
-
 class _ReduceFromTP(torch.autograd.Function):
     """Forward: all-reduce the partial sums (in place: they are the fresh output of a GEMM whose backward
     does not need it, so no copy). Backward: identity (each rank's input gradient is the full one)."""
@@ -427,7 +362,7 @@ class _ReduceFromTP(torch.autograd.Function):
             ctx.mark_dirty(x)
         else:  # a view (the FP8 GEMM's reshaped output) cannot be reduced in place
             x = x.clone()
-        _all_reduce(x, group, "fwd")
+        dist.all_reduce(x, group=group)
         return x
 
     @staticmethod
@@ -441,11 +376,11 @@ class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter_seq(x, group, "fwd")
+        return _reduce_scatter_seq(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_seq(grad, ctx.group, "bwd"), None
+        return _all_gather_seq(grad, ctx.group), None
 
 
 class _ScatterToSP(torch.autograd.Function):
@@ -454,11 +389,11 @@ class _ScatterToSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return x.chunk(_size(group), dim=1)[_rank(group)].contiguous()
+        return x.chunk(_group_size(group), dim=1)[dist.get_rank(group)].contiguous()
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_seq(grad, ctx.group, "bwd"), None
+        return _all_gather_seq(grad, ctx.group), None
 
 
 class _GatherFromSP(torch.autograd.Function):
@@ -469,11 +404,11 @@ class _GatherFromSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _all_gather_seq(x, group, "fwd")
+        return _all_gather_seq(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.chunk(_size(ctx.group), dim=1)[_rank(ctx.group)].contiguous(), None
+        return grad.chunk(_group_size(ctx.group), dim=1)[dist.get_rank(ctx.group)].contiguous(), None
 
 
 def reduce_from_tp(x, group):
@@ -510,19 +445,19 @@ class _TPLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group, sequence_parallel, gemm=F.linear):
         ctx.group, ctx.sp, ctx.has_bias = group, sequence_parallel and group is not None, bias is not None
         ctx.save_for_backward(x, weight)
-        x_full = _all_gather_seq(x, group, "fwd") if ctx.sp else x
+        x_full = _all_gather_seq(x, group) if ctx.sp else x
         return gemm(x_full, weight, bias)  # F.linear, or the FP8 forward GEMM (the backward stays 16-bit)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        x_full = _all_gather_seq(x, ctx.group, "bwd") if ctx.sp else x
+        x_full = _all_gather_seq(x, ctx.group) if ctx.sp else x
         grad_x = grad_out @ weight
         wait = lambda: None
         if ctx.sp:
-            grad_x, wait = _reduce_scatter_seq(grad_x, ctx.group, "bwd", async_op=True)
+            grad_x, wait = _reduce_scatter_seq(grad_x, ctx.group, async_op=True)
         elif ctx.group is not None:
-            wait = _all_reduce(grad_x, ctx.group, "bwd", async_op=True).wait
+            wait = dist.all_reduce(grad_x, group=ctx.group, async_op=True).wait
         g2, x2 = grad_out.reshape(-1, grad_out.shape[-1]), x_full.reshape(-1, x_full.shape[-1])
         grad_w = g2.t() @ x2  # computed while the input gradient travels
         grad_b = g2.sum(0) if ctx.has_bias else None
@@ -530,19 +465,29 @@ class _TPLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None
 
 
+# The layers below are the plan torch.distributed.tensor.parallel writes with DTensors, as production code
+# (torchtitan) does, here by hand so that every collective is in sight. For one block, with SP:
+#     parallelize_module(block, tp_mesh, {"ln1": SequenceParallel(), "ln2": SequenceParallel(),
+#         "q": ColwiseParallel(input_layouts=Shard(1)), "k": ..., "v": ...,  # ColwiseParallel splits one weight's
+#         "proj": RowwiseParallel(output_layouts=Shard(1)),                # rows contiguously: Q, K and V as
+#         "fc": ColwiseParallel(input_layouts=Shard(1)),                   # three linears (our QKV splits its
+#         "out": RowwiseParallel(output_layouts=Shard(1))})                # three blocks apart, tp_parts=3)
+# without SP, ColwiseParallel() and RowwiseParallel() and no SequenceParallel; the embedding RowwiseParallel
+# (vocabulary rows), the LM head ColwiseParallel(use_local_output=False) under loss_parallel().
+
 class ColumnParallelLinear(nn.Module):
     """y_local = x W_local^T + b_local, W split by output rows. `parts` > 1 splits each of `parts` equal
     blocks of the output (Q, K and V) separately, so every rank gets whole heads of each."""
 
     def __init__(self, name, d_in, d_out, plan, cfg, dtype, parts=1, std=0.02, fp8=False):
         super().__init__()
-        t, r = _size(plan.tp), _rank(plan.tp)
+        t, r = plan.sizes["tp"], plan.ps.tp_rank
         self.plan, self.gemm = plan, _gemm(plan, fp8)
         w = full_init(name + ".weight", (d_out, d_in), std, cfg.seed, dtype)
         w = rearrange(w, "(parts t o) i -> parts t o i", parts=parts, t=t)[:, r]
         self.weight = nn.Parameter(rearrange(w, "parts o i -> (parts o) i").contiguous())
         self.bias = nn.Parameter(torch.zeros(d_out // t, dtype=dtype))
-        _tag([self.weight, self.bias], tp_dim=0, tp_parts=parts)
+        tag([self.weight, self.bias], tp_dim=0, tp_parts=parts)
 
     def forward(self, x):
         if self.plan.tp is None:  # nothing to communicate: the plain GEMM and its own backward
@@ -551,6 +496,11 @@ class ColumnParallelLinear(nn.Module):
 
 
 def _gemm(plan, fp8):
+    """The block linears' forward product: F.linear, or with --dtype fp8 an FP8 E4M3 GEMM with per-tensor dynamic
+    scales agreed (MAX of the amax) over TP, since the shards of one weight, and a row-parallel layer's input
+    shards, are one tensor; the backward stays BF16, the LM head and the experts BF16. CP and DP ranks quantise
+    their own shards of the activations with their own scales, so unlike the other dtypes FP8 results depend
+    slightly on the CP split (Transformer Engine also reduces the activation amax over CP)."""
     return partial(mixed_precision.fp8_linear, amax_group=plan.tp) if fp8 else F.linear
 
 
@@ -560,13 +510,12 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, name, d_in, d_out, plan, cfg, dtype, std=0.02, fp8=False):
         super().__init__()
-        t, r = _size(plan.tp), _rank(plan.tp)
         self.plan, self.gemm = plan, _gemm(plan, fp8)
         w = full_init(name + ".weight", (d_out, d_in), std, cfg.seed, dtype)
-        self.weight = nn.Parameter(w.chunk(t, dim=1)[r].contiguous())
+        self.weight = nn.Parameter(w.chunk(plan.sizes["tp"], dim=1)[plan.ps.tp_rank].contiguous())
         self.bias = nn.Parameter(torch.zeros(d_out, dtype=dtype))
-        _tag([self.weight], tp_dim=1)
-        _tag([self.bias], tp_replicated=True, sequence_parallel=plan.sequence_parallel)
+        tag([self.weight], tp_dim=1)
+        tag([self.bias], token_sharded=plan.sequence_parallel)
 
     def forward(self, x):
         if self.plan.tp is None:
@@ -580,10 +529,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, name, vocab, dim, plan, cfg, dtype):
         super().__init__()
-        t, r = _size(plan.tp), _rank(plan.tp)
+        t, r = plan.sizes["tp"], plan.ps.tp_rank
         self.vocab, self.start, self.end = vocab, r * vocab // t, (r + 1) * vocab // t
         self.weight = nn.Parameter(full_init(name, (vocab, dim), 0.02, cfg.seed, dtype)[self.start:self.end].clone())
-        _tag([self.weight], tp_dim=0)
+        tag([self.weight], tp_dim=0)
 
     def forward(self, ids):
         if self.end - self.start == self.vocab:  # the whole vocabulary (TP = 1): nothing to mask
@@ -635,12 +584,18 @@ def vocab_parallel_cross_entropy(logits, targets, start, group):
 # The model: one pipeline stage of a GPT
 # ----------------------------------------------------------------------------------------------------
 
+def full_init(name, shape, std, seed, dtype):
+    """N(0, std^2) weights of the WHOLE parameter `name`, from a generator seeded by that name."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return (torch.randn(shape, generator=gen, dtype=torch.float64) * std).to(dtype)
+
+
 class LayerNorm(nn.Module):
     def __init__(self, dim, plan, dtype):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(dim, dtype=dtype))
-        _tag([self.weight, self.bias], tp_replicated=True, sequence_parallel=plan.sequence_parallel)
+        tag([self.weight, self.bias], token_sharded=plan.sequence_parallel)
 
     def forward(self, x):
         return F.layer_norm(x, x.shape[-1:], self.weight, self.bias)
@@ -651,8 +606,8 @@ class Block(nn.Module):
 
     def __init__(self, i, cfg, plan, dtype, fp8=False):
         super().__init__()
-        h, t = cfg.n_embd, _size(plan.tp)
-        self.plan, self.heads, self.layer = plan, cfg.n_head // t, i
+        h = cfg.n_embd
+        self.plan, self.heads, self.layer = plan, cfg.n_head // plan.sizes["tp"], i
         std_out = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2: scale the residual projections
         self.ln1 = LayerNorm(h, plan, dtype)
         self.qkv = ColumnParallelLinear(f"h.{i}.attn.qkv", h, 3 * h, plan, cfg, dtype, parts=3, fp8=fp8)
@@ -666,8 +621,8 @@ class Block(nn.Module):
                 torch.default_generator.manual_seed(cfg.seed * 1_000_003 + zlib.crc32(f"h.{i}.moe".encode()))
                 self.moe = moe_ep.MoE(h, 4 * h, cfg.n_experts, cfg.top_k, ep_group=plan.ep, stats_group=plan.tp_cp,
                                       aux_loss_coeff=cfg.aux_loss_coeff, z_loss_coeff=cfg.z_loss_coeff).to(dtype)
-            _tag(self.moe.parameters(), tp_replicated=True, sequence_parallel=plan.tp is not None)
-            _tag(self.moe.expert_params(), expert=True, ep_dim=0)
+            tag(self.moe.parameters(), token_sharded=plan.moe_token_split)
+            tag(self.moe.expert_params(), expert=True)
         else:
             self.fc = ColumnParallelLinear(f"h.{i}.mlp.fc", h, 4 * h, plan, cfg, dtype, fp8=fp8)
             self.out = RowParallelLinear(f"h.{i}.mlp.proj", 4 * h, h, plan, cfg, dtype, std=std_out, fp8=fp8)
@@ -689,39 +644,35 @@ class Block(nn.Module):
         return x + y, aux if a is None else aux + a
 
 
-def stage_layers(n_layer, pp, stage):
-    per = n_layer // pp
-    return range(stage * per, (stage + 1) * per)
-
-
 class GPTStage(nn.Module):
     """The layers of one pipeline stage; the first stage embeds, the last one normalises and projects to
-    the (vocabulary-sharded) logits with a copy of the token embedding (tied weights)."""
+    the (vocabulary-sharded) logits with a copy of the token embedding (tied weights). Made with its parameters:
+    `reductions`, the gradient sums of a step, and `norm_params`, what this rank counts in the gradient norm."""
 
     def __init__(self, cfg, plan, dtype=torch.float32, fp8=False):
         super().__init__()
         self.cfg, self.plan = cfg, plan
         ps = plan.ps
         self.first, self.last = ps.is_first_stage, ps.is_last_stage
-        self.blocks = nn.ModuleList(Block(i, cfg, plan, dtype, fp8)
-                                    for i in stage_layers(cfg.n_layer, ps.sizes["pp"], ps.pp_rank))
+        self.blocks = nn.ModuleList(Block(i, cfg, plan, dtype, fp8) for i in plan.layers)
         if self.first:
             self.wte = VocabParallelEmbedding("wte", cfg.vocab_size, cfg.n_embd, plan, cfg, dtype)
             self.wpe = nn.Parameter(full_init("wpe", (cfg.seq_len, cfg.n_embd), 0.02, cfg.seed, dtype))
-            _tag([self.wpe], tp_replicated=True, sequence_parallel=plan.sequence_parallel)
+            tag([self.wpe], token_sharded=plan.sequence_parallel)
         if self.last:
             self.ln_f = LayerNorm(cfg.n_embd, plan, dtype)
             if self.first:
                 self.lm_head = self.wte  # one stage: literally the same parameter
             else:  # a copy of the same initial weights; its gradient is summed with wte's every step
                 self.lm_head = VocabParallelEmbedding("wte", cfg.vocab_size, cfg.n_embd, plan, cfg, dtype)
+        self.reductions, self.norm_params = gradient_reductions(plan, self)
 
     def embed(self, ids, positions):
         """Token embedding (a partial sum over the vocabulary shards) reduced over TP, plus positions; under
         SP the sum is reduce-scattered and each rank adds the positions of its sequence shard."""
         x = self.plan.reduce_tp(self.wte(ids))
         if self.plan.sequence_parallel:
-            positions = positions.chunk(_size(self.plan.tp))[_rank(self.plan.tp)]
+            positions = positions.chunk(self.plan.sizes["tp"])[self.plan.ps.tp_rank]
         return x + self.wpe[positions]
 
     def forward(self, x, positions=None):
@@ -744,8 +695,15 @@ class GPTStage(nn.Module):
 def block_activation_bytes(b, s, h, a, t, sequence_parallel, e, acc_e):
     """Bytes one dense block keeps for backward, term by term (b the micro-batch, s this rank's CP shard of
     the sequence, t TP, e bytes of the activations, acc_e of the LayerNorm statistics and the attention's
-    row log-sum-exp). Without SP the LayerNorm inputs and outputs are whole on every TP rank; with SP every
-    term is split by t. Measured equal in tests/test_train_gpt.py (CPU float32: acc_e = e)."""
+    row log-sum-exp, FP32 on CUDA). Without SP the LayerNorm inputs and outputs are whole on every TP rank; with
+    SP every term is split by t. Against Korthikanti et al.'s 16-bit layer:
+
+        no SP   s b h e (4 + 12/t) + the LN statistics + lse / t   his sbh (10 + 24/t + 5as/(ht))
+        SP      s b h e (16/t)     + (LN statistics + lse) / t     his sbh (34/t + 5as/(ht))
+
+    our 4 replicated terms are the two LayerNorm inputs and outputs, his 10 add dropout masks; his as/h terms are
+    the s x s softmax that a fused attention kernel never stores. Measured equal in tests/test_train_gpt.py and
+    benchmarks/report.py (CPU float32: acc_e = e)."""
     sbh = s * b * h
     sp = t if sequence_parallel else 1
     return {
@@ -759,14 +717,16 @@ def block_activation_bytes(b, s, h, a, t, sequence_parallel, e, acc_e):
     }
 
 
-def block_forward_comm_bytes(b, s, h, t, sequence_parallel, moe, e):
+def block_forward_comm_bytes(b, s, h, t, sequence_parallel, moe, e, experts=0, stats_e=4):
     """Bytes one TP rank sends in one block's forward (ring algorithms): a dense block 4 (t-1)/t b s h e, with
-    or without SP; a MoE block the attention's half of that, plus without SP one all-gather of the MoE
-    outputs, (t-1)/t b s h e (the experts run on the token shard, so the MLP's all-reduce is gone)."""
+    or without SP (2 all-reduces, or 2 all-gathers and 2 reduce-scatters); a MoE block the attention's half of that,
+    plus without SP one all-gather of the MoE outputs, (t-1)/t b s h e (the experts run on the token shard, so the
+    MLP's all-reduce is gone), plus the all-reduce of its router statistics over the ranks that share the
+    micro-batch (TP x CP): 2 (t-1)/t (2 E + 2) stats_e (token counts, probability sums, z-loss sum and count)."""
     sbhe = s * b * h * e
     if not moe:
         return 4 * (t - 1) * sbhe // t
-    return (2 if sequence_parallel else 3) * (t - 1) * sbhe // t
+    return (2 if sequence_parallel else 3) * (t - 1) * sbhe // t + 2 * (t - 1) * (2 * experts + 2) * stats_e // t
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -850,7 +810,7 @@ def one_f_one_b(stage, pipe, micro_batches, tokens_per_micro_batch, grad_scale=1
     times the loss scale under FP16."""
     ps = stage.plan.ps
     m = len(micro_batches)
-    warmup = min(ps.sizes["pp"] - ps.pp_rank - 1, m)
+    warmup = min(stage.plan.sizes["pp"] - ps.pp_rank - 1, m)
     in_flight, peak, held, order = [], 0, 0, []
     device = next(stage.parameters()).device
     loss_total = torch.zeros((), dtype=torch.float64, device=device)
@@ -930,6 +890,309 @@ def replay_pipeline(orders, forward=1, backward=2):
         raise ValueError("the stages' orders wait on each other forever")
     return max(clock)
 
+
+# ----------------------------------------------------------------------------------------------------
+# One training step
+# ----------------------------------------------------------------------------------------------------
+
+def train_step(stage, pipe, optimizer, tokens, micro_batch, grad_clip=0.0):
+    """Forward and backward of the global batch (B, s + 1), the stage's gradient sums, one optimizer step.
+    Returns (LM loss, router loss, global gradient norm, whether the step was taken, the 1F1B ScheduleStats)."""
+    plan = stage.plan
+    device = next(stage.parameters()).device
+    micro = plan.micro_batches(tokens, micro_batch, device)
+    # the one normalisation: the loss is a sum over tokens, divided by the global batch's token count where
+    # each backward starts (so 16-bit gradients have the magnitude of a mean loss's), times the FP16 loss scale
+    # that the optimizer divides out again
+    global_tokens = tokens.shape[0] * (tokens.shape[1] - 1)
+    loss_scale = optimizer.loss_scaler.scale if optimizer.loss_scaler is not None else 1.0
+    loss_sum, aux_sum, schedule = one_f_one_b(stage, pipe, micro, micro_batch * (tokens.shape[1] - 1),
+                                              loss_scale / global_tokens)
+    for r in stage.reductions:
+        if not r.data_parallel:  # the optimizer runs the data-parallel sums (and ZeRO's reduce-scatter)
+            optimizer.all_reduce_grads(r.params, r.group)
+    stepped, grad_norm = optimizer.step(max_norm=grad_clip, norm_group=plan.world, norm_params=stage.norm_params)
+    # for the log: each loss from the ranks the plan names, summed over the rest of the world
+    report = torch.stack([loss_sum * plan.logs_lm_loss, aux_sum * plan.logs_router_loss])
+    if plan.world is not None:
+        dist.all_reduce(report)
+    loss, aux = (report / global_tokens).tolist()
+    return loss, aux, grad_norm, stepped, schedule
+
+
+def model_flops_per_token(cfg):
+    """Training FLOPs per token (PaLM appendix B, as nanoGPT's MFU): 6 N + 12 L h s, N the weights of every
+    matmul a token goes through, forward and backward (x 3): per dense block 12 h^2 (QKV 3, projection 1, MLP
+    8); per MoE block 4 h^2 + E h (the router) + k 8 h^2 (its top-k experts) + k h (the router-weighted sum of
+    the k expert outputs, a (1 x k)(k x h) product); and the LM head V h (tied to the embedding, whose lookup
+    is not a matmul). 12 L h s is attention's QK^T and AV over the whole sequence (a causal kernel skips half
+    of it; PaLM and FlopCounterMode count all of it). benchmarks/report.py measures the same number."""
+    h, k = cfg.n_embd, cfg.top_k
+    n = cfg.vocab_size * h
+    for layer in range(cfg.n_layer):
+        n += 4 * h * h + (cfg.n_experts * h + k * 8 * h * h + k * h if cfg.is_moe(layer) else 8 * h * h)
+    return 6 * n + 12 * cfg.n_layer * h * cfg.seq_len
+
+
+# ----------------------------------------------------------------------------------------------------
+# Build: process groups -> plan -> this rank's stage (with its gradient reductions) -> optimizer -> pipeline
+# ----------------------------------------------------------------------------------------------------
+
+def build(cfg, run, optimizer=True):
+    """Process groups, the plan, this rank's stage of the model, its optimizer (None without `optimizer`: its FP32
+    gradient buffers are 4 bytes per parameter) and its pipeline transfers."""
+    validate(cfg, run, _world_size())
+    topology.init_distributed(run.timeout_s, say=_warn_on_rank_0)
+    ps = topology.init_parallel(tp=run.tp, pp=run.pp, cp=run.cp, ep=run.ep, with_mesh=False, timeout_s=run.timeout_s)
+    plan = make_plan(cfg, run, ps)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    stage = GPTStage(cfg, plan, run.param_dtype, fp8=run.dtype == "fp8").to(device)
+    opt = make_optimizer(stage, run) if optimizer else None
+    pipe = Pipeline(plan, (run.micro_batch, plan.seq_hidden, cfg.n_embd), run.param_dtype, device)
+    return plan, stage, opt, pipe
+
+
+def make_optimizer(stage, run):
+    """mixed_precision.py's optimizer for every dtype: gradients accumulate in FP32 (float64 in tests) from
+    the first micro-batch, the data-parallel sums are its shard groups (ZeRO-1 shards them: 6 + 12/d bytes per
+    parameter for BF16, 8 + 8/d for FP32, against 18 and 16), FP16 scales the loss. Weight decay applies to the 2-D
+    weights only (nanoGPT), with AdamW or SGD."""
+    params = [p for p in stage.parameters() if p.requires_grad]
+    if run.optimizer == "adamw":
+        opt_class, defaults = torch.optim.AdamW, dict(lr=run.lr, betas=(0.9, 0.95))
+    else:  # SGD's weight decay is L2 in the gradient, AdamW's decoupled: the flag decays the same weights
+        opt_class, defaults = torch.optim.SGD, dict(lr=run.lr)
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": run.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    scaler = mixed_precision.DynamicLossScaler() if run.dtype == "float16" else None
+    return mixed_precision.MixedPrecisionOptimizer(
+        [g for g in groups if g["params"]], opt_class, zero=run.zero, loss_scaler=scaler,
+        shard_groups=[(r.params, r.group) for r in stage.reductions if r.data_parallel],
+        master_dtype=run.master_dtype, **defaults)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The loop
+# ----------------------------------------------------------------------------------------------------
+
+def train(cfg, run, data=None):
+    """Train (resuming from out_dir's newest checkpoint that passes its checks, with run.resume); returns one
+    record per step run. Each step prints one line on rank 0 and appends its record to --metrics: step, loss,
+    aux_loss (the router loss), lr, grad_norm, tokens_per_s, step_time_s (the step itself: the batch is drawn
+    before the clock starts); mfu with --peak-tflops or a known GPU (its dense BF16 peak, whatever --dtype);
+    val_loss on eval steps; loss_scale and skipped under FP16; and on the first line this rank's param_bytes,
+    grad_bytes, optimizer_bytes (master_bytes: the masters' part), in_flight_peak and the batch's make-up:
+    micro_batches, dp, effective_batch."""
+    try:
+        return _train(cfg, run, data or check_inputs(cfg, run, _world_size()))
+    finally:
+        release_out_dir(run.out_dir)
+
+
+def _train(cfg, run, data):
+    plan, stage, opt, pipe = build(cfg, run)
+    ps, device = plan.ps, next(stage.parameters()).device
+    start = resume(run.out_dir, stage, opt) if run.resume and checkpoint_dirs(run.out_dir) else 0
+    if run.log and ps.rank == 0 and start >= run.steps:
+        print(f"{checkpoint_dirs(run.out_dir)[-1]} already holds step {start} of --steps {run.steps}: nothing to train")
+    metrics = open_metrics(run.metrics, start) if run.metrics and ps.rank == 0 else None
+    records, skipped, step = [], 0, start
+    try:
+        for step in range(start, run.steps):
+            record, schedule = train_one_step(step, stage, pipe, opt, data, cfg, run)
+            skipped = check_progress(step, record, opt, run, skipped)
+            if run.eval_every and ((step + 1) % run.eval_every == 0 or step == run.steps - 1):
+                record["val_loss"] = evaluate(stage, pipe, data, run, cfg)
+            if step == start:  # this rank's memory, from the live tensors, and what makes the batch
+                record.update(opt.memory_bytes(), in_flight_peak=schedule.peak, micro_batches=plan.micro_batch_count,
+                              dp=plan.dp,
+                              effective_batch=grad_accum.effective_batch_size(run.micro_batch, plan.dp, 1,
+                                                                              plan.micro_batch_count))
+            records.append(record)
+            if metrics:
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+            if run.log and ps.rank == 0:
+                print(step_line(record, skipped, moe=cfg.moe_every > 0), flush=True)
+            if run.out_dir and ((run.save_every and (step + 1) % run.save_every == 0) or step + 1 == run.steps):
+                path = save_checkpoint(run.out_dir, step + 1, stage, opt, cfg, run, text=data.text)
+                if run.log and ps.rank == 0:
+                    print(f"saved {path}", flush=True)
+    except RuntimeError as e:  # a collective of the step, the evaluation or the save
+        if isinstance(e, (Diverged, Stalled)) or not _is_communication_failure(e):
+            raise
+        raise Stalled(f"rank {ps.rank}, step {step}: a collective waited past --timeout-s {run.timeout_s:g} or lost "
+                      f"its peer: a rank stopped, hung or died ({str(e).splitlines()[0]})") from e
+    finally:
+        if metrics:
+            metrics.close()
+    return records
+
+
+def train_one_step(step, stage, pipe, opt, data, cfg, run):
+    """The learning rate of the step, its batch (drawn before the clock starts), train_step; its record and the
+    ScheduleStats."""
+    lr = lr_at(step, run)
+    for group in opt.param_groups:
+        group["lr"] = lr
+    device = next(stage.parameters()).device
+    tokens = data.batch("train", step, run.batch, cfg.seq_len, cfg.seed, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    loss, aux, grad_norm, stepped, schedule = train_step(stage, pipe, opt, tokens, run.micro_batch, run.grad_clip)
+    dt = time.perf_counter() - t0  # train_step ends with a host sync (the loss), so dt is the whole step
+    record = {"step": step, "loss": loss, "aux_loss": aux, "lr": lr,
+              "grad_norm": grad_norm if math.isfinite(grad_norm) else None,  # JSON has no inf (FP16 skips)
+              "tokens_per_s": run.batch * cfg.seq_len / dt, "step_time_s": dt}
+    peak = peak_tflops(run, device)
+    if peak:
+        record["mfu"] = model_flops_per_token(cfg) * record["tokens_per_s"] / (peak * 1e12 * stage.plan.ps.world_size)
+    if opt.loss_scaler is not None:
+        record["loss_scale"] = opt.loss_scaler.scale
+    if not stepped:
+        record["skipped"] = True  # FP16 overflow: no update, the loss scale backed off
+    return record, schedule
+
+
+@torch.no_grad()
+def evaluate(stage, pipe, data, run, cfg):
+    """Mean validation loss per token over `eval_batches` fixed batches: forward only, micro-batch by
+    micro-batch through the pipeline (each stage receives, computes, sends on)."""
+    plan, device = stage.plan, next(stage.parameters()).device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for j in range(run.eval_batches):
+        tokens = data.batch("val", j, run.batch, cfg.seq_len, cfg.seed, device)
+        for ids, positions, targets in plan.micro_batches(tokens, run.micro_batch, device):
+            x = pipe.recv_forward()
+            out, _ = stage(ids if stage.first else x, positions)
+            if stage.last:
+                total += stage.loss_sum(out, targets).double()
+            else:
+                pipe.send_forward(out)
+    total *= plan.logs_lm_loss
+    if plan.world is not None:
+        dist.all_reduce(total)
+    return total.item() / (run.eval_batches * run.batch * cfg.seq_len)
+
+
+def lr_at(step, run):
+    """nanoGPT's schedule: linear warm-up over `warmup` steps, then cosine decay to `min_lr` at the last step
+    (a warm-up as long as the run, warmup >= steps - 1, leaves no step to decay: the last one runs at `lr`)."""
+    min_lr = run.lr / 10 if run.min_lr is None else run.min_lr
+    if step < run.warmup:
+        return run.lr * (step + 1) / run.warmup
+    decay = (step - run.warmup) / max(1, run.steps - 1 - run.warmup)
+    return min_lr + 0.5 * (1 + math.cos(math.pi * min(decay, 1.0))) * (run.lr - min_lr)
+
+
+GPU_PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "A100": 312.0,
+                   "L40S": 362.0}  # dense BF16 per GPU; the first name that the device's name contains
+
+
+def peak_tflops(run, device):
+    if run.peak_tflops:
+        return run.peak_tflops
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name()
+        return next((v for k, v in GPU_PEAK_TFLOPS.items() if k in name), None)
+    return None  # no known peak on CPU: no MFU
+
+
+class Diverged(RuntimeError):
+    """Training went non-finite (or FP16's loss scale collapsed): the run stops at that step, and no checkpoint of
+    non-finite weights is written."""
+
+
+class Stalled(RuntimeError):
+    """A collective failed: a peer stopped, hung or died, and the wait reached --timeout-s (or its socket closed)."""
+
+
+MIN_LOSS_SCALE = 1.0  # FP16: a scale below this (Megatron-LM's default --min-loss-scale) stops the run ...
+MAX_SKIPPED_STEPS = 20  # ... and so do this many overflowing steps in a row
+
+
+def check_progress(step, record, opt, run, skipped):
+    """Stop a diverging run with one line (the step, the value, the flag to look at); returns the count of FP16
+    steps skipped in a row. A non-finite loss stops every dtype (the loss scale does not act on the forward); a
+    non-finite gradient norm stops every dtype but FP16, whose loss scaler skips the step and backs off, unless it
+    does so MAX_SKIPPED_STEPS times in a row or the scale falls below MIN_LOSS_SCALE: then no scale fits the
+    gradients. Every rank holds the same all-reduced loss and norm, so all stop together."""
+    hint = f"lower --lr ({run.lr:g}), keep --grad-clip on ({run.grad_clip:g}), or try --dtype bfloat16 or float32"
+    if not math.isfinite(record["loss"]):
+        raise Diverged(f"step {step}: the loss is {record['loss']}: training diverged; {hint}")
+    if opt.loss_scaler is None:
+        if record["grad_norm"] is None:
+            raise Diverged(f"step {step}: the gradient norm is not finite: training diverged; {hint}")
+        return 0
+    skipped = skipped + 1 if record.get("skipped") else 0
+    scale = opt.loss_scaler.scale
+    if skipped >= MAX_SKIPPED_STEPS or scale < MIN_LOSS_SCALE:
+        raise Diverged(f"step {step}: FP16 skipped {skipped} steps in a row and its loss scale fell to {scale:g}: the "
+                       f"gradients overflow at any scale; {hint}")
+    return skipped
+
+
+def _is_communication_failure(error):
+    """gloo raises RuntimeError("... Timed out waiting ...") at the timeout, or a closed connection when a peer died;
+    NCCL's watchdog raises DistBackendError (or aborts the process itself)."""
+    return isinstance(error, dist.DistError) or any(
+        s in str(error) for s in ("Timed out", "Connection closed", "Connection reset", "Broken pipe", "gloo"))
+
+
+def step_line(record, skipped, moe):
+    """The one line a step prints on rank 0."""
+    r = record
+    return (f"step {r['step']}: loss {r['loss']:.4f}" + (f", val {r['val_loss']:.4f}" if "val_loss" in r else "")
+            + (f", aux {r['aux_loss']:.4f}" if moe else "") + f", lr {r['lr']:.2e}, |g| "
+            + (f"{r['grad_norm']:.3f}, " if r["grad_norm"] is not None else "inf, ")
+            + (f"skipped (FP16 overflow, {skipped} in a row, loss scale now {r['loss_scale']:g}), "
+               if r.get("skipped") else "")
+            + f"{r['step_time_s'] * 1000:.0f} ms, {r['tokens_per_s']:,.0f} tok/s"
+            + (f", mfu {r['mfu']:.1%}" if "mfu" in r else ""))
+
+
+def main(argv=None):
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    if torchrun:
+        watch_launcher()
+    try:
+        cfg, run, a = parse_args(argv)
+        if a.sample:
+            path, state = sample_checkpoint(run.out_dir, world)
+            cfg = GPTConfig(**state["config"])
+        else:
+            data = check_inputs(cfg, run, world)
+    except ValueError as e:
+        _fail(rank, 2, e)
+    if os.environ.get("OMP_NUM_THREADS") is None and not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    try:
+        if a.sample:
+            print(sample(cfg, path, a.sample, a.temperature, a.sample_top_k, seed=a.seed))
+        else:
+            records = train(cfg, run, data)
+            if dist.get_rank() == 0 and records:
+                print(f"loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} in {len(records)} steps; metrics "
+                      f"in {run.metrics}")
+    except BadCheckpoint as e:  # every rank found it (checksums are agreed)
+        _fail(rank, 2, e)
+    except Diverged as e:  # every rank holds the same loss and norm
+        _fail(rank, 1, e)
+    except Stalled as e:  # only the ranks that waited know: each says so, then the job ends now
+        if torchrun:
+            stop_local_peers()
+        _fail(rank, 1, e, everyone=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ####################################################################################################
+# THE JOB: what a training program needs around the training itself. Data; checkpoints (atomic, verified,
+# loading no code, resharded to any layout); one writer per folder; checks of every input before any process group
+# exists; sampling; the command line and how a job ends.
+# ####################################################################################################
 
 # ----------------------------------------------------------------------------------------------------
 # Data: bytes of text (CPython's own documentation by default), nanoGPT .bin token files, a synthetic language
@@ -1053,106 +1316,28 @@ def _split_text(name, tokens, seq_len):
     return TokenData(name, tokens[:-n_val], tokens[-n_val:], vocab=int(tokens.max()) + 1, text=True)
 
 
-# ----------------------------------------------------------------------------------------------------
-# One training step
-# ----------------------------------------------------------------------------------------------------
-
-def train_step(stage, pipe, optimizer, tokens, micro_batch, grad_clip=0.0):
-    """Forward and backward of the global batch (B, s + 1), the plan's gradient sums, one optimizer step.
-    Returns (LM loss, router loss, global gradient norm, whether the step was taken, the 1F1B ScheduleStats)."""
-    plan = stage.plan
-    device = next(stage.parameters()).device
-    micro = plan.micro_batches(tokens, micro_batch, device)
-    # the one normalisation: the loss is a sum over tokens, divided by the global batch's token count where
-    # each backward starts (so 16-bit gradients have the magnitude of a mean loss's), times the FP16 loss scale
-    # that the optimizer divides out again
-    global_tokens = tokens.shape[0] * (tokens.shape[1] - 1)
-    loss_scale = optimizer.loss_scaler.scale if optimizer.loss_scaler is not None else 1.0
-    loss_sum, aux_sum, schedule = one_f_one_b(stage, pipe, micro, micro_batch * (tokens.shape[1] - 1),
-                                          loss_scale / global_tokens)
-    for r in plan.reductions:
-        if not r.data_parallel:  # the optimizer runs the data-parallel sums (and ZeRO's reduce-scatter)
-            optimizer.all_reduce_grads(r.params, r.group)
-    stepped, grad_norm = optimizer.step(max_norm=grad_clip, norm_group=plan.world, norm_params=plan.norm_params)
-    # for the log: the LM loss from the last stage's first TP rank, the router loss from every stage's first
-    # TP and CP rank (the other ranks of tp_cp hold the same value), each summed over the rest of the world
-    ps = plan.ps
-    counts_loss = ps.is_last_stage and ps.tp_rank == 0
-    counts_aux = ps.tp_rank == 0 and ps.cp_rank == 0
-    report = torch.stack([loss_sum * counts_loss, aux_sum * counts_aux])
-    if plan.world is not None:
-        dist.all_reduce(report)
-    loss, aux = (report / global_tokens).tolist()
-    return loss, aux, grad_norm, stepped, schedule
+def open_metrics(path, start):
+    """The metrics file, opened for appending; a resumed run keeps the lines of the steps its checkpoint holds
+    (replaced at once: a crash now loses no line)."""
+    with open(path + ".tmp", "w") as f:
+        f.writelines(_metrics_before(path, start) if start else [])
+    os.replace(path + ".tmp", path)
+    return open(path, "a")
 
 
-def model_flops_per_token(cfg):
-    """Training FLOPs per token (PaLM appendix B, as nanoGPT's MFU): 6 N + 12 L h s, N the weights of every
-    matmul a token goes through, forward and backward (x 3): per dense block 12 h^2 (QKV 3, projection 1, MLP
-    8); per MoE block 4 h^2 + E h (the router) + k 8 h^2 (its top-k experts) + k h (the router-weighted sum of
-    the k expert outputs, a (1 x k)(k x h) product); and the LM head V h (tied to the embedding, whose lookup
-    is not a matmul). 12 L h s is attention's QK^T and AV over the whole sequence (a causal kernel skips half
-    of it; PaLM and FlopCounterMode count all of it). `count_step_flops` measures the same number."""
-    h, k = cfg.n_embd, cfg.top_k
-    n = cfg.vocab_size * h
-    for layer in range(cfg.n_layer):
-        n += 4 * h * h + (cfg.n_experts * h + k * 8 * h * h + k * h if cfg.is_moe(layer) else 8 * h * h)
-    return 6 * n + 12 * cfg.n_layer * h * cfg.seq_len
-
-
-def count_step_flops(stage, pipe, optimizer, tokens, micro_batch):
-    """This rank's matmul FLOPs of one training step (a real one: the optimizer steps), as torch's
-    FlopCounterMode counts them, plus the two
-    kernels it has no formula for in torch 2.13: the CPU flash attention (the same count as the CUDA one)
-    and the grouped expert GEMM (2 M K N per group). On one rank it equals `model_flops_per_token` x tokens
-    plus 2 L h s per token: a flash kernel's backward recomputes QK^T (hardware FLOPs, not model FLOPs)."""
-    from torch.utils import flop_counter as fc
-
-    def grouped_mm(a, b, *args, out_shape=None, **kwargs):
-        if len(b) == 3:  # (M, K) rows x (G, K, N) weights: each row through its group's matrix
-            return 2 * math.prod(out_shape) * a[-1]
-        return 2 * math.prod(out_shape[1:]) * a[1]  # (K, M) x (M, N) -> (G, K, N): weight gradients, M summed
-
-    custom = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
-              lambda q, k, v, *args, **kwargs: fc.sdpa_flop_count(q, k, v),
-              torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
-              lambda g, q, k, v, *args, **kwargs: fc.sdpa_backward_flop_count(g, q, k, v),
-              torch.ops.aten._grouped_mm: grouped_mm}
-    with fc.FlopCounterMode(display=False, custom_mapping=custom) as counter:
-        train_step(stage, pipe, optimizer, tokens, micro_batch)
-    return counter.get_total_flops()
-
-
-@torch.no_grad()
-def evaluate(stage, pipe, data, run, cfg):
-    """Mean validation loss per token over `eval_batches` fixed batches: forward only, micro-batch by
-    micro-batch through the pipeline (each stage receives, computes, sends on)."""
-    plan, device = stage.plan, next(stage.parameters()).device
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for j in range(run.eval_batches):
-        tokens = data.batch("val", j, run.batch, cfg.seq_len, cfg.seed, device)
-        for ids, positions, targets in plan.micro_batches(tokens, run.micro_batch, device):
-            x = pipe.recv_forward()
-            out, _ = stage(ids if stage.first else x, positions)
-            if stage.last:
-                total += stage.loss_sum(out, targets).double()
-            else:
-                pipe.send_forward(out)
-    ps = plan.ps
-    total *= ps.is_last_stage and ps.tp_rank == 0
-    if plan.world is not None:
-        dist.all_reduce(total)
-    return total.item() / (run.eval_batches * run.batch * cfg.seq_len)
-
-
-def lr_at(step, run):
-    """nanoGPT's schedule: linear warm-up over `warmup` steps, then cosine decay to `min_lr` at the last step
-    (a warm-up as long as the run, warmup >= steps - 1, leaves no step to decay: the last one runs at `lr`)."""
-    min_lr = run.lr / 10 if run.min_lr is None else run.min_lr
-    if step < run.warmup:
-        return run.lr * (step + 1) / run.warmup
-    decay = (step - run.warmup) / max(1, run.steps - 1 - run.warmup)
-    return min_lr + 0.5 * (1 + math.cos(math.pi * min(decay, 1.0))) * (run.lr - min_lr)
+def _metrics_before(path, step):
+    """The metrics lines of the steps before `step` (a line torn by a crash is dropped)."""
+    if not os.path.exists(path):
+        return []
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line)["step"] < step:
+                    kept.append(line)
+            except (ValueError, KeyError, TypeError):
+                pass
+    return kept
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1169,7 +1354,6 @@ def lr_at(step, run):
 # ZeRO-1 resumes at DP4 or PP1 x CP2. The rest (step, model shape, learning-rate schedule, loss scale) is JSON. A
 # checkpoint is written to step_NNNNNN.tmp and renamed when complete, so out_dir only ever holds complete ones;
 # loading unpickles nothing but DCP's own metadata classes.
-
 CHECKPOINT_FORMAT = "boxes+crc32"  # in train_state.json: tensors stored as boxes, every file's CRC32 recorded
 SHAPE_FLAGS = {"vocab_size": "--vocab", "seq_len": "--seq", "n_layer": "--layers", "n_head": "--heads",
                "n_embd": "--hidden", "moe_every": "--moe-every", "n_experts": "--experts", "top_k": "--top-k"}
@@ -1305,13 +1489,12 @@ def _slice_geometry(p, ps):
     """Where this rank's p lies in the whole parameter: (its shape, its offsets), in the coordinates where it is
     one box (QKV, split over TP block by block, is viewed as (3, h, ...))."""
     shape, dim, rank = list(p.shape), None, 0
-    if getattr(p, "tp_dim", None) is not None:
+    if p.tp_dim is not None:
         dim, rank = p.tp_dim, ps.tp_rank
-        parts = getattr(p, "tp_parts", 1)
-        if parts > 1:
-            shape, dim = [parts, shape[0] // parts, *shape[1:]], dim + 1
-    elif getattr(p, "ep_dim", None) is not None:
-        dim, rank = p.ep_dim, ps.ep_rank
+        if p.tp_parts > 1:
+            shape, dim = [p.tp_parts, shape[0] // p.tp_parts, *shape[1:]], dim + 1
+    elif p.expert:  # split over EP along dim 0
+        dim, rank = 0, ps.ep_rank
     offsets = [0] * len(shape)
     if dim is not None:
         offsets[dim] = rank * shape[dim]
@@ -1478,7 +1661,7 @@ def model_geometry(cfg):
     """{global name: the whole parameter's shape, in the coordinates of its boxes (QKV as (3, h, ...))} for every
     parameter of the model, whatever stage holds it: a one-process model built on the meta device (no memory, no
     process group)."""
-    plan = make_plan(topology.parallel_state(0, 1))
+    plan = make_plan(cfg, TrainConfig(), topology.parallel_state(0, 1))
     with torch.device("meta"):
         stage = GPTStage(cfg, plan)
     return {name: _slice_geometry(p, plan.ps)[0] for name, p, _ in _saved_params(stage)}
@@ -1750,8 +1933,65 @@ def load_checkpoint(path, stage, opt=None):
         torch.set_rng_state(rng)
 
 
+def resume(out_dir, stage, opt=None):
+    """Load the newest checkpoint of out_dir that passes every check (check_checkpoint, then the checksums, which
+    the ranks verify together), telling on rank 0 in one line each one skipped; returns its step. BadCheckpoint
+    when none passes."""
+    refused = []
+    for path in reversed(checkpoint_dirs(out_dir)):
+        try:
+            load_checkpoint(path, stage, opt)
+        except BadCheckpoint as e:  # raised on every rank alike, before any tensor was read
+            refused.append((path, str(e)))
+            continue
+        for bad, why in refused:
+            _warn_on_rank_0(f"skipping checkpoint {bad}: {why}")
+        return read_train_state(path)["step"]
+    raise BadCheckpoint(f"--out-dir {out_dir}: none of its {len(refused)} checkpoints passes its checks; the newest: "
+                        f"{refused[0][1] if refused else 'none'}")
+
+
+_OUT_DIR_LOCKS = {}  # absolute --out-dir -> the open lock file this process holds
+
+
+def hold_out_dir(out_dir):
+    """One writer per --out-dir: an exclusive advisory lock (flock) on OUT/.lock, taken by rank 0 before anything
+    is written and held while the process lives (released by the kernel when it exits, however it exits, so a
+    crashed run leaves no lock behind: the file then only names its last holder). A second run is refused in
+    one line naming the holder. Across nodes this needs a filesystem that carries flock to its server (NFSv4,
+    Lustre mounted with -o flock, GPFS); where locks are refused, the run warns and goes on unprotected."""
+    import fcntl
+    key = os.path.abspath(out_dir)
+    if key in _OUT_DIR_LOCKS:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, ".lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 512).decode(errors="replace").strip() or "a holder that has not written its name yet"
+        os.close(fd)
+        raise ValueError(f"--out-dir {out_dir} is in use by another run ({holder}; lock file {path}): wait for it "
+                         "to end, or pass another --out-dir") from None
+    except OSError as e:
+        os.close(fd)
+        _warn(f"--out-dir {out_dir}: this filesystem refuses file locks ({e.strerror}): nothing stops a second run "
+              "from writing checkpoints into the same folder")
+        return
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+    _OUT_DIR_LOCKS[key] = fd
+
+
+def release_out_dir(out_dir):
+    fd = _OUT_DIR_LOCKS.pop(os.path.abspath(out_dir), None) if out_dir else None
+    if fd is not None:
+        os.close(fd)  # closing the file releases the lock
+
+
 # ----------------------------------------------------------------------------------------------------
-# Validation, set-up and the loop
+# Input checks: every flag, file and checkpoint, before any process group exists
 # ----------------------------------------------------------------------------------------------------
 
 DTYPES = ("float32", "bfloat16", "float16", "fp8", "float64")
@@ -1790,10 +2030,10 @@ def validate(cfg, run, world):
         raise ValueError(f"--seed {cfg.seed} must be between 0 and 2**31 - 1")
     tp, pp, cp, ep = run.tp, run.pp, run.cp, run.ep
     topology.validate_layout(world, tp, pp, cp, ep)
-    dp = world // (tp * pp * cp)
+    layout = layout_of(cfg, run, world)
+    dp, s_cp = layout.dp, layout.seq_cp
     zigzag = cp > 1 and run.cp_impl in ("ring", "allgather")
-    s_cp = cfg.seq_len // cp
-    token_split = tp > 1 and (run.sequence_parallel or cfg.moe_every > 0)
+    token_split = layout.sequence_parallel or (layout.moe_token_split and cfg.moe_every > 0)
     checks = [
         (run.cp_impl not in CP_IMPLS, f"--cp-impl {run.cp_impl!r} is unknown; choose one of {sorted(CP_IMPLS)}"),
         (run.recompute not in RECOMPUTE, f"--recompute {run.recompute!r} is unknown; choose one of {RECOMPUTE}"),
@@ -1876,19 +2116,6 @@ def _check_inputs(cfg, run, world):
     return data
 
 
-def _warn(message):
-    print(f"train_gpt.py: warning: {message}", file=sys.stderr, flush=True)
-
-
-def _global_rank():
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
-
-
-def _warn_on_rank_0(message):
-    if _global_rank() == 0:
-        _warn(message)
-
-
 def _check_metrics_file(path):
     """--metrics names a regular file (or none yet) in a folder this process can write."""
     if os.path.isdir(path):
@@ -1908,43 +2135,17 @@ def _check_metrics_file(path):
         raise ValueError(f"--metrics {path}: the folder {folder} is not writable; pass another path")
 
 
-_OUT_DIR_LOCKS = {}  # absolute --out-dir -> the open lock file this process holds
-
-
-def hold_out_dir(out_dir):
-    """One writer per --out-dir: an exclusive advisory lock (flock) on OUT/.lock, taken by rank 0 before anything
-    is written and held while the process lives (released by the kernel when it exits, however it exits, so a
-    crashed run leaves no lock behind: the file then only names its last holder). A second run is refused in
-    one line naming the holder. Across nodes this needs a filesystem that carries flock to its server (NFSv4,
-    Lustre mounted with -o flock, GPFS); where locks are refused, the run warns and goes on unprotected."""
-    import fcntl
-    key = os.path.abspath(out_dir)
-    if key in _OUT_DIR_LOCKS:
-        return
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, ".lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 512).decode(errors="replace").strip() or "a holder that has not written its name yet"
-        os.close(fd)
-        raise ValueError(f"--out-dir {out_dir} is in use by another run ({holder}; lock file {path}): wait for it "
-                         "to end, or pass another --out-dir") from None
-    except OSError as e:
-        os.close(fd)
-        _warn(f"--out-dir {out_dir}: this filesystem refuses file locks ({e.strerror}): nothing stops a second run "
-              "from writing checkpoints into the same folder")
-        return
-    os.ftruncate(fd, 0)
-    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
-    _OUT_DIR_LOCKS[key] = fd
-
-
-def release_out_dir(out_dir):
-    fd = _OUT_DIR_LOCKS.pop(os.path.abspath(out_dir), None) if out_dir else None
-    if fd is not None:
-        os.close(fd)  # closing the file releases the lock
+def _check_folder_can_exist(flag, path):
+    """A folder that exists, or whose nearest existing ancestor is a writable folder (it is created later)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a file: pass a folder (it is created if missing)")
+    ancestor = os.path.abspath(path)
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise ValueError(f"{flag} {path}: {ancestor} is a file, so the folder cannot be created; pass another path")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: {ancestor} is not writable; pass another path")
 
 
 def _schedule(run):
@@ -1962,234 +2163,35 @@ def _schedule_change(saved, run, step):
             f"{lr_at(step, run):.3g}, where the checkpoint's schedule gives {lr_at(step, before):.3g}")
 
 
-def _check_folder_can_exist(flag, path):
-    """A folder that exists, or whose nearest existing ancestor is a writable folder (it is created later)."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"{flag} {path} is a file: pass a folder (it is created if missing)")
-    ancestor = os.path.abspath(path)
-    while not os.path.exists(ancestor):
-        ancestor = os.path.dirname(ancestor)
-    if not os.path.isdir(ancestor):
-        raise ValueError(f"{flag} {path}: {ancestor} is a file, so the folder cannot be created; pass another path")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {path}: {ancestor} is not writable; pass another path")
+def _warn(message):
+    print(f"train_gpt.py: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _global_rank():
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def _warn_on_rank_0(message):
+    if _global_rank() == 0:
+        _warn(message)
 
 
 def _world_size():
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
 
 
-def build(cfg, run, optimizer=True):
-    """Process groups, the plan, this rank's stage of the model, its optimizer (None without `optimizer`: its FP32
-    gradient buffers are 4 bytes per parameter) and its pipeline transfers."""
-    validate(cfg, run, _world_size())
-    topology.init_distributed(run.timeout_s, say=_warn_on_rank_0)
-    ps = topology.init_parallel(tp=run.tp, pp=run.pp, cp=run.cp, ep=run.ep, with_mesh=False, timeout_s=run.timeout_s)
-    plan = make_plan(ps, run.sequence_parallel, run.cp_impl, run.recompute)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    stage = GPTStage(cfg, plan, run.param_dtype, fp8=run.dtype == "fp8").to(device)
-    plan_gradient_reductions(plan, stage)
-    opt = make_optimizer(stage, plan, run) if optimizer else None
-    s_local = cfg.seq_len // run.cp // (run.tp if plan.sequence_parallel else 1)
-    pipe = Pipeline(plan, (run.micro_batch, s_local, cfg.n_embd), run.param_dtype, device)
-    return plan, stage, opt, pipe
+# ----------------------------------------------------------------------------------------------------
+# Sampling
+# ----------------------------------------------------------------------------------------------------
 
-
-def make_optimizer(stage, plan, run):
-    """mixed_precision.py's optimizer for every dtype: gradients accumulate in FP32 (float64 in tests) from
-    the first micro-batch, the data-parallel sums are its shard groups (ZeRO-1 shards them), FP16 scales the
-    loss. Weight decay applies to the 2-D weights only (nanoGPT), with AdamW or SGD."""
-    params = [p for p in stage.parameters() if p.requires_grad]
-    if run.optimizer == "adamw":
-        opt_class, defaults = torch.optim.AdamW, dict(lr=run.lr, betas=(0.9, 0.95))
-    else:  # SGD's weight decay is L2 in the gradient, AdamW's decoupled: the flag decays the same weights
-        opt_class, defaults = torch.optim.SGD, dict(lr=run.lr)
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": run.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    scaler = mixed_precision.DynamicLossScaler() if run.dtype == "float16" else None
-    return mixed_precision.MixedPrecisionOptimizer(
-        [g for g in groups if g["params"]], opt_class, zero=run.zero, loss_scaler=scaler,
-        shard_groups=[(r.params, r.group) for r in plan.reductions if r.data_parallel],
-        master_dtype=run.master_dtype, **defaults)
-
-
-GPU_PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "A100": 312.0,
-                   "L40S": 362.0}  # dense BF16 per GPU; the first name that the device's name contains
-
-
-def peak_tflops(run, device):
-    if run.peak_tflops:
-        return run.peak_tflops
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name()
-        return next((v for k, v in GPU_PEAK_TFLOPS.items() if k in name), None)
-    return None  # no known peak on CPU: no MFU
-
-
-def _metrics_before(path, step):
-    """The metrics lines of the steps before `step` (a line torn by a crash is dropped)."""
-    if not os.path.exists(path):
-        return []
-    kept = []
-    with open(path) as f:
-        for line in f:
-            try:
-                if json.loads(line)["step"] < step:
-                    kept.append(line)
-            except (ValueError, KeyError, TypeError):
-                pass
-    return kept
-
-
-class Diverged(RuntimeError):
-    """Training went non-finite (or FP16's loss scale collapsed): the run stops at that step, and no checkpoint of
-    non-finite weights is written."""
-
-
-class Stalled(RuntimeError):
-    """A collective failed: a peer stopped, hung or died, and the wait reached --timeout-s (or its socket closed)."""
-
-
-MIN_LOSS_SCALE = 1.0  # FP16: a scale below this (Megatron-LM's default --min-loss-scale) stops the run ...
-MAX_SKIPPED_STEPS = 20  # ... and so do this many overflowing steps in a row
-
-
-def check_progress(step, loss, grad_norm, stepped, opt, run, skipped):
-    """Stop a diverging run with one line (the step, the value, the flag to look at); returns the count of FP16
-    steps skipped in a row. A non-finite loss stops every dtype (the loss scale does not act on the forward); a
-    non-finite gradient norm stops every dtype but FP16, whose loss scaler skips the step and backs off, unless it
-    does so MAX_SKIPPED_STEPS times in a row or the scale falls below MIN_LOSS_SCALE: then no scale fits the
-    gradients. Every rank holds the same all-reduced loss and norm, so all stop together."""
-    hint = f"lower --lr ({run.lr:g}), keep --grad-clip on ({run.grad_clip:g}), or try --dtype bfloat16 or float32"
-    if not math.isfinite(loss):
-        raise Diverged(f"step {step}: the loss is {loss}: training diverged; {hint}")
-    if opt.loss_scaler is None:
-        if not math.isfinite(grad_norm):
-            raise Diverged(f"step {step}: the gradient norm is {grad_norm}: training diverged; {hint}")
-        return 0
-    skipped = 0 if stepped else skipped + 1
-    scale = opt.loss_scaler.scale
-    if skipped >= MAX_SKIPPED_STEPS or scale < MIN_LOSS_SCALE:
-        raise Diverged(f"step {step}: FP16 skipped {skipped} steps in a row and its loss scale fell to {scale:g}: the "
-                       f"gradients overflow at any scale; {hint}")
-    return skipped
-
-
-def _is_communication_failure(error):
-    """gloo raises RuntimeError("... Timed out waiting ...") at the timeout, or a closed connection when a peer died;
-    NCCL's watchdog raises DistBackendError (or aborts the process itself)."""
-    return isinstance(error, dist.DistError) or any(
-        s in str(error) for s in ("Timed out", "Connection closed", "Connection reset", "Broken pipe", "gloo"))
-
-
-def train(cfg, run, data=None):
-    """Train (resuming from out_dir's newest checkpoint that passes its checks, with run.resume); returns one
-    record per step run."""
-    try:
-        return _train(cfg, run, data)
-    finally:
-        release_out_dir(run.out_dir)
-
-
-def _train(cfg, run, data=None):
-    data = data or check_inputs(cfg, run, _world_size())
-    plan, stage, opt, pipe = build(cfg, run)
-    ps, device = plan.ps, next(stage.parameters()).device
-    start = 0
-    if run.resume and checkpoint_dirs(run.out_dir):
-        start = resume(run.out_dir, stage, opt)
-    if run.out_dir and ps.rank == 0:
-        os.makedirs(run.out_dir, exist_ok=True)
-    flops_per_token, peak = model_flops_per_token(cfg), peak_tflops(run, device)
-    out = None
-    if run.metrics and ps.rank == 0:  # a resumed run keeps the lines of the steps its checkpoint holds
-        with open(run.metrics + ".tmp", "w") as f:  # replaced at once: a crash now loses no line
-            f.writelines(_metrics_before(run.metrics, start) if start else [])
-        os.replace(run.metrics + ".tmp", run.metrics)
-        out = open(run.metrics, "a")
-    if run.log and ps.rank == 0 and start >= run.steps:
-        print(f"{checkpoint_dirs(run.out_dir)[-1]} already holds step {start} of --steps {run.steps}: nothing to train")
-    records, skipped = [], 0
-    step = start
-    try:
-        for step in range(start, run.steps):
-            lr = lr_at(step, run)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            tokens = data.batch("train", step, run.batch, cfg.seq_len, cfg.seed, device)  # not part of the timing
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            loss, aux, grad_norm, stepped, schedule = train_step(stage, pipe, opt, tokens, run.micro_batch,
-                                                                 run.grad_clip)
-            dt = time.perf_counter() - t0  # train_step ends with a host sync (the loss), so dt is the whole step
-            skipped = check_progress(step, loss, grad_norm, stepped, opt, run, skipped)
-            tokens_per_s = run.batch * cfg.seq_len / dt
-            record = {"step": step, "loss": loss, "aux_loss": aux, "lr": lr,
-                      "grad_norm": grad_norm if math.isfinite(grad_norm) else None,  # JSON has no inf (FP16 skips)
-                      "tokens_per_s": tokens_per_s, "step_time_s": dt}
-            if peak:
-                record["mfu"] = flops_per_token * tokens_per_s / (peak * 1e12 * ps.world_size)
-            if opt.loss_scaler is not None:
-                record["loss_scale"] = opt.loss_scaler.scale
-            if not stepped:
-                record["skipped"] = True  # FP16 overflow: no update, the loss scale backed off
-            if run.eval_every and ((step + 1) % run.eval_every == 0 or step == run.steps - 1):
-                record["val_loss"] = evaluate(stage, pipe, data, run, cfg)
-            if step == start:  # this rank's memory, from the live tensors, and what makes the batch
-                m = run.batch // (ps.sizes["dp"] * run.micro_batch)
-                record.update(opt.memory_bytes(), in_flight_peak=schedule.peak, micro_batches=m, dp=ps.sizes["dp"],
-                              effective_batch=grad_accum.effective_batch_size(run.micro_batch, ps.sizes["dp"], 1, m))
-            records.append(record)
-            if out:
-                out.write(json.dumps(record) + "\n")
-                out.flush()
-            if run.log and ps.rank == 0:
-                print(step_line(record, skipped, moe=cfg.moe_every > 0), flush=True)
-            done = step + 1 == run.steps
-            if run.out_dir and ((run.save_every and (step + 1) % run.save_every == 0) or done):
-                path = save_checkpoint(run.out_dir, step + 1, stage, opt, cfg, run, text=data.text)
-                if run.log and ps.rank == 0:
-                    print(f"saved {path}", flush=True)
-    except RuntimeError as e:  # a collective of the step, the evaluation or the save
-        if isinstance(e, (Diverged, Stalled)) or not _is_communication_failure(e):
-            raise
-        raise Stalled(f"rank {ps.rank}, step {step}: a collective waited past --timeout-s {run.timeout_s:g} or lost "
-                      f"its peer: a rank stopped, hung or died ({str(e).splitlines()[0]})") from e
-    finally:
-        if out:
-            out.close()
-    return records
-
-
-def step_line(record, skipped, moe):
-    """The one line a step prints on rank 0."""
-    r = record
-    return (f"step {r['step']}: loss {r['loss']:.4f}" + (f", val {r['val_loss']:.4f}" if "val_loss" in r else "")
-            + (f", aux {r['aux_loss']:.4f}" if moe else "") + f", lr {r['lr']:.2e}, |g| "
-            + (f"{r['grad_norm']:.3f}, " if r["grad_norm"] is not None else "inf, ")
-            + (f"skipped (FP16 overflow, {skipped} in a row, loss scale now {r['loss_scale']:g}), "
-               if r.get("skipped") else "")
-            + f"{r['step_time_s'] * 1000:.0f} ms, {r['tokens_per_s']:,.0f} tok/s"
-            + (f", mfu {r['mfu']:.1%}" if "mfu" in r else ""))
-
-
-def resume(out_dir, stage, opt=None):
-    """Load the newest checkpoint of out_dir that passes every check (check_checkpoint, then the checksums, which
-    the ranks verify together), telling on rank 0 in one line each one skipped; returns its step. BadCheckpoint
-    when none passes."""
-    refused = []
-    for path in reversed(checkpoint_dirs(out_dir)):
-        try:
-            load_checkpoint(path, stage, opt)
-        except BadCheckpoint as e:  # raised on every rank alike, before any tensor was read
-            refused.append((path, str(e)))
-            continue
-        for bad, why in refused:
-            _warn_on_rank_0(f"skipping checkpoint {bad}: {why}")
-        return read_train_state(path)["step"]
-    raise BadCheckpoint(f"--out-dir {out_dir}: none of its {len(refused)} checkpoints passes its checks; the newest: "
-                        f"{refused[0][1] if refused else 'none'}")
+def sample_checkpoint(out_dir, world):
+    """The checkpoint --sample draws from, and its train_state: the newest that passes its checks."""
+    if world != 1:
+        raise ValueError("--sample runs on one process: use python, not torchrun")
+    path, state = latest_checkpoint(out_dir, say=_warn)
+    if path is None:
+        raise ValueError(f"--sample needs a checkpoint: --out-dir {out_dir} holds none")
+    return path, state
 
 
 @torch.no_grad()
@@ -2219,174 +2221,8 @@ def sample(cfg, path, n, temperature=1.0, top_k=None, prompt="\n", seed=0):
 
 
 # ----------------------------------------------------------------------------------------------------
-# The report: the docstring's memory, communication and FLOP figures, measured beside their formulas
+# The command line, and how a job ends
 # ----------------------------------------------------------------------------------------------------
-
-def measure_kept_bytes_settled(blocks, state, policy):
-    """checkpointing.measure_kept_bytes, the smaller of two runs: gloo's worker thread may let go of the tensor
-    it just all-reduced a moment after the call returned, which can only add bytes. Returns (bytes, the second
-    run's output); comm_log and comm_bytes hold the second run's collectives."""
-    first, _ = checkpointing.measure_kept_bytes(blocks, state, policy)
-    comm_log.clear()
-    comm_bytes.clear()
-    second, y = checkpointing.measure_kept_bytes(blocks, state, policy)
-    return min(first, second), y
-
-
-def measure_block(cfg, run, b):
-    """Bytes one block keeps for backward on this rank (checkpointing.measure_kept_bytes), the TP collectives of
-    its forward and of its backward (comm_log), and the bytes this rank sends in its forward's collectives."""
-    plan, stage, _, _ = build(cfg, run)
-    s = cfg.seq_len // run.cp // (run.tp if plan.sequence_parallel else 1)
-    x = torch.randn(b, s, cfg.n_embd, generator=torch.Generator().manual_seed(0))
-    blocks, state = nn.ModuleList(stage.blocks[:1]), (x, torch.zeros((), dtype=torch.float64))
-    kept, (y, _) = measure_kept_bytes_settled(blocks, state, "none")
-    forward, sent = dict(comm_log), ring_bytes_sent(comm_bytes, run.tp)
-    comm_log.clear()
-    y.sum().backward()
-    return kept, forward, dict(comm_log), sent
-
-
-def ring_bytes_sent(whole_bytes, t):
-    """Bytes one rank sends for collectives over t ranks whose whole tensors are `whole_bytes` (by kind), as
-    ring algorithms move them: an all-gather or a reduce-scatter (t-1)/t of the tensor, an all-reduce twice that."""
-    factor = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}
-    return sum(factor[key.split(":")[0]] * (t - 1) * n // t for key, n in whole_bytes.items())
-
-
-def measure_stage_kept_bytes(cfg, run, b, policies=("none", "selective", "sqrt", "full")):
-    """Bytes this rank's pipeline stage keeps for backward under each recomputation policy."""
-    plan, stage, _, _ = build(cfg, run)
-    s = cfg.seq_len // run.cp // (run.tp if plan.sequence_parallel else 1)
-    state = (torch.randn(b, s, cfg.n_embd, generator=torch.Generator().manual_seed(0)),
-             torch.zeros((), dtype=torch.float64))
-    return {policy: measure_kept_bytes_settled(stage.blocks, state, policy)[0] for policy in policies}
-
-
-def measure_step_flops(cfg, batch, micro_batch):
-    """One rank's counted FLOPs of one float32 step on `batch` synthetic sequences (after a first step, so that
-    what runs once, such as the optimizer's state creation, is not part of it)."""
-    run = TrainConfig(batch=batch, micro_batch=micro_batch, dtype="float32", log=False, data="synthetic")
-    plan, stage, opt, pipe = build(cfg, run)
-    tokens = synthetic_batch(0, batch, cfg.seq_len, cfg.vocab_size)
-    train_step(stage, pipe, opt, tokens, micro_batch)
-    return count_step_flops(stage, pipe, opt, tokens, micro_batch)
-
-
-def measure_schedule(cfg, batch):
-    """The order every stage ran one step's micro-batches in (one micro-batch per sequence; PP = the world),
-    gathered on every rank, first stage first."""
-    run = TrainConfig(pp=dist.get_world_size(), batch=batch, micro_batch=1, dtype="float32", log=False,
-                      data="synthetic")
-    plan, stage, opt, pipe = build(cfg, run)
-    tokens = synthetic_batch(0, batch, cfg.seq_len, cfg.vocab_size)
-    order = train_step(stage, pipe, opt, tokens, 1)[-1].order
-    orders = [None] * dist.get_world_size()
-    dist.all_gather_object(orders, (plan.ps.pp_rank, order))
-    return [o for _, o in sorted(orders)]
-
-
-def _report_rank(rank, world, store_path, queue, fn, args):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))  # a collective that never comes fails, not hangs
-    result = fn(*args)
-    if rank == 0:
-        queue.put(result)  # a few numbers: the pipe holds them until the parent reads after join
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def on_cpu_ranks(world, fn, *args):
-    """fn(*args) on `world` gloo processes of this machine (forked: milliseconds each); rank 0's answer."""
-    import tempfile
-    import torch.multiprocessing as mp
-    queue = mp.get_context("fork").SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_report_rank, (world, os.path.join(tmp, "store"), queue, fn, args), nprocs=world,
-                           start_method="fork")
-    return queue.get()
-
-
-# the shapes of the docstring's figures
-REPORT_BLOCK = GPTConfig(vocab_size=32, seq_len=32, n_layer=4, n_head=4, n_embd=32)       # b = 2
-REPORT_MOE = GPTConfig(vocab_size=32, seq_len=32, n_layer=4, n_head=4, n_embd=32, moe_every=1, n_experts=4,
-                       top_k=2)
-REPORT_STAGE = GPTConfig(vocab_size=32, seq_len=256, n_layer=8, n_head=8, n_embd=256)     # b = 4, PP = 2
-REPORT_STAGE_LAYOUTS = {"TP2 x PP2": dict(tp=2, pp=2), "PP2 x CP2 ring": dict(pp=2, cp=2, cp_impl="ring"),
-                        "PP2 x CP2 all-gather": dict(pp=2, cp=2, cp_impl="allgather")}
-REPORT_FLOPS = {"dense": GPTConfig(vocab_size=64, seq_len=32, n_layer=2, n_head=4, n_embd=32),
-                "MoE": GPTConfig(vocab_size=64, seq_len=32, n_layer=2, n_head=4, n_embd=32, moe_every=1,
-                                 n_experts=4, top_k=2)}
-REPORT_PIPELINE_STAGES, REPORT_PIPELINE_MICRO_BATCHES = 4, (2, 8)
-
-
-def stage_kept_bytes_formula(cfg, run, b, policy, e=4):
-    """The kept bytes of one stage where this file has a formula, else None: full keeps each block's input,
-    sqrt each segment's; without CP, none keeps every block's `block_activation_bytes` and selective frees
-    their lse. (Under CP the ring's and the all-gather's internal copies have no formula here.)"""
-    blocks, t, sp = len(stage_layers(cfg.n_layer, run.pp, 0)), run.tp, run.sequence_parallel and run.tp > 1
-    if policy in ("full", "sqrt"):  # block inputs: this rank's tokens (its CP shard, its SP shard), whole h
-        s_local = cfg.seq_len // run.cp // (t if sp else 1)
-        return checkpointing.kept_bytes(policy, blocks, b, s_local, cfg.n_embd, cfg.n_head, e)
-    if run.cp > 1:
-        return None
-    none = blocks * sum(block_activation_bytes(b, cfg.seq_len, cfg.n_embd, cfg.n_head, t, sp, e, e).values())
-    return none if policy == "none" else none - blocks * cfg.n_head // t * cfg.seq_len * b * e
-
-
-def report():
-    """What the docstring states about memory, collectives and FLOPs, measured on gloo ranks of this machine
-    (float32; LayerNorm statistics and the lse in float32 too on CPU) and printed beside the formula."""
-    lines = []
-    out = lines.append
-    b = 2
-    cfg = REPORT_BLOCK
-    out(f"One block (b={b}, s={cfg.seq_len}, h={cfg.n_embd}, a={cfg.n_head}, float32; MoE: {REPORT_MOE.n_experts} "
-        f"experts, top-{REPORT_MOE.top_k}): bytes kept for backward, bytes this rank sends in the forward's TP "
-        "collectives, measured (formula), and the collectives of forward / backward:")
-    out(f"  {'layout':<16s} {'kept':>18s} {'sent forward':>16s}   collectives")
-    for name, cfg, world, sp in (("TP=1", REPORT_BLOCK, 1, False), ("TP2", REPORT_BLOCK, 2, False),
-                                 ("TP2 with SP", REPORT_BLOCK, 2, True), ("TP2 MoE", REPORT_MOE, 2, False),
-                                 ("TP2 with SP, MoE", REPORT_MOE, 2, True)):
-        run = TrainConfig(tp=world, sequence_parallel=sp, micro_batch=b, dtype="float32", log=False)
-        kept, fwd, bwd, sent = on_cpu_ranks(world, measure_block, cfg, run, b)
-        moe = cfg.is_moe(0)
-        terms = block_activation_bytes(b, cfg.seq_len, cfg.n_embd, cfg.n_head, world, sp, 4, 4)
-        kept_formula = "-" if moe else f"{sum(terms.values()):,d}"  # no formula here for the MoE block
-        sent_formula = block_forward_comm_bytes(b, cfg.seq_len, cfg.n_embd, world, sp, moe, 4)
-        out(f"  {name:<16s} {f'{kept:,d} ({kept_formula})':>18s} {f'{sent:,d} ({sent_formula:,d})':>16s}   "
-            f"{fwd or '-'} / {bwd or '-'}")
-    cfg, b = REPORT_STAGE, 4
-    policies = ("none", "selective", "sqrt", "full")
-    out(f"\nKept MB of one pipeline stage of {cfg.n_layer // 2} blocks (L={cfg.n_layer}, PP=2; b={b}, s={cfg.seq_len}, "
-        f"h={cfg.n_embd}, a={cfg.n_head}, float32), measured (formula):")
-    out(f"  {'layout':<22s}" + "".join(f"{p:>22s}" for p in policies))
-    for name, layout in REPORT_STAGE_LAYOUTS.items():
-        run = TrainConfig(micro_batch=b, dtype="float32", log=False, **layout)
-        kept = on_cpu_ranks(run.tp * run.pp * run.cp, measure_stage_kept_bytes, cfg, run, b)
-        cells = []
-        for p in policies:
-            formula = stage_kept_bytes_formula(cfg, run, b, p)
-            cells.append(f"{kept[p] / 1e6:.2f}" + (f" ({formula / 1e6:.2f})" if formula is not None else " (-)"))
-        out(f"  {name:<22s}" + "".join(f"{c:>22s}" for c in cells))
-    out("\nFLOPs of one step (batch 4 x 32 tokens, one rank): FlopCounterMode against model_flops_per_token x tokens "
-        "+ 2 L h s per token (the flash backward's QK^T):")
-    for name, cfg in REPORT_FLOPS.items():
-        tokens = 4 * cfg.seq_len
-        measured = on_cpu_ranks(1, measure_step_flops, cfg, 4, 2)
-        model = model_flops_per_token(cfg) * tokens
-        flash = 2 * cfg.n_layer * cfg.n_embd * cfg.seq_len * tokens
-        out(f"  {name:<6s} measured {measured:>12,d}   formula {model:,d} + {flash:,d} = {model + flash:,d}")
-    p = REPORT_PIPELINE_STAGES
-    out(f"\n1F1B bubble: the order each of p={p} stages ran one step in, replayed with a forward taking 1 unit and a "
-        "backward 2 (replay_pipeline), against (m + p - 1) x 3 and the bubble (p - 1) / (m + p - 1):")
-    for m in REPORT_PIPELINE_MICRO_BATCHES:
-        span = replay_pipeline(on_cpu_ranks(p, measure_schedule, REPORT_BLOCK, m))
-        out(f"  m={m:<3d} replayed {span:>3d} units (formula {(m + p - 1) * 3}), bubble {1 - 3 * m / span:.3f} "
-            f"(formula {(p - 1) / (m + p - 1):.3f})")
-    return "\n".join(lines)
-
 
 class _ArgumentParser(argparse.ArgumentParser):
     def error(self, message):  # one line on rank 0, exit code 2 (see main), not a usage block per rank
@@ -2437,9 +2273,12 @@ def parse_args(argv=None):
     add("--peak-tflops", type=float, default=None, help="per GPU, for MFU (default on A100/H100/H200: "
         "the dense BF16 peak, whatever --dtype)")
     add("--seed", type=int, default=0)
-    add("--report", action="store_true", help="measure the docstring's kept bytes, collectives and FLOPs on gloo "
-        "processes of this machine and print them beside their formulas (plain python, no torchrun)")
     a = ap.parse_args(argv)
+    if a.sample is not None and a.sample < 1:
+        raise ValueError(f"--sample {a.sample} must be >= 1: the number of tokens to draw (omit it to train)")
+    if not (math.isfinite(a.temperature) and a.temperature > 0) or a.sample_top_k < 0:
+        raise ValueError("--sample-top-k must be >= 0 and --temperature finite and > 0 (e.g. --sample 300 "
+                         "--temperature 0.8 --sample-top-k 50; --sample-top-k 0 samples from every token)")
     cfg = GPTConfig(vocab_size=a.vocab, seq_len=a.seq, n_layer=a.layers, n_head=a.heads, n_embd=a.hidden,
                     seed=a.seed, moe_every=a.moe_every, n_experts=a.experts, top_k=a.top_k)
     run = TrainConfig(**{f.name: getattr(a, f.name) for f in fields(TrainConfig) if hasattr(a, f.name)})
@@ -2493,57 +2332,6 @@ def stop_local_peers():
                 os.kill(int(entry), signal.SIGKILL)
         except (OSError, ValueError, IndexError):
             pass  # gone already, or not ours
-
-
-def main(argv=None):
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    torchrun = "TORCHELASTIC_RUN_ID" in os.environ
-    if torchrun:
-        watch_launcher()
-    try:
-        cfg, run, a = parse_args(argv)
-        if a.sample is not None and a.sample < 1:
-            raise ValueError(f"--sample {a.sample} must be >= 1: the number of tokens to draw (omit it to train)")
-        if not (math.isfinite(a.temperature) and a.temperature > 0) or a.sample_top_k < 0:
-            raise ValueError("--sample-top-k must be >= 0 and --temperature finite and > 0 (e.g. --sample 300 "
-                             "--temperature 0.8 --sample-top-k 50; --sample-top-k 0 samples from every token)")
-        if a.report:
-            if world != 1:
-                raise ValueError("--report starts its own processes: use python, not torchrun")
-        elif a.sample:
-            if world != 1:
-                raise ValueError("--sample runs on one process: use python, not torchrun")
-            path, state = latest_checkpoint(run.out_dir, say=_warn)
-            if path is None:
-                raise ValueError(f"--sample needs a checkpoint: --out-dir {run.out_dir} holds none")
-            cfg = GPTConfig(**state["config"])
-        else:
-            data = check_inputs(cfg, run, world)
-    except ValueError as e:
-        _fail(rank, 2, e)
-    if os.environ.get("OMP_NUM_THREADS") is None and not torch.cuda.is_available():
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    if a.report:
-        print(report())
-        return
-    try:
-        if a.sample:
-            print(sample(cfg, path, a.sample, a.temperature, a.sample_top_k, seed=a.seed))
-        else:
-            records = train(cfg, run, data)
-            if dist.get_rank() == 0 and records:
-                print(f"loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} in {len(records)} steps; metrics "
-                      f"in {run.metrics}")
-    except BadCheckpoint as e:  # every rank found it (checksums are agreed)
-        _fail(rank, 2, e)
-    except Diverged as e:  # every rank holds the same loss and norm
-        _fail(rank, 1, e)
-    except Stalled as e:  # only the ranks that waited know: each says so, then the job ends now
-        if torchrun:
-            stop_local_peers()
-        _fail(rank, 1, e, everyone=True)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import checkpointing
 import train_gpt
+from benchmarks import report
 from multirank import run_ranks
 
 CFG = train_gpt.GPTConfig(vocab_size=32, seq_len=16, n_layer=4, n_head=4, n_embd=16, seed=0)
@@ -113,7 +114,7 @@ def test_1f1b_keeps_at_most_p_micro_batches_in_flight_and_frees_sent_outputs():
 
 
 def _schedule(rank, world, m):
-    return train_gpt.measure_schedule(CFG, m)
+    return report.measure_schedule(CFG, m)
 
 
 @pytest.mark.parametrize("m", [2, 8])
@@ -216,7 +217,7 @@ SHAPE = train_gpt.GPTConfig(vocab_size=32, seq_len=32, n_layer=4, n_head=4, n_em
 def _one_block(rank, world, sp):
     """Kept bytes of one dense block (float32) and the TP collectives of its forward and its backward."""
     cfg, b = SHAPE, 2
-    kept, fwd, bwd, _ = train_gpt.measure_block(cfg, _run(tp=world, sequence_parallel=sp, micro_batch=b,
+    kept, fwd, bwd, _ = report.measure_block(cfg, _run(tp=world, sequence_parallel=sp, micro_batch=b,
                                                        dtype="float32"), b)
     terms = train_gpt.block_activation_bytes(b, cfg.seq_len, cfg.n_embd, cfg.n_head, world, sp and world > 1,
                                              e=4, acc_e=4)  # CPU: LayerNorm statistics and lse in the input dtype
@@ -268,7 +269,7 @@ def test_expert_flops_per_tp_rank_are_one_over_tp(sp):
 
 
 def _stage_kept_bytes(rank, world):
-    return train_gpt.measure_stage_kept_bytes(SHAPE, _run(tp=2, pp=2, dtype="float32"), 2)
+    return report.measure_stage_kept_bytes(SHAPE, _run(tp=2, pp=2, dtype="float32"), 2)
 
 
 def test_recompute_policies_keep_less_per_stage():
@@ -381,8 +382,9 @@ def _zero_run(rank, world, cfg, zero, **layout):
         tokens = train_gpt.synthetic_batch(step, BATCH, cfg.seq_len, cfg.vocab_size, cfg.seed)
         losses.append(train_gpt.train_step(stage, pipe, opt, tokens, MICRO)[:3])
     # Adam's two float64 moments of every parameter this rank updates, 1/d of each data-parallel group's
-    expected = sum(2 * 8 * sum(p.numel() for p in r.params) / (train_gpt._size(r.group) if zero else 1)
-                   for r in plan.reductions if r.data_parallel)
+    size = lambda group: 1 if group is None else torch.distributed.get_world_size(group)
+    expected = sum(2 * 8 * sum(p.numel() for p in r.params) / (size(r.group) if zero else 1)
+                   for r in stage.reductions if r.data_parallel)
     return losses, opt.memory_bytes()["optimizer_bytes"], expected
 
 
@@ -415,7 +417,7 @@ def test_first_metrics_line_carries_this_ranks_memory_by_dtype():
 # ---- the training job: FLOPs, data, checkpoints and resume, failures, bad input ----------------------------
 
 def _step_flops(rank, world, cfg):
-    return train_gpt.measure_step_flops(cfg, batch=4, micro_batch=2)
+    return report.measure_step_flops(cfg, batch=4, micro_batch=2)
 
 
 @pytest.mark.parametrize("moe_every", [0, 1])
@@ -771,7 +773,6 @@ BAD_INPUT = [  # (argv, world, what the one line must name)
     (["--out-dir", "empty.txt/sub"], 2, "empty.txt is a file, so the folder cannot be created"),
     (["--metrics", "ckpt"], 2, "--metrics ckpt is a folder: pass a file path"),
     (["--metrics", "empty.txt/m.jsonl"], 1, "empty.txt is a file; pass another path"),
-    (["--report"], 2, "--report starts its own processes: use python, not torchrun"),
     (["--sample", "0", "--out-dir", "ckpt"], 1, "--sample 0 must be >= 1"),
     (["--timeout-s", "1e-9"], 2, "--timeout-s 1e-09 must be between 1 and 604800 seconds"),
     (["--timeout-s", "1e300"], 2, "--timeout-s 1e+300 must be between 1 and 604800 seconds"),
@@ -1179,7 +1180,7 @@ def _numbers(text):
 
 
 def test_report_measures_what_the_docstring_states():
-    text = train_gpt.report()
+    text = report.report()
     lines = text.splitlines()
     # every figure with a formula equals it: block kept bytes, stage kept MB, step FLOPs
     import re
@@ -1192,22 +1193,22 @@ def test_report_measures_what_the_docstring_states():
             assert formula == "-" or measured == formula, row
         assert pairs[0][1] != "-" or "MoE" in row  # only the MoE blocks have no kept-bytes formula
         assert (pairs[1][0] == "0") == row.startswith("  TP=1"), row  # TP2 sends, one rank does not
-    for name in train_gpt.REPORT_STAGE_LAYOUTS:
+    for name in report.REPORT_STAGE_LAYOUTS:
         row = next(line for line in lines if line.strip().startswith(name))
         cells = row[len(name) + 2:].split(")")[:-1]
         measured = [_numbers(c.split("(")[0])[0] for c in cells]
         formulas = [c.split("(")[1].strip() for c in cells]
         assert all(f == "-" or float(f) == m for m, f in zip(measured, formulas)), row
         # the docstring's table is this report's row
-        doc_row = next(line for line in train_gpt.__doc__.splitlines() if line.strip().startswith(name + " "))
+        doc_row = next(line for line in report.__doc__.splitlines() if line.strip().startswith(name + " "))
         assert _numbers(doc_row.replace(name, "")) == measured, (doc_row, row)
-    flops = [line for line in lines if line.split()[:1] and line.split()[0] in train_gpt.REPORT_FLOPS]
+    flops = [line for line in lines if line.split()[:1] and line.split()[0] in report.REPORT_FLOPS]
     assert len(flops) == 2
     for row in flops:
         numbers = _numbers(row)
         assert numbers[0] == numbers[-1] == numbers[-3] + numbers[-2], row
     bubbles = [re.findall(r"[\d.]+", line) for line in lines if line.startswith("  m=")]
-    assert len(bubbles) == len(train_gpt.REPORT_PIPELINE_MICRO_BATCHES)
+    assert len(bubbles) == len(report.REPORT_PIPELINE_MICRO_BATCHES)
     for m, replayed, units, bubble, formula in bubbles:  # units and bubble fraction each equal their formula
         assert (replayed, bubble) == (units, formula), (m, replayed, units, bubble, formula)
 
@@ -1536,20 +1537,24 @@ class _Scaler:
         self.scale = scale
 
 
+OVERFLOW = {"loss": 3.0, "grad_norm": None, "skipped": True}  # an FP16 step that the loss scaler skipped
+CLEAN = {"loss": 3.0, "grad_norm": 1.0}
+
+
 def test_fp16_skips_are_logged_and_a_collapsing_loss_scale_stops_the_run():
     run = train_gpt.TrainConfig(dtype="float16")
     opt = type("Opt", (), {"loss_scaler": _Scaler(2.0 ** 10)})()
     skipped = 0
     for step in range(train_gpt.MAX_SKIPPED_STEPS - 1):  # overflowing steps, each skipped by the loss scaler
-        skipped = train_gpt.check_progress(step, 3.0, math.inf, False, opt, run, skipped)
+        skipped = train_gpt.check_progress(step, OVERFLOW, opt, run, skipped)
     assert skipped == train_gpt.MAX_SKIPPED_STEPS - 1
-    assert train_gpt.check_progress(99, 3.0, 1.0, True, opt, run, skipped) == 0  # a clean step resets the count
+    assert train_gpt.check_progress(99, CLEAN, opt, run, skipped) == 0  # a clean step resets the count
     with pytest.raises(train_gpt.Diverged, match=f"FP16 skipped {train_gpt.MAX_SKIPPED_STEPS} steps in a row"):
         for step in range(train_gpt.MAX_SKIPPED_STEPS):
-            skipped = train_gpt.check_progress(step, 3.0, math.inf, False, opt, run, skipped)
+            skipped = train_gpt.check_progress(step, OVERFLOW, opt, run, skipped)
     opt.loss_scaler.scale = 0.5  # below the floor: no scale fits
     with pytest.raises(train_gpt.Diverged, match="loss scale fell to 0.5"):
-        train_gpt.check_progress(7, 3.0, math.inf, False, opt, run, 0)
+        train_gpt.check_progress(7, OVERFLOW, opt, run, 0)
     record = {"step": 3, "loss": 3.0, "aux_loss": 0.0, "lr": 1e-3, "grad_norm": None, "tokens_per_s": 10.0,
               "step_time_s": 0.1, "loss_scale": 512.0, "skipped": True}
     assert "skipped (FP16 overflow, 2 in a row, loss scale now 512)" in train_gpt.step_line(record, 2, moe=False)

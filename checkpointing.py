@@ -468,7 +468,7 @@ def gradients(blocks, x, policy, seed=1234):
 # The report
 # ----------------------------------------------------------------------------------------------------
 
-def report(layers=4, b=2, s=64, h=64, a=4, dropout=0.1, dtype=torch.float32, sweep=(4, 16, 64), crossover=True):
+def _check_report_args(layers, b, s, h, a, dropout, sweep):
     for name, flag, value in (("layers", "--layers", layers), ("b", "--batch", b), ("s", "--seq", s),
                               ("h", "--hidden", h), ("a", "--heads", a)):
         if value < 1:  # else a division by zero or a math domain error deep in the formulas
@@ -478,39 +478,59 @@ def report(layers=4, b=2, s=64, h=64, a=4, dropout=0.1, dtype=torch.float32, swe
     if not 0.0 < dropout < 1.0:  # p = 0 keeps no masks, and the formulas count them: every figure would differ
         raise ValueError(f"dropout={dropout!r} must be in (0, 1): the formulas printed beside the measurements "
                          "count the dropout masks (Korthikanti et al.'s accounting); 0.1 is usual")
-    e = torch.empty(0, dtype=dtype).element_size()
-    x = torch.randn(b, s, h, dtype=dtype, generator=torch.Generator().manual_seed(0))
-    blocks = make_blocks(layers, h, a, s, dropout).to(dtype)
+
+
+def policies_against_formulas(blocks, x, a):
+    """Per policy: kept bytes, FLOPs and the forward+backward peak of `blocks` on `x`, each beside its formula
+    (and the paper's 16-bit figure where it gives one)."""
+    (b, s, h), layers, e = x.shape, len(blocks), x.element_size()
     rows = []
     for policy in POLICIES:
         kept, _ = measure_kept_bytes(blocks, x, policy)
         peak, moment, work, transient = peak_bytes(policy, layers, b, s, h, a, e)
+        paper = korthikanti_bytes_per_layer(policy, b, s, h, a)
         rows.append({"policy": policy, "saved_bytes": kept, "formula_bytes": kept_bytes(policy, layers, b, s, h, a, e),
                      "flops": measure_flops(blocks, x, policy),
                      "formula_flops": training_flops(policy, layers, b, s, h),
-                     "korthikanti_16bit_bytes": None if korthikanti_bytes_per_layer(policy, b, s, h, a) is None
-                     else layers * korthikanti_bytes_per_layer(policy, b, s, h, a),
+                     "korthikanti_16bit_bytes": None if paper is None else layers * paper,
                      "peak_bytes": measure_peak_bytes(blocks, x, policy), "formula_peak_bytes": peak,
                      "peak_moment": moment, "peak_working_set": work, "peak_transient": transient})
-    sweep_rows = []
-    small = dict(b=1, s=16, h=32, a=2)
-    xs = torch.randn(small["b"], small["s"], small["h"], dtype=dtype)
+    return rows
+
+
+def kept_bytes_against_layers(sweep, shape, dtype, dropout):
+    """Kept bytes and peaks of none, full and sqrt for every L of `sweep` (a block of `shape`), beside the
+    formulas, and the growth exponent x of kept ~ L^x between the smallest and the largest L."""
+    e = torch.empty(0, dtype=dtype).element_size()
+    xs = torch.randn(shape["b"], shape["s"], shape["h"], dtype=dtype)
+    rows = []
     for L in sweep:
-        bl = make_blocks(L, small["h"], small["a"], small["s"], dropout).to(dtype)
+        blocks = make_blocks(L, shape["h"], shape["a"], shape["s"], dropout).to(dtype)
         row = {"layers": L}
         for policy in ("none", "full", "sqrt"):
-            row[policy] = measure_kept_bytes(bl, xs, policy)[0]
-            row[policy + "_formula"] = kept_bytes(policy, L, e=e, **small)
-            row[policy + "_peak"] = measure_peak_bytes(bl, xs, policy)
-            row[policy + "_peak_formula"] = peak_bytes(policy, L, e=e, **small)[0]
-        sweep_rows.append(row)
-    first, last = min(sweep_rows, key=lambda r: r["layers"]), max(sweep_rows, key=lambda r: r["layers"])
+            row[policy] = measure_kept_bytes(blocks, xs, policy)[0]
+            row[policy + "_formula"] = kept_bytes(policy, L, e=e, **shape)
+            row[policy + "_peak"] = measure_peak_bytes(blocks, xs, policy)
+            row[policy + "_peak_formula"] = peak_bytes(policy, L, e=e, **shape)[0]
+        rows.append(row)
+    first, last = min(rows, key=lambda r: r["layers"]), max(rows, key=lambda r: r["layers"])
     exponents = None if first is last else {
         p: math.log(last[p] / first[p]) / math.log(last["layers"] / first["layers"]) for p in ("none", "full", "sqrt")}
+    return {"config": {**shape, "dtype": str(dtype).replace("torch.", "")}, "rows": rows, "growth_exponent": exponents}
+
+
+def report(layers=4, b=2, s=64, h=64, a=4, dropout=0.1, dtype=torch.float32, sweep=(4, 16, 64), crossover=True):
+    """Every measurement the demo prints, as one dict (what --json writes)."""
+    _check_report_args(layers, b, s, h, a, dropout, sweep)
+    e = torch.empty(0, dtype=dtype).element_size()
+    x = torch.randn(b, s, h, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    blocks = make_blocks(layers, h, a, s, dropout).to(dtype)
+    small = dict(b=1, s=16, h=32, a=2)
+    # in this order: each measurement draws its inputs and dropout masks from the default RNG
     return {"config": {"layers": layers, "batch": b, "seq": s, "hidden": h, "heads": a, "dropout": dropout,
                        "dtype": str(dtype).replace("torch.", ""), "bytes_per_element": e},
-            "rows": rows, "sweep": {"config": {**small, "dtype": str(dtype).replace("torch.", "")},
-                                    "rows": sweep_rows, "growth_exponent": exponents},
+            "rows": policies_against_formulas(blocks, x, a),
+            "sweep": kept_bytes_against_layers(sweep, small, dtype, dropout),
             "sqrt_vs_full": sqrt_vs_full(dict(b=b, s=s, h=h, a=a), small, e, dtype, dropout, measure=crossover)}
 
 
@@ -535,7 +555,7 @@ def sqrt_vs_full(shape, sweep_shape, e, dtype=torch.float32, dropout=0.1, measur
     return out
 
 
-def print_report(r):
+def show_kept_bytes_and_flops(r):
     c = r["config"]
     print(f"== L={c['layers']} blocks, b={c['batch']}, s={c['seq']}, h={c['hidden']}, a={c['heads']}, "
           f"{c['dtype']}, dropout {c['dropout']}")
@@ -546,16 +566,23 @@ def print_report(r):
         paper = "" if row["korthikanti_16bit_bytes"] is None else f"{row['korthikanti_16bit_bytes']:.0f}"
         print(f"{row['policy']:14s} {row['saved_bytes']:11d} {row['formula_bytes']:11d} {paper:>12s} "
               f"{row['flops'] / 1e6:9.2f} {row['formula_flops'] / 1e6:9.2f} {row['flops'] / base - 1:+8.1%}")
+
+
+def show_peak_is_kept_plus_working_set_plus_transient(r):
     print("\nforward+backward peak: measured | formula = kept + W (recomputed, alive at once) + T (transient), "
           "at the moment it occurs")
     for row in r["rows"]:
         print(f"{row['policy']:14s} {row['peak_bytes']:9d} | {row['formula_peak_bytes']:9d} = "
               f"{row['formula_bytes']:9d} + {row['peak_working_set']:8d} + {row['peak_transient']:7d}   "
               f"{row['peak_moment']}")
-    e = c["bytes_per_element"]
-    terms = kept_bytes_per_layer("none", c["batch"], c["seq"], c["hidden"], c["heads"], e)
-    cuda16 = kept_bytes_per_layer("none", c["batch"], c["seq"], c["hidden"], c["heads"], 2, device="cuda")
-    paper = korthikanti_bytes_per_layer("none", c["batch"], c["seq"], c["hidden"], c["heads"])
+
+
+def show_per_layer_terms_against_the_paper(r):
+    c = r["config"]
+    e, shape = c["bytes_per_element"], (c["batch"], c["seq"], c["hidden"], c["heads"])
+    terms = kept_bytes_per_layer("none", *shape, e)
+    cuda16 = kept_bytes_per_layer("none", *shape, 2, device="cuda")
+    paper = korthikanti_bytes_per_layer("none", *shape)
     print(f"\nper-layer terms, policy none: here ({e}-byte elements; CPU dropout keeps {e}-byte masks) | "
           "bf16 on CUDA (1-byte masks, FP32 LN statistics)")
     for name, v in terms.items():
@@ -563,6 +590,9 @@ def print_report(r):
     ln = cuda16["LayerNorm mean and 1/std (2 LNs)"]
     print(f"   bf16/CUDA total {sum(cuda16.values())} = the paper's sbh(34 + 5as/h) = {paper:.0f} + {ln} bytes of "
           "LayerNorm statistics, which the paper leaves out")
+
+
+def show_kept_bytes_against_layers(r):
     sw = r["sweep"]
     print(f"\n== kept bytes and peak against L (b={sw['config']['b']}, s={sw['config']['s']}, "
           f"h={sw['config']['h']}): measured (formula)")
@@ -574,6 +604,9 @@ def print_report(r):
     g = sw["growth_exponent"]
     if g:
         print(f"   growth exponent (kept ~ L^x): none {g['none']:.2f}, full {g['full']:.2f}, sqrt {g['sqrt']:.2f}")
+
+
+def show_where_sqrt_lowers_the_peak(r):
     print("\n== sqrt's peak is below full's only when ceil(L/seg) inputs + seg layers < L inputs + 1 layer, "
           "about L > (A/X)^2 (A: a layer's activations, X: its input)")
     for name, case in r["sqrt_vs_full"].items():
@@ -584,6 +617,15 @@ def print_report(r):
             line += (f"; measured there: full {case['full_peak']} ({case['full_peak_formula']}), "
                      f"sqrt {case['sqrt_peak']} ({case['sqrt_peak_formula']})")
         print(line)
+
+
+def print_report(r):
+    """The demo: `report`'s measurements, one claim after the other, each beside its formula."""
+    show_kept_bytes_and_flops(r)
+    show_peak_is_kept_plus_working_set_plus_transient(r)
+    show_per_layer_terms_against_the_paper(r)
+    show_kept_bytes_against_layers(r)
+    show_where_sqrt_lowers_the_peak(r)
 
 
 def main(argv=None):

@@ -247,63 +247,87 @@ def _init_single_rank():
     return dist.get_rank(), dist.get_world_size()
 
 
-def demo():
-    rank, world = _init_single_rank()
-    torch.set_default_dtype(torch.float64)
-    say = print if rank == 0 else (lambda *a, **k: None)
-    K, b, seq = 4, 2, 8
-    gen = torch.Generator().manual_seed(0)
-    # every rank draws every rank's micro-batches, keeps its own: the reference sees the global batch
-    all_micro = [[make_batch(gen, b, seq) for _ in range(K)] for _ in range(world)]
-    mine = all_micro[rank]
+def _say(text):
+    """Print on rank 0 only: every rank measures, one speaks."""
+    if dist.get_rank() == 0:
+        print(text)
 
+
+def show_effective_batch(b, world, K):
+    _say(f"== effective batch = micro_batch x DP x K = {b} x {world} x {K} = {effective_batch_size(b, world, K)} "
+         f"sequences; under a pipeline of m=8 micro-batches: {effective_batch_size(b, world, K, 8)}")
+
+
+def show_k_micro_steps_equal_one_big_batch(all_micro):
+    """One process on the global batch against K micro-steps on every rank; returns the one-process model,
+    whose .grad holds the reference gradient."""
+    rank, world, K = dist.get_rank(), len(all_micro), len(all_micro[0])
     torch.manual_seed(0)
     reference = TinyLM()
     model = TinyLM()
     model.load_state_dict(reference.state_dict())
-
-    say(f"== effective batch = micro_batch x DP x K = {b} x {world} x {K} = {effective_batch_size(b, world, K)} "
-        f"sequences; under a pipeline of m=8 micro-batches: {effective_batch_size(b, world, K, 8)}")
-    # 1. one big batch against K micro-steps on every rank
     big = concat_batches([mb for rank_mbs in all_micro for mb in rank_mbs])
     s, n = token_loss(reference, big)
     (s / n).backward()
-    loss = accumulate_gradients(model, mine, token_loss, dp_group=None if world == 1 else dist.group.WORLD)
+    loss = accumulate_gradients(model, all_micro[rank], token_loss, dp_group=None if world == 1 else dist.group.WORLD)
     err = max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
-    say(f"== equivalence: global batch of {int(n)} tokens in one process vs {K} variable-length micro-batches on "
-        f"{world} rank(s): loss {loss:.12f} vs {(s / n).item():.12f}, max |grad diff| {err:.2e} (float64)")
+    _say(f"== equivalence: global batch of {int(n)} tokens in one process vs {K} variable-length micro-batches on "
+         f"{world} rank(s): loss {loss:.12f} vs {(s / n).item():.12f}, max |grad diff| {err:.2e} (float64)")
+    return reference
 
-    # 2. collectives per step, with DDP
+
+def _ddp_all_reduces(counter, run):
+    """Gradient all-reduces DDP issues while `run()` runs."""
+    counter["allreduce"] = 0
+    run()
+    return counter["allreduce"]
+
+
+def _backward_without_no_sync(ddp, micro_batches):
+    """No no_sync at all: every backward syncs."""
+    for batch in micro_batches:
+        token_loss(ddp, batch)[0].backward()
+
+
+def show_one_ddp_sync_per_step(micro_batches):
+    """no_sync around forward AND backward of the first K-1 micro-steps: one sync; the other two ways: K."""
+    K = len(micro_batches)
     ddp = DDP(TinyLM(), bucket_cap_mb=25)
     counter = count_ddp_collectives(ddp)
-    accumulate_gradients(ddp, mine, token_loss)
-    right = counter["allreduce"]
-    counter["allreduce"] = 0
-    for batch in mine:  # no no_sync at all
-        token_loss(ddp, batch)[0].backward()
-    none = counter["allreduce"]
-    counter["allreduce"] = 0
-    ddp_sync_trap(ddp, mine, token_loss)
-    trap = counter["allreduce"]
-    say(f"== DDP gradient all-reduces per step of K={K} micro-steps ({none // K} bucket(s)): no_sync around "
-        f"forward+backward: {right}; no no_sync: {none}; no_sync around the backward only (the trap): {trap}; "
-        f"{counter['bytes'] // (right + none + trap)} bytes each")
-    buckets = gradient_buckets(list(model.parameters()), bucket_bytes=4096)
-    manual = sync_gradients(list(TinyLM().parameters()), dist.group.WORLD, bucket_bytes=4096)  # a spare model
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    say(f"== manual sync with 4 KiB buckets: {len(buckets)} buckets of {nbytes} gradient bytes -> {manual} "
-        f"all-reduces (none on one rank); a ring all-reduce sends 2(P-1)/P x {nbytes} = "
-        f"{2 * (world - 1) / world * nbytes:.0f} bytes per rank per step, whatever K is")
+    right = _ddp_all_reduces(counter, lambda: accumulate_gradients(ddp, micro_batches, token_loss))
+    none = _ddp_all_reduces(counter, lambda: _backward_without_no_sync(ddp, micro_batches))
+    trap = _ddp_all_reduces(counter, lambda: ddp_sync_trap(ddp, micro_batches, token_loss))
+    _say(f"== DDP gradient all-reduces per step of K={K} micro-steps ({none // K} bucket(s)): no_sync around "
+         f"forward+backward: {right}; no no_sync: {none}; no_sync around the backward only (the trap): {trap}; "
+         f"{counter['bytes'] // (right + none + trap)} bytes each")
 
-    # 3. the normalisation mistake
+
+def show_one_all_reduce_per_bucket(world):
+    """The manual sync issues one all-reduce per bucket, whatever K is (a spare model: only shapes matter)."""
+    params = list(TinyLM().parameters())
+    buckets = gradient_buckets(params, bucket_bytes=4096)
+    manual = sync_gradients(params, dist.group.WORLD, bucket_bytes=4096)
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    _say(f"== manual sync with 4 KiB buckets: {len(buckets)} buckets of {nbytes} gradient bytes -> {manual} "
+         f"all-reduces (none on one rank); a ring all-reduce sends 2(P-1)/P x {nbytes} = "
+         f"{2 * (world - 1) / world * nbytes:.0f} bytes per rank per step, whatever K is")
+
+
+def show_mean_of_means_overweights_short_micro_batches():
     token_losses = [[1.0, 1.0, 1.0], [5.0]]
     right_mean = sum(map(sum, token_losses)) / sum(map(len, token_losses))
     mean_of_means = sum(sum(x) / len(x) for x in token_losses) / len(token_losses)
-    say(f"== token losses {token_losses}: per-token mean {right_mean} (this file), mean of micro-batch means "
-        f"{mean_of_means} (the mistake)")
+    _say(f"== token losses {token_losses}: per-token mean {right_mean} (this file), mean of micro-batch means "
+         f"{mean_of_means} (the mistake)")
+
+
+def show_mean_of_means_gradient_error(reference, micro_batches):
+    """The textbook recipe (each micro-batch's mean / K, DDP's average over ranks) on variable lengths, against
+    the one-big-batch gradient left in `reference`."""
+    K, world = len(micro_batches), dist.get_world_size()
     naive = TinyLM()
     naive.load_state_dict(reference.state_dict())
-    for mb in mine:
+    for mb in micro_batches:
         s_i, n_i = token_loss(naive, mb)
         (s_i / n_i / K).backward()
     if world > 1:
@@ -312,8 +336,23 @@ def demo():
             p.grad /= world
     num = sum(((p.grad - q.grad) ** 2).sum() for p, q in zip(naive.parameters(), reference.parameters()))
     den = sum((q.grad ** 2).sum() for q in reference.parameters())
-    say(f"   on the variable-length micro-batches above the mean-of-means gradient is off by "
-        f"{(num / den).sqrt().item():.1%} (relative L2) against the one-big-batch gradient")
+    _say(f"   on the variable-length micro-batches above the mean-of-means gradient is off by "
+         f"{(num / den).sqrt().item():.1%} (relative L2) against the one-big-batch gradient")
+
+
+def demo():
+    rank, world = _init_single_rank()
+    torch.set_default_dtype(torch.float64)
+    K, b, seq = 4, 2, 8
+    gen = torch.Generator().manual_seed(0)
+    # every rank draws every rank's micro-batches, keeps its own: the reference sees the global batch
+    all_micro = [[make_batch(gen, b, seq) for _ in range(K)] for _ in range(world)]
+    show_effective_batch(b, world, K)
+    reference = show_k_micro_steps_equal_one_big_batch(all_micro)
+    show_one_ddp_sync_per_step(all_micro[rank])
+    show_one_all_reduce_per_bucket(world)
+    show_mean_of_means_overweights_short_micro_batches()
+    show_mean_of_means_gradient_error(reference, all_micro[rank])
     dist.barrier()  # gloo aborts a rank that tears down while a peer still talks to it
     dist.destroy_process_group()
 

@@ -92,7 +92,10 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch.utils._python_dispatch import TorchDispatchMode
 
-comm_log = Counter()  # collectives issued by this rank: counts and bytes that left it, by kind
+# collectives issued by this rank, "<kind>:count" and "<kind>:bytes" (bytes that left it, its own rows not
+# counted): dispatch_fwd, combine_fwd, dispatch_bwd, combine_bwd (token rows; each backward sends along the
+# other direction's routes), counts_a2a (forward only); router_stats_allreduce (count only)
+comm_log = Counter()
 
 
 def _group_info(group):
@@ -623,9 +626,108 @@ def _forward_backward_syncs(moe, x):
     return y, aux, counter
 
 
+def _say(text):
+    """Print on rank 0 only: every rank measures, one speaks."""
+    if dist.get_rank() == 0:
+        print(text)
+
+
+def show_dispatch_matrix(moe, x):
+    """Who sent how many token copies to whom in `moe`'s last forward (of `x`), and every expert's load.
+    Returns this rank's row: the copies it sent to each rank."""
+    P, E = moe.ep_size, moe.num_experts
+    send = rearrange(moe.last_load, "(p e) -> p e", p=P).sum(1).to(torch.float64)
+    matrix = [torch.zeros(P, dtype=torch.float64) for _ in range(P)]
+    dist.all_gather(matrix, send)
+    loads = moe.last_load.clone()
+    dist.all_reduce(loads)
+    _say(f"== MoE: d={moe.d_model}, hidden={moe.d_hidden}, E={E} experts, top-{moe.top_k}, EP over {P} rank(s) "
+         f"({E // P} experts each), T={x.shape[0]} tokens per rank, {str(x.dtype).replace('torch.', '')}")
+    _say("   dispatch matrix (token copies rank i -> rank j):")
+    for i, row in enumerate(matrix):
+        _say(f"     from {i}: {[int(v) for v in row.tolist()]}")
+    _say(f"   expert loads (copies per expert, all ranks): {loads.tolist()}")
+    return matrix[dist.get_rank()].tolist()
+
+
+def show_all_to_all_bytes(moe, x, sent):
+    """comm_log's bytes per all-to-all against the copies this rank sent away (`sent`, by destination) and the
+    uniform-routing formula; then every collective of the forward and backward, counted."""
+    T, k, d, P, e = x.shape[0], moe.top_k, moe.d_model, moe.ep_size, x.element_size()
+    away = sum(n for j, n in enumerate(sent) if j != dist.get_rank())
+    _say(f"   rank 0 bytes per all-to-all (measured from the splits): dispatch {comm_log['dispatch_fwd:bytes']} "
+         f"(= {int(away)} copies sent away x d x e), combine {comm_log['combine_fwd:bytes']}; "
+         f"uniform-routing formula T k d e (P-1)/P = {T * k * d * e * (P - 1) / P:.0f}")
+    counts = {key[:-6]: v for key, v in comm_log.items() if key.endswith(":count")}
+    _say(f"   collectives on rank 0 (forward + backward): {counts}")
+
+
+def show_one_host_sync_per_layer(moe, counter):
+    _say(f"   host synchronisations on rank 0 (forward + backward, counted): {sum(counter.syncs.values())} "
+         f"{dict(counter.syncs)}, tensors made from host data: {counter.uploads}; design: 1 per layer per "
+         f"micro-batch ({'the split sizes' if moe.ep_size > 1 else 'the expert loop sizes'})")
+
+
+def show_ep_equals_one_process(moe, reference, x_all, x, y, aux):
+    """`moe`'s output, input, expert and router gradients (`y`, `aux` and the gradients of its forward and
+    backward on this rank's slice `x`) against `reference`, one process on all tokens `x_all`."""
+    rank, P, T, local = dist.get_rank(), moe.ep_size, x.shape[0], moe.local_experts
+    x_ref = x_all.clone().requires_grad_(True)
+    y_ref, aux_ref = reference(x_ref)
+    (y_ref.square().sum() + aux_ref).backward()
+    mine = slice(rank * T, (rank + 1) * T)
+    errs = torch.tensor([
+        (y - y_ref[mine]).abs().max().item(),
+        (x.grad - x_ref.grad[mine]).abs().max().item(),
+        (moe.w1.grad - reference.w1.grad[rank * local:(rank + 1) * local]).abs().max().item(),
+        abs(aux.item() - aux_ref.item()),
+    ])
+    dist.all_reduce(errs, op=dist.ReduceOp.MAX)
+    router_grad = moe.router.weight.grad.clone()
+    dist.all_reduce(router_grad)  # each rank holds its tokens' share of the router's gradient
+    _say(f"   against the single-process MoE on all {P * T} tokens: max |dy| {errs[0]:.1e}, |dx| {errs[1]:.1e}, "
+         f"|dW_expert| {errs[2]:.1e}, |d aux| {errs[3]:.1e}, |d router grad (summed)| "
+         f"{(router_grad - reference.router.weight.grad).abs().max().item():.1e}")
+
+
+def show_grouped_gemm_equals_loop(moe, x):
+    """The same layer as `moe` in float32, its experts as a loop and as torch._grouped_mm where supported."""
+    results, supported = {}, grouped_gemm_supported(x.device, torch.float32)
+    for impl in ("loop", "grouped") if supported else ("loop",):
+        torch.manual_seed(0)
+        m = MoE(moe.d_model, moe.d_hidden, moe.num_experts, moe.top_k, ep_group=moe.ep_group,
+                stats_group=moe.stats_group, expert_impl=impl).float()
+        x32 = x.detach().float().requires_grad_(True)
+        y32, _, c = _forward_backward_syncs(m, x32)
+        results[impl] = (y32, x32.grad, m.w1.grad, sum(c.syncs.values()), c.ops["_grouped_mm"])
+    if not supported:
+        _say(f"== float32 experts on {x.device}: torch._grouped_mm not available here, the loop runs")
+        return
+    pairs = zip(results["loop"][:3], results["grouped"][:3])
+    diff = torch.tensor(max((a - b).abs().max().item() for a, b in pairs))
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    _say(f"== float32 experts on {x.device}: loop vs torch._grouped_mm ({results['grouped'][4]} grouped GEMM calls "
+         f"forward + backward): max |d y, dx, dW1| {diff.item():.1e}; host synchronisations: loop "
+         f"{results['loop'][3]}, grouped {results['grouped'][3]} (with EP size 1 a dropless grouped layer reads "
+         "nothing back)")
+
+
+def show_balancing_loss_from_coeff_to_coeff_times_e():
+    lb = load_balancing_loss(torch.zeros(12, 4), 1, 1.0, selected=torch.arange(12).remainder(4)[:, None])
+    skew = torch.zeros(12, 4)
+    skew[:, 0] = 5.0
+    _say(f"== load balancing loss (coeff 1): uniform routing {lb.item():.3f} (= coeff), all tokens on one "
+         f"expert {load_balancing_loss(skew, 1, 1.0).item():.3f} (-> coeff * E = 4 as the logit gap grows)")
+
+
+def show_balancing_bias_update():
+    bias = torch.zeros(4)
+    update_balancing_bias(bias, torch.tensor([10.0, 2.0, 2.0, 2.0]), rate=1e-3)
+    _say(f"== balancing bias after one update with loads [10, 2, 2, 2]: {bias.tolist()}")
+
+
 def demo():
     rank, P = _init()
-    say = print if rank == 0 else (lambda *a, **k: None)
     torch.set_default_dtype(torch.float64)
     d, h, E, k, T = 16, 32, 8 if P != 3 else 6, 2, 64
     group = dist.group.WORLD
@@ -635,74 +737,15 @@ def demo():
     reference = MoE(d, h, E, k)  # one process, all experts, all tokens
     x_all = torch.randn(P * T, d, generator=torch.Generator().manual_seed(1))
     x = x_all[rank * T:(rank + 1) * T].clone().requires_grad_(True)
-
     comm_log.clear()
-    y, aux, counter = _forward_backward_syncs(moe, x)
-    send = rearrange(moe.last_load, "(p e) -> p e", p=P).sum(1).to(torch.float64)
-    matrix = [torch.zeros(P, dtype=torch.float64) for _ in range(P)]
-    dist.all_gather(matrix, send)
-    loads = moe.last_load.clone()
-    dist.all_reduce(loads)
-    say(f"== MoE: d={d}, hidden={h}, E={E} experts, top-{k}, EP over {P} rank(s) ({E // P} experts each), "
-        f"T={T} tokens per rank, float64")
-    say("   dispatch matrix (token copies rank i -> rank j):")
-    for i, row in enumerate(matrix):
-        say(f"     from {i}: {[int(v) for v in row.tolist()]}")
-    say(f"   expert loads (copies per expert, all ranks): {loads.tolist()}")
-    e_bytes = x.element_size()
-    mine = matrix[rank].tolist()
-    say(f"   rank 0 bytes per all-to-all (measured from the splits): dispatch {comm_log['dispatch_fwd:bytes']} "
-        f"(= {int(sum(n for j, n in enumerate(mine) if j != 0))} copies sent away x d x e), combine "
-        f"{comm_log['combine_fwd:bytes']}; uniform-routing formula T k d e (P-1)/P = "
-        f"{T * k * d * e_bytes * (P - 1) / P:.0f}")
-    counts = {key[:-6]: v for key, v in comm_log.items() if key.endswith(":count")}
-    say(f"   collectives on rank 0 (forward + backward): {counts}")
-    say(f"   host synchronisations on rank 0 (forward + backward, counted): {sum(counter.syncs.values())} "
-        f"{dict(counter.syncs)}, tensors made from host data: {counter.uploads}; design: 1 per layer per "
-        f"micro-batch ({'the split sizes' if P > 1 else 'the expert loop sizes'})")
-
-    x_ref = x_all.clone().requires_grad_(True)
-    y_ref, aux_ref = reference(x_ref)
-    (y_ref.square().sum() + aux_ref).backward()
-    errs = torch.tensor([
-        (y - y_ref[rank * T:(rank + 1) * T]).abs().max().item(),
-        (x.grad - x_ref.grad[rank * T:(rank + 1) * T]).abs().max().item(),
-        (moe.w1.grad - reference.w1.grad[rank * (E // P):(rank + 1) * (E // P)]).abs().max().item(),
-        abs(aux.item() - aux_ref.item()),
-    ])
-    dist.all_reduce(errs, op=dist.ReduceOp.MAX)
-    router_grad = moe.router.weight.grad.clone()
-    dist.all_reduce(router_grad)
-    say(f"   against the single-process MoE on all {P * T} tokens: max |dy| {errs[0]:.1e}, |dx| {errs[1]:.1e}, "
-        f"|dW_expert| {errs[2]:.1e}, |d aux| {errs[3]:.1e}, |d router grad (summed)| "
-        f"{(router_grad - reference.router.weight.grad).abs().max().item():.1e}")
-
-    results, supported = {}, grouped_gemm_supported(x.device, torch.float32)
-    for impl in ("loop", "grouped") if supported else ("loop",):
-        torch.manual_seed(0)
-        m = MoE(d, h, E, k, ep_group=group, stats_group=group, expert_impl=impl).float()
-        x32 = x.detach().float().requires_grad_(True)
-        y32, _, c = _forward_backward_syncs(m, x32)
-        results[impl] = (y32, x32.grad, m.w1.grad, sum(c.syncs.values()), c.ops["_grouped_mm"])
-    if supported:
-        pairs = zip(results["loop"][:3], results["grouped"][:3])
-        diff = torch.tensor(max((a - b).abs().max().item() for a, b in pairs))
-        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
-        say(f"== float32 experts on {x.device}: loop vs torch._grouped_mm ({results['grouped'][4]} grouped GEMM calls "
-            f"forward + backward): max |d y, dx, dW1| {diff.item():.1e}; host synchronisations: loop "
-            f"{results['loop'][3]}, grouped {results['grouped'][3]} (with EP size 1 a dropless grouped layer reads "
-            "nothing back)")
-    else:
-        say(f"== float32 experts on {x.device}: torch._grouped_mm not available here, the loop runs")
-
-    lb = load_balancing_loss(torch.zeros(12, 4), 1, 1.0, selected=torch.arange(12).remainder(4)[:, None])
-    skew = torch.zeros(12, 4)
-    skew[:, 0] = 5.0
-    say(f"== load balancing loss (coeff 1): uniform routing {lb.item():.3f} (= coeff), all tokens on one "
-        f"expert {load_balancing_loss(skew, 1, 1.0).item():.3f} (-> coeff * E = 4 as the logit gap grows)")
-    bias = torch.zeros(4)
-    update_balancing_bias(bias, torch.tensor([10.0, 2.0, 2.0, 2.0]), rate=1e-3)
-    say(f"== balancing bias after one update with loads [10, 2, 2, 2]: {bias.tolist()}")
+    y, aux, counter = _forward_backward_syncs(moe, x)  # the one step every claim below reads
+    sent = show_dispatch_matrix(moe, x)
+    show_all_to_all_bytes(moe, x, sent)
+    show_one_host_sync_per_layer(moe, counter)
+    show_ep_equals_one_process(moe, reference, x_all, x, y, aux)
+    show_grouped_gemm_equals_loop(moe, x)
+    show_balancing_loss_from_coeff_to_coeff_times_e()
+    show_balancing_bias_update()
     dist.barrier()  # gloo aborts a rank that tears down while a peer still talks to it
     dist.destroy_process_group()
 

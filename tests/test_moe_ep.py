@@ -82,7 +82,13 @@ def _ep_rank(rank, P, E, k, T, route_to=None, seed=0):
     experts = slice(rank * (E // P), (rank + 1) * (E // P))
     router_sum = moe.router.weight.grad.clone()
     dist.all_reduce(router_sum)
+    # token copies that leave this rank and that arrive from the others, from the reference's routing of all tokens
+    rank_of_copy = ref.router(x_all)[2] // (E // P)
+    ours = torch.zeros(P * T, dtype=torch.bool)
+    ours[mine] = True
     return {
+        "sent_away": (rank_of_copy[ours] != rank).sum().item() * d * 8,
+        "received": (rank_of_copy[~ours] == rank).sum().item() * d * 8,
         "y": (y - y_ref[mine]).abs().max().item(),
         "x_grad": (x.grad - x_ref.grad[mine]).abs().max().item(),
         "w1": (moe.w1 - ref.w1[experts]).abs().max().item(),     # layout-independent initialisation
@@ -102,6 +108,11 @@ def test_ep_equals_single_process_moe(P, E, k):
             assert r[key] < TOL, (key, r[key])
         assert r["log"]["dispatch_fwd:count"] == 1 and r["log"]["combine_fwd:count"] == 1
         assert r["log"]["dispatch_bwd:count"] == 1 and r["log"]["combine_bwd:count"] == 1
+        # bytes that left this rank in each all-to-all (float64 rows of d=8): dispatch forward sends its tokens'
+        # copies away, combine forward returns the results of the copies it received; each backward sends the
+        # gradients along the other direction's routes
+        assert r["log"]["dispatch_fwd:bytes"] == r["log"]["combine_bwd:bytes"] == r["sent_away"]
+        assert r["log"]["combine_fwd:bytes"] == r["log"]["dispatch_bwd:bytes"] == r["received"]
         # the counts all-to-all: E/P int64 counts to each of the P-1 other ranks (P=2, E=4: 16 bytes, not 32)
         assert r["log"]["counts_a2a:bytes"] == E // P * 8 * (P - 1)
 
@@ -127,8 +138,10 @@ def _uniform_routing_bytes(rank, P):
     with torch.no_grad():
         moe.router.weight.copy_(torch.eye(E))
     x = 10 * torch.eye(E).repeat(T // E, 1)  # token t prefers expert t mod E: perfectly uniform routing
+    x.requires_grad_(True)  # else no gradient goes back through the dispatch
     moe_ep.comm_log.clear()
-    moe(x)
+    y, aux = moe(x)
+    (y.sum() + aux).backward()
     return dict(moe_ep.comm_log)
 
 
@@ -136,8 +149,8 @@ def _uniform_routing_bytes(rank, P):
 def test_all_to_all_bytes_equal_the_uniform_routing_formula(P):
     T, k, d, e = 16, 1, 8, 8
     for log in run_ranks(_uniform_routing_bytes, P, timeout=60):
-        assert log["dispatch_fwd:bytes"] == T * k * d * e * (P - 1) / P
-        assert log["combine_fwd:bytes"] == T * k * d * e * (P - 1) / P
+        for kind in ("dispatch_fwd", "combine_fwd", "dispatch_bwd", "combine_bwd"):
+            assert log[kind + ":count"] == 1 and log[kind + ":bytes"] == T * k * d * e * (P - 1) / P, kind
 
 
 def test_capacity_drops_exactly_the_lowest_weight_assignments():

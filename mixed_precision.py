@@ -320,6 +320,8 @@ def _adopt_grad(p):
     p.grad = p.main_grad
 
 
+# ---- the sharded state: one _Bucket of flat buffers per shard-group entry, dtype and device ----
+
 FP8_GATHER_BLOCK = 32  # fp8_param_gather: one E8M0 scale per 32 elements, MXFP8's block
 
 
@@ -522,6 +524,7 @@ def _check_arguments(params, shard_groups, zero, master_dtype, optimizer_default
         entries.append((unassigned, None))  # no data-parallel communication
     return entries
 
+
 def _build_buckets(entries, zero, master_dtype, fp8_param_gather):
     """One _Bucket per (entry, dtype, device): a flat buffer holds one dtype. Returns (buckets, where), where
     maps id(param) -> (bucket, index in the bucket)."""
@@ -547,6 +550,8 @@ class StepResult(NamedTuple):
     def __bool__(self):
         return self.stepped
 
+
+# ---- save and load, then the step ----
 
 class _SavedState:
     """Save and load of MixedPrecisionOptimizer's state (its base class; one role, read apart from the step).
@@ -998,16 +1003,17 @@ def _k_blocks(t, bk, phase):
 
 def _from_k_blocks(tb, k, phase):
     rows, n = tb.shape[:2]
-    return tb.reshape(rows, k) if n == 1 else tb.reshape(rows, -1)[:, phase:phase + k]
+    return tb.reshape(rows, k) if n == 1 else tb.reshape(rows, n * tb.shape[2])[:, phase:phase + k]
 
 
 def power_of_two_scale(amax, fp8_max):
     """MX scales: 2^-e with e = ceil(log2(amax / fp8_max)), the smallest X = 2^e with amax / X <= fp8_max, so the
-    block's largest element lands in (fp8_max / 2, fp8_max] and none saturates. e comes from frexp and is then
-    corrected exactly (amax * 2^-e is exact in FP32), and clamped to E8M0's exponents [-127, 127]."""
+    block's largest element lands in (fp8_max / 2, fp8_max] and none saturates. frexp of the (correctly
+    rounded) ratio gives 2^(e-1) <= ratio < 2^e, so e is right or, where the true ratio is at most 2^(e-1) (an
+    amax of fp8_max x 2^k), one too large: tested exactly (amax * 2^(1-e) is exact in FP32). Clamped to E8M0's
+    exponents [-127, 127]."""
     _, e = torch.frexp(amax / fp8_max)
-    e = torch.where(torch.ldexp(amax, 1 - e) <= fp8_max, e - 1, e)  # the division rounded up: one smaller fits
-    e = torch.where(torch.ldexp(amax, -e) > fp8_max, e + 1, e)      # it rounded down: one larger is needed
+    e = torch.where(torch.ldexp(amax, 1 - e) <= fp8_max, e - 1, e)
     return torch.ldexp(torch.ones_like(amax), -e.clamp(-127, 127))
 
 

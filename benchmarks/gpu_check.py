@@ -95,6 +95,14 @@ def gpt2_small(device, dry, deadline):
 
 
 def fp8(device, dry):
+    """The FP8 section: the recipes' GEMMs, then the accumulation (measured even when a recipe's check fails)."""
+    try:
+        fp8_recipes(device, dry)
+    finally:
+        fp8_accumulation(device, dry)
+
+
+def fp8_recipes(device, dry):
     """Each FP8 recipe's GEMM through torch._scaled_mm where torch 2.13 runs its scale layout on this device,
     against mixed_precision's emulation of the same arithmetic on the same FP8 operands and scales; then the
     accumulation lesson measured: the real GEMM's error against float64 as K grows, beside the emulated 14-bit
@@ -134,7 +142,6 @@ def fp8(device, dry):
         # scale applied to the wrong row or block is off by O(1)
         check(f"fp8 {recipe} _scaled_mm vs emulation", ((fused.double() - emulated.double()).norm() /
                                                         emulated.double().norm()).item(), 1e-2, "relative error")
-    fp8_accumulation(device, dry)
 
 
 def fp8_accumulation(device, dry):

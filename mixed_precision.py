@@ -1,4 +1,4 @@
-"""Mixed precision: number formats, FP32 master weights and main grads, ZeRO-1, FP16 loss scaling, FP8.
+"""Mixed precision: number formats, FP32 master weights and main grads, ZeRO-1, FP16 loss scaling, FP8 recipes.
 
 A floating-point format spends its bits on an exponent (range) and a mantissa (precision). Every figure
 below comes from `torch.finfo`, run `python mixed_precision.py` to print the table:
@@ -71,7 +71,7 @@ FP8 with per-tensor dynamic scaling. E4M3 reaches only 448, so each tensor is sc
 The clamp is explicit because casts differ (torch 2.13 saturates E4M3 but turns E5M2 overflow into inf).
 `fp8_linear` (and the module `FP8Linear`) multiplies the E4M3 input and weight with `torch._scaled_mm`
 (Hopper/Ada GPUs, and CPU in torch 2.13, for dimensions that are multiples of 16; otherwise an emulation
-with the same arithmetic) accumulating in FP32, and computes its backward in BF16 from the saved
+with the same arithmetic) accumulating in FP32, and by default computes its backward in BF16 from the saved
 high-precision tensors. A per-tensor scale belongs to the whole tensor: under tensor parallelism the
 amaxes of the input and the weight are MAX-reduced over the TP group (`amax_group`, one 2-element
 all-reduce per GEMM) so that every shard of a column- or row-parallel weight, and every shard of a
@@ -85,10 +85,51 @@ needs no extra pass over the tensor, at the risk of saturating a sudden outlier.
 with activation checkpointing: recomputation reruns the forward, which appends its amax to the history a
 second time and takes its scale from a history the first run already changed, so the backward works on
 activations the forward never produced (Transformer Engine saves the forward's scales for its recompute
-phase). Current scaling, the default, is a function of the tensors alone and recomputes exactly. Real
-FP8 training adds: E5M2 gradients in the backward GEMMs, per-block scaling (MXFP8, DeepSeek-V3's 1x128 /
-128x128 tiles) so an outlier spoils only its block, FP8 weight caches and FP8 all-gathers.
+phase). Current scaling, the default, is a function of the tensors alone and recomputes exactly.
+
+FP8 recipes (`recipe=` of fp8_linear and FP8Linear). In y = x W^T both operands are (rows, K) with K the
+reduced dimension; a recipe gives each block of an operand its own scale, and the GEMM sums each K block's
+exact FP8 products in FP32, times its two scales: y_mn = sum_j (sum_{k in j} qx_mk qw_nk) / (sx_mj sw_nj).
+
+    recipe      activation block   weight block   scale           scale bits / element   used by
+    tensorwise  whole tensor       whole tensor   FP32            ~0                     the default here
+    delayed     whole tensor       whole tensor   FP32, history   ~0                     Transformer Engine
+    rowwise     1 x K (a token)    1 x K (a row)  FP32            32 / K                 torchtitan
+    blockwise   1 x 128            128 x 128      FP32            32/128 (W: 32/128^2)   DeepSeek-V3, Megatron
+    mxfp8       1 x 32             1 x 32         E8M0 = 2^e      8/32                   OCP MX, Blackwell
+
+A partial block at the end of a dimension holds what is left (as if zero-padded). torch._scaled_mm runs
+rowwise on CPU and Ada/Hopper, blockwise on Hopper only (cuBLASLt 12.9), MXFP8 on Blackwell only; elsewhere
+the emulation runs the same arithmetic. Why fine-grained: E4M3 keeps 4 significant bits across a normal range
+of 448 / 2^-6 = 28672, so a per-tensor scale set by an outlier m times the rest costs the rest nothing while
+it stays in that range (measured: m = 100 or 1000 gives the same per-token GEMM error, 3.7e-2, under every
+recipe); beyond it the rest falls into subnormals and zero (m = 1e6: 0.97 per-tensor, 3.7e-2 blockwise and
+MXFP8), while a fine-grained scale confines the outlier to its row, tile or block. Which to choose: tensorwise
+where tensors are well behaved (cheapest; one all-reduce per GEMM under TP); rowwise for outlier tokens at
+32/K bits; blockwise for outlier channels as well, the Hopper recipe; MXFP8 on Blackwell (native scales,
+exact power-of-two dequantisation); delayed only where the extra amax pass matters and no recomputation runs.
+backward="fp8" quantises the gradient to E5M2 (range over precision) for both backward GEMMs (dgrad reduces
+over N, wgrad over the tokens M), each operand blocked along its GEMM's reduced dimension in the recipe's
+granularity; "bf16" keeps the BF16 backward.
+
+Accumulation. Hopper's FP8 tensor cores sum the products with about 14 significant bits (DeepSeek-V3 3.3.2):
+a long K-sum grows, its spacing grows with it, and later products lose their low bits. DeepSeek-V3 adds the
+partial sum into FP32 every 128 elements. `limited_precision_sum` emulates both: for E4M3 values in [0, 1)
+the error grows from 2.4e-4 (K = 1K) to 2.1e-1 (K = 64K) without promotion and stays near 1e-5 with it.
+
+FP8 under TP, per recipe. A block lying on one rank is local; a block whose elements sit on several ranks is
+MAX-agreed over them. Column-parallel (split="column"): K is whole on every rank, so all forward scales are
+local (no communication); row-parallel (split="row"): K is cut, so rowwise rows are always agreed (one
+all-reduce per operand), blockwise tiles and blocks only where K_local is not a multiple of 128, MXFP8 blocks
+only where it is not a multiple of 32. The FP8 backward's dgrad reduces over N, which a column-parallel layer
+cuts: there the same rule applies along N.
+
+FP8 parameter all-gather (`fp8_param_gather`, ZeRO-1): each rank publishes its updated master shard in MXFP8
+(E4M3 + one E8M0 byte per 32), so the all-gather sends (d-1)/d x (1 + 1/32) bytes per parameter instead of
+(d-1)/d x 2 (BF16): 0.516 of them, measured 0.520 with the padding that aligns each parameter to 32. The
+working weights become FP8-rounded (within E4M3's eps/2 of the masters); masters and moments stay FP32.
 """
+import io
 import math
 from typing import NamedTuple
 import multiprocessing
@@ -103,6 +144,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from einops import rearrange
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -278,6 +320,18 @@ def _adopt_grad(p):
     p.grad = p.main_grad
 
 
+# ---- the sharded state: one _Bucket of flat buffers per shard-group entry, dtype and device ----
+
+FP8_GATHER_BLOCK = 32  # fp8_param_gather: one E8M0 scale per 32 elements, MXFP8's block
+
+
+def fp8_param_round(flat):
+    """The working weights under fp8_param_gather: a 1-D tensor (a parameter from its start, or a shard of
+    whole 32-element blocks) rounded to MXFP8 (quantize_mxfp8: E4M3 elements, one power-of-two scale per 32
+    elements) and back, in its own dtype: exact in BF16."""
+    return dequantize_blocks(quantize_mxfp8(flat.reshape(1, -1))).view(-1).to(flat.dtype)
+
+
 class _Bucket:
     """The parameters of one shard-group entry that share a dtype and a device, laid out in flat buffers.
 
@@ -290,34 +344,43 @@ class _Bucket:
     every buffer. With zero=0 there is one shard, the whole unpadded buffer, on every rank. Each parameter
     contributes the piece of it that falls into the shard (possibly empty): the pieces are the inner
     optimizer's parameters, so per-group options (weight decay) apply per parameter, and every rank holds
-    a state entry for every parameter (full_state relies on it)."""
+    a state entry for every parameter (full_state relies on it). With fp8_param_gather every parameter
+    starts at a multiple of 32 and N is a multiple of 32 d, so the 32-element FP8 blocks of a shard are
+    blocks of one parameter each, the same at every d.
 
-    def __init__(self, params, group, zero, master_dtype):
+    The two collectives are the places a deeper sharding changes: ZeRO-2 would free the main grads outside
+    the shard after reduce_grads, ZeRO-3 would keep only the shard of param_flat and gather it before use."""
+
+    def __init__(self, params, group, zero, master_dtype, fp8_param_gather=False):
         self.params, self.group, self.zero = params, group, zero
         self.group_size = _group_size(group)
         self.group_rank = 0 if group is None else dist.get_rank(group)
+        self.fp8_param_gather = fp8_param_gather
         shards = self.group_size if zero == 1 else 1
-        numel = sum(p.numel() for p in params)
-        padded = math.ceil(numel / shards) * shards
-        self.padding = padded - numel
+        align = FP8_GATHER_BLOCK if fp8_param_gather else 1
+        self.starts, numel = [], 0
+        for p in params:
+            self.starts.append(numel)
+            numel += math.ceil(p.numel() / align) * align
+        padded = math.ceil(numel / (shards * align)) * shards * align
+        self.padding = padded - sum(p.numel() for p in params)
         shard = padded // shards
         self.lo = shard * (self.group_rank if zero == 1 else 0)
         self.hi = self.lo + shard
         dtype, device = params[0].dtype, params[0].device
         self.param_flat = torch.zeros(padded, dtype=dtype, device=device)
         self.grad_flat = torch.zeros(padded, dtype=master_dtype, device=device)
-        self.starts, start = [], 0
         with torch.no_grad():
-            for p in params:
+            for p, start in zip(params, self.starts):
                 view = self.param_flat[start:start + p.numel()].view(p.shape)
                 view.copy_(p)
                 p.data = view  # the same Parameter object: the model keeps working, now on the flat buffer
                 p.main_grad = self.grad_flat[start:start + p.numel()].view(p.shape)
-                self.starts.append(start)
-                start += p.numel()
-        owned = self.param_flat[self.lo:self.hi]
-        self.separate_master = dtype != master_dtype
-        self.master_flat = owned.to(master_dtype) if self.separate_master else owned  # .to copies
+            owned = self.param_flat[self.lo:self.hi]
+            self.separate_master = dtype != master_dtype
+            self.master_flat = owned.to(master_dtype) if self.separate_master else owned  # .to copies
+            if fp8_param_gather:  # the working weights are FP8-rounded from the start (the same on every rank)
+                self.param_flat.copy_(fp8_param_round(self.param_flat))
         self.pieces = [self._piece(p, start) for p, start in zip(params, self.starts)]
 
     def _piece(self, p, start):
@@ -356,11 +419,126 @@ class _Bucket:
     def publish_params(self):
         """Round the updated master shard into the parameter buffer, then all-gather the shards."""
         with torch.no_grad():
-            if self.separate_master:
-                self.param_flat[self.lo:self.hi].copy_(self.master_flat)
-            if self.sharded:
-                _count_sent("all_gather", self.param_flat, self.group_size, 1)
-                _all_gather_flat(self.param_flat, self.param_flat[self.lo:self.hi], group=self.group)
+            if self.fp8_param_gather:
+                self._publish_fp8()
+            else:
+                if self.separate_master:
+                    self.param_flat[self.lo:self.hi].copy_(self.master_flat)
+                if self.sharded:
+                    _count_sent("all_gather", self.param_flat, self.group_size, 1)
+                    _all_gather_flat(self.param_flat, self.param_flat[self.lo:self.hi], group=self.group)
+
+    def _publish_fp8(self):
+        """fp8_param_gather: this rank's master shard in MXFP8 (E4M3 elements, one E8M0 scale per 32), packed
+        as bytes (shard + shard / 32) and all-gathered in one collective instead of the 2 x shard bytes of BF16;
+        every rank, the owner included, writes the dequantised values (exact in BF16: 4 significant bits
+        times a power of two), so the replicas stay identical."""
+        shard = self.hi - self.lo
+        q = quantize_mxfp8(self.master_flat.view(1, -1))
+        packed = torch.cat([q.data.view(torch.uint8).view(-1),
+                            q.scale.reciprocal().to(torch.float8_e8m0fnu).view(torch.uint8).view(-1)])
+        if self.sharded:
+            gathered = torch.empty(self.group_size * packed.numel(), dtype=torch.uint8, device=packed.device)
+            _count_sent("all_gather", gathered, self.group_size, 1)
+            _all_gather_flat(gathered, packed, group=self.group)
+            packed = gathered
+        packed = packed.view(-1, shard + shard // FP8_GATHER_BLOCK)  # one row per shard, in rank order
+        data = packed[:, :shard].contiguous().view(E4M3).float().view(-1, FP8_GATHER_BLOCK)
+        scales = packed[:, shard:].contiguous().view(torch.float8_e8m0fnu).float().view(-1, 1)  # 2^e
+        target = self.param_flat if self.sharded else self.param_flat[self.lo:self.hi]
+        target.copy_((data * scales).view(-1))
+
+
+# ---- construction: the arguments, checked; the buckets, built ----
+
+def _param_groups(params_or_param_groups):
+    """The torch.optim param groups: a plain iterable of parameters is one group; frozen ones are left out."""
+    items = list(params_or_param_groups)
+    if not (items and isinstance(items[0], dict)):
+        items = [{"params": items}]  # a plain iterable of parameters: one group
+    groups = []
+    for g in items:  # as torch.optim: a group's params may be one tensor; frozen ones are left out
+        params = [g["params"]] if torch.is_tensor(g["params"]) else list(g["params"])
+        groups.append({**g, "params": [p for p in params if p.requires_grad]})
+    if not any(g["params"] for g in groups):
+        raise ValueError("params_or_param_groups holds no parameter that requires grad: pass the model's "
+                         "parameters (or a list of dicts with a 'params' key)")
+    return groups
+
+
+def _check_arguments(params, shard_groups, zero, master_dtype, optimizer_defaults, fp8_param_gather):
+    """Every impossible argument raises here, on every rank, before any buffer or collective."""
+    def name(p):
+        i = next(i for i, q in enumerate(params) if q is p)
+        return f"parameter {i} (shape {tuple(p.shape)}, {p.dtype})"
+
+    if "dp_group" in optimizer_defaults:
+        raise ValueError("dp_group was replaced by shard_groups=[(params, group)]; gradients are now "
+                         "SUMMED over the group (pass grad_scale to step() to normalise)")
+    if zero not in (0, 1):
+        raise ValueError(f"zero={zero!r}: use 0 (replicated optimizer state) or 1 (sharded over each "
+                         "shard group, ZeRO-1)")
+    if not master_dtype.is_floating_point:
+        raise ValueError(f"master_dtype={master_dtype} must be a floating-point dtype (float32 or float64)")
+    if fp8_param_gather not in (False, True):
+        raise ValueError(f"fp8_param_gather={fp8_param_gather!r}: pass True or False")
+    if fp8_param_gather and zero != 1:
+        raise ValueError(f"fp8_param_gather=True with zero={zero}: only ZeRO-1 all-gathers the parameters; "
+                         "pass zero=1")
+    seen = set()
+    for p in params:
+        if id(p) in seen:
+            raise ValueError(f"{name(p)} appears twice in params_or_param_groups: pass each parameter once")
+        seen.add(id(p))
+        if hasattr(p, "main_grad"):
+            raise ValueError(f"{name(p)} already belongs to a MixedPrecisionOptimizer (it has a main_grad "
+                             "and a gradient hook): build one optimizer per parameter")
+        if not p.dtype.is_floating_point:
+            raise ValueError(f"{name(p)} is not floating point: only floating-point parameters train")
+        narrower = master_dtype != p.dtype and torch.finfo(master_dtype).bits <= torch.finfo(p.dtype).bits
+        if narrower:
+            raise ValueError(f"master_dtype={master_dtype} is narrower than {name(p)}: use master_dtype="
+                             f"{p.dtype} or wider (a master must hold its parameter exactly)")
+        if fp8_param_gather and p.dtype == master_dtype:
+            raise ValueError(f"fp8_param_gather=True with {name(p)} in the master dtype: such a parameter is its "
+                             "own master and FP8 rounding would destroy it; keep parameters narrower than "
+                             "master_dtype (BF16 with FP32 masters) or pass fp8_param_gather=False")
+    entries, owner = [], {}
+    for k, (entry_params, group) in enumerate(shard_groups or []):
+        entry_params = [p for p in ([entry_params] if torch.is_tensor(entry_params) else entry_params)
+                        if p.requires_grad]
+        for p in entry_params:
+            if id(p) not in seen:
+                raise ValueError(f"shard_groups[{k}] holds a parameter (shape {tuple(p.shape)}) that is not in "
+                                 "params_or_param_groups: every sharded parameter must be optimised")
+            if id(p) in owner:
+                raise ValueError(f"{name(p)} is in shard_groups[{owner[id(p)]}] and shard_groups[{k}]: a "
+                                 "parameter's gradient is reduced over one group only")
+            owner[id(p)] = k
+        if group is not None and dist.get_rank(group) < 0:
+            raise ValueError(f"shard_groups[{k}]: this rank is not a member of the group; pass the group "
+                             "that contains this rank (or None)")
+        entries.append((entry_params, group))
+    unassigned = [p for p in params if id(p) not in owner]
+    if unassigned:
+        entries.append((unassigned, None))  # no data-parallel communication
+    return entries
+
+
+def _build_buckets(entries, zero, master_dtype, fp8_param_gather):
+    """One _Bucket per (entry, dtype, device): a flat buffer holds one dtype. Returns (buckets, where), where
+    maps id(param) -> (bucket, index in the bucket)."""
+    buckets, where = [], {}
+    for entry_params, group in entries:
+        by_kind = {}
+        for p in entry_params:
+            by_kind.setdefault((p.dtype, p.device), []).append(p)
+        for kind_params in by_kind.values():
+            bucket = _Bucket(kind_params, group, zero, master_dtype, fp8_param_gather)
+            buckets.append(bucket)
+            for i, p in enumerate(kind_params):
+                where[id(p)] = (bucket, i)
+    return buckets, where
 
 
 class StepResult(NamedTuple):
@@ -373,7 +551,126 @@ class StepResult(NamedTuple):
         return self.stepped
 
 
-class MixedPrecisionOptimizer:
+# ---- save and load, then the step ----
+
+class _SavedState:
+    """Save and load of MixedPrecisionOptimizer's state (its base class; one role, read apart from the step).
+
+    It reads what the optimizer builds: `params`, `optimizer` (the inner one, whose parameters are the pieces),
+    `param_groups`, `loss_scaler` and `_managed(p)` -> (bucket, piece). Three granularities: owned_state (this
+    rank's live pieces, for a checkpoint that writes each shard where it lies), full_state / load_full_state
+    (one parameter's whole master and states, any layout to any other), state_dict / load_state_dict
+    (everything, unsharded), plus the scalars (hyperparameters, loss scaler)."""
+
+    def full_state(self, p):
+        """{"master": p's master weight, then every optimizer state (exp_avg, exp_avg_sq, step, ...)}, each a
+        FULL tensor of p's shape (0-dim states as they are), in master/state dtype. Under zero=1 the pieces
+        are gathered over p's shard group (an all-reduce SUM of zero-filled full tensors, each element owned
+        by exactly one rank, so exact): every rank of the group calls it for the same params in order."""
+        bucket, piece = self._managed(p, "full_state")
+        full = {"master": self._gather(bucket, piece, piece.range, p)}
+        state = self.optimizer.state.get(piece, {})
+        for key in sorted(state):  # the same keys in the same order on every rank: the pieces step alike
+            value = state[key]
+            if torch.is_tensor(value):
+                full[key] = value.detach().clone() if value.dim() == 0 else \
+                    self._gather(bucket, value, piece.range, p)
+        return full
+
+    @staticmethod
+    def _gather(bucket, local, piece_range, p):
+        if not bucket.sharded:
+            return local.detach().reshape(p.shape).clone()
+        a, b = piece_range
+        full = torch.zeros(p.numel(), dtype=local.dtype, device=local.device)
+        full[a:b] = local.detach().reshape(-1)
+        dist.all_reduce(full, group=bucket.group)
+        return full.view(p.shape)
+
+    def load_full_state(self, p, state):
+        """Inverse of full_state, whatever the layout that saved it: p takes the master rounded to its dtype,
+        this rank keeps the piece of the master and of every state tensor in its shard, in the piece's dtype
+        and device (a checkpoint saved with another master dtype loads: the inner optimizer wants its states
+        in the dtype of its parameters). No communication."""
+        bucket, piece = self._managed(p, "load_full_state")
+        a, b = piece.range
+        cut = lambda t: t.detach().reshape(-1)[a:b].reshape(piece.shape).to(piece.device, piece.dtype, copy=True)
+        with torch.no_grad():
+            master = state["master"].reshape(p.shape).to(p.device)
+            # under fp8_param_gather the working weight is the master's FP8 rounding, as a step publishes it
+            p.copy_(fp8_param_round(master.reshape(-1)).view(p.shape) if bucket.fp8_param_gather else master)
+            piece.copy_(cut(state["master"]))
+        # 0-dim states (Adam's step) stay where they were saved: torch keeps them on the CPU unless the
+        # optimizer is fused or capturable
+        self.optimizer.state[piece] = {k: (v.detach().clone() if v.dim() == 0 else cut(v))
+                                       for k, v in state.items() if k != "master"}
+
+    def owned_state(self, p, like=None):
+        """This rank's piece of p's master weight and optimizer states: the live tensors themselves, no copy and
+        no communication. Returns ((a, b), {"master": ..., "exp_avg": ..., "step": ...}): every tensor that is
+        not 0-dim holds the elements [a, b) of p.view(-1), in order (zero=0: all of p, in p's shape; zero=1: a
+        1-D piece, possibly empty). A sharded checkpoint writes these from where they lie, so saving gathers
+        nothing (full_state would hold the whole of every parameter's state at once: 12 bytes per parameter for
+        Adam, what ZeRO-1 saved); loading writes into them in place. `like`, {state name: (ndim, dtype)}, creates the
+        states missing before the first step, zero-filled: 0-dim ones in that dtype on the CPU, as torch.optim
+        keeps them, the others like the piece (in the master dtype, whatever a checkpoint saved them in)."""
+        _, piece = self._managed(p, "owned_state")
+        state = self.optimizer.state[piece]
+        for key, (ndim, dtype) in (like or {}).items():
+            if key not in state and key != "master":
+                state[key] = torch.zeros((), dtype=dtype) if ndim == 0 else torch.zeros_like(piece)
+        owned = {"master": piece}
+        owned.update((key, state[key]) for key in sorted(state) if torch.is_tensor(state[key]))
+        return piece.range, owned
+
+    def scalar_state(self):
+        """The non-tensor part: hyperparameters of each group, the loss scaler (the tensors: full_state)."""
+        return {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+                "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict()}
+
+    def state_dict(self):
+        """Everything, unsharded: the scalar state and every parameter's full_state, in parameter order
+        (collective under zero=1: every rank of each shard group calls it)."""
+        return {"scalars": self.scalar_state(), "params": [self.full_state(p) for p in self.params]}
+
+    def load_state_dict(self, state):
+        """Inverse of state_dict, at any zero setting and shard-group size. Everything is checked before
+        anything is overwritten, so a refused state leaves the optimizer and the model as they were."""
+        if len(state["params"]) != len(self.params):
+            raise ValueError(f"state_dict holds {len(state['params'])} parameters, this optimizer "
+                             f"{len(self.params)}: build it over the same parameters")
+        for i, (p, full) in enumerate(zip(self.params, state["params"])):
+            # the states may differ between param groups (momentum or amsgrad in one group only): only the
+            # master is required, and every state tensor must match its parameter
+            if "master" not in full:
+                raise ValueError(f"state_dict's parameter {i} holds {sorted(full)} but no 'master': pass a "
+                                 "state_dict written by MixedPrecisionOptimizer.state_dict")
+            for key, value in full.items():
+                if value.dim() > 0 and value.numel() != p.numel():
+                    raise ValueError(f"state_dict's parameter {i} has {value.numel()} elements in {key!r}, this "
+                                     f"optimizer's {p.numel()} (shape {tuple(p.shape)}): build it over the same "
+                                     "parameters")
+        self._check_param_groups(state["scalars"])
+        if self.loss_scaler is not None and state["scalars"]["loss_scaler"] is not None:
+            DynamicLossScaler().load_state_dict(state["scalars"]["loss_scaler"])  # checked on a throwaway
+        for p, full in zip(self.params, state["params"]):
+            self.load_full_state(p, full)
+        self.load_scalar_state(state["scalars"])
+
+    def _check_param_groups(self, state):
+        if len(state["param_groups"]) != len(self.param_groups):
+            raise ValueError(f"state_dict has {len(state['param_groups'])} param groups, this optimizer "
+                             f"{len(self.param_groups)}: build it with the same groups")
+
+    def load_scalar_state(self, state):
+        self._check_param_groups(state)
+        for group, saved in zip(self.param_groups, state["param_groups"]):
+            group.update(saved)
+        if self.loss_scaler is not None and state["loss_scaler"] is not None:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
+
+
+class MixedPrecisionOptimizer(_SavedState):
     """Any torch.optim optimizer stepping master weights of the parameters, with FP32 gradient accumulation,
     data-parallel gradient reduction (SUM), optional ZeRO-1 sharding, global-norm clipping and loss scaling.
 
@@ -392,6 +689,16 @@ class MixedPrecisionOptimizer:
     Under zero=1 the inner optimizer sees 1-D pieces of parameters, so it must act elementwise (Adam, SGD:
     as in Megatron-LM); under zero=0 it sees whole parameters of their shapes.
 
+    fp8_param_gather (zero=1, parameters narrower than master_dtype): each rank quantises its updated master
+    shard to MXFP8 (E4M3, one power-of-two scale per 32 elements) and the shards are all-gathered as FP8 bytes
+    plus scales: (d-1)/d x (1 + 1/32) bytes per parameter sent instead of (d-1)/d x 2 for BF16. What changes
+    numerically: the working weights (forward and backward) become FP8-rounded, |w - master| <= 2^-4 |w| for
+    normal values (E4M3's eps/2), from construction on; the masters, the moments and the updates stay FP32,
+    so updates below the FP8 spacing still accumulate in the master until they move its rounding.
+
+    The roles: this class is the step (reduce, scale, norm, skip, clip, update, publish); _Bucket and
+    _build_buckets hold the sharded state (flat buffers, shards, pieces); _SavedState saves and loads it.
+
     The parameters become views of flat buffers (one per entry, dtype and device), and each gets a gradient
     hook (in the master dtype also a .grad that is its main_grad view: leave it, zero_grad() keeps it; a
     p.grad that replaces it is taken as the whole gradient, as in torch):
@@ -400,25 +707,18 @@ class MixedPrecisionOptimizer:
     """
 
     def __init__(self, params_or_param_groups, optimizer_class, *, shard_groups=None, zero=0, loss_scaler=None,
-                 master_dtype=torch.float32, **optimizer_defaults):
-        groups = self._param_groups(params_or_param_groups)
+                 master_dtype=torch.float32, fp8_param_gather=False, **optimizer_defaults):
+        groups = _param_groups(params_or_param_groups)
         self.params = [p for g in groups for p in g["params"]]
-        entries = self._check_arguments(self.params, shard_groups, zero, master_dtype, optimizer_defaults)
+        entries = _check_arguments(self.params, shard_groups, zero, master_dtype, optimizer_defaults,
+                                   fp8_param_gather)
         # the inner optimizer's own checks (a bad lr, say) run on stand-ins, before any parameter is touched
         optimizer_class([{**{k: v for k, v in g.items() if k != "params"},
                           "params": [torch.zeros(1, dtype=master_dtype, requires_grad=True)]} for g in groups],
                         **optimizer_defaults)
         self.zero, self.master_dtype, self.loss_scaler = zero, master_dtype, loss_scaler
-        self._buckets, self._where = [], {}  # id(param) -> (bucket, index in the bucket)
-        for entry_params, group in entries:
-            by_kind = {}  # one buffer per (dtype, device): a flat buffer holds one dtype
-            for p in entry_params:
-                by_kind.setdefault((p.dtype, p.device), []).append(p)
-            for kind_params in by_kind.values():
-                bucket = _Bucket(kind_params, group, zero, master_dtype)
-                self._buckets.append(bucket)
-                for i, p in enumerate(kind_params):
-                    self._where[id(p)] = (bucket, i)
+        self.fp8_param_gather = fp8_param_gather
+        self._buckets, self._where = _build_buckets(entries, zero, master_dtype, fp8_param_gather)
         for p in self.params:
             if p.dtype == master_dtype:
                 p.grad = p.main_grad
@@ -428,72 +728,6 @@ class MixedPrecisionOptimizer:
         self.optimizer = optimizer_class(
             [{**{k: v for k, v in g.items() if k != "params"}, "params": [self._piece(p) for p in g["params"]]}
              for g in groups], **optimizer_defaults)
-
-    # ---- construction ----
-
-    @staticmethod
-    def _param_groups(params_or_param_groups):
-        items = list(params_or_param_groups)
-        if not (items and isinstance(items[0], dict)):
-            items = [{"params": items}]  # a plain iterable of parameters: one group
-        groups = []
-        for g in items:  # as torch.optim: a group's params may be one tensor; frozen ones are left out
-            params = [g["params"]] if torch.is_tensor(g["params"]) else list(g["params"])
-            groups.append({**g, "params": [p for p in params if p.requires_grad]})
-        if not any(g["params"] for g in groups):
-            raise ValueError("params_or_param_groups holds no parameter that requires grad: pass the model's "
-                             "parameters (or a list of dicts with a 'params' key)")
-        return groups
-
-    @staticmethod
-    def _check_arguments(params, shard_groups, zero, master_dtype, optimizer_defaults):
-        """Every impossible argument raises here, on every rank, before any buffer or collective."""
-        def name(p):
-            i = next(i for i, q in enumerate(params) if q is p)
-            return f"parameter {i} (shape {tuple(p.shape)}, {p.dtype})"
-
-        if "dp_group" in optimizer_defaults:
-            raise ValueError("dp_group was replaced by shard_groups=[(params, group)]; gradients are now "
-                             "SUMMED over the group (pass grad_scale to step() to normalise)")
-        if zero not in (0, 1):
-            raise ValueError(f"zero={zero!r}: use 0 (replicated optimizer state) or 1 (sharded over each "
-                             "shard group, ZeRO-1)")
-        if not master_dtype.is_floating_point:
-            raise ValueError(f"master_dtype={master_dtype} must be a floating-point dtype (float32 or float64)")
-        seen = set()
-        for p in params:
-            if id(p) in seen:
-                raise ValueError(f"{name(p)} appears twice in params_or_param_groups: pass each parameter once")
-            seen.add(id(p))
-            if hasattr(p, "main_grad"):
-                raise ValueError(f"{name(p)} already belongs to a MixedPrecisionOptimizer (it has a main_grad "
-                                 "and a gradient hook): build one optimizer per parameter")
-            if not p.dtype.is_floating_point:
-                raise ValueError(f"{name(p)} is not floating point: only floating-point parameters train")
-            narrower = master_dtype != p.dtype and torch.finfo(master_dtype).bits <= torch.finfo(p.dtype).bits
-            if narrower:
-                raise ValueError(f"master_dtype={master_dtype} is narrower than {name(p)}: use master_dtype="
-                                 f"{p.dtype} or wider (a master must hold its parameter exactly)")
-        entries, owner = [], {}
-        for k, (entry_params, group) in enumerate(shard_groups or []):
-            entry_params = [p for p in ([entry_params] if torch.is_tensor(entry_params) else entry_params)
-                            if p.requires_grad]
-            for p in entry_params:
-                if id(p) not in seen:
-                    raise ValueError(f"shard_groups[{k}] holds a parameter (shape {tuple(p.shape)}) that is not in "
-                                     "params_or_param_groups: every sharded parameter must be optimised")
-                if id(p) in owner:
-                    raise ValueError(f"{name(p)} is in shard_groups[{owner[id(p)]}] and shard_groups[{k}]: a "
-                                     "parameter's gradient is reduced over one group only")
-                owner[id(p)] = k
-            if group is not None and dist.get_rank(group) < 0:
-                raise ValueError(f"shard_groups[{k}]: this rank is not a member of the group; pass the group "
-                                 "that contains this rank (or None)")
-            entries.append((entry_params, group))
-        unassigned = [p for p in params if id(p) not in owner]
-        if unassigned:
-            entries.append((unassigned, None))  # no data-parallel communication
-        return entries
 
     def _piece(self, p):
         bucket, i = self._where[id(p)]
@@ -661,129 +895,29 @@ class MixedPrecisionOptimizer:
                 "grad_bytes": size(b.grad_flat for b in self._buckets),
                 "optimizer_bytes": masters + states, "master_bytes": masters}
 
-    # ---- checkpoints ----
-
-    def full_state(self, p):
-        """{"master": p's master weight, then every optimizer state (exp_avg, exp_avg_sq, step, ...)}, each a
-        FULL tensor of p's shape (0-dim states as they are), in master/state dtype. Under zero=1 the pieces
-        are gathered over p's shard group (an all-reduce SUM of zero-filled full tensors, each element owned
-        by exactly one rank, so exact): every rank of the group calls it for the same params in order."""
-        bucket, piece = self._managed(p, "full_state")
-        full = {"master": self._gather(bucket, piece, piece.range, p)}
-        state = self.optimizer.state.get(piece, {})
-        for key in sorted(state):  # the same keys in the same order on every rank: the pieces step alike
-            value = state[key]
-            if torch.is_tensor(value):
-                full[key] = value.detach().clone() if value.dim() == 0 else \
-                    self._gather(bucket, value, piece.range, p)
-        return full
-
-    @staticmethod
-    def _gather(bucket, local, piece_range, p):
-        if not bucket.sharded:
-            return local.detach().reshape(p.shape).clone()
-        a, b = piece_range
-        full = torch.zeros(p.numel(), dtype=local.dtype, device=local.device)
-        full[a:b] = local.detach().reshape(-1)
-        dist.all_reduce(full, group=bucket.group)
-        return full.view(p.shape)
-
-    def load_full_state(self, p, state):
-        """Inverse of full_state, whatever the layout that saved it: p takes the master rounded to its dtype,
-        this rank keeps the piece of the master and of every state tensor in its shard, in the piece's dtype
-        and device (a checkpoint saved with another master dtype loads: the inner optimizer wants its states
-        in the dtype of its parameters). No communication."""
-        _, piece = self._managed(p, "load_full_state")
-        a, b = piece.range
-        cut = lambda t: t.detach().reshape(-1)[a:b].reshape(piece.shape).to(piece.device, piece.dtype, copy=True)
-        with torch.no_grad():
-            p.copy_(state["master"].reshape(p.shape))
-            piece.copy_(cut(state["master"]))
-        # 0-dim states (Adam's step) stay where they were saved: torch keeps them on the CPU unless the
-        # optimizer is fused or capturable
-        self.optimizer.state[piece] = {k: (v.detach().clone() if v.dim() == 0 else cut(v))
-                                       for k, v in state.items() if k != "master"}
-
-    def owned_state(self, p, like=None):
-        """This rank's piece of p's master weight and optimizer states: the live tensors themselves, no copy and
-        no communication. Returns ((a, b), {"master": ..., "exp_avg": ..., "step": ...}): every tensor that is
-        not 0-dim holds the elements [a, b) of p.view(-1), in order (zero=0: all of p, in p's shape; zero=1: a
-        1-D piece, possibly empty). A sharded checkpoint writes these from where they lie, so saving gathers
-        nothing (full_state would hold the whole of every parameter's state at once: 12 bytes per parameter for
-        Adam, what ZeRO-1 saved); loading writes into them in place. `like`, {state name: (ndim, dtype)}, creates the
-        states missing before the first step, zero-filled: 0-dim ones in that dtype on the CPU, as torch.optim
-        keeps them, the others like the piece (in the master dtype, whatever a checkpoint saved them in)."""
-        _, piece = self._managed(p, "owned_state")
-        state = self.optimizer.state[piece]
-        for key, (ndim, dtype) in (like or {}).items():
-            if key not in state and key != "master":
-                state[key] = torch.zeros((), dtype=dtype) if ndim == 0 else torch.zeros_like(piece)
-        owned = {"master": piece}
-        owned.update((key, state[key]) for key in sorted(state) if torch.is_tensor(state[key]))
-        return piece.range, owned
-
-    def scalar_state(self):
-        """The non-tensor part: hyperparameters of each group, the loss scaler (the tensors: full_state)."""
-        return {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
-                "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict()}
-
-    def state_dict(self):
-        """Everything, unsharded: the scalar state and every parameter's full_state, in parameter order
-        (collective under zero=1: every rank of each shard group calls it)."""
-        return {"scalars": self.scalar_state(), "params": [self.full_state(p) for p in self.params]}
-
-    def load_state_dict(self, state):
-        """Inverse of state_dict, at any zero setting and shard-group size. Everything is checked before
-        anything is overwritten, so a refused state leaves the optimizer and the model as they were."""
-        if len(state["params"]) != len(self.params):
-            raise ValueError(f"state_dict holds {len(state['params'])} parameters, this optimizer "
-                             f"{len(self.params)}: build it over the same parameters")
-        for i, (p, full) in enumerate(zip(self.params, state["params"])):
-            # the states may differ between param groups (momentum or amsgrad in one group only): only the
-            # master is required, and every state tensor must match its parameter
-            if "master" not in full:
-                raise ValueError(f"state_dict's parameter {i} holds {sorted(full)} but no 'master': pass a "
-                                 "state_dict written by MixedPrecisionOptimizer.state_dict")
-            for key, value in full.items():
-                if value.dim() > 0 and value.numel() != p.numel():
-                    raise ValueError(f"state_dict's parameter {i} has {value.numel()} elements in {key!r}, this "
-                                     f"optimizer's {p.numel()} (shape {tuple(p.shape)}): build it over the same "
-                                     "parameters")
-        self._check_param_groups(state["scalars"])
-        if self.loss_scaler is not None and state["scalars"]["loss_scaler"] is not None:
-            DynamicLossScaler().load_state_dict(state["scalars"]["loss_scaler"])  # checked on a throwaway
-        for p, full in zip(self.params, state["params"]):
-            self.load_full_state(p, full)
-        self.load_scalar_state(state["scalars"])
-
-    def _check_param_groups(self, state):
-        if len(state["param_groups"]) != len(self.param_groups):
-            raise ValueError(f"state_dict has {len(state['param_groups'])} param groups, this optimizer "
-                             f"{len(self.param_groups)}: build it with the same groups")
-
-    def load_scalar_state(self, state):
-        self._check_param_groups(state)
-        for group, saved in zip(self.param_groups, state["param_groups"]):
-            group.update(saved)
-        if self.loss_scaler is not None and state["loss_scaler"] is not None:
-            self.loss_scaler.load_state_dict(state["loss_scaler"])
-
 
 # ----------------------------------------------------------------------------------------------------
-# FP8: per-tensor scaling, a linear layer with an FP8 forward and a BF16 backward
+# FP8, per-tensor scaling: the tensorwise and delayed recipes
 # ----------------------------------------------------------------------------------------------------
 
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 AMAX_EPS = 1e-12  # an all-zero tensor gets a finite scale (fp8_max / 1e-12 is far below FP32's max)
+FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise", "mxfp8")
+FINE_GRAINED = ("rowwise", "blockwise", "mxfp8")
 
-fp8_log = Counter()  # "gemm:count": FP8 forward GEMMs run; "gemm:scaled_mm" / "gemm:emulated": which path;
-#                      "amax:all_reduce": amax agreements over a group. The trainer's tests read it.
+fp8_log = Counter()  # "gemm:count": FP8 forward GEMMs run; "gemm:backward": FP8 backward GEMMs; "gemm:scaled_mm" /
+#                      "gemm:emulated": which path each FP8 GEMM took; "amax:all_reduce": amax agreements over a group.
+#                      The trainer's tests read it.
 
 
-def fp8_scale(amax, dtype=torch.float8_e4m3fn):
-    return torch.finfo(dtype).max / torch.clamp(amax.float(), min=AMAX_EPS)
+def fp8_scale(amax, dtype=E4M3):
+    """The tensorwise recipe (current scaling): s = fp8_max / max(amax, eps), x_fp8 = clamp(x s), x ~= x_fp8 / s.
+    (One correctly rounded FP32 division: `number / tensor` would take the reciprocal first, rounding twice.)"""
+    amax = torch.clamp(amax.float(), min=AMAX_EPS)
+    return torch.full_like(amax, torch.finfo(dtype).max) / amax
 
 
-def quantize_fp8(x, dtype=torch.float8_e4m3fn, scale=None):
+def quantize_fp8(x, dtype=E4M3, scale=None):
     """Per-tensor scaling: returns (x_fp8, scale) with x ~= x_fp8.float() / scale.
 
     scale defaults to the dynamic fp8_max / amax(x); a given scale (delayed scaling) may push values past
@@ -800,6 +934,20 @@ def quantize_fp8(x, dtype=torch.float8_e4m3fn, scale=None):
 
 def dequantize_fp8(x_fp8, scale):
     return x_fp8.float() / scale
+
+
+def delayed_scale(amax_history, amax, dtype=E4M3):
+    """The delayed recipe (Transformer Engine): s = fp8_max / max(the amaxes of the last L steps), from a (..., L)
+    history of agreed amaxes; where the history is still empty (zeros: the first step) the current amax. No pass
+    over the tensor is needed before its GEMM, but an outlier beyond the history saturates at +-fp8_max."""
+    history = amax_history.max(dim=-1).values
+    return fp8_scale(torch.where(history > 0, history, amax), dtype)  # torch.where: no host sync
+
+
+def push_amax(amax_history, amax):
+    """Shift the (..., L) history by one step and write this step's amax in front."""
+    amax_history.copy_(torch.roll(amax_history, 1, dims=-1))
+    amax_history[..., 0] = amax
 
 
 def amax_of(t):
@@ -824,31 +972,205 @@ def agreed_amax(x, weight, amax_group=None):
     return amax
 
 
-_SCALED_MM_ON_CPU = None
+# ----------------------------------------------------------------------------------------------------
+# FP8, fine-grained scaling: the rowwise, blockwise (DeepSeek-V3) and MXFP8 recipes
+# ----------------------------------------------------------------------------------------------------
+
+class FP8Blocks(NamedTuple):
+    """A 2-D tensor (rows, K) in FP8 with one scale per block: t ~= data / scale (of the element's block).
+
+    K is the dimension the GEMM reduces over. `block` = (rows, K elements) per block, as used (a whole
+    dimension resolved to its length; for a K split over ranks, the full K). `scale` (row blocks, K blocks
+    this rank touches) holds FP32 multipliers (x * scale went into FP8). `phase`: where this rank's column 0
+    sits inside its K block (0 unless a K split over ranks cuts blocks)."""
+    data: torch.Tensor
+    scale: torch.Tensor
+    block: tuple
+    phase: int = 0
+
+
+def _k_blocks(t, bk, phase):
+    """(rows, k) -> (rows, n, w): column j at slot phase + j of n blocks of bk, zero-padded at both ends (zeros
+    change no amax and add nothing to a dot product). A t inside one block is that block, unpadded."""
+    rows, k = t.shape
+    n = -(-(phase + k) // bk)
+    if n == 1:
+        return t.reshape(rows, 1, k)
+    if phase == 0 and k % bk == 0:
+        return t.reshape(rows, n, bk)
+    return F.pad(t, (phase, n * bk - phase - k)).view(rows, n, bk)
+
+
+def _from_k_blocks(tb, k, phase):
+    rows, n = tb.shape[:2]
+    return tb.reshape(rows, k) if n == 1 else tb.reshape(rows, n * tb.shape[2])[:, phase:phase + k]
+
+
+def power_of_two_scale(amax, fp8_max):
+    """MX scales: 2^-e with e = ceil(log2(amax / fp8_max)), the smallest X = 2^e with amax / X <= fp8_max, so the
+    block's largest element lands in (fp8_max / 2, fp8_max] and none saturates. frexp of the (correctly
+    rounded) ratio gives 2^(e-1) <= ratio < 2^e, so e is right or, where the true ratio is at most 2^(e-1) (an
+    amax of fp8_max x 2^k), one too large: tested exactly (amax * 2^(1-e) is exact in FP32). Clamped to E8M0's
+    exponents [-127, 127]."""
+    _, e = torch.frexp(amax / fp8_max)
+    e = torch.where(torch.ldexp(amax, 1 - e) <= fp8_max, e - 1, e)
+    return torch.ldexp(torch.ones_like(amax), -e.clamp(-127, 127))
+
+
+def quantize_blocks(t, block, dtype=E4M3, power_of_two=False, k_group=None):
+    """t (rows, K) to FP8 with one scale per block of `block` = (rows, K elements) (None: the whole dimension):
+    s_B = fp8_max / max_{B} |t| (or the power of two of power_of_two_scale), q = clamp(t s_B) rounded to dtype.
+
+    Padding rule: a dimension that is not a multiple of its block ends in a partial block, whose amax is over
+    the elements present: the same as zero-padding to the next multiple (zeros change no amax) and dropping
+    the padding afterwards. _scaled_mm's scale tensors count blocks the same way (ceil(K / block)).
+
+    k_group: the ranks holding the other pieces of K, this rank's being the rank-th K/P columns (a row-parallel
+    layer's input and weight). A block that lies on one rank is local; when K_local is not a multiple of the
+    block (rowwise: always, a row spans all ranks), the blocks that straddle ranks are MAX-agreed over k_group
+    in one all-reduce of (row blocks x K blocks) amaxes, so every piece is rounded exactly as one process
+    rounds the whole tensor. Every rank must hold the same K_local. Unlike the per-tensor scale (AMAX_EPS) a
+    block's amax is floored only where its scale would overflow FP32 (fp8_max / 3.4e38): a block of tiny
+    gradients keeps its own scale."""
+    if t.dim() != 2:
+        raise ValueError(f"t has shape {tuple(t.shape)}: quantize_blocks takes a 2-D (rows, K) tensor; "
+                         "reshape it to (-1, K) first")
+    rows, k = t.shape
+    size = _group_size(k_group, "k_group")
+    rank = dist.get_rank(k_group) if size > 1 else 0
+    br = max(rows, 1) if block[0] is None else block[0]
+    bk = max(k * size, 1) if block[1] is None else block[1]
+    offset = rank * k  # this piece's first column in the full K
+    phase = offset % bk
+    fp8_max = torch.finfo(dtype).max
+    tb = _k_blocks(t.detach().to(torch.float32, copy=True), bk, phase)  # one FP32 staging copy (+ padding)
+    n, w = tb.shape[1:]
+    row_blocks = -(-rows // br)
+    if row_blocks * br != rows:
+        tb = F.pad(tb, (0, 0, 0, 0, 0, row_blocks * br - rows))
+    tb = tb.view(row_blocks, br, n, w)
+    amax = tb.abs().amax(dim=(1, 3))  # (row blocks, K blocks)
+    if size > 1 and k % bk:  # blocks shared with other ranks
+        first = offset // bk
+        full = torch.zeros(row_blocks, -(-k * size // bk), device=t.device)
+        full[:, first:first + n] = amax
+        dist.all_reduce(full, op=dist.ReduceOp.MAX, group=k_group)
+        fp8_log["amax:all_reduce"] += 1
+        amax = full[:, first:first + n]
+    amax = amax.clamp(min=fp8_max / torch.finfo(torch.float32).max)  # a zero block: the largest finite scale
+    scale = power_of_two_scale(amax, fp8_max) if power_of_two else torch.full_like(amax, fp8_max) / amax
+    q = tb.mul_(scale[:, None, :, None]).clamp_(-fp8_max, fp8_max).to(dtype)
+    data = _from_k_blocks(q.view(row_blocks * br, n, w)[:rows], k, phase).contiguous()
+    return FP8Blocks(data, scale, (br, bk), phase)
+
+
+def quantize_rowwise(t, dtype=E4M3, k_group=None):
+    """The rowwise recipe (torchtitan's): one FP32 scale per row of t, s_i = fp8_max / max_k |t_ik|.
+
+    In y = x W^T both operands are (rows, K) with K reduced, so that is one scale per token of x and one per
+    output channel (row) of W, and both factor out of the K-sum:
+        y_ij = sum_k (q_ik / s_i)(p_jk / r_j) = (sum_k q_ik p_jk) / (s_i r_j).
+    Overhead 32 bits per row (32 / K bits per element). Under a K split (row-parallel) every rank holds a
+    piece of every row: the row amaxes are MAX-agreed over k_group (rows elements)."""
+    return quantize_blocks(t, (1, None), dtype, k_group=k_group)
+
+
+def quantize_blockwise(t, block_rows=1, dtype=E4M3, k_group=None):
+    """The blockwise recipe (DeepSeek-V3, section 3.3): one FP32 scale per block of block_rows x 128,
+        s_(I, b) = fp8_max / max_{i in I, k in [128 b, 128 b + 128)} |t_ik|,
+    1 x 128 tiles (block_rows=1) for activations and gradients, 128 x 128 blocks (block_rows=128) for weights
+    (square, so W and W^T have the same blocks: the backward's W^T needs no other scales). The scales change
+    along K, so the GEMM forms each 128-long slice of the K-sum alone and adds the slices, each times its two
+    scales, in FP32: DeepSeek-V3's promotion of the partial sums to FP32 every 128 elements comes with it.
+    Overhead: 32 bits per 128 elements (0.25 bits/element); weights 32 / 128^2. Under a K split, K_local a
+    multiple of 128 puts every block on one rank (no communication); otherwise the cut blocks are agreed."""
+    return quantize_blocks(t, (block_rows, 128), dtype, k_group=k_group)
+
+
+def quantize_mxfp8(t, dtype=E4M3, k_group=None):
+    """The MXFP8 recipe (OCP Microscaling Formats v1.0): blocks of 32 consecutive elements along K share one
+    E8M0 scale, a power of two X = 2^e, and t_k ~= X q_k with q_k in E4M3 (E5M2 for gradients). Here
+    e = ceil(log2(amax / fp8_max)) (power_of_two_scale: nothing saturates; the rounding-up rule of NVIDIA's
+    MXFP8 recipe); the spec's example rule floor(log2 amax) - emax_elem (emax_elem = 8 for E4M3) puts the block
+    amax in [256, 512) and saturates what lies past 448. Dividing by a power of two is exact, so the scales
+    cost no rounding. Overhead 8 bits per 32 elements (0.25 bits/element). Under a K split, K_local a
+    multiple of 32 keeps every block on one rank."""
+    return quantize_blocks(t, (1, 32), dtype, power_of_two=True, k_group=k_group)
+
+
+def quantize_operand(t, recipe, role="activation", dtype=E4M3, k_group=None):
+    """t (rows, K) in a fine-grained recipe's granularity for its role in a GEMM that reduces over K: the
+    blockwise recipe gives a "weight" 128 x 128 blocks and any other role (activation, gradient) 1 x 128 tiles."""
+    if recipe == "rowwise":
+        return quantize_rowwise(t, dtype, k_group)
+    if recipe == "blockwise":
+        return quantize_blockwise(t, 128 if role == "weight" else 1, dtype, k_group)
+    if recipe == "mxfp8":
+        return quantize_mxfp8(t, dtype, k_group)
+    raise ValueError(f"recipe={recipe!r}: quantize_operand takes one of {FINE_GRAINED} (tensorwise and delayed "
+                     "scales come from fp8_scale / delayed_scale)")
+
+
+def block_scales(q):
+    """The scale of every element of q.data, as a (rows, K) FP32 tensor."""
+    rows, k = q.data.shape
+    per_row = q.scale.repeat_interleave(q.block[0], dim=0)[:rows]  # (rows, K blocks)
+    n = per_row.shape[1]
+    return _from_k_blocks(per_row[:, :, None].expand(rows, n, k if n == 1 else q.block[1]), k, q.phase)
+
+
+def dequantize_blocks(q):
+    return q.data.float() / block_scales(q)
+
+
+# ----------------------------------------------------------------------------------------------------
+# FP8 GEMMs: torch._scaled_mm where torch supports the layout on the device, else the same arithmetic emulated
+# ----------------------------------------------------------------------------------------------------
+
+_SCALED_MM_ON_CPU = {}  # recipe -> bool, probed once
 
 
 def scaled_mm_available(device):
     """torch._scaled_mm needs FP8 tensor cores (compute capability 8.9+) on CUDA; on CPU, probe once."""
-    global _SCALED_MM_ON_CPU
-    if device.type == "cuda":
-        return torch.cuda.get_device_capability(device) >= (8, 9)
-    if device.type == "cpu":
-        if _SCALED_MM_ON_CPU is None:
-            try:
-                a = torch.ones(16, 16).to(torch.float8_e4m3fn)
-                one = torch.tensor(1.0)
-                torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-                _SCALED_MM_ON_CPU = True
-            except (RuntimeError, NotImplementedError):
-                _SCALED_MM_ON_CPU = False
-        return _SCALED_MM_ON_CPU
-    return False
+    return scaled_mm_supports("tensorwise", device)
+
+
+def scaled_mm_supports(recipe, device):
+    """Whether torch 2.13's _scaled_mm runs this recipe's scale layout on the device. CUDA, from torch 2.13's
+    ScaledBlas.cpp: tensorwise and rowwise on compute capability 8.9+ (CUTLASS below 9.0 or cuBLASLt < 12.9);
+    blockwise (1x128 / 128x128, "DeepSeek style") on 9.0 only (Hopper), with cuBLASLt >= 12.9; MXFP8 (1x32,
+    E8M0) on 10.0+ (Blackwell). CPU: probed once by a small call (torch 2.13's CPU kernel takes tensorwise and
+    rowwise scales; it refuses blockwise scales and swizzled MX scales)."""
+    recipe = "tensorwise" if recipe == "delayed" else recipe
+    if device.type == "cuda":  # CUDA-only: the device's compute capability
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 9):
+            return False
+        cublas = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+        return {"tensorwise": True, "rowwise": True, "blockwise": capability[0] == 9 and cublas >= (12, 9),
+                "mxfp8": capability >= (10, 0) and cublas >= (12, 8)}.get(recipe, False)
+    if device.type != "cpu":
+        return False
+    if recipe not in _SCALED_MM_ON_CPU:
+        try:
+            ones = torch.ones(128, 128)
+            if recipe == "tensorwise":
+                a = ones.to(E4M3)
+                torch._scaled_mm(a, a.t(), scale_a=torch.tensor(1.0), scale_b=torch.tensor(1.0),
+                                 out_dtype=torch.bfloat16)
+            else:
+                a = quantize_operand(ones, recipe, "activation")
+                _scaled_mm_blocks(a, quantize_operand(ones, recipe, "weight"), recipe, torch.float32)
+            _SCALED_MM_ON_CPU[recipe] = True
+        except (RuntimeError, NotImplementedError, ValueError):
+            _SCALED_MM_ON_CPU[recipe] = False
+    return _SCALED_MM_ON_CPU[recipe]
 
 
 def fp8_matmul(a_fp8, a_scale, b_fp8, b_scale, out_dtype, use_scaled_mm=True):
-    """(a / a_scale) @ (b / b_scale)^T with FP32 accumulation. b is (out, in) row-major, so b.t() is the
-    column-major operand that _scaled_mm wants (which also needs every dimension a multiple of 16). The
-    emulation is the same arithmetic: FP8 values are exact in FP32, products are accumulated in FP32 and
+    """(a / a_scale) @ (b / b_scale)^T with per-tensor scales and FP32 accumulation. b is (out, in) row-major, so
+    b.t() is the column-major operand that _scaled_mm wants (which also needs every dimension a multiple of 16).
+    The emulation is the same arithmetic: FP8 values are exact in FP32, products are accumulated in FP32 and
     scaled once."""
     inv_a, inv_b = a_scale.reciprocal().float(), b_scale.reciprocal().float()
     shapes_ok = a_fp8.shape[0] % 16 == 0 and a_fp8.shape[1] % 16 == 0 and b_fp8.shape[0] % 16 == 0
@@ -859,58 +1181,253 @@ def fp8_matmul(a_fp8, a_scale, b_fp8, b_scale, out_dtype, use_scaled_mm=True):
     return ((a_fp8.float() @ b_fp8.float().t()) * (inv_a * inv_b)).to(out_dtype)
 
 
+def _swizzle_32_4_4(scales):
+    """cuBLAS's layout for 1-D block scales (SWIZZLE_32_4_4): the (rows, K blocks) matrix padded to 128 x 4
+    tiles (padding 1.0), tiles in row-major order; inside a tile, row r and column c sit at
+    (r % 32) * 16 + (r // 32) * 4 + c."""
+    rows, cols = scales.shape
+    padded = torch.ones(-(-rows // 128) * 128, -(-cols // 4) * 4, dtype=scales.dtype, device=scales.device)
+    padded[:rows, :cols] = scales
+    return rearrange(padded, "(rb r4 r32) (cb c4) -> (rb cb r32 r4 c4)", r4=4, r32=32, c4=4).contiguous()
+
+
+def _scaled_mm_eligible(a, b, recipe):
+    """The shapes torch._scaled_mm takes: every dimension a multiple of 16; blocks along K whole (no partial
+    block, no K split that cuts a block); the 128 x 128 weight blocks whole along N too."""
+    (m, k), n = a.data.shape, b.data.shape[0]
+    if m % 16 or k % 16 or n % 16:
+        return False
+    if recipe == "rowwise":
+        return a.block[0] == b.block[0] == 1 and a.scale.shape[1] == b.scale.shape[1] == 1
+    return a.phase == 0 and k % a.block[1] == 0 and (b.block[0] == 1 or n % b.block[0] == 0)
+
+
+def _scaled_mm_blocks(a, b, recipe, out_dtype):
+    """a @ b^T through torch._scaled_mm (torch.nn.functional.scaled_mm for the block layouts), with the scale
+    layouts that torch 2.13's _meta_registrations.py and ScaledBlas.cpp check; the scales it takes are
+    dequantisation factors (1 / ours):
+      rowwise    scale_a (M, 1), scale_b (1, N), FP32, contiguous;
+      blockwise  a BlockWise1x128: (M, K/128) outer-dim-major (strides (1, M)); a weight b BlockWise128x128:
+                 (round_up(K/128, 4), N/128) with strides (1, round_up(K/128, 4)); a 1 x 128 b (the backward's
+                 wgrad) BlockWise1x128: (N, K/128) with strides (1, N);
+      mxfp8      BlockWise1x32, E8M0 scales in cuBLAS's swizzled layout (SWIZZLE_32_4_4), each matrix's."""
+    (m, k), n = a.data.shape, b.data.shape[0]
+    mat_b = b.data.t()  # (K, N), column-major
+    inv_a, inv_b = a.scale.reciprocal(), b.scale.reciprocal()
+    if recipe == "rowwise":
+        return torch._scaled_mm(a.data, mat_b, scale_a=inv_a.reshape(m, 1).contiguous(),
+                                scale_b=inv_b.reshape(1, n).contiguous(), out_dtype=out_dtype)
+    kind, swizzle = F.ScalingType, F.SwizzleType
+    if recipe == "blockwise":
+        scale_a = inv_a.t().contiguous().t()
+        if b.block[0] == 1:
+            return F.scaled_mm(a.data, mat_b, scale_a, kind.BlockWise1x128, inv_b.t().contiguous().t(),
+                               kind.BlockWise1x128, output_dtype=out_dtype)
+        k4 = -(-inv_b.shape[1] // 4) * 4
+        scale_b = torch.ones(inv_b.shape[0], k4, device=inv_b.device)
+        scale_b[:, :inv_b.shape[1]] = inv_b
+        return F.scaled_mm(a.data, mat_b, scale_a, kind.BlockWise1x128, scale_b.t(), kind.BlockWise128x128,
+                           output_dtype=out_dtype)
+    e8m0 = torch.float8_e8m0fnu  # powers of two: exact
+    return F.scaled_mm(a.data, mat_b, _swizzle_32_4_4(inv_a.to(e8m0)), kind.BlockWise1x32,
+                       _swizzle_32_4_4(inv_b.to(e8m0)), kind.BlockWise1x32, swizzle.SWIZZLE_32_4_4,
+                       swizzle.SWIZZLE_32_4_4, output_dtype=out_dtype)
+
+
+def fp8_block_matmul(a, b, out_dtype, use_scaled_mm=True, recipe=None):
+    """a @ b^T for FP8Blocks a (M, K) and b (N, K) blocked alike along K (the same block length and phase):
+        y_mn = sum_j (sum_{k in K block j} qa_mk qb_nk) / (sa_(m, j) sb_(n, j)).
+    The emulation forms each block's partial sum of exact FP8 products in FP32, multiplies it by its two
+    scales and adds the blocks in FP32 (one K block, the rowwise case: one GEMM and one rescale).
+    torch._scaled_mm runs it instead where torch 2.13 supports `recipe`'s layout on the device."""
+    if a.block[1] != b.block[1] or a.phase != b.phase or a.data.shape[1] != b.data.shape[1]:
+        raise ValueError(f"a and b are blocked differently along K (blocks {a.block} and {b.block}, phases "
+                         f"{a.phase} and {b.phase}): quantise both with the same recipe and k_group")
+    if (use_scaled_mm and recipe in FINE_GRAINED and _scaled_mm_eligible(a, b, recipe)
+            and scaled_mm_supports(recipe, a.data.device)):
+        fp8_log["gemm:scaled_mm"] += 1
+        return _scaled_mm_blocks(a, b, recipe, out_dtype)
+    fp8_log["gemm:emulated"] += 1
+    (m, k), n = a.data.shape, b.data.shape[0]
+    qa, qb = _k_blocks(a.data.float(), a.block[1], a.phase), _k_blocks(b.data.float(), b.block[1], b.phase)
+    partial = torch.bmm(qa.transpose(0, 1), qb.permute(1, 2, 0))  # (K blocks, M, N), exact products, FP32 sums
+    inv_a = a.scale.reciprocal().repeat_interleave(a.block[0], dim=0)[:m].t()
+    inv_b = b.scale.reciprocal().repeat_interleave(b.block[0], dim=0)[:n].t()
+    return (partial * inv_a[:, :, None] * inv_b[:, None, :]).sum(0).to(out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
+# An FP8 linear layer: the recipes in the forward, E5M2 gradients in an FP8 backward (or the BF16 one)
+# ----------------------------------------------------------------------------------------------------
+
+class _GemmSpec(NamedTuple):
+    recipe: str
+    x_scale: torch.Tensor  # per-tensor scales (tensorwise, delayed); None for the fine-grained recipes
+    w_scale: torch.Tensor
+    use_scaled_mm: bool
+    backward: str
+    group: object          # the TP group (amax_group)
+    split: str             # None, "column" or "row": which dimension of this layer the group splits
+
+
+def _check_fp8_options(recipe, backward, split, amax_group):
+    if recipe not in FP8_RECIPES:
+        raise ValueError(f"recipe={recipe!r}: use one of {FP8_RECIPES}")
+    if backward not in ("bf16", "fp8"):
+        raise ValueError(f"backward={backward!r}: use 'bf16' (BF16 GEMMs on the saved tensors) or 'fp8' (E5M2 "
+                         "gradients)")
+    if split not in (None, "column", "row"):
+        raise ValueError(f"split={split!r}: use None, 'column' (the group splits the output rows of W) or 'row' "
+                         "(it splits K, the input columns of W and the last dimension of x)")
+    if recipe in FINE_GRAINED and split is None and _group_size(amax_group, "amax_group") > 1:
+        raise ValueError(f"split=None with an amax_group of several ranks: for the {recipe} recipe say how the "
+                         "group splits this layer, split='column' (blocks along K are local) or split='row' "
+                         "(blocks along K are cut between ranks and agreed)")
+
+
+def fp8_backward_gemms(grad_out, x, weight, recipe="tensorwise", amax_group=None, split=None, use_scaled_mm=True,
+                       x_scale=None, w_scale=None, needs=(True, True)):
+    """The two backward GEMMs of y = x W^T in FP8 with E5M2 gradients (range over precision), for a 2-D
+    grad_out G (M, N), x (M, K) and weight (N, K); returns (grad_x, grad_w), None where `needs` says so:
+        dgrad  grad_x = G W      reduces over N: G (M, N) and W^T (K, N) blocked along N
+        wgrad  grad_W = G^T x    reduces over M: G^T (N, M) and x^T (K, M) blocked along M (the tokens)
+    Per recipe: tensorwise and delayed quantise G with its current amax (MAX over amax_group) and x, W with the
+    forward's scales (x_scale, w_scale; agreed again when None); rowwise scales every row of G, W^T, G^T, x^T;
+    blockwise gives G and G^T, x^T 1 x 128 tiles and W^T 128 x 128 blocks (W's own); MXFP8 blocks of 32.
+    Under TP, dgrad's N is cut between ranks in a column-parallel layer (split="column": the cut blocks are
+    agreed over amax_group); M is never split by TP. x and W are re-quantised from the saved high-precision
+    tensors along the new reduction dimension."""
+    g = grad_out
+    grad_x = grad_w = None
+    if recipe in ("tensorwise", "delayed"):
+        amax_g = amax_of(g).reshape(1)
+        if _group_size(amax_group, "amax_group") > 1:
+            dist.all_reduce(amax_g, op=dist.ReduceOp.MAX, group=amax_group)
+            fp8_log["amax:all_reduce"] += 1
+        g_scale = fp8_scale(amax_g[0], E5M2)
+        if x_scale is None or w_scale is None:
+            amax = agreed_amax(x, weight, amax_group)
+            x_scale, w_scale = fp8_scale(amax[0]), fp8_scale(amax[1])
+        if needs[0]:
+            g8, _ = quantize_fp8(g, E5M2, g_scale)
+            w_t8, _ = quantize_fp8(weight.t().contiguous(), scale=w_scale)
+            grad_x = fp8_matmul(g8, g_scale, w_t8, w_scale, x.dtype, use_scaled_mm)
+        if needs[1]:
+            g_t8, _ = quantize_fp8(g.t().contiguous(), E5M2, g_scale)
+            x_t8, _ = quantize_fp8(x.t().contiguous(), scale=x_scale)
+            grad_w = fp8_matmul(g_t8, g_scale, x_t8, x_scale, weight.dtype, use_scaled_mm)
+    else:
+        n_group = amax_group if split == "column" else None
+        if needs[0]:
+            grad_x = fp8_block_matmul(quantize_operand(g, recipe, "gradient", E5M2, n_group),
+                                      quantize_operand(weight.t().contiguous(), recipe, "weight", E4M3, n_group),
+                                      x.dtype, use_scaled_mm, recipe)
+        if needs[1]:
+            grad_w = fp8_block_matmul(quantize_operand(g.t().contiguous(), recipe, "gradient", E5M2),
+                                      quantize_operand(x.t().contiguous(), recipe, "activation", E4M3),
+                                      weight.dtype, use_scaled_mm, recipe)
+    fp8_log["gemm:backward"] += sum(needs)
+    return grad_x, grad_w
+
+
 class _FP8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, x_scale, w_scale, use_scaled_mm):
-        ctx.save_for_backward(x, weight)  # high precision: the backward does not see the FP8 rounding
+    def forward(ctx, x, weight, spec):
+        ctx.save_for_backward(x, weight)  # high precision: the backward re-quantises (fp8) or not (bf16)
+        ctx.spec = spec
         x2 = x.reshape(-1, x.shape[-1])
-        x_fp8, _ = quantize_fp8(x2, scale=x_scale)
-        w_fp8, _ = quantize_fp8(weight, scale=w_scale)
-        y = fp8_matmul(x_fp8, x_scale, w_fp8, w_scale, x.dtype, use_scaled_mm)
+        if spec.recipe in ("tensorwise", "delayed"):
+            x_fp8, _ = quantize_fp8(x2, scale=spec.x_scale)
+            w_fp8, _ = quantize_fp8(weight, scale=spec.w_scale)
+            y = fp8_matmul(x_fp8, spec.x_scale, w_fp8, spec.w_scale, x.dtype, spec.use_scaled_mm)
+        else:
+            k_group = spec.group if spec.split == "row" else None  # a row-parallel layer cuts K
+            y = fp8_block_matmul(quantize_operand(x2, spec.recipe, "activation", E4M3, k_group),
+                                 quantize_operand(weight, spec.recipe, "weight", E4M3, k_group),
+                                 x.dtype, spec.use_scaled_mm, spec.recipe)
         fp8_log["gemm:count"] += 1
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
+        spec, needs = ctx.spec, ctx.needs_input_grad[:2]
+        x2 = x.reshape(-1, x.shape[-1])
+        if spec.backward == "fp8":
+            g = grad_out.reshape(-1, weight.shape[0])
+            grad_x, grad_w = fp8_backward_gemms(g, x2, weight, spec.recipe, spec.group, spec.split,
+                                                spec.use_scaled_mm, spec.x_scale, spec.w_scale, needs)
+            return None if grad_x is None else grad_x.reshape(x.shape), grad_w, None
         g = grad_out.reshape(-1, weight.shape[0]).to(torch.bfloat16)
         grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
+        if needs[0]:
             grad_x = (g @ weight.to(torch.bfloat16)).reshape(x.shape).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_w = (g.t() @ x.reshape(-1, x.shape[-1]).to(torch.bfloat16)).to(weight.dtype)
-        return grad_x, grad_w, None, None, None
+        if needs[1]:
+            grad_w = (g.t() @ x2.to(torch.bfloat16)).to(weight.dtype)
+        return grad_x, grad_w, None
 
 
-def fp8_linear(x, weight, bias=None, amax_group=None, use_scaled_mm=True):
-    """y = x @ weight^T + bias with the GEMM in FP8 E4M3 under per-tensor dynamic scaling and a BF16
-    backward. x has any leading shape. The amaxes of x and weight are MAX-reduced over amax_group first
-    (one 2-element all-reduce; see agreed_amax): pass the TP group for a TP-sharded weight or input."""
-    amax = agreed_amax(x, weight, amax_group)
-    y = _FP8LinearFunction.apply(x, weight, fp8_scale(amax[0]), fp8_scale(amax[1]), use_scaled_mm)
+def fp8_linear(x, weight, bias=None, amax_group=None, use_scaled_mm=True, *, recipe="tensorwise", backward="bf16",
+               split=None, amax_history=None, record_amax=True):
+    """y = x @ weight^T + bias with the forward GEMM in FP8 E4M3 under `recipe`; x has any leading shape.
+
+    tensorwise (default): per-tensor dynamic scales; the amaxes of x and weight are MAX-reduced over amax_group
+      first (one 2-element all-reduce; see agreed_amax): pass the TP group for a TP-sharded weight or input.
+    delayed: the same with scales from amax_history (a (2, L) buffer of past agreed amaxes, input and weight),
+      into which this call records its amaxes when record_amax (FP8Linear passes self.training).
+    rowwise, blockwise, mxfp8: fine-grained scales (quantize_rowwise, quantize_blockwise, quantize_mxfp8).
+      Under TP, `split` says what amax_group cuts: "row" (K: the input's last dimension and W's columns; scales
+      of blocks cut between ranks are agreed over the group) or "column" (W's rows: every forward block lies on
+      one rank, no communication; 128 x 128 weight blocks then start at this shard's first row, which is the
+      one-process blocking when the shard's rows are a multiple of 128).
+    backward: "bf16" (BF16 GEMMs on the saved high-precision tensors) or "fp8" (fp8_backward_gemms: E5M2
+    gradients, the recipe's granularity)."""
+    _check_fp8_options(recipe, backward, split, amax_group)
+    if recipe == "delayed" and (amax_history is None or amax_history.dim() != 2 or amax_history.shape[0] != 2):
+        raise ValueError("amax_history: the delayed recipe needs a (2, L) tensor of past amaxes (input, weight), "
+                         "e.g. FP8Linear's buffer; or use the tensorwise recipe")
+    x_scale = w_scale = None
+    if recipe in ("tensorwise", "delayed"):
+        amax = agreed_amax(x, weight, amax_group)
+        if recipe == "delayed":
+            x_scale, w_scale = delayed_scale(amax_history, amax)
+            if record_amax:
+                push_amax(amax_history, amax)
+        else:
+            x_scale, w_scale = fp8_scale(amax[0]), fp8_scale(amax[1])
+    spec = _GemmSpec(recipe, x_scale, w_scale, use_scaled_mm, backward, amax_group, split)
+    y = _FP8LinearFunction.apply(x, weight, spec)
     return y if bias is None else y + bias.to(y.dtype)
 
 
 class FP8Linear(nn.Module):
-    """nn.Linear whose forward GEMM runs in FP8 E4M3 with per-tensor scales; backward in BF16.
+    """nn.Linear whose forward GEMM runs in FP8 E4M3 under one of FP8_RECIPES; backward in BF16 or FP8.
 
-    amax_group: the group whose ranks hold shards of this weight or of its input (see agreed_amax).
-    delayed_scaling=True takes each scale from the largest amax of the last `amax_history_len` steps
-    (Transformer Engine's recipe) instead of the current tensor; the history records the agreed amax, so it
-    is identical on every rank of amax_group. Every training forward records one entry, so do not use it
-    under activation checkpointing: the recomputed forward records a second entry and quantises with a scale
-    from the changed history, not the one the forward used (Transformer Engine keeps the forward's scales for
-    its recompute; this layer does not). Current scaling (the default) recomputes identically."""
+    amax_group: the group whose ranks hold shards of this weight or of its input (see agreed_amax); split:
+    how it cuts this layer (fp8_linear). recipe="delayed" (or the older delayed_scaling=True) takes each scale
+    from the largest amax of the last `amax_history_len` steps (Transformer Engine's recipe) instead of the
+    current tensor; the history records the agreed amax, so it is identical on every rank of amax_group. Every
+    training forward records one entry, so do not use it under activation checkpointing: the recomputed
+    forward records a second entry and quantises with a scale from the changed history, not the one the
+    forward used (Transformer Engine keeps the forward's scales for its recompute; this layer does not).
+    The other recipes are functions of the tensors alone and recompute identically."""
 
     def __init__(self, in_features, out_features, bias=True, delayed_scaling=False, amax_history_len=16,
-                 use_scaled_mm=True, amax_group=None, device=None, dtype=None):
+                 use_scaled_mm=True, amax_group=None, device=None, dtype=None, *, recipe=None, backward="bf16",
+                 split=None):
         super().__init__()
         if not isinstance(amax_history_len, numbers.Integral) or amax_history_len < 1:
             raise ValueError(f"amax_history_len={amax_history_len!r} must be an int >= 1 (the steps whose amaxes "
                              "delayed scaling takes the max of; 16 is usual)")
+        if delayed_scaling and recipe not in (None, "delayed"):
+            raise ValueError(f"delayed_scaling=True with recipe={recipe!r}: delayed_scaling is recipe='delayed'; "
+                             "pass one of them")
+        recipe = recipe or ("delayed" if delayed_scaling else "tensorwise")
+        _check_fp8_options(recipe, backward, split, amax_group)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
-        self.delayed_scaling, self.use_scaled_mm, self.amax_group = delayed_scaling, use_scaled_mm, amax_group
+        self.recipe, self.backward, self.split = recipe, backward, split
+        self.delayed_scaling, self.use_scaled_mm, self.amax_group = recipe == "delayed", use_scaled_mm, amax_group
         self.register_buffer("amax_history", torch.zeros(2, amax_history_len, device=device))  # input, weight
         self.reset_parameters()
 
@@ -922,17 +1439,99 @@ class FP8Linear(nn.Module):
                 self.bias.copy_(ref.bias)
 
     def forward(self, x):
-        if not self.delayed_scaling:
-            return fp8_linear(x, self.weight, self.bias, self.amax_group, self.use_scaled_mm)
-        amax = agreed_amax(x, self.weight, self.amax_group)
-        history = self.amax_history.max(dim=1).values
-        # first step: no history yet, fall back to the current amax (torch.where: no host sync)
-        scales = fp8_scale(torch.where(history > 0, history, amax))
-        if self.training:
-            self.amax_history.copy_(torch.roll(self.amax_history, 1, dims=1))
-            self.amax_history[:, 0] = amax
-        y = _FP8LinearFunction.apply(x, self.weight, scales[0], scales[1], self.use_scaled_mm)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+        return fp8_linear(x, self.weight, self.bias, self.amax_group, self.use_scaled_mm, recipe=self.recipe,
+                          backward=self.backward, split=self.split,
+                          amax_history=self.amax_history if self.delayed_scaling else None,
+                          record_amax=self.training)
+
+
+# ----------------------------------------------------------------------------------------------------
+# FP8: the accumulation inside the GEMM (why DeepSeek-V3 promotes partial sums to FP32)
+# ----------------------------------------------------------------------------------------------------
+
+def round_to_bits(v, bits, rounding="nearest"):
+    """v (numpy float64) rounded to `bits` significant bits: to nearest (ties to even), or toward zero."""
+    mantissa, exponent = np.frexp(v)
+    scaled = mantissa * 2.0 ** bits
+    return np.ldexp(np.rint(scaled) if rounding == "nearest" else np.trunc(scaled), exponent - bits)
+
+
+def limited_precision_sum(products, bits=14, promote_every=None, rounding="nearest"):
+    """The sums of the rows of `products` (batch, K), taken one element at a time in an accumulator of `bits`
+    significant bits: Hopper's FP8 tensor cores keep about 14 (DeepSeek-V3, section 3.3.2). With
+    promote_every=N the accumulator is added into an FP32 total and restarted every N elements (DeepSeek-V3
+    promotes every 128 on the CUDA cores). FP8 x FP8 products are exact (8 significant bits), and float64
+    holds every intermediate exactly, so the only roundings are the accumulator's (and the FP32 total's)."""
+    products = np.asarray(products, dtype=np.float64)
+    acc, total = np.zeros(products.shape[0]), np.zeros(products.shape[0], dtype=np.float32)
+    for k in range(products.shape[1]):
+        acc = round_to_bits(acc + products[:, k], bits, rounding)
+        if promote_every and (k + 1) % promote_every == 0:
+            total = total + acc.astype(np.float32)  # an FP32 addition
+            acc = np.zeros_like(acc)
+    return total.astype(np.float64) + acc if promote_every else acc
+
+
+def fp8_accumulation_errors(ks=(1024, 4096, 16384, 65536), bits=14, promote_every=128, batch=8, seed=0,
+                            rounding="nearest"):
+    """For each K: the median relative error against float64 of K-long dot products of E4M3 values in [0, 1)
+    (positive, as activations after a ReLU-like gate times positive weights: the sum grows with K, the worst
+    case for a short accumulator), summed with `bits` bits, without and with promotion to FP32."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for k in ks:
+        a, b = (torch.rand(batch, k, generator=gen).to(E4M3).double() for _ in range(2))
+        products = (a * b).numpy()
+        exact = products.sum(axis=1)
+        err = lambda s: float(np.median(np.abs(s - exact) / np.abs(exact)))
+        rows.append({"K": k, "plain": err(limited_precision_sum(products, bits, None, rounding)),
+                     "promoted": err(limited_precision_sum(products, bits, promote_every, rounding))})
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------
+# FP8: why fine-grained scaling (outliers)
+# ----------------------------------------------------------------------------------------------------
+
+def outlier_activations(magnitude, tokens=256, channels=1024, outlier_channels=4, outlier_tokens=8, seed=0):
+    """Gaussian activations (tokens, channels) whose `outlier_channels` channels are `magnitude` times larger in
+    `outlier_tokens` tokens (the massive activations of Sun et al. 2024 sit in a few fixed channels of a few
+    tokens); returns (x, mask of the ordinary elements)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, channels, generator=gen)
+    rows = torch.randperm(tokens, generator=gen)[:outlier_tokens]
+    cols = torch.randperm(channels, generator=gen)[:outlier_channels]
+    x[rows[:, None], cols] *= magnitude
+    ordinary = torch.ones_like(x, dtype=torch.bool)
+    ordinary[rows[:, None], cols] = False
+    return x, ordinary
+
+
+def recipe_errors(x, weight, recipe, ordinary=None):
+    """One recipe on x (activations) and weight: the SQNR of x's quantisation (and of its ordinary elements),
+    the mean per-token relative error of the FP8 GEMM x W^T against float64 (each token's output row is
+    normalised downstream, so each row's error is what a token sees), and the scales' bits per element of x
+    and of the weight (32 per FP32 scale, 8 per E8M0 one)."""
+    if recipe == "tensorwise":
+        (qx, sx), (qw, sw) = quantize_fp8(x), quantize_fp8(weight)
+        x_hat = dequantize_fp8(qx, sx)
+        y = fp8_matmul(qx, sx, qw, sw, torch.float32)
+        bits = (32 / x.numel(), 32 / weight.numel())
+    else:
+        qx, qw = quantize_operand(x, recipe, "activation"), quantize_operand(weight, recipe, "weight")
+        x_hat = dequantize_blocks(qx)
+        y = fp8_block_matmul(qx, qw, torch.float32, recipe=recipe)
+        scale_bits = 8 if recipe == "mxfp8" else 32
+        bits = (qx.scale.numel() * scale_bits / x.numel(), qw.scale.numel() * scale_bits / weight.numel())
+    exact = x.double() @ weight.double().t()
+    y = y.double()
+    ordinary = torch.ones_like(x, dtype=torch.bool) if ordinary is None else ordinary
+    return {"sqnr_db": sqnr_db(x, x_hat), "sqnr_ordinary_db": sqnr_db(x[ordinary], x_hat[ordinary]),
+            "gemm_error": ((y - exact).norm(dim=1) / exact.norm(dim=1)).mean().item(), "scale_bits": bits}
+
+
+def sqnr_db(x, x_hat):
+    return 10 * math.log10((x.double() ** 2).sum().item() / ((x.double() - x_hat.double()) ** 2).sum().item())
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1056,10 +1655,12 @@ class MLP(nn.Module):
         return x
 
 
-def build(mode, model_fn=MLP, lr=1e-3, seed=0):
-    """Model and optimizer of one precision mode; returns (model, step_fn(x, y) -> (loss, stepped), opt)."""
+def build(mode, model_fn=MLP, lr=1e-3, seed=0, fp8_recipe="tensorwise", fp8_backward="bf16"):
+    """Model and optimizer of one precision mode; returns (model, step_fn(x, y) -> (loss, stepped), opt).
+    fp8_compute's layers are FP8Linear(recipe=fp8_recipe, backward=fp8_backward)."""
     torch.manual_seed(seed)
-    model = model_fn(linear=FP8Linear) if mode == "fp8_compute" else model_fn()
+    fp8 = lambda *args, **kwargs: FP8Linear(*args, recipe=fp8_recipe, backward=fp8_backward, **kwargs)
+    model = model_fn(linear=fp8) if mode == "fp8_compute" else model_fn()
     dtype = {"bf16_master": torch.bfloat16, "bf16_pure": torch.bfloat16, "fp8_compute": torch.bfloat16,
              "fp16_master_scaler": torch.float16}.get(mode, torch.float32)
     model.to(dtype)
@@ -1161,15 +1762,11 @@ def accumulation_errors(m=16, seed=0):
 # The demo
 # ----------------------------------------------------------------------------------------------------
 
-def sqnr_db(x, x_hat):
-    return 10 * math.log10((x.double() ** 2).sum().item() / ((x.double() - x_hat.double()) ** 2).sum().item())
-
-
-def train_small_model(mode, steps=300, seed=0):
+def train_small_model(mode, steps=300, seed=0, **fp8_options):
     """A 2-hidden-layer MLP regressing a fixed random teacher; returns the mean loss of the last 20 steps."""
     torch.manual_seed(123)
     teacher = MLP()
-    model, step, _ = build(mode, seed=seed)
+    model, step, _ = build(mode, seed=seed, **fp8_options)
     gen = torch.Generator().manual_seed(seed)
     losses, skipped = [], 0
     for _ in range(steps):
@@ -1187,7 +1784,10 @@ def _rank_entry(fn, rank, world, store_path, queue, args):
         torch.set_num_threads(1)
         dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                                 timeout=timedelta(seconds=120))
-        queue.put((rank, fn(*args, group=dist.group.WORLD)))
+        # as bytes: a tensor put on a queue travels as a shared-memory handle that dies with this process
+        buffer = io.BytesIO()
+        torch.save(fn(*args, group=dist.group.WORLD), buffer)
+        queue.put((rank, buffer.getvalue()))
         dist.barrier()
         dist.destroy_process_group()
     except BaseException as e:  # the parent must not wait forever for a rank that failed
@@ -1209,16 +1809,80 @@ def on_forked_ranks(fn, world, *args):
     for r in range(world):
         if isinstance(results[r], BaseException):
             raise RuntimeError(f"rank {r} failed") from results[r]
-    return [results[r] for r in range(world)]
+    return [torch.load(io.BytesIO(results[r]), weights_only=False) for r in range(world)]
 
 
-def demo():
+def row_parallel_fp8(recipe, m=8, k=384, n=256, seed=0, group=None):
+    """y = x W^T in FP8 under `recipe` with K split over `group` (a row-parallel layer: rank r holds columns
+    [r K/P, (r+1) K/P) of x and W) and the partial outputs summed over it; group None is the one-process GEMM.
+    Column 130 of x and W is 50x the rest, so a block or row that holds it has a larger amax than the same
+    block's piece on another rank. Returns this rank's dequantised pieces of x and W, the summed output, and
+    the amax all-reduces the GEMM issued (the quantisation's own agreement)."""
+    gen = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+    x[:, 130] *= 50
+    w[:, 130] *= 50
+    size = _group_size(group)
+    rank = dist.get_rank(group) if size > 1 else 0
+    own = slice(rank * k // size, (rank + 1) * k // size)
+    x, w = x[:, own].contiguous(), w[:, own].contiguous()
+    before = fp8_log["amax:all_reduce"]
+    y = fp8_linear(x, w, amax_group=group, split="row" if size > 1 else None, recipe=recipe)
+    all_reduces = fp8_log["amax:all_reduce"] - before
+    if size > 1:
+        dist.all_reduce(y, group=group)
+    if recipe == "tensorwise":
+        amax = agreed_amax(x, w, group)
+        pieces = [dequantize_fp8(*quantize_fp8(t, scale=fp8_scale(a))) for t, a in ((x, amax[0]), (w, amax[1]))]
+    else:
+        pieces = [dequantize_blocks(quantize_operand(t, recipe, role, k_group=group))
+                  for t, role in ((x, "activation"), (w, "weight"))]
+    return {"x": pieces[0], "w": pieces[1], "y": y, "all_reduces": all_reduces}
+
+
+def fp8_param_gather_run(fp8_param_gather, steps=2, group=None):
+    """A BF16 MLP (6467 parameters, not a multiple of 32) trained `steps` Adam steps under ZeRO-1 over `group`
+    on the same batch everywhere, with or without fp8_param_gather. Returns the bytes the last step's
+    parameter all-gather sent, the parameter count, the flat buffer's padding, the largest distance of a working
+    weight from its FP32 master relative to max(|master|, the smallest normal of its block, 2^-6 / scale)
+    (E4M3 bounds it by eps/2 = 2^-4, subnormals included), and the parameters and masters."""
+    torch.manual_seed(0)
+    model = MLP(out=3).to(torch.bfloat16)
+    opt = MixedPrecisionOptimizer(model.parameters(), torch.optim.Adam, shard_groups=[(model.parameters(), group)],
+                                  zero=1, lr=1e-2, fp8_param_gather=fp8_param_gather)
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(step)
+        model(torch.randn(8, 32, generator=gen).to(torch.bfloat16)).float().pow(2).mean().backward()
+        comm_bytes.clear()
+        opt.step(grad_scale=1 / _group_size(group))
+    masters = [opt.full_state(p)["master"] for p in model.parameters()]
+    params = [p.detach().clone() for p in model.parameters()]
+    smallest_normal = lambda m: torch.finfo(E4M3).smallest_normal / block_scales(quantize_mxfp8(m.reshape(1, -1)))
+    distance = max(((p.double() - m.double()).abs().reshape(-1) /
+                    torch.maximum(m.double().abs().reshape(-1), smallest_normal(m).double().reshape(-1))).max().item()
+                   for p, m in zip(params, masters))
+    return {"sent": comm_bytes["all_gather"], "n_params": sum(p.numel() for p in params),
+            "padding": sum(b.padding for b in opt._buckets), "distance": distance, "params": params,
+            "masters": masters}
+
+
+def fp8_gather_sent_formula(n_padded, d, fp8=True):
+    """Bytes a rank sends in the ZeRO-1 parameter all-gather of N (padded) elements: (d-1)/d x N x (1 + 1/32)
+    in FP8 with one E8M0 byte per 32, (d-1)/d x 2N in BF16."""
+    return (d - 1) / d * n_padded * ((1 + 1 / FP8_GATHER_BLOCK) if fp8 else 2)
+
+
+# ---- the demo: one function per claim it measures ----
+
+def show_formats():
     print("== formats (from torch.finfo)")
     print(f"{'name':10s} {'bits':>4s} {'exp':>4s} {'mant':>4s} {'max':>10s} {'min normal':>11s} {'eps':>9s}  use")
     for r in dtype_table():
         print(f"{r['name']:10s} {r['bits']:4d} {r['exponent_bits']:4d} {r['mantissa_bits']:4d} {r['max']:10.4g} "
               f"{r['min_normal']:11.3g} {r['eps']:9.3g}  {r['use']}")
 
+
+def show_master_weights():
     print("\n== why master weights: a weight of 1.0 receives +1e-3 a hundred times")
     w_bf16, w_fp32 = torch.tensor(1.0, dtype=torch.bfloat16), torch.tensor(1.0, dtype=torch.float32)
     for _ in range(100):
@@ -1227,12 +1891,16 @@ def demo():
     print(f"   BF16 weight: {w_bf16.item():.4f} (spacing at 1.0 is {torch.finfo(torch.bfloat16).eps}, the update "
           f"rounds away); FP32 master: {w_fp32.item():.4f}")
 
+
+def show_main_grads():
     e = accumulation_errors()
     print(f"\n== why FP32 main grads: {e['m']} micro-batches of BF16 gradients, error of the sum vs float64 "
           f"(relative to its max)")
     print(f"   summed in the FP32 main grad: {e['fp32_main_grad']:.2e} (FP32 eps {e['fp32_eps']:.1e}); "
           f"summed in BF16 .grad: {e['bf16_grad']:.2e} (BF16 eps {e['bf16_eps']:.1e})")
 
+
+def show_fp16_underflow():
     print("\n== FP16 underflow and loss scaling: 1e5 gradients log-uniform in [1e-10, 1e-2]")
     g = torch.exp(torch.empty(100_000).uniform_(math.log(1e-10), math.log(1e-2)))
     lost = (g.half() == 0).float().mean().item()
@@ -1242,21 +1910,41 @@ def demo():
     print(f"   flushed to zero in FP16: {lost:.1%} unscaled, {lost_scaled:.1%} with the loss scaled by 2^16 "
           f"(FP16 min subnormal {torch.finfo(torch.float16).smallest_normal * torch.finfo(torch.float16).eps:.2e})")
 
-    print("\n== FP8 quantisation error, per-tensor dynamic scaling, 1e6 Gaussian values")
-    x = torch.randn(1_000_000)
-    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        q, s = quantize_fp8(x, dtype)
-        print(f"   {str(dtype):22s} SQNR {sqnr_db(x, dequantize_fp8(q, s)):5.1f} dB; max relative error of "
-              f"normal values <= eps/2 = {torch.finfo(dtype).eps / 2}")
-    print(f"   torch._scaled_mm on this CPU: {scaled_mm_available(torch.device('cpu'))}")
 
+def show_fp8_rounding():
+    print("\n== FP8 quantisation of 1024 x 1024 Gaussian values per recipe: SQNR, and the largest relative error of")
+    print("   the values that land in the format's normal range, against the bound eps/2")
+    x = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0))
+    for dtype in (E4M3, E5M2):
+        fi = torch.finfo(dtype)
+        for recipe in ("tensorwise",) + FINE_GRAINED:
+            if recipe == "tensorwise":
+                q, s = quantize_fp8(x, dtype)
+                x_hat, scaled = dequantize_fp8(q, s), x * s
+            else:
+                qb = quantize_operand(x, recipe, "activation", dtype)
+                x_hat, scaled = dequantize_blocks(qb), x * block_scales(qb)
+            normal = scaled.abs() >= fi.smallest_normal
+            worst = ((x_hat - x).abs() / x.abs())[normal].max().item()
+            print(f"   {str(dtype)[6:]:14s} {recipe:10s} SQNR {sqnr_db(x, x_hat):5.1f} dB; max relative error "
+                  f"{worst:.4f} <= eps/2 = {fi.eps / 2}")
+    print(f"   torch._scaled_mm on this CPU: " + ", ".join(
+        f"{r} {scaled_mm_supports(r, torch.device('cpu'))}" for r in ("tensorwise",) + FINE_GRAINED))
+
+
+def show_training():
     print("\n== a small MLP trained 300 steps with Adam (final loss = mean of the last 20 steps)")
     for mode in ("fp32", "bf16_autocast", "bf16_master", "fp16_master_scaler", "fp8_compute", "bf16_pure"):
         loss, skipped = train_small_model(mode)
         print(f"   {mode:20s} loss {loss:.5f}" + (f"  ({skipped} steps skipped by the loss scaler)" if skipped else ""))
     print(f"   FP8 forward GEMMs run: {fp8_log['gemm:count']} "
           f"(torch._scaled_mm {fp8_log['gemm:scaled_mm']}, emulated {fp8_log['gemm:emulated']})")
+    for recipe in FP8_RECIPES:
+        loss, _ = train_small_model("fp8_compute", fp8_recipe=recipe, fp8_backward="fp8")
+        print(f"   fp8 {recipe:10s} + E5M2 backward  loss {loss:.5f}")
 
+
+def show_bytes_per_parameter():
     print("\n== bytes per parameter with Adam: formula | measured on the live tensors of the MLP; transient: the")
     print("   peak bytes of parameter copies alive at once in one forward and backward, formula | measured")
     print(f"   {'mode':24s} {'weights':>8s} {'grads':>6s} {'master':>7s} {'adam':>5s} {'total':>6s} "
@@ -1277,6 +1965,8 @@ def demo():
     for mode, rule in TRANSIENT_RULES.items():
         print(f"   transient of {mode}: {rule}")
 
+
+def show_zero_bytes():
     print("\n== ZeRO-1 (distributed optimizer): bytes per parameter on each of d forked gloo ranks, Adam; sent: the")
     print("   bytes a rank sends per parameter in one step's gradient and parameter collectives (ring algorithms)")
     print(f"   {'params':6s} {'zero':>4s} {'d':>2s} {'formula':>9s} {'=':>6s} | {'measured':>8s} = {'params':>6s} + "
@@ -1292,6 +1982,83 @@ def demo():
                   f"  {r['padding']:7d} | {r['sent_per_param']:4.2f} {zero_sent_formula(dtype, d, zero):7.2f}")
     print(f"   ({r['n_params']} parameters, divisible by 2 and 3: no padding; other sizes pad each flat buffer "
           "to a multiple of d)")
+
+
+def show_fp8_accumulation():
+    print("\n== FP8 GEMM accumulation: K-long dot products of E4M3 values in [0, 1), accumulated with 14 significant")
+    print("   bits (Hopper's FP8 tensor cores), median relative error vs float64, without / with promotion to FP32")
+    print("   every 128 elements (DeepSeek-V3); rounding to nearest, and toward zero (truncation)")
+    nearest, truncated = fp8_accumulation_errors(), fp8_accumulation_errors(rounding="truncate")
+    print(f"   {'K':>6s} | {'nearest':>9s} {'promoted':>9s} | {'truncate':>9s} {'promoted':>9s}")
+    for a, b in zip(nearest, truncated):
+        print(f"   {a['K']:6d} | {a['plain']:9.2e} {a['promoted']:9.2e} | {b['plain']:9.2e} {b['promoted']:9.2e}")
+    print("   without promotion the error grows with K (the accumulator's spacing grows with the sum, then addends")
+    print("   smaller than half of it are lost); with it every partial sum spans 128 products and the error stays flat")
+
+
+def show_fine_grained_scaling():
+    print("\n== why fine-grained scaling: 256 tokens x 1024 channels, 4 channels of 8 tokens m times the rest, times")
+    print("   a 256 x 1024 Gaussian weight; SQNR of x (all values / the ordinary ones) and the mean per-token relative")
+    print("   error of the FP8 GEMM vs float64")
+    weight = torch.randn(256, 1024, generator=torch.Generator().manual_seed(1)) / 32
+    print(f"   {'m':>6s} " + " ".join(f"| {r:^23s}" for r in ("tensorwise",) + FINE_GRAINED))
+    for magnitude in (1e2, 1e3, 1e4, 1e5, 1e6):
+        x, ordinary = outlier_activations(magnitude)
+        rows = [recipe_errors(x, weight, r, ordinary) for r in ("tensorwise",) + FINE_GRAINED]
+        print(f"   {magnitude:6.0e} " + " ".join(
+            f"| {e['sqnr_db']:5.1f}/{e['sqnr_ordinary_db']:5.1f} dB {e['gemm_error']:8.2e}" for e in rows))
+    print("   scale overhead, bits per element (activations / weight): " + ", ".join(
+        f"{r} {e['scale_bits'][0]:.2g} / {e['scale_bits'][1]:.2g}" for r, e in zip(("tensorwise",) + FINE_GRAINED,
+                                                                                  rows)))
+    print(f"   E4M3's normal range spans 448 / 2^-6 = {448 / 2 ** -6:.0f}: while the ordinary values stay in it")
+    print("   (m up to ~1e3 here) every recipe rounds them to 4 significant bits; beyond it, per-tensor scaling")
+    print("   pushes them into subnormals and zero, while a fine-grained scale confines the outlier to its row,")
+    print("   tile or block")
+
+
+def show_fp8_under_tp():
+    print("\n== FP8 under TP: a row-parallel GEMM (K = 384 split over P forked ranks) against one process; amax")
+    print("   all-reduces per GEMM; the pieces' rounding and the summed output against the one-process GEMM")
+    for recipe in ("tensorwise",) + FINE_GRAINED:
+        alone = row_parallel_fp8(recipe)
+        for p in (2, 3):
+            ranks = on_forked_ranks(lambda group: row_parallel_fp8(recipe, group=group), p)
+            cols = [slice(r * 384 // p, (r + 1) * 384 // p) for r in range(p)]
+            same = all(torch.equal(r["x"], alone["x"][:, c]) and torch.equal(r["w"], alone["w"][:, c])
+                       for r, c in zip(ranks, cols))
+            rel = ((ranks[0]["y"] - alone["y"]).norm() / alone["y"].norm()).item()
+            print(f"   {recipe:10s} P={p} (K_local {384 // p}): {ranks[0]['all_reduces']} all-reduce(s); pieces "
+                  f"{'bit-identical' if same else 'DIFFER'}; output {rel:.1e} from one process (FP32 sum order)")
+
+
+def show_fp8_param_gather():
+    print("\n== ZeRO-1 with fp8_param_gather: bytes a rank sends in the parameter all-gather, BF16 vs FP8 + scales")
+    for d in (2, 3):
+        fp8 = on_forked_ranks(lambda group: fp8_param_gather_run(True, group=group), d)[0]
+        bf16 = on_forked_ranks(lambda group: fp8_param_gather_run(False, group=group), d)[0]
+        n = fp8["n_params"]
+        formulas = [fp8_gather_sent_formula(n + r["padding"], d, fp8=r is fp8) for r in (bf16, fp8)]
+        print(f"   d={d}: BF16 {bf16['sent']:.0f} B (formula {formulas[0]:.0f}), FP8 {fp8['sent']:.0f} B (formula "
+              f"{formulas[1]:.0f}): {fp8['sent'] / bf16['sent']:.3f} of BF16 ((1 + 1/32) / 2 = 0.516, and the "
+              "32-alignment)")
+        print(f"        working weights within {fp8['distance']:.4f} of the FP32 masters (bound: E4M3's eps/2, "
+              "0.0625)")
+
+
+def demo():
+    show_formats()
+    show_master_weights()
+    show_main_grads()
+    show_fp16_underflow()
+    show_fp8_rounding()
+    show_training()
+    show_bytes_per_parameter()
+    show_zero_bytes()
+    show_fp8_accumulation()
+    show_fine_grained_scaling()
+    show_fp8_under_tp()
+    show_fp8_param_gather()
+
 
 if __name__ == "__main__":
     demo()

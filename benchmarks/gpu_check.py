@@ -5,7 +5,9 @@
 
 1. train_gpt.py on NCCL at world size 1, GPT-2 small (12 layers, 768 wide, 12 heads, 1024 context, vocabulary
    50304) in bfloat16: tokens/s and MFU (the GPU's dense BF16 peak from train_gpt.GPU_PEAK_TFLOPS).
-2. FP8: torch._scaled_mm against the emulation in mixed_precision.py (the same FP8 operands, FP32 accumulation).
+2. FP8: each recipe (tensorwise, rowwise, blockwise, MXFP8) through torch._scaled_mm where torch 2.13 runs its
+   scales on the device, against mixed_precision.py's emulation (the same FP8 operands and scales); and the
+   accumulation error of the real FP8 GEMM as K grows (1K-64K) beside the emulated 14-bit accumulator.
 3. long_seq.py's fused ring attention on CUDA (world size 1: every ring step's kernel path) against the einsum
    reference and against F.scaled_dot_product_attention on the whole sequence, forward and backward.
 4. A checkpoint of that run saved and sampled from (the CUDA path of `--sample`).
@@ -21,6 +23,7 @@ import tempfile
 import time
 import traceback
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -92,24 +95,79 @@ def gpt2_small(device, dry, deadline):
 
 
 def fp8(device, dry):
+    """The FP8 section: the recipes' GEMMs, then the accumulation (measured even when a recipe's check fails)."""
+    try:
+        fp8_recipes(device, dry)
+    finally:
+        fp8_accumulation(device, dry)
+
+
+def fp8_recipes(device, dry):
+    """Each FP8 recipe's GEMM through torch._scaled_mm where torch 2.13 runs its scale layout on this device,
+    against mixed_precision's emulation of the same arithmetic on the same FP8 operands and scales; then the
+    accumulation lesson measured: the real GEMM's error against float64 as K grows, beside the emulated 14-bit
+    accumulator without and with promotion to FP32 every 128 elements."""
+    mp = mixed_precision
+    m, k, n = (64, 256, 128) if dry else (256, 4096, 1024)
     gen = torch.Generator(device="cpu").manual_seed(0)
-    a = torch.randn(256, 512, generator=gen).to(device)
-    b = torch.randn(768, 512, generator=gen).to(device)
-    (a8, sa), (b8, sb) = mixed_precision.quantize_fp8(a), mixed_precision.quantize_fp8(b)
-    available = mixed_precision.scaled_mm_available(a8.device)
-    say("fp8 _scaled_mm available", available)
-    emulated = mixed_precision.fp8_matmul(a8, sa, b8, sb, torch.float32, use_scaled_mm=False)
-    if available:
-        fused = mixed_precision.fp8_matmul(a8, sa, b8, sb, torch.float32, use_scaled_mm=True)
-        rel = ((fused - emulated).norm() / emulated.norm()).item()
-        # not bit-equal: Hopper's FP8 tensor cores accumulate with fewer bits than FP32 (DeepSeek-V3 report,
-        # section 3.3.2: about 14); a wrong scale or operand order would be off by O(1)
-        check("fp8 _scaled_mm vs emulation", rel, 1e-2, "relative error (the tensor cores' accumulation)")
-    exact = a @ b.t()
-    sqnr = mixed_precision.sqnr_db(exact, emulated)
-    say("fp8 emulation vs FP32 GEMM", f"SQNR {sqnr:.1f} dB (E4M3 operands: ~25-30 dB; bound 20)")
-    if not sqnr > 20:
-        raise AssertionError(f"fp8: SQNR {sqnr:.1f} dB is below 20 dB")
+    a = torch.randn(m, k, generator=gen).to(device)
+    b = torch.randn(n, k, generator=gen).to(device)
+    out_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    for recipe in ("tensorwise", "rowwise", "blockwise", "mxfp8"):
+        if recipe == "tensorwise":
+            (a8, sa), (b8, sb) = mp.quantize_fp8(a), mp.quantize_fp8(b)
+            gemm = lambda fused: mp.fp8_matmul(a8, sa, b8, sb, out_dtype if fused else torch.float32, fused)
+            exact = mp.dequantize_fp8(a8, sa).double() @ mp.dequantize_fp8(b8, sb).double().t()
+        else:
+            qa, qb = mp.quantize_operand(a, recipe, "activation"), mp.quantize_operand(b, recipe, "weight")
+            gemm = lambda fused: mp.fp8_block_matmul(qa, qb, out_dtype if fused else torch.float32, fused, recipe)
+            exact = mp.dequantize_blocks(qa).double() @ mp.dequantize_blocks(qb).double().t()
+        emulated = gemm(False)
+        sqnr = mp.sqnr_db(a.double() @ b.double().t(), emulated)
+        say(f"fp8 {recipe} emulation vs the unquantised GEMM", f"SQNR {sqnr:.1f} dB (E4M3 operands: ~28; bound 20)")
+        if not sqnr > 20:
+            raise AssertionError(f"fp8 {recipe}: SQNR {sqnr:.1f} dB is below 20 dB")
+        # the emulation against float64 on the same FP8 values: FP32 sums of exact products, ~1e-7
+        check(f"fp8 {recipe} emulation vs float64", ((emulated.double() - exact).norm() / exact.norm()).item(), 1e-5,
+              "relative error (FP32 accumulation)")
+        if not mp.scaled_mm_supports(recipe, device):
+            say(f"fp8 {recipe} _scaled_mm", f"not run by torch {torch.__version__} on this device: emulated")
+            continue
+        before = mp.fp8_log["gemm:scaled_mm"]
+        fused = gemm(True)
+        if mp.fp8_log["gemm:scaled_mm"] == before:
+            raise AssertionError(f"fp8 {recipe}: _scaled_mm is supported here but the GEMM was emulated")
+        # bound 1e-2: the same operands and scales, so only the kernel's accumulation (tensor cores: ~14-bit
+        # partial sums, promoted by cuBLAS) and the BF16 output rounding (2^-9 per element) differ, ~1e-3; a
+        # scale applied to the wrong row or block is off by O(1)
+        check(f"fp8 {recipe} _scaled_mm vs emulation", ((fused.double() - emulated.double()).norm() /
+                                                        emulated.double().norm()).item(), 1e-2, "relative error")
+
+
+def fp8_accumulation(device, dry):
+    """K-long dot products of E4M3 values in [0, 1) (a 16 x K times K x 16 GEMM, scales 1): the median relative
+    error of the diagonal against float64, from torch._scaled_mm with use_fast_accum (Hopper: the tensor cores'
+    own accumulator) and without (cuBLAS promotes), beside mixed_precision's emulated 14-bit accumulator."""
+    mp = mixed_precision
+    if not mp.scaled_mm_available(device):
+        say("fp8 accumulation", "torch._scaled_mm not available on this device")
+        return
+    one = torch.tensor(1.0, device=device)
+    for k in (1024, 4096) if dry else (1024, 4096, 16384, 65536):
+        gen = torch.Generator(device="cpu").manual_seed(k)
+        a8, b8 = (torch.rand(16, k, generator=gen).to(torch.float8_e4m3fn).to(device) for _ in range(2))
+        products = (a8.double() * b8.double()).cpu().numpy()
+        exact = products.sum(axis=1)
+        err = lambda s: float(np.median(np.abs(s - exact) / exact))
+        real = {fast: err(torch.diagonal(torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one,
+                                                          out_dtype=torch.float32, use_fast_accum=fast))
+                          .double().cpu().numpy()) for fast in (True, False)}
+        plain, promoted = (err(mp.limited_precision_sum(products, 14, every)) for every in (None, 128))
+        say(f"fp8 accumulation K={k}", f"_scaled_mm fast_accum {real[True]:.2e}, default {real[False]:.2e} | "
+            f"emulated 14-bit {plain:.2e}, promoted every 128 {promoted:.2e}")
+        # only the default path has a bound: cuBLAS promotes partial sums to FP32 (CPU: FP32 throughout)
+        if not real[False] < 1e-3:
+            raise AssertionError(f"fp8 accumulation K={k}: the default _scaled_mm error {real[False]:.2e} >= 1e-3")
 
 
 def ring(device, dry):

@@ -21,9 +21,9 @@ one (tp, pp) position, and EDP (expert data parallel) groups hold the replicas o
 
 The planner estimates, for every layout that divides the cluster and the model, the memory of one
 first-stage GPU and the time of one training step, chooses the knobs a practitioner chooses besides
-(TP, PP, CP) -- the recomputation (none, selective, full: the cheapest that fits), the micro-batch size b,
-the interleaved schedule's chunks per stage v, sequence parallelism (SP) and the distributed optimizer
-(ZeRO-1) -- ranks the layouts that fit by step time, and says why the winner wins. It models Megatron-LM
+(TP, PP, CP, and EP for a MoE model) -- the recomputation (none, selective, full: the cheapest that fits), the
+micro-batch size b, the interleaved schedule's chunks per stage v, sequence parallelism (SP) and the distributed
+optimizer (ZeRO-1) -- ranks the layouts that fit by step time, and says why the winner wins. It models Megatron-LM
 (GPT, 4h MLP, tied embeddings, unfused attention core, 16-bit), the implementation Narayanan et al. 2021
 measured. Notation: s b h a L V t p c d as usual, m = B / (d b) micro-batches per pipeline, M = b s / c
 tokens per GPU, n = d c the gradient-reduction group.
@@ -121,9 +121,73 @@ recomputes: a throughput in Table 1's units. `mfu` uses the model FLOPs, 72 B s 
 `hfu` the hardware FLOPs, the model FLOPs plus what the plan recomputes (Korthikanti et al. 2022: full
 recomputation adds 24 B s L h^2 (1 + s/6h), selective the attention core's 4 B s^2 h L).
 
+MoE (ModelShape with train_gpt.py's names: every `moe_every`-th layer's MLP is E = `experts` expert MLPs of hidden
+f = `expert_hidden`, k = `top_k` per token, a router of E h weights, optionally a shared expert of hidden f_s that
+every token passes; train_gpt.py's block is moe_ep.MoE(h, 4h, E, k): f = 4h, GeLU, f_s = 0, no expert or router
+biases). With n = 2 matrices per expert MLP (3 with SwiGLU) and h_kv the K/V width (h; less with GQA):
+    parameters   a dense layer 12 h^2 + 13 h; a MoE layer 2 h^2 + 2 h h_kv + (h + 2 h_kv) + h + 4 h (attention, its
+                 biases, LayerNorms) + E h + n h f_s + E n h f; + V h (twice untied) + s h. Active per token: k of
+                 the E experts
+    FLOPs        6 N + 12 L h s per token (train_gpt.py's model_flops_per_token), N = V h + per layer 2 h^2 + 2 h h_kv
+                 and 8 h^2 (dense) or E h + k n h f + k h + n h f_s (MoE: router, k experts, the weighted sum of
+                 their outputs, the shared expert)
+    layout       experts whole (expert TP 1), sharded over EP and replicated over EDP: the expert grid tp-ep-edp-pp,
+                 ep x edp = cp x dp, EP at stride tp (Cluster.expert_folding "dp_cp": topology.rank_groups and
+                 train_gpt.py, whose TP ranks each hold the EP shard's experts and split the MoE tokens), or
+                 Megatron-Core's MoE parallel folding (Liu et al. 2025; "tp_dp_cp"): ep x edp = tp x cp x dp, EP
+                 fastest. A MoE layer sees T = b s / (t c) tokens per GPU (SP: Megatron-Core requires it with MoE
+                 and TP), R = T k F copies of which reach this GPU's E/ep experts
+    load factor  F: the busiest EP rank's copies over the uniform T k; `imbalance` (>= 1, stated: 1 for balanced
+                 routing; load_imbalance(copies per EP rank) of a measured routing), capped by `capacity_factor`
+                 when tokens are dropped, 1 without EP (one GPU holds every expert)
+    memory       E/ep experts per MoE layer, their optimizer states sharded by ZeRO-1 over EDP (cp dp/ep; tp cp dp/ep
+                 folded), the dense ones over dp cp; kept per MoE layer and micro-batch (15 + 5 a s/h) s b h/t
+                 (attention and LayerNorms as Korthikanti; the scores not with selective or flash) + 2 T h + 4 T E +
+                 T h + 4 R h + 2 (g + 1)(R f + T f_s) (router input and fp32 probabilities, dropout mask, each copy's
+                 expert input and output, the expert activations; g = 2 with SwiGLU, 1 with GeLU); full: 2 s b h/t
+    all-to-all   per MoE layer and micro-batch: dispatch and combine forward, both again backward (the forward pair
+                 again under full recomputation), each sending T k h e (P - 1)/P x F bytes from the busiest GPU
+                 (FORMULAS.md: a copy stays home with probability 1/P; F times that returns from the busiest rank
+                 in the combine and the dispatch's backward), `moe_a2a_bytes`. With g of the P members on this GPU's
+                 node, (g - 1)/(P - 1) of the bytes go over NVLink and (P - g)/(P - 1) over this GPU's own NIC, at once:
+                 max(inside / NVLink, across / IB) + a latency (`a2a_seconds`); the counts exchange adds a latency.
+                 Not overlapped (Megatron-Core's alltoall dispatcher of 2025); a shared expert's overlap is not
+                 modelled
+    time         the router (T, h, E); each local expert's GEMMs (r, h, g f) and (r, f, h) on its r = R/(E/ep)
+                 rows, x = min(r, h, f): many experts at a small load run below e_max; the shared expert
+                 as a TP-split MLP; PERMUTE_BYTES = 8 per element of T k h (permutation, un-permutation and weighted
+                 sum) and EXPERT_ACT_BYTES 4 (GeLU) or 6 (SwiGLU) per element of R f through HBM, 6 more kernels;
+                 one TP pair (the attention's) instead of two, two with a shared expert; gradients of the dense weights
+                 over dp cp, of the experts over the tp cp dp/ep GPUs holding the same ones. The slowest stage is the
+                 last (the output layer), or one with more MoE layers when that one is slower.
+Implementation switches besides the presets (Cluster): `flash_attention` (Megatron-Core, Transformer Engine: the
+attention core is the causal half of 4 (h/a) FLOPs per score at e_max, 2.5x that in backward, no scores kept),
+`grad_bytes` 4 (fp32 main grads: 2 + 4 + 12 bytes per parameter, 6 + 12/n with ZeRO-1, 4-byte gradient reduction),
+`expert_folding`. The search tries every EP that divides E and the folding's ranks; under one second for 16,384 GPUs.
+
+Against published MoE runs (`python topology.py calibrate`, after Table 1). Liu et al. 2025, "MoE Parallel Folding"
+(arXiv 2504.14960), report 49.3% MFU for Mixtral 8x22B on 128 H100 and 39.0% for Qwen2-57B-A14B on 64, in
+Megatron-Core's FLOP count (`megatron_flops_per_token`: without the router and the weighted sum, 0.01% and 0.05% less
+than ours). Their layouts are the authors' benchmark configurations of April 2025 (github.com/yanring/Megatron-MoE-
+ModelZoo, commit 78fd4d6: runtime.conf, model_configs/benchmarking): Mixtral 8x22B (56 layers, h 6144, 48 heads, 8 KV
+groups, 8 SwiGLU experts of 16384, top-2, V 32000) TP2 PP8 EP8 (expert TP 1) DP8, v 1; Qwen2-57B-A14B (28 layers, h
+3584, 28 heads, 4 KV groups, 64 experts of 2560, top-8, a shared expert of 20480, V 151936) TP2 PP4 EP4 DP8, v 7; both
+sequence 4096, global batch 256, micro-batch 1, untied embeddings, no recomputation, SP, distributed optimizer,
+overlapped gradient reduction, flash attention, bf16 (MEGATRON_CORE_2025, MOE_RUN_KNOBS); load factor 1 (balanced:
+the benchmark mode drops tokens at capacity factor 1, so no expert exceeds its share). With the H100 preset
+unchanged (e_max and x0 carried over from Table 1, nothing fitted to these rows) the published layouts are predicted
+at 46.0% (-6.7%) and 39.8% (+2.1%) MFU, worst error -6.7%, and fit (69.6 and 63.5 GB of 72): counted conservatively (positions as learned, 25 M parameters; dropout masks
+although the runs had no dropout; K and V at full width in Korthikanti's 11 s b h). The planner's own top choice with
+the same software: Mixtral TP2 PP8 CP2 EP8 v7 (the published layout +4.2% slower), Qwen2 TP2 PP2 EP8 DP16 v7 (+4.7%).
+The authors' later Mixtral layout (July 2025, v 7) is predicted at +3.1% but does not fit under that count (74.7 GB).
+DeepSeek-V3 (technical report, arXiv 2412.19437: 2,048 H800, PP16 with DualPipe, EP64 over 8 nodes, ZeRO-1, 180K H800
+GPU hours per trillion tokens, i.e. 1,543 tokens/s per GPU) is not in the table: its MLA attention, FP8 GEMMs,
+DualPipe's overlapped all-to-alls and node-limited routing are outside this cost model.
+
 Run `python topology.py --help`; `python topology.py --nodes 8 --gpus-per-node 8 --tp 8 --pp 4` draws
-the rank map; `python topology.py plan ...` plans; `python topology.py calibrate` prints Table 1 beside the
-planner; `python topology.py example` compares the chapter's two 64-GPU plans on two model shapes.
+the rank map; `python topology.py plan ...` plans (`--moe-every --experts --top-k --ep ...` for MoE);
+`python topology.py calibrate` prints Table 1 and the MoE runs beside the planner; `python topology.py example`
+compares the chapter's two 64-GPU plans on two model shapes, then EP inside a node against EP across nodes.
 """
 import argparse
 import functools
@@ -445,8 +509,9 @@ KERNELS_PER_LAYER = 20        # kernels in one layer's forward (4 GEMMs, 2 batch
 #                               dropout, GeLU, 2 bias-dropout-adds, 2 TP collectives, copies); backward twice that
 # MoE layers (the module docstring's MoE section): HBM traffic of the token permutation and of the experts'
 # activation function, and the extra kernels of the dispatch
-PERMUTE_BYTES = 8             # per element of the T k h token copies, forward: the permutation before the dispatch
-#                               (read and write 16 bits: 4) and the un-permutation and weighted sum after the combine (4)
+PERMUTE_BYTES = 8             # per element of the T k h token copies, forward: the permutation before the
+#                               dispatch (read and write 16 bits: 4), the un-permutation and weighted sum after the
+#                               combine (4)
 EXPERT_ACT_BYTES = {False: 4, True: 6}  # per element of the R x f expert activation: GeLU reads and writes (2 + 2);
 #                               SwiGLU reads the two halves and writes their product (2 + 2 + 2)
 MOE_EXTRA_KERNELS = 6         # router GEMM, softmax and top-k, histogram, counts all-to-all, permutation and its
@@ -919,7 +984,8 @@ def layer_forward(cluster, m, tp, cp, b, sp, lay, moe=False):
     ep_fwd = 0.0
     if moe:
         mlp_gemms, mlp_memory, ep_fwd = _moe_mlp_forward(cluster, m, tokens, t, lay.ep, lay)
-        gemms = gemm_seconds(cluster, tokens, h, (h + 2 * kv) // t) + gemm_seconds(cluster, tokens, h // t, h) + mlp_gemms
+        gemms = (gemm_seconds(cluster, tokens, h, (h + 2 * kv) // t) + gemm_seconds(cluster, tokens, h // t, h)
+                 + mlp_gemms)
     else:
         gemms = (gemm_seconds(cluster, tokens, h, (h + 2 * kv) // t) + gemm_seconds(cluster, tokens, h // t, h)
                  + gemm_seconds(cluster, tokens, h, 4 * h // t) + gemm_seconds(cluster, tokens, 4 * h // t, h))
@@ -1144,9 +1210,9 @@ def _busiest_moe_stage(layers, pp, moe_every):
 
 
 def _stage_counts(m, pp, fs, recompute, output):
-    """(dense, MoE) layers of the slowest stage: the last one (it also carries the output layer), or one with
-    more MoE layers when that is slower."""
-    last = stage_layer_counts(m, pp, pp - 1)
+    """(dense layers, MoE layers, holds the output layer) of the slowest stage: the last one, which carries the
+    output layer, or one with more MoE layers when that is slower."""
+    last = stage_layer_counts(m, pp, pp - 1) + (True,)
     if not m.moe_every:
         return last
     j, dense, moe = _busiest_moe_stage(m.layers, pp, m.moe_every)
@@ -1156,26 +1222,25 @@ def _stage_counts(m, pp, fs, recompute, output):
     def seconds(counts, extra):
         return extra + sum(n * (sum(layer_step(fs[kind], recompute)) + ep_step(fs[kind], recompute))
                            for n, kind in zip(counts, ("dense", "moe")) if n)
-    return (dense, moe) if seconds((dense, moe), 0.0) > seconds(last, output) else last
+    return (dense, moe, False) if seconds((dense, moe), 0.0) > seconds(last[:2], output) else last
 
 
 def _stage_parts(cluster, m, lay, b, sp, recompute, fs, counts=None):
-    """What one (b, sp, recompute) fixes of the step's terms, whatever v and ZeRO: the output layer's seconds, the
-    slowest stage's (dense, MoE) layers (default: `_stage_counts`), each kind's layer_step and ep_step, one
-    pipeline exchange."""
+    """What one (b, sp, recompute) fixes of the step's terms, whatever v and ZeRO: the output layer's seconds (0
+    when the slowest stage is not the last), the slowest stage's `_stage_counts`, each kind's layer_step and
+    ep_step on it, one pipeline exchange."""
     output = output_layer_seconds(cluster, m, lay.tp, lay.cp, b)  # on the last stage, the slowest one
     counts = counts or _stage_counts(m, lay.pp, fs, recompute, output)
     per_kind = [(n, layer_step(fs[kind], recompute), ep_step(fs[kind], recompute))
                 for n, kind in zip(counts, ("dense", "moe")) if n]
     exchange = p2p_exchange_seconds(cluster, m, lay.tp, lay.cp, b, sp, lay.local["pp"]) if lay.pp > 1 else 0.0
-    return output, counts, per_kind, exchange
+    return output if counts[2] else 0.0, counts, per_kind, exchange
 
 
 def step_time_terms(cluster, m, lay, b, v, recompute, sp, zero, fs, params, counts=None, parts=None):
     """Seconds of one step on one GPU of the slowest stage, by term; the terms add up to the step time.
     `fs` is _layer_forwards' answer for (b, sp), `params` the (dense, expert) parameters this GPU holds,
-    `counts` the slowest stage's (dense, MoE) layers (default: `_stage_counts`), `parts` `_stage_parts` when the
-    caller has it (the search)."""
+    `counts` the slowest stage's `_stage_counts`, `parts` `_stage_parts` when the caller has it (the search)."""
     pp, dp, cp, tp = lay.pp, lay.dp, lay.cp, lay.tp
     micro_batches = m.global_batch // (dp * b)  # per pipeline per step
     output, counts, per_kind, exchange = parts or _stage_parts(cluster, m, lay, b, sp, recompute, fs, counts)
@@ -1216,10 +1281,10 @@ def step_time_terms(cluster, m, lay, b, v, recompute, sp, zero, fs, params, coun
 
 
 def compute_by_kind(cluster, m, lay, b, recompute, fs, counts):
-    """`compute_s` split by kind (the parts add up to it): the layers' GEMMs, attention cores and memory-bound
-    kernels (LayerNorms, bias-dropout-adds, GeLU, launches; a MoE layer's permutations and expert activation),
-    each 3 x its forward (a flash attention core 3.5 x) plus what the recomputation redoes, and the output layer
-    of the last stage."""
+    """`compute_s` split by kind (the parts add up to it) on the slowest stage (`counts`, `_stage_counts`): the
+    layers' GEMMs, attention cores and memory-bound kernels (LayerNorms, bias-dropout-adds, GeLU, launches; a MoE
+    layer's permutations and expert activation), each 3 x its forward (a flash attention core 3.5 x) plus what the
+    recomputation redoes, and the output layer when that stage is the last."""
     micro_batches = m.global_batch // (lay.dp * b)
     redone = {"none": (), "selective": ("attention",), "full": ("gemm", "attention", "elementwise")}[recompute]
     parts = {}
@@ -1227,7 +1292,7 @@ def compute_by_kind(cluster, m, lay, b, recompute, fs, counts):
         flash = 0.5 if kind == "attention" and cluster.flash_attention else 0
         parts[f"{kind}_s"] = sum(micro_batches * n * (3 + (kind in redone) + flash) * fs[layer][kind]
                                  for n, layer in zip(counts, ("dense", "moe")) if n)
-    parts["output_layer_s"] = micro_batches * output_layer_seconds(cluster, m, lay.tp, lay.cp, b)
+    parts["output_layer_s"] = micro_batches * output_layer_seconds(cluster, m, lay.tp, lay.cp, b) if counts[2] else 0.0
     return parts
 
 
@@ -1726,7 +1791,8 @@ MOE_RUN_KNOBS = dict(micro_batch=1, recompute="none", sequence_parallel=True, ze
 # configurations of April 2025 (github.com/yanring/Megatron-MoE-ModelZoo, commit 78fd4d6, runtime.conf and
 # model_configs/benchmarking/*.yaml): sequence 4096, global batch 256, micro-batch 1, GQA, SwiGLU experts, untied
 # embeddings, RoPE (positions are counted here as learned: 25 M parameters on stage 0, conservative), no dropout
-# (masks are counted: conservative), token dropping at capacity factor 1 in benchmark mode (load factor 1).
+# (masks are counted: conservative), balanced load (benchmark mode: tokens dropped at capacity factor 1).
+# Mixtral's layout was changed to v = 7 in July 2025 (commit 7f59386): MIXTRAL_V7 below.
 MOE_RUNS = (
     {"name": "Mixtral 8x22B", "gpus": 128, "measured_mfu": 0.493, "tp": 2, "pp": 8, "cp": 1, "ep": 8,
      "virtual_stages": 1,
@@ -1739,6 +1805,9 @@ MOE_RUNS = (
                          moe_every=1, experts=64, top_k=8, expert_hidden=2560, shared_expert_hidden=20480,
                          swiglu=True, tied_embeddings=False, capacity_factor=1.0)},
 )
+
+
+MIXTRAL_V7 = dict(MOE_RUNS[0], virtual_stages=7)
 
 
 def megatron_flops_per_token(m):
@@ -1755,12 +1824,12 @@ def moe_run_cluster(run, **cluster_overrides):
     return Cluster.for_gpu("h100", run["gpus"], **{**MEGATRON_CORE_2025, **cluster_overrides})
 
 
-def calibrate_moe(**cluster_overrides):
+def calibrate_moe(runs=MOE_RUNS, **cluster_overrides):
     """For each published MoE run: the prediction for its layout and knobs (`MOE_RUN_KNOBS`), its MFU in
     Megatron-Core's count against the measured one, and the planner's top choice with the same software and
     every knob free (TP, PP, CP, EP, micro-batch, v, recomputation, ZeRO)."""
     out = []
-    for run in MOE_RUNS:
+    for run in runs:
         cluster, m = moe_run_cluster(run, **cluster_overrides), run["model"]
         published = estimate(cluster, m, run["tp"], run["pp"], run["cp"], ep=run["ep"],
                              virtual_stages=run["virtual_stages"], **MOE_RUN_KNOBS)

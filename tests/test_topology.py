@@ -1209,7 +1209,8 @@ def _shape_of(cfg, **extra):
 @pytest.mark.parametrize("moe_every", [0, 1, 2])
 def test_moe_parameters_and_flops_per_token_equal_train_gpts(moe_every):
     # parameter_count is Narayanan's formula, which leaves out the final LayerNorm (2 h) that train_gpt.py has;
-    # measured: 52,800 (dense), 135,744 (MoE every layer), 94,272 (every second layer)
+    # measured: 53,952 (dense), 152,128 (MoE every layer), 103,040 (every second layer) parameters; 356,352,
+    # 557,568 and 456,960 FLOPs per token
     import train_gpt
     cfg = train_gpt.GPTConfig(vocab_size=64, seq_len=32, n_layer=4, n_head=4, n_embd=32, moe_every=moe_every,
                               n_experts=4, top_k=2)
@@ -1217,6 +1218,8 @@ def test_moe_parameters_and_flops_per_token_equal_train_gpts(moe_every):
     counted = run_ranks(_train_gpt_parameters, 1, cfg, timeout=60)[0]
     assert counted == topology.parameter_count(m) + 2 * cfg.n_embd
     assert topology.flops_per_token(m) == train_gpt.model_flops_per_token(cfg)
+    assert (counted, topology.flops_per_token(m)) == {0: (53952, 356352), 1: (152128, 557568),
+                                                      2: (103040, 456960)}[moe_every]
     # per token the run's FLOPs are 6 x the active matmul weights + 12 L h s: top-k of the E experts
     h, L = cfg.n_embd, cfg.n_layer
     moe_layers = L // moe_every if moe_every else 0
@@ -1351,8 +1354,8 @@ def test_the_search_covers_ep_beside_every_other_knob():
 def test_planner_answers_for_16384_gpus_with_moe_in_under_a_second():
     # a DeepSeek-like fine-grained MoE (256 experts of 2048, top-8, a shared expert) on 16,384 H100: 1,210 layouts
     # (TP, PP, CP and every EP dividing both 256 and the folding's ranks). Measured 0.38-0.48 s of CPU; the wall
-    # time was the same on an idle machine and 3 s at a load average of 12 (other jobs on the 2 shared cores),
-    # so the bound is on the CPU time this process spends planning
+    # time was 0.40 s on a quiet machine and 3 s at a load average of 12 (other jobs on the 2 shared cores), so
+    # the bound is on the CPU time this process spends planning
     c = topology.Cluster.for_gpu("h100", 16384)
     m = topology.ModelShape(layers=64, hidden=7168, heads=128, seq=4096, vocab=129280, global_batch=16384,
                             moe_every=1, experts=256, top_k=8, expert_hidden=2048, swiglu=True,

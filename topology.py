@@ -21,9 +21,9 @@ one (tp, pp) position, and EDP (expert data parallel) groups hold the replicas o
 
 The planner estimates, for every layout that divides the cluster and the model, the memory of one
 first-stage GPU and the time of one training step, chooses the knobs a practitioner chooses besides
-(TP, PP, CP) -- the recomputation (none, selective, full: the cheapest that fits), the micro-batch size b,
-the interleaved schedule's chunks per stage v, sequence parallelism (SP) and the distributed optimizer
-(ZeRO-1) -- ranks the layouts that fit by step time, and says why the winner wins. It models Megatron-LM
+(TP, PP, CP, and EP for a MoE model) -- the recomputation (none, selective, full: the cheapest that fits), the
+micro-batch size b, the interleaved schedule's chunks per stage v, sequence parallelism (SP) and the distributed
+optimizer (ZeRO-1) -- ranks the layouts that fit by step time, and says why the winner wins. It models Megatron-LM
 (GPT, 4h MLP, tied embeddings, unfused attention core, 16-bit), the implementation Narayanan et al. 2021
 measured. Notation: s b h a L V t p c d as usual, m = B / (d b) micro-batches per pipeline, M = b s / c
 tokens per GPU, n = d c the gradient-reduction group.
@@ -121,11 +121,76 @@ recomputes: a throughput in Table 1's units. `mfu` uses the model FLOPs, 72 B s 
 `hfu` the hardware FLOPs, the model FLOPs plus what the plan recomputes (Korthikanti et al. 2022: full
 recomputation adds 24 B s L h^2 (1 + s/6h), selective the attention core's 4 B s^2 h L).
 
+MoE (ModelShape with train_gpt.py's names: every `moe_every`-th layer's MLP is E = `experts` expert MLPs of hidden
+f = `expert_hidden`, k = `top_k` per token, a router of E h weights, optionally a shared expert of hidden f_s that
+every token passes; train_gpt.py's block is moe_ep.MoE(h, 4h, E, k): f = 4h, GeLU, f_s = 0, no expert or router
+biases). With n = 2 matrices per expert MLP (3 with SwiGLU) and h_kv the K/V width (h; less with GQA):
+    parameters   a dense layer 12 h^2 + 13 h; a MoE layer 2 h^2 + 2 h h_kv + (h + 2 h_kv) + h + 4 h (attention, its
+                 biases, LayerNorms) + E h + n h f_s + E n h f; + V h (twice untied) + s h. Active per token: k of
+                 the E experts
+    FLOPs        6 N + 12 L h s per token (train_gpt.py's model_flops_per_token), N = V h + per layer 2 h^2 + 2 h h_kv
+                 and 8 h^2 (dense) or E h + k n h f + k h + n h f_s (MoE: router, k experts, the weighted sum of
+                 their outputs, the shared expert)
+    layout       experts whole (expert TP 1), sharded over EP and replicated over EDP: the expert grid tp-ep-edp-pp,
+                 ep x edp = cp x dp, EP at stride tp (Cluster.expert_folding "dp_cp": topology.rank_groups and
+                 train_gpt.py, whose TP ranks each hold the EP shard's experts and split the MoE tokens), or
+                 Megatron-Core's MoE parallel folding (Liu et al. 2025; "tp_dp_cp"): ep x edp = tp x cp x dp, EP
+                 fastest. A MoE layer sees T = b s / (t c) tokens per GPU (SP: Megatron-Core requires it with MoE
+                 and TP), R = T k F copies of which reach this GPU's E/ep experts
+    load factor  F: the busiest EP rank's copies over the uniform T k; `imbalance` (>= 1, stated: 1 for balanced
+                 routing; load_imbalance(copies per EP rank) of a measured routing), capped by `capacity_factor`
+                 when tokens are dropped, 1 without EP (one GPU holds every expert)
+    memory       E/ep experts per MoE layer, their optimizer states sharded by ZeRO-1 over EDP (cp dp/ep; tp cp dp/ep
+                 folded), the dense ones over dp cp; kept per MoE layer and micro-batch (15 + 5 a s/h) s b h/t
+                 (attention and LayerNorms as Korthikanti; the scores not with selective or flash) + 2 T h + 4 T E +
+                 T h + 4 R h + 2 (g + 1)(R f + T f_s) (router input and fp32 probabilities, dropout mask, each copy's
+                 expert input and output, the expert activations; g = 2 with SwiGLU, 1 with GeLU); full: 2 s b h/t
+    all-to-all   per MoE layer and micro-batch: dispatch and combine forward, both again backward (the forward pair
+                 again under full recomputation), each sending T k h e (P - 1)/P x F bytes from the busiest GPU
+                 (FORMULAS.md: a copy stays home with probability 1/P; F times that returns from the busiest rank
+                 in the combine and the dispatch's backward), `moe_a2a_bytes`. With g of the P members on this GPU's
+                 node, (g - 1)/(P - 1) of the bytes go over NVLink and (P - g)/(P - 1) over this GPU's own NIC, at once:
+                 max(inside / NVLink, across / IB) + a latency (`a2a_seconds`); the counts exchange adds a latency.
+                 Not overlapped (Megatron-Core's alltoall dispatcher of 2025); a shared expert's overlap is not
+                 modelled
+    time         the router (T, h, E); each local expert's GEMMs (r, h, g f) and (r, f, h) on its r = R/(E/ep)
+                 rows, x = min(r, h, f): many experts at a small load run below e_max; the shared expert
+                 as a TP-split MLP; PERMUTE_BYTES = 8 per element of T k h (permutation, un-permutation and weighted
+                 sum) and EXPERT_ACT_BYTES 4 (GeLU) or 6 (SwiGLU) per element of R f through HBM, 6 more kernels;
+                 one TP pair (the attention's) instead of two, two with a shared expert; gradients of the dense weights
+                 over dp cp, of the experts over the tp cp dp/ep GPUs holding the same ones. The slowest stage is the
+                 last (the output layer), or one with more MoE layers when that one is slower.
+Implementation switches besides the presets (Cluster): `flash_attention` (Megatron-Core, Transformer Engine: the
+attention core is the causal half of 4 (h/a) FLOPs per score at e_max, 2.5x that in backward, no scores kept),
+`grad_bytes` 4 (fp32 main grads: 2 + 4 + 12 bytes per parameter, 6 + 12/n with ZeRO-1, 4-byte gradient reduction),
+`expert_folding`. The search tries every EP that divides E and the folding's ranks; under one second for 16,384 GPUs.
+
+Against published MoE runs (`python topology.py calibrate`, after Table 1). Liu et al. 2025, "MoE Parallel Folding"
+(arXiv 2504.14960), report 49.3% MFU for Mixtral 8x22B on 128 H100 and 39.0% for Qwen2-57B-A14B on 64, in
+Megatron-Core's FLOP count (`megatron_flops_per_token`: without the router and the weighted sum, 0.01% and 0.05% less
+than ours). Their layouts are the authors' benchmark configurations of April 2025 (github.com/yanring/Megatron-MoE-
+ModelZoo, commit 78fd4d6: runtime.conf, model_configs/benchmarking): Mixtral 8x22B (56 layers, h 6144, 48 heads, 8 KV
+groups, 8 SwiGLU experts of 16384, top-2, V 32000) TP2 PP8 EP8 (expert TP 1) DP8, v 1; Qwen2-57B-A14B (28 layers, h
+3584, 28 heads, 4 KV groups, 64 experts of 2560, top-8, a shared expert of 20480, V 151936) TP2 PP4 EP4 DP8, v 7; both
+sequence 4096, global batch 256, micro-batch 1, untied embeddings, no recomputation, SP, distributed optimizer,
+overlapped gradient reduction, flash attention, bf16 (MEGATRON_CORE_2025, MOE_RUN_KNOBS); load factor 1 (balanced:
+the benchmark mode drops tokens at capacity factor 1, so no expert exceeds its share). With the H100 preset
+unchanged (e_max and x0 carried over from Table 1, nothing fitted to these rows) the published layouts are predicted
+at 46.0% (-6.7%) and 39.8% (+2.1%) MFU, worst error -6.7%, and fit (69.6 and 63.5 GB of 72): counted conservatively (positions as learned, 25 M parameters; dropout masks
+although the runs had no dropout; K and V at full width in Korthikanti's 11 s b h). The planner's own top choice with
+the same software: Mixtral TP2 PP8 CP2 EP8 v7 (the published layout +4.2% slower), Qwen2 TP2 PP2 EP8 DP16 v7 (+4.7%).
+The authors' later Mixtral layout (July 2025, v 7) is predicted at +3.1% but does not fit under that count (74.7 GB).
+DeepSeek-V3 (technical report, arXiv 2412.19437: 2,048 H800, PP16 with DualPipe, EP64 over 8 nodes, ZeRO-1, 180K H800
+GPU hours per trillion tokens, i.e. 1,543 tokens/s per GPU) is not in the table: its MLA attention, FP8 GEMMs,
+DualPipe's overlapped all-to-alls and node-limited routing are outside this cost model.
+
 Run `python topology.py --help`; `python topology.py --nodes 8 --gpus-per-node 8 --tp 8 --pp 4` draws
-the rank map; `python topology.py plan ...` plans; `python topology.py calibrate` prints Table 1 beside the
-planner; `python topology.py example` compares the chapter's two 64-GPU plans on two model shapes.
+the rank map; `python topology.py plan ...` plans (`--moe-every --experts --top-k --ep ...` for MoE);
+`python topology.py calibrate` prints Table 1 and the MoE runs beside the planner; `python topology.py example`
+compares the chapter's two 64-GPU plans on two model shapes, then EP inside a node against EP across nodes.
 """
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -493,6 +558,15 @@ OPTIMIZER_STEP_BYTES = 48     # per parameter updated: grad to fp32 (6), unscale
 #                               Adam (read p g m v, write p m v: 28), master back to 16 bits (6)
 KERNELS_PER_LAYER = 20        # kernels in one layer's forward (4 GEMMs, 2 batched GEMMs, 2 LayerNorms, softmax,
 #                               dropout, GeLU, 2 bias-dropout-adds, 2 TP collectives, copies); backward twice that
+# MoE layers (the module docstring's MoE section): HBM traffic of the token permutation and of the experts'
+# activation function, and the extra kernels of the dispatch
+PERMUTE_BYTES = 8             # per element of the T k h token copies, forward: the permutation before the
+#                               dispatch (read and write 16 bits: 4), the un-permutation and weighted sum after the
+#                               combine (4)
+EXPERT_ACT_BYTES = {False: 4, True: 6}  # per element of the R x f expert activation: GeLU reads and writes (2 + 2);
+#                               SwiGLU reads the two halves and writes their product (2 + 2 + 2)
+MOE_EXTRA_KERNELS = 6         # router GEMM, softmax and top-k, histogram, counts all-to-all, permutation and its
+#                               inverse (a MoE layer's forward: KERNELS_PER_LAYER + these)
 MAX_MICRO_BATCH = 16          # the search tries micro-batch sizes up to this (Table 1 uses 1 to 16)
 MAX_VIRTUAL_STAGES = 8        # and interleaved schedules of up to this many model chunks per GPU
 
@@ -538,6 +612,16 @@ class Cluster:
     # and P2P communication overlap at PP=2"); 3 in 2021, whose arguments.py asserts "pipeline-model-parallel size
     # should be greater than 2 with interleaved schedule" (Table 1's 39.1B run, PP = 2, could not interleave)
     interleave_min_pp: int = 2
+    # the attention core: unfused (False: Megatron-LM 2021, the s x s scores through HBM) or a flash kernel (True:
+    # Megatron-Core with --use-flash-attn / Transformer Engine: no scores stored, compute-bound, 2.5x in backward)
+    flash_attention: bool = False
+    # bytes per gradient element, held and reduced: 2 (Megatron-LM 2021's fp16 gradient buffers; the distributed
+    # optimizer then keeps an fp32 copy in its shard) or 4 (Megatron-Core's fp32 main grads under bf16)
+    grad_bytes: int = GRAD_BYTES
+    # which ranks an EP group is drawn from (the module docstring, MoE section): "dp_cp", the dp x cp ranks of one
+    # (tp, pp) position, as topology.rank_groups builds them and train_gpt.py runs them; or "tp_dp_cp", Megatron-
+    # Core's MoE parallel folding with expert TP 1 (Liu et al. 2025): all tp x cp x dp ranks of a stage, EP fastest
+    expert_folding: str = "dp_cp"
 
     def __post_init__(self):
         # `not value > 0` rather than `value <= 0`: NaN fails it too
@@ -554,6 +638,10 @@ class Cluster:
         if not self.efficiency <= 1:  # a fraction of the datasheet peak: above 1, GEMMs would beat the hardware
             raise ValueError(f"efficiency={self.efficiency!r} must be in (0, 1] ({_flag('efficiency')})")
         _check_count("interleave_min_pp", self.interleave_min_pp, "2 today, 3 for Megatron-LM 2021")
+        if self.grad_bytes not in (2, 4):
+            raise ValueError(f"grad_bytes={self.grad_bytes!r} must be 2 (16-bit gradients) or 4 (fp32 main grads)")
+        if self.expert_folding not in EXPERT_FOLDINGS:
+            raise ValueError(f"expert_folding={self.expert_folding!r}; choose one of {', '.join(EXPERT_FOLDINGS)}")
 
     @classmethod
     def for_gpu(cls, gpu, gpus, **overrides):
@@ -563,13 +651,24 @@ class Cluster:
 
 
 RECOMPUTE_POLICIES = ("none", "selective", "full")  # cheapest first
+EXPERT_FOLDINGS = ("dp_cp", "tp_dp_cp")
 
 
 @dataclass
 class ModelShape:
     """A GPT (4h MLP, learned positions, tied embeddings) and a global batch. The knobs `micro_batch`,
     `recompute`, `sequence_parallel`, `zero` and `virtual_stages` are fixed when given and chosen by the
-    planner when None."""
+    planner when None.
+
+    MoE, with train_gpt.py's names: every `moe_every`-th layer (layer i when (i + 1) % moe_every == 0; 0: a dense
+    model) replaces its MLP by `experts` expert MLPs of hidden size `expert_hidden` (None: 4h), `top_k` per token,
+    a router of experts x h weights and optionally a shared expert MLP of hidden size `shared_expert_hidden` (0:
+    none) that every token passes. train_gpt.py's MoE block is moe_ep.MoE(h, 4h, E, k): expert_hidden None,
+    swiglu False, shared_expert_hidden 0, no biases in the router or the experts. `capacity_factor` (None:
+    dropless) caps and `imbalance` (>= 1) states the load of the busiest EP rank over the uniform one (the
+    docstring's f). `swiglu` gates the expert and shared MLPs (3 matrices each; the dense MLPs stay 4h GeLU),
+    `kv_heads` (None: heads) is grouped-query attention, `tied_embeddings` False gives the last stage its own
+    output layer: the shapes of the published MoE runs."""
     layers: int
     hidden: int
     heads: int
@@ -581,6 +680,16 @@ class ModelShape:
     sequence_parallel: bool = None
     zero: bool = None              # distributed optimizer (ZeRO-1) over the DP x CP ranks
     virtual_stages: int = None     # model chunks per GPU of the interleaved 1F1B schedule (1: plain 1F1B)
+    moe_every: int = 0
+    experts: int = 8
+    top_k: int = 2
+    expert_hidden: int = None
+    shared_expert_hidden: int = 0
+    capacity_factor: float = None
+    imbalance: float = 1.0
+    swiglu: bool = False
+    kv_heads: int = None
+    tied_embeddings: bool = True
 
     def __post_init__(self):
         # a size of 0 would otherwise surface as a ZeroDivisionError deep in the cost model
@@ -590,33 +699,148 @@ class ModelShape:
         for name in ("micro_batch", "virtual_stages"):  # None: the planner chooses
             if getattr(self, name) is not None:
                 _check_count(name, getattr(self, name), "omit it to let the planner choose")
+        if self.kv_heads is not None:
+            _check_count("kv_heads", self.kv_heads, "omit it for multi-head attention")
+            if self.heads % self.kv_heads:
+                raise ValueError(f"kv_heads={self.kv_heads} must divide heads={self.heads} ({_flag('kv_heads')})")
+        if not (isinstance(self.moe_every, numbers.Integral) and not isinstance(self.moe_every, bool)
+                and 0 <= self.moe_every <= self.layers):
+            raise ValueError(f"moe_every={self.moe_every!r} must be an integer in 0..layers={self.layers} "
+                             "(--moe-every; 0: a dense model)")
+        if self.moe_every:
+            _check_count("experts", self.experts, "give the experts per MoE layer")
+            _check_count("top_k", self.top_k, "give the experts each token goes to")
+            if self.top_k > self.experts:
+                raise ValueError(f"top_k={self.top_k} exceeds experts={self.experts} (--top-k): choose at most "
+                                 f"{self.experts}")
+            if self.expert_hidden is not None:
+                _check_count("expert_hidden", self.expert_hidden, "omit it for 4 x hidden")
+            if not (isinstance(self.shared_expert_hidden, numbers.Integral) and self.shared_expert_hidden >= 0):
+                raise ValueError(f"shared_expert_hidden={self.shared_expert_hidden!r} must be an integer >= 0 "
+                                 "(--shared-expert-hidden; 0: no shared expert)")
+            if self.capacity_factor is not None and not (math.isfinite(self.capacity_factor)
+                                                         and self.capacity_factor > 0):
+                raise ValueError(f"capacity_factor={self.capacity_factor!r} must be positive and finite "
+                                 "(--capacity-factor); omit it for dropless routing")
+            if not (math.isfinite(self.imbalance) and self.imbalance >= 1):
+                raise ValueError(f"imbalance={self.imbalance!r} must be >= 1 (--imbalance): the busiest EP rank's "
+                                 "tokens over the uniform share, 1 for balanced routing")
+
+
+# ---- the model's parameters and FLOPs ------------------------------------------------------------------
+
+def _kv_width(m):
+    """Width of K (and of V): h for multi-head attention, h kv_heads / heads with grouped-query attention."""
+    return m.hidden if m.kv_heads is None else m.hidden * m.kv_heads // m.heads
+
+
+def expert_hidden(m):
+    return 4 * m.hidden if m.expert_hidden is None else m.expert_hidden
+
+
+def moe_layers_between(m, first, last):
+    """MoE layers among layers first .. last-1: layer i is one when (i + 1) % moe_every == 0 (train_gpt.py)."""
+    return last // m.moe_every - first // m.moe_every if m.moe_every else 0
+
+
+def stage_layer_counts(m, pp, stage):
+    """(dense, MoE) layers of pipeline stage `stage` (each stage holds L/p consecutive layers)."""
+    per = m.layers // pp
+    moe = moe_layers_between(m, stage * per, (stage + 1) * per)
+    return per - moe, moe
+
+
+def layer_parameters(m):
+    """Parameters of one layer, by kind: a dense layer (12 h^2 + 13 h with multi-head attention: attention 4 h^2
+    + 4 h, MLP 8 h^2 + 5 h, 2 LayerNorms 4 h); the part of a MoE layer that is not an expert (attention,
+    LayerNorms, router E h, the shared expert); one expert (2 h f weights, 3 h f with SwiGLU; no biases)."""
+    h, kv, mats = m.hidden, _kv_width(m), 3 if m.swiglu else 2
+    attention = 2 * h * h + 2 * h * kv + (h + 2 * kv) + h  # QKV and projection weights and biases
+    dense = attention + 4 * h + 8 * h * h + 5 * h
+    return {"dense": dense,
+            "moe_shared": attention + 4 * h + m.experts * h + mats * h * m.shared_expert_hidden,
+            "expert": mats * h * expert_hidden(m)}
+
+
+def _embedding_parameters(m, both_ends):
+    """Token embedding (and, untied and when one GPU holds both ends, the output layer): V h each."""
+    return m.vocab * m.hidden * (2 if both_ends and not m.tied_embeddings else 1)
 
 
 def parameter_count(m):
-    """Narayanan et al. 2021: P = 12 L h^2 (1 + 13/(12h) + (V + s)/(12 L h))."""
-    return 12 * m.layers * m.hidden ** 2 + 13 * m.layers * m.hidden + (m.vocab + m.seq) * m.hidden
+    """Every parameter. Dense: Narayanan et al. 2021, P = 12 L h^2 (1 + 13/(12h) + (V + s)/(12 L h)); a MoE layer
+    holds all E experts; untied embeddings add the output layer's V h."""
+    dense, moe = m.layers - moe_layers_between(m, 0, m.layers), moe_layers_between(m, 0, m.layers)
+    p = layer_parameters(m)
+    return (dense * p["dense"] + moe * (p["moe_shared"] + m.experts * p["expert"])
+            + _embedding_parameters(m, True) + m.seq * m.hidden)
 
 
-def params_on_first_stage(m, tp, pp):
-    """Parameters held by one GPU of the first stage: L/p layers and the token embedding split t ways, the
-    position embedding whole (Megatron-LM does not split it; the few replicated LayerNorm weights, < 0.1%,
-    are counted as split). The last stage holds the tied output embedding instead: the same count."""
-    h = m.hidden
-    return ((12 * h * h + 13 * h) * (m.layers // pp) + m.vocab * h) / tp + m.seq * h
+def active_parameter_count(m):
+    """The parameters one token uses: every layer's dense part, its MoE layers' top-k experts (and the shared
+    expert and router), the embeddings (input and output)."""
+    dense, moe = m.layers - moe_layers_between(m, 0, m.layers), moe_layers_between(m, 0, m.layers)
+    p = layer_parameters(m)
+    return (dense * p["dense"] + moe * (p["moe_shared"] + m.top_k * p["expert"])
+            + _embedding_parameters(m, True) + m.seq * m.hidden)
+
+
+def _first_stage_parameters(m, tp, pp, ep):
+    """(dense part, expert part) of the parameters of one first-stage GPU: its L/p layers and the token
+    embedding split t ways, the position embedding whole (Megatron-LM does not split it; the few replicated
+    LayerNorm and router weights, < 0.1%, are counted as split); E/ep experts of each MoE layer, whole (expert
+    TP 1). The last stage holds the output layer instead of the embedding: the same count."""
+    dense, moe = stage_layer_counts(m, pp, 0)
+    p = layer_parameters(m)
+    shared = (p["dense"] * dense + p["moe_shared"] * moe + _embedding_parameters(m, pp == 1)) / tp + m.seq * m.hidden
+    return shared, moe * (m.experts // ep) * p["expert"]
+
+
+def params_on_first_stage(m, tp, pp, ep=1):
+    """Parameters held by one GPU of the first stage (`_first_stage_parameters`, both parts)."""
+    shared, experts = _first_stage_parameters(m, tp, pp, ep)
+    return shared + experts
+
+
+def _is_plain(m):
+    """A dense GPT with multi-head attention: the published closed forms below hold exactly."""
+    return m.moe_every == 0 and _kv_width(m) == m.hidden
+
+
+def _matmul_weights_per_token(m):
+    """Weights of the matmuls one token passes in the layers (train_gpt.py's count): attention 2 h^2 + 2 h h_kv, a
+    dense MLP 8 h^2, a MoE MLP E h (router) + k (2|3) h f (its top-k experts) + k h (the router-weighted sum of the
+    k outputs, a (1 x k)(k x h) product) + (2|3) h f_s (the shared expert)."""
+    h, kv, mats = m.hidden, _kv_width(m), 3 if m.swiglu else 2
+    moe = moe_layers_between(m, 0, m.layers)
+    attention = 2 * h * h + 2 * h * kv
+    moe_mlp = m.experts * h + m.top_k * mats * h * expert_hidden(m) + m.top_k * h + mats * h * m.shared_expert_hidden
+    return m.layers * attention + (m.layers - moe) * 8 * h * h + moe * moe_mlp
+
+
+def flops_per_token(m):
+    """Training FLOPs per token (PaLM appendix B, as train_gpt.py's `model_flops_per_token`): 6 N + 12 L h s, N
+    the weights of every matmul a token passes (`_matmul_weights_per_token`) and the output layer V h."""
+    return 6 * (_matmul_weights_per_token(m) + m.vocab * m.hidden) + 12 * m.layers * m.hidden * m.seq
 
 
 def paper_flops(m):
     """FLOPs of one step as Narayanan et al. 2021 count them (their Table 1's TFLOP/s): every layer 4 x its
-    forward (forward, backward 2x, the recomputed forward), the logits 3 x: 96 B s L h^2 (1 + s/6h + V/16Lh)."""
+    forward (forward, backward 2x, the recomputed forward), the logits 3 x: 96 B s L h^2 (1 + s/6h + V/16Lh);
+    for MoE or grouped-query shapes the same rule on `_matmul_weights_per_token`: B s (8 N + 16 L h s + 6 V h)."""
     B, s, L, h, V = m.global_batch, m.seq, m.layers, m.hidden, m.vocab
-    return 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+    if _is_plain(m):
+        return 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+    return B * s * (8 * _matmul_weights_per_token(m) + 16 * L * h * s + 6 * V * h)
 
 
 def model_flops(m):
     """FLOPs of one step without recomputation (Korthikanti et al. 2022's model FLOPs, for MFU):
-    72 B s L h^2 (1 + s/6h + V/12Lh)."""
+    72 B s L h^2 (1 + s/6h + V/12Lh); MoE or grouped-query shapes: B s x `flops_per_token`."""
     B, s, L, h, V = m.global_batch, m.seq, m.layers, m.hidden, m.vocab
-    return 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+    if _is_plain(m):
+        return 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
+    return B * s * flops_per_token(m)
 
 
 def _knob_value(name, given, from_model, default):
@@ -632,29 +856,86 @@ def _knob_value(name, given, from_model, default):
 
 def training_flops(m, recompute=None):
     """Hardware FLOPs of one step: model FLOPs plus what the recomputation redoes: full redoes each layer's
-    forward, 24 B s L h^2 (1 + s/6h) (giving the 96 formula); selective redoes the attention core, 4 B s^2 h L."""
+    forward, 24 B s L h^2 (1 + s/6h) (giving the 96 formula; MoE: B s (2 N + 4 L h s)); selective redoes the
+    attention core, 4 B s^2 h L."""
     recompute = _knob_value("recompute", recompute, m.recompute, "none")
     B, s, L, h = m.global_batch, m.seq, m.layers, m.hidden
-    extra = {"none": 0, "selective": 4 * B * s * s * h * L,
-             "full": 24 * B * s * L * h * h * (1 + s / (6 * h))}[recompute]
+    full = (24 * B * s * L * h * h * (1 + s / (6 * h)) if _is_plain(m)
+            else B * s * (2 * _matmul_weights_per_token(m) + 4 * L * h * s))
+    extra = {"none": 0, "selective": 4 * B * s * s * h * L, "full": full}[recompute]
     return model_flops(m) + extra
 
 
-def activation_bytes_per_layer(m, tp, cp, recompute=None, micro_batch=None, sequence_parallel=None):
+def activation_bytes_per_layer(m, tp, cp, recompute=None, micro_batch=None, sequence_parallel=None,
+                               flash_attention=False):
     """Korthikanti et al. 2022, 16-bit, one layer, one micro-batch, the sequence split cp ways:
     without SP  none s b h (10 + 24/t + 5as/(ht)), selective s b h (10 + 24/t), full 2 s b h;
     with SP     none s b h/t (34 + 5as/h),        selective 34 s b h/t,       full 2 s b h/t.
-    Knobs not given come from `m` (then: no recomputation, micro-batch 1, SP on)."""
+    A flash attention kernel stores no scores: its "none" is "selective". Knobs not given come from `m` (then:
+    no recomputation, micro-batch 1, SP on)."""
     recompute = _knob_value("recompute", recompute, m.recompute, "none")
     b = _knob_value("micro_batch", micro_batch, m.micro_batch, 1)
     if sequence_parallel is None:
         sequence_parallel = m.sequence_parallel is not False
+    return _dense_layer_bytes(m, tp, cp, recompute, b, sequence_parallel, flash_attention)
+
+
+def _dense_layer_bytes(m, tp, cp, recompute, b, sequence_parallel, flash_attention):
     s_local, s, h, a, t = m.seq // cp, m.seq, m.hidden, m.heads, tp
     sbh = s_local * b * h
-    scores = 5 * a * s / (h * t)
+    scores = 0 if flash_attention else 5 * a * s / (h * t)
     if sequence_parallel:
         return {"none": sbh / t * (34 + scores * t), "selective": 34 * sbh / t, "full": 2 * sbh / t}[recompute]
     return {"none": sbh * (10 + 24 / t + scores), "selective": sbh * (10 + 24 / t), "full": 2 * sbh}[recompute]
+
+
+def moe_load_factor(m, ep):
+    """The docstring's f: tokens (copies) of the busiest EP rank over the uniform share T k: `imbalance` across an
+    EP group, 1 without EP (one rank holds every expert), capped by the capacity factor when tokens are dropped."""
+    factor = m.imbalance if ep > 1 else 1.0
+    return factor if m.capacity_factor is None else min(factor, m.capacity_factor)
+
+
+def moe_activation_bytes_per_layer(m, tp, cp, ep, recompute=None, micro_batch=None, flash_attention=False):
+    """A MoE layer's kept bytes for one micro-batch (sequence parallelism: Megatron-Core requires it with MoE and
+    TP; train_gpt.py splits the MoE tokens over TP anyway). Attention and LayerNorms as Korthikanti (11 + 4) s b h/t
+    (+ the scores unless recomputed or flash); the MoE MLP on the T = s b/(t cp) tokens of this GPU, R = T k f
+    copies of which reach its experts: the router input 2 T h and its fp32 probabilities 4 T E, the dropout mask
+    T h, each copy's expert input and output 2 + 2 bytes per element of R h, the expert activation's input and
+    output 2 R f (2 + 1) with SwiGLU, 2 R f (1 + 1) with GeLU, and the shared expert's likewise on T x f_s. Full
+    recomputation keeps the layer input, 2 s b h/t."""
+    recompute = _knob_value("recompute", recompute, m.recompute, "none")
+    b = _knob_value("micro_batch", micro_batch, m.micro_batch, 1)
+    return _moe_layer_bytes(m, tp, cp, ep, recompute, b, flash_attention)
+
+
+def _moe_layer_bytes(m, tp, cp, ep, recompute, b, flash_attention):
+    s_local, h, a, t = m.seq // cp, m.hidden, m.heads, tp
+    sbh = s_local * b * h
+    if recompute == "full":
+        return 2 * sbh / t
+    tokens = s_local * b / t
+    copies = tokens * m.top_k * moe_load_factor(m, ep)
+    gates = 2 if m.swiglu else 1
+    mlp = (2 * tokens * h + 4 * tokens * m.experts + tokens * h + 4 * copies * h
+           + 2 * (gates + 1) * (copies * expert_hidden(m) + tokens * m.shared_expert_hidden))
+    scores = 0 if flash_attention or recompute == "selective" else 5 * a * s_local * m.seq * b / t
+    return 15 * sbh / t + scores + mlp
+
+
+def moe_a2a_bytes(tokens, hidden, top_k, ep, bytes_per_element=ACT_BYTES, imbalance=1.0):
+    """Bytes one rank sends in each all-to-all of one MoE layer and micro-batch, by name: dispatch and combine,
+    forward and backward. T tokens on the rank, k copies each, uniform routing: a copy stays home with
+    probability 1/P, so each all-to-all sends T k h e (P - 1)/P; the busiest rank (load f x T k, the others routing
+    as it does) receives, and sends back in the combine and in the dispatch's backward, f times that."""
+    sent = tokens * top_k * hidden * bytes_per_element * (ep - 1) / ep * imbalance
+    return {f"{kind}_{phase}": sent for kind in ("dispatch", "combine") for phase in ("fwd", "bwd")}
+
+
+def load_imbalance(load_per_rank):
+    """The factor f of a routing: the copies that reach the busiest EP rank over the mean (1: balanced)."""
+    load = list(load_per_rank)
+    return max(load) / (sum(load) / len(load))
 
 
 # ---- where each group lives ---------------------------------------------------------------------------
@@ -669,13 +950,21 @@ def _members_per_node(stride, size, gpus, gpus_per_node):
     return max(1, min(size - 1, gpus_per_node // stride))
 
 
-def layout_locality(cluster, tp, pp, cp, dp):
+def layout_locality(cluster, tp, pp, cp, dp, ep=1):
     """Members per node of one group of each kind, by arithmetic on the rank formula (no group lists: planning
-    16,384 GPUs must not build 16,384-rank groups for every candidate)."""
+    16,384 GPUs must not build 16,384-rank groups for every candidate). `ep` and `edp` (the ranks that reduce
+    one expert's gradient: the EDP replicas and, with experts whole on every TP rank, the TP ranks) follow
+    `cluster.expert_folding`."""
     g, n = cluster.gpus_per_node, cluster.gpus
     per_node = {"tp": _members_per_node(1, tp, n, g), "cp": _members_per_node(tp, cp, n, g),
                 "dp_cp": _members_per_node(tp, cp * dp, n, g), "pp": _members_per_node(tp * cp * dp, pp, n, g)}
-    sizes = {"tp": tp, "cp": cp, "dp_cp": cp * dp, "pp": pp}
+    sizes = {"tp": tp, "cp": cp, "dp_cp": cp * dp, "pp": pp, "ep": ep, "edp": tp * cp * dp // ep}
+    if cluster.expert_folding == "dp_cp":  # expert grid tp-ep-edp: EP at stride tp, EDP at stride tp ep
+        per_node["ep"] = _members_per_node(tp, ep, n, g)
+        per_node["edp"] = min(sizes["edp"], per_node["tp"] * _members_per_node(tp * ep, cp * dp // ep, n, g))
+    else:  # Megatron-Core's folding with expert TP 1: ep-edp over the tp x cp x dp ranks, EP fastest
+        per_node["ep"] = _members_per_node(1, ep, n, g)
+        per_node["edp"] = _members_per_node(ep, sizes["edp"], n, g)
     return per_node, {k: per_node[k] == sizes[k] for k in per_node}
 
 
@@ -685,6 +974,16 @@ def _bus_gbps(cluster, members_per_node, size):
     if members_per_node >= size:
         return cluster.nvlink_gbps
     return min(cluster.nvlink_gbps, members_per_node * cluster.ib_gbps)
+
+
+def a2a_seconds(cluster, sent_bytes, size, members_per_node):
+    """One all-to-all sending `sent_bytes` from each rank to the other size-1 members of its group, g of which
+    share its node: (g-1)/(size-1) of the bytes go over NVLink, the rest over this GPU's own NIC, both at once."""
+    if size == 1:
+        return 0.0
+    inside = sent_bytes * (members_per_node - 1) / (size - 1) / (cluster.nvlink_gbps * GB)
+    across = sent_bytes * (size - members_per_node) / (size - 1) / (cluster.ib_gbps * GB)
+    return max(inside, across) + cluster.collective_latency_us * 1e-6
 
 
 # ---- time of one layer on one GPU ----------------------------------------------------------------------
@@ -701,28 +1000,71 @@ def gemm_seconds(cluster, M, N, K):
     return 2 * M * N * K / (cluster.peak_tflops * 1e12 * gemm_efficiency(cluster, min(M, N, K)))
 
 
-def layer_forward(cluster, m, tp, cp, b, sp, lay):
-    """Seconds of one layer's forward on one GPU for one micro-batch of b sequences, by kind."""
+def _moe_mlp_forward(cluster, m, tokens, t, ep, lay):
+    """A MoE MLP's forward on one GPU: (GEMMs, memory-bound work, EP all-to-alls) in seconds. T = tokens/t token
+    copies k each, R = T k f of which reach this GPU's E/ep experts: the router (T, h, E), each local expert's
+    grouped GEMMs on R/(E/ep) rows, the shared expert as a TP-split MLP on all `tokens`; the permutation and
+    un-permutation (PERMUTE_BYTES per element of T k h), the expert activation (EXPERT_ACT_BYTES per element of
+    R f); dispatch and combine (`moe_a2a_bytes`, `a2a_seconds`) and the small counts all-to-all (a latency)."""
+    h, f, fs, gates = m.hidden, expert_hidden(m), m.shared_expert_hidden, 2 if m.swiglu else 1
+    mine = tokens / t
+    local = m.experts // ep
+    copies = mine * m.top_k * moe_load_factor(m, ep)
+    rows = copies / local
+    gemms = (gemm_seconds(cluster, mine, h, m.experts)
+             + local * (gemm_seconds(cluster, rows, h, gates * f) + gemm_seconds(cluster, rows, f, h)))
+    if fs:
+        gemms += gemm_seconds(cluster, tokens, h, gates * fs // t) + gemm_seconds(cluster, tokens, fs // t, h)
+    act = EXPERT_ACT_BYTES[m.swiglu]
+    memory = (PERMUTE_BYTES * mine * m.top_k * h + act * (copies * f + tokens * fs / t)) / (cluster.hbm_gbps * GB)
+    sent = moe_a2a_bytes(mine, h, m.top_k, ep, ACT_BYTES, moe_load_factor(m, ep))["dispatch_fwd"]
+    a2a = 0.0
+    if ep > 1:
+        a2a = (2 * a2a_seconds(cluster, sent, ep, lay.per_node["ep"])
+               + cluster.collective_latency_us * 1e-6)
+    return gemms, memory, a2a
+
+
+def layer_forward(cluster, m, tp, cp, b, sp, lay, moe=False):
+    """Seconds of one layer's forward on one GPU for one micro-batch of b sequences, by kind (a MoE layer with
+    `moe`: its MLP from `_moe_mlp_forward`, and `ep_fwd` its all-to-alls)."""
     h, a, s, t = m.hidden, m.heads, m.seq, tp
+    kv = _kv_width(m)
     tokens = b * s // cp
     hbm = cluster.hbm_gbps * GB
-    gemms = (gemm_seconds(cluster, tokens, h, 3 * h // t) + gemm_seconds(cluster, tokens, h // t, h)
-             + gemm_seconds(cluster, tokens, h, 4 * h // t) + gemm_seconds(cluster, tokens, 4 * h // t, h))
-    # attention core (unfused, as in Korthikanti's activation count): the s x s scores of a/t heads; with CP
-    # this GPU's s/cp queries against all s keys. Memory-bound while h/a < 13 peak e_max / (4 HBM).
+    ep_fwd = 0.0
+    if moe:
+        mlp_gemms, mlp_memory, ep_fwd = _moe_mlp_forward(cluster, m, tokens, t, lay.ep, lay)
+        gemms = (gemm_seconds(cluster, tokens, h, (h + 2 * kv) // t) + gemm_seconds(cluster, tokens, h // t, h)
+                 + mlp_gemms)
+    else:
+        gemms = (gemm_seconds(cluster, tokens, h, (h + 2 * kv) // t) + gemm_seconds(cluster, tokens, h // t, h)
+                 + gemm_seconds(cluster, tokens, h, 4 * h // t) + gemm_seconds(cluster, tokens, 4 * h // t, h))
+    # attention core: the s x s scores of a/t heads; with CP this GPU's s/cp queries against all s keys. Unfused
+    # (Korthikanti's activation count): memory-bound while h/a < 13 peak e_max / (4 HBM). Flash: the causal half
+    # of QK^T and AV at the GEMMs' e_max, nothing through HBM
     scores = b * (a // t) * (s // cp) * s
-    attention = max(4 * (h // a) * scores / (cluster.peak_tflops * 1e12 * cluster.efficiency),
-                    SCORE_BYTES * scores / hbm)
+    if cluster.flash_attention:
+        attention = 2 * (h // a) * scores / (cluster.peak_tflops * 1e12 * cluster.efficiency)
+    else:
+        attention = max(4 * (h // a) * scores / (cluster.peak_tflops * 1e12 * cluster.efficiency),
+                        SCORE_BYTES * scores / hbm)
     replicated = t if sp else 1  # sequence parallelism splits LayerNorm and dropout t ways
-    elementwise = (tokens * h * (LAYERNORM_DROPOUT_BYTES / replicated + GELU_BYTES / t) / hbm
-                   + KERNELS_PER_LAYER * cluster.launch_us * 1e-6)
+    if moe:
+        elementwise = (tokens * h * LAYERNORM_DROPOUT_BYTES / replicated / hbm + mlp_memory
+                       + (KERNELS_PER_LAYER + MOE_EXTRA_KERNELS) * cluster.launch_us * 1e-6)
+    else:
+        elementwise = (tokens * h * (LAYERNORM_DROPOUT_BYTES / replicated + GELU_BYTES / t) / hbm
+                       + KERNELS_PER_LAYER * cluster.launch_us * 1e-6)
     # TP: 2 all-reduces of b s h (or all-gather + reduce-scatter with SP: the same bytes), exposed: Megatron-LM
-    # issues them between the GEMMs that need their results
+    # issues them between the GEMMs that need their results. A MoE layer has the attention's pair only (its experts
+    # are whole, its tokens already split over TP), and the shared expert's when it has one
     tp_comm = 0.0
     if t > 1:
         bus = _bus_gbps(cluster, lay.per_node["tp"], t)
-        tp_comm = 2 * (2 * (t - 1) / t * tokens * h * ACT_BYTES / (bus * GB) + cluster.collective_latency_us * 1e-6)
-    # CP ring: K and V shards (2 b s h / (t cp) elements) passed cp - 1 times forward; backward passes them
+        pairs = (1 + (m.shared_expert_hidden > 0)) if moe else 2
+        tp_comm = pairs * (2 * (t - 1) / t * tokens * h * ACT_BYTES / (bus * GB) + cluster.collective_latency_us * 1e-6)
+    # CP ring: K and V shards (2 b s h_kv / (t cp) elements) passed cp - 1 times forward; backward passes them
     # again and returns dK, dV cp times. The ring overlaps each exchange with the previous block's attention
     # (Megatron-Core / Transformer Engine), so only what exceeds the attention core is exposed. Each step also
     # pays a latency and the launches of its partial attention and rescaling kernels (3), and each of the cp - 1
@@ -730,24 +1072,34 @@ def layer_forward(cluster, m, tp, cp, b, sp, lay):
     # dK dV travelling with the ring)
     cp_fwd = cp_bwd = 0.0
     if cp > 1:
-        kv = 2 * tokens * h / t * ACT_BYTES
+        kv_bytes = 2 * tokens * kv / t * ACT_BYTES
         link = (cluster.nvlink_gbps if lay.local["cp"] else cluster.ib_gbps) * GB
         per_step = cluster.collective_latency_us * 1e-6 + 3 * cluster.launch_us * 1e-6
         merge = RING_MERGE_BYTES * tokens * h / t / hbm
-        cp_fwd = max(0.0, (cp - 1) * kv / link - attention) + (cp - 1) * (per_step + merge)
-        cp_bwd = max(0.0, (2 * cp - 1) * kv / link - 2 * attention) + (2 * cp - 1) * per_step + 2 * (cp - 1) * merge
+        cp_fwd = max(0.0, (cp - 1) * kv_bytes / link - attention) + (cp - 1) * (per_step + merge)
+        cp_bwd = (max(0.0, (2 * cp - 1) * kv_bytes / link - 2 * attention) + (2 * cp - 1) * per_step
+                  + 2 * (cp - 1) * merge)
     return {"gemm": gemms, "attention": attention, "elementwise": elementwise, "tp": tp_comm,
-            "cp_fwd": cp_fwd, "cp_bwd": cp_bwd}
+            "cp_fwd": cp_fwd, "cp_bwd": cp_bwd, "ep_fwd": ep_fwd, "flash": cluster.flash_attention}
 
 
 def layer_step(f, recompute):
-    """One layer, one micro-batch: forward, backward (2x the forward's work, the same TP collectives), and
-    what the recomputation redoes (full: the whole forward; selective: the attention core)."""
+    """One layer, one micro-batch: forward, backward (2x the forward's work, the same TP collectives; a flash
+    attention core's backward is 2.5x its forward: it recomputes the scores), and what the recomputation redoes
+    (full: the whole forward; selective: the attention core)."""
     work = f["gemm"] + f["attention"] + f["elementwise"]
     compute = 3 * work + {"none": 0.0, "selective": f["attention"], "full": work}[recompute]
+    if f.get("flash"):
+        compute += 0.5 * f["attention"]
     tp = (3 if recompute == "full" else 2) * f["tp"]
     cp = (1 if recompute == "none" else 2) * f["cp_fwd"] + f["cp_bwd"]
     return compute, tp, cp
+
+
+def ep_step(f, recompute):
+    """EP all-to-alls of one MoE layer and micro-batch: dispatch and combine forward, both again backward, and
+    forward once more under full recomputation; none are overlapped (Megatron-Core's alltoall dispatcher)."""
+    return (3 if recompute == "full" else 2) * f.get("ep_fwd", 0.0)
 
 
 def output_layer_seconds(cluster, m, tp, cp, b):
@@ -778,28 +1130,76 @@ def in_flight_microbatches(pp, v, micro_batches):
     return min(float(micro_batches), pp + (pp - 1) / v)
 
 
-def first_stage_memory(cluster, m, tp, pp, cp, dp, b, v, recompute, sp, zero, micro_batches):
-    """(parameters held, micro-batches in flight, GB by kind) of one GPU of the first stage."""
-    params = params_on_first_stage(m, tp, pp)
-    shard = dp * cp if zero else 1
-    layer = activation_bytes_per_layer(m, tp, cp, recompute, b, sp)
-    in_flight = in_flight_microbatches(pp, v, micro_batches)
+def _state_bytes(cluster):
+    """Bytes per parameter: (weight, gradient, optimizer state). 16-bit gradients: 2, 2 and 16 (fp32 master,
+    Adam's two moments, the fp32 copy of the gradient); fp32 main grads: 2, 4 and 12."""
+    if cluster.grad_bytes == 2:
+        return STATE_BYTES["weights"], STATE_BYTES["grads"], STATE_BYTES["optimizer"]
+    return STATE_BYTES["weights"], 4, 12
+
+
+def expert_shard(cluster, tp, cp, dp, ep):
+    """Ranks over which a distributed optimizer shards one expert's states: its EDP replicas (cp dp / ep with
+    train_gpt.py's folding, whose TP ranks each keep a copy; tp cp dp / ep with Megatron-Core's)."""
+    return (cp * dp if cluster.expert_folding == "dp_cp" else tp * cp * dp) // ep
+
+
+def _activation_parts(cluster, m, tp, pp, cp, ep, b, recompute, sp):
+    """Bytes of one first-stage GPU's activations: (its layers' per micro-batch in flight, the working set of the
+    layer being recomputed, the embedding's dropout mask per micro-batch in flight, the fp32 logits)."""
+    flash = cluster.flash_attention
+    dense_layers, moe_layers = stage_layer_counts(m, pp, 0)
+    kept = dense_layers * _dense_layer_bytes(m, tp, cp, recompute, b, sp, flash) if dense_layers else 0.0
+    if moe_layers:
+        kept += moe_layers * _moe_layer_bytes(m, tp, cp, ep, recompute, b, flash)
     s_local = m.seq // cp
     # the layer being recomputed in the backward holds its activations in full for one micro-batch
-    working = {"none": 0.0, "selective": 5 * m.heads * s_local * m.seq * b / tp,
-               "full": activation_bytes_per_layer(m, tp, cp, "none", b, sp)}[recompute]
-    embedding = s_local * b * m.hidden / (tp if sp else 1) * in_flight  # embedding dropout mask (Korthikanti)
-    logits = 4 * s_local * b * m.vocab / tp if pp == 1 else 0.0          # fp32 logits: stage 0 is also the last
-    mem = {"weights_gb": STATE_BYTES["weights"] * params / GB,
-           "grads_gb": STATE_BYTES["grads"] * params / GB,
-           "optimizer_gb": STATE_BYTES["optimizer"] * params / shard / GB,
-           "activations_gb": ((m.layers // pp) * layer * in_flight + working + embedding + logits) / GB}
-    return params, in_flight, mem
+    if recompute == "full":
+        working = (_moe_layer_bytes(m, tp, cp, ep, "none", b, flash) if moe_layers
+                   else _dense_layer_bytes(m, tp, cp, "none", b, sp, flash))
+    else:
+        working = {"none": 0.0, "selective": 0.0 if flash else 5 * m.heads * s_local * m.seq * b / tp}[recompute]
+    embedding = s_local * b * m.hidden / (tp if sp else 1)  # embedding dropout mask (Korthikanti)
+    logits = 4 * s_local * b * m.vocab / tp if pp == 1 else 0.0  # fp32 logits: stage 0 is also the last
+    return kept, working, embedding, logits
+
+
+def first_stage_memory(cluster, m, tp, pp, cp, dp, b, v, recompute, sp, zero, micro_batches, ep=1, parts=None,
+                       split=None):
+    """(parameters held, micro-batches in flight, GB by kind) of one GPU of the first stage. `parts` and `split`:
+    `_activation_parts` and `_first_stage_parameters` when the caller has them already (the search)."""
+    split = split or _first_stage_parameters(m, tp, pp, ep)
+    parts = parts or _activation_parts(cluster, m, tp, pp, cp, ep, b, recompute, sp)
+    in_flight = in_flight_microbatches(pp, v, micro_batches)
+    mem = dict(zip(("weights_gb", "grads_gb", "optimizer_gb"), _states_gb(cluster, split, tp, cp, dp, ep, zero)))
+    mem["activations_gb"] = _activations_gb(parts, in_flight)
+    return split[0] + split[1], in_flight, mem
+
+
+def _states_gb(cluster, split, tp, cp, dp, ep, zero):
+    """GB of (weights, gradients, optimizer states) of a GPU holding `split` = (dense, expert) parameters."""
+    shared, experts = split
+    params = shared + experts
+    weight_bytes, grad_bytes, optimizer_bytes = _state_bytes(cluster)
+    shard = dp * cp if zero else 1
+    expert_shards = expert_shard(cluster, tp, cp, dp, ep) if zero else 1
+    return (weight_bytes * params / GB, grad_bytes * params / GB,
+            (optimizer_bytes * shared / shard + optimizer_bytes * experts / expert_shards) / GB)
+
+
+def _activations_gb(parts, in_flight):
+    kept, working, embedding, logits = parts
+    return (kept * in_flight + working + embedding * in_flight + logits) / GB
 
 
 # ---- one configuration, then the search ------------------------------------------------------------
 
-def _check_layout(cluster, m, tp, pp, cp):
+def _ep_pool(cluster, tp, cp, dp):
+    """The ranks of one stage an EP group is drawn from (`Cluster.expert_folding`)."""
+    return cp * dp if cluster.expert_folding == "dp_cp" else tp * cp * dp
+
+
+def _check_layout(cluster, m, tp, pp, cp, ep=1):
     dp = validate_layout(cluster.gpus, tp, pp, cp)
     if m.layers % pp:
         raise ValueError(f"layers={m.layers} is not divisible by pp={pp}; choose pp among {_divisors(m.layers)}")
@@ -810,6 +1210,14 @@ def _check_layout(cluster, m, tp, pp, cp):
     if m.global_batch % dp:
         raise ValueError(f"global_batch={m.global_batch} is not divisible by dp={dp}; change global_batch or the "
                          "layout")
+    _check_count("ep", ep, "the ranks that share one MoE layer's experts")
+    if ep > 1 and not m.moe_every:
+        raise ValueError(f"ep={ep} needs MoE layers: set moe_every > 0 (--moe-every), or ep=1")
+    pool, name = _ep_pool(cluster, tp, cp, dp), "cp*dp" if cluster.expert_folding == "dp_cp" else "tp*cp*dp"
+    if m.moe_every and (m.experts % ep or pool % ep):
+        valid = [e for e in _divisors(pool) if m.experts % e == 0]
+        raise ValueError(f"ep={ep} must divide experts={m.experts} and {name}={pool} (experts fold over those "
+                         f"ranks, Cluster.expert_folding={cluster.expert_folding!r}); choose ep among {valid}")
     return dp
 
 
@@ -829,57 +1237,113 @@ def _check_knobs(m, dp, pp, b, v, interleave_min_pp=2):
 
 
 class _Layout:
-    """What one (tp, pp, cp) fixes, computed once for all the knob combinations tried on it."""
+    """What one (tp, pp, cp, ep) fixes, computed once for all the knob combinations tried on it."""
 
-    def __init__(self, cluster, m, tp, pp, cp):
-        self.tp, self.pp, self.cp = tp, pp, cp
-        self.dp = _check_layout(cluster, m, tp, pp, cp)
-        self.per_node, self.local = layout_locality(cluster, tp, pp, cp, self.dp)
+    def __init__(self, cluster, m, tp, pp, cp, ep=1):
+        self.tp, self.pp, self.cp, self.ep = tp, pp, cp, ep
+        self.dp = _check_layout(cluster, m, tp, pp, cp, ep)
+        self.per_node, self.local = layout_locality(cluster, tp, pp, cp, self.dp, ep)
         self.interleave_min_pp = cluster.interleave_min_pp
 
 
-def step_time_terms(cluster, m, lay, b, v, recompute, sp, zero, f, params):
+def _layer_forwards(cluster, m, lay, b, sp):
+    """layer_forward of each kind of layer the model has: {"dense": ..., "moe": ...} (None where it has none)."""
+    dense, moe = m.layers - moe_layers_between(m, 0, m.layers), moe_layers_between(m, 0, m.layers)
+    return {"dense": layer_forward(cluster, m, lay.tp, lay.cp, b, sp, lay) if dense else None,
+            "moe": layer_forward(cluster, m, lay.tp, lay.cp, b, sp, lay, moe=True) if moe else None}
+
+
+@functools.lru_cache(maxsize=4096)
+def _busiest_moe_stage(layers, pp, moe_every):
+    """The stage with the most MoE layers (the first of them) and its (dense, MoE) counts."""
+    shape = ModelShape(layers=layers, hidden=1, heads=1, seq=1, vocab=1, global_batch=1, moe_every=moe_every)
+    return max(((j,) + stage_layer_counts(shape, pp, j) for j in range(pp)), key=lambda x: (x[2], -x[0]))
+
+
+def _stage_counts(m, pp, fs, recompute, output):
+    """(dense layers, MoE layers, holds the output layer) of the slowest stage: the last one, which carries the
+    output layer, or one with more MoE layers when that is slower."""
+    last = stage_layer_counts(m, pp, pp - 1) + (True,)
+    if not m.moe_every:
+        return last
+    j, dense, moe = _busiest_moe_stage(m.layers, pp, m.moe_every)
+    if moe == last[1]:
+        return last
+
+    def seconds(counts, extra):
+        return extra + sum(n * (sum(layer_step(fs[kind], recompute)) + ep_step(fs[kind], recompute))
+                           for n, kind in zip(counts, ("dense", "moe")) if n)
+    return (dense, moe, False) if seconds((dense, moe), 0.0) > seconds(last[:2], output) else last
+
+
+def _stage_parts(cluster, m, lay, b, sp, recompute, fs, counts=None):
+    """What one (b, sp, recompute) fixes of the step's terms, whatever v and ZeRO: the output layer's seconds (0
+    when the slowest stage is not the last), the slowest stage's `_stage_counts`, each kind's layer_step and
+    ep_step on it, one pipeline exchange."""
+    output = output_layer_seconds(cluster, m, lay.tp, lay.cp, b)  # on the last stage, the slowest one
+    counts = counts or _stage_counts(m, lay.pp, fs, recompute, output)
+    per_kind = [(n, layer_step(fs[kind], recompute), ep_step(fs[kind], recompute))
+                for n, kind in zip(counts, ("dense", "moe")) if n]
+    exchange = p2p_exchange_seconds(cluster, m, lay.tp, lay.cp, b, sp, lay.local["pp"]) if lay.pp > 1 else 0.0
+    return output if counts[2] else 0.0, counts, per_kind, exchange
+
+
+def step_time_terms(cluster, m, lay, b, v, recompute, sp, zero, fs, params, counts=None, parts=None):
     """Seconds of one step on one GPU of the slowest stage, by term; the terms add up to the step time.
-    `f` is layer_forward's answer for (b, sp), `params` the parameters this GPU holds."""
+    `fs` is _layer_forwards' answer for (b, sp), `params` the (dense, expert) parameters this GPU holds,
+    `counts` the slowest stage's `_stage_counts`, `parts` `_stage_parts` when the caller has it (the search)."""
     pp, dp, cp, tp = lay.pp, lay.dp, lay.cp, lay.tp
     micro_batches = m.global_batch // (dp * b)  # per pipeline per step
-    layers_here = m.layers // pp
-    compute, tp_layer, cp_layer = layer_step(f, recompute)
-    output = output_layer_seconds(cluster, m, tp, cp, b)  # on the last stage, the slowest one
-    p2p = 2 * v * p2p_exchange_seconds(cluster, m, tp, cp, b, sp, lay.local["pp"]) if pp > 1 else 0.0
-    stage = layers_here * (compute + tp_layer + cp_layer) + output + p2p  # one micro-batch through a stage
-    t = {"compute_s": micro_batches * (layers_here * compute + output),
-         "tp_s": micro_batches * layers_here * tp_layer,
-         "cp_s": micro_batches * layers_here * cp_layer,
+    output, counts, per_kind, exchange = parts or _stage_parts(cluster, m, lay, b, sp, recompute, fs, counts)
+    p2p = 2 * v * exchange if pp > 1 else 0.0
+    stage = sum(n * (compute + tp_layer + cp_layer + ep_layer) for n, (compute, tp_layer, cp_layer), ep_layer
+                in per_kind) + output + p2p  # one micro-batch through a stage
+    t = {"compute_s": micro_batches * (sum(n * step[0] for n, step, _ in per_kind) + output),
+         "tp_s": sum(micro_batches * n * step[1] for n, step, _ in per_kind),
+         "cp_s": sum(micro_batches * n * step[2] for n, step, _ in per_kind),
+         "ep_s": sum(micro_batches * n * ep_layer for n, _, ep_layer in per_kind),
          "pp_p2p_s": micro_batches * p2p,
          # 1F1B: the first micro-batch reaches the last stage after (p-1) stage times, interleaving cuts it v-fold
          "bubble_s": (pp - 1) / v * stage}
-    # gradient reduction over DP x CP: ring all-reduce 2 (n-1)/n of the bytes, or with ZeRO-1 a reduce-scatter of
-    # the gradients and an all-gather of the parameters, (n-1)/n each: the same bytes
+    # gradient reduction: dense weights over DP x CP, experts over the ranks holding the same experts (`edp`);
+    # ring all-reduce 2 (n-1)/n of the bytes, or with ZeRO-1 a reduce-scatter of the gradients and an all-gather
+    # of the parameters, (n-1)/n each: the same bytes
+    shared, experts = params
     n = dp * cp
     dp_seconds = 0.0
     if n > 1:
-        dp_seconds = 2 * (n - 1) / n * GRAD_BYTES * params / (_bus_gbps(cluster, lay.per_node["dp_cp"], n) * GB)
+        dp_seconds = 2 * (n - 1) / n * cluster.grad_bytes * shared / (_bus_gbps(cluster, lay.per_node["dp_cp"], n) * GB)
+    n_experts = tp * cp * dp // lay.ep
+    if experts and n_experts > 1:
+        bus = _bus_gbps(cluster, lay.per_node["edp"], n_experts)
+        dp_seconds += 2 * (n_experts - 1) / n_experts * cluster.grad_bytes * experts / (bus * GB)
     overlap = cluster.overlap_grad_reduce
     if overlap is True or (overlap == "without_pp" and pp == 1):  # hidden behind the last backward
-        dp_seconds = max(0.0, dp_seconds - layers_here * 2 * (f["gemm"] + f["attention"] + f["elementwise"]))
-    if pp > 1:  # tied embeddings: first and last stage all-reduce the embedding gradient after the backward
+        backward = sum(n * 2 * (fs[kind]["gemm"] + fs[kind]["attention"] + fs[kind]["elementwise"])
+                       for n, kind in zip(counts, ("dense", "moe")) if n)
+        dp_seconds = max(0.0, dp_seconds - backward)
+    if pp > 1 and m.tied_embeddings:  # first and last stage all-reduce the embedding gradient after the backward
         link = cluster.nvlink_gbps if lay.local["pp"] else cluster.ib_gbps
-        dp_seconds += GRAD_BYTES * m.vocab * m.hidden / tp / (link * GB)  # 2 (n-1)/n = 1 for n = 2
+        dp_seconds += cluster.grad_bytes * m.vocab * m.hidden / tp / (link * GB)  # 2 (n-1)/n = 1 for n = 2
     t["dp_s"] = dp_seconds
-    t["optimizer_s"] = OPTIMIZER_STEP_BYTES * params / (n if zero else 1) / (cluster.hbm_gbps * GB)
+    t["optimizer_s"] = (OPTIMIZER_STEP_BYTES * shared / (n if zero else 1) + OPTIMIZER_STEP_BYTES * experts
+                        / (expert_shard(cluster, tp, cp, dp, lay.ep) if zero else 1)) / (cluster.hbm_gbps * GB)
     return t
 
 
-def compute_by_kind(cluster, m, lay, b, recompute, f):
-    """`compute_s` split by kind (the parts add up to it): the layers' GEMMs, attention cores and memory-bound
-    kernels (LayerNorms, bias-dropout-adds, GeLU, launches), each 3 x its forward plus what the recomputation
-    redoes, and the output layer of the last stage."""
+def compute_by_kind(cluster, m, lay, b, recompute, fs, counts):
+    """`compute_s` split by kind (the parts add up to it) on the slowest stage (`counts`, `_stage_counts`): the
+    layers' GEMMs, attention cores and memory-bound kernels (LayerNorms, bias-dropout-adds, GeLU, launches; a MoE
+    layer's permutations and expert activation), each 3 x its forward (a flash attention core 3.5 x) plus what the
+    recomputation redoes, and the output layer when that stage is the last."""
     micro_batches = m.global_batch // (lay.dp * b)
     redone = {"none": (), "selective": ("attention",), "full": ("gemm", "attention", "elementwise")}[recompute]
-    parts = {f"{kind}_s": micro_batches * (m.layers // lay.pp) * (3 + (kind in redone)) * f[kind]
-             for kind in ("gemm", "attention", "elementwise")}
-    parts["output_layer_s"] = micro_batches * output_layer_seconds(cluster, m, lay.tp, lay.cp, b)
+    parts = {}
+    for kind in ("gemm", "attention", "elementwise"):
+        flash = 0.5 if kind == "attention" and cluster.flash_attention else 0
+        parts[f"{kind}_s"] = sum(micro_batches * n * (3 + (kind in redone) + flash) * fs[layer][kind]
+                                 for n, layer in zip(counts, ("dense", "moe")) if n)
+    parts["output_layer_s"] = micro_batches * output_layer_seconds(cluster, m, lay.tp, lay.cp, b) if counts[2] else 0.0
     return parts
 
 
@@ -888,31 +1352,47 @@ def evaluate(cluster, m, lay, b, v, recompute, sp, zero):
     _check_knobs(m, lay.dp, lay.pp, b, v, lay.interleave_min_pp)
     micro_batches = m.global_batch // (lay.dp * b)
     params, in_flight, mem = first_stage_memory(cluster, m, lay.tp, lay.pp, lay.cp, lay.dp, b, v, recompute, sp,
-                                                zero, micro_batches)
+                                                zero, micro_batches, lay.ep)
     memory_gb = sum(mem.values())
-    f = layer_forward(cluster, m, lay.tp, lay.cp, b, sp, lay)
-    t = step_time_terms(cluster, m, lay, b, v, recompute, sp, zero, f, params)
+    fs = _layer_forwards(cluster, m, lay, b, sp)
+    split = _first_stage_parameters(m, lay.tp, lay.pp, lay.ep)
+    counts = _stage_counts(m, lay.pp, fs, recompute, output_layer_seconds(cluster, m, lay.tp, lay.cp, b))
+    t = step_time_terms(cluster, m, lay, b, v, recompute, sp, zero, fs, split, counts)
     step_time_s = sum(t.values())
-    return {
-        "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "micro_batch": b, "virtual_stages": v,
+    row = {
+        "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "ep": lay.ep, "micro_batch": b, "virtual_stages": v,
         "recompute": recompute, "sequence_parallel": sp, "zero": zero, "micro_batches": micro_batches,
         "in_flight": in_flight, "params_per_gpu": params, "memory_gb": memory_gb, **mem,
         "fits": memory_gb <= cluster.gpu_mem_gb * MEMORY_HEADROOM,
-        "step_time_s": step_time_s, **t, **compute_by_kind(cluster, m, lay, b, recompute, f),
+        "step_time_s": step_time_s, **t, **compute_by_kind(cluster, m, lay, b, recompute, fs, counts),
         "bubble_fraction": (lay.pp - 1) / v / (micro_batches + (lay.pp - 1) / v),
         "tflops_per_gpu": paper_flops(m) / step_time_s / cluster.gpus / 1e12,
         "mfu": model_flops(m) / step_time_s / cluster.gpus / (cluster.peak_tflops * 1e12),
         "hfu": training_flops(m, recompute) / step_time_s / cluster.gpus / (cluster.peak_tflops * 1e12),
         "tokens_per_s": m.global_batch * m.seq / step_time_s,
         "intra_node": dict(lay.local),
+        "moe_layers": counts[1],
     }
+    if m.moe_every:  # what one all-to-all of one MoE layer and micro-batch sends from the busiest GPU, and its time
+        tokens = b * m.seq // lay.cp / lay.tp
+        sent = moe_a2a_bytes(tokens, m.hidden, m.top_k, lay.ep, ACT_BYTES, moe_load_factor(m, lay.ep))
+        row["a2a_bytes"] = sent["dispatch_fwd"]
+        row["a2a_s"] = a2a_seconds(cluster, sent["dispatch_fwd"], lay.ep, lay.per_node["ep"])
+        row["ep_members_per_node"] = lay.per_node["ep"]
+    return row
 
 
 def _knob_choices(m, lay):
     """The knob values the search tries on one layout: the given ones, or every sensible value."""
     per_pipeline = m.global_batch // lay.dp
-    bs = [m.micro_batch] if m.micro_batch is not None else [b for b in _divisors(per_pipeline) if b <= MAX_MICRO_BATCH]
+    bs = ([m.micro_batch] if m.micro_batch is not None
+          else [b for b in range(1, min(per_pipeline, MAX_MICRO_BATCH) + 1) if per_pipeline % b == 0])
     sps = [m.sequence_parallel] if m.sequence_parallel is not None else ([False, True] if lay.tp > 1 else [False])
+    if m.moe_every and lay.tp > 1:  # Megatron-Core requires SP with MoE and TP (train_gpt.py splits the tokens)
+        if m.sequence_parallel is False:
+            raise ValueError(f"sequence_parallel=False with MoE layers and tp={lay.tp}: the MoE tokens are split "
+                             "over TP; use sequence_parallel=True (--sequence-parallel on) or tp=1")
+        sps = [True]
     zeros = [m.zero] if m.zero is not None else ([False, True] if lay.dp * lay.cp > 1 else [False])
     recomputes = [m.recompute] if m.recompute is not None else list(RECOMPUTE_POLICIES)  # cheapest first
     for b in bs:
@@ -925,18 +1405,45 @@ def _knob_choices(m, lay):
         yield b, vs, sps, zeros, recomputes
 
 
+def _ep_choices(cluster, m, tp, pp, cp):
+    """Every EP size the search tries on (tp, pp, cp): 1 for a dense model, else those dividing the experts and
+    the folding's ranks."""
+    if not m.moe_every or cluster.gpus % (tp * pp * cp):
+        return [1]
+    pool = _ep_pool(cluster, tp, cp, cluster.gpus // (tp * pp * cp))
+    return _divisors(math.gcd(pool, m.experts))
+
+
+def _better(a, b):
+    """The better of two rows: one that fits, then the faster; of two that do not fit, the smaller."""
+    if b is None:
+        return a
+    key = (lambda r: (not r["fits"], r["step_time_s"] if r["fits"] else r["memory_gb"], r["step_time_s"]))
+    return a if key(a) < key(b) else b
+
+
 def estimate(cluster, m, tp, pp, cp, micro_batch=None, recompute=None, sequence_parallel=None, zero=None,
-             virtual_stages=None):
+             virtual_stages=None, ep=None):
     """The planner's choice for one layout: over the knobs not fixed (here or in `m`), the cheapest
     recomputation that fits for each combination, then the fastest combination that fits (when none does, the
-    fastest of those with the least memory). Raises ValueError for a layout or knob that does not divide."""
+    fastest of those with the least memory); for a MoE model likewise over EP when `ep` is None. Raises
+    ValueError for a layout or knob that does not divide."""
     fixed = {"micro_batch": micro_batch, "recompute": recompute, "sequence_parallel": sequence_parallel,
              "zero": zero, "virtual_stages": virtual_stages}
     m = replace(m, **{k: v for k, v in fixed.items() if v is not None})
     if m.recompute is not None and m.recompute not in RECOMPUTE_POLICIES:
         raise ValueError(f"recompute={m.recompute!r}; choose none, selective or full")
-    lay = _Layout(cluster, m, tp, pp, cp)
-    return _best_for_layout(cluster, m, lay)
+    if ep is not None:
+        return _best_for_layout(cluster, m, _Layout(cluster, m, tp, pp, cp, ep))
+    best, refused = None, None
+    for e in _ep_choices(cluster, m, tp, pp, cp):
+        try:
+            best = _better(_best_for_layout(cluster, m, _Layout(cluster, m, tp, pp, cp, e)), best)
+        except ValueError as error:
+            refused = refused or error
+    if best is None:
+        raise refused
+    return best
 
 
 def _best_for_layout(cluster, m, lay):
@@ -944,25 +1451,35 @@ def _best_for_layout(cluster, m, lay):
     holds no more than the least memory so far; the full row (evaluate) is built once, for the winner."""
     limit = cluster.gpu_mem_gb * MEMORY_HEADROOM
     best, best_time, least, least_key, refused = None, math.inf, None, (math.inf, math.inf), None
+    split, parts, stage_parts, states = _first_stage_parameters(m, lay.tp, lay.pp, lay.ep), {}, {}, {}
     for b, vs, sps, zeros, recomputes in _knob_choices(m, lay):
         micro_batches = m.global_batch // (lay.dp * b)
         for sp in sps:
-            f = None
+            fs = None
             for v in vs:
                 try:
                     _check_knobs(m, lay.dp, lay.pp, b, v, lay.interleave_min_pp)
                 except ValueError as e:  # this (b, v) cannot run on this layout; another micro-batch may
                     refused = refused or e
                     continue
+                in_flight = in_flight_microbatches(lay.pp, v, micro_batches)
                 for zero in zeros:
+                    if zero not in states:
+                        states[zero] = sum(_states_gb(cluster, split, lay.tp, lay.cp, lay.dp, lay.ep, zero))
                     for recompute in recomputes:
-                        params, _, mem = first_stage_memory(cluster, m, lay.tp, lay.pp, lay.cp, lay.dp, b, v,
-                                                            recompute, sp, zero, micro_batches)
-                        memory_gb = sum(mem.values())
+                        key = (b, sp, recompute)
+                        if key not in parts:
+                            parts[key] = _activation_parts(cluster, m, lay.tp, lay.pp, lay.cp, lay.ep, b, recompute,
+                                                           sp)
+                        # the sum first_stage_memory's kinds make, in its order
+                        memory_gb = states[zero] + _activations_gb(parts[key], in_flight)
                         if memory_gb > limit and memory_gb > least_key[0]:
                             continue
-                        f = f or layer_forward(cluster, m, lay.tp, lay.cp, b, sp, lay)
-                        step = sum(step_time_terms(cluster, m, lay, b, v, recompute, sp, zero, f, params).values())
+                        fs = fs or _layer_forwards(cluster, m, lay, b, sp)
+                        if key not in stage_parts:
+                            stage_parts[key] = _stage_parts(cluster, m, lay, b, sp, recompute, fs)
+                        step = sum(step_time_terms(cluster, m, lay, b, v, recompute, sp, zero, fs, split,
+                                                   parts=stage_parts[key]).values())
                         if memory_gb > limit:
                             # knob sets can tie on memory (another b or v with as many sequences in
                             # flight): of those, the fastest, not the first tried
@@ -977,54 +1494,55 @@ def _best_for_layout(cluster, m, lay):
     return evaluate(cluster, m, lay, *(best or least))
 
 
-def candidate_layouts(cluster, m, tp=None, pp=None, cp=None):
-    """The planner's choice for every (tp, pp, cp) that divides the cluster and the model; TP inside a node
-    unless given, CP up to 16."""
-    for name, value in (("tp", tp), ("pp", pp), ("cp", cp)):  # None: every size that divides is tried
+def candidate_layouts(cluster, m, tp=None, pp=None, cp=None, ep=None):
+    """The planner's choice for every (tp, pp, cp, ep) that divides the cluster and the model; TP inside a node
+    unless given, CP up to 16, EP over the sizes that divide the experts and the folding's ranks."""
+    for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):  # None: every size that divides is tried
         if value is not None:
             _check_count(name, value, "omit it to let the planner choose")
     out = []
-    all_fixed = None not in (tp, pp, cp)
+    all_fixed = None not in (tp, pp, cp, ep) or (None not in (tp, pp, cp) and not m.moe_every)
     tps = [tp] if tp is not None else [t for t in _divisors(cluster.gpus_per_node) if m.heads % t == 0]
     pps = [pp] if pp is not None else _divisors(m.layers)
     cps = [cp] if cp is not None else [c for c in range(1, 17)
                                        if cluster.gpus % c == 0 and (c == 1 or m.seq % (2 * c) == 0)]
-    layouts = list(itertools.product(tps, pps, cps))
-    divide = [(t, p, c) for t, p, c in layouts  # checked early: building the error text costs more than planning
+    layouts = [(t, p, c, e) for t, p, c in itertools.product(tps, pps, cps)
+               for e in ([ep] if ep is not None else _ep_choices(cluster, m, t, p, c))]
+    divide = [(t, p, c, e) for t, p, c, e in layouts  # checked early: building the error text costs more than planning
               if cluster.gpus % (t * p * c) == 0 and m.layers % p == 0 and m.heads % t == 0
               and m.global_batch % (cluster.gpus // (t * p * c)) == 0]
-    for t, p, c in layouts if all_fixed else divide:
+    for t, p, c, e in layouts if all_fixed else divide:
         try:
-            out.append(estimate(cluster, m, t, p, c))
+            out.append(estimate(cluster, m, t, p, c, ep=e))
         except ValueError:
             if all_fixed:
                 raise
     if not out:  # the given sizes or knobs rule out every layout: the distinct reasons, of those that divide first
         reasons = {}
-        for t, p, c in divide or layouts:
+        for t, p, c, e in divide or layouts:
             try:
-                estimate(cluster, m, t, p, c)
-            except ValueError as e:
-                reasons.setdefault(str(e), f"TP={t} PP={p} CP={c}")
+                estimate(cluster, m, t, p, c, ep=e)
+            except ValueError as err:
+                reasons.setdefault(str(err), f"TP={t} PP={p} CP={c}" + (f" EP={e}" if m.moe_every else ""))
         if reasons:
             raise ValueError("no layout takes these sizes and knobs: " + "; ".join(
                 f"{where}: {why}" for why, where in list(reasons.items())[:3]))
     return out
 
 
-def plan(cluster, m, tp=None, pp=None, cp=None):
+def plan(cluster, m, tp=None, pp=None, cp=None, ep=None):
     """The planner's choice for every candidate layout, the ones that fit first, fastest first."""
     if m.recompute is not None and m.recompute not in RECOMPUTE_POLICIES:
         raise ValueError(f"recompute={m.recompute!r}; choose none, selective or full")
-    plans = candidate_layouts(cluster, m, tp, pp, cp)
+    plans = candidate_layouts(cluster, m, tp, pp, cp, ep)
     if not plans:
         raise ValueError("no layout divides this cluster and model: check gpus, layers (pp), heads (tp), "
-                         "seq (cp) and global_batch (dp * micro_batch)")
+                         "seq (cp), experts (ep) and global_batch (dp * micro_batch)")
     return sorted(plans, key=lambda r: (not r["fits"], r["step_time_s"]))
 
 
 def _layout_name(r):
-    return f"TP={r['tp']} PP={r['pp']} DP={r['dp']} CP={r['cp']}"
+    return f"TP={r['tp']} PP={r['pp']} DP={r['dp']} CP={r['cp']}" + (f" EP={r['ep']}" if "a2a_bytes" in r else "")
 
 
 def _knobs_name(r):
@@ -1032,7 +1550,32 @@ def _knobs_name(r):
             f"SP {'on' if r['sequence_parallel'] else 'off'}, ZeRO-1 {'on' if r['zero'] else 'off'}")
 
 
-OVERHEADS = ("tp_s", "cp_s", "pp_p2p_s", "bubble_s", "dp_s", "optimizer_s")
+OVERHEADS = ("tp_s", "cp_s", "pp_p2p_s", "bubble_s", "dp_s", "optimizer_s", "ep_s")
+
+
+def explain_ep(best, plans, cluster):
+    """What the EP all-to-alls of a MoE plan cost and why its EP group sits where it does, in numbers: the bytes
+    and time of one all-to-all, per step, and the fastest plan that puts EP on the other side of a node boundary."""
+    where = {True: "NVLink (inside a node)", False: "InfiniBand (across nodes)"}
+    if best["ep"] == 1:
+        line = ("  MoE: EP=1, every expert on every GPU: no all-to-all" +
+                ("" if len(plans) == 1 else f" (memory {best['memory_gb']:.1f} GB fits)") + ".")
+    else:
+        local = best["intra_node"]["ep"]
+        line = (f"  MoE: EP={best['ep']} all-to-alls on {where[local]}, {best['ep_members_per_node']} of {best['ep']} "
+                f"members per node: each sends {best['a2a_bytes'] / 1e6:.1f} MB per GPU (T k h e (P-1)/P x f) in "
+                f"{best['a2a_s'] * 1e3:.3f} ms; 4 per MoE layer and micro-batch: {best['ep_s']:.3f} s per step "
+                f"({best['ep_s'] / best['step_time_s']:.1%}).")
+    lines = [line]
+    other = [r for r in plans if r["fits"] and r["ep"] > 1 and r["intra_node"]["ep"] != best["intra_node"]["ep"]]
+    if best["ep"] > 1 and other:
+        o = other[0]
+        lines.append(f"  The fastest plan with EP on {where[o['intra_node']['ep']]}, {_layout_name(o)}, is "
+                     f"{o['step_time_s'] / best['step_time_s'] - 1:+.1%} slower: {o['a2a_bytes'] / 1e6:.1f} MB per "
+                     f"all-to-all in {o['a2a_s'] * 1e3:.3f} ms ({o['ep_members_per_node']} of {o['ep']} members per "
+                     f"node), {o['ep_s']:.3f} s per step; memory {o['memory_gb']:.1f} GB against "
+                     f"{best['memory_gb']:.1f} GB.")
+    return lines
 
 
 def explain(plans, cluster, recompute=None):
@@ -1059,6 +1602,8 @@ def explain(plans, cluster, recompute=None):
     pp_sends = f"; PP sends on {where[best['intra_node']['pp']]}" if best["pp"] > 1 else ""
     lines.append(f"  TP collectives run on {where[best['intra_node']['tp']]}; DP gradient reduction on "
                  f"{where[best['intra_node']['dp_cp']]}{pp_sends}.")
+    if "a2a_bytes" in best:
+        lines.extend(explain_ep(best, plans, cluster))
     overheads = {k: best[k] for k in OVERHEADS}
     worst = max(overheads, key=overheads.get)
     lines.append(f"  Compute is {best['compute_s'] / best['step_time_s']:.0%} of the step; the largest overhead "
@@ -1084,6 +1629,9 @@ def format_table(plans, limit=12):
             ("mem GB", "memory_gb"), ("fits", "fits"), ("step s", "step_time_s"), ("TFLOP/s", "tflops_per_gpu"),
             ("compute", "compute_s"), ("TP", "tp_s"), ("PP p2p", "pp_p2p_s"), ("bubble", "bubble_s"),
             ("DP", "dp_s"), ("CP", "cp_s"), ("optim", "optimizer_s")]
+    if any("a2a_bytes" in r for r in plans[:limit]):  # MoE: the EP size and its all-to-alls
+        cols[4:4] = [("ep", "ep")]
+        cols.append(("EP a2a", "ep_s"))
     rows = [" ".join(f"{h:>8s}" for h, _ in cols)]
     for r in plans[:limit]:
         cells = []
@@ -1280,6 +1828,107 @@ def print_step_terms(rows, name):
 
 
 # ----------------------------------------------------------------------------------------------------
+# Calibration: published MoE runs (Megatron-Core on H100), against the planner
+# ----------------------------------------------------------------------------------------------------
+
+# The software of the published MoE runs, Megatron-Core 2025 (the model configurations of the runs, see
+# MOE_RUNS): flash attention, fp32 main grads under bf16 with the distributed optimizer (ZeRO-1), the gradient
+# reduction overlapped, MoE parallel folding with expert TP 1 (EP drawn from all tp x dp ranks of a stage), and
+# the run's knobs: micro-batch 1, no recomputation, sequence parallelism.
+MEGATRON_CORE_2025 = dict(overlap_grad_reduce=True, flash_attention=True, grad_bytes=4, expert_folding="tp_dp_cp")
+MOE_RUN_KNOBS = dict(micro_batch=1, recompute="none", sequence_parallel=True, zero=True)
+# Measured MFU: Liu et al. 2025, "MoE Parallel Folding" (arXiv 2504.14960), abstract: 49.3% for Mixtral 8x22B and
+# 39.0% for Qwen2-57B-A14B on H100 (128 and 64 GPUs). Layouts and shapes: the paper's authors' benchmark
+# configurations of April 2025 (github.com/yanring/Megatron-MoE-ModelZoo, commit 78fd4d6, runtime.conf and
+# model_configs/benchmarking/*.yaml): sequence 4096, global batch 256, micro-batch 1, GQA, SwiGLU experts, untied
+# embeddings, RoPE (positions are counted here as learned: 25 M parameters on stage 0, conservative), no dropout
+# (masks are counted: conservative), balanced load (benchmark mode: tokens dropped at capacity factor 1).
+# Mixtral's layout was changed to v = 7 in July 2025 (commit 7f59386): MIXTRAL_V7 below.
+MOE_RUNS = (
+    {"name": "Mixtral 8x22B", "gpus": 128, "measured_mfu": 0.493, "tp": 2, "pp": 8, "cp": 1, "ep": 8,
+     "virtual_stages": 1,
+     "model": ModelShape(layers=56, hidden=6144, heads=48, kv_heads=8, seq=4096, vocab=32000, global_batch=256,
+                         moe_every=1, experts=8, top_k=2, expert_hidden=16384, swiglu=True, tied_embeddings=False,
+                         capacity_factor=1.0)},
+    {"name": "Qwen2-57B-A14B", "gpus": 64, "measured_mfu": 0.390, "tp": 2, "pp": 4, "cp": 1, "ep": 4,
+     "virtual_stages": 7,
+     "model": ModelShape(layers=28, hidden=3584, heads=28, kv_heads=4, seq=4096, vocab=151936, global_batch=256,
+                         moe_every=1, experts=64, top_k=8, expert_hidden=2560, shared_expert_hidden=20480,
+                         swiglu=True, tied_embeddings=False, capacity_factor=1.0)},
+)
+
+
+MIXTRAL_V7 = dict(MOE_RUNS[0], virtual_stages=7)
+
+
+def megatron_flops_per_token(m):
+    """FLOPs per token as Megatron-Core counts them for its MFU (training.py, num_floating_point_operations):
+    12 h^2 ((1 + g/a + s/h) + f k (3/2 with SwiGLU) / h + f_s (3/2) / h) per layer + 6 V h, i.e.
+    `flops_per_token` without the router (6 E h) and the weighted sum of the k outputs (6 k h)."""
+    h, kv, mats = m.hidden, _kv_width(m), 3 if m.swiglu else 2
+    moe = moe_layers_between(m, 0, m.layers)
+    mlp = (m.layers - moe) * 8 * h * h + moe * mats * h * (m.top_k * expert_hidden(m) + m.shared_expert_hidden)
+    return 6 * (m.layers * (2 * h * h + 2 * h * kv) + mlp + m.vocab * h) + 12 * m.layers * h * m.seq
+
+
+def moe_run_cluster(run, **cluster_overrides):
+    return Cluster.for_gpu("h100", run["gpus"], **{**MEGATRON_CORE_2025, **cluster_overrides})
+
+
+def calibrate_moe(runs=MOE_RUNS, **cluster_overrides):
+    """For each published MoE run: the prediction for its layout and knobs (`MOE_RUN_KNOBS`), its MFU in
+    Megatron-Core's count against the measured one, and the planner's top choice with the same software and
+    every knob free (TP, PP, CP, EP, micro-batch, v, recomputation, ZeRO)."""
+    out = []
+    for run in runs:
+        cluster, m = moe_run_cluster(run, **cluster_overrides), run["model"]
+        published = estimate(cluster, m, run["tp"], run["pp"], run["cp"], ep=run["ep"],
+                             virtual_stages=run["virtual_stages"], **MOE_RUN_KNOBS)
+        per_token = megatron_flops_per_token(m)
+        peak = cluster.peak_tflops * 1e12
+
+        def mfu(row):
+            return per_token * row["tokens_per_s"] / cluster.gpus / peak
+        top = plan(cluster, m)[0]
+        out.append({"name": run["name"], "gpus": run["gpus"], "measured_mfu": run["measured_mfu"],
+                    "measured_tokens_per_s_per_gpu": run["measured_mfu"] * peak / per_token,
+                    "params_b": parameter_count(m) / 1e9, "active_params_b": active_parameter_count(m) / 1e9,
+                    "published": published, "predicted_mfu": mfu(published),
+                    "error": mfu(published) / run["measured_mfu"] - 1, "top": top, "top_mfu": mfu(top),
+                    "published_slower": published["step_time_s"] / top["step_time_s"] - 1})
+    return out
+
+
+def _layout_short(x):
+    return f"TP{x['tp']} PP{x['pp']} CP{x['cp']} EP{x['ep']} DP{x['dp']} b{x['micro_batch']} v{x['virtual_stages']}"
+
+
+def print_moe_calibration(rows):
+    print("\nPublished MoE runs (Megatron-Core, H100 80 GB, bf16; Liu et al. 2025, MoE Parallel Folding, layouts of "
+          "the authors'\nMegatron-MoE-ModelZoo) against the planner (H100 preset, MEGATRON_CORE_2025: flash attention, "
+          "fp32 main grads, ZeRO-1,\noverlapped gradient reduction, EP folded over TP x DP). MFU in Megatron-Core's "
+          "count, peak 989 TFLOP/s.")
+    print(f"\n{'model':<16s} {'params':>7s} {'active':>7s} {'GPUs':>5s} {'published layout':<32s} {'measured':>9s} "
+          f"{'predicted':>9s} {'error':>7s} {'memory GB':>10s} {'EP a2a s':>9s}")
+    for r in rows:
+        p = r["published"]
+        print(f"{r['name']:<16s} {r['params_b']:>6.1f}B {r['active_params_b']:>6.1f}B {r['gpus']:>5d} "
+              f"{_layout_short(p):<32s} {r['measured_mfu']:>9.1%} {r['predicted_mfu']:>9.1%} {r['error']:>+7.1%} "
+              f"{p['memory_gb']:>10.1f} {p['ep_s']:>9.3f}")
+    worst = max(rows, key=lambda r: abs(r["error"]))
+    limit = DEFAULT_GPU_MEM_GB * MEMORY_HEADROOM
+    print(f"worst error {worst['error']:+.1%} ({worst['name']}); every published run fits in {DEFAULT_GPU_MEM_GB} GB "
+          f"x {MEMORY_HEADROOM}: {all(r['published']['fits'] for r in rows)} (limit {limit:.0f} GB)")
+    print(f"\nThe planner's top choice (same software, every knob free):\n{'model':<16s} {'top choice':<56s} "
+          f"{'MFU':>6s} {'step s':>7s} {'published':>10s} {'published slower':>17s}")
+    for r in rows:
+        t = r["top"]
+        choice = f"{_layout_short(t)} {t['recompute']} ZeRO={'on' if t['zero'] else 'off'}"
+        print(f"{r['name']:<16s} {choice:<56s} {r['top_mfu']:>6.1%} {t['step_time_s']:>7.3f} "
+              f"{r['published']['step_time_s']:>10.3f} {r['published_slower']:>+17.1%}")
+
+
+# ----------------------------------------------------------------------------------------------------
 # The chapter's example: 64 GPUs, plan A (TP=8 PP=4 DP=2) against plan B (TP=4 PP=8 DP=2)
 # ----------------------------------------------------------------------------------------------------
 
@@ -1340,6 +1989,59 @@ def print_chapter_example():
           "do not make up for it.)")
 
 
+# The chapter's MoE question: on the same 64 GPUs, where should the EP group live? A 15B-parameter MoE (3.4B
+# active per token): 24 layers of h=4096, each MLP 32 experts of hidden 2048, top-4 (fine-grained experts: the
+# all-to-all bytes T k h grow with k, the expert FLOPs per copy shrink with f, so the all-to-all matters). With
+# TP=1 PP=1 DP=64, EP=8 is one node (8 consecutive ranks, NVLink) and EP=16 two (half of each rank's peers
+# across InfiniBand); EP=16 holds half the experts per GPU. The other knobs are the planner's.
+MOE_EXAMPLE = ModelShape(layers=24, hidden=4096, heads=32, seq=2048, vocab=51200, global_batch=256, moe_every=1,
+                         experts=32, top_k=4, expert_hidden=2048)
+
+
+def moe_example():
+    """EP inside a node (TP1 PP1 EP8) against EP across nodes (EP16) for MOE_EXAMPLE on 8 x 8 A100, and the
+    planner's own choice with every size and knob free."""
+    cluster = Cluster(gpus=64, gpus_per_node=8)
+    plans = plan(cluster, MOE_EXAMPLE)
+    return {"model": MOE_EXAMPLE.__dict__, "cluster": cluster, "inside": estimate(cluster, MOE_EXAMPLE, 1, 1, 1, ep=8),
+            "across": estimate(cluster, MOE_EXAMPLE, 1, 1, 1, ep=16), "top": plans[0],
+            "explain": explain(plans, cluster)}
+
+
+def print_moe_example():
+    ex = moe_example()
+    m, a, b = ex["model"], ex["inside"], ex["across"]
+    print(f"\n== MoE: L={m['layers']} h={m['hidden']} a={m['heads']} s={m['seq']} B={m['global_batch']}, "
+          f"{m['experts']} experts of hidden {m['expert_hidden']}, top-{m['top_k']} "
+          f"({parameter_count(MOE_EXAMPLE) / 1e9:.1f}B parameters, {active_parameter_count(MOE_EXAMPLE) / 1e9:.1f}B "
+          "active) on 64 GPUs (8 nodes x 8)")
+    rows = [("memory GB", lambda x: x["memory_gb"]), ("fits", lambda x: x["fits"]),
+            ("micro-batch, m", lambda x: f"{x['micro_batch']}, {x['micro_batches']}"),
+            ("step s", lambda x: x["step_time_s"]), ("  EP all-to-alls", lambda x: x["ep_s"]),
+            ("EP on NVLink", lambda x: x["intra_node"]["ep"]),
+            ("members per node", lambda x: f"{x['ep_members_per_node']} of {x['ep']}"),
+            ("MB per all-to-all", lambda x: x["a2a_bytes"] / 1e6), ("ms per all-to-all", lambda x: x["a2a_s"] * 1e3)]
+    print(f"{'':18s} {'A: TP1 EP8 DP64':>18s} {'B: TP1 EP16 DP64':>18s}")
+    for label, get in rows:
+        va, vb = get(a), get(b)
+        fmt = (lambda v: f"{v:>18.3f}") if isinstance(va, float) else (lambda v: f"{str(v):>18s}")
+        print(f"{label:18s} {fmt(va)} {fmt(vb)}")
+    per_step = 4 * m["layers"] * a["micro_batches"]
+    remote, peers, cluster = b["ep"] - b["ep_members_per_node"], b["ep"] - 1, ex["cluster"]
+    rest = (a["step_time_s"] - a["ep_s"]) - (b["step_time_s"] - b["ep_s"])
+    print(f"Why: each GPU holds T = b s = {a['micro_batch'] * m['seq']} tokens, so an all-to-all sends T k h e (P-1)/P "
+          f"= {a['a2a_bytes'] / 1e6:.1f} MB (P={a['ep']}) or {b['a2a_bytes'] / 1e6:.1f} MB (P={b['ep']}). Inside a "
+          f"node it all crosses NVLink at {cluster.nvlink_gbps:.0f} GB/s: {a['a2a_s'] * 1e3:.3f} ms. Across "
+          f"{b['ep'] // b['ep_members_per_node']} nodes {remote} of the {peers} peers are remote: "
+          f"{b['a2a_bytes'] * remote / peers / 1e6:.1f} MB over one NIC at {cluster.ib_gbps:.0f} GB/s: "
+          f"{b['a2a_s'] * 1e3:.3f} ms, {b['a2a_s'] / a['a2a_s']:.1f}x. "
+          f"{per_step} all-to-alls per step (4 per MoE layer and micro-batch) make {a['ep_s']:.3f} s against "
+          f"{b['ep_s']:.3f} s. B's other terms are {rest:.3f} s faster (half the experts per GPU: larger grouped "
+          f"GEMMs, half the expert gradients to reduce), and its half-size expert shard saves "
+          f"{a['memory_gb'] - b['memory_gb']:.1f} GB that A, at {a['memory_gb']:.1f} GB, does not need.")
+    print("The planner, every size and knob free:\n" + ex["explain"])
+
+
 # ----------------------------------------------------------------------------------------------------
 # Command line
 # ----------------------------------------------------------------------------------------------------
@@ -1380,8 +2082,8 @@ def _cluster_from_args(a):
     overrides = {field: getattr(a, flag[2:].replace("-", "_")) for flag, (field, _) in _CONSTANT_FLAGS.items()}
     overrides = {k: v for k, v in overrides.items() if v is not None}
     return Cluster.for_gpu(a.gpu, a.gpus, gpus_per_node=a.gpus_per_node, overlap_grad_reduce=a.overlap_grad_reduce,
-                           interleave_min_pp=a.interleave_min_pp,
-                           **overrides)
+                           interleave_min_pp=a.interleave_min_pp, flash_attention=a.flash_attention,
+                           grad_bytes=a.grad_bytes, expert_folding=a.expert_folding, **overrides)
 
 
 def _add_cluster_flags(ap):
@@ -1393,6 +2095,13 @@ def _add_cluster_flags(ap):
                     help="the gradient reduction overlaps the last micro-batch's backward (torch DDP, Megatron-Core)")
     ap.add_argument("--interleave-min-pp", type=int, default=2,
                     help="smallest pipeline the interleaved schedule accepts (2 today; 3 for Megatron-LM 2021)")
+    ap.add_argument("--flash-attention", action="store_true",
+                    help="the attention core is a flash kernel (Megatron-Core), not Megatron-LM 2021's unfused one")
+    ap.add_argument("--grad-bytes", type=int, choices=[2, 4], default=GRAD_BYTES,
+                    help="bytes per gradient element: 2 (fp16 buffers, 2021) or 4 (fp32 main grads, Megatron-Core)")
+    ap.add_argument("--expert-folding", choices=EXPERT_FOLDINGS, default="dp_cp",
+                    help="EP drawn from the dp x cp ranks of one TP rank (topology.rank_groups, train_gpt.py) or from "
+                         "all tp x dp x cp ranks of a stage (Megatron-Core's MoE parallel folding, expert TP 1)")
 
 
 def _plan_main(argv):
@@ -1417,6 +2126,21 @@ def _plan_main(argv):
     ap.add_argument("--sequence-parallel", choices=["on", "off"], help="default: chosen by the planner")
     ap.add_argument("--zero", type=int, choices=[0, 1], help="distributed optimizer; default: chosen by the planner")
     ap.add_argument("--virtual-stages", type=int, help="model chunks per GPU (interleaved 1F1B); default: chosen")
+    moe = ap.add_argument_group("MoE (train_gpt.py's names)")
+    moe.add_argument("--moe-every", type=int, default=0, help="every n-th layer's MLP is a mixture of experts "
+                     "(0: a dense model)")
+    moe.add_argument("--experts", type=int, default=8, help="experts per MoE layer")
+    moe.add_argument("--top-k", type=int, default=2, help="experts per token")
+    moe.add_argument("--ep", type=int, help="expert-parallel size; default: chosen by the planner")
+    moe.add_argument("--expert-hidden", type=int, help="hidden size of one expert (default 4 x hidden)")
+    moe.add_argument("--shared-expert-hidden", type=int, default=0, help="hidden size of the shared expert (0: none)")
+    moe.add_argument("--capacity-factor", type=float, help="tokens per expert capped at ceil(T k / E x this) "
+                     "(default: dropless)")
+    moe.add_argument("--imbalance", type=float, default=1.0, help="load of the busiest EP rank over the uniform "
+                     "share (1: balanced routing)")
+    moe.add_argument("--swiglu", action="store_true", help="gated expert MLPs (3 matrices each)")
+    moe.add_argument("--kv-heads", type=int, help="key/value heads (grouped-query attention; default: --heads)")
+    moe.add_argument("--untie-embeddings", action="store_true", help="the output layer is a weight of its own")
     ap.add_argument("--limit", type=int, default=12, help="rows of the table")
     ap.add_argument("--json", action="store_true", help="every layout as JSON, best first")
     a = ap.parse_args(argv)
@@ -1425,13 +2149,21 @@ def _plan_main(argv):
     cluster = _cluster_from_args(a)
     m = ModelShape(a.layers, a.hidden, a.heads, a.seq, a.vocab, a.global_batch, a.micro_batch, a.recompute,
                    None if a.sequence_parallel is None else a.sequence_parallel == "on",
-                   None if a.zero is None else bool(a.zero), a.virtual_stages)
-    plans = plan(cluster, m, a.tp, a.pp, a.cp)
+                   None if a.zero is None else bool(a.zero), a.virtual_stages, moe_every=a.moe_every,
+                   experts=a.experts, top_k=a.top_k, expert_hidden=a.expert_hidden,
+                   shared_expert_hidden=a.shared_expert_hidden, capacity_factor=a.capacity_factor,
+                   imbalance=a.imbalance, swiglu=a.swiglu, kv_heads=a.kv_heads, tied_embeddings=not a.untie_embeddings)
+    plans = plan(cluster, m, a.tp, a.pp, a.cp, a.ep)
     if a.json:
         print(json.dumps(plans, indent=1))
         return
-    print(f"model: {parameter_count(m) / 1e9:.2f} B parameters; {paper_flops(m) / 1e15:.1f} PFLOP per step "
-          "(96 B s L h^2 (1 + s/6h + V/16Lh))")
+    if m.moe_every:
+        print(f"model: {parameter_count(m) / 1e9:.2f} B parameters, {active_parameter_count(m) / 1e9:.2f} B active "
+              f"per token; {flops_per_token(m) / 1e9:.2f} GFLOP per token (6 N_active + 12 L h s), "
+              f"{model_flops(m) / 1e15:.1f} PFLOP per step")
+    else:
+        print(f"model: {parameter_count(m) / 1e9:.2f} B parameters; {paper_flops(m) / 1e15:.1f} PFLOP per step "
+              "(96 B s L h^2 (1 + s/6h + V/16Lh))")
     print(format_table(plans, a.limit))
     print()
     print(explain(plans, cluster, m.recompute))
@@ -1439,7 +2171,8 @@ def _plan_main(argv):
 
 def _calibrate_main(argv):
     ap = argparse.ArgumentParser(prog="topology.py calibrate",
-                                 description="Narayanan et al. 2021 Table 1 beside the planner's predictions.")
+                                 description="Narayanan et al. 2021 Table 1, then published MoE runs "
+                                             "(Megatron-Core, H100), beside the planner's predictions.")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--scan", action="store_true", help="costs the model could be missing (COST_VARIANTS), each "
                     "with e_max refitted: do they change which layout the planner picks?")
@@ -1451,11 +2184,12 @@ def _calibrate_main(argv):
         else:
             print_cost_scan(scan)
         return
-    rows = calibrate()
+    rows, moe_rows = calibrate(), calibrate_moe()
     if a.json:
-        print(json.dumps(rows, indent=1))
+        print(json.dumps({"table_1": rows, "moe": moe_rows}, indent=1))
         return
     print_calibration(rows)
+    print_moe_calibration(moe_rows)
 
 
 def main(argv=None):
@@ -1467,6 +2201,7 @@ def main(argv=None):
             _calibrate_main(argv[1:])
         elif argv[:1] == ["example"]:
             print_chapter_example()
+            print_moe_example()
         else:
             _map_main(argv)
     except ValueError as e:  # a layout or constant that cannot work: one line and the usage-error code

@@ -1190,3 +1190,367 @@ def test_when_nothing_fits_the_least_memory_tie_goes_to_the_fastest():
         assert len(set(tied)) > 1
         r = topology.estimate(c, m, 1, 2, 1, recompute=None if len(policies) > 1 else "none")
         assert not r["fits"] and r["memory_gb"] == least and r["step_time_s"] == min(tied), (r["step_time_s"], tied)
+
+
+# ---- the planner's MoE model: all-to-all bytes, parameters and FLOPs against the code that runs ----------
+
+def _routing(world, top_k, skewed):
+    """Experts of each token (the same T tokens' routing on every rank), T a multiple of E = 2 P. Balanced: token t
+    goes to experts t, t+1, ... (mod E), so every expert gets T k / E copies from every rank. Skewed: half the
+    tokens go first to expert 0, the others round-robin to experts 1 .. E-1; at top-2 each token's second expert
+    is the next one (mod E)."""
+    E = 2 * world
+    T = 4 * E
+    first = list(range(T)) if not skewed else [0 if t % 2 == 0 else 1 + (t // 2) % (E - 1) for t in range(T)]
+    return E, [[(first[t] + j) % E for j in range(top_k)] for t in range(T)]
+
+
+def _a2a_bytes_measured(rank, world, cases):
+    """Bytes that left this rank in each all-to-all of one forward + backward of moe_ep.MoE (float64, dropless),
+    for each (top_k, skewed) case, with the routing forced by the router weights: W = [I | 0] and token t's
+    input 1 + k - j at its j-th expert, 0 elsewhere, so the top-k of x W^T are exactly `_routing`'s."""
+    import moe_ep
+    torch.manual_seed(0)
+    out = []
+    for top_k, skewed in cases:
+        E, experts = _routing(world, top_k, skewed)
+        d = 2 * E
+        moe = moe_ep.MoE(d, 2 * d, E, top_k, ep_group=dist.group.WORLD).double()
+        with torch.no_grad():
+            moe.router.weight.copy_(torch.eye(E, d, dtype=torch.float64))
+        x = torch.zeros(len(experts), d, dtype=torch.float64)
+        for t, chosen in enumerate(experts):
+            for j, e in enumerate(chosen):
+                x[t, e] = 1.0 + top_k - j
+        x.requires_grad_(True)
+        moe_ep.comm_log.clear()
+        y, _ = moe(x)
+        (y * y).sum().backward()
+        out.append({"bytes": {k[:-len(":bytes")]: v for k, v in moe_ep.comm_log.items()
+                              if k.split("_")[0] in ("dispatch", "combine") and k.endswith(":bytes")},
+                    "load": moe.last_load.tolist(), "tokens": len(experts), "d": d, "E": E})
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_a2a_bytes_per_moe_layer_equal_moe_eps_counts(world):
+    """The formula T k h e (P-1)/P per all-to-all (dispatch and combine, forward and backward) against the bytes
+    moe_ep.py's counters saw leave each gloo rank, EP = 2, 3, 4, top-1 and top-2, balanced routing: exact (integer
+    counts). On a skewed routing (EP 2 top-1, EP 4 top-2; every rank routing alike) the busiest rank returns f
+    times that in the combine and in the dispatch's backward, f = load_imbalance of the load per EP rank (f = 11/8
+    at EP 2: 11 of each rank's 16 copies go to rank 0; 37/16 at EP 4: 37 of 64), and no rank sends more in any
+    all-to-all."""
+    cases = [(1, False), (2, False)] + ([(1, True)] if world == 2 else [(2, True)] if world == 4 else [])
+    results = run_ranks(_a2a_bytes_measured, world, cases, timeout=120)
+    for i, (top_k, skewed) in enumerate(cases):
+        E, experts = _routing(world, top_k, skewed)
+        per_rank = [r[i] for r in results]
+        T, d = per_rank[0]["tokens"], per_rank[0]["d"]
+        expected_load = [sum(e == x for chosen in experts for e in chosen) for x in range(E)]
+        assert all(r["load"] == expected_load for r in per_rank)  # the routing is the one forced
+        if not skewed:
+            formula = topology.moe_a2a_bytes(T, d, top_k, world, bytes_per_element=8)
+            for r in per_rank:
+                assert r["bytes"] == formula, (world, top_k, r["bytes"], formula)
+            assert formula["dispatch_fwd"] == T * top_k * d * 8 * (world - 1) // world
+            continue
+        local = E // world
+        load = [world * sum(expected_load[p * local:(p + 1) * local]) for p in range(world)]  # copies per EP rank
+        f = topology.load_imbalance(load)
+        assert f == {2: 11 / 8, 4: 37 / 16}[world]
+        formula = topology.moe_a2a_bytes(T, d, top_k, world, bytes_per_element=8, imbalance=f)
+        busiest = max(range(world), key=lambda p: load[p])
+        for kind in ("combine_fwd", "dispatch_bwd"):
+            assert per_rank[busiest]["bytes"][kind] == formula[kind], (world, kind)
+        assert max(v for r in per_rank for v in r["bytes"].values()) == formula["combine_fwd"]
+
+
+def _train_gpt_parameters(rank, world, cfg):
+    import train_gpt
+    run = train_gpt.TrainConfig(batch=2, micro_batch=1, steps=1, dtype="float32", log=False, data="synthetic")
+    _, stage, _, _ = train_gpt.build(cfg, run, optimizer=False)
+    return sum(p.numel() for p in stage.parameters())
+
+
+def _shape_of(cfg, **extra):
+    """train_gpt.py's GPTConfig as a ModelShape: its MoE block is moe_ep.MoE(h, 4h, E, k) (expert_hidden None: 4h,
+    GeLU, no shared expert, a router of E h weights and no biases), tied embeddings, learned positions."""
+    return topology.ModelShape(layers=cfg.n_layer, hidden=cfg.n_embd, heads=cfg.n_head, seq=cfg.seq_len,
+                               vocab=cfg.vocab_size, global_batch=2, moe_every=cfg.moe_every, experts=cfg.n_experts,
+                               top_k=cfg.top_k, **extra)
+
+
+@pytest.mark.parametrize("moe_every", [0, 1, 2])
+def test_moe_parameters_and_flops_per_token_equal_train_gpts(moe_every):
+    # parameter_count is Narayanan's formula, which leaves out the final LayerNorm (2 h) that train_gpt.py has;
+    # measured: 53,952 (dense), 152,128 (MoE every layer), 103,040 (every second layer) parameters; 356,352,
+    # 557,568 and 456,960 FLOPs per token
+    import train_gpt
+    cfg = train_gpt.GPTConfig(vocab_size=64, seq_len=32, n_layer=4, n_head=4, n_embd=32, moe_every=moe_every,
+                              n_experts=4, top_k=2)
+    m = _shape_of(cfg)
+    counted = run_ranks(_train_gpt_parameters, 1, cfg, timeout=60)[0]
+    assert counted == topology.parameter_count(m) + 2 * cfg.n_embd
+    assert topology.flops_per_token(m) == train_gpt.model_flops_per_token(cfg)
+    assert (counted, topology.flops_per_token(m)) == {0: (53952, 356352), 1: (152128, 557568),
+                                                      2: (103040, 456960)}[moe_every]
+    # per token the run's FLOPs are 6 x the active matmul weights + 12 L h s: top-k of the E experts
+    h, L = cfg.n_embd, cfg.n_layer
+    moe_layers = L // moe_every if moe_every else 0
+    assert topology.model_flops(m) == topology.flops_per_token(m) * m.global_batch * m.seq or moe_every == 0
+    assert topology.active_parameter_count(m) == (topology.parameter_count(m)
+                                                  - moe_layers * (cfg.n_experts - cfg.top_k) * 8 * h * h)
+
+
+def test_moe_terms_reproduced_by_hand():
+    # 16 GPUs (2 x 8, A100), L=4 h=1024 a=8 s=1024 V=8000 B=16, every second layer MoE (8 experts of 4h, top-2);
+    # TP=2 PP=2 CP=1 DP=4 EP=2 (EP at stride 2 inside a node), micro-batch 1, no recomputation, SP, ZeRO-1
+    c = topology.Cluster(gpus=16, **A100)
+    m = topology.ModelShape(layers=4, hidden=1024, heads=8, seq=1024, vocab=8000, global_batch=16, moe_every=2,
+                            experts=8, top_k=2)
+    r = topology.estimate(c, m, tp=2, pp=2, cp=1, ep=2, micro_batch=1, recompute="none", sequence_parallel=True,
+                          zero=True, virtual_stages=1)
+    L, h, a, s, V, B, t, p, d, ep, E, k = 4, 1024, 8, 1024, 8000, 16, 2, 2, 4, 2, 8, 2
+    hbm = 1730e9
+    # each stage: one dense layer and one MoE layer (layers 1 and 3 are MoE)
+    assert r["moe_layers"] == 1 and topology.stage_layer_counts(m, 2, 0) == (1, 1)
+    shared = ((12 * h * h + 13 * h) + (4 * h * h + 8 * h + E * h) + V * h) / t + s * h
+    experts = (E // ep) * 8 * h * h  # whole experts, E/ep of them
+    assert r["params_per_gpu"] == pytest.approx(shared + experts, rel=1e-12)
+    # ZeRO-1: dense states over DP x CP = 4, expert states over their EDP replicas cp*dp/ep = 2
+    assert r["optimizer_gb"] == pytest.approx((16 * shared / 4 + 16 * experts / 2) / GB, rel=1e-12)
+    M, T = s, s // t                       # tokens of a dense GEMM, of this GPU's MoE token shard
+    sbh = s * h
+    dense_layer = sbh / t * (34 + 5 * a * s / h)
+    moe_layer = 15 * sbh / t + 5 * a * s * s / t + (2 * T * h + 4 * T * E + T * h + 4 * T * k * h + 4 * T * k * 4 * h)
+    assert topology.moe_activation_bytes_per_layer(m, t, 1, ep, "none", 1) == pytest.approx(moe_layer, rel=1e-12)
+    kept = (dense_layer + moe_layer) * p + sbh / t * p  # two micro-batches in flight, embedding mask
+    assert r["activations_gb"] == pytest.approx(kept / GB, rel=1e-12)
+    # the MoE layer's forward: router, 4 local experts on T k / 4 rows each, permutation and expert activation,
+    # 26 launches, one TP pair (attention), dispatch + combine on NVLink and the counts exchange
+    rows = T * k / (E // ep)
+    moe_gemms = (_gemm(M, h, 3 * h // t) + _gemm(M, h // t, h) + _gemm(T, h, E)
+                 + (E // ep) * (_gemm(rows, h, 4 * h) + _gemm(rows, 4 * h, h)))
+    dense_gemms = _gemm(M, h, 3 * h // t) + _gemm(M, h // t, h) + _gemm(M, h, 4 * h // t) + _gemm(M, 4 * h // t, h)
+    attention = 13 * (a // t) * s * s / hbm
+    moe_elementwise = M * h * 22 / t / hbm + (8 * T * k * h + 4 * T * k * 4 * h) / hbm + 26 * 4e-6
+    dense_elementwise = M * h * (22 / t + 16 / t) / hbm + 20 * 4e-6
+    pair = 2 * (t - 1) / t * M * h * 2 / 230e9 + 10e-6
+    sent = T * k * h * 2 * (ep - 1) / ep
+    a2a = sent / 230e9 + 10e-6
+    assert r["a2a_bytes"] == sent and r["a2a_s"] == pytest.approx(a2a, rel=1e-12)
+    ep_fwd = 2 * a2a + 10e-6
+    m_micro = B // d
+    output = 3 * _gemm(M, h, V // t) + 48 * M * V / t / hbm
+    assert r["ep_s"] == pytest.approx(m_micro * 2 * ep_fwd, rel=1e-12)
+    assert r["tp_s"] == pytest.approx(m_micro * (2 * 2 * pair + 2 * pair), rel=1e-12)
+    compute = 3 * (moe_gemms + attention + moe_elementwise) + 3 * (dense_gemms + attention + dense_elementwise)
+    assert r["compute_s"] == pytest.approx(m_micro * (compute + output), rel=1e-12)
+    assert r["gemm_s"] == pytest.approx(m_micro * 3 * (moe_gemms + dense_gemms), rel=1e-12)
+    # gradients: dense over the DP x CP group (stride 2, 4 ranks, one node), experts over their 4 replicas (TP x
+    # EDP, one node); the tied embedding between the stages (8 ranks apart: across nodes)
+    dp = 2 * 3 / 4 * 2 * shared / 230e9 + 2 * 3 / 4 * 2 * experts / 230e9 + 2 * V * h / t / 23e9
+    assert r["dp_s"] == pytest.approx(dp, rel=1e-12)
+    assert r["optimizer_s"] == pytest.approx((48 * shared / 4 + 48 * experts / 2) / hbm, rel=1e-12)
+    stage = (compute + 2 * 2 * pair + 2 * pair + 2 * ep_fwd + output
+             + 2 * (50e-6 + M * h / t * 2 / 23e9))  # 2 exchanges per micro-batch, PP across nodes
+    assert r["bubble_s"] == pytest.approx((p - 1) * stage, rel=1e-12)
+    assert r["step_time_s"] == pytest.approx(sum(r[k] for k in ("compute_s", "tp_s", "cp_s", "ep_s", "pp_p2p_s",
+                                                                 "bubble_s", "dp_s", "optimizer_s")), rel=1e-12)
+
+
+def test_the_load_factor_scales_the_busiest_ranks_work_and_is_capped_by_the_capacity():
+    c = topology.Cluster(gpus=16, **A100)
+    m = topology.ModelShape(layers=4, hidden=1024, heads=8, seq=1024, vocab=8000, global_batch=16, moe_every=1,
+                            experts=8, top_k=2)
+    knobs = dict(micro_batch=1, recompute="none", sequence_parallel=True, zero=True, virtual_stages=1)
+    base = topology.estimate(c, m, 2, 1, 1, ep=4, **knobs)
+    skew = topology.estimate(c, dataclasses.replace(m, imbalance=1.5), 2, 1, 1, ep=4, **knobs)
+    capped = topology.estimate(c, dataclasses.replace(m, imbalance=1.5, capacity_factor=1.25), 2, 1, 1, ep=4, **knobs)
+    assert skew["a2a_bytes"] == 1.5 * base["a2a_bytes"] and capped["a2a_bytes"] == 1.25 * base["a2a_bytes"]
+    assert base["gemm_s"] < capped["gemm_s"] < skew["gemm_s"]
+    assert base["activations_gb"] < capped["activations_gb"] < skew["activations_gb"]
+    # without EP one GPU holds every expert: no all-to-all, and no busiest rank
+    alone = [topology.estimate(c, dataclasses.replace(m, imbalance=f), 2, 1, 1, ep=1, **knobs) for f in (1.0, 1.5)]
+    assert alone[0]["ep_s"] == 0 and alone[0]["step_time_s"] == alone[1]["step_time_s"]
+
+
+def test_ep_locality_matches_the_groups_and_megatrons_folding():
+    # "dp_cp": EP groups are topology.rank_groups' (stride tp); "tp_dp_cp": EP consecutive over a stage's tp*cp*dp
+    # ranks (Megatron-Core's folding with expert TP 1): TP2 EP8 on 16-rank stages is one node there, two here
+    for gpus, tp, pp, cp, ep in [(64, 2, 2, 1, 8), (64, 1, 4, 2, 8), (64, 2, 1, 2, 4), (32, 4, 1, 1, 8),
+                                 (128, 2, 8, 1, 8), (48, 1, 2, 3, 12)]:
+        dp = gpus // (tp * pp * cp)
+        groups = topology.rank_groups(gpus, tp=tp, pp=pp, cp=cp, ep=ep)
+        per_node, local = topology.layout_locality(topology.Cluster(gpus=gpus), tp, pp, cp, dp, ep)
+        g0 = groups["ep"][0]
+        assert local["ep"] == topology.group_locality(groups, 8)["ep"], (gpus, tp, pp, cp, ep)
+        assert per_node["ep"] == max(sum(r // 8 == n for r in g0) for n in range(gpus // 8)), (gpus, tp, ep)
+        megatron = topology.Cluster(gpus=gpus, expert_folding="tp_dp_cp")
+        per_node_m, _ = topology.layout_locality(megatron, tp, pp, cp, dp, ep)
+        assert per_node_m["ep"] == min(ep, 8)  # ranks 0 .. ep-1 of the first stage
+    with pytest.raises(ValueError, match=r"ep=16 must divide experts=8 and cp\*dp=16"):
+        topology.estimate(topology.Cluster(gpus=64), _MOE, 2, 2, 1, ep=16)
+    with pytest.raises(ValueError, match=r"ep=4 needs MoE layers"):
+        topology.estimate(topology.Cluster(gpus=64), topology.ModelShape(**_CH), 2, 2, 1, ep=4)
+    with pytest.raises(ValueError, match="sequence_parallel=False with MoE layers and tp=2"):
+        topology.estimate(topology.Cluster(gpus=64), _MOE, 2, 2, 1, ep=2, sequence_parallel=False)
+
+
+_MOE = topology.ModelShape(layers=8, hidden=2048, heads=16, seq=2048, vocab=32000, global_batch=128, moe_every=1,
+                           experts=8, top_k=2)
+
+
+def test_the_search_covers_ep_beside_every_other_knob():
+    c = topology.Cluster(gpus=64)
+    plans = topology.plan(c, _MOE)
+    assert {r["ep"] for r in plans} == {1, 2, 4, 8}
+    assert {r["tp"] for r in plans} >= {1, 2, 4, 8} and {r["pp"] for r in plans} >= {1, 2, 4, 8}
+    assert {r["cp"] for r in plans} >= {1, 2} and {r["virtual_stages"] for r in plans} > {1}
+    # the cheapest recomputation that fits, the ZeRO and micro-batch that are fastest, per layout and EP size
+    assert {r["zero"] for r in plans} == {False, True} and len({r["micro_batch"] for r in plans}) > 1
+    squeezed = topology.plan(topology.Cluster(gpus=64, gpu_mem_gb=24), _MOE)
+    assert {r["recompute"] for r in squeezed if r["fits"]} == {"none", "selective"}
+    best = {}
+    for r in plans:  # each (tp, pp, cp) appears once per EP size, each with its own knobs
+        key = (r["tp"], r["pp"], r["cp"], r["ep"])
+        assert key not in best
+        best[key] = r
+    # estimate without an EP size is the best of the EP sizes of that layout
+    for tp, pp, cp in [(2, 2, 1), (1, 4, 2)]:
+        chosen = topology.estimate(c, _MOE, tp, pp, cp)
+        fitting = [best[(tp, pp, cp, e)] for e in (1, 2, 4, 8) if (tp, pp, cp, e) in best
+                   and best[(tp, pp, cp, e)]["fits"]]
+        assert chosen["step_time_s"] == min(x["step_time_s"] for x in fitting)
+    assert {r["ep"] for r in topology.plan(c, _MOE, ep=4)} == {4}
+
+
+def test_planner_answers_for_16384_gpus_with_moe_in_under_a_second():
+    # a DeepSeek-like fine-grained MoE (256 experts of 2048, top-8, a shared expert) on 16,384 H100: 1,210 layouts
+    # (TP, PP, CP and every EP dividing both 256 and the folding's ranks). Measured 0.38-0.48 s of CPU; the wall
+    # time was 0.40 s on a quiet machine and 3 s at a load average of 12 (other jobs on the 2 shared cores), so
+    # the bound is on the CPU time this process spends planning
+    c = topology.Cluster.for_gpu("h100", 16384)
+    m = topology.ModelShape(layers=64, hidden=7168, heads=128, seq=4096, vocab=129280, global_batch=16384,
+                            moe_every=1, experts=256, top_k=8, expert_hidden=2048, swiglu=True,
+                            shared_expert_hidden=2048)
+    start = time.process_time()
+    plans = topology.plan(c, m)
+    elapsed = time.process_time() - start
+    assert plans[0]["fits"] and len(plans) > 1000 and len({r["ep"] for r in plans}) > 4
+    assert elapsed < 1.0, elapsed
+
+
+# ---- the planner against published MoE runs --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def moe_calibration():
+    return topology.calibrate_moe()
+
+
+def test_published_moe_runs_fit_and_are_predicted_within_15_percent(moe_calibration):
+    """Measured (Liu et al. 2025): Mixtral 8x22B 49.3% MFU, Qwen2-57B-A14B 39.0%; predicted for their layouts
+    46.0% (-6.7%) and 39.8% (+2.1%) with the H100 preset, nothing refitted. Memory 69.6 and 63.5 GB of the 72."""
+    errors = {r["name"]: r["error"] for r in moe_calibration}
+    assert max(abs(e) for e in errors.values()) < 0.15, errors
+    assert max(abs(e) for e in errors.values()) < 0.08, errors  # the measured worst, -6.7%, and a margin
+    for r in moe_calibration:
+        assert r["published"]["fits"] and r["published"]["memory_gb"] <= 80 * topology.MEMORY_HEADROOM
+        assert r["published"]["intra_node"]["ep"]  # Megatron-Core's folding puts both EP groups in one node
+        assert r["top"]["fits"] and 0 <= r["published_slower"] < 0.1
+    # the shapes are the published ones: 141B / 39B and 57B / 14B parameters
+    sizes = {r["name"]: (round(r["params_b"]), round(r["active_params_b"])) for r in moe_calibration}
+    assert sizes == {"Mixtral 8x22B": (141, 39), "Qwen2-57B-A14B": (57, 14)}
+    # the figures the docstring quotes, and the authors' later Mixtral layout (v 7): +3.1%, but 74.7 GB
+    assert [(round(r["error"], 3), round(r["published"]["memory_gb"], 1)) for r in moe_calibration] == \
+        [(-0.067, 69.6), (0.021, 63.5)]
+    later = topology.calibrate_moe((topology.MIXTRAL_V7,))[0]
+    assert round(later["error"], 3) == 0.031 and not later["published"]["fits"]
+    assert round(later["published"]["memory_gb"], 1) == 74.7
+
+
+def test_megatrons_flop_count_leaves_out_the_router_and_the_weighted_sum():
+    for run in topology.MOE_RUNS:
+        m = run["model"]
+        moe = m.layers
+        router_and_sum = 6 * moe * (m.experts + m.top_k) * m.hidden
+        assert topology.flops_per_token(m) - topology.megatron_flops_per_token(m) == router_and_sum
+
+
+def test_calibrate_cli_prints_the_moe_table_after_the_dense_one(capsys):
+    topology.main(["calibrate"])
+    out = capsys.readouterr().out
+    dense, moe = out.split("Published MoE runs")
+    assert "1008.0B" in dense and "Mixtral" not in dense
+    for run in topology.MOE_RUNS:
+        assert run["name"] in moe
+    assert "worst error -6.7% (Mixtral 8x22B)" in moe and "fits in 80 GB x 0.9: True" in moe
+
+
+# ---- the chapter's MoE question -------------------------------------------------------------------
+
+def test_chapter_moe_example_puts_ep_inside_a_node_and_says_why(capsys):
+    ex = topology.moe_example()
+    a, b, top = ex["inside"], ex["across"], ex["top"]
+    assert a["intra_node"]["ep"] and not b["intra_node"]["ep"] and a["fits"] and b["fits"]
+    assert (a["ep_members_per_node"], b["ep_members_per_node"]) == (8, 8)
+    # T = 4096 tokens, k = 4, h = 4096, 2 bytes: 117.4 MB at EP 8; at EP 16, 8 of 15 peers remote over 23 GB/s
+    assert a["a2a_bytes"] == 4096 * 4 * 4096 * 2 * 7 / 8 and b["a2a_bytes"] == 4096 * 4 * 4096 * 2 * 15 / 16
+    assert b["a2a_s"] == pytest.approx(b["a2a_bytes"] * 8 / 15 / 23e9 + 10e-6, rel=1e-12)
+    # B's all-to-alls cost 0.462 s more per step; its other terms 0.140 s less (2 experts per GPU: larger grouped
+    # GEMMs, half the expert gradients to reduce): 0.322 s slower in all
+    assert b["a2a_s"] > 5 * a["a2a_s"] and b["ep_s"] - a["ep_s"] > b["step_time_s"] - a["step_time_s"] > 0.3
+    assert b["memory_gb"] < a["memory_gb"]  # EP 16 holds half the experts, but A fits already
+    assert top["ep"] > 1 and top["intra_node"]["ep"] and top["step_time_s"] <= a["step_time_s"]
+    text = ex["explain"]
+    assert f"EP={top['ep']} all-to-alls on NVLink (inside a node)" in text, text
+    assert f"in {top['a2a_s'] * 1e3:.3f} ms" in text and "The fastest plan with EP on InfiniBand" in text, text
+    topology.main(["example"])
+    out = capsys.readouterr().out
+    assert "== MoE:" in out and f"{b['a2a_s'] / a['a2a_s']:.1f}x" in out and f"{a['ep_s']:.3f} s against" in out
+    rest = (b["step_time_s"] - b["ep_s"]) - (a["step_time_s"] - a["ep_s"])
+    assert f"B's other terms are {-rest:.3f} s faster" in out
+
+
+def test_plan_cli_takes_train_gpts_moe_flags(capsys):
+    moe = ["--moe-every", "1", "--experts", "8", "--top-k", "2"]
+    topology.main(_PLAN_BASE + moe + ["--limit", "3"])
+    out = capsys.readouterr().out
+    assert "B active per token" in out and "EP a2a" in out and "MoE: EP=" in out
+    topology.main(_PLAN_BASE + moe + ["--ep", "2", "--json"])
+    rows = __import__("json").loads(capsys.readouterr().out)
+    assert {r["ep"] for r in rows} == {2} and all("a2a_bytes" in r for r in rows)
+    for extra, names in ((["--ep", "3"], "ep=3 must divide experts=8"), (["--top-k", "9"], "top_k=9 exceeds"),
+                         (["--imbalance", "0.5"], "imbalance=0.5 must be >= 1 (--imbalance)")):
+        with pytest.raises(SystemExit) as exit_:
+            topology.main(_PLAN_BASE + moe + extra)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_.value.code == 2 and len(err) == 1 and names in err[0], err
+
+
+def test_the_slowest_stage_is_the_last_or_the_one_with_more_moe_layers():
+    # L=9, PP=3, every second layer MoE: the stages hold 1, 2, 1 MoE layers (layers 1 | 3, 5 | 7); the middle
+    # stage is the slowest with large experts and a small vocabulary, the last one (output layer) with a large
+    # vocabulary. Its layers are what compute_s, tp_s and ep_s count, each per micro-batch.
+    c = topology.Cluster(gpus=24, **A100)
+    knobs = dict(micro_batch=1, recompute="none", sequence_parallel=True, zero=False, virtual_stages=1)
+    assert [topology.stage_layer_counts(_shape9(512), 3, j) for j in range(3)] == [(2, 1), (1, 2), (2, 1)]
+    for vocab, counts in ((512, (1, 2)), (512000, (2, 1))):
+        m = _shape9(vocab)
+        r = topology.estimate(c, m, 2, 3, 1, ep=4, **knobs)
+        lay = topology._Layout(c, m, 2, 3, 1, 4)
+        fs = topology._layer_forwards(c, m, lay, 1, True)
+        steps = {kind: topology.layer_step(fs[kind], "none") for kind in ("dense", "moe")}
+        output = topology.output_layer_seconds(c, m, 2, 1, 1) if counts == (2, 1) else 0.0
+        assert r["moe_layers"] == counts[1]
+        layers = counts[0] * steps["dense"][0] + counts[1] * steps["moe"][0]
+        assert r["compute_s"] == pytest.approx(r["micro_batches"] * (layers + output), rel=1e-12)
+        assert r["output_layer_s"] == pytest.approx(r["micro_batches"] * output, rel=1e-12)
+        middle = sum(n * (sum(steps[k]) + topology.ep_step(fs[k], "none")) for n, k in zip((1, 2), ("dense", "moe")))
+        last = sum(n * (sum(steps[k]) + topology.ep_step(fs[k], "none")) for n, k in zip((2, 1), ("dense", "moe")))
+        assert (middle > last + topology.output_layer_seconds(c, m, 2, 1, 1)) == (counts == (1, 2)), vocab
+
+
+def _shape9(vocab):
+    return topology.ModelShape(layers=9, hidden=1024, heads=8, seq=1024, vocab=vocab, global_batch=16, moe_every=2,
+                               experts=8, top_k=4, expert_hidden=8192)

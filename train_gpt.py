@@ -10,7 +10,7 @@ value the layout implies: shard lengths, micro-batch count, this stage's layers)
     TP tensor     plan.tp               weights: heads, MLP columns and rows, the vocab  Column/RowParallelLinear
     SP sequence   plan.tp (same ranks)  LayerNorm and residual activations along s       _TPLinear, plan.reduce_tp
     CP context    plan.cp               the sequence, attention included                 plan.attention (long_seq)
-    PP pipeline   plan.pp               the layers                                       Pipeline, one_f_one_b
+    PP pipeline   plan.pp               the layers (v chunks per rank when interleaved)  run_schedule, Pipeline
     DP data       plan.dp_cp (with CP)  the batch, in sequences                          plan.micro_batches
     EP expert     plan.ep, plan.edp     the experts of MoE layers, folded over DP x CP   moe_ep.MoE
     recompute     -                     memory against FLOPs, per stage                  plan.run_blocks
@@ -29,8 +29,10 @@ SP (Korthikanti et al. 2022): between the TP regions each rank holds s/t of the 
 reduce-scatter and an all-gather (the same bytes), and every activation of a block is split by t
 (`block_activation_bytes`).
 
-PP with 1F1B (Narayanan et al. 2021): stage i holds L/p layers and runs p - 1 - i warm-up forwards, then one forward
-and one backward at a time: at most p micro-batches in flight, a bubble of (p-1)/(m+p-1) (`replay_pipeline`).
+PP: a schedule is a list of actions per rank (forward F, backward B, zero bubble's weight-gradient W), run by one
+executor and replayed by `replay_pipeline`. 1F1B (Narayanan et al. 2021): p - 1 - i warm-up forwards on stage i,
+then one forward and one backward at a time, a bubble of (p-1)/(m+p-1); interleaved (v chunks per rank): (p-1)/(v m)
+of the ideal time; ZB-H1 (Qi et al. 2023): B without W on the critical path, a third of 1F1B's bubble.
 
 DP and CP: DP ranks take other sequences of the batch, CP ranks shards of the same ones (zigzag: causal work
 balanced); under one seed every layout holds the same global weights (each parameter drawn whole from a generator
@@ -48,6 +50,8 @@ line). `benchmarks/report.py` measures the memory, communication and FLOP figure
 formulas.
 """
 import argparse
+import contextlib
+import functools
 import json
 import math
 import os
@@ -111,6 +115,8 @@ class TrainConfig:
     ep: int = 1                       # expert parallel, folded over DP x CP
     sequence_parallel: bool = False
     cp_impl: str = "ring"             # ring | ulysses | allgather
+    pp_schedule: str = "1f1b"         # 1f1b | interleaved | zb-h1
+    virtual_stages: int = 1           # model chunks per pipeline rank (interleaving)
     recompute: str = "none"           # none | full | sqrt | selective
     dtype: str = "float32"            # float32 | bfloat16 | float16 | fp8 | float64
     zero: int = 0                     # 1: master weights and optimizer states sharded over DP x CP (experts: EDP)
@@ -164,6 +170,8 @@ class Layout(NamedTuple):
     moe_token_split: bool    # MoE layers run on 1/tp of the tokens, as SP shards (TP > 1): their weights stay whole
     micro_batch_count: int   # m = batch / (dp micro_batch): the pipeline's micro-batches, the accumulation steps
     layers_per_stage: int    # L / pp
+    virtual_stages: int      # v: model chunks per pipeline rank, each of L / (pp v) layers
+    split_backward: bool     # a zero-bubble schedule: each backward split into B (input grads) and W (weight grads)
 
 
 def layout_of(cfg, run, world):
@@ -172,7 +180,8 @@ def layout_of(cfg, run, world):
     seq_cp = cfg.seq_len // run.cp
     return Layout(dp=dp, seq_cp=seq_cp, seq_hidden=seq_cp // tp if sequence_parallel else seq_cp,
                   sequence_parallel=sequence_parallel, moe_token_split=tp > 1,
-                  micro_batch_count=run.batch // (dp * run.micro_batch), layers_per_stage=cfg.n_layer // run.pp)
+                  micro_batch_count=run.batch // (dp * run.micro_batch), layers_per_stage=cfg.n_layer // run.pp,
+                  virtual_stages=run.virtual_stages, split_backward=run.pp_schedule == "zb-h1")
 
 
 # Parameter tags: how a parameter lies across the ranks. Set once, where the parameter is made (`tag`); read by the
@@ -232,7 +241,10 @@ class Plan:
     moe_token_split: bool
     micro_batch_count: int
     layers_per_stage: int
-    layers: range                # the global indices of this stage's layers
+    virtual_stages: int
+    split_backward: bool
+    schedule: str                # the pipeline schedule (SCHEDULES)
+    layers: tuple                # the global indices of this rank's layers, chunk after chunk
     logs_lm_loss: bool           # the LM loss from the last stage's TP rank 0 (the other TP ranks hold the same)
     logs_router_loss: bool       # the router loss from TP rank 0, CP rank 0 of every stage (likewise over tp_cp)
 
@@ -278,11 +290,12 @@ class Plan:
 def make_plan(cfg, run, ps):
     group = lambda kind: ps.groups[kind] if len(ps.ranks[kind]) > 1 else None
     layout = layout_of(cfg, run, ps.world_size)
-    first_layer = ps.pp_rank * layout.layers_per_stage
+    per_chunk, p = layout.layers_per_stage // layout.virtual_stages, ps.sizes["pp"]
+    chunks = [(c * p + ps.pp_rank) * per_chunk for c in range(layout.virtual_stages)]  # chunk c: virtual stage c p + r
     return Plan(ps=ps, world=dist.group.WORLD if ps.world_size > 1 else None, tp=group("tp"), cp=group("cp"),
                 pp=group("pp"), dp_cp=group("dp_cp"), ep=group("ep"), edp=group("edp"), tp_cp=group("tp_cp"),
                 embedding=group("embedding"), cp_impl=run.cp_impl, recompute=run.recompute, **layout._asdict(),
-                layers=range(first_layer, first_layer + layout.layers_per_stage),
+                schedule=run.pp_schedule, layers=tuple(i for first in chunks for i in range(first, first + per_chunk)),
                 logs_lm_loss=ps.is_last_stage and ps.tp_rank == 0,
                 logs_router_loss=ps.tp_rank == 0 and ps.cp_rank == 0)
 
@@ -434,7 +447,11 @@ class _TPLinear(torch.autograd.Function):
         no SP  forward as is; backward all-reduces the input gradient, overlapped with the weight gradient GEMM
         SP     forward all-gathers the input's sequence shards; only the local shard is saved and gathered
                again in backward; the input gradient is reduce-scattered, overlapped with the weight GEMM
-        group None (the LM head at TP = 1): no communication (the layers call the plain GEMM then)
+        group None (the LM head at TP = 1, a row-parallel layer's local product): no communication
+
+    Under a zero-bubble schedule the backward is split (`deferred_weight_grads`): B returns the input gradient,
+    and the weight-gradient GEMM waits, with its operands, for the schedule's W (run once, and without any
+    communication: the gathered input is kept from B).
 
     `gemm` runs the forward product: F.linear, or mixed_precision.fp8_linear with its per-tensor scales
     agreed over the TP group (the shards of one weight, or of a row-parallel input, share one scale).
@@ -445,6 +462,7 @@ class _TPLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group, sequence_parallel, gemm=F.linear):
         ctx.group, ctx.sp, ctx.has_bias = group, sequence_parallel and group is not None, bias is not None
         ctx.save_for_backward(x, weight)
+        ctx.parameter = weight  # W adds into the parameter itself (a recomputed graph saves only its values)
         x_full = _all_gather_seq(x, group) if ctx.sp else x
         return gemm(x_full, weight, bias)  # F.linear, or the FP8 forward GEMM (the backward stays 16-bit)
 
@@ -459,10 +477,52 @@ class _TPLinear(torch.autograd.Function):
         elif ctx.group is not None:
             wait = dist.all_reduce(grad_x, group=ctx.group, async_op=True).wait
         g2, x2 = grad_out.reshape(-1, grad_out.shape[-1]), x_full.reshape(-1, x_full.shape[-1])
-        grad_w = g2.t() @ x2  # computed while the input gradient travels
         grad_b = g2.sum(0) if ctx.has_bias else None
+        if _deferred is not None:  # zero bubble: this GEMM belongs to W
+            _deferred.append(partial(_weight_grad, ctx.parameter, g2, x2))
+            wait()
+            return grad_x, None, grad_b, None, None, None
+        grad_w = g2.t() @ x2  # computed while the input gradient travels
         wait()
         return grad_x, grad_w, grad_b, None, None, None
+
+
+_deferred = None  # while a zero-bubble B runs: the list its linears leave their weight-gradient GEMMs in
+
+
+class deferred_weight_grads:
+    """`with deferred_weight_grads() as w: loss.backward()` computes only the input gradients of the linears (and
+    every other gradient); `w.run()` later computes their weight gradients, each once (Qi et al. 2023's B and W)."""
+
+    def __enter__(self):
+        global _deferred
+        self.gemms, _deferred = [], []
+        return self
+
+    def __exit__(self, *exc):
+        global _deferred
+        self.gemms, _deferred = _deferred, None
+
+    def run(self):
+        for gemm in self.gemms:
+            gemm()
+        self.gemms = []
+
+
+def _weight_grad(weight, g2, x2):
+    """W of one linear: its weight gradient, added where autograd and the optimizer's hook would have put it (the
+    FP32 main grad that mixed_precision.py keeps, or .grad)."""
+    with torch.no_grad():
+        _add_weight_grad(weight, g2.t() @ x2)
+
+
+def _add_weight_grad(weight, grad):
+    if hasattr(weight, "main_grad"):
+        weight.main_grad.add_(grad)
+    elif weight.grad is None:
+        weight.grad = grad
+    else:
+        weight.grad += grad
 
 
 # The layers below are the plan torch.distributed.tensor.parallel writes with DTensors, as production code
@@ -490,7 +550,7 @@ class ColumnParallelLinear(nn.Module):
         tag([self.weight, self.bias], tp_dim=0, tp_parts=parts)
 
     def forward(self, x):
-        if self.plan.tp is None:  # nothing to communicate: the plain GEMM and its own backward
+        if self.plan.tp is None and not self.plan.split_backward:  # the plain GEMM and its own backward
             return self.gemm(x, self.weight, self.bias)
         return _TPLinear.apply(x, self.weight, self.bias, self.plan.tp, self.plan.sequence_parallel, self.gemm)
 
@@ -518,9 +578,13 @@ class RowParallelLinear(nn.Module):
         tag([self.bias], token_sharded=plan.sequence_parallel)
 
     def forward(self, x):
-        if self.plan.tp is None:
+        if self.plan.split_backward:  # the local product through _TPLinear, whose weight GEMM W can run later
+            y = _TPLinear.apply(x, self.weight, None if self.plan.tp else self.bias, None, False, self.gemm)
+        elif self.plan.tp is None:
             return self.gemm(x, self.weight, self.bias)
-        return self.plan.reduce_tp(self.gemm(x, self.weight)) + self.bias
+        else:
+            y = self.gemm(x, self.weight)
+        return y if self.plan.tp is None else self.plan.reduce_tp(y) + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -675,14 +739,22 @@ class GPTStage(nn.Module):
             positions = positions.chunk(self.plan.sizes["tp"])[self.plan.ps.tp_rank]
         return x + self.wpe[positions]
 
-    def forward(self, x, positions=None):
-        """First stage: x are token ids (b, s_local), positions their global positions; otherwise x is the
-        previous stage's hidden state. Last stage returns vocabulary-sharded logits. Also returns the sum
-        of the stage's auxiliary (MoE router) losses."""
-        if self.first:
+    def is_first_chunk(self, chunk):
+        return self.first and chunk == 0  # the first virtual stage embeds
+
+    def is_last_chunk(self, chunk):
+        return self.last and chunk == self.plan.virtual_stages - 1  # the last one projects to the logits
+
+    def forward(self, x, positions=None, chunk=0):
+        """The first virtual stage: x are token ids (b, s_local), positions their global positions; otherwise x is
+        the previous virtual stage's hidden state. The last one returns vocabulary-sharded logits. Also returns the
+        sum of the chunk's auxiliary (MoE router) losses."""
+        if self.is_first_chunk(chunk):
             x = self.embed(x, positions)
-        x, aux = self.plan.run_blocks(self.blocks, (x, torch.zeros((), dtype=torch.float64, device=x.device)))
-        if self.last:  # the LM head is column-parallel over the vocabulary: its input is gathered under SP
+        n = len(self.blocks) // self.plan.virtual_stages
+        x, aux = self.plan.run_blocks(self.blocks[chunk * n:(chunk + 1) * n],
+                                      (x, torch.zeros((), dtype=torch.float64, device=x.device)))
+        if self.is_last_chunk(chunk):  # the LM head is column-parallel over the vocabulary: input gathered under SP
             x = _TPLinear.apply(self.ln_f(x), self.lm_head.weight, None, self.plan.tp, self.plan.sequence_parallel)
         return x, aux
 
@@ -730,165 +802,269 @@ def block_forward_comm_bytes(b, s, h, t, sequence_parallel, moe, e, experts=0, s
 
 
 # ----------------------------------------------------------------------------------------------------
-# Pipeline parallelism: point-to-point transfers and the 1F1B schedule
+# Pipeline parallelism: a schedule is a list of actions per rank; one executor runs any of them
 # ----------------------------------------------------------------------------------------------------
+# With v virtual stages per rank (interleaving), rank r holds the model chunks c = 0..v-1, chunk c being virtual
+# stage c p + r of the p v (each L / (p v) layers): micro-batches pass rank 0, 1, ..., p-1, then rank 0 again with
+# its next chunk. A rank's schedule is the order of its actions: F (forward of a chunk and a micro-batch), B (its
+# backward; under zero bubble only the input gradients) and W (zero bubble: the weight gradients). Replayed with
+# each action's duration (F 1 unit, B 2 or B 1 + W 1), the lists give the step time, the bubble and what is in
+# flight: `replay_pipeline`, checked against the published formulas (`schedule_formulas`) and drawn by `timeline`.
 
-def _p2p(sends=(), recvs=(), group=None):
-    """Post every send (tensor, peer) and receive (buffer, peer) together, then wait for all of them."""
-    ops = [dist.P2POp(dist.isend, t.contiguous(), peer, group) for t, peer in sends]
-    ops += [dist.P2POp(dist.irecv, buf, peer, group) for buf, peer in recvs]
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-
-
-class Pipeline:
-    """The transfers of one stage. Shapes are fixed by the layout, so receives preallocate."""
-
-    def __init__(self, plan, shape, dtype, device):
-        self.ps, self.shape, self.dtype, self.device = plan.ps, shape, dtype, device
-        self.group = plan.pp
-
-    def _buf(self):
-        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
-
-    def recv_forward(self):
-        if self.ps.is_first_stage:
-            return None
-        buf = self._buf()
-        _p2p(recvs=[(buf, self.ps.pp_prev)], group=self.group)
-        return buf.requires_grad_(True)
-
-    def _send_output(self, y, recvs=()):
-        _p2p(sends=[(y.detach(), self.ps.pp_next)], recvs=recvs, group=self.group)
-        # the output has left this stage: free its storage now (as Megatron-LM's deallocate_output_tensor),
-        # not at its backward. The autograd graph behind it stays; backward only needs its shape.
-        y.untyped_storage().resize_(0)
-
-    def send_forward(self, y):
-        if not self.ps.is_last_stage:
-            self._send_output(y)
-
-    def send_forward_recv_backward(self, y):
-        if self.ps.is_last_stage:
-            return None
-        grad = self._buf()
-        self._send_output(y, recvs=[(grad, self.ps.pp_next)])
-        return grad
-
-    def recv_backward(self):
-        if self.ps.is_last_stage:
-            return None
-        grad = self._buf()
-        _p2p(recvs=[(grad, self.ps.pp_next)], group=self.group)
-        return grad
-
-    def send_backward(self, grad):
-        if not self.ps.is_first_stage:
-            _p2p(sends=[(grad, self.ps.pp_prev)], group=self.group)
-
-    def send_backward_recv_forward(self, grad):
-        if self.ps.is_first_stage:
-            return None
-        buf = self._buf()
-        _p2p(sends=[(grad, self.ps.pp_prev)], recvs=[(buf, self.ps.pp_prev)], group=self.group)
-        return buf.requires_grad_(True)
+class Action(NamedTuple):
+    kind: str        # "F", "B" or "W"
+    micro: int
+    chunk: int = 0
 
 
-class ScheduleStats(NamedTuple):
-    peak: int     # micro-batches whose activations were alive at once
-    held: int     # bytes of their outputs still held (0: each output's storage is freed once sent)
-    order: list   # ("F" or "B", micro-batch) in the order this stage ran them
+def schedule_1f1b(p, m, r):
+    """1F1B (Narayanan et al. 2021): p - r - 1 warm-up forwards, then one forward and one backward, then the
+    remaining backwards: at most p - r micro-batches in flight on rank r."""
+    warmup = min(p - r - 1, m)
+    steady = [a for j in range(m - warmup) for a in (Action("F", warmup + j), Action("B", j))]
+    return [Action("F", i) for i in range(warmup)] + steady + [Action("B", j) for j in range(m - warmup, m)]
 
 
-def one_f_one_b(stage, pipe, micro_batches, tokens_per_micro_batch, grad_scale=1.0):
-    """Forward and backward of every micro-batch with the 1F1B schedule. Returns this stage's summed LM loss
-    (last stage), its summed router loss (each micro-batch's weighted by its global token count, as the LM
-    loss is a sum over tokens) and ScheduleStats: what was in flight, and the order it ran.
-    `grad_scale` multiplies the losses where each backward starts (the last stage's loss and every stage's
-    router loss; the gradients that travel between stages carry it from there): 1 / the global token count,
-    times the loss scale under FP16."""
-    ps = stage.plan.ps
-    m = len(micro_batches)
-    warmup = min(stage.plan.sizes["pp"] - ps.pp_rank - 1, m)
-    in_flight, peak, held, order = [], 0, 0, []
-    device = next(stage.parameters()).device
-    loss_total = torch.zeros((), dtype=torch.float64, device=device)
-    aux_total = torch.zeros((), dtype=torch.float64, device=device)
+def schedule_interleaved(p, m, v, r):
+    """Megatron-LM's interleaved 1F1B: micro-batches advance through the chunks in groups of p; rank r runs
+    (p - r - 1) 2 + (v - 1) p warm-up forwards (of chunks), then alternates, then drains. Needs m a multiple of p."""
+    def place(k, forward):  # the k-th forward (or backward) of this rank: its micro-batch and chunk
+        group, within = divmod(k, p * v)
+        chunk = within // p
+        return group * p + within % p, chunk if forward else v - 1 - chunk
 
-    def forward(i, x):
-        nonlocal aux_total
-        ids, positions, targets = micro_batches[i]
-        out, aux = stage(ids if stage.first else x, positions)
-        if stage.last:
-            out = stage.loss_sum(out, targets)
-        aux = aux * tokens_per_micro_batch
-        aux_total = aux_total + aux.detach()
-        in_flight.append((i, x, out, aux))
-        order.append(("F", i))
-        return out
-
-    def backward(grad_out):
-        i, x, out, aux = in_flight.pop(0)
-        order.append(("B", i))
-        if stage.last:
-            ((out + aux) * grad_scale).backward()
-        elif aux.requires_grad:  # an MoE stage: its router loss starts its own backward here
-            torch.autograd.backward([out, aux], [grad_out, torch.full_like(aux, grad_scale)])
-        else:
-            torch.autograd.backward(out, grad_out)
-        return None if x is None else x.grad
-
-    def outputs_held():
-        return sum(out.untyped_storage().nbytes() for _, _, out, _ in in_flight if not stage.last)
-
-    for i in range(warmup):
-        out = forward(i, pipe.recv_forward())
-        pipe.send_forward(out)
-        peak, held = max(peak, len(in_flight)), max(held, outputs_held())
-    x = pipe.recv_forward() if m > warmup else None
-    for j in range(m - warmup):
-        out = forward(warmup + j, x)
-        peak = max(peak, len(in_flight))
-        if stage.last:
-            loss_total += out.detach().double()
-        grad = pipe.send_forward_recv_backward(out)
-        held = max(held, outputs_held())
-        grad_in = backward(grad)
-        if j == m - warmup - 1:
-            pipe.send_backward(grad_in)
-        else:
-            x = pipe.send_backward_recv_forward(grad_in)
-    for _ in range(warmup):
-        pipe.send_backward(backward(pipe.recv_backward()))
-    return loss_total, aux_total, ScheduleStats(peak, held, order)
+    total, warmup = m * v, min((p - r - 1) * 2 + (v - 1) * p, m * v)
+    steady = [a for k in range(total - warmup) for a in (Action("F", *place(warmup + k, True)),
+                                                         Action("B", *place(k, False)))]
+    return ([Action("F", *place(k, True)) for k in range(warmup)] + steady +
+            [Action("B", *place(k, False)) for k in range(total - warmup, total)])
 
 
-def replay_pipeline(orders, forward=1, backward=2):
-    """The time the stages' orders take (orders[k]: what stage k ran, in order) when a forward takes `forward`
-    units, a backward `backward`, and each waits only for its input: the previous stage's forward of its
-    micro-batch, the next stage's backward. Communication is free. 1F1B's: (m + p - 1)(forward + backward)."""
-    p, done = len(orders), {}
+def schedule_zero_bubble(order, r):
+    """ZB-H1 (Qi et al. 2023) from a 1F1B (or interleaved) order: each backward split into B, the input gradient
+    the previous stage waits for, and W, the weight gradient nobody waits for. Rank r defers r of its W's through
+    the steady state and runs one after each B of the drain, where 1F1B's rank r would idle: the bubble falls from
+    (p - 1)(F + B + W) to (p - 1)(F + B - W), and rank r holds at most p - r micro-batches before B (1F1B's) plus
+    r waiting for W (a part of their activations: the inputs of the linears)."""
+    out, waiting = [], []
+    steady_ends = max(i for i, a in enumerate(order) if a.kind == "F")
+    for i, a in enumerate(order):
+        out.append(a)
+        if a.kind == "B":
+            waiting.append(Action("W", a.micro, a.chunk))
+            if len(waiting) > (r if i < steady_ends else 0):
+                out.append(waiting.pop(0))
+    return out + waiting
+
+
+SCHEDULES = ("1f1b", "interleaved", "zb-h1")
+
+
+def pipeline_schedule(kind, p, m, v=1):
+    """Every rank's list of actions: orders[r]."""
+    base = [schedule_1f1b(p, m, r) if v == 1 else schedule_interleaved(p, m, v, r) for r in range(p)]
+    return [schedule_zero_bubble(base[r], r) for r in range(p)] if kind == "zb-h1" else base
+
+
+def forward_schedule(p, m, v=1):
+    """Forwards only (validation): every micro-batch through every chunk, in order."""
+    return [[Action("F", i, c) for i in range(m) for c in range(v)] for _ in range(p)]
+
+
+def replay_pipeline(orders, forward=1, backward=2, weight=1, v=1, slots=False):
+    """The time the ranks' orders take when each action waits only for its input: F for the previous virtual
+    stage's F of its micro-batch, B for the next one's B (the last virtual stage for its own F), W for its own B;
+    F takes `forward` units, B `backward`, W `weight`; communication is free. orders[r] are rank r's actions
+    (Action, or (kind, micro) pairs for one chunk). With slots, also every action's start: {(r, action): t}."""
+    p = len(orders)
+    orders = [[Action(*a) for a in order] for order in orders]
+    last, done, start = p * v - 1, {}, {}
     clock, pos = [0] * p, [0] * p
     progress = True
     while progress:
         progress = False
-        for k in range(p):
-            while pos[k] < len(orders[k]):
-                kind, i = orders[k][pos[k]]
-                needs = (k - 1, "F", i) if kind == "F" else (k + 1, "B", i)
-                if needs[0] not in range(p):  # the first stage's forwards, the last stage's backwards
+        for r in range(p):
+            while pos[r] < len(orders[r]):
+                a = orders[r][pos[r]]
+                vs = a.chunk * p + r
+                needs = {"F": ("F", vs - 1), "B": ("B", vs + 1) if vs < last else ("F", vs), "W": ("B", vs)}[a.kind]
+                if needs[1] < 0:  # the first virtual stage's forwards
                     ready = 0
-                elif needs in done:
-                    ready = done[needs]
+                elif (*needs, a.micro) in done:
+                    ready = done[(*needs, a.micro)]
                 else:
                     break
-                clock[k] = max(clock[k], ready) + (forward if kind == "F" else backward)
-                done[(k, kind, i)] = clock[k]
-                pos[k], progress = pos[k] + 1, True
+                start[(r, a)] = max(clock[r], ready)
+                clock[r] = start[(r, a)] + {"F": forward, "B": backward, "W": weight}[a.kind]
+                done[(a.kind, vs, a.micro)] = clock[r]
+                pos[r], progress = pos[r] + 1, True
     if pos != [len(o) for o in orders]:
-        raise ValueError("the stages' orders wait on each other forever")
-    return max(clock)
+        raise ValueError("the ranks' orders wait on each other forever")
+    return (max(clock), start) if slots else max(clock)
+
+
+def in_flight_peak(order, split):
+    """The most (chunk, micro-batch) activations alive at once on a rank: from its F until its B (or, with a split
+    backward, until its W, which still needs the linears' inputs)."""
+    live = peak = 0
+    for a in order:
+        live += (a.kind == "F") - (a.kind == ("W" if split else "B"))
+        peak = max(peak, live)
+    return peak
+
+
+def schedule_formulas(kind, p, m, v=1):
+    """The published step time (in units of one chunk's forward, B = 2 F, or B = W = F when split) and in-flight
+    peaks (chunks, per rank): 1F1B 3 (m + p - 1), p - r; interleaved 3 (v m + p - 1), i.e. a bubble of (p - 1)/(v m)
+    of the ideal, (p - r - 1) 2 + (v - 1) p + 1; ZB-H1 3 v m + p - 1 for m >= p: the bubble (p - 1) units, one third
+    of 1F1B's, and 1F1B's or the interleaved peak plus the r deferred W's."""
+    if kind == "1f1b":
+        return 3 * (m + p - 1), [min(p - r, m) for r in range(p)]
+    peak = [min((p - r - 1) * 2 + (v - 1) * p + 1, m * v) if v > 1 else min(p - r, m) for r in range(p)]
+    if kind == "interleaved":
+        return 3 * (v * m + p - 1), peak
+    return 3 * v * m + p - 1, [min(k + r, m * v) for r, k in enumerate(peak)]
+
+
+def timeline(kind, p, m, v=1):
+    """The schedule as text: one row per rank, one column per time unit (F 1, B 2 or B 1 + W 1), each cell the
+    action and micro-batch (and chunk, with v > 1: F3.1 is micro-batch 3 on chunk 1); under it the step time and
+    bubble beside the formulas, and each rank's in-flight peak."""
+    split = kind == "zb-h1"
+    orders = pipeline_schedule(kind, p, m, v)
+    span, start = replay_pipeline(orders, backward=1 if split else 2, v=v, slots=True)
+    width = len(f"F{m - 1}" + (f".{v - 1}" if v > 1 else "")) + 1
+    rows = []
+    for r, order in enumerate(orders):
+        cells = ["."] * span
+        for a in order:
+            t = start[(r, a)]
+            for u in range(2 if a.kind == "B" and not split else 1):
+                cells[t + u] = f"{a.kind}{a.micro}" + (f".{a.chunk}" if v > 1 else "")
+        rows.append(f"rank {r}  " + "".join(c.ljust(width) for c in cells).rstrip())
+    formula, peaks = schedule_formulas(kind, p, m, v)
+    ideal = 3 * m * v
+    rows.append(f"{kind}, p={p} m={m} v={v}: {span} units (formula {formula}), bubble {(span - ideal) / span:.3f} of "
+                f"the step, {(span - ideal) / ideal:.3f} of the ideal {ideal}")
+    rows.append("in flight per rank (chunks): " + ", ".join(
+        f"{in_flight_peak(o, split)} ({f})" for o, f in zip(orders, peaks)))
+    return "\n".join(rows)
+
+
+class ScheduleStats(NamedTuple):
+    peak: int     # (chunk, micro-batch) activations alive at once on this rank
+    held: int     # bytes of their outputs still held (0: each output's storage is freed once sent)
+    order: list   # the actions this rank ran, in order
+
+
+class Pipeline:
+    """The transfers of one rank's stage: where each virtual stage's output goes, and one batch of sends and
+    receives per time slot. Shapes are fixed by the layout, so receives preallocate."""
+
+    def __init__(self, plan, shape, dtype, device):
+        self.plan, self.shape, self.dtype, self.device = plan, shape, dtype, device
+        self.ranks = plan.ps.ranks["pp"]  # global ranks of this pipeline, by stage
+
+    def consumer(self, r, a):
+        """(rank, the action that reads it) of what rank r's action `a` sends, or None (the loss, the embedding)."""
+        p, v = self.plan.sizes["pp"], self.plan.virtual_stages
+        vs = a.chunk * p + r
+        if a.kind == "F" and vs < p * v - 1:
+            return (vs + 1) % p, Action("F", a.micro, (vs + 1) // p)
+        if a.kind == "B" and vs > 0:
+            return (vs - 1) % p, Action("B", a.micro, (vs - 1) // p)
+        return None
+
+    def exchange(self, sends, recvs):
+        """Post every send (tensor, pipeline rank) and receive (pipeline rank) of one slot together, then wait:
+        every rank posts a slot's matching ops at the same slot, so no rank waits on one that waits on it."""
+        bufs = [torch.empty(self.shape, dtype=self.dtype, device=self.device) for _ in recvs]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), self.ranks[peer], self.plan.pp) for t, peer in sends]
+        ops += [dist.P2POp(dist.irecv, buf, self.ranks[peer], self.plan.pp) for buf, peer in zip(bufs, recvs)]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        return bufs
+
+
+def run_schedule(stage, pipe, kind, micro_batches, tokens_per_micro_batch, grad_scale=1.0):
+    """Run this rank's list of the schedule `kind` (or "forward": forwards only, for validation, under no_grad). The
+    ranks' lists are replayed with unit durations into time slots; at each slot a rank runs its action, then sends
+    what it produced and receives what its neighbours produced for it, in one batch. Returns this rank's summed LM
+    loss (last virtual stage), its summed router loss (each micro-batch's weighted by its token count) and
+    ScheduleStats. `grad_scale` multiplies the losses where each backward starts (1 / the global token count, times
+    the FP16 loss scale)."""
+    plan, r = stage.plan, stage.plan.ps.pp_rank
+    span, at = _slots(kind, plan.sizes["pp"], len(micro_batches), plan.virtual_stages)
+    device = next(stage.parameters()).device
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # LM loss, router loss
+    inbox, saved, waiting, ran, peak, held = {}, {}, {}, [], 0, 0
+    for t in range(span):
+        out, sends, recvs = None, [], []
+        for q, a in at.get(t, ()):
+            if q == r:
+                out = _run_action(stage, a, inbox, saved, waiting, micro_batches, tokens_per_micro_batch, grad_scale,
+                                  totals)
+                ran.append(a)
+                peak = max(peak, len(saved) + len(waiting))
+        for q, a in at.get(t, ()):
+            to = pipe.consumer(q, a)
+            if to is not None and q == r:
+                sends.append((out, to[0]))
+            elif to is not None and to[0] == r:
+                recvs.append((q, to[1]))
+        for (_, key), buf in zip(recvs, pipe.exchange(sends, [q for q, _ in recvs])):
+            inbox[key] = buf.requires_grad_(key.kind == "F" and torch.is_grad_enabled())
+        if sends and out.grad_fn is not None:
+            # the output has left this stage: free its storage now (as Megatron-LM's deallocate_output_tensor), not
+            # at its backward, which needs only the graph behind it and its shape
+            out.untyped_storage().resize_(0)
+        held = max(held, sum(o.untyped_storage().nbytes() for _, o, _, last in saved.values() if not last))
+    return totals[0], totals[1], ScheduleStats(peak, held, ran)
+
+
+@functools.lru_cache(maxsize=64)
+def _slots(kind, p, m, v):
+    """The time slot of every rank's every action ({slot: [(rank, action)]}, each slot's in one order on every rank,
+    so that each pair of ranks posts its ops of a slot in the same order) and the number of slots."""
+    orders = forward_schedule(p, m, v) if kind == "forward" else pipeline_schedule(kind, p, m, v)
+    span, start = replay_pipeline(orders, 1, 1, 1, v=v, slots=True)
+    at = {}
+    for (q, a), t in sorted(start.items(), key=lambda item: (item[1], item[0])):
+        at.setdefault(t, []).append((q, a))
+    return span, at
+
+
+def _run_action(stage, a, inbox, saved, waiting, micro_batches, tokens_per_micro_batch, grad_scale, totals):
+    """One action on this rank; returns what it sends on (an output, an input gradient), or None."""
+    first, last, key = stage.is_first_chunk(a.chunk), stage.is_last_chunk(a.chunk), (a.chunk, a.micro)
+    if a.kind == "F":
+        ids, positions, targets = micro_batches[a.micro]
+        x = None if first else inbox.pop(a)
+        out, aux = stage(ids if first else x, positions, chunk=a.chunk)
+        if last:
+            out = stage.loss_sum(out, targets)
+            totals[0] += out.detach().double()
+        aux = aux * tokens_per_micro_batch
+        totals[1] += aux.detach()
+        if torch.is_grad_enabled():
+            saved[key] = (x, out, aux, last)
+        return None if last else out
+    if a.kind == "W":  # zero bubble: the weight gradients B left
+        waiting.pop(key).run()
+        return None
+    x, out, aux, _ = saved.pop(key)
+    split = stage.plan.split_backward
+    with deferred_weight_grads() if split else contextlib.nullcontext() as weight_grads:
+        if last:
+            ((out + aux) * grad_scale).backward()
+        elif aux.requires_grad:  # a MoE chunk: its router loss starts its own backward here
+            torch.autograd.backward([out, aux], [inbox.pop(a), torch.full_like(aux, grad_scale)])
+        else:
+            torch.autograd.backward(out, inbox.pop(a))
+    if split:
+        waiting[key] = weight_grads
+    return None if x is None else x.grad
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -897,7 +1073,7 @@ def replay_pipeline(orders, forward=1, backward=2):
 
 def train_step(stage, pipe, optimizer, tokens, micro_batch, grad_clip=0.0):
     """Forward and backward of the global batch (B, s + 1), the stage's gradient sums, one optimizer step.
-    Returns (LM loss, router loss, global gradient norm, whether the step was taken, the 1F1B ScheduleStats)."""
+    Returns (LM loss, router loss, global gradient norm, whether the step was taken, the schedule's ScheduleStats)."""
     plan = stage.plan
     device = next(stage.parameters()).device
     micro = plan.micro_batches(tokens, micro_batch, device)
@@ -906,8 +1082,8 @@ def train_step(stage, pipe, optimizer, tokens, micro_batch, grad_clip=0.0):
     # that the optimizer divides out again
     global_tokens = tokens.shape[0] * (tokens.shape[1] - 1)
     loss_scale = optimizer.loss_scaler.scale if optimizer.loss_scaler is not None else 1.0
-    loss_sum, aux_sum, schedule = one_f_one_b(stage, pipe, micro, micro_batch * (tokens.shape[1] - 1),
-                                              loss_scale / global_tokens)
+    loss_sum, aux_sum, schedule = run_schedule(stage, pipe, plan.schedule, micro, micro_batch * (tokens.shape[1] - 1),
+                                               loss_scale / global_tokens)
     for r in stage.reductions:
         if not r.data_parallel:  # the optimizer runs the data-parallel sums (and ZeRO's reduce-scatter)
             optimizer.all_reduce_grads(r.params, r.group)
@@ -1057,20 +1233,13 @@ def train_one_step(step, stage, pipe, opt, data, cfg, run):
 
 @torch.no_grad()
 def evaluate(stage, pipe, data, run, cfg):
-    """Mean validation loss per token over `eval_batches` fixed batches: forward only, micro-batch by
-    micro-batch through the pipeline (each stage receives, computes, sends on)."""
+    """Mean validation loss per token over `eval_batches` fixed batches: forwards only, every micro-batch of every
+    batch through the pipeline (run_schedule's "forward" lists)."""
     plan, device = stage.plan, next(stage.parameters()).device
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for j in range(run.eval_batches):
-        tokens = data.batch("val", j, run.batch, cfg.seq_len, cfg.seed, device)
-        for ids, positions, targets in plan.micro_batches(tokens, run.micro_batch, device):
-            x = pipe.recv_forward()
-            out, _ = stage(ids if stage.first else x, positions)
-            if stage.last:
-                total += stage.loss_sum(out, targets).double()
-            else:
-                pipe.send_forward(out)
-    total *= plan.logs_lm_loss
+    micro = [mb for j in range(run.eval_batches)
+             for mb in plan.micro_batches(data.batch("val", j, run.batch, cfg.seq_len, cfg.seed, device),
+                                          run.micro_batch, device)]
+    total = run_schedule(stage, pipe, "forward", micro, 0)[0] * plan.logs_lm_loss
     if plan.world is not None:
         dist.all_reduce(total)
     return total.item() / (run.eval_batches * run.batch * cfg.seq_len)
@@ -1159,6 +1328,9 @@ def main(argv=None):
         watch_launcher()
     try:
         cfg, run, a = parse_args(argv)
+        if a.show_schedule:
+            print(timeline(run.pp_schedule, run.pp, a.micro_batches, run.virtual_stages))
+            return
         if a.sample:
             path, state = sample_checkpoint(run.out_dir, world)
             cfg = GPTConfig(**state["config"])
@@ -2005,7 +2177,8 @@ def validate(cfg, run, world):
     positive = {"--tp": run.tp, "--pp": run.pp, "--cp": run.cp, "--ep": run.ep, "--layers": cfg.n_layer,
                 "--heads": cfg.n_head, "--hidden": cfg.n_embd, "--seq": cfg.seq_len, "--vocab": cfg.vocab_size,
                 "--batch": run.batch, "--micro-batch": run.micro_batch, "--steps": run.steps,
-                "--experts": cfg.n_experts, "--top-k": cfg.top_k, "--eval-batches": run.eval_batches}
+                "--experts": cfg.n_experts, "--top-k": cfg.top_k, "--eval-batches": run.eval_batches,
+                "--virtual-stages": run.virtual_stages}
     for flag, value in positive.items():
         if value < 1:
             raise ValueError(f"{flag} {value} must be a positive integer")
@@ -2048,6 +2221,9 @@ def validate(cfg, run, world):
          f"--top-k {cfg.top_k} must be between 1 and --experts {cfg.n_experts}"),
         (cfg.n_layer % pp, f"--layers {cfg.n_layer} must be divisible by --pp {pp}; choose --pp among "
                            f"{[d for d in range(1, cfg.n_layer + 1) if cfg.n_layer % d == 0]}"),
+        (cfg.n_layer % (pp * run.virtual_stages),
+         f"--layers {cfg.n_layer} must be divisible by --pp x --virtual-stages = {pp}x{run.virtual_stages} (each "
+         f"model chunk holds L / (pp v) layers)"),
         (cfg.n_embd % cfg.n_head, f"--hidden {cfg.n_embd} must be divisible by --heads {cfg.n_head}; e.g. "
                                   f"--hidden {cfg.n_head * max(1, round(cfg.n_embd / cfg.n_head))}"),
         (cfg.n_head % tp, f"--heads {cfg.n_head} must be divisible by --tp {tp}"),
@@ -2070,6 +2246,25 @@ def validate(cfg, run, world):
     for failed, message in checks:
         if failed:
             raise ValueError(message)
+    error = schedule_error(run.pp_schedule, pp, layout.micro_batch_count, run.virtual_stages)
+    if error:
+        raise ValueError(error)
+
+
+def schedule_error(kind, p, m, v):
+    """What makes a pipeline schedule impossible (the message names the flag), or None."""
+    if kind not in SCHEDULES:
+        return f"--pp-schedule {kind!r} is unknown; choose one of {SCHEDULES}"
+    if kind == "interleaved" and v == 1:
+        return "--pp-schedule interleaved needs --virtual-stages >= 2 (model chunks per pipeline rank)"
+    if v > 1 and kind == "1f1b":
+        return f"--virtual-stages {v} needs --pp-schedule interleaved or zb-h1 (1f1b runs one chunk per rank)"
+    if v > 1 and p == 1:
+        return f"--virtual-stages {v} needs --pp >= 2: the chunks interleave across the pipeline ranks"
+    if v > 1 and m % p:
+        return (f"--virtual-stages {v} needs the micro-batches m = batch / (dp micro_batch) = {m} to be a multiple of "
+                f"--pp {p} (they advance in groups of p): choose --batch or --micro-batch so")
+    return None
 
 
 def check_inputs(cfg, run, world):
@@ -2238,6 +2433,11 @@ def parse_args(argv=None):
     add("--ep", type=int, default=1, help="expert parallel, folded over DP x CP")
     add("--sequence-parallel", action="store_true", help="split LayerNorm/residual activations over TP")
     add("--cp-impl", default="ring", choices=sorted(CP_IMPLS))
+    add("--pp-schedule", default="1f1b", choices=SCHEDULES, help="1f1b | interleaved (Megatron-LM) | zb-h1")
+    add("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (interleaved, zb-h1)")
+    add("--show-schedule", action="store_true", help="print the schedule's timeline for --pp, --micro-batches, "
+        "--pp-schedule and --virtual-stages, with its bubble and in-flight peaks, and exit (no process group)")
+    add("--micro-batches", type=int, default=None, help="with --show-schedule: m (a run's: batch / (dp micro_batch))")
     add("--moe-every", type=int, default=0, help="every n-th block is MoE (0: dense)")
     add("--experts", type=int, default=8)
     add("--top-k", type=int, default=2)
@@ -2274,6 +2474,17 @@ def parse_args(argv=None):
         "the dense BF16 peak, whatever --dtype)")
     add("--seed", type=int, default=0)
     a = ap.parse_args(argv)
+    if a.micro_batches is not None and not a.show_schedule:
+        raise ValueError("--micro-batches goes with --show-schedule; a run has batch / (dp micro_batch) micro-batches")
+    if a.show_schedule:
+        m = 8 if a.micro_batches is None else a.micro_batches
+        for flag, value in (("--pp", a.pp), ("--micro-batches", m), ("--virtual-stages", a.virtual_stages)):
+            if value < 1:
+                raise ValueError(f"{flag} {value} must be a positive integer")
+        error = schedule_error(a.pp_schedule, a.pp, m, a.virtual_stages)
+        if error:
+            raise ValueError(error.replace("m = batch / (dp micro_batch)", "--micro-batches"))
+        a.micro_batches = m
     if a.sample is not None and a.sample < 1:
         raise ValueError(f"--sample {a.sample} must be >= 1: the number of tokens to draw (omit it to train)")
     if not (math.isfinite(a.temperature) and a.temperature > 0) or a.sample_top_k < 0:

@@ -13,6 +13,8 @@
 4. A checkpoint of that run saved and sampled from (the CUDA path of `--sample`).
 5. checkpointing.py's kept bytes per recomputation policy in bfloat16 on CUDA against its formula for CUDA
    kernels (1-byte dropout masks, FP32 LayerNorm statistics), which CPU runs cannot check.
+6. The pipeline schedules: zero bubble's split backward on the device against 1F1B; the interleaved schedule on two
+   gloo CPU processes (one GPU holds one NCCL rank) against one process in float64.
 Each section reports its own failure (an exception, or a figure outside its stated bound) and the next one still
 runs; the exit code is 1 if any section failed.
 """
@@ -194,6 +196,39 @@ def ring(device, dry):
         check(f"ring {str(dtype)[6:]} fused vs SDPA", err("fused", "sdpa"), bound, "max relative error")
 
 
+def schedules(device, dry):
+    """The pipeline executor's paths: on this device (one process), zero bubble's split backward (the linears'
+    weight GEMMs deferred to W) against 1F1B; on two gloo CPU processes (one GPU cannot hold two NCCL ranks), the
+    interleaved schedule (PP2, v = 2) against one process, in float64."""
+    cfg = train_gpt.GPTConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, n_embd=64)
+    curves = {}
+    for kind in ("1f1b", "zb-h1"):
+        run = train_gpt.TrainConfig(dtype="float32", batch=8, micro_batch=2, lr=1e-3, log=False, data="synthetic",
+                                    timeout_s=120, pp_schedule=kind)
+        _, stage, opt, pipe = train_gpt.build(cfg, run)
+        curves[kind] = [train_gpt.train_step(stage, pipe, opt, train_gpt.synthetic_batch(k, 8, 64, 256).to(device),
+                                             2, run.grad_clip)[0] for k in range(4)]
+    # float32: only the order of the weight-gradient accumulation differs
+    check("schedules zb-h1 vs 1f1b on the device", max(abs(a - b) for a, b in zip(*curves.values())), 1e-4,
+          "largest loss difference over 4 steps")
+    import json
+    import subprocess
+    with tempfile.TemporaryDirectory() as out:
+        losses = {}
+        for name, nproc, flags in (("pp1", 1, []), ("interleaved", 2, ["--pp", "2", "--pp-schedule", "interleaved",
+                                                                         "--virtual-stages", "2"])):
+            args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train_gpt.py"),
+                    "--data", "synthetic", "--layers", "4", "--hidden", "32", "--seq", "32", "--vocab", "64",
+                    "--batch", "8", "--micro-batch", "2", "--steps", "3", "--dtype", "float64",
+                    "--metrics", os.path.join(out, f"{name}.jsonl"), *flags]
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+            subprocess.run(args, env=env, check=True, capture_output=True, timeout=300)
+            losses[name] = [json.loads(line)["loss"] for line in open(os.path.join(out, f"{name}.jsonl"))]
+        check("schedules interleaved PP2 v=2 vs one process (CPU, float64)",
+              max(abs(a - b) for a, b in zip(*losses.values())), 1e-12, "largest loss difference over 3 steps")
+
+
 def recompute_memory(device, dry):
     layers, b, s, h, a = (2, 2, 64, 64, 4) if dry else (4, 4, 1024, 1024, 16)
     dtype, e = (torch.float32, 4) if device.type == "cpu" else (torch.bfloat16, 2)
@@ -225,7 +260,8 @@ def main():
     failed = 0
     for name, section in (("gpt2", lambda: gpt2_small(device, a.dry_run, deadline)),
                           ("fp8", lambda: fp8(device, a.dry_run)), ("ring", lambda: ring(device, a.dry_run)),
-                          ("recompute", lambda: recompute_memory(device, a.dry_run))):
+                          ("recompute", lambda: recompute_memory(device, a.dry_run)),
+                          ("schedules", lambda: schedules(device, a.dry_run))):
         if time.monotonic() > deadline:
             say(name, "skipped: time budget spent")
             continue

@@ -31,8 +31,10 @@ too).
    (checkpointing.py measures and explains it).
 3. The FLOPs of one step, counted by FlopCounterMode, against train_gpt.model_flops_per_token x tokens plus the
    2 L h s per token that a flash kernel's backward recomputes (QK^T), for a dense and a MoE model.
-4. The 1F1B bubble: the order each stage ran one step in, replayed (train_gpt.replay_pipeline), against (m + p - 1)
-   stage times and the bubble (p - 1) / (m + p - 1).
+4. The pipeline schedules: the actions each rank ran in one step, recorded from the run and replayed
+   (train_gpt.replay_pipeline), against (m + p - 1) stage times and the bubble (p - 1) / (m + p - 1) for 1F1B, and
+   against train_gpt.schedule_formulas for 1F1B, interleaved and zero bubble, with the in-flight peaks the executor
+   measured; then the three timelines side by side.
 """
 import math
 import os
@@ -148,17 +150,18 @@ def measure_step_flops(cfg, batch, micro_batch):
     return count_step_flops(stage, pipe, opt, tokens, micro_batch)
 
 
-def measure_schedule(cfg, batch):
-    """The order every stage ran one step's micro-batches in (one micro-batch per sequence; PP = the world),
-    gathered on every rank, first stage first."""
+def measure_schedule(cfg, batch, kind="1f1b", v=1, peaks=False):
+    """The actions every pipeline rank ran in one step (one micro-batch per sequence; PP = the world), gathered on
+    every rank, first rank first; with `peaks`, also each rank's measured in-flight peak."""
     run = train_gpt.TrainConfig(pp=dist.get_world_size(), batch=batch, micro_batch=1, dtype="float32", log=False,
-                                data="synthetic")
+                                data="synthetic", pp_schedule=kind, virtual_stages=v)
     plan, stage, opt, pipe = train_gpt.build(cfg, run)
     tokens = train_gpt.synthetic_batch(0, batch, cfg.seq_len, cfg.vocab_size)
-    order = train_gpt.train_step(stage, pipe, opt, tokens, 1)[-1].order
-    orders = [None] * dist.get_world_size()
-    dist.all_gather_object(orders, (plan.ps.pp_rank, order))
-    return [o for _, o in sorted(orders)]
+    stats = train_gpt.train_step(stage, pipe, opt, tokens, 1)[-1]
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, (plan.ps.pp_rank, stats.order, stats.peak))
+    ranks = sorted(ranks)
+    return ([o for _, o, _ in ranks], [k for _, _, k in ranks]) if peaks else [o for _, o, _ in ranks]
 
 
 def _report_rank(rank, world, store_path, queue, fn, args):
@@ -195,6 +198,8 @@ REPORT_FLOPS = {"dense": GPTConfig(vocab_size=64, seq_len=32, n_layer=2, n_head=
                 "MoE": GPTConfig(vocab_size=64, seq_len=32, n_layer=2, n_head=4, n_embd=32, moe_every=1,
                                  n_experts=4, top_k=2)}
 REPORT_PIPELINE_STAGES, REPORT_PIPELINE_MICRO_BATCHES = 4, (2, 8)
+REPORT_SCHEDULE = GPTConfig(vocab_size=32, seq_len=32, n_layer=8, n_head=4, n_embd=32)  # 8 layers: p = 4, v = 2
+REPORT_SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h1", 2))
 
 
 def stage_kept_bytes_formula(cfg, run, b, policy, e=4):
@@ -263,6 +268,21 @@ def report():
         span = train_gpt.replay_pipeline(on_cpu_ranks(p, measure_schedule, REPORT_BLOCK, m))
         out(f"  m={m:<3d} replayed {span:>3d} units (formula {(m + p - 1) * 3}), bubble {1 - 3 * m / span:.3f} "
             f"(formula {(p - 1) / (m + p - 1):.3f})")
+    m = REPORT_PIPELINE_MICRO_BATCHES[-1]
+    out(f"\nEvery schedule, p={p} m={m}: the actions each rank ran (recorded from a step), replayed in units of one "
+        "chunk's forward (B 2, or B 1 + W 1 when split), against the formula; in-flight peak per rank (chunks) "
+        "measured by the executor (formula):")
+    for kind, v in REPORT_SCHEDULES:
+        orders, peaks = on_cpu_ranks(p, measure_schedule, REPORT_SCHEDULE, m, kind, v, True)
+        split = kind == "zb-h1"
+        span = train_gpt.replay_pipeline(orders, backward=1 if split else 2, v=v)
+        formula, peak_formula = train_gpt.schedule_formulas(kind, p, m, v)
+        bubble = (span - 3 * m * v) / span
+        out(f"  {kind:<11s} v={v}  replayed {span:>3d} units (formula {formula:>3d}), bubble {bubble:.3f} of the step; "
+            "in flight " + ", ".join(f"{k} ({f})" for k, f in zip(peaks, peak_formula)))
+    out("\nThe three schedules side by side (train_gpt.py --show-schedule):")
+    for kind, v in REPORT_SCHEDULES[:3]:
+        out(train_gpt.timeline(kind, p, m, v) + "\n")
     return "\n".join(lines)
 
 

@@ -125,7 +125,7 @@ def test_1f1b_as_run_takes_m_plus_p_minus_1_stage_times(m):
     assert train_gpt.replay_pipeline(orders) == (m + 4 - 1) * 3
     # and it is 1F1B, not GPipe (which replays to the same time): stage k runs min(p - k, m) forwards before
     # its first backward, so at most p micro-batches are in flight
-    assert [[kind for kind, _ in o].index("B") for o in orders] == [min(4 - k, m) for k in range(4)]
+    assert [[a.kind for a in o].index("B") for o in orders] == [min(4 - k, m) for k in range(4)]
 
 
 def test_the_replay_sees_a_schedule_without_warm_up_and_one_that_waits_forever():
@@ -774,6 +774,17 @@ BAD_INPUT = [  # (argv, world, what the one line must name)
     (["--metrics", "ckpt"], 2, "--metrics ckpt is a folder: pass a file path"),
     (["--metrics", "empty.txt/m.jsonl"], 1, "empty.txt is a file; pass another path"),
     (["--sample", "0", "--out-dir", "ckpt"], 1, "--sample 0 must be >= 1"),
+    (["--pp", "2", "--virtual-stages", "2"], 2, "--virtual-stages 2 needs --pp-schedule interleaved or zb-h1"),
+    (["--pp", "2", "--pp-schedule", "interleaved"], 2, "--pp-schedule interleaved needs --virtual-stages >= 2"),
+    (["--virtual-stages", "2", "--pp-schedule", "zb-h1"], 1, "--virtual-stages 2 needs --pp >= 2"),
+    (["--pp", "2", "--virtual-stages", "3", "--pp-schedule", "zb-h1"], 2,
+     "--layers 4 must be divisible by --pp x --virtual-stages = 2x3"),
+    (["--pp", "2", "--virtual-stages", "2", "--pp-schedule", "zb-h1", "--batch", "6", "--micro-batch", "2"], 2,
+     "the micro-batches m = batch / (dp micro_batch) = 3 to be a multiple of --pp 2"),
+    (["--pp-schedule", "gpipe"], 1, "argument --pp-schedule: invalid choice: 'gpipe'"),
+    (["--micro-batches", "8"], 1, "--micro-batches goes with --show-schedule"),
+    (["--show-schedule", "--pp", "4", "--micro-batches", "6", "--pp-schedule", "interleaved", "--virtual-stages",
+      "2"], 1, "the micro-batches --micro-batches = 6 to be a multiple of --pp 4"),
     (["--timeout-s", "1e-9"], 2, "--timeout-s 1e-09 must be between 1 and 604800 seconds"),
     (["--timeout-s", "1e300"], 2, "--timeout-s 1e+300 must be between 1 and 604800 seconds"),
     (["--timeout-s", "nan"], 1, "--timeout-s nan must be between"),
@@ -1608,3 +1619,132 @@ def test_a_stopped_rank_or_a_killed_launcher_ends_every_process_within_the_timeo
     time.sleep(1)
     assert sorted(int(n[5:]) for n in os.listdir(tmp_path / "agent")
                   if n.startswith("step_") and n[5:].isdigit()) == steps  # nothing written after the workers went
+
+
+# ---- pipeline schedules: 1F1B, interleaved (virtual stages), zero bubble; one executor, one replay --------------
+
+CFG8 = dataclasses.replace(CFG, n_layer=8)  # p = 4 with v = 2 chunks of one layer
+CFG8_MOE = dataclasses.replace(CFG_MOE, n_layer=8)
+
+
+@pytest.fixture(scope="module")
+def schedule_references():
+    # a MoE layer's router losses are statistics of a micro-batch's tokens: each reference has the layouts' micro-batch
+    return {(cfg.n_layer, cfg.moe_every, mb): run_ranks(_train, 1, 1, 1, 1, cfg=cfg, micro_batch=mb, timeout=120)[0]
+            for cfg, mb in ((CFG, MICRO), (CFG_MOE, MICRO), (CFG8, MICRO), (CFG8_MOE, 3))}
+
+
+SCHEDULE_LAYOUTS = [  # (world, tp, pp, cp, cfg, kwargs): every schedule against the one-process run
+    (2, 1, 2, 1, CFG, dict(pp_schedule="interleaved", virtual_stages=2)),
+    (2, 1, 2, 1, CFG, dict(pp_schedule="zb-h1", virtual_stages=2)),
+    (2, 1, 2, 1, CFG_MOE, dict(pp_schedule="zb-h1")),
+    (4, 1, 4, 1, CFG8, dict(pp_schedule="interleaved", virtual_stages=2, micro_batch=1)),
+    (4, 1, 4, 1, CFG8_MOE, dict(pp_schedule="zb-h1", virtual_stages=2, micro_batch=3)),
+    (4, 1, 4, 1, CFG, dict(pp_schedule="zb-h1", recompute="full")),
+    (8, 2, 2, 1, CFG, dict(pp_schedule="interleaved", virtual_stages=2, sequence_parallel=True, micro_batch=1)),
+    (8, 1, 2, 2, CFG_MOE, dict(pp_schedule="zb-h1", ep=2)),
+    (8, 2, 2, 1, CFG_MOE, dict(pp_schedule="zb-h1", sequence_parallel=True, recompute="selective")),
+]
+
+
+@pytest.mark.parametrize("world, tp, pp, cp, cfg, kwargs", SCHEDULE_LAYOUTS,
+                         ids=[f"{w}-tp{t}-pp{p}-cp{c}-L{g.n_layer}-moe{g.moe_every}-" + "-".join(map(str, k.values()))
+                              for w, t, p, c, g, k in SCHEDULE_LAYOUTS])
+def test_every_schedule_trains_the_one_process_model(schedule_references, world, tp, pp, cp, cfg, kwargs):
+    reference = schedule_references[(cfg.n_layer, cfg.moe_every, kwargs.get("micro_batch", MICRO) if cfg.moe_every
+                                     else MICRO)]
+    for curve in run_ranks(_train, world, tp, pp, cp, cfg=cfg, timeout=180, **kwargs):
+        assert _max_diff(curve, reference) < TOL, (curve, reference)
+
+
+def test_the_replayed_formulas_of_every_schedule_over_a_grid():
+    # the published step times and in-flight peaks, against a replay of the lists the executor runs
+    for p in range(2, 9):
+        for v in (1, 2, 3, 4):
+            for m in sorted({p, 2 * p, 3 * p, 8, 16}):
+                for kind in ("1f1b", "interleaved", "zb-h1"):
+                    if train_gpt.schedule_error(kind, p, m, v) or (kind == "zb-h1" and m < p):
+                        continue
+                    orders = train_gpt.pipeline_schedule(kind, p, m, v)
+                    split = kind == "zb-h1"
+                    span = train_gpt.replay_pipeline(orders, backward=1 if split else 2, v=v)
+                    formula, peaks = train_gpt.schedule_formulas(kind, p, m, v)
+                    assert span == formula, (kind, p, m, v, span, formula)
+                    assert [train_gpt.in_flight_peak(o, split) for o in orders] == peaks, (kind, p, m, v)
+                    assert all(sorted(o) == sorted(train_gpt.Action(k, i, c) for i in range(m) for c in range(v)
+                                                   for k in ("FBW" if split else "FB")) for o in orders)
+    # ZB-H1's bubble is one third of 1F1B's when F = B = W: (p - 1) units against 3 (p - 1)
+    assert train_gpt.schedule_formulas("zb-h1", 4, 8)[0] - 24 == (train_gpt.schedule_formulas("1f1b", 4, 8)[0] - 24) / 3
+
+
+def _schedule_run(rank, world, kind, v):
+    return report.measure_schedule(CFG8, 8, kind, v, peaks=True)
+
+
+@pytest.mark.parametrize("kind, v", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h1", 2)])
+def test_the_lists_the_executor_ran_replay_to_their_formulas(kind, v):
+    (orders, peaks), *_ = run_ranks(_schedule_run, 4, kind, v, timeout=120)  # recorded from the run
+    assert orders == train_gpt.pipeline_schedule(kind, 4, 8, v)
+    split = kind == "zb-h1"
+    formula, peak_formula = train_gpt.schedule_formulas(kind, 4, 8, v)
+    assert train_gpt.replay_pipeline(orders, backward=1 if split else 2, v=v) == formula
+    assert peaks == peak_formula  # what the executor held, measured: 1F1B 4 3 2 1, interleaved 11 9 7 5, ZB-H1 4 4 4 4
+    if kind == "zb-h1" and v == 1:  # a third of 1F1B's bubble: 27 units against 33, for 24 of work
+        assert formula - 24 == (train_gpt.schedule_formulas("1f1b", 4, 8)[0] - 24) / 3
+
+
+def _step_gemms(rank, world, kind, v, **layout):
+    """This rank's FLOPs of one step (FlopCounterMode) and, under zero bubble, the collectives its W's issued."""
+    torch.set_default_dtype(torch.float64)
+    run = _run(pp_schedule=kind, virtual_stages=v, micro_batch=1, **layout)
+    plan, stage, opt, pipe = train_gpt.build(CFG, run)
+    tokens = train_gpt.synthetic_batch(0, BATCH, CFG.seq_len, CFG.vocab_size)
+    collectives, weight_grads = [], [0]
+    run_w = train_gpt.deferred_weight_grads.run
+
+    def watched(self):
+        weight_grads[0] += len(self.gemms)
+        with report.CollectiveLog(plan.tp) as on_tp, report.CollectiveLog(plan.pp) as on_pp:
+            run_w(self)
+        collectives.append(sum(on_tp.counts.values()) + sum(on_pp.counts.values()))
+    train_gpt.deferred_weight_grads.run = watched
+    return report.count_step_flops(stage, pipe, opt, tokens, 1), sum(collectives), weight_grads[0]
+
+
+def test_zero_bubble_computes_every_weight_gradient_once_and_w_communicates_nothing():
+    for layout in (dict(), dict(tp=2, sequence_parallel=True)):
+        world = 2 * layout.get("tp", 1)
+        flops = {(kind, v): run_ranks(_step_gemms, world, kind, v, pp=2, timeout=120, **layout)
+                 for kind, v in (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h1", 2))}
+        counts = {key: [f for f, _, _ in ranks] for key, ranks in flops.items()}
+        assert len({tuple(c) for c in counts.values()}) == 1, counts  # the same GEMMs on every rank, every schedule
+        for v in (1, 2):
+            for rank, (f, collectives, weight_grads) in enumerate(flops[("zb-h1", v)]):
+                # W ran the weight GEMM of each of the 4 linears of the rank's 2 blocks, and of the LM head on the last
+                # stage, once per micro-batch (12), with no collective: what B gathered, W reuses
+                assert weight_grads == (8 + (rank >= world // 2)) * 12 and collectives == 0, (weight_grads, collectives)
+
+
+def test_a_checkpoint_resumes_under_another_schedule_and_back(tmp_path):
+    full = run_ranks(_resume_run, 2, str(tmp_path / "a"), "float64", False, pp=2, timeout=180)[0]
+    for name, saved, resumed in (("b", dict(pp=2), dict(pp=2, pp_schedule="zb-h1", virtual_stages=2)),
+                                 ("c", dict(pp=2, pp_schedule="zb-h1", virtual_stages=2), dict(pp=2))):
+        first = run_ranks(_resume_run, 2, str(tmp_path / name), "float64", False, timeout=180, **saved)[0]
+        assert max(abs(a - b) for r, f in zip(first, full) for a, b in zip(r, f)) < TOL
+        shutil_tree = __import__("shutil")
+        shutil_tree.rmtree(tmp_path / name / "step_000004")
+        again = run_ranks(_resume_run, 2, str(tmp_path / name), "float64", True, timeout=180, **resumed)[0]
+        assert [r[0] for r in again] == [2, 3]
+        assert max(abs(a - b) for r, f in zip(again, full[2:]) for a, b in zip(r, f)) < TOL
+
+
+def test_the_timeline_is_printed_without_a_process_group(tmp_path):
+    argv = ["--show-schedule", "--pp", "4", "--micro-batches", "8", "--pp-schedule", "interleaved",
+            "--virtual-stages", "2"]
+    (code, out, initialised), = _main_on_forked_ranks(argv, 1, str(tmp_path))
+    assert code == 0 and not initialised, out
+    assert out.strip() == train_gpt.timeline("interleaved", 4, 8, 2)
+    assert "57 units (formula 57)" in out and out.count("\nrank ") == 3 and "F7.1" in out
+    zb = train_gpt.timeline("zb-h1", 4, 8).splitlines()
+    assert zb[0].startswith("rank 0  F0 F1 F2 F3 .") and "27 units (formula 27)" in zb[4]
+    assert zb[5] == "in flight per rank (chunks): 4 (4), 4 (4), 4 (4), 4 (4)"

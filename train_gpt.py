@@ -114,11 +114,14 @@ class TrainConfig:
     cp: int = 1
     ep: int = 1                       # expert parallel, folded over DP x CP
     sequence_parallel: bool = False
-    cp_impl: str = "ring"             # ring | ulysses | allgather
+    cp_impl: str = "ring"             # ring | ulysses | allgather | hybrid
+    cp_ulysses: int = 1               # hybrid: the Ulysses ranks inside each CP group (CP = u x ring)
     pp_schedule: str = "1f1b"         # 1f1b | interleaved | zb-h1
     virtual_stages: int = 1           # model chunks per pipeline rank (interleaving)
     recompute: str = "none"           # none | full | sqrt | selective
     dtype: str = "float32"            # float32 | bfloat16 | float16 | fp8 | float64
+    fp8_recipe: str = "tensorwise"    # with --dtype fp8: tensorwise | delayed | rowwise | blockwise | mxfp8
+    fp8_param_gather: bool = False    # ZeRO-1: all-gather the updated weights in MXFP8 + scales instead of BF16
     zero: int = 0                     # 1: master weights and optimizer states sharded over DP x CP (experts: EDP)
     batch: int = 16                   # global batch, in sequences
     micro_batch: int = 2
@@ -153,10 +156,13 @@ class TrainConfig:
 # The plan: every group, every layout-derived value, the attention and sharding functions, the recomputation
 # ----------------------------------------------------------------------------------------------------
 
-CP_IMPLS = {  # the attention of a context-parallel group and the sequence shard it expects
-    "ring": (long_seq.ring_attention, long_seq.zigzag_shard),
-    "ulysses": (long_seq.ulysses_attention, long_seq.contiguous_shard),
-    "allgather": (long_seq.allgather_attention, long_seq.zigzag_shard),
+CP_IMPLS = {  # the causal attention of this rank's CP groups, and the sequence shard it expects
+    "ring": (lambda plan, q, k, v: long_seq.ring_attention(q, k, v, plan.cp), long_seq.zigzag_shard),
+    "ulysses": (lambda plan, q, k, v: long_seq.ulysses_attention(q, k, v, plan.cp), long_seq.contiguous_shard),
+    "allgather": (lambda plan, q, k, v: long_seq.allgather_attention(q, k, v, plan.cp), long_seq.zigzag_shard),
+    # Ulysses over the inner cp_ulysses ranks, the ring across them (USP); its shards are the ring's zigzag ones
+    "hybrid": (lambda plan, q, k, v: long_seq.hybrid_attention(q, k, v, plan.cp_ulysses, plan.cp_ring),
+               long_seq.zigzag_shard),
 }
 
 
@@ -226,6 +232,8 @@ class Plan:
     world: object                # the default group (None on one rank): the global norm and the logged losses
     tp: object
     cp: object
+    cp_ulysses: object           # the hybrid's two sub-groups of cp: Ulysses inside, the ring across
+    cp_ring: object
     pp: object
     dp_cp: object
     ep: object
@@ -257,7 +265,7 @@ class Plan:
         """Causal attention of (b, heads, s_local, d) tensors over this rank's CP shard of the sequence."""
         if self.cp is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return CP_IMPLS[self.cp_impl][0](q, k, v, self.cp, causal=True)
+        return CP_IMPLS[self.cp_impl][0](self, q, k, v)
 
     def shard(self, x, dim):
         """This rank's CP shard of a full-sequence tensor, in the layout `attention` expects."""
@@ -293,6 +301,7 @@ def make_plan(cfg, run, ps):
     per_chunk, p = layout.layers_per_stage // layout.virtual_stages, ps.sizes["pp"]
     chunks = [(c * p + ps.pp_rank) * per_chunk for c in range(layout.virtual_stages)]  # chunk c: virtual stage c p + r
     return Plan(ps=ps, world=dist.group.WORLD if ps.world_size > 1 else None, tp=group("tp"), cp=group("cp"),
+                cp_ulysses=group("cp_ulysses"), cp_ring=group("cp_ring"),
                 pp=group("pp"), dp_cp=group("dp_cp"), ep=group("ep"), edp=group("edp"), tp_cp=group("tp_cp"),
                 embedding=group("embedding"), cp_impl=run.cp_impl, recompute=run.recompute, **layout._asdict(),
                 schedule=run.pp_schedule, layers=tuple(i for first in chunks for i in range(first, first + per_chunk)),
@@ -453,9 +462,8 @@ class _TPLinear(torch.autograd.Function):
     and the weight-gradient GEMM waits, with its operands, for the schedule's W (run once, and without any
     communication: the gathered input is kept from B).
 
-    `gemm` runs the forward product: F.linear, or mixed_precision.fp8_linear with its per-tensor scales
-    agreed over the TP group (the shards of one weight, or of a row-parallel input, share one scale).
-    The backward is the same 16-bit arithmetic either way (FP8 forward, BF16 backward).
+    `gemm` runs the forward product: F.linear, or an FP8 GEMM (`fp8_product`). The backward is the same 16-bit
+    arithmetic either way (FP8 forward, BF16 backward).
     """
 
     @staticmethod
@@ -539,10 +547,10 @@ class ColumnParallelLinear(nn.Module):
     """y_local = x W_local^T + b_local, W split by output rows. `parts` > 1 splits each of `parts` equal
     blocks of the output (Q, K and V) separately, so every rank gets whole heads of each."""
 
-    def __init__(self, name, d_in, d_out, plan, cfg, dtype, parts=1, std=0.02, fp8=False):
+    def __init__(self, name, d_in, d_out, plan, cfg, dtype, parts=1, std=0.02, fp8=None):
         super().__init__()
         t, r = plan.sizes["tp"], plan.ps.tp_rank
-        self.plan, self.gemm = plan, _gemm(plan, fp8)
+        self.plan, self.gemm = plan, fp8_product(self, fp8, "column")
         w = full_init(name + ".weight", (d_out, d_in), std, cfg.seed, dtype)
         w = rearrange(w, "(parts t o) i -> parts t o i", parts=parts, t=t)[:, r]
         self.weight = nn.Parameter(rearrange(w, "parts o i -> (parts o) i").contiguous())
@@ -555,22 +563,35 @@ class ColumnParallelLinear(nn.Module):
         return _TPLinear.apply(x, self.weight, self.bias, self.plan.tp, self.plan.sequence_parallel, self.gemm)
 
 
-def _gemm(plan, fp8):
-    """The block linears' forward product: F.linear, or with --dtype fp8 an FP8 E4M3 GEMM with per-tensor dynamic
-    scales agreed (MAX of the amax) over TP, since the shards of one weight, and a row-parallel layer's input
-    shards, are one tensor; the backward stays BF16, the LM head and the experts BF16. CP and DP ranks quantise
-    their own shards of the activations with their own scales, so unlike the other dtypes FP8 results depend
-    slightly on the CP split (Transformer Engine also reduces the activation amax over CP)."""
-    return partial(mixed_precision.fp8_linear, amax_group=plan.tp) if fp8 else F.linear
+def fp8_product(layer, recipe, split):
+    """A block linear's forward product: F.linear, or with --dtype fp8 mixed_precision.fp8_linear in FP8 E4M3 under
+    --fp8-recipe. Tensorwise and delayed scales are agreed (MAX of the amax) over TP, since the shards of one weight,
+    and a row-parallel layer's input shards, are one tensor; rowwise, blockwise and MXFP8 scales are local in a
+    column-parallel layer (every block lies on one rank) and agreed over TP where a row-parallel layer cuts K.
+    The backward stays BF16, the LM head and the experts BF16. Under CP and DP each rank quantises its own tokens:
+    per-tensor activation scales then depend slightly on the split (Transformer Engine also reduces the activation
+    amax over CP), per-row and per-block ones do not. Delayed scaling keeps a history per layer (a buffer, not saved
+    in checkpoints) and cannot be recomputed: each recomputation would record its amaxes again."""
+    if recipe is None:
+        return F.linear
+    if recipe == "delayed":
+        layer.register_buffer("amax_history", torch.zeros(2, 16), persistent=False)
+
+    def product(x, weight, bias=None):
+        return mixed_precision.fp8_linear(x, weight, bias, amax_group=layer.plan.tp, recipe=recipe,
+                                          split=split if layer.plan.tp is not None else None,
+                                          amax_history=getattr(layer, "amax_history", None),
+                                          record_amax=torch.is_grad_enabled())
+    return product
 
 
 class RowParallelLinear(nn.Module):
     """y = reduce(x_local W_local^T) + b, W split by input columns; the bias is added once, after the sum
     (under SP to the sequence shard: its gradient is then partial over TP)."""
 
-    def __init__(self, name, d_in, d_out, plan, cfg, dtype, std=0.02, fp8=False):
+    def __init__(self, name, d_in, d_out, plan, cfg, dtype, std=0.02, fp8=None):
         super().__init__()
-        self.plan, self.gemm = plan, _gemm(plan, fp8)
+        self.plan, self.gemm = plan, fp8_product(self, fp8, "row")
         w = full_init(name + ".weight", (d_out, d_in), std, cfg.seed, dtype)
         self.weight = nn.Parameter(w.chunk(plan.sizes["tp"], dim=1)[plan.ps.tp_rank].contiguous())
         self.bias = nn.Parameter(torch.zeros(d_out, dtype=dtype))
@@ -668,7 +689,7 @@ class LayerNorm(nn.Module):
 class Block(nn.Module):
     """Pre-LN transformer block; the state it passes on is (hidden, running router loss)."""
 
-    def __init__(self, i, cfg, plan, dtype, fp8=False):
+    def __init__(self, i, cfg, plan, dtype, fp8=None):
         super().__init__()
         h = cfg.n_embd
         self.plan, self.heads, self.layer = plan, cfg.n_head // plan.sizes["tp"], i
@@ -713,7 +734,7 @@ class GPTStage(nn.Module):
     the (vocabulary-sharded) logits with a copy of the token embedding (tied weights). Made with its parameters:
     `reductions`, the gradient sums of a step, and `norm_params`, what this rank counts in the gradient norm."""
 
-    def __init__(self, cfg, plan, dtype=torch.float32, fp8=False):
+    def __init__(self, cfg, plan, dtype=torch.float32, fp8=None):
         super().__init__()
         self.cfg, self.plan = cfg, plan
         ps = plan.ps
@@ -1119,10 +1140,11 @@ def build(cfg, run, optimizer=True):
     gradient buffers are 4 bytes per parameter) and its pipeline transfers."""
     validate(cfg, run, _world_size())
     topology.init_distributed(run.timeout_s, say=_warn_on_rank_0)
-    ps = topology.init_parallel(tp=run.tp, pp=run.pp, cp=run.cp, ep=run.ep, with_mesh=False, timeout_s=run.timeout_s)
+    ps = topology.init_parallel(tp=run.tp, pp=run.pp, cp=run.cp, ep=run.ep, cp_ulysses=run.cp_ulysses, with_mesh=False,
+                                timeout_s=run.timeout_s)
     plan = make_plan(cfg, run, ps)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    stage = GPTStage(cfg, plan, run.param_dtype, fp8=run.dtype == "fp8").to(device)
+    stage = GPTStage(cfg, plan, run.param_dtype, fp8=run.fp8_recipe if run.dtype == "fp8" else None).to(device)
     opt = make_optimizer(stage, run) if optimizer else None
     pipe = Pipeline(plan, (run.micro_batch, plan.seq_hidden, cfg.n_embd), run.param_dtype, device)
     return plan, stage, opt, pipe
@@ -1143,6 +1165,7 @@ def make_optimizer(stage, run):
     scaler = mixed_precision.DynamicLossScaler() if run.dtype == "float16" else None
     return mixed_precision.MixedPrecisionOptimizer(
         [g for g in groups if g["params"]], opt_class, zero=run.zero, loss_scaler=scaler,
+        fp8_param_gather=run.fp8_param_gather,
         shard_groups=[(r.params, r.group) for r in stage.reductions if r.data_parallel],
         master_dtype=run.master_dtype, **defaults)
 
@@ -2178,7 +2201,7 @@ def validate(cfg, run, world):
                 "--heads": cfg.n_head, "--hidden": cfg.n_embd, "--seq": cfg.seq_len, "--vocab": cfg.vocab_size,
                 "--batch": run.batch, "--micro-batch": run.micro_batch, "--steps": run.steps,
                 "--experts": cfg.n_experts, "--top-k": cfg.top_k, "--eval-batches": run.eval_batches,
-                "--virtual-stages": run.virtual_stages}
+                "--virtual-stages": run.virtual_stages, "--cp-ulysses": run.cp_ulysses}
     for flag, value in positive.items():
         if value < 1:
             raise ValueError(f"{flag} {value} must be a positive integer")
@@ -2205,7 +2228,8 @@ def validate(cfg, run, world):
     topology.validate_layout(world, tp, pp, cp, ep)
     layout = layout_of(cfg, run, world)
     dp, s_cp = layout.dp, layout.seq_cp
-    zigzag = cp > 1 and run.cp_impl in ("ring", "allgather")
+    zigzag = cp > 1 and run.cp_impl in ("ring", "allgather", "hybrid")
+    u = run.cp_ulysses
     token_split = layout.sequence_parallel or (layout.moe_token_split and cfg.moe_every > 0)
     checks = [
         (run.cp_impl not in CP_IMPLS, f"--cp-impl {run.cp_impl!r} is unknown; choose one of {sorted(CP_IMPLS)}"),
@@ -2235,6 +2259,11 @@ def validate(cfg, run, world):
         (zigzag and cfg.seq_len % (2 * cp),
          f"--seq {cfg.seq_len} must be divisible by 2*cp = {2 * cp} (zigzag shards of --cp-impl {run.cp_impl})"),
         (cp > 1 and cfg.seq_len % cp, f"--seq {cfg.seq_len} must be divisible by --cp {cp}"),
+        (u > 1 and run.cp_impl != "hybrid", f"--cp-ulysses {u} needs --cp-impl hybrid (Ulysses inside, ring across)"),
+        (cp % u, f"--cp-ulysses {u} must divide --cp {cp} (CP = u x the ring's size)"),
+        (run.cp_impl == "hybrid" and (cfg.n_head // tp) % u,
+         f"--cp-impl hybrid splits each TP rank's {cfg.n_head // tp} heads over --cp-ulysses {u}: choose --cp-ulysses "
+         f"dividing --heads/--tp"),
         (token_split and s_cp % tp,
          f"--seq/--cp = {s_cp} must be divisible by --tp {tp}: sequence parallelism (and MoE layers under TP) "
          f"split each rank's tokens over TP"),
@@ -2242,6 +2271,14 @@ def validate(cfg, run, world):
          f"--batch {run.batch} must be divisible by dp*micro_batch = {dp}*{run.micro_batch} (dp = world / "
          f"(tp*cp*pp) = {dp})"),
         ((run.resume or run.save_every) and not run.out_dir, "--resume and --save-every need --out-dir"),
+        (run.fp8_recipe not in mixed_precision.FP8_RECIPES,
+         f"--fp8-recipe {run.fp8_recipe!r} is unknown; choose one of {mixed_precision.FP8_RECIPES}"),
+        (run.dtype == "fp8" and run.fp8_recipe == "delayed" and run.recompute != "none",
+         f"--fp8-recipe delayed records each GEMM's amax as it runs, and --recompute {run.recompute} would record it "
+         "again: use --recompute none or another --fp8-recipe"),
+        (run.fp8_param_gather and not (run.zero == 1 and run.dtype in ("bfloat16", "fp8")),
+         "--fp8-param-gather all-gathers the ZeRO-1 shards of 16-bit weights: it needs --zero 1 and --dtype bfloat16 "
+         "or fp8"),
     ]
     for failed, message in checks:
         if failed:
@@ -2433,6 +2470,7 @@ def parse_args(argv=None):
     add("--ep", type=int, default=1, help="expert parallel, folded over DP x CP")
     add("--sequence-parallel", action="store_true", help="split LayerNorm/residual activations over TP")
     add("--cp-impl", default="ring", choices=sorted(CP_IMPLS))
+    add("--cp-ulysses", type=int, default=1, help="--cp-impl hybrid: the Ulysses ranks inside each CP group")
     add("--pp-schedule", default="1f1b", choices=SCHEDULES, help="1f1b | interleaved (Megatron-LM) | zb-h1")
     add("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (interleaved, zb-h1)")
     add("--show-schedule", action="store_true", help="print the schedule's timeline for --pp, --micro-batches, "
@@ -2459,6 +2497,9 @@ def parse_args(argv=None):
     add("--weight-decay", type=float, default=0.1, help="of the 2-D weights (AdamW: decoupled; SGD: L2)")
     add("--grad-clip", type=float, default=1.0, help="global gradient-norm clipping (0: off)")
     add("--dtype", default="float32", choices=list(DTYPES))
+    add("--fp8-recipe", default="tensorwise", choices=mixed_precision.FP8_RECIPES, help="with --dtype fp8: the "
+        "scaling granularity (tensorwise, delayed, rowwise, blockwise: DeepSeek-V3's tiles, mxfp8)")
+    add("--fp8-param-gather", action="store_true", help="with --zero 1: all-gather the updated weights in FP8")
     add("--zero", type=int, default=0, choices=[0, 1], help="1: shard master weights and optimizer states")
     add("--recompute", default="none", choices=list(RECOMPUTE))
     add("--out-dir", default=None)

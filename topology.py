@@ -204,7 +204,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-GROUP_KINDS = ("tp", "cp", "dp", "pp", "dp_cp", "tp_cp", "tp_pp", "embedding", "ep", "edp", "cp_ulysses", "cp_ring")
+GROUP_KINDS = ("tp", "cp", "dp", "pp", "dp_cp", "tp_cp", "tp_pp", "embedding", "ep", "edp", "cp_ulysses", "cp_ring",
+               "dp_cp_shard", "dp_cp_replicate")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -237,7 +238,7 @@ def _divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def validate_layout(world_size, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1):
+def validate_layout(world_size, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1, zero_shard=None):
     """Check that the sizes tile the world; return dp. Raises ValueError naming the parameter and a fix."""
     if not _is_count(world_size):  # no size 1 "disables" the world, unlike tp..ep
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}: the number of ranks")
@@ -260,6 +261,9 @@ def validate_layout(world_size, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1):
     if (cp * dp) % ep != 0:
         raise ValueError(f"ep={ep} must divide cp*dp={cp}*{dp}={cp * dp} (experts fold over the data- and "
                          f"context-parallel ranks); valid ep values: {_divisors(cp * dp)}")
+    if zero_shard is not None and not (_is_count(zero_shard) and (cp * dp) % zero_shard == 0):
+        raise ValueError(f"zero_shard={zero_shard!r} must divide cp*dp={cp * dp} (hybrid sharding shards over "
+                         f"groups of that many DP x CP ranks); valid values: {_divisors(cp * dp)}")
     return dp
 
 
@@ -278,7 +282,7 @@ def _groups_varying(shape, names, vary):
     return sorted(groups)
 
 
-def rank_groups(world_size, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1):
+def rank_groups(world_size, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1, zero_shard=None):
     """Every group of every kind for a Megatron-LM layout, as lists of ranks.
 
     Keys: tp cp dp pp dp_cp tp_cp tp_pp embedding ep edp cp_ulysses cp_ring. Dense grid order tp-cp-dp-pp (tp
@@ -289,8 +293,11 @@ def rank_groups(world_size, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1):
     `ulysses_rank + cp_ulysses * ring_rank` (Megatron-LM's hierarchical CP: the first, inner size takes
     consecutive CP ranks): a `cp_ulysses` group is cp_ulysses consecutive CP ranks, TP x cp_ulysses consecutive
     ranks in all (inside a node when that fits one), and a `cp_ring` group strides by TP x cp_ulysses.
+    Hybrid sharded data parallelism (HSDP, `zero_shard` = k, default all of DP x CP) splits each dp_cp group into
+    `dp_cp_shard` groups of k consecutive DP x CP ranks (the weights sharded over them: one node, say) and
+    `dp_cp_replicate` groups of the ranks at the same place in every shard group (the shards replicated across).
     """
-    dp = validate_layout(world_size, tp, pp, cp, ep, cp_ulysses)
+    dp = validate_layout(world_size, tp, pp, cp, ep, cp_ulysses, zero_shard)
     dense_shape, dense_names = (tp, cp, dp, pp), ("tp", "cp", "dp", "pp")
     expert_shape, expert_names = (tp, ep, cp * dp // ep, pp), ("tp", "ep", "edp", "pp")
     groups = {kind: _groups_varying(dense_shape, dense_names, [kind])
@@ -305,12 +312,16 @@ def rank_groups(world_size, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1):
     hybrid_names = ("tp", "cp_ulysses", "cp_ring", "dp", "pp")
     for kind in ("cp_ulysses", "cp_ring"):
         groups[kind] = _groups_varying(hybrid_shape, hybrid_names, [kind])
+    k = zero_shard or cp * dp
+    shard_shape, shard_names = (tp, k, cp * dp // k, pp), ("tp", "dp_cp_shard", "dp_cp_replicate", "pp")
+    for kind in ("dp_cp_shard", "dp_cp_replicate"):
+        groups[kind] = _groups_varying(shard_shape, shard_names, [kind])
     return groups
 
 
-def rank_coordinates(rank, world_size, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1):
+def rank_coordinates(rank, world_size, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1, zero_shard=None):
     """(tp, cp, dp, pp, ep, edp, cp_ulysses, cp_ring) coordinates of one rank: the inverse of the rank formula."""
-    dp = validate_layout(world_size, tp, pp, cp, ep, cp_ulysses)
+    dp = validate_layout(world_size, tp, pp, cp, ep, cp_ulysses, zero_shard)
     # the digits below would wrap around silently
     if not (isinstance(rank, numbers.Integral) and not isinstance(rank, bool) and 0 <= rank < world_size):
         raise ValueError(f"rank={rank!r} must be an integer in 0..{world_size - 1} (world_size={world_size})")
@@ -322,6 +333,8 @@ def rank_coordinates(rank, world_size, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1):
     middle = coords["cp"] + cp * coords["dp"]
     coords["ep"], coords["edp"] = middle % ep, middle // ep
     coords["cp_ulysses"], coords["cp_ring"] = coords["cp"] % cp_ulysses, coords["cp"] // cp_ulysses
+    k = zero_shard or cp * dp
+    coords["dp_cp_shard"], coords["dp_cp_replicate"] = middle % k, middle // k
     return coords
 
 
@@ -432,19 +445,21 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def parallel_state(rank, world_size, tp=1, pp=1, cp=1, ep=1, gpus_per_node=None, groups=None, cp_ulysses=1):
+def parallel_state(rank, world_size, tp=1, pp=1, cp=1, ep=1, gpus_per_node=None, groups=None, cp_ulysses=1,
+                   zero_shard=None):
     """One rank's ParallelState from arithmetic alone: coordinates, sizes, the ranks of each of its groups and its
     pipeline neighbours. `groups` (kind -> process group) is filled in by init_parallel; without it every group is
     None, so a one-process program (or a tool that only needs the layout) needs no process group."""
-    layout = rank_groups(world_size, tp, pp, cp, ep, cp_ulysses)  # raises before any communication
-    coords = rank_coordinates(rank, world_size, tp, pp, cp, ep, cp_ulysses)
+    layout = rank_groups(world_size, tp, pp, cp, ep, cp_ulysses, zero_shard)  # raises before any communication
+    coords = rank_coordinates(rank, world_size, tp, pp, cp, ep, cp_ulysses, zero_shard)
     # a middle pipeline stage is in no embedding group: None and [] there
     my_ranks = {kind: next((list(g) for g in layout[kind] if rank in g), []) for kind in GROUP_KINDS}
     dp, stage, pp_ranks = world_size // (tp * pp * cp), coords["pp"], my_ranks["pp"]
     return ParallelState(
         rank=rank, world_size=world_size,
         sizes={"tp": tp, "cp": cp, "dp": dp, "pp": pp, "ep": ep, "edp": cp * dp // ep, "dp_cp": dp * cp,
-               "tp_cp": tp * cp, "cp_ulysses": cp_ulysses, "cp_ring": cp // cp_ulysses},
+               "tp_cp": tp * cp, "cp_ulysses": cp_ulysses, "cp_ring": cp // cp_ulysses,
+               "dp_cp_shard": zero_shard or cp * dp, "dp_cp_replicate": cp * dp // (zero_shard or cp * dp)},
         coords=coords, groups=dict(groups or dict.fromkeys(GROUP_KINDS)), ranks=my_ranks,
         pp_prev=pp_ranks[stage - 1] if stage > 0 else None,
         pp_next=pp_ranks[stage + 1] if stage < pp - 1 else None,
@@ -452,7 +467,8 @@ def parallel_state(rank, world_size, tp=1, pp=1, cp=1, ep=1, gpus_per_node=None,
         intra_node=group_locality(layout, gpus_per_node or world_size))
 
 
-def init_parallel(tp=1, pp=1, cp=1, ep=1, gpus_per_node=None, with_mesh=True, cp_ulysses=1, timeout_s=None):
+def init_parallel(tp=1, pp=1, cp=1, ep=1, gpus_per_node=None, with_mesh=True, cp_ulysses=1, timeout_s=None,
+                  zero_shard=None):
     """Create every group of the layout on the default process group; return this rank's ParallelState.
 
     The layout is validated before any group is created, so a bad layout raises the same ValueError on every
@@ -466,7 +482,7 @@ def init_parallel(tp=1, pp=1, cp=1, ep=1, gpus_per_node=None, with_mesh=True, cp
     if timeout_s is not None and not (isinstance(timeout_s, numbers.Real) and 0 < timeout_s < math.inf):
         raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds (or None)")
     rank, world_size = init_distributed(timeout_s)
-    groups = rank_groups(world_size, tp, pp, cp, ep, cp_ulysses)  # raises before any communication
+    groups = rank_groups(world_size, tp, pp, cp, ep, cp_ulysses, zero_shard)  # raises before any communication
     if gpus_per_node is None:
         gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     warn_if_tp_crosses_nodes(groups, gpus_per_node)
@@ -482,7 +498,8 @@ def init_parallel(tp=1, pp=1, cp=1, ep=1, gpus_per_node=None, with_mesh=True, cp
                 handles[key] = dist.new_group(ranks, timeout=_timeout(timeout_s))
             if rank in ranks:
                 mine[kind] = handles[key]
-    state = parallel_state(rank, world_size, tp, pp, cp, ep, gpus_per_node, groups=mine, cp_ulysses=cp_ulysses)
+    state = parallel_state(rank, world_size, tp, pp, cp, ep, gpus_per_node, groups=mine, cp_ulysses=cp_ulysses,
+                           zero_shard=zero_shard)
     if with_mesh:
         from torch.distributed.device_mesh import init_device_mesh
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -518,7 +535,8 @@ def rank_map(nodes, gpus_per_node, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1):
         lines.append(f"node{n:<3d} " + "".join(cell.ljust(width) for cell in row).rstrip())
     local = group_locality(groups, gpus_per_node)
     lines.append("")
-    kinds = [kind for kind in GROUP_KINDS if cp_ulysses > 1 or kind not in ("cp_ulysses", "cp_ring")]
+    kinds = [kind for kind in GROUP_KINDS if (cp_ulysses > 1 or kind not in ("cp_ulysses", "cp_ring"))
+             and kind not in ("dp_cp_shard", "dp_cp_replicate")]  # the rank map draws no ZeRO sharding
     name_width = max(9, *(len(kind) for kind in kinds))
     for kind in kinds:
         gs = groups[kind]

@@ -1554,3 +1554,20 @@ def test_the_slowest_stage_is_the_last_or_the_one_with_more_moe_layers():
 def _shape9(vocab):
     return topology.ModelShape(layers=9, hidden=1024, heads=8, seq=1024, vocab=vocab, global_batch=16, moe_every=2,
                                experts=8, top_k=4, expert_hidden=8192)
+
+
+@pytest.mark.parametrize("world, tp, pp, cp, k", [(8, 1, 1, 1, 2), (8, 2, 1, 1, 2), (16, 2, 2, 2, 2), (12, 1, 1, 3, 3),
+                                                  (8, 1, 2, 2, 4), (8, 2, 1, 2, 1)])
+def test_hybrid_sharding_groups_split_each_dp_cp_group_into_consecutive_shards(world, tp, pp, cp, k):
+    groups = topology.rank_groups(world, tp=tp, pp=pp, cp=cp, zero_shard=k)
+    shards, replicas = [], []
+    for g in groups["dp_cp"]:  # a dp_cp group in its own order: shards of k consecutive members, replicas strided
+        shards += [g[i:i + k] for i in range(0, len(g), k)]
+        replicas += [g[i::k] for i in range(k)]
+    assert sorted(shards) == groups["dp_cp_shard"] and sorted(replicas) == groups["dp_cp_replicate"]
+    for rank in range(world):
+        c = topology.rank_coordinates(rank, world, tp=tp, pp=pp, cp=cp, zero_shard=k)
+        shard = next(g for g in groups["dp_cp_shard"] if rank in g)
+        assert shard.index(rank) == c["dp_cp_shard"]
+    with pytest.raises(ValueError, match="zero_shard=5 must divide cp\\*dp"):
+        topology.rank_groups(world, tp=tp, pp=pp, cp=cp, zero_shard=5)

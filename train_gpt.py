@@ -1538,18 +1538,18 @@ def _metrics_before(path, step):
 # ----------------------------------------------------------------------------------------------------
 # Checkpoints: torch.distributed.checkpoint, sharded as the run holds it, resharded to any layout on load
 # ----------------------------------------------------------------------------------------------------
-# Every tensor is saved as boxes of the WHOLE parameter, under the parameter's global name ("h.5.mlp.fc.weight",
-# whatever stage holds layer 5) and the box's offsets in it: the model (each rank's TP or EP slice is one box), and
-# per parameter the optimizer's master weight and states as each rank holds them. Under ZeRO-1 a rank owns a
-# flat range of the parameter, which is at most 2 ndim - 1 boxes (`flat_range_boxes`), so every shard is written
-# from where it lies: saving gathers nothing and allocates nothing on the device (gathering each parameter's whole
-# state would cost 12 bytes per parameter for Adam, all that ZeRO-1 saves); DCP's writer stages a host copy of
-# this rank's own boxes, its share. DCP writes a box that several ranks hold (replicas over DP, CP, EDP, TP)
-# once. On load each rank reads the saved boxes that overlap its own, so a checkpoint saved at TP2 x PP2 with
-# ZeRO-1 resumes at DP4 or PP1 x CP2. The rest (step, model shape, learning-rate schedule, loss scale) is JSON. A
-# checkpoint is written to step_NNNNNN.tmp and renamed when complete, so out_dir only ever holds complete ones;
-# loading unpickles nothing but DCP's own metadata classes.
-CHECKPOINT_FORMAT = "boxes+crc32"  # in train_state.json: tensors stored as boxes, every file's CRC32 recorded
+# Every tensor is saved as one entry of the WHOLE parameter, under its global name ("model/h.5.mlp.fc.weight",
+# whatever stage holds layer 5; "optim/NAME/exp_avg" for its optimizer states), and each rank hands DCP the parts
+# of it that it holds (`Boxes`: each rank's TP or EP slice is one box; a ZeRO flat range of it is at most 2 ndim - 1
+# boxes, `flat_range_boxes`). DCP plans the rest itself, as it does for DTensors: it writes a part that several
+# ranks hold (replicas over DP, CP, EDP, TP) once, and on load reads into each rank's parts whatever saved parts
+# overlap them, in place, so a checkpoint saved at TP2 x PP2 with ZeRO-1 resumes at DP4 or PP1 x CP2. Saving
+# gathers nothing and allocates nothing on the device (gathering each parameter's whole state would cost 12 bytes
+# per parameter for Adam, all that ZeRO-1 saves); DCP's writer stages a host copy of this rank's own parts. The
+# rest (step, model shape, learning-rate schedule, loss scale, every file's size and CRC32) is JSON. A checkpoint
+# is written to step_NNNNNN.tmp and renamed when complete, so out_dir only ever holds complete ones; loading
+# checks everything first and unpickles nothing but DCP's own metadata classes.
+CHECKPOINT_FORMAT = "chunks+crc32"  # in train_state.json: DCP chunks of whole tensors, every file's CRC32
 SHAPE_FLAGS = {"vocab_size": "--vocab", "seq_len": "--seq", "n_layer": "--layers", "n_head": "--heads",
                "n_embd": "--hidden", "moe_every": "--moe-every", "n_experts": "--experts", "top_k": "--top-k"}
 SCHEDULE_FIELDS = ("lr", "min_lr", "warmup", "steps")  # saved, so that a resume with another schedule is told
@@ -1681,19 +1681,19 @@ def _global_name(stage, name):
 
 
 def _slice_geometry(p, ps):
-    """Where this rank's p lies in the whole parameter: (its shape, its offsets), in the coordinates where it is
-    one box (QKV, split over TP block by block, is viewed as (3, h, ...))."""
-    shape, dim, rank = list(p.shape), None, 0
+    """Where this rank's p lies in the whole parameter: (its shape, its offsets, the whole's shape), in the
+    coordinates where it is one box (QKV, split over TP block by block, is viewed as (3, h, ...))."""
+    shape, dim, rank, parts = list(p.shape), None, 0, 1
     if p.tp_dim is not None:
-        dim, rank = p.tp_dim, ps.tp_rank
+        dim, rank, parts = p.tp_dim, ps.tp_rank, ps.sizes["tp"]
         if p.tp_parts > 1:
             shape, dim = [p.tp_parts, shape[0] // p.tp_parts, *shape[1:]], dim + 1
     elif p.expert:  # split over EP along dim 0
-        dim, rank = 0, ps.ep_rank
-    offsets = [0] * len(shape)
+        dim, rank, parts = 0, ps.ep_rank, ps.sizes["ep"]
+    offsets, whole = [0] * len(shape), list(shape)
     if dim is not None:
-        offsets[dim] = rank * shape[dim]
-    return shape, offsets
+        offsets[dim], whole[dim] = rank * shape[dim], parts * shape[dim]
+    return shape, offsets, whole
 
 
 def flat_range_boxes(shape, a, b):
@@ -1718,16 +1718,46 @@ def flat_range_boxes(shape, a, b):
     return boxes + (in_row(j, j * row, b) if b > j * row else [])
 
 
-def _boxes(prefix, t, a, b, shape, offsets):
-    """{"PREFIX@OFFSETS": view}: t holds the elements [a, b) of this rank's slice (of `shape`, at `offsets` in the
-    whole parameter); each box becomes a view of t keyed by where it starts in the whole."""
+class Boxes(torch.Tensor):
+    """Parts of one whole tensor (`shape`, in box coordinates) as this rank holds them, each part a view of a live
+    tensor at its offsets in the whole. It implements DCP's checkpointable protocol (as DTensor does:
+    __create_write_items__, __create_chunk_list__, __get_tensor_shard__), so DCP itself writes a part that several
+    ranks hold once, and on load reads into each of our parts whatever saved parts overlap it, straight into the
+    live tensor, whatever layout saved them. It is a description, not data: no operation runs on it."""
+
+    @staticmethod
+    def __new__(cls, shape, parts, dtype, device):
+        boxes = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=dtype, device=device)
+        boxes.parts = [(torch.Size(offsets), t) for offsets, t in parts]
+        return boxes
+
+    def __create_write_items__(self, fqn, obj):
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+        properties = TensorProperties(dtype=self.dtype)
+        return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=self.shape))
+                for (offsets, _), chunk in zip(self.parts, self.__create_chunk_list__())]
+
+    def __create_chunk_list__(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        return [ChunkStorageMetadata(offsets, t.shape) for offsets, t in self.parts]
+
+    def __get_tensor_shard__(self, index):
+        return next(t for offsets, t in self.parts if offsets == index.offset)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise TypeError(f"Boxes describe where tensors lie for DCP; {func} does not apply to them")
+
+
+def _parts(t, a, b, shape, offsets):
+    """[(offsets in the whole, view of t)]: t holds the elements [a, b) of this rank's slice (of `shape`, at
+    `offsets` in the whole parameter), one part per box of that flat range (flat_range_boxes)."""
     flat, strides = t.reshape(-1), [math.prod(shape[k + 1:]) for k in range(len(shape))]
-    out = {}
-    for box, sizes in flat_range_boxes(shape, a, b):
-        start = sum(o * s for o, s in zip(box, strides)) - a
-        key = ",".join(str(o + off) for o, off in zip(box, offsets))
-        out[f"{prefix}@{key}"] = flat[start:start + math.prod(sizes)].view(sizes)
-    return out
+    return [(tuple(o + off for o, off in zip(box, offsets)),
+             flat[sum(o * s for o, s in zip(box, strides)) - a:][:math.prod(sizes)].view(sizes))
+            for box, sizes in flat_range_boxes(shape, a, b)]
 
 
 def _saved_params(stage):
@@ -1739,23 +1769,27 @@ def _saved_params(stage):
 
 
 def checkpoint_tensors(stage, opt=None, like=None):
-    """{key: tensor} that this rank saves, or loads into: every tensor a view of a live one, nothing gathered or
-    copied (ZeRO-1's shards are handed to the writer where they lie). "model/NAME@OFFSETS" and
-    "optim/NAME/STATE@OFFSETS" are boxes of the whole parameter NAME starting at OFFSETS, sizes the tensor's;
-    0-dim states (Adam's step) are "optim/NAME/STATE". Loading passes `like`, {NAME: {STATE: (ndim, dtype)}} of
-    the checkpoint, to create the optimizer states not made yet (before the first step)."""
+    """{key: Boxes, or a 0-dim tensor} that this rank saves, or loads into, every part a view of a live tensor:
+    nothing gathered or copied (the ZeRO shards are handed to DCP where they lie). "model/NAME" is the whole
+    parameter NAME, "optim/NAME/STATE" its master weight or an optimizer state (0-dim ones, Adam's step, as tensors).
+    Loading passes `like`, {NAME: {STATE: (ndim, dtype)}} of the checkpoint: it creates the optimizer states not
+    made yet (before the first step), and reads a weight kept in the master dtype from the saved master (a weight
+    in the master dtype is its own master: the saved master is exact where saved weights may be rounded, as a run
+    saved in bfloat16 and resumed in float32 has them)."""
     ps, out = stage.plan.ps, {}
     for name, p, tied_copy in _saved_params(stage):
-        shape, offsets = _slice_geometry(p, ps)
-        out.update(_boxes(f"model/{name}", p.detach(), 0, p.numel(), shape, offsets))
+        shape, offsets, whole = _slice_geometry(p, ps)
+        (a, b), values = opt.owned_param(p) if opt is not None else ((0, p.numel()), p.detach())
+        boxes = lambda t: Boxes(whole, _parts(t, a, b, shape, offsets), t.dtype, t.device)
+        own_master = like is not None and opt is not None and p.dtype == opt.master_dtype and \
+            "master" in like.get(name, {})
+        out[f"optim/{name}/master" if own_master else f"model/{name}"] = boxes(values)
         if opt is None or (tied_copy and like is None):  # the copy's state is saved by the first stage
             continue
         (a, b), owned = opt.owned_state(p, (like or {}).get(name))
         for key, t in owned.items():
-            if t.dim() == 0:
-                out[f"optim/{name}/{key}"] = t
-            else:
-                out.update(_boxes(f"optim/{name}/{key}", t, a, b, shape, offsets))
+            if not (own_master and key == "master"):
+                out[f"optim/{name}/{key}"] = t if t.dim() == 0 else boxes(t)
     return out
 
 
@@ -1863,40 +1897,37 @@ def model_geometry(cfg):
 
 
 def _check_entry(where, key, md, geometry, states, world_size):
-    """One saved tensor entry: a name this program writes, a box inside its parameter, a dtype it saves."""
+    """One saved tensor entry: a name this program writes, the whole parameter's shape, a dtype it saves, stored as
+    chunks that tile it (inside it, disjoint, filling it: so every part a rank asks for on load is there)."""
     def bad(why):
         return BadCheckpoint(f"{where}: entry {key!r} {why}: it was not written by this program")
 
     size, dtype = tuple(md.size), md.properties.dtype
-    name, _, offsets = key.partition("@")
-    kind, *parts = name.split("/")
-    if kind == "rng" and len(parts) == 1 and not offsets:
+    kind, *parts = key.split("/")
+    if kind == "rng" and len(parts) == 1:
         if not (parts[0].isdigit() and int(parts[0]) < world_size):
             raise bad(f"is the RNG state of a rank outside the world of {world_size}")
         if size != (RNG_STATE_BYTES,) or dtype != torch.uint8:
             raise bad(f"is an RNG state of shape {size} and {dtype}")
     elif kind in ("model", "optim") and len(parts) == (1 if kind == "model" else 2) and parts[0] in geometry:
-        whole, state = geometry[parts[0]], parts[1] if kind == "optim" else None
+        state = parts[1] if kind == "optim" else None
         if state is not None and state not in states:
             raise bad(f"holds an optimizer state {state!r} (expected one of {states})")
         if state == "step":
-            if offsets or size != () or dtype not in (torch.float32, torch.float64):
+            if size != () or dtype not in (torch.float32, torch.float64):
                 raise bad(f"is a step counter of shape {size} and {dtype}")
-        else:
-            try:
-                offs = [int(o) for o in offsets.split(",")]
-            except ValueError:
-                raise bad("has no offsets in its parameter") from None
-            if len(offs) != len(whole) or len(size) != len(whole) or any(
-                    o < 0 or s < 1 or o + s > w for o, s, w in zip(offs, size, whole)):
-                raise bad(f"of shape {size} at {offs} does not lie inside the parameter's {tuple(whole)}")
-            if dtype not in (FLOAT_DTYPES if kind == "model" else (torch.float32, torch.float64)):
-                raise bad(f"is {dtype}")
+        elif size != tuple(geometry[parts[0]]):
+            raise bad(f"has the shape {size}, where the parameter's is {tuple(geometry[parts[0]])}")
+        elif dtype not in (FLOAT_DTYPES if kind == "model" else (torch.float32, torch.float64)):
+            raise bad(f"is {dtype}")
     else:
         raise bad("names nothing that this model has")
-    inside = all(len(c.offsets) == len(size) == len(c.sizes) and all(
-        0 <= o and o + s <= n for o, s, n in zip(c.offsets, c.sizes, size)) for c in md.chunks)
-    if not inside or sum(math.prod(c.sizes) for c in md.chunks) != math.prod(size):
+    boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
+    inside = all(len(o) == len(size) == len(s) and all(0 <= a and a + n <= w for a, n, w in zip(o, s, size))
+                 for o, s in boxes)
+    disjoint = all(any(a + n <= b or b + m <= a for a, n, b, m in zip(o1, s1, o2, s2))
+                   for i, (o1, s1) in enumerate(boxes) for o2, s2 in boxes[i + 1:])
+    if not (inside and disjoint and sum(math.prod(s) for _, s in boxes) == math.prod(size)):
         raise bad("is not stored as chunks that tile it")
 
 
@@ -2005,56 +2036,8 @@ def latest_checkpoint(out_dir, cfg=None, say=None):
     return None, None
 
 
-LOAD_ROUND_BYTES = 1 << 30  # a resume at another layout reads the saved boxes it overlaps in rounds of this size
-
-
-def _overlap(off_a, size_a, off_b, size_b):
-    """The box shared by two boxes, as (offsets, sizes), or None."""
-    lo = [max(x, y) for x, y in zip(off_a, off_b)]
-    hi = [min(x + s, y + t) for x, s, y, t in zip(off_a, size_a, off_b, size_b)]
-    return None if any(h <= l for l, h in zip(lo, hi)) else (lo, [h - l for l, h in zip(lo, hi)])
-
-
-def _region(t, t_offsets, box):
-    """The part of t (a box starting at t_offsets) that `box` covers, as a view."""
-    offsets, sizes = box
-    return t[tuple(slice(o - to, o - to + s) for o, to, s in zip(offsets, t_offsets, sizes))]
-
-
-def _plan_reads(mine, saved, path, source=None):
-    """Which saved box fills which of ours; `source` maps one of our prefixes to the saved prefix to read it from.
-    Returns (direct: {saved key: our tensor}, for a saved box that is exactly one of ours or a 0-dim value;
-    copies: {saved key: [(its offsets, our tensor, our offsets, the shared box)]})."""
-    saved_boxes = {}  # "model/NAME" -> [(offsets, sizes, key)]
-    for key, md in saved.items():
-        if "@" in key:
-            prefix, offsets = key.rsplit("@", 1)
-            saved_boxes.setdefault(prefix, []).append(([int(o) for o in offsets.split(",")], list(md.size), key))
-    direct, copies = {}, {}
-    for key, t in mine.items():
-        if "@" not in key:
-            if key in saved:
-                direct[key] = t
-            continue
-        prefix, offsets = key.rsplit("@", 1)
-        offsets, covered = [int(o) for o in offsets.split(",")], 0
-        for s_offsets, s_sizes, s_key in saved_boxes.get((source or {}).get(prefix, prefix), []):
-            box = _overlap(offsets, list(t.shape), s_offsets, s_sizes)
-            if box is None:
-                continue
-            covered += math.prod(box[1])
-            if s_offsets == offsets and s_sizes == list(t.shape):
-                direct[s_key] = t
-            else:
-                copies.setdefault(s_key, []).append((s_offsets, t, offsets, box))
-        if covered != t.numel():
-            raise ValueError(f"checkpoint {path} covers {covered} of the {t.numel()} elements of {key}: it was not "
-                             "written by this program, or is incomplete; resume from another --out-dir")
-    return direct, copies
-
-
 def _dcp_read(tensors, path):
-    """Read the saved keys of `tensors` into them, on this rank alone (no_dist: the ranks read different keys)."""
+    """Read the saved keys of `tensors` into them, on this rank alone (no_dist: the ranks read different parts)."""
     import torch.distributed.checkpoint as dcp
     with warnings.catch_warnings():  # no_dist says it assumes one process: true of each rank's read
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -2062,8 +2045,8 @@ def _dcp_read(tensors, path):
 
 
 def _all_agree(error, device):
-    """Raise on every rank if any rank's reads could not be planned: that rank alone raising would leave the
-    others waiting in the first training collective."""
+    """Raise on every rank if any rank could not read its part: that rank alone raising would leave the others
+    waiting in the first training collective."""
     failed = torch.tensor([error is not None], dtype=torch.int32, device=device)
     if dist.is_initialized():
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
@@ -2071,31 +2054,11 @@ def _all_agree(error, device):
         raise error or ValueError("another rank could not read its part of the checkpoint (its error says why)")
 
 
-def _read_boxes(reads, saved, path):
-    """Fill our tensors as _plan_reads planned: exact matches in place, the rest through temporaries in rounds of
-    about LOAD_ROUND_BYTES (at least one saved box each)."""
-    direct, copies = reads
-    _dcp_read(direct, path)
-    keys = list(copies)
-    while keys:
-        temp, size = {}, 0
-        while keys and (not temp or size < LOAD_ROUND_BYTES):
-            md = saved[keys[0]]
-            temp[keys.pop(0)] = torch.empty(md.size, dtype=md.properties.dtype)
-            size += math.prod(md.size) * md.properties.dtype.itemsize
-        _dcp_read(temp, path)
-        with torch.no_grad():
-            for s_key, saved_tensor in temp.items():
-                for s_offsets, t, offsets, box in copies[s_key]:
-                    _region(t, offsets, box).copy_(_region(saved_tensor, s_offsets, box))
-
-
 def load_checkpoint(path, stage, opt=None):
-    """Fill this rank's parameters (and, with `opt`, its optimizer state) from a checkpoint of any layout. Each box
-    this rank holds (checkpoint_tensors) is filled from the saved boxes that overlap it: a saved box that is exactly
-    ours (same layout) is read straight into the live tensor, others into a temporary that is copied from and
-    dropped. Every rank reads for itself, so the rounds of temporaries may differ by rank; the one collective is
-    the ranks' agreement that every one of them found its boxes."""
+    """Fill this rank's parameters (and, with `opt`, its optimizer state) from a checkpoint of any layout: each rank
+    hands DCP the Boxes it holds (checkpoint_tensors), and DCP reads into them the saved parts that overlap them,
+    in place. The checks come first (check_checkpoint, then the checksums, which the ranks verify together); then
+    the ranks agree that every one of them could read its part."""
     ps = stage.plan.ps
     train_state, metadata = check_checkpoint(path, stage.cfg)  # before DCP reads a byte of it
     verify_checksums(path, train_state["files"])
@@ -2103,25 +2066,21 @@ def load_checkpoint(path, stage, opt=None):
     like = {}  # NAME -> {STATE: (ndim, dtype)}: the optimizer states the checkpoint holds
     for key, md in saved.items():
         if key.startswith("optim/"):
-            _, name, state = key.split("@")[0].split("/")
+            _, name, state = key.split("/")
             like.setdefault(name, {})[state] = (len(md.size), md.properties.dtype)
     mine = checkpoint_tensors(stage, opt, like)
     rng = None
     if train_state["world_size"] == ps.world_size and f"rng/{ps.rank}" in saved:
         mine[f"rng/{ps.rank}"] = rng = torch.empty_like(torch.get_rng_state())
-    # A weight in the master dtype is its own master: read it from the saved master, which covers the whole
-    # parameter and is exact where the saved weights may be rounded (a run saved in bfloat16, resumed in float32).
-    # Read from the saved weights, each ZeRO-1 rank would hold exact values on its shard and rounded ones elsewhere.
-    source = {f"model/{name}": f"optim/{name}/master" for name, p, _ in _saved_params(stage)
-              if opt is not None and p.dtype == opt.master_dtype and "master" in like.get(name, {})}
-    reads = error = None
+    error = None
     try:
-        reads = _plan_reads(mine, saved, path, source)
-    except ValueError as e:
-        error = e
+        with torch.no_grad():
+            _dcp_read(mine, path)
+    except Exception as e:  # an unreadable file: every rank must hear of it
+        error = BadCheckpoint(f"checkpoint {path}: rank {ps.rank} could not read its part ({e})".splitlines()[0])
     _all_agree(error, next(stage.parameters()).device)
-    _read_boxes(reads, saved, path)
     if opt is not None:
+        opt.publish_params()  # ZeRO: the working weights from what was read
         scalars = train_state["optimizer_state"]  # the loss scale; hyperparameters come from the flags
         opt.load_scalar_state({**scalars, "param_groups": opt.scalar_state()["param_groups"]})
     if rng is not None:

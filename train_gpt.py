@@ -122,7 +122,9 @@ class TrainConfig:
     dtype: str = "float32"            # float32 | bfloat16 | float16 | fp8 | float64
     fp8_recipe: str = "tensorwise"    # with --dtype fp8: tensorwise | delayed | rowwise | blockwise | mxfp8
     fp8_param_gather: bool = False    # ZeRO-1: all-gather the updated weights in MXFP8 + scales instead of BF16
-    zero: int = 0                     # 1: master weights and optimizer states sharded over DP x CP (experts: EDP)
+    zero: int = 0                     # 1: optimizer states sharded over DP x CP (experts: EDP); 2: + gradients;
+    #                                   3: + parameters (the blocks': gathered for each use)
+    zero_shard_size: int = None       # hybrid sharding: shard over groups of this many DP x CP ranks, replicate across
     batch: int = 16                   # global batch, in sequences
     micro_batch: int = 2
     steps: int = 30
@@ -215,12 +217,14 @@ def tag(params, **tags):
 
 
 class Reduction(NamedTuple):
-    """One SUM of gradients over a group. `data_parallel`: the optimizer's own reduction (all-reduce, or
-    reduce-scatter under ZeRO-1, of its flat buffers); the others are all-reduces done before it."""
+    """One SUM of gradients over a group. `data_parallel`: the optimizer's own reduction (all-reduce, or the
+    reduce-scatter of its ZeRO shards, over `group`, then over `replicate`: hybrid sharding's replicas); the others
+    are all-reduces done before it."""
     name: str
     params: list
     group: object
     data_parallel: bool
+    replicate: object = None
 
 
 @dataclass(frozen=True)
@@ -236,6 +240,8 @@ class Plan:
     cp_ring: object
     pp: object
     dp_cp: object
+    dp_cp_shard: object          # hybrid sharding: the ZeRO shards over these DP x CP ranks (dp_cp without it) ...
+    dp_cp_replicate: object      # ... replicated over these (None without it)
     ep: object
     edp: object
     tp_cp: object
@@ -302,7 +308,8 @@ def make_plan(cfg, run, ps):
     chunks = [(c * p + ps.pp_rank) * per_chunk for c in range(layout.virtual_stages)]  # chunk c: virtual stage c p + r
     return Plan(ps=ps, world=dist.group.WORLD if ps.world_size > 1 else None, tp=group("tp"), cp=group("cp"),
                 cp_ulysses=group("cp_ulysses"), cp_ring=group("cp_ring"),
-                pp=group("pp"), dp_cp=group("dp_cp"), ep=group("ep"), edp=group("edp"), tp_cp=group("tp_cp"),
+                pp=group("pp"), dp_cp=group("dp_cp"), dp_cp_shard=group("dp_cp_shard"),
+                dp_cp_replicate=group("dp_cp_replicate"), ep=group("ep"), edp=group("edp"), tp_cp=group("tp_cp"),
                 embedding=group("embedding"), cp_impl=run.cp_impl, recompute=run.recompute, **layout._asdict(),
                 schedule=run.pp_schedule, layers=tuple(i for first in chunks for i in range(first, first + per_chunk)),
                 logs_lm_loss=ps.is_last_stage and ps.tp_rank == 0,
@@ -328,9 +335,9 @@ def gradient_reductions(plan, stage):
     reductions = [r for r in (
         Reduction("tied embedding", tied, plan.embedding, False),
         Reduction("token-sharded, replicated over TP", [p for p in params if p.token_sharded], plan.tp, False),
-        Reduction("tied embedding over DP x CP", tied, plan.dp_cp, True),
+        Reduction("tied embedding over DP x CP", tied, plan.dp_cp_shard, True, plan.dp_cp_replicate),
         Reduction("dense over DP x CP", [p for p in params if not p.expert and id(p) not in tied_ids],
-                  plan.dp_cp, True),
+                  plan.dp_cp_shard, True, plan.dp_cp_replicate),
         Reduction("experts over EDP", [p for p in params if p.expert], plan.edp, True),
     ) if r.params and (r.group is not None or r.data_parallel)]
     second_copy = {id(p) for p in tied if not stage.first}
@@ -693,6 +700,7 @@ class Block(nn.Module):
         super().__init__()
         h = cfg.n_embd
         self.plan, self.heads, self.layer = plan, cfg.n_head // plan.sizes["tp"], i
+        self.unit = self.next_unit = self.prev_unit = None  # ZeRO-2/3: set by build, with the optimizer
         std_out = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2: scale the residual projections
         self.ln1 = LayerNorm(h, plan, dtype)
         self.qkv = ColumnParallelLinear(f"h.{i}.attn.qkv", h, 3 * h, plan, cfg, dtype, parts=3, fp8=fp8)
@@ -724,9 +732,65 @@ class Block(nn.Module):
         return self.plan.from_token_shard(y), aux.to(torch.float64)
 
     def forward(self, x, aux):
+        if self.unit is not None:  # ZeRO-2/3: gather before, release after, reduce the gradients when done
+            x, aux = _UnitStart.apply(self, x, aux)
         x = x + self.attention(x)
         y, a = self.mlp(self.ln2(x))
-        return x + y, aux if a is None else aux + a
+        x, aux = x + y, aux if a is None else aux + a
+        return (x, aux) if self.unit is None else _UnitEnd.apply(self, x, aux)
+
+
+# ZeRO-2 and ZeRO-3 (mixed_precision.py's units, one per block): two markers around each block's forward, so that
+# the block's parameters are there exactly while it computes, forward and backward. A rank holds at most two blocks'
+# parameters at once: the one computing and the next one, whose all-gather is prefetched before the current one
+# computes (forward order in the forward, backward order in the backward; within a model chunk).
+
+def _recomputing():  # a checkpointed block's forward run again inside the backward (recomputation)
+    return torch._C._current_graph_task_id() != -1
+
+
+class _UnitStart(torch.autograd.Function):
+    """Forward: the block's parameters gathered (ZeRO-3), the next block's all-gather started. Backward, once the
+    block's gradients are all in (its first op's backward runs last): reduce-scatter them (ZeRO-2/3; under zero
+    bubble after W, which computes the weight gradients later), free the parameters, start the previous block's
+    all-gather."""
+
+    @staticmethod
+    def forward(ctx, block, x, aux):
+        ctx.block = block
+        block.unit.gather()
+        block.unit.wait()
+        if block.next_unit is not None and not _recomputing():
+            block.next_unit.gather(async_op=True)
+        return x.view_as(x), aux.view_as(aux)
+
+    @staticmethod
+    def backward(ctx, grad_x, grad_aux):
+        block = ctx.block
+        if not block.plan.split_backward:
+            block.unit.reduce_grads()
+        block.unit.release()
+        if block.prev_unit is not None:
+            block.prev_unit.gather(async_op=True)
+        return None, grad_x, grad_aux
+
+
+class _UnitEnd(torch.autograd.Function):
+    """Forward: the block's parameters freed (ZeRO-3), but while the backward recomputes. Backward, before any of
+    the block's backward (the router loss's included: it passes here too): the parameters gathered again."""
+
+    @staticmethod
+    def forward(ctx, block, x, aux):
+        ctx.block = block
+        if not _recomputing():
+            block.unit.release()
+        return x.view_as(x), aux.view_as(aux)
+
+    @staticmethod
+    def backward(ctx, grad_x, grad_aux):
+        ctx.block.unit.gather()
+        ctx.block.unit.wait()
+        return None, grad_x, grad_aux
 
 
 class GPTStage(nn.Module):
@@ -760,6 +824,10 @@ class GPTStage(nn.Module):
             positions = positions.chunk(self.plan.sizes["tp"])[self.plan.ps.tp_rank]
         return x + self.wpe[positions]
 
+    def chunk_blocks(self, chunk):
+        n = len(self.blocks) // self.plan.virtual_stages
+        return self.blocks[chunk * n:(chunk + 1) * n]
+
     def is_first_chunk(self, chunk):
         return self.first and chunk == 0  # the first virtual stage embeds
 
@@ -772,9 +840,8 @@ class GPTStage(nn.Module):
         sum of the chunk's auxiliary (MoE router) losses."""
         if self.is_first_chunk(chunk):
             x = self.embed(x, positions)
-        n = len(self.blocks) // self.plan.virtual_stages
-        x, aux = self.plan.run_blocks(self.blocks[chunk * n:(chunk + 1) * n],
-                                      (x, torch.zeros((), dtype=torch.float64, device=x.device)))
+        x, aux = self.plan.run_blocks(self.chunk_blocks(chunk), (x, torch.zeros((), dtype=torch.float64,
+                                                                                  device=x.device)))
         if self.is_last_chunk(chunk):  # the LM head is column-parallel over the vocabulary: input gathered under SP
             x = _TPLinear.apply(self.ln_f(x), self.lm_head.weight, None, self.plan.tp, self.plan.sequence_parallel)
         return x, aux
@@ -1071,8 +1138,11 @@ def _run_action(stage, a, inbox, saved, waiting, micro_batches, tokens_per_micro
         if torch.is_grad_enabled():
             saved[key] = (x, out, aux, last)
         return None if last else out
-    if a.kind == "W":  # zero bubble: the weight gradients B left
+    if a.kind == "W":  # zero bubble: the weight gradients B left, then (ZeRO-2/3) their reduce-scatter
         waiting.pop(key).run()
+        for block in stage.chunk_blocks(a.chunk):
+            if block.unit is not None:
+                block.unit.reduce_grads()
         return None
     x, out, aux, _ = saved.pop(key)
     split = stage.plan.split_backward
@@ -1141,11 +1211,17 @@ def build(cfg, run, optimizer=True):
     validate(cfg, run, _world_size())
     topology.init_distributed(run.timeout_s, say=_warn_on_rank_0)
     ps = topology.init_parallel(tp=run.tp, pp=run.pp, cp=run.cp, ep=run.ep, cp_ulysses=run.cp_ulysses, with_mesh=False,
-                                timeout_s=run.timeout_s)
+                                timeout_s=run.timeout_s, zero_shard=run.zero_shard_size)
     plan = make_plan(cfg, run, ps)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     stage = GPTStage(cfg, plan, run.param_dtype, fp8=run.fp8_recipe if run.dtype == "fp8" else None).to(device)
     opt = make_optimizer(stage, run) if optimizer else None
+    if opt is not None and run.zero >= 2:  # each block a unit; its neighbours within its chunk, for the prefetch
+        n = len(stage.blocks) // plan.virtual_stages
+        for i, (block, unit) in enumerate(zip(stage.blocks, opt.units)):
+            block.unit = unit
+            block.next_unit = opt.units[i + 1] if (i + 1) % n else None
+            block.prev_unit = opt.units[i - 1] if i % n else None
     pipe = Pipeline(plan, (run.micro_batch, plan.seq_hidden, cfg.n_embd), run.param_dtype, device)
     return plan, stage, opt, pipe
 
@@ -1166,7 +1242,10 @@ def make_optimizer(stage, run):
     return mixed_precision.MixedPrecisionOptimizer(
         [g for g in groups if g["params"]], opt_class, zero=run.zero, loss_scaler=scaler,
         fp8_param_gather=run.fp8_param_gather,
-        shard_groups=[(r.params, r.group) for r in stage.reductions if r.data_parallel],
+        shard_groups=[(r.params, r.group) + ((r.replicate,) if r.replicate is not None else ())
+                      for r in stage.reductions if r.data_parallel],
+        **(dict(units=[[p for p in block.parameters() if p.requires_grad] for block in stage.blocks])
+           if run.zero >= 2 else {}),
         master_dtype=run.master_dtype, **defaults)
 
 
@@ -2194,7 +2273,6 @@ def validate(cfg, run, world):
         (run.cp_impl not in CP_IMPLS, f"--cp-impl {run.cp_impl!r} is unknown; choose one of {sorted(CP_IMPLS)}"),
         (run.recompute not in RECOMPUTE, f"--recompute {run.recompute!r} is unknown; choose one of {RECOMPUTE}"),
         (run.dtype not in DTYPES, f"--dtype {run.dtype!r} is unknown; choose one of {DTYPES}"),
-        (run.zero not in (0, 1), f"--zero {run.zero} is unknown; choose 0 (replicated) or 1 (sharded optimizer)"),
         (run.optimizer not in ("adamw", "sgd"), f"--optimizer {run.optimizer!r} is unknown; choose adamw or sgd"),
         (ep > 1 and cfg.moe_every == 0, f"--ep {ep} needs MoE layers: set --moe-every > 0"),
         (cfg.moe_every > cfg.n_layer, f"--moe-every {cfg.moe_every} exceeds --layers {cfg.n_layer}: no layer "
@@ -2235,6 +2313,13 @@ def validate(cfg, run, world):
         (run.dtype == "fp8" and run.fp8_recipe == "delayed" and run.recompute != "none",
          f"--fp8-recipe delayed records each GEMM's amax as it runs, and --recompute {run.recompute} would record it "
          "again: use --recompute none or another --fp8-recipe"),
+        (run.zero not in (0, 1, 2, 3), f"--zero {run.zero} is unknown; choose 0 (replicated), 1 (optimizer states "
+                                       "sharded), 2 (and gradients) or 3 (and parameters)"),
+        (run.zero_shard_size is not None and run.zero == 0,
+         "--zero-shard-size shards the ZeRO states over groups of DP x CP ranks: it needs --zero 1, 2 or 3"),
+        (run.zero_shard_size is not None and not (run.zero_shard_size >= 1 and (cp * dp) % run.zero_shard_size == 0),
+         f"--zero-shard-size {run.zero_shard_size} must divide dp*cp = {dp * cp} (hybrid sharding: shard over groups "
+         f"of that many ranks, replicate across them)"),
         (run.fp8_param_gather and not (run.zero == 1 and run.dtype in ("bfloat16", "fp8")),
          "--fp8-param-gather all-gathers the ZeRO-1 shards of 16-bit weights: it needs --zero 1 and --dtype bfloat16 "
          "or fp8"),
@@ -2459,7 +2544,10 @@ def parse_args(argv=None):
     add("--fp8-recipe", default="tensorwise", choices=mixed_precision.FP8_RECIPES, help="with --dtype fp8: the "
         "scaling granularity (tensorwise, delayed, rowwise, blockwise: DeepSeek-V3's tiles, mxfp8)")
     add("--fp8-param-gather", action="store_true", help="with --zero 1: all-gather the updated weights in FP8")
-    add("--zero", type=int, default=0, choices=[0, 1], help="1: shard master weights and optimizer states")
+    add("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="1: shard the optimizer states over DP x CP; "
+        "2: and the gradients; 3: and the blocks' parameters (gathered for each use)")
+    add("--zero-shard-size", type=int, default=None, help="hybrid sharding: shard over groups of this many DP x CP "
+        "ranks (one node, say), replicate across them")
     add("--recompute", default="none", choices=list(RECOMPUTE))
     add("--out-dir", default=None)
     add("--save-every", type=int, default=0)

@@ -159,7 +159,7 @@ def _bad_layout(rank, world, kwargs):
     (3, dict(tp=3), "--heads 4 must be divisible by --tp 3"),
     (2, dict(cp=2, micro_batch=4, batch=6), "--batch 6 must be divisible by dp\\*micro_batch"),
     (2, dict(dtype="float8"), "--dtype 'float8' is unknown"),
-    (2, dict(zero=2), "--zero 2 is unknown"),
+    (2, dict(zero=4), "--zero 4 is unknown"),
     (3, dict(cp=3, cp_impl="ulysses"), "--cp-impl ulysses splits each TP rank's 4 heads over --cp 3"),
     (4, dict(tp=3), "world_size=4 is not divisible by tp\\*pp\\*cp"),
 ])

@@ -1,4 +1,4 @@
-"""Mixed precision: number formats, FP32 master weights and main grads, ZeRO-1, FP16 loss scaling, FP8 recipes.
+"""Mixed precision: number formats, FP32 master weights and main grads, ZeRO-1/2/3 and HSDP, FP16 loss scaling, FP8.
 
 A floating-point format spends its bits on an exponent (range) and a mantissa (precision). Every figure
 below comes from `torch.finfo`, run `python mixed_precision.py` to print the table:
@@ -31,33 +31,79 @@ buffers, so the sum over ranks does not round in BF16 either. Per parameter with
 gradients. A parameter already in the master dtype (FP32, or float64 for tests) has no separate master:
 the optimizer updates its own storage, 4 + 4 + 8 = 16 bytes.
 
-The distributed optimizer (ZeRO-1, Megatron-LM's DistributedOptimizer), zero=1. Each shard-group entry
-(dense weights over DP x CP, expert weights over EDP) lays its parameters and main grads out in flat
-buffers padded to a multiple of the group size d; rank r owns the r-th 1/d of them. A step then is:
-reduce-scatter (SUM) of the main grads, so each rank receives the sum of its shard only; the inner
-optimizer steps the pieces of the parameters that fall in the shard (their FP32 masters, or the
-parameters' own storage); each rank rounds its updated shard into the parameter buffer; one all-gather
-rebuilds the full parameters everywhere. Each rank sends (d-1)/d x (4 + e) bytes per parameter (FP32 gradients
-scattered, parameters of e bytes gathered): for FP32 parameters the 2 (d-1)/d x 4 of the all-reduce without
-ZeRO (a reduce-scatter and an all-gather are its two halves), for BF16 ones 3/4 of it. Masters and optimizer
-states shrink by d:
+Sharded data parallelism: ZeRO-1, -2, -3 (Rajbhandari et al. 2020; ZeRO-1 is Megatron-LM's distributed
+optimizer, ZeRO-3 FSDP's design, here with Megatron's flat ranges), zero=1..3. Each shard-group entry (dense
+weights over DP x CP, expert weights over EDP) lays its parameters out in flat buffers padded to a multiple of
+the group size d; rank r owns the r-th 1/d of every buffer, a contiguous range [lo, hi) (a parameter may
+straddle two ranks: each optimises its piece). The levels differ in what else the ranges cut:
 
-    bytes per parameter, Adam        zero=0            zero=1 over d ranks    (ZeRO, Rajbhandari et al. 2020)
-    FP32 params, FP32 grads          4 + 4 + 8 = 16    8 + 8/d
-    BF16 params, FP32 main grads     2 + 4 + 12 = 18   6 + 12/d
+    zero=1  the FP32 masters and the optimizer states. A step: reduce-scatter (SUM) of the full FP32 main grads,
+            each rank receiving the sum of its shard; the inner optimizer steps the pieces in the shard; each rank
+            rounds its updated shard into the parameter buffer; one all-gather rebuilds the full parameters.
+    zero=2  also the gradients of the units (`units=`, one list of parameters per transformer block): they get no
+            full-size main grad; after each backward of a unit `opt.units[i].reduce_grads()` reduce-scatters the
+            full-size p.grad that autograd left (cast to FP32, one flat collective per bucket) into this rank's
+            FP32 shard accumulator and frees it. The step has nothing left to reduce for them.
+    zero=3  also the parameters of the units: they live as shards; `gather()` all-gathers a unit's shards into a
+            full flat buffer (the parameters are views of it) just before its forward (the next unit's gather is
+            issued asynchronously while this one computes: the prefetch), `release()` frees that storage after
+            it, and the backward gathers it again (the recomputation runs inside that backward, on the same
+            gather). The step writes each rank's updated shard and gathers nothing: the next forward does.
 
-measured from the live tensors by `memory_bytes()` and printed by the demo (d = 2 and 3, forked ranks).
+Parameters in no unit keep ZeRO-1 treatment at zero 2 and 3 (whole parameters and FP32 main grads, sharded
+states): the trainer keeps the embedding, the final norm and the LM head out of the units, since they are used
+at both ends of the step (a tied embedding in the first and the last stage, the head where the forward turns
+into the backward) and their gradients arrive through hooks and extra sums (all_reduce_grads over the
+embedding group). Per parameter with Adam, e bytes per parameter element (2 BF16, 4 FP32), 4 of FP32 main
+grad, s of states (two FP32 moments, 8, plus a 4-byte FP32 master where the parameter is narrower); each level
+divides one more part by d:
 
-One step, in order: reduce (SUM over each entry's group; nothing here averages, the caller passes
-grad_scale = 1 / tokens), multiply by grad_scale / loss_scale, the global gradient norm over the
-gradients this rank owns (its shard; under zero=0 group rank 0 of each entry), summed over `norm_group`
-in the same 2-element all-reduce that carries the loss scaler's overflow probe (one collective, one host
-sync), skip on overflow, clip as `clip_grad_norm_`, inner step, publish the parameters, zero the main
-grads. Checkpoints: `owned_state(p)` hands out this rank's piece of p's master and optimizer states as the
-live tensors and the range of p they cover, for a checkpoint that writes each shard where it lies
-(train_gpt.py's); `full_state(p)` gathers them as full tensors (12 bytes per parameter for Adam, so for small
-models), so a run saved under one layout (zero=0 on 2 ranks) resumes under another (zero=1 on 3 ranks, or one
-process).
+    bytes per parameter, Adam      zero=0        zero=1         zero=2            zero=3
+                                   e + 4 + s     e + 4 + s/d    e + (4 + s)/d     (e + 4 + s)/d + working set
+    BF16 params, FP32 main grads   18            6 + 12/d       2 + 16/d          18/d
+    FP32 params and grads          16            8 + 8/d        4 + 12/d          16/d
+
+The zero=3 working set: the full parameters of the units gathered at once, two units with a one-unit prefetch
+(`memory_bytes()["peak_gathered_bytes"]`), plus, between a unit's backward and its reduce_grads, its full-size
+p.grad (e per unit parameter) and the FP32 flat copy the reduce-scatter sends (4). Padding rule: each bucket
+(one per entry, dtype and device; at zero 2 and 3 also one per unit) is padded to a multiple of its shard
+count, at most k - 1 elements; the padding is in the parameter, main-grad and master buffers, not in the
+moments (which belong to the pieces). Measured from the live tensors by `memory_bytes()` (zero 3: the shards
+at rest) and printed by the demo at d = 2, 3 and 4.
+
+Bytes sent per parameter and step on a ring (an all-reduce sends 2 (d-1)/d of its buffer, a reduce-scatter
+and an all-gather (d-1)/d of the full buffer), FP32 gradients, m micro-batches per step:
+
+    zero=0  2 (d-1)/d 4            one all-reduce: the micro-batches accumulate into the main grads first
+    zero=1  (d-1)/d (4 + e)        reduce-scatter + all-gather: for e = 4 the all-reduce's two halves
+    zero=2  (d-1)/d (4 m + e)      one reduce-scatter per micro-batch, one all-gather per step
+    zero=3  (d-1)/d m (4 + 2 e)    per micro-batch the forward's and the backward's all-gathers and a
+                                   reduce-scatter; no all-gather after the step
+
+At m = 1: BF16 8, 6, 6, 8 and FP32 8, 8, 8, 12 times (d-1)/d (ZeRO-3 1.5x the all-reduce at e = 4). Several
+micro-batches at zero 2 and 3 cost one reduce-scatter each (4 (d-1)/d m instead of 4 (d-1)/d), because the
+full-size gradient lives only from a unit's backward to its reduce_grads; accumulating full-size gradients over
+the micro-batches and reducing once would keep a full-size FP32 buffer alive all step, 4 bytes per parameter:
+ZeRO-1's memory, the saving lost. This file reduce-scatters per micro-batch (the demo measures both).
+
+Hybrid sharding (HSDP), a shard-group entry (params, group, replicate_group): states, gradients and
+parameters sharded over the k ranks of `group` (a node, say), replicated over the r = d / k ranks of
+`replicate_group`: reduce-scatters and all-gathers over k, then one all-reduce (SUM) of the reduced 1/k shard
+over r, once per step at every level (at zero 2 and 3 at step(), on the accumulated shard: a sum, so once
+suffices); at zero=0 the all-reduce over k, then over r. Memory as sharding over k; bytes sent per parameter:
+the table's with d -> k, plus 2 (r-1)/r 4 / k (zero=0: 2 (r-1)/r 4), so only the shard crosses nodes.
+
+One step, in order: reduce (SUM over each entry's group, and its replicate group; nothing here averages, the
+caller passes grad_scale = 1 / tokens; zero 2 and 3 units were reduced by reduce_grads), multiply by grad_scale /
+loss_scale, the global gradient norm over the gradients this rank owns (its shard, once per replica set; under
+zero=0 group rank 0 of each entry), summed over `norm_group` in the same 2-element all-reduce that carries the
+loss scaler's overflow probe (one collective, one host sync), skip on overflow, clip as `clip_grad_norm_`, inner
+step, publish the parameters, zero the main grads. Checkpoints: `owned_state(p)` hands out this rank's piece of
+p's master and optimizer states as the live tensors and the range of p they cover, `owned_param(p)` the range
+of p's values this rank holds at rest and the live tensor holding it (p itself, or under zero=3 its shard), for
+a checkpoint that writes each shard where it lies and loads into it in place (then `publish_params()`);
+`full_state(p)` gathers them as full tensors (12 bytes per parameter for Adam, so for small models), so a run
+saved under one layout (zero=3 on 2 ranks) resumes under another (zero=1 on 3 ranks, or one process).
 
 FP16 dynamic loss scaling. FP16 has 5 exponent bits: gradients below 6e-8 (its smallest subnormal) flush
 to zero. Multiplying the loss by S (2^16 to start) shifts every gradient up by S; before the step the
@@ -878,7 +924,8 @@ class _SavedState:
 
 class MixedPrecisionOptimizer(_SavedState):
     """Any torch.optim optimizer stepping master weights of the parameters, with FP32 gradient accumulation,
-    data-parallel gradient reduction (SUM), optional ZeRO-1 sharding, global-norm clipping and loss scaling.
+    data-parallel gradient reduction (SUM), ZeRO-1, -2 or -3 sharding (and HSDP), global-norm clipping and loss
+    scaling.
 
         opt = MixedPrecisionOptimizer(
             [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
@@ -888,12 +935,31 @@ class MixedPrecisionOptimizer(_SavedState):
         stepped, grad_norm = opt.step(grad_scale=1 / tokens, max_norm=1.0, norm_group=world)
 
     shard_groups: (params, group) entries; a parameter's main grad is SUMMED over its entry's group, and with
-    zero=1 its master weight and optimizer state are sharded over that group. A parameter in no entry, or in
-    an entry with group None, has no data-parallel communication. Nothing averages: the caller normalises
-    (grad_scale). master_dtype: the dtype of main grads, masters and the inner optimizer's state; a
-    parameter already in master_dtype has no separate master (the optimizer updates its own storage).
-    Under zero=1 the inner optimizer sees 1-D pieces of parameters, so it must act elementwise (Adam, SGD:
-    as in Megatron-LM); under zero=0 it sees whole parameters of their shapes.
+    zero >= 1 its master weight and optimizer state are sharded over that group. (params, group,
+    replicate_group): hybrid sharding, sharded over group, the reduced shards then SUMMED over replicate_group
+    (None or one rank: plain sharding). A parameter in no entry, or in an entry with group None, has no
+    data-parallel communication. Nothing averages: the caller normalises (grad_scale). master_dtype: the dtype
+    of main grads, masters and the inner optimizer's state; a parameter already in master_dtype has no
+    separate master (the optimizer updates its own storage). Under zero >= 1 the inner optimizer sees 1-D
+    pieces of parameters, so it must act elementwise (Adam, SGD: as in Megatron-LM); under zero=0 it sees whole
+    parameters of their shapes.
+
+    units (zero 2 and 3; accepted and ignored below): one list of parameters per transformer block; they get
+    the deeper sharding, every other parameter ZeRO-1's. `opt.units` (ShardedUnit, in the order given) are
+    called by the trainer around each block, for every micro-batch:
+
+        forward of block i:   units[i].gather(); units[i + 1].gather(async_op=True)  # the prefetch
+                              y = block_i(x); units[i].release()
+        backward of block i:  units[i].gather(); units[i - 1].gather(async_op=True)
+                              backward through block i (the recomputation first, under checkpointing)
+                              units[i].release(); units[i].reduce_grads()
+        opt.step(...)         # no reduce for the units; zero=3 publishes only the shards
+
+    (sharded_micro_batch is this loop.) Under a zero-bubble schedule whose weight gradients come later, in a
+    separate W step, call reduce_grads after W (a W step that reads only the saved input and output gradient, as
+    a linear's weight gradient does, needs no gather: release may then come right after B). reduce_grads must
+    run on every rank of the unit's groups alike, one call per unit per micro-batch; step() refuses a unit
+    parameter that still holds a p.grad, and releases every gathered unit (its full parameters would be stale).
 
     fp8_param_gather (zero=1, parameters narrower than master_dtype): each rank quantises its updated master
     shard to MXFP8 (E4M3, one power-of-two scale per 32 elements) and the shards are all-gathered as FP8 bytes
@@ -905,9 +971,10 @@ class MixedPrecisionOptimizer(_SavedState):
     The roles: this class is the step (reduce, scale, norm, skip, clip, update, publish); _Bucket and
     _build_buckets hold the sharded state (flat buffers, shards, pieces); _SavedState saves and loads it.
 
-    The parameters become views of flat buffers (one per entry, dtype and device), and each gets a gradient
-    hook (in the master dtype also a .grad that is its main_grad view: leave it, zero_grad() keeps it; a
-    p.grad that replaces it is taken as the whole gradient, as in torch):
+    The parameters become views of flat buffers (one per entry, dtype and device; at zero 2 and 3 per unit too),
+    and each outside the zero 2 and 3 units gets a gradient hook (in the master dtype also a .grad that is its
+    main_grad view: leave it, zero_grad() keeps it; a p.grad that replaces it is taken as the whole gradient, as
+    in torch); a zero-3 unit's parameters have no storage until gathered:
     build the optimizer once the model has its final dtype and device, before anything else takes views of
     the parameters' storage, and only one optimizer per parameter.
     """
@@ -1002,10 +1069,12 @@ class MixedPrecisionOptimizer(_SavedState):
         """Reduce, scale, measure, clip, update. Returns StepResult(stepped, grad_norm), true if stepped.
 
         1. every shard-group entry's main grads are SUMMED over its group (all-reduce, or reduce-scatter
-           under zero=1);
+           under zero >= 1; zero 2 and 3 units were reduce-scattered by reduce_grads), then the shards over the
+           entry's replicate group (HSDP; an all-reduce);
         2. multiplied by grad_scale / loss_scale (one multiply; loss_scale = 1 without a loss scaler);
         3. the global gradient norm, in master_dtype, over the gradients this rank owns (its shard under
-           zero=1; under zero=0 only group rank 0 of each entry counts the replicated reduced gradient),
+           zero >= 1, counted by replicate rank 0; under zero=0 only group rank 0 of each entry counts the
+           replicated reduced gradient),
            restricted to `norm_params` (None: all; the caller leaves out copies that another rank already
            counts: TP-replicated parameters, the tied embedding's second copy). The sums of squares are
            all-reduced (SUM) over `norm_group` (None: no communication). That same 2-element all-reduce
@@ -1021,7 +1090,8 @@ class MixedPrecisionOptimizer(_SavedState):
            skipped, on every rank of norm_group alike, since they all see the same reduced value;
         5. clipping when max_norm > 0: grads *= min(1, max_norm / (norm + 1e-6)) (clip_grad_norm_'s rule);
         6. the inner optimizer steps the masters (or shards); the parameters are refreshed from them
-           (zero=1: each rank writes its shard, then one all-gather per buffer);
+           (publish_params: zero 1 and 2 each rank writes its shard, then one all-gather per buffer; zero=3
+           units only the shard);
         7. the main grads are zeroed.
         """
         counted = None if norm_params is None else {id(p) for p in norm_params}
@@ -2067,6 +2137,11 @@ def sharded_micro_batch(model, opt, inputs, target, recompute=False, prefetch=Tr
     return loss.item()
 
 
+def sharded_runs(specs, group=None):
+    """sharded_run(**spec) for each spec, on this rank (one set of forked ranks for a table of runs)."""
+    return [sharded_run(group=group, **spec) for spec in specs]
+
+
 def sharded_batch(step, rows=36, vocab=12, dim=12):
     """The global batch of a step: token ids (rows), or inputs (rows, dim) for vocab=0, and targets (rows, dim),
     float64 (cast to the model's dtype by the caller)."""
@@ -2091,9 +2166,11 @@ def sharded_run(dtype, zero, micro_batches=1, shard=None, steps=1, vocab=0, hidd
     shards of that many ranks), each rank taking its 1/d of the global batch in `micro_batches` micro-batches.
     Returns this rank's memory_bytes, the parameter count (in units and in all), the padding, and the bytes
     sent in the last step (its forward and backward gathers and reduce-scatters included) per parameter."""
+    d = _group_size(group)
+    if 36 % (d * micro_batches):
+        raise ValueError(f"micro_batches={micro_batches} on {d} ranks: the 36 rows of a step must split evenly")
     torch.manual_seed(0)
     model = Blocks(vocab=vocab, hidden=hidden, depth=depth).to(dtype)
-    d = _group_size(group)
     rank = dist.get_rank(group) if d > 1 else 0
     shard_group, replicate_group = hsdp_groups(shard) if shard else (group, None)
     opt = MixedPrecisionOptimizer(model.parameters(), torch.optim.Adam, zero=zero, units=model.units(), lr=1e-3,
@@ -2421,6 +2498,63 @@ def show_fp8_param_gather():
               "0.0625)")
 
 
+def show_sharded_bytes():
+    print("\n== ZeRO-0..3: bytes per parameter on each of d forked gloo ranks, Adam, 3 units of 624 parameters (every")
+    print("   parameter in a unit: no padding at d = 2, 3, 4); formula | measured = params + grads + optimizer states")
+    forms = {torch.bfloat16: ("18", "6 + 12/d", "2 + 16/d", "18/d"),
+             torch.float32: ("16", "8 + 8/d", "4 + 12/d", "16/d")}
+    for d in (2, 3, 4):
+        specs = [{"dtype": dtype, "zero": zero} for dtype in forms for zero in range(4)]
+        for spec, r in zip(specs, on_forked_ranks(sharded_runs, d, specs)[0]):  # rank 0's figures
+            b = {k: v / r["n_params"] for k, v in r["bytes"].items()}
+            dtype, zero = spec["dtype"], spec["zero"]
+            total = b["param_bytes"] + b["grad_bytes"] + b["optimizer_bytes"]
+            print(f"   d={d} {str(dtype)[6:]:8s} zero={zero} {forms[dtype][zero]:>9s} = "
+                  f"{zero_bytes_formula(dtype, d, zero):5.2f} | {total:5.2f} = {b['param_bytes']:4.2f} + "
+                  f"{b['grad_bytes']:4.2f} + {b['optimizer_bytes']:5.2f}  padding {r['padding']}")
+    print("   padding rule: each bucket (per entry, dtype, device; at zero 2 and 3 per unit) is padded to a multiple")
+    print("   of its shard count: a unit of 599 parameters at d = 3 takes 600 (the tests check that case exactly)")
+
+
+def show_gathered_working_set():
+    print("\n== ZeRO-3 working set: the most unit parameter bytes gathered at once in a step (BF16, d = 4, 3 units of")
+    print("   624 parameters = 1248 bytes each), beside the bytes at rest")
+    specs = [{"dtype": torch.bfloat16, "zero": 3, "prefetch": prefetch} for prefetch in (True, False)]
+    for prefetch, r in zip((True, False), on_forked_ranks(sharded_runs, 4, specs)[0]):
+        at_rest = sum(v for k, v in r["bytes"].items() if k in ("param_bytes", "grad_bytes", "optimizer_bytes"))
+        print(f"   prefetch={str(prefetch):5s}: at rest {at_rest / r['n_params']:.2f} bytes/param (18/d = 4.50), "
+              f"gathered at the peak {r['bytes']['peak_gathered_bytes']} bytes = "
+              f"{r['bytes']['peak_gathered_bytes'] // 1248} unit(s) (formula: {2 if prefetch else 1})")
+
+
+def show_sharded_sent():
+    print("\n== bytes a rank sends per parameter and step (forward and backward gathers, reduce-scatters, the step's")
+    print("   collectives), BF16 (e = 2), m micro-batches; HSDP: shards of k = 2 of d = 4, replicated over 2")
+    specs = [{"dtype": torch.bfloat16, "zero": zero, "micro_batches": m} for zero in range(4) for m in (1, 3)]
+    layouts = ((2, None), (4, None), (4, 2))
+    runs = [on_forked_ranks(sharded_runs, d, [{**spec, "shard": shard} for spec in specs])[0] for d, shard in layouts]
+    names = [f"d={d}" + (f" k={k}" if k else "") for d, k in layouts]
+    print("   zero m | " + " | ".join(f"{name:>7s} measured formula" for name in names))
+    for i, spec in enumerate(specs):
+        formula = lambda d, k: zero_sent_formula(torch.bfloat16, d, spec["zero"], spec["micro_batches"], k)
+        cells = [f"{r[i]['sent_per_param']:16.3f} {formula(d, k):7.3f}" for (d, k), r in zip(layouts, runs)]
+        print(f"   {spec['zero']:4d} {spec['micro_batches']:1d} | " + " | ".join(cells))
+    print("   formulas (k-1)/k x: zero 0: 8, 1: 4 + e, 2: 4m + e, 3: m (4 + 2e); HSDP adds 2 (r-1)/r 4/k (zero 0: 4)")
+
+
+def show_micro_batch_cost():
+    print("\n== what several micro-batches cost at ZeRO-2 (d = 2, BF16): one reduce-scatter per micro-batch, against")
+    print("   ZeRO-1, which accumulates full-size FP32 gradients and reduces once (the gradient bytes it keeps)")
+    ms = (1, 2, 3, 6)
+    specs = [{"dtype": torch.bfloat16, "zero": zero, "micro_batches": m} for zero in (1, 2) for m in ms]
+    runs = on_forked_ranks(sharded_runs, 2, specs)[0]
+    for m, one, two in zip(ms, runs[:len(ms)], runs[len(ms):]):
+        grads = lambda r: r["bytes"]["grad_bytes"] / r["n_params"]
+        print(f"   m={m}: sent/param ZeRO-2 {two['sent_per_param']:.2f} ((d-1)/d (4m + 2) = "
+              f"{zero_sent_formula(torch.bfloat16, 2, 2, m):.2f}), ZeRO-1 {one['sent_per_param']:.2f}; "
+              f"grad bytes/param ZeRO-2 {grads(two):.1f}, ZeRO-1 {grads(one):.1f}")
+
+
 def demo():
     show_formats()
     show_master_weights()
@@ -2430,6 +2564,10 @@ def demo():
     show_training()
     show_bytes_per_parameter()
     show_zero_bytes()
+    show_sharded_bytes()
+    show_gathered_working_set()
+    show_sharded_sent()
+    show_micro_batch_cost()
     show_fp8_accumulation()
     show_fine_grained_scaling()
     show_fp8_under_tp()

@@ -792,10 +792,11 @@ class _SavedState:
     """Save and load of MixedPrecisionOptimizer's state (its base class; one role, read apart from the step).
 
     It reads what the optimizer builds: `params`, `optimizer` (the inner one, whose parameters are the pieces),
-    `param_groups`, `loss_scaler` and `_managed(p)` -> (bucket, piece). Three granularities: owned_state (this
-    rank's live pieces, for a checkpoint that writes each shard where it lies), full_state / load_full_state
-    (one parameter's whole master and states, any layout to any other), state_dict / load_state_dict
-    (everything, unsharded), plus the scalars (hyperparameters, loss scaler)."""
+    `param_groups`, `loss_scaler` and `_managed(p)` -> (bucket, piece). Three granularities: owned_state and
+    owned_param (this rank's live pieces of the states and of the parameter values, for a checkpoint that writes
+    each shard where it lies), full_state / load_full_state (one parameter's whole master and states, any
+    layout to any other), state_dict / load_state_dict (everything, unsharded), plus the scalars
+    (hyperparameters, loss scaler)."""
 
     def full_state(self, p):
         """{"master": p's master weight, then every optimizer state (exp_avg, exp_avg_sq, step, ...)}, each a

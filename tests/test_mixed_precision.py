@@ -1,7 +1,9 @@
 """mixed_precision.py: GradScaler parity, FP32 main grads, ZeRO-1 against ZeRO-0 and one process, grad norm,
 FP16 overflow agreement, full-state checkpoints across layouts, FP8 bounds and TP scale agreement, bytes per
 parameter of live tensors; the FP8 recipes against a per-block reference, their _scaled_mm layouts, the E5M2
-backward, the accumulation emulation, TP agreement per recipe on 2 and 3 ranks, the FP8 parameter all-gather."""
+backward, the accumulation emulation, TP agreement per recipe on 2 and 3 ranks, the FP8 parameter all-gather;
+ZeRO-2, ZeRO-3 (units driven block by block) and HSDP against ZeRO-0 and one process in float64, their bytes kept
+and sent against the formulas, FP16 and BF16 at ZeRO-3, state_dicts across levels, owned_param."""
 import math
 
 import pytest
@@ -1867,3 +1869,25 @@ def test_bad_sharding_arguments_raise_value_error_before_any_collective():
     model.blocks[0].up.weight.grad = torch.ones(24, 12)  # as a backward leaves it, without reduce_grads
     message, = value_errors(sharded.step)
     assert "reduce_grads" in message
+
+
+def _all_reduce_grads_of_a_unit(rank, world):
+    """Zero 3 sharded over [0, 1] and [2, 3]; all_reduce_grads over [0, 2] and [1, 3] (as a TP group would sum a
+    replicated norm weight) sums each rank's piece of the reduced shard with the same piece of its partner."""
+    shard_group, across = mp.hsdp_groups(2)
+    model = _blocks(vocab=0)
+    opt = _sharded_opt(model, 3, "sgd", (shard_group, None), master_dtype=torch.float64)
+    inputs, target = (t.chunk(world)[rank] for t in mp.sharded_batch(0, rows=ROWS, vocab=0))
+    mp.sharded_micro_batch(model, opt, inputs, target)
+    norm = list(model.blocks[0].norm.parameters())
+    before = [opt._piece(p).grad.clone() for p in norm]
+    opt.all_reduce_grads(norm, across)
+    return before, [opt._piece(p).grad.clone() for p in norm]
+
+
+def test_all_reduce_grads_sums_the_reduced_shard_of_a_zero3_unit_parameter():
+    out = run_ranks(_all_reduce_grads_of_a_unit, 4, timeout=60)
+    for rank, (before, after) in enumerate(out):
+        partner = out[(rank + 2) % 4][0]
+        assert all(torch.equal(a, b + c) for a, b, c in zip(after, before, partner))
+    assert out[0][0][0].numel() == 12 and out[1][0][0].numel() == 0  # rank 0 of each shard owns the norm weight

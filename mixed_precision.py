@@ -1,4 +1,4 @@
-"""Mixed precision: number formats, FP32 master weights and main grads, ZeRO-1, FP16 loss scaling, FP8 recipes.
+"""Mixed precision: number formats, FP32 master weights and main grads, ZeRO-1/2/3 and HSDP, FP16 loss scaling, FP8.
 
 A floating-point format spends its bits on an exponent (range) and a mantissa (precision). Every figure
 below comes from `torch.finfo`, run `python mixed_precision.py` to print the table:
@@ -31,33 +31,79 @@ buffers, so the sum over ranks does not round in BF16 either. Per parameter with
 gradients. A parameter already in the master dtype (FP32, or float64 for tests) has no separate master:
 the optimizer updates its own storage, 4 + 4 + 8 = 16 bytes.
 
-The distributed optimizer (ZeRO-1, Megatron-LM's DistributedOptimizer), zero=1. Each shard-group entry
-(dense weights over DP x CP, expert weights over EDP) lays its parameters and main grads out in flat
-buffers padded to a multiple of the group size d; rank r owns the r-th 1/d of them. A step then is:
-reduce-scatter (SUM) of the main grads, so each rank receives the sum of its shard only; the inner
-optimizer steps the pieces of the parameters that fall in the shard (their FP32 masters, or the
-parameters' own storage); each rank rounds its updated shard into the parameter buffer; one all-gather
-rebuilds the full parameters everywhere. Each rank sends (d-1)/d x (4 + e) bytes per parameter (FP32 gradients
-scattered, parameters of e bytes gathered): for FP32 parameters the 2 (d-1)/d x 4 of the all-reduce without
-ZeRO (a reduce-scatter and an all-gather are its two halves), for BF16 ones 3/4 of it. Masters and optimizer
-states shrink by d:
+Sharded data parallelism: ZeRO-1, -2, -3 (Rajbhandari et al. 2020; ZeRO-1 is Megatron-LM's distributed
+optimizer, ZeRO-3 FSDP's design, here with Megatron's flat ranges), zero=1..3. Each shard-group entry (dense
+weights over DP x CP, expert weights over EDP) lays its parameters out in flat buffers padded to a multiple of
+the group size d; rank r owns the r-th 1/d of every buffer, a contiguous range [lo, hi) (a parameter may
+straddle two ranks: each optimises its piece). The levels differ in what else the ranges cut:
 
-    bytes per parameter, Adam        zero=0            zero=1 over d ranks    (ZeRO, Rajbhandari et al. 2020)
-    FP32 params, FP32 grads          4 + 4 + 8 = 16    8 + 8/d
-    BF16 params, FP32 main grads     2 + 4 + 12 = 18   6 + 12/d
+    zero=1  the FP32 masters and the optimizer states. A step: reduce-scatter (SUM) of the full FP32 main grads,
+            each rank receiving the sum of its shard; the inner optimizer steps the pieces in the shard; each rank
+            rounds its updated shard into the parameter buffer; one all-gather rebuilds the full parameters.
+    zero=2  also the gradients of the units (`units=`, one list of parameters per transformer block): they get no
+            full-size main grad; after each backward of a unit `opt.units[i].reduce_grads()` reduce-scatters the
+            full-size p.grad that autograd left (cast to FP32, one flat collective per bucket) into this rank's
+            FP32 shard accumulator and frees it. The step has nothing left to reduce for them.
+    zero=3  also the parameters of the units: they live as shards; `gather()` all-gathers a unit's shards into a
+            full flat buffer (the parameters are views of it) just before its forward (the next unit's gather is
+            issued asynchronously while this one computes: the prefetch), `release()` frees that storage after
+            it, and the backward gathers it again (the recomputation runs inside that backward, on the same
+            gather). The step writes each rank's updated shard and gathers nothing: the next forward does.
 
-measured from the live tensors by `memory_bytes()` and printed by the demo (d = 2 and 3, forked ranks).
+Parameters in no unit keep ZeRO-1 treatment at zero 2 and 3 (whole parameters and FP32 main grads, sharded
+states): the trainer keeps the embedding, the final norm and the LM head out of the units, since they are used
+at both ends of the step (a tied embedding in the first and the last stage, the head where the forward turns
+into the backward) and their gradients arrive through hooks and extra sums (all_reduce_grads over the
+embedding group). Per parameter with Adam, e bytes per parameter element (2 BF16, 4 FP32), 4 of FP32 main
+grad, s of states (two FP32 moments, 8, plus a 4-byte FP32 master where the parameter is narrower); each level
+divides one more part by d:
 
-One step, in order: reduce (SUM over each entry's group; nothing here averages, the caller passes
-grad_scale = 1 / tokens), multiply by grad_scale / loss_scale, the global gradient norm over the
-gradients this rank owns (its shard; under zero=0 group rank 0 of each entry), summed over `norm_group`
-in the same 2-element all-reduce that carries the loss scaler's overflow probe (one collective, one host
-sync), skip on overflow, clip as `clip_grad_norm_`, inner step, publish the parameters, zero the main
-grads. Checkpoints: `owned_state(p)` hands out this rank's piece of p's master and optimizer states as the
-live tensors and the range of p they cover, for a checkpoint that writes each shard where it lies
-(train_gpt.py's); `full_state(p)` gathers them as full tensors (12 bytes per parameter for Adam, so for small
-models), so a run saved under one layout (zero=0 on 2 ranks) resumes under another (zero=1 on 3 ranks, or one
-process).
+    bytes per parameter, Adam      zero=0        zero=1         zero=2            zero=3
+                                   e + 4 + s     e + 4 + s/d    e + (4 + s)/d     (e + 4 + s)/d + working set
+    BF16 params, FP32 main grads   18            6 + 12/d       2 + 16/d          18/d
+    FP32 params and grads          16            8 + 8/d        4 + 12/d          16/d
+
+The zero=3 working set: the full parameters of the units gathered at once, two units with a one-unit prefetch
+(`memory_bytes()["peak_gathered_bytes"]`), plus, between a unit's backward and its reduce_grads, its full-size
+p.grad (e per unit parameter) and the FP32 flat copy the reduce-scatter sends (4). Padding rule: each bucket
+(one per entry, dtype and device; at zero 2 and 3 also one per unit) is padded to a multiple of its shard
+count, at most k - 1 elements; the padding is in the parameter, main-grad and master buffers, not in the
+moments (which belong to the pieces). Measured from the live tensors by `memory_bytes()` (zero 3: the shards
+at rest) and printed by the demo at d = 2, 3 and 4.
+
+Bytes sent per parameter and step on a ring (an all-reduce sends 2 (d-1)/d of its buffer, a reduce-scatter
+and an all-gather (d-1)/d of the full buffer), FP32 gradients, m micro-batches per step:
+
+    zero=0  2 (d-1)/d 4            one all-reduce: the micro-batches accumulate into the main grads first
+    zero=1  (d-1)/d (4 + e)        reduce-scatter + all-gather: for e = 4 the all-reduce's two halves
+    zero=2  (d-1)/d (4 m + e)      one reduce-scatter per micro-batch, one all-gather per step
+    zero=3  (d-1)/d m (4 + 2 e)    per micro-batch the forward's and the backward's all-gathers and a
+                                   reduce-scatter; no all-gather after the step
+
+At m = 1: BF16 8, 6, 6, 8 and FP32 8, 8, 8, 12 times (d-1)/d (ZeRO-3 1.5x the all-reduce at e = 4). Several
+micro-batches at zero 2 and 3 cost one reduce-scatter each (4 (d-1)/d m instead of 4 (d-1)/d), because the
+full-size gradient lives only from a unit's backward to its reduce_grads; accumulating full-size gradients over
+the micro-batches and reducing once would keep a full-size FP32 buffer alive all step, 4 bytes per parameter:
+ZeRO-1's memory, the saving lost. This file reduce-scatters per micro-batch (the demo measures both).
+
+Hybrid sharding (HSDP), a shard-group entry (params, group, replicate_group): states, gradients and
+parameters sharded over the k ranks of `group` (a node, say), replicated over the r = d / k ranks of
+`replicate_group`: reduce-scatters and all-gathers over k, then one all-reduce (SUM) of the reduced 1/k shard
+over r, once per step at every level (at zero 2 and 3 at step(), on the accumulated shard: a sum, so once
+suffices); at zero=0 the all-reduce over k, then over r. Memory as sharding over k; bytes sent per parameter:
+the table's with d -> k, plus 2 (r-1)/r 4 / k (zero=0: 2 (r-1)/r 4), so only the shard crosses nodes.
+
+One step, in order: reduce (SUM over each entry's group, and its replicate group; nothing here averages, the
+caller passes grad_scale = 1 / tokens; zero 2 and 3 units were reduced by reduce_grads), multiply by grad_scale /
+loss_scale, the global gradient norm over the gradients this rank owns (its shard, once per replica set; under
+zero=0 group rank 0 of each entry), summed over `norm_group` in the same 2-element all-reduce that carries the
+loss scaler's overflow probe (one collective, one host sync), skip on overflow, clip as `clip_grad_norm_`, inner
+step, publish the parameters, zero the main grads. Checkpoints: `owned_state(p)` hands out this rank's piece of
+p's master and optimizer states as the live tensors and the range of p they cover, `owned_param(p)` the range
+of p's values this rank holds at rest and the live tensor holding it (p itself, or under zero=3 its shard), for
+a checkpoint that writes each shard where it lies and loads into it in place (then `publish_params()`);
+`full_state(p)` gathers them as full tensors (12 bytes per parameter for Adam, so for small models), so a run
+saved under one layout (zero=3 on 2 ranks) resumes under another (zero=1 on 3 ranks, or one process).
 
 FP16 dynamic loss scaling. FP16 has 5 exponent bits: gradients below 6e-8 (its smallest subnormal) flush
 to zero. Multiplying the loss by S (2^16 to start) shifts every gradient up by S; before the step the
@@ -148,6 +194,7 @@ from einops import rearrange
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import checkpoint
 
 # ----------------------------------------------------------------------------------------------------
 # The formats
@@ -320,7 +367,7 @@ def _adopt_grad(p):
     p.grad = p.main_grad
 
 
-# ---- the sharded state: one _Bucket of flat buffers per shard-group entry, dtype and device ----
+# ---- the sharded state: one _Bucket of flat buffers per shard-group entry (and unit), dtype and device ----
 
 FP8_GATHER_BLOCK = 32  # fp8_param_gather: one E8M0 scale per 32 elements, MXFP8's block
 
@@ -333,100 +380,157 @@ def fp8_param_round(flat):
 
 
 class _Bucket:
-    """The parameters of one shard-group entry that share a dtype and a device, laid out in flat buffers.
+    """The parameters of one shard-group entry that share a dtype and a device (at zero 2 and 3 also one unit),
+    laid out in flat buffers; `level` is the ZeRO level the bucket gets (0 to 3: a parameter in no unit gets 1
+    at zero 2 and 3).
 
-    params      param dtype, padded length N: every parameter's .data becomes a view of its range
-    main grads  master dtype, length N: every parameter's .main_grad is a view of its range
+    params      param dtype, padded length N: every parameter's .data becomes a view of its range. Level 3 keeps
+                only `param_shard` (its own storage) at rest: the full buffer's storage is freed and gather()
+                rebuilds it (the views stay views of the same storage)
+    main grads  master dtype. Levels 0 and 1: length N, every parameter's .main_grad is a view of its range.
+                Levels 2 and 3: `grad_shard` only, this rank's range, summed into by reduce_unit_grads()
     master      master dtype, this rank's shard only, and only when the param dtype is narrower; otherwise
-                the shard of the parameter buffer itself is what the optimizer updates
+                the shard of the parameters itself (param_shard) is what the optimizer updates
 
-    Sharding (zero=1): N is padded to a multiple of the group size d and rank r owns [r N/d, (r+1) N/d) of
-    every buffer. With zero=0 there is one shard, the whole unpadded buffer, on every rank. Each parameter
-    contributes the piece of it that falls into the shard (possibly empty): the pieces are the inner
-    optimizer's parameters, so per-group options (weight decay) apply per parameter, and every rank holds
-    a state entry for every parameter (full_state relies on it). With fp8_param_gather every parameter
-    starts at a multiple of 32 and N is a multiple of 32 d, so the 32-element FP8 blocks of a shard are
-    blocks of one parameter each, the same at every d.
+    Sharding (level >= 1): N is padded to a multiple of the group size k and rank r owns [lo, hi) =
+    [r N/k, (r+1) N/k) of every buffer. Level 0 has one shard, the whole buffer, on every rank. Each parameter
+    contributes the piece of it that falls into the shard (possibly empty): the pieces are the inner optimizer's
+    parameters, so per-group options (weight decay) apply per parameter, and every rank holds a state entry for
+    every parameter (full_state relies on it). With fp8_param_gather every parameter starts at a multiple of 32
+    and N is a multiple of 32 k, so the 32-element FP8 blocks of a shard are blocks of one parameter each, the
+    same at every k. HSDP: the shard is replicated over `replicate_group`, whose all-reduce of the reduced
+    shard completes the sum over all d = k r data-parallel ranks."""
 
-    The two collectives are the places a deeper sharding changes: ZeRO-2 would free the main grads outside
-    the shard after reduce_grads, ZeRO-3 would keep only the shard of param_flat and gather it before use."""
-
-    def __init__(self, params, group, zero, master_dtype, fp8_param_gather=False):
-        self.params, self.group, self.zero = params, group, zero
+    def __init__(self, params, group, level, master_dtype, fp8_param_gather=False, replicate_group=None):
+        self.params, self.group, self.level = params, group, level
         self.group_size = _group_size(group)
         self.group_rank = 0 if group is None else dist.get_rank(group)
+        self.replicate_group = replicate_group if _group_size(replicate_group) > 1 else None
+        self.replicate_size = _group_size(self.replicate_group)
+        self.replicate_rank = 0 if self.replicate_group is None else dist.get_rank(self.replicate_group)
         self.fp8_param_gather = fp8_param_gather
-        shards = self.group_size if zero == 1 else 1
+        shards = self.group_size if level >= 1 else 1
         align = FP8_GATHER_BLOCK if fp8_param_gather else 1
         self.starts, numel = [], 0
         for p in params:
             self.starts.append(numel)
             numel += math.ceil(p.numel() / align) * align
-        padded = math.ceil(numel / (shards * align)) * shards * align
-        self.padding = padded - sum(p.numel() for p in params)
-        shard = padded // shards
-        self.lo = shard * (self.group_rank if zero == 1 else 0)
+        self.padded = math.ceil(numel / (shards * align)) * shards * align
+        self.padding = self.padded - sum(p.numel() for p in params)
+        shard = self.padded // shards
+        self.lo = shard * (self.group_rank if level >= 1 else 0)
         self.hi = self.lo + shard
         dtype, device = params[0].dtype, params[0].device
-        self.param_flat = torch.zeros(padded, dtype=dtype, device=device)
-        self.grad_flat = torch.zeros(padded, dtype=master_dtype, device=device)
+        self.param_flat = torch.zeros(self.padded, dtype=dtype, device=device)
         with torch.no_grad():
             for p, start in zip(params, self.starts):
                 view = self.param_flat[start:start + p.numel()].view(p.shape)
                 view.copy_(p)
                 p.data = view  # the same Parameter object: the model keeps working, now on the flat buffer
-                p.main_grad = self.grad_flat[start:start + p.numel()].view(p.shape)
+            if level <= 1:
+                self.grad_flat = torch.zeros(self.padded, dtype=master_dtype, device=device)
+                for p, start in zip(params, self.starts):
+                    p.main_grad = self.grad_flat[start:start + p.numel()].view(p.shape)
+                self.grad_shard = self.grad_flat[self.lo:self.hi]
+            else:  # no full-size gradient buffer: reduce_unit_grads sums into the shard
+                self.grad_flat = None
+                self.grad_shard = torch.zeros(shard, dtype=master_dtype, device=device)
             owned = self.param_flat[self.lo:self.hi]
+            self.param_shard = owned.clone() if level == 3 else owned
             self.separate_master = dtype != master_dtype
-            self.master_flat = owned.to(master_dtype) if self.separate_master else owned  # .to copies
+            self.master_flat = self.param_shard.to(master_dtype) if self.separate_master else self.param_shard
             if fp8_param_gather:  # the working weights are FP8-rounded from the start (the same on every rank)
                 self.param_flat.copy_(fp8_param_round(self.param_flat))
+        self.gathered = level < 3
+        if level == 3:
+            self.param_flat.untyped_storage().resize_(0)  # at rest only the shard lives
         self.pieces = [self._piece(p, start) for p, start in zip(params, self.starts)]
 
     def _piece(self, p, start):
         a = min(max(start, self.lo), self.hi)  # the intersection of [start, start + numel) with the shard
         b = min(max(start + p.numel(), self.lo), self.hi)
-        piece, grad = self.master_flat[a - self.lo:b - self.lo], self.grad_flat[a:b]
-        if self.zero == 0:  # whole parameters: keep their shapes (shape-aware optimizers work unsharded)
+        piece, grad = self.master_flat[a - self.lo:b - self.lo], self.grad_shard[a - self.lo:b - self.lo]
+        if self.level == 0:  # whole parameters: keep their shapes (shape-aware optimizers work unsharded)
             piece, grad = piece.view(p.shape), grad.view(p.shape)
         piece.grad = grad  # a persistent view: the optimizer reads the reduced main grads in place
         piece.range = (a - start, b - start) if b > a else (0, 0)  # its elements of p.view(-1)
+        piece.shard_range = (a - self.lo, b - self.lo)  # and of the shard buffers
         return piece
 
     @property
     def sharded(self):
-        return self.zero == 1 and self.group_size > 1
+        return self.level >= 1 and self.group_size > 1
 
     def owned_grads(self):
-        return self.grad_flat[self.lo:self.hi]
+        return self.grad_shard
 
     def counts_in_norm(self):
-        """Sharded: each rank counts its shard. Replicated (zero=0): only group rank 0 counts the reduced
-        gradient, which every rank of the group holds identically."""
-        return self.zero == 1 or self.group_rank == 0
+        """Sharded: each rank counts its shard once per replica set (replicate rank 0). Level 0: only group rank
+        0 of replicate rank 0 counts the reduced gradient, which every rank holds identically."""
+        return (self.level >= 1 or self.group_rank == 0) and self.replicate_rank == 0
 
     def reduce_grads(self):
-        """SUM over the group: all-reduce of the whole buffer, or reduce-scatter into this rank's shard."""
-        if self.group_size == 1:
-            return
-        if self.zero == 1:
-            _count_sent("reduce_scatter", self.grad_flat, self.group_size, 1)
-            _reduce_scatter_flat(self.grad_flat[self.lo:self.hi], self.grad_flat, group=self.group)
-        else:
-            _count_sent("all_reduce", self.grad_flat, self.group_size, 2)
-            dist.all_reduce(self.grad_flat, group=self.group)
+        """At step: SUM over the group (levels 0 and 1: all-reduce of the whole buffer, or reduce-scatter into
+        this rank's shard; levels 2 and 3 were reduced by reduce_unit_grads), then, under HSDP, all-reduce of
+        the shard over the replicate group (once per step at every level: a sum, so once suffices)."""
+        if self.level <= 1 and self.group_size > 1:
+            if self.level == 1:
+                _count_sent("reduce_scatter", self.grad_flat, self.group_size, 1)
+                _reduce_scatter_flat(self.grad_shard, self.grad_flat, group=self.group)
+            else:
+                _count_sent("all_reduce", self.grad_flat, self.group_size, 2)
+                dist.all_reduce(self.grad_flat, group=self.group)
+        if self.replicate_group is not None:
+            _count_sent("replicate_all_reduce", self.grad_shard, self.replicate_size, 2)
+            dist.all_reduce(self.grad_shard, group=self.replicate_group)
+
+    def reduce_unit_grads(self):
+        """Levels 2 and 3, after a backward: the parameters' full-size p.grad (the param dtype, as autograd left
+        them; None counts as zeros), cast to the master dtype in one flat buffer, reduce-scattered (SUM) over the
+        group and added into this rank's grad_shard; p.grad is freed. One collective per call."""
+        flat = torch.zeros(self.padded, dtype=self.grad_shard.dtype, device=self.grad_shard.device)
+        with torch.no_grad():
+            for p, start in zip(self.params, self.starts):
+                if p.grad is not None:
+                    flat[start:start + p.numel()].copy_(p.grad.detach().reshape(-1))
+                p.grad = None
+            if self.group_size > 1:
+                reduced = torch.empty_like(self.grad_shard)
+                _count_sent("reduce_scatter", flat, self.group_size, 1)
+                _reduce_scatter_flat(reduced, flat, group=self.group)
+                self.grad_shard.add_(reduced)
+            else:
+                self.grad_shard.add_(flat)
+
+    def gather(self, async_op=False):
+        """Level 3: give the full buffer its storage back and all-gather the shards into it; returns the work
+        handle (async_op) or None. Autograd's saved-tensor check must not see this write: a forward saved these
+        parameters, release() freed them, and this refills them for the backward with the same values."""
+        self.param_flat.untyped_storage().resize_(self.padded * self.param_flat.element_size())
+        self.gathered = True
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.param_flat):
+            if self.group_size == 1:
+                self.param_flat.copy_(self.param_shard)
+                return None
+            _count_sent("all_gather", self.param_flat, self.group_size, 1)
+            return _all_gather_flat(self.param_flat, self.param_shard, group=self.group, async_op=async_op)
+
+    def release(self):
+        self.param_flat.untyped_storage().resize_(0)
+        self.gathered = False
 
     def publish_params(self):
-        """Round the updated master shard into the parameter buffer, then all-gather the shards."""
+        """Round the updated master shard into the parameter shard; levels 1 and 2 then all-gather the shards
+        (level 3 does not: the next forward gathers)."""
         with torch.no_grad():
             if self.fp8_param_gather:
                 self._publish_fp8()
             else:
                 if self.separate_master:
-                    self.param_flat[self.lo:self.hi].copy_(self.master_flat)
-                if self.sharded:
+                    self.param_shard.copy_(self.master_flat)
+                if self.sharded and self.level <= 2:
                     _count_sent("all_gather", self.param_flat, self.group_size, 1)
-                    _all_gather_flat(self.param_flat, self.param_flat[self.lo:self.hi], group=self.group)
+                    _all_gather_flat(self.param_flat, self.param_shard, group=self.group)
 
     def _publish_fp8(self):
         """fp8_param_gather: this rank's master shard in MXFP8 (E4M3 elements, one E8M0 scale per 32), packed
@@ -449,6 +553,84 @@ class _Bucket:
         target.copy_((data * scales).view(-1))
 
 
+class _GatherMeter:
+    """The unit parameter bytes gathered now, and the most at once since the last read (memory_bytes)."""
+
+    def __init__(self):
+        self.now = self.peak = 0
+
+    def add(self, nbytes):
+        self.now += nbytes
+        self.peak = max(self.peak, self.now)
+
+
+class ShardedUnit:
+    """One unit of parameters (a transformer block) that zero 2 and 3 shard deeper: one _Bucket per
+    (shard-group entry, dtype, device) of its parameters, so each gather or reduce is one collective per bucket.
+    `opt.units[i]`, in the order given. At zero < 3 gather, wait and release do nothing (the parameters are
+    whole), at zero < 2 reduce_grads does nothing (the hooks accumulate main grads; the step reduces).
+
+    Several micro-batches at zero 2 and 3 cost one reduce-scatter per micro-batch: 4 (k-1)/k bytes per parameter
+    each, m times per step, against once for full-size gradients accumulated over the micro-batches, which
+    would keep a full-size FP32 buffer (4 bytes per parameter) alive for the whole step and lose what zero 2
+    saves (the demo measures both)."""
+
+    def __init__(self, params, buckets, zero, meter):
+        self.params, self.buckets, self.zero, self._meter = params, buckets, zero, meter
+        self._works, self._gathered = [], False
+
+    @property
+    def gathered(self):
+        """True when the unit's full parameters are materialised (always at zero < 3)."""
+        return self.zero < 3 or self._gathered
+
+    def gather(self, async_op=False):
+        """Zero 3: all-gather every bucket's parameter shards into its full flat buffer (the parameters are views
+        of it). async_op=True returns at once with the work kept inside (wait() completes it); a gathered unit
+        is not gathered again (async_op=False still waits for a gather in flight)."""
+        if self.zero < 3:
+            return
+        if not self._gathered:
+            self._works = [w for w in (b.gather(async_op) for b in self.buckets) if w is not None]
+            self._gathered = True
+            self._meter.add(self.param_bytes())
+        if not async_op:
+            self.wait()
+
+    def wait(self):
+        for work in self._works:
+            work.wait()
+        self._works = []
+
+    def release(self):
+        """Zero 3: free the full buffers' storage (untyped_storage().resize_(0)), keeping only the shards. A
+        gather in flight is completed first."""
+        if self.zero < 3 or not self._gathered:
+            return
+        self.wait()
+        self._meter.now -= self.param_bytes()
+        for bucket in self.buckets:
+            bucket.release()
+        self._gathered = False
+
+    def reduce_grads(self):
+        """Zero 2 and 3, after each backward of the unit (once per micro-batch, after the W step under a
+        zero-bubble schedule): every parameter's full-size p.grad is reduce-scattered (flat, in the master
+        dtype) over its bucket's group into this rank's shard accumulator, summed over calls, and set to None.
+        Under HSDP the replicate all-reduce of the accumulated shard runs once, at step()."""
+        if self.zero < 2:
+            return
+        for bucket in self.buckets:
+            bucket.reduce_unit_grads()
+
+    def param_bytes(self):
+        """Bytes of the unit's full parameters alive now: the gathered buffers (padding included) at zero 3,
+        the parameters themselves below."""
+        if self.zero < 3:
+            return sum(p.numel() * p.element_size() for p in self.params)
+        return sum(b.param_flat.numel() * b.param_flat.element_size() for b in self.buckets if b.gathered)
+
+
 # ---- construction: the arguments, checked; the buckets, built ----
 
 def _param_groups(params_or_param_groups):
@@ -466,8 +648,9 @@ def _param_groups(params_or_param_groups):
     return groups
 
 
-def _check_arguments(params, shard_groups, zero, master_dtype, optimizer_defaults, fp8_param_gather):
-    """Every impossible argument raises here, on every rank, before any buffer or collective."""
+def _check_arguments(params, shard_groups, zero, master_dtype, optimizer_defaults, fp8_param_gather, units=None):
+    """Every impossible argument raises here, on every rank, before any buffer or collective. Returns the entries
+    as (params, group, replicate_group) and the units as lists of parameters."""
     def name(p):
         i = next(i for i, q in enumerate(params) if q is p)
         return f"parameter {i} (shape {tuple(p.shape)}, {p.dtype})"
@@ -475,9 +658,9 @@ def _check_arguments(params, shard_groups, zero, master_dtype, optimizer_default
     if "dp_group" in optimizer_defaults:
         raise ValueError("dp_group was replaced by shard_groups=[(params, group)]; gradients are now "
                          "SUMMED over the group (pass grad_scale to step() to normalise)")
-    if zero not in (0, 1):
-        raise ValueError(f"zero={zero!r}: use 0 (replicated optimizer state) or 1 (sharded over each "
-                         "shard group, ZeRO-1)")
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero={zero!r}: use 0 (replicated), 1 (optimizer states sharded over each shard group), "
+                         "2 (and the gradients of the units) or 3 (and the parameters of the units)")
     if not master_dtype.is_floating_point:
         raise ValueError(f"master_dtype={master_dtype} must be a floating-point dtype (float32 or float64)")
     if fp8_param_gather not in (False, True):
@@ -490,7 +673,7 @@ def _check_arguments(params, shard_groups, zero, master_dtype, optimizer_default
         if id(p) in seen:
             raise ValueError(f"{name(p)} appears twice in params_or_param_groups: pass each parameter once")
         seen.add(id(p))
-        if hasattr(p, "main_grad"):
+        if hasattr(p, "main_grad") or hasattr(p, "_zero_unit_level"):
             raise ValueError(f"{name(p)} already belongs to a MixedPrecisionOptimizer (it has a main_grad "
                              "and a gradient hook): build one optimizer per parameter")
         if not p.dtype.is_floating_point:
@@ -504,7 +687,11 @@ def _check_arguments(params, shard_groups, zero, master_dtype, optimizer_default
                              "own master and FP8 rounding would destroy it; keep parameters narrower than "
                              "master_dtype (BF16 with FP32 masters) or pass fp8_param_gather=False")
     entries, owner = [], {}
-    for k, (entry_params, group) in enumerate(shard_groups or []):
+    for k, entry in enumerate(shard_groups or []):
+        if not isinstance(entry, (tuple, list)) or len(entry) not in (2, 3):
+            raise ValueError(f"shard_groups[{k}] must be (params, group) or, for hybrid sharding, (params, group, "
+                             "replicate_group)")
+        entry_params, group, replicate_group = (*entry, None) if len(entry) == 2 else entry
         entry_params = [p for p in ([entry_params] if torch.is_tensor(entry_params) else entry_params)
                         if p.requires_grad]
         for p in entry_params:
@@ -518,27 +705,75 @@ def _check_arguments(params, shard_groups, zero, master_dtype, optimizer_default
         if group is not None and dist.get_rank(group) < 0:
             raise ValueError(f"shard_groups[{k}]: this rank is not a member of the group; pass the group "
                              "that contains this rank (or None)")
-        entries.append((entry_params, group))
+        _check_replicate_group(k, group, replicate_group)
+        entries.append((entry_params, group, replicate_group))
     unassigned = [p for p in params if id(p) not in owner]
     if unassigned:
-        entries.append((unassigned, None))  # no data-parallel communication
-    return entries
+        entries.append((unassigned, None, None))  # no data-parallel communication
+    return entries, _check_units(units, seen, name)
 
 
-def _build_buckets(entries, zero, master_dtype, fp8_param_gather):
-    """One _Bucket per (entry, dtype, device): a flat buffer holds one dtype. Returns (buckets, where), where
-    maps id(param) -> (bucket, index in the bucket)."""
-    buckets, where = [], {}
-    for entry_params, group in entries:
+def _check_replicate_group(k, group, replicate_group):
+    """HSDP: the replicate group holds this rank and meets the shard group in this rank only (rank lists, no
+    communication): the shard of one rank is summed with the same shard of the other replicas."""
+    if replicate_group is None:
+        return
+    if dist.get_rank(replicate_group) < 0:
+        raise ValueError(f"shard_groups[{k}]: this rank is not a member of the replicate group; pass the group "
+                         "of the ranks that hold the same shard as this one (or None)")
+    if group is not None:
+        common = set(dist.get_process_group_ranks(group)) & set(dist.get_process_group_ranks(replicate_group))
+        if common != {dist.get_rank()}:
+            raise ValueError(f"shard_groups[{k}]: the shard group and the replicate group share ranks "
+                             f"{sorted(common)}; they must meet in this rank only (shard over [0, 1] and [2, 3], "
+                             "replicate over [0, 2] and [1, 3], say)")
+
+
+def _check_units(units, optimised, name):
+    """Each unit a list of optimised parameters, no parameter in two units (or twice in one)."""
+    unit_lists, unit_of = [], {}
+    for u, unit in enumerate(units or []):
+        unit_params = [unit] if torch.is_tensor(unit) else list(unit)
+        for p in unit_params:
+            if id(p) not in optimised:
+                raise ValueError(f"units[{u}] holds a parameter (shape {tuple(p.shape)}) that is not optimised "
+                                 "(frozen, or not in params_or_param_groups): put only optimised parameters "
+                                 "in units")
+            if id(p) in unit_of:
+                raise ValueError(f"{name(p)} is in units[{unit_of[id(p)]}] and units[{u}]: a parameter belongs "
+                                 "to one unit at most")
+            unit_of[id(p)] = u
+        unit_lists.append(unit_params)
+    return unit_lists
+
+
+def _build_buckets(entries, zero, master_dtype, fp8_param_gather, units=()):
+    """One _Bucket per (entry, dtype, device): a flat buffer holds one dtype. At zero 2 and 3 each unit gets its
+    own buckets per (entry, dtype, device), at that level, and the parameters in no unit level-1 buckets.
+    Returns (buckets, where, unit_buckets): where maps id(param) -> (bucket, index in the bucket), unit_buckets
+    holds each unit's buckets (empty lists at zero < 2)."""
+    unit_of = {id(p): u for u, unit in enumerate(units) for p in unit} if zero >= 2 else {}
+    buckets, where, unit_buckets = [], {}, [[] for _ in units]
+
+    def add(params, group, replicate_group, level):
         by_kind = {}
-        for p in entry_params:
+        for p in params:
             by_kind.setdefault((p.dtype, p.device), []).append(p)
-        for kind_params in by_kind.values():
-            bucket = _Bucket(kind_params, group, zero, master_dtype, fp8_param_gather)
-            buckets.append(bucket)
-            for i, p in enumerate(kind_params):
+        made = [_Bucket(kind_params, group, level, master_dtype, fp8_param_gather, replicate_group)
+                for kind_params in by_kind.values()]
+        for bucket in made:
+            for i, p in enumerate(bucket.params):
                 where[id(p)] = (bucket, i)
-    return buckets, where
+        buckets.extend(made)
+        return made
+
+    for entry_params, group, replicate_group in entries:  # outside the units: ZeRO-1 at zero 2 and 3
+        add([p for p in entry_params if id(p) not in unit_of], group, replicate_group, min(zero, 1))
+    for u in range(len(units) if zero >= 2 else 0):
+        for entry_params, group, replicate_group in entries:
+            unit_buckets[u] += add([p for p in entry_params if unit_of.get(id(p)) == u], group, replicate_group,
+                                   zero)
+    return buckets, where, unit_buckets
 
 
 class StepResult(NamedTuple):
@@ -557,10 +792,11 @@ class _SavedState:
     """Save and load of MixedPrecisionOptimizer's state (its base class; one role, read apart from the step).
 
     It reads what the optimizer builds: `params`, `optimizer` (the inner one, whose parameters are the pieces),
-    `param_groups`, `loss_scaler` and `_managed(p)` -> (bucket, piece). Three granularities: owned_state (this
-    rank's live pieces, for a checkpoint that writes each shard where it lies), full_state / load_full_state
-    (one parameter's whole master and states, any layout to any other), state_dict / load_state_dict
-    (everything, unsharded), plus the scalars (hyperparameters, loss scaler)."""
+    `param_groups`, `loss_scaler` and `_managed(p)` -> (bucket, piece). Three granularities: owned_state and
+    owned_param (this rank's live pieces of the states and of the parameter values, for a checkpoint that writes
+    each shard where it lies), full_state / load_full_state (one parameter's whole master and states, any
+    layout to any other), state_dict / load_state_dict (everything, unsharded), plus the scalars
+    (hyperparameters, loss scaler)."""
 
     def full_state(self, p):
         """{"master": p's master weight, then every optimizer state (exp_avg, exp_avg_sq, step, ...)}, each a
@@ -597,8 +833,12 @@ class _SavedState:
         cut = lambda t: t.detach().reshape(-1)[a:b].reshape(piece.shape).to(piece.device, piece.dtype, copy=True)
         with torch.no_grad():
             master = state["master"].reshape(p.shape).to(p.device)
-            # under fp8_param_gather the working weight is the master's FP8 rounding, as a step publishes it
-            p.copy_(fp8_param_round(master.reshape(-1)).view(p.shape) if bucket.fp8_param_gather else master)
+            if bucket.level == 3:  # the parameter lives as its shard; the full view only while gathered
+                _, param_shard = self.owned_param(p)
+                param_shard.copy_(master.reshape(-1)[a:b])
+            if bucket.gathered:
+                # under fp8_param_gather the working weight is the master's FP8 rounding, as a step publishes it
+                p.copy_(fp8_param_round(master.reshape(-1)).view(p.shape) if bucket.fp8_param_gather else master)
             piece.copy_(cut(state["master"]))
         # 0-dim states (Adam's step) stay where they were saved: torch keeps them on the CPU unless the
         # optimizer is fused or capturable
@@ -634,6 +874,19 @@ class _SavedState:
         owned = {"master": piece}
         owned.update((key, state[key]) for key in sorted(state) if torch.is_tensor(state[key]))
         return piece.range, owned
+
+    def owned_param(self, p):
+        """The parameter values of p this rank holds at rest: ((a, b), tensor), the live tensor holding the
+        elements [a, b) of p.view(-1) (no copy, no communication). Zero 0 to 2 and parameters in no unit: (0,
+        numel) and p itself, flattened; zero 3 units: this rank's range (as owned_state's) and a view of the
+        parameter shard. A checkpoint writes and loads the parameters where they lie; after loading in place
+        into owned_param and owned_state, call publish_params(). Under zero 3 a parameter in the master dtype
+        is its own master: this tensor and owned_state's "master" are the same elements."""
+        bucket, piece = self._managed(p, "owned_param")
+        if bucket.level < 3:
+            return (0, p.numel()), p.detach().view(-1)
+        lo, hi = piece.shard_range
+        return piece.range, bucket.param_shard[lo:hi]
 
     def scalar_state(self):
         """The non-tensor part: hyperparameters of each group, the loss scaler (the tensors: full_state)."""
@@ -684,7 +937,8 @@ class _SavedState:
 
 class MixedPrecisionOptimizer(_SavedState):
     """Any torch.optim optimizer stepping master weights of the parameters, with FP32 gradient accumulation,
-    data-parallel gradient reduction (SUM), optional ZeRO-1 sharding, global-norm clipping and loss scaling.
+    data-parallel gradient reduction (SUM), ZeRO-1, -2 or -3 sharding (and HSDP), global-norm clipping and loss
+    scaling.
 
         opt = MixedPrecisionOptimizer(
             [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
@@ -694,12 +948,31 @@ class MixedPrecisionOptimizer(_SavedState):
         stepped, grad_norm = opt.step(grad_scale=1 / tokens, max_norm=1.0, norm_group=world)
 
     shard_groups: (params, group) entries; a parameter's main grad is SUMMED over its entry's group, and with
-    zero=1 its master weight and optimizer state are sharded over that group. A parameter in no entry, or in
-    an entry with group None, has no data-parallel communication. Nothing averages: the caller normalises
-    (grad_scale). master_dtype: the dtype of main grads, masters and the inner optimizer's state; a
-    parameter already in master_dtype has no separate master (the optimizer updates its own storage).
-    Under zero=1 the inner optimizer sees 1-D pieces of parameters, so it must act elementwise (Adam, SGD:
-    as in Megatron-LM); under zero=0 it sees whole parameters of their shapes.
+    zero >= 1 its master weight and optimizer state are sharded over that group. (params, group,
+    replicate_group): hybrid sharding, sharded over group, the reduced shards then SUMMED over replicate_group
+    (None or one rank: plain sharding). A parameter in no entry, or in an entry with group None, has no
+    data-parallel communication. Nothing averages: the caller normalises (grad_scale). master_dtype: the dtype
+    of main grads, masters and the inner optimizer's state; a parameter already in master_dtype has no
+    separate master (the optimizer updates its own storage). Under zero >= 1 the inner optimizer sees 1-D
+    pieces of parameters, so it must act elementwise (Adam, SGD: as in Megatron-LM); under zero=0 it sees whole
+    parameters of their shapes.
+
+    units (zero 2 and 3; accepted and ignored below): one list of parameters per transformer block; they get
+    the deeper sharding, every other parameter ZeRO-1's. `opt.units` (ShardedUnit, in the order given) are
+    called by the trainer around each block, for every micro-batch:
+
+        forward of block i:   units[i].gather(); units[i + 1].gather(async_op=True)  # the prefetch
+                              y = block_i(x); units[i].release()
+        backward of block i:  units[i].gather(); units[i - 1].gather(async_op=True)
+                              backward through block i (the recomputation first, under checkpointing)
+                              units[i].release(); units[i].reduce_grads()
+        opt.step(...)         # no reduce for the units; zero=3 publishes only the shards
+
+    (sharded_micro_batch is this loop.) Under a zero-bubble schedule whose weight gradients come later, in a
+    separate W step, call reduce_grads after W (a W step that reads only the saved input and output gradient, as
+    a linear's weight gradient does, needs no gather: release may then come right after B). reduce_grads must
+    run on every rank of the unit's groups alike, one call per unit per micro-batch; step() refuses a unit
+    parameter that still holds a p.grad, and releases every gathered unit (its full parameters would be stale).
 
     fp8_param_gather (zero=1, parameters narrower than master_dtype): each rank quantises its updated master
     shard to MXFP8 (E4M3, one power-of-two scale per 32 elements) and the shards are all-gathered as FP8 bytes
@@ -711,27 +984,38 @@ class MixedPrecisionOptimizer(_SavedState):
     The roles: this class is the step (reduce, scale, norm, skip, clip, update, publish); _Bucket and
     _build_buckets hold the sharded state (flat buffers, shards, pieces); _SavedState saves and loads it.
 
-    The parameters become views of flat buffers (one per entry, dtype and device), and each gets a gradient
-    hook (in the master dtype also a .grad that is its main_grad view: leave it, zero_grad() keeps it; a
-    p.grad that replaces it is taken as the whole gradient, as in torch):
+    The parameters become views of flat buffers (one per entry, dtype and device; at zero 2 and 3 per unit too),
+    and each outside the zero 2 and 3 units gets a gradient hook (in the master dtype also a .grad that is its
+    main_grad view: leave it, zero_grad() keeps it; a p.grad that replaces it is taken as the whole gradient, as
+    in torch); a zero-3 unit's parameters have no storage until gathered:
     build the optimizer once the model has its final dtype and device, before anything else takes views of
     the parameters' storage, and only one optimizer per parameter.
     """
 
     def __init__(self, params_or_param_groups, optimizer_class, *, shard_groups=None, zero=0, loss_scaler=None,
-                 master_dtype=torch.float32, fp8_param_gather=False, **optimizer_defaults):
+                 master_dtype=torch.float32, fp8_param_gather=False, units=None, **optimizer_defaults):
         groups = _param_groups(params_or_param_groups)
         self.params = [p for g in groups for p in g["params"]]
-        entries = _check_arguments(self.params, shard_groups, zero, master_dtype, optimizer_defaults,
-                                   fp8_param_gather)
+        entries, unit_lists = _check_arguments(self.params, shard_groups, zero, master_dtype, optimizer_defaults,
+                                               fp8_param_gather, units)
         # the inner optimizer's own checks (a bad lr, say) run on stand-ins, before any parameter is touched
         optimizer_class([{**{k: v for k, v in g.items() if k != "params"},
                           "params": [torch.zeros(1, dtype=master_dtype, requires_grad=True)]} for g in groups],
                         **optimizer_defaults)
         self.zero, self.master_dtype, self.loss_scaler = zero, master_dtype, loss_scaler
         self.fp8_param_gather = fp8_param_gather
-        self._buckets, self._where = _build_buckets(entries, zero, master_dtype, fp8_param_gather)
+        self._buckets, self._where, unit_buckets = _build_buckets(entries, zero, master_dtype, fp8_param_gather,
+                                                                  unit_lists)
+        self._meter = _GatherMeter()
+        self.units = [ShardedUnit(params, buckets, zero, self._meter)
+                      for params, buckets in zip(unit_lists, unit_buckets)]
+        # zero 2 and 3: the unit parameters keep no full-size gradient buffer and have no hook; reduce_grads
+        # takes their p.grad
         for p in self.params:
+            if self._where[id(p)][0].level >= 2:
+                p._zero_unit_level = zero  # marks it as managed (it has no main_grad to tell)
+                p.grad = None
+                continue
             if p.dtype == master_dtype:
                 p.grad = p.main_grad
                 p.register_post_accumulate_grad_hook(_adopt_grad)
@@ -764,8 +1048,11 @@ class MixedPrecisionOptimizer(_SavedState):
     def _fold_stray_grads(self):
         """A gradient written to p.grad directly, not by backward (which the hooks catch), joins the sum: added
         to the main grad of a narrower parameter (whose p.grad holds only what came since the last hook),
-        copied into that of a parameter in the master dtype (whose p.grad is the whole gradient)."""
+        copied into that of a parameter in the master dtype (whose p.grad is the whole gradient). Unit
+        parameters at zero 2 and 3 have none: reduce_grads takes their p.grad."""
         for p in self.params:
+            if not hasattr(p, "main_grad"):
+                continue
             if p.dtype == self.master_dtype:
                 _adopt_grad(p)
             elif p.grad is not None:
@@ -774,7 +1061,10 @@ class MixedPrecisionOptimizer(_SavedState):
     def all_reduce_grads(self, params, group):
         """SUM the main grads of `params` over `group` in one flat all-reduce (None or size 1: nothing). For
         gradients that need a sum outside the shard groups: the tied embedding over the embedding group, the
-        parameters replicated across TP under sequence parallelism over the TP group. Call before step()."""
+        parameters replicated across TP under sequence parallelism over the TP group. Call before step().
+        A unit parameter at zero 2 and 3 has no full gradient: its reduced piece in this rank's shard is summed
+        instead (every rank of `group` must lay the parameter out alike, as TP replicas are: the same shapes in
+        the same order, so each owns the same range), after the units' last reduce_grads."""
         params = list(params)
         for p in params:
             self._managed(p, "all_reduce_grads")
@@ -782,19 +1072,22 @@ class MixedPrecisionOptimizer(_SavedState):
         self._fold_stray_grads()
         if group_size == 1 or not params:
             return
-        flat = torch.cat([p.main_grad.reshape(-1) for p in params])
+        holders = [p.main_grad if hasattr(p, "main_grad") else self._piece(p).grad for p in params]
+        flat = torch.cat([h.reshape(-1) for h in holders])
         dist.all_reduce(flat, group=group)
-        for p, g in zip(params, flat.split([p.numel() for p in params])):
-            p.main_grad.copy_(g.view(p.shape))
+        for h, g in zip(holders, flat.split([h.numel() for h in holders])):
+            h.copy_(g.view(h.shape))
 
     def step(self, grad_scale=1.0, max_norm=0.0, norm_group=None, norm_params=None):
         """Reduce, scale, measure, clip, update. Returns StepResult(stepped, grad_norm), true if stepped.
 
         1. every shard-group entry's main grads are SUMMED over its group (all-reduce, or reduce-scatter
-           under zero=1);
+           under zero >= 1; zero 2 and 3 units were reduce-scattered by reduce_grads), then the shards over the
+           entry's replicate group (HSDP; an all-reduce);
         2. multiplied by grad_scale / loss_scale (one multiply; loss_scale = 1 without a loss scaler);
         3. the global gradient norm, in master_dtype, over the gradients this rank owns (its shard under
-           zero=1; under zero=0 only group rank 0 of each entry counts the replicated reduced gradient),
+           zero >= 1, counted by replicate rank 0; under zero=0 only group rank 0 of each entry counts the
+           replicated reduced gradient),
            restricted to `norm_params` (None: all; the caller leaves out copies that another rank already
            counts: TP-replicated parameters, the tied embedding's second copy). The sums of squares are
            all-reduced (SUM) over `norm_group` (None: no communication). That same 2-element all-reduce
@@ -810,7 +1103,8 @@ class MixedPrecisionOptimizer(_SavedState):
            skipped, on every rank of norm_group alike, since they all see the same reduced value;
         5. clipping when max_norm > 0: grads *= min(1, max_norm / (norm + 1e-6)) (clip_grad_norm_'s rule);
         6. the inner optimizer steps the masters (or shards); the parameters are refreshed from them
-           (zero=1: each rank writes its shard, then one all-gather per buffer);
+           (publish_params: zero 1 and 2 each rank writes its shard, then one all-gather per buffer; zero=3
+           units only the shard);
         7. the main grads are zeroed.
         """
         counted = None if norm_params is None else {id(p) for p in norm_params}
@@ -821,12 +1115,19 @@ class MixedPrecisionOptimizer(_SavedState):
                              f"max_norm={max_norm}, grad_scale={grad_scale}")
         norm_group_size = _group_size(norm_group, "norm_group")
         if (max_norm > 0 or self.loss_scaler is not None) and norm_group_size == 1 and any(
-                b.group_size > 1 for b in self._buckets):
+                b.group_size > 1 or b.replicate_size > 1 for b in self._buckets):
             raise ValueError("norm_group is None but gradients are reduced over groups of more than one rank: "
                              "each rank then holds only part of the norm, and clipping or skipping would differ "
                              "between ranks; pass a norm_group that contains every shard group (the world)")
         if (max_norm > 0 or self.loss_scaler is not None) and norm_group_size > 1:
             self._check_norm_group_covers_shards(norm_group)
+        pending = [i for i, p in enumerate(self.params) if hasattr(p, "_zero_unit_level") and p.grad is not None]
+        if pending:
+            raise ValueError(f"step(): unit parameters {pending} still hold a p.grad at zero={self.zero}: call "
+                             "opt.units[i].reduce_grads() after each backward of the unit (after its W step under "
+                             "a zero-bubble schedule)")
+        for unit in self.units:  # gathered full parameters would be stale after the step
+            unit.release()
         self._fold_stray_grads()
         for bucket in self._buckets:
             bucket.reduce_grads()
@@ -846,10 +1147,20 @@ class MixedPrecisionOptimizer(_SavedState):
                 for bucket in self._buckets:
                     bucket.owned_grads().mul_(clip)
         self.optimizer.step()
-        for bucket in self._buckets:
-            bucket.publish_params()
+        self.publish_params()
         self.zero_grad()
         return StepResult(True, norm)
+
+    def publish_params(self):
+        """Make the working parameters the rounding of the masters (collective at zero 1 and 2): zero 0 copies
+        the masters into the parameters; zero 1 and 2 (and parameters in no unit) round each rank's master
+        shard into the parameter buffer and all-gather it; zero 3 rounds the master shard into the parameter
+        shard, nothing more (the next forward gathers), and releases any gathered unit. step() ends with it;
+        call it after loading a checkpoint in place into owned_param and owned_state."""
+        for unit in self.units:
+            unit.release()
+        for bucket in self._buckets:
+            bucket.publish_params()
 
     def _check_norm_group_covers_shards(self, norm_group):
         """Every shard group's ranks in norm_group (rank lists, no communication): a norm summed over a part of
@@ -859,15 +1170,16 @@ class MixedPrecisionOptimizer(_SavedState):
             return
         covered = set(dist.get_process_group_ranks(norm_group))
         for bucket in self._buckets:
-            if bucket.group_size > 1 and not set(dist.get_process_group_ranks(bucket.group)) <= covered:
-                raise ValueError(f"norm_group holds ranks {sorted(covered)}, which miss part of a shard group "
-                                 f"({sorted(dist.get_process_group_ranks(bucket.group))}): pass a norm_group that "
-                                 "contains every shard group (the world)")
+            for group in (bucket.group, bucket.replicate_group):
+                if _group_size(group) > 1 and not set(dist.get_process_group_ranks(group)) <= covered:
+                    raise ValueError(f"norm_group holds ranks {sorted(covered)}, which miss part of a shard group "
+                                     f"({sorted(dist.get_process_group_ranks(group))}): pass a norm_group that "
+                                     "contains every shard group and replicate group (the world)")
         self._covering_norm_group = norm_group
 
     def _global_norm(self, counted, norm_group):
         """(norm, found_inf) from one all-reduce of [sum of squares counted, sum of squares owned]."""
-        device = self._buckets[0].grad_flat.device
+        device = self._buckets[0].grad_shard.device
         sums = torch.zeros(2, dtype=self.master_dtype, device=device)
         for bucket in self._buckets:
             owned = bucket.owned_grads()
@@ -888,24 +1200,30 @@ class MixedPrecisionOptimizer(_SavedState):
         return math.sqrt(counted_sq), not math.isfinite(owned_sq)
 
     def zero_grad(self):
+        """Zero the main grads (zero 0 and 1, parameters in no unit) and the shard accumulators (zero 2 and 3
+        units, whose p.grad becomes None)."""
         for bucket in self._buckets:
-            bucket.grad_flat.zero_()
+            (bucket.grad_shard if bucket.grad_flat is None else bucket.grad_flat).zero_()
         for p in self.params:
-            p.grad = p.main_grad if p.dtype == self.master_dtype else None
+            p.grad = p.main_grad if hasattr(p, "main_grad") and p.dtype == self.master_dtype else None
 
     # ---- memory ----
 
     def memory_bytes(self):
-        """This rank's bytes, from the live tensors: the parameter buffers, the main-grad buffers, and the
-        separate master copies plus every optimizer state tensor with dim > 0 (Adam's moments; the 0-dim
-        step counters are not per-parameter). master_bytes is the masters' part of optimizer_bytes."""
+        """This rank's bytes at rest, from the live tensors: the parameter buffers (zero 3 units: the shards
+        only), the main-grad buffers (zero 2 and 3 units: the shard accumulators), and the separate master
+        copies plus every optimizer state tensor with dim > 0 (Adam's moments; the 0-dim step counters are not
+        per-parameter). master_bytes is the masters' part of optimizer_bytes. peak_gathered_bytes: the most
+        zero-3 unit parameter bytes gathered at once (the full buffers, padding included) since the previous
+        call (reading it starts a new window); 0 at zero < 3, where the parameters are whole in param_bytes."""
         size = lambda ts: sum(t.numel() * t.element_size() for t in ts)
         masters = size(b.master_flat for b in self._buckets if b.separate_master)
         states = size(t for s in self.optimizer.state.values() for t in s.values()
                       if torch.is_tensor(t) and t.dim() > 0)
-        return {"param_bytes": size(b.param_flat for b in self._buckets),
-                "grad_bytes": size(b.grad_flat for b in self._buckets),
-                "optimizer_bytes": masters + states, "master_bytes": masters}
+        peak, self._meter.peak = self._meter.peak, self._meter.now
+        return {"param_bytes": size(b.param_shard if b.level == 3 else b.param_flat for b in self._buckets),
+                "grad_bytes": size(b.grad_shard if b.grad_flat is None else b.grad_flat for b in self._buckets),
+                "optimizer_bytes": masters + states, "master_bytes": masters, "peak_gathered_bytes": peak}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1573,7 +1891,8 @@ MODE_NOTES = {
 FORMULA_ONLY = ("bf16_master_16bit_grads",)  # this file accumulates 16-bit gradients in FP32
 
 # ZeRO-1 (Megatron-LM's distributed optimizer; Rajbhandari et al. 2020): per parameter, the unsharded part (parameters
-# and main grads) and the part sharded over d ranks (FP32 master where separate, Adam's two moments)
+# and main grads) and the part sharded over d ranks (FP32 master where separate, Adam's two moments); ZeRO-2 shards
+# the 4-byte main grads too, ZeRO-3 the parameters as well (zero_bytes_formula)
 ZERO_BYTES_PER_PARAM = {
     torch.float32: {"unsharded": 4 + 4, "sharded": 8},       # 16 -> 8 + 8/d
     torch.bfloat16: {"unsharded": 2 + 4, "sharded": 4 + 8},  # 18 -> 6 + 12/d
@@ -1586,8 +1905,15 @@ def persistent_bytes(mode):
 
 
 def zero_bytes_formula(dtype, d, zero=1):
+    """Bytes per parameter with Adam at ZeRO-`zero` over d ranks: e (the parameter) + 4 (its FP32 main grad) +
+    the states (FP32 master where separate, two moments), zero=1 dividing the states by d, zero=2 the main grads
+    too, zero=3 the parameter too: BF16 18, 6 + 12/d, 2 + 16/d, 18/d; FP32 16, 8 + 8/d, 4 + 12/d, 16/d (zero=3
+    without the gathered working set)."""
     row = ZERO_BYTES_PER_PARAM[dtype]
-    return row["unsharded"] + row["sharded"] / (d if zero == 1 else 1)
+    e = torch.empty(0, dtype=dtype).element_size()
+    params, grads = e, row["unsharded"] - e
+    return (params / (d if zero >= 3 else 1) + grads / (d if zero >= 2 else 1)
+            + row["sharded"] / (d if zero >= 1 else 1))
 
 
 TRANSIENT_RULES = {
@@ -1740,11 +2066,139 @@ def zero_bytes_per_parameter(dtype, zero, group=None, out=2):
             "per_param": {k: v / n for k, v in m.items()}, "sent_per_param": sum(comm_bytes.values()) / n}
 
 
-def zero_sent_formula(dtype, d, zero=1):
-    """Bytes a rank sends per parameter and step: 2 (d-1)/d x 4 (an all-reduce of FP32 main grads), or with
-    ZeRO-1 (d-1)/d x (4 + e) (a reduce-scatter of them and an all-gather of the e-byte parameters)."""
+def zero_sent_formula(dtype, d, zero=1, micro_batches=1, shard=None):
+    """Bytes a rank sends per parameter and step, FP32 gradients and e-byte parameters, m micro-batches, over k =
+    `shard` ranks (None: all d) replicated over r = d / k (HSDP):
+        zero=0  2 (k-1)/k 4            an all-reduce of the main grads, accumulated over the micro-batches
+        zero=1  (k-1)/k (4 + e)        a reduce-scatter of them, an all-gather of the parameters
+        zero=2  (k-1)/k (4 m + e)      a reduce-scatter per micro-batch, one all-gather
+        zero=3  (k-1)/k m (4 + 2 e)    per micro-batch an all-gather for the forward and one for the backward, a
+                                       reduce-scatter; no all-gather after the step
+    plus, when r > 1, one all-reduce across the replicas per step: 2 (r-1)/r 4 of the whole gradient at zero=0,
+    of the 1/k shard at zero >= 1."""
     e = torch.empty(0, dtype=dtype).element_size()
-    return (d - 1) / d * (4 + e if zero == 1 else 8)
+    k = d if shard is None else shard
+    r, m = d // k, micro_batches
+    within = {0: 8, 1: 4 + e, 2: 4 * m + e, 3: m * (4 + 2 * e)}[zero]
+    return (k - 1) / k * within + 2 * (r - 1) / r * 4 / (k if zero >= 1 else 1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# ZeRO-2 and ZeRO-3: a model of units, driven block by block as a trainer drives it
+# ----------------------------------------------------------------------------------------------------
+
+class Block(nn.Module):
+    """x + W2 tanh(W1 layer_norm(x) + b1): 2 f h + f + 2 h parameters (624 for h = 12, f = 24: divisible by 2, 3
+    and 4, so that no unit's flat buffer needs padding)."""
+
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.norm, self.up = nn.LayerNorm(dim), nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+class Blocks(nn.Module):
+    """A token embedding (vocab x dim, in no unit, as the trainer keeps it: ZeRO-1 treatment) and `depth`
+    Blocks, one unit each (`units()`); vocab=0: no embedding, the inputs are the first block's (dim) inputs."""
+
+    def __init__(self, vocab=12, dim=12, hidden=24, depth=3):
+        super().__init__()
+        self.embed = nn.Parameter(torch.randn(vocab, dim)) if vocab else None
+        self.blocks = nn.ModuleList(Block(dim, hidden) for _ in range(depth))
+
+    def units(self):
+        return [list(block.parameters()) for block in self.blocks]
+
+
+def sharded_micro_batch(model, opt, inputs, target, recompute=False, prefetch=True):
+    """One micro-batch of `model` (Blocks) through its forward and backward, block by block, as a trainer calls
+    the units: forward: gather unit i (the next one's gather issued first, async, when prefetching), run block i
+    on a detached input, release unit i; backward, last block first: gather unit i again (prefetching i - 1),
+    backward through block i (its recomputation first, under torch.utils.checkpoint), release, reduce_grads.
+    The loss is the sum of squared errors (scaled by the optimizer's loss scaler for the backward); returns
+    it, unscaled. At zero < 2 the unit calls do nothing and this is a plain forward and backward."""
+    units = opt.units
+    x0 = F.embedding(inputs, model.embed) if model.embed is not None else inputs
+    x, saved = x0, []
+    units[0].gather()
+    for i, block in enumerate(model.blocks):
+        if prefetch and i + 1 < len(units):
+            units[i + 1].gather(async_op=True)  # in flight while block i computes
+        units[i].gather()  # no-op if gathered; waits for a prefetch in flight
+        xi = x.detach().requires_grad_()
+        x = checkpoint(block, xi, use_reentrant=False) if recompute else block(xi)
+        saved.append((xi, x))
+        units[i].release()
+    wide = torch.promote_types(x.dtype, torch.float32)  # FP32 for 16-bit models, float64 stays
+    loss = ((x.to(wide) - target.to(wide)) ** 2).sum()
+    scaled = opt.loss_scaler.scale_loss(loss) if opt.loss_scaler is not None else loss
+    grad, = torch.autograd.grad(scaled, x)
+    for i in reversed(range(len(units))):
+        units[i].gather()
+        if prefetch and i > 0:
+            units[i - 1].gather(async_op=True)
+        xi, out = saved[i]
+        out.backward(grad)
+        grad = xi.grad
+        units[i].release()
+        units[i].reduce_grads()  # after the unit's whole backward (after W, under a zero-bubble schedule)
+    if x0.requires_grad:
+        x0.backward(grad)  # the embedding: its hook adds into its main grad
+    return loss.item()
+
+
+def sharded_runs(specs, group=None):
+    """sharded_run(**spec) for each spec, on this rank (one set of forked ranks for a table of runs)."""
+    return [sharded_run(group=group, **spec) for spec in specs]
+
+
+def sharded_batch(step, rows=36, vocab=12, dim=12):
+    """The global batch of a step: token ids (rows), or inputs (rows, dim) for vocab=0, and targets (rows, dim),
+    float64 (cast to the model's dtype by the caller)."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    inputs = torch.randint(vocab, (rows,), generator=gen) if vocab else torch.randn(rows, dim, generator=gen,
+                                                                                       dtype=torch.float64)
+    return inputs, torch.randn(rows, dim, generator=gen, dtype=torch.float64)
+
+
+def hsdp_groups(shard):
+    """(shard group, replicate group) of this rank in the world: shards of `shard` consecutive ranks ([0, 1],
+    [2, 3] for 2 of 4), replicas across them ([0, 2], [1, 3]). Every rank creates every group, in the same order."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    shards = [dist.new_group(list(range(s, s + shard))) for s in range(0, world, shard)]
+    replicas = [dist.new_group(list(range(r, world, shard))) for r in range(shard)]
+    return shards[rank // shard], replicas[rank % shard]
+
+
+def sharded_run(dtype, zero, micro_batches=1, shard=None, steps=1, vocab=0, hidden=24, depth=3, prefetch=True,
+                group=None):
+    """`steps` Adam steps of Blocks in `dtype` at ZeRO-`zero` over `group`'s ranks (the world; shard: HSDP with
+    shards of that many ranks), each rank taking its 1/d of the global batch in `micro_batches` micro-batches.
+    Returns this rank's memory_bytes, the parameter count (in units and in all), the padding, and the bytes
+    sent in the last step (its forward and backward gathers and reduce-scatters included) per parameter."""
+    d = _group_size(group)
+    if 36 % (d * micro_batches):
+        raise ValueError(f"micro_batches={micro_batches} on {d} ranks: the 36 rows of a step must split evenly")
+    torch.manual_seed(0)
+    model = Blocks(vocab=vocab, hidden=hidden, depth=depth).to(dtype)
+    rank = dist.get_rank(group) if d > 1 else 0
+    shard_group, replicate_group = hsdp_groups(shard) if shard else (group, None)
+    opt = MixedPrecisionOptimizer(model.parameters(), torch.optim.Adam, zero=zero, units=model.units(), lr=1e-3,
+                                  shard_groups=[(list(model.parameters()), shard_group, replicate_group)])
+    for step in range(steps):
+        inputs, target = (t.chunk(d)[rank] for t in sharded_batch(step, vocab=vocab))
+        comm_bytes.clear()
+        for xm, ym in zip(inputs.chunk(micro_batches), target.chunk(micro_batches)):
+            sharded_micro_batch(model, opt, xm if vocab else xm.to(dtype), ym.to(dtype), prefetch=prefetch)
+        opt.step(grad_scale=1 / 36)
+    n = sum(p.numel() for p in model.parameters())
+    n_units = sum(p.numel() for unit in model.units() for p in unit)
+    return {"n_params": n, "n_units": n_units, "padding": sum(b.padding for b in opt._buckets),
+            "unit_bytes": opt.units[0].param_bytes() if zero < 3 else None, "bytes": opt.memory_bytes(),
+            "sent_per_param": sum(comm_bytes.values()) / n, "sent": dict(comm_bytes)}
 
 
 def accumulation_errors(m=16, seed=0):
@@ -2057,6 +2511,63 @@ def show_fp8_param_gather():
               "0.0625)")
 
 
+def show_sharded_bytes():
+    print("\n== ZeRO-0..3: bytes per parameter on each of d forked gloo ranks, Adam, 3 units of 624 parameters (every")
+    print("   parameter in a unit: no padding at d = 2, 3, 4); formula | measured = params + grads + optimizer states")
+    forms = {torch.bfloat16: ("18", "6 + 12/d", "2 + 16/d", "18/d"),
+             torch.float32: ("16", "8 + 8/d", "4 + 12/d", "16/d")}
+    for d in (2, 3, 4):
+        specs = [{"dtype": dtype, "zero": zero} for dtype in forms for zero in range(4)]
+        for spec, r in zip(specs, on_forked_ranks(sharded_runs, d, specs)[0]):  # rank 0's figures
+            b = {k: v / r["n_params"] for k, v in r["bytes"].items()}
+            dtype, zero = spec["dtype"], spec["zero"]
+            total = b["param_bytes"] + b["grad_bytes"] + b["optimizer_bytes"]
+            print(f"   d={d} {str(dtype)[6:]:8s} zero={zero} {forms[dtype][zero]:>9s} = "
+                  f"{zero_bytes_formula(dtype, d, zero):5.2f} | {total:5.2f} = {b['param_bytes']:4.2f} + "
+                  f"{b['grad_bytes']:4.2f} + {b['optimizer_bytes']:5.2f}  padding {r['padding']}")
+    print("   padding rule: each bucket (per entry, dtype, device; at zero 2 and 3 per unit) is padded to a multiple")
+    print("   of its shard count: a unit of 599 parameters at d = 3 takes 600 (the tests check that case exactly)")
+
+
+def show_gathered_working_set():
+    print("\n== ZeRO-3 working set: the most unit parameter bytes gathered at once in a step (BF16, d = 4, 3 units of")
+    print("   624 parameters = 1248 bytes each), beside the bytes at rest")
+    specs = [{"dtype": torch.bfloat16, "zero": 3, "prefetch": prefetch} for prefetch in (True, False)]
+    for prefetch, r in zip((True, False), on_forked_ranks(sharded_runs, 4, specs)[0]):
+        at_rest = sum(v for k, v in r["bytes"].items() if k in ("param_bytes", "grad_bytes", "optimizer_bytes"))
+        print(f"   prefetch={str(prefetch):5s}: at rest {at_rest / r['n_params']:.2f} bytes/param (18/d = 4.50), "
+              f"gathered at the peak {r['bytes']['peak_gathered_bytes']} bytes = "
+              f"{r['bytes']['peak_gathered_bytes'] // 1248} unit(s) (formula: {2 if prefetch else 1})")
+
+
+def show_sharded_sent():
+    print("\n== bytes a rank sends per parameter and step (forward and backward gathers, reduce-scatters, the step's")
+    print("   collectives), BF16 (e = 2), m micro-batches; HSDP: shards of k = 2 of d = 4, replicated over 2")
+    specs = [{"dtype": torch.bfloat16, "zero": zero, "micro_batches": m} for zero in range(4) for m in (1, 3)]
+    layouts = ((2, None), (4, None), (4, 2))
+    runs = [on_forked_ranks(sharded_runs, d, [{**spec, "shard": shard} for spec in specs])[0] for d, shard in layouts]
+    names = [f"d={d}" + (f" k={k}" if k else "") for d, k in layouts]
+    print("   zero m | " + " | ".join(f"{name:>7s} measured formula" for name in names))
+    for i, spec in enumerate(specs):
+        formula = lambda d, k: zero_sent_formula(torch.bfloat16, d, spec["zero"], spec["micro_batches"], k)
+        cells = [f"{r[i]['sent_per_param']:16.3f} {formula(d, k):7.3f}" for (d, k), r in zip(layouts, runs)]
+        print(f"   {spec['zero']:4d} {spec['micro_batches']:1d} | " + " | ".join(cells))
+    print("   formulas (k-1)/k x: zero 0: 8, 1: 4 + e, 2: 4m + e, 3: m (4 + 2e); HSDP adds 2 (r-1)/r 4/k (zero 0: 4)")
+
+
+def show_micro_batch_cost():
+    print("\n== what several micro-batches cost at ZeRO-2 (d = 2, BF16): one reduce-scatter per micro-batch, against")
+    print("   ZeRO-1, which accumulates full-size FP32 gradients and reduces once (the gradient bytes it keeps)")
+    ms = (1, 2, 3, 6)
+    specs = [{"dtype": torch.bfloat16, "zero": zero, "micro_batches": m} for zero in (1, 2) for m in ms]
+    runs = on_forked_ranks(sharded_runs, 2, specs)[0]
+    for m, one, two in zip(ms, runs[:len(ms)], runs[len(ms):]):
+        grads = lambda r: r["bytes"]["grad_bytes"] / r["n_params"]
+        print(f"   m={m}: sent/param ZeRO-2 {two['sent_per_param']:.2f} ((d-1)/d (4m + 2) = "
+              f"{zero_sent_formula(torch.bfloat16, 2, 2, m):.2f}), ZeRO-1 {one['sent_per_param']:.2f}; "
+              f"grad bytes/param ZeRO-2 {grads(two):.1f}, ZeRO-1 {grads(one):.1f}")
+
+
 def demo():
     show_formats()
     show_master_weights()
@@ -2066,6 +2577,10 @@ def demo():
     show_training()
     show_bytes_per_parameter()
     show_zero_bytes()
+    show_sharded_bytes()
+    show_gathered_working_set()
+    show_sharded_sent()
+    show_micro_batch_cost()
     show_fp8_accumulation()
     show_fine_grained_scaling()
     show_fp8_under_tp()

@@ -845,18 +845,6 @@ class _SavedState:
         self.optimizer.state[piece] = {k: (v.detach().clone() if v.dim() == 0 else cut(v))
                                        for k, v in state.items() if k != "master"}
 
-    def owned_param(self, p):
-        """The range of p's parameter values this rank holds at rest and the live tensor holding it, for a
-        checkpoint that writes and loads parameters where they lie: at zero 0 and 1 all of p, (0, numel) and p."""
-        self._managed(p, "owned_param")
-        return (0, p.numel()), p.detach()
-
-    def publish_params(self):
-        """After a checkpoint was loaded into owned_state's and owned_param's tensors in place: the working
-        parameters from the masters (ZeRO-1: each rank's shard, then the all-gather), the same on every rank."""
-        for bucket in self._buckets:
-            bucket.publish_params()
-
     def owned_state(self, p, like=None):
         """This rank's piece of p's master weight and optimizer states: the live tensors themselves, no copy and
         no communication. Returns ((a, b), {"master": ..., "exp_avg": ..., "step": ...}): every tensor that is

@@ -1877,7 +1877,7 @@ def save_checkpoint(out_dir, step, stage, opt, cfg, run, text=False):
     tells --sample to decode what it draws."""
     import torch.distributed.checkpoint as dcp
     plan = stage.plan
-    if not weights_are_finite(stage):  # agreed over the world: no rank writes, none waits
+    if not weights_are_finite(stage, opt):  # agreed over the world: no rank writes, none waits
         raise Diverged(f"after step {step} the weights hold non-finite values: no checkpoint is written (lower --lr, "
                        "or keep --grad-clip on)")
     state = checkpoint_tensors(stage, opt)
@@ -1917,9 +1917,11 @@ def save_checkpoint(out_dir, step, stage, opt, cfg, run, text=False):
     return final
 
 
-def weights_are_finite(stage):
-    """Whether every weight of every rank is finite (one MIN all-reduce of a flag over the world)."""
-    finite = torch.stack([torch.isfinite(p).all() for p in stage.parameters()]).all().to(torch.int32).view(1)
+def weights_are_finite(stage, opt=None):
+    """Whether every weight of every rank is finite (one MIN all-reduce of a flag over the world); under ZeRO-3
+    each rank looks at the parameter values it holds (opt.owned_param)."""
+    values = [opt.owned_param(p)[1] if opt is not None else p for p in stage.parameters()]
+    finite = torch.stack([torch.isfinite(v).all() for v in values]).all().to(torch.int32).view(1)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     return bool(finite.item())

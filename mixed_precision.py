@@ -2101,6 +2101,67 @@ class Blocks(nn.Module):
         return [list(block.parameters()) for block in self.blocks]
 
 
+# ---- ZeRO-3 inside autograd: a unit's parameters there exactly while it computes, forward and backward ----------
+
+def sharded_call(unit, fn, tensors, next_unit=None, prev_unit=None, reduce_grads=True):
+    """fn(*tensors) -> tensors, with `unit`'s parameters gathered while it runs and while its backward runs, and no
+    longer: the markers _UnitStart and _UnitEnd around it are autograd functions, so the backward passes them in
+    reverse. A rank so holds at most two units' parameters at once, the one computing and the next one, whose
+    all-gather is issued before the current one computes (next_unit in the forward, prev_unit in the backward).
+    With reduce_grads the unit's gradients are reduce-scattered as soon as its backward is done; a zero-bubble
+    schedule, whose weight gradients come later (in W), passes False and calls unit.reduce_grads() after W. Every
+    tensor leaving fn passes _UnitEnd, so no gradient enters the unit's backward before its parameters are back.
+    Recomputation (torch.utils.checkpoint) runs fn again inside the backward: the markers then neither prefetch
+    nor release."""
+    tensors = _UnitStart.apply(unit, next_unit, prev_unit, reduce_grads, *tensors)
+    return _UnitEnd.apply(unit, *fn(*tensors))
+
+
+def _recomputing():  # a checkpointed forward run again inside the backward
+    return torch._C._current_graph_task_id() != -1
+
+
+class _UnitStart(torch.autograd.Function):
+    """Forward: the unit gathered, the next unit's all-gather started. Backward, once the unit's gradients are all in
+    (its first op's backward runs last): their reduce-scatter, the parameters freed, the previous unit's gather."""
+
+    @staticmethod
+    def forward(ctx, unit, next_unit, prev_unit, reduce_grads, *tensors):
+        ctx.unit, ctx.prev_unit, ctx.reduce_grads = unit, prev_unit, reduce_grads
+        unit.gather()
+        unit.wait()
+        if next_unit is not None and not _recomputing():
+            next_unit.gather(async_op=True)
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if ctx.reduce_grads:
+            ctx.unit.reduce_grads()
+        ctx.unit.release()
+        if ctx.prev_unit is not None:
+            ctx.prev_unit.gather(async_op=True)
+        return (None, None, None, None) + grads
+
+
+class _UnitEnd(torch.autograd.Function):
+    """Forward: the unit's parameters freed (but while recomputing). Backward, before any of the unit's backward:
+    the parameters gathered again."""
+
+    @staticmethod
+    def forward(ctx, unit, *tensors):
+        ctx.unit = unit
+        if not _recomputing():
+            unit.release()
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.unit.gather()
+        ctx.unit.wait()
+        return (None,) + grads
+
+
 def sharded_micro_batch(model, opt, inputs, target, recompute=False, prefetch=True):
     """One micro-batch of `model` (Blocks) through its forward and backward, block by block, as a trainer calls
     the units: forward: gather unit i (the next one's gather issued first, async, when prefetching), run block i

@@ -42,7 +42,8 @@ EP: MoE layers run on the TP ranks' token shards with whole expert weights, expe
 the router losses come from statistics summed over TP x CP, as in Megatron-LM.
 
 Memory and precision: recomputation per stage (checkpointing.py); FP32 main grads and masters, FP16 loss scaling,
-FP8 block GEMMs and ZeRO-1 (mixed_precision.py); the micro-batches are grad_accum.py's accumulation steps.
+FP8 block GEMMs, ZeRO-1/2/3 over DP x CP (each block a ZeRO-3 unit, gathered while it computes) and hybrid sharding
+(mixed_precision.py); the micro-batches are grad_accum.py's accumulation steps.
 
 Reading order is run order: the configs, the Plan, TP/SP, the model, the pipeline, the step, `build`, the loop and
 `main`; then, under one banner, the job around training (data, checkpoints, input checks, sampling, the command
@@ -168,9 +169,10 @@ CP_IMPLS = {  # the causal attention of this rank's CP groups, and the sequence 
 }
 
 
-class Layout(NamedTuple):
+@dataclass(frozen=True)
+class Layout:
     """What a layout makes of the model and the batch: derived once (`layout_of`), checked by `validate` before any
-    process group exists, carried by the Plan."""
+    process group exists, and the first part of every Plan."""
     dp: int                  # world / (tp cp pp)
     seq_cp: int              # tokens of one sequence on a CP rank: s / cp
     seq_hidden: int          # tokens of the hidden state between the TP regions: s / cp, and / tp under SP
@@ -228,9 +230,9 @@ class Reduction(NamedTuple):
 
 
 @dataclass(frozen=True)
-class Plan:
-    """This rank's parallel decisions, made once (make_plan) and only read afterwards: its coordinates (ps), its
-    process groups (None where the dimension has size 1), the layout's values (Layout), this stage's layers, which
+class Plan(Layout):
+    """This rank's parallel decisions, made once (make_plan) and only read afterwards: the layout's values (Layout),
+    its coordinates (ps), its process groups (None where the dimension has size 1), this stage's layers, which
     of the ranks holding the same loss count it in the log, and the functions that act on the layout."""
     ps: topology.ParallelState
     world: object                # the default group (None on one rank): the global norm and the logged losses
@@ -248,15 +250,6 @@ class Plan:
     embedding: object
     cp_impl: str
     recompute: str
-    dp: int
-    seq_cp: int
-    seq_hidden: int
-    sequence_parallel: bool
-    moe_token_split: bool
-    micro_batch_count: int
-    layers_per_stage: int
-    virtual_stages: int
-    split_backward: bool
     schedule: str                # the pipeline schedule (SCHEDULES)
     layers: tuple                # the global indices of this rank's layers, chunk after chunk
     logs_lm_loss: bool           # the LM loss from the last stage's TP rank 0 (the other TP ranks hold the same)
@@ -310,7 +303,7 @@ def make_plan(cfg, run, ps):
                 cp_ulysses=group("cp_ulysses"), cp_ring=group("cp_ring"),
                 pp=group("pp"), dp_cp=group("dp_cp"), dp_cp_shard=group("dp_cp_shard"),
                 dp_cp_replicate=group("dp_cp_replicate"), ep=group("ep"), edp=group("edp"), tp_cp=group("tp_cp"),
-                embedding=group("embedding"), cp_impl=run.cp_impl, recompute=run.recompute, **layout._asdict(),
+                embedding=group("embedding"), cp_impl=run.cp_impl, recompute=run.recompute, **vars(layout),
                 schedule=run.pp_schedule, layers=tuple(i for first in chunks for i in range(first, first + per_chunk)),
                 logs_lm_loss=ps.is_last_stage and ps.tp_rank == 0,
                 logs_router_loss=ps.tp_rank == 0 and ps.cp_rank == 0)
@@ -732,65 +725,17 @@ class Block(nn.Module):
         return self.plan.from_token_shard(y), aux.to(torch.float64)
 
     def forward(self, x, aux):
-        if self.unit is not None:  # ZeRO-2/3: gather before, release after, reduce the gradients when done
-            x, aux = _UnitStart.apply(self, x, aux)
+        if self.unit is None:
+            return self.compute(x, aux)
+        # ZeRO-2/3: the block's parameters gathered while it computes (the next block's all-gather prefetched),
+        # its gradients reduce-scattered when its backward is done (after W under zero bubble)
+        return mixed_precision.sharded_call(self.unit, self.compute, (x, aux), self.next_unit, self.prev_unit,
+                                            reduce_grads=not self.plan.split_backward)
+
+    def compute(self, x, aux):
         x = x + self.attention(x)
         y, a = self.mlp(self.ln2(x))
-        x, aux = x + y, aux if a is None else aux + a
-        return (x, aux) if self.unit is None else _UnitEnd.apply(self, x, aux)
-
-
-# ZeRO-2 and ZeRO-3 (mixed_precision.py's units, one per block): two markers around each block's forward, so that
-# the block's parameters are there exactly while it computes, forward and backward. A rank holds at most two blocks'
-# parameters at once: the one computing and the next one, whose all-gather is prefetched before the current one
-# computes (forward order in the forward, backward order in the backward; within a model chunk).
-
-def _recomputing():  # a checkpointed block's forward run again inside the backward (recomputation)
-    return torch._C._current_graph_task_id() != -1
-
-
-class _UnitStart(torch.autograd.Function):
-    """Forward: the block's parameters gathered (ZeRO-3), the next block's all-gather started. Backward, once the
-    block's gradients are all in (its first op's backward runs last): reduce-scatter them (ZeRO-2/3; under zero
-    bubble after W, which computes the weight gradients later), free the parameters, start the previous block's
-    all-gather."""
-
-    @staticmethod
-    def forward(ctx, block, x, aux):
-        ctx.block = block
-        block.unit.gather()
-        block.unit.wait()
-        if block.next_unit is not None and not _recomputing():
-            block.next_unit.gather(async_op=True)
-        return x.view_as(x), aux.view_as(aux)
-
-    @staticmethod
-    def backward(ctx, grad_x, grad_aux):
-        block = ctx.block
-        if not block.plan.split_backward:
-            block.unit.reduce_grads()
-        block.unit.release()
-        if block.prev_unit is not None:
-            block.prev_unit.gather(async_op=True)
-        return None, grad_x, grad_aux
-
-
-class _UnitEnd(torch.autograd.Function):
-    """Forward: the block's parameters freed (ZeRO-3), but while the backward recomputes. Backward, before any of
-    the block's backward (the router loss's included: it passes here too): the parameters gathered again."""
-
-    @staticmethod
-    def forward(ctx, block, x, aux):
-        ctx.block = block
-        if not _recomputing():
-            block.unit.release()
-        return x.view_as(x), aux.view_as(aux)
-
-    @staticmethod
-    def backward(ctx, grad_x, grad_aux):
-        ctx.block.unit.gather()
-        ctx.block.unit.wait()
-        return None, grad_x, grad_aux
+        return x + y, aux if a is None else aux + a
 
 
 class GPTStage(nn.Module):
@@ -2097,24 +2042,29 @@ def verify_checksums(path, files):
         raise BadCheckpoint(found)
 
 
-def latest_checkpoint(out_dir, cfg=None, say=None):
-    """The newest checkpoint in out_dir that passes check_checkpoint, as (path, train_state), or (None, None) if
-    out_dir holds none. Each newer one refused is told in one line through `say`; BadCheckpoint when every one is
-    refused (naming the newest's fault)."""
+def newest_passing(out_dir, attempt, say=None):
+    """(path, attempt(path)) for the newest checkpoint in out_dir for which `attempt` raises no BadCheckpoint, or
+    (None, None) if out_dir holds none; each newer one refused is told in one line through `say`. BadCheckpoint when
+    every one is refused, naming the newest's fault."""
     refused = []
     for path in reversed(checkpoint_dirs(out_dir)):
         try:
-            state = check_checkpoint(path, cfg)[0]
-        except BadCheckpoint as e:
+            result = attempt(path)
+        except BadCheckpoint as e:  # raised on every rank alike: the checks and the checksums are agreed
             refused.append((path, str(e)))
             continue
         for bad, why in refused if say else ():
             say(f"skipping checkpoint {bad}: {why}")
-        return path, state
+        return path, result
     if refused:
         raise BadCheckpoint(f"--out-dir {out_dir}: none of its {len(refused)} checkpoints passes its checks; the "
                             f"newest: {refused[0][1]}")
     return None, None
+
+
+def latest_checkpoint(out_dir, cfg=None, say=None):
+    """The newest checkpoint that passes check_checkpoint, with its train_state (before any process group)."""
+    return newest_passing(out_dir, lambda path: check_checkpoint(path, cfg)[0], say)
 
 
 def _dcp_read(tensors, path):
@@ -2170,20 +2120,9 @@ def load_checkpoint(path, stage, opt=None):
 
 def resume(out_dir, stage, opt=None):
     """Load the newest checkpoint of out_dir that passes every check (check_checkpoint, then the checksums, which
-    the ranks verify together), telling on rank 0 in one line each one skipped; returns its step. BadCheckpoint
-    when none passes."""
-    refused = []
-    for path in reversed(checkpoint_dirs(out_dir)):
-        try:
-            load_checkpoint(path, stage, opt)
-        except BadCheckpoint as e:  # raised on every rank alike, before any tensor was read
-            refused.append((path, str(e)))
-            continue
-        for bad, why in refused:
-            _warn_on_rank_0(f"skipping checkpoint {bad}: {why}")
-        return read_train_state(path)["step"]
-    raise BadCheckpoint(f"--out-dir {out_dir}: none of its {len(refused)} checkpoints passes its checks; the newest: "
-                        f"{refused[0][1] if refused else 'none'}")
+    the ranks verify together), telling on rank 0 in one line each one skipped; returns its step."""
+    path, _ = newest_passing(out_dir, lambda path: load_checkpoint(path, stage, opt), _warn_on_rank_0)
+    return read_train_state(path)["step"]
 
 
 _OUT_DIR_LOCKS = {}  # absolute --out-dir -> the open lock file this process holds

@@ -15,6 +15,8 @@
    kernels (1-byte dropout masks, FP32 LayerNorm statistics), which CPU runs cannot check.
 6. The pipeline schedules: zero bubble's split backward on the device against 1F1B; the interleaved schedule on two
    gloo CPU processes (one GPU holds one NCCL rank) against one process in float64.
+7. Sharding: ZeRO-3's gather, release and reduction around every block on the device against ZeRO-0; ZeRO-3 on
+   two gloo CPU processes against one process in float64.
 Each section reports its own failure (an exception, or a figure outside its stated bound) and the next one still
 runs; the exit code is 1 if any section failed.
 """
@@ -198,37 +200,67 @@ def ring(device, dry):
         check(f"ring {str(dtype)[6:]} fused vs SDPA", err("fused", "sdpa"), bound, "max relative error")
 
 
-def schedules(device, dry):
-    """The pipeline executor's paths: on this device (one process), zero bubble's split backward (the linears'
-    weight GEMMs deferred to W) against 1F1B; on two gloo CPU processes (one GPU cannot hold two NCCL ranks), the
-    interleaved schedule (PP2, v = 2) against one process, in float64."""
+def _device_curves(device, runs):
+    """The losses of 4 steps of a small float32 model on this device (one process), for each TrainConfig change."""
     cfg = train_gpt.GPTConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, n_embd=64)
-    curves = {}
-    for kind in ("1f1b", "zb-h1"):
+    curves = []
+    for changes in runs:
         run = train_gpt.TrainConfig(dtype="float32", batch=8, micro_batch=2, lr=1e-3, log=False, data="synthetic",
-                                    timeout_s=120, pp_schedule=kind)
+                                    timeout_s=120, **changes)
         _, stage, opt, pipe = train_gpt.build(cfg, run)
-        curves[kind] = [train_gpt.train_step(stage, pipe, opt, train_gpt.synthetic_batch(k, 8, 64, 256).to(device),
-                                             2, run.grad_clip)[0] for k in range(4)]
-    # float32: only the order of the weight-gradient accumulation differs
-    check("schedules zb-h1 vs 1f1b on the device", max(abs(a - b) for a, b in zip(*curves.values())), 1e-4,
-          "largest loss difference over 4 steps")
+        curves.append([train_gpt.train_step(stage, pipe, opt, train_gpt.synthetic_batch(k, 8, 64, 256).to(device),
+                                            2, run.grad_clip)[0] for k in range(4)])
+    return curves
+
+
+def _cpu_ranks_curves(runs):
+    """The float64 losses of 3 steps of train_gpt.py on gloo CPU processes (one GPU holds one NCCL rank), for each
+    (processes, flags)."""
     import json
     import subprocess
+    curves = []
     with tempfile.TemporaryDirectory() as out:
-        losses = {}
-        for name, nproc, flags in (("pp1", 1, []), ("interleaved", 2, ["--pp", "2", "--pp-schedule", "interleaved",
-                                                                         "--virtual-stages", "2"])):
+        for k, (nproc, flags) in enumerate(runs):
+            metrics = os.path.join(out, f"{k}.jsonl")
             args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                     os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train_gpt.py"),
                     "--data", "synthetic", "--layers", "4", "--hidden", "32", "--seq", "32", "--vocab", "64",
-                    "--batch", "8", "--micro-batch", "2", "--steps", "3", "--dtype", "float64",
-                    "--metrics", os.path.join(out, f"{name}.jsonl"), *flags]
+                    "--batch", "8", "--micro-batch", "2", "--steps", "3", "--dtype", "float64", "--metrics", metrics,
+                    *flags]
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
             subprocess.run(args, env=env, check=True, capture_output=True, timeout=300)
-            losses[name] = [json.loads(line)["loss"] for line in open(os.path.join(out, f"{name}.jsonl"))]
-        check("schedules interleaved PP2 v=2 vs one process (CPU, float64)",
-              max(abs(a - b) for a, b in zip(*losses.values())), 1e-12, "largest loss difference over 3 steps")
+            curves.append([json.loads(line)["loss"] for line in open(metrics)])
+    return curves
+
+
+def _largest_difference(a, b):
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def schedules(device, dry):
+    """The pipeline executor's paths: on this device (one process), zero bubble's split backward (the linears'
+    weight GEMMs deferred to W) against 1F1B; on two gloo CPU processes, the interleaved schedule (PP2, v = 2)
+    against one process, in float64."""
+    one_f_one_b, zero_bubble = _device_curves(device, [dict(pp_schedule="1f1b"), dict(pp_schedule="zb-h1")])
+    # float32: only the order of the weight-gradient accumulation differs
+    check("schedules zb-h1 vs 1f1b on the device", _largest_difference(one_f_one_b, zero_bubble), 1e-4,
+          "largest loss difference over 4 steps")
+    one, interleaved = _cpu_ranks_curves([(1, []), (2, ["--pp", "2", "--pp-schedule", "interleaved",
+                                                        "--virtual-stages", "2"])])
+    check("schedules interleaved PP2 v=2 vs one process (CPU, float64)", _largest_difference(one, interleaved),
+          1e-12, "largest loss difference over 3 steps")
+
+
+def sharding(device, dry):
+    """ZeRO-2/3's paths: on this device the units' gather, release (storage freed and reallocated) and gradient
+    reduction around every block (one process: no collective); on two gloo CPU processes ZeRO-3 against one
+    process, in float64."""
+    zero0, zero3 = _device_curves(device, [dict(zero=0), dict(zero=3)])
+    check("sharding zero 3 vs zero 0 on the device", _largest_difference(zero0, zero3), 1e-5,
+          "largest loss difference over 4 steps (float32: another order of the gradient sums)")
+    one, two = _cpu_ranks_curves([(1, []), (2, ["--zero", "3", "--micro-batch", "2"])])
+    check("sharding zero 3 on 2 ranks vs one process (CPU, float64)", _largest_difference(one, two), 1e-12,
+          "largest loss difference over 3 steps")
 
 
 def recompute_memory(device, dry):
@@ -263,7 +295,8 @@ def main():
     for name, section in (("gpt2", lambda: gpt2_small(device, a.dry_run, deadline)),
                           ("fp8", lambda: fp8(device, a.dry_run)), ("ring", lambda: ring(device, a.dry_run)),
                           ("recompute", lambda: recompute_memory(device, a.dry_run)),
-                          ("schedules", lambda: schedules(device, a.dry_run))):
+                          ("schedules", lambda: schedules(device, a.dry_run)),
+                          ("sharding", lambda: sharding(device, a.dry_run))):
         if time.monotonic() > deadline:
             say(name, "skipped: time budget spent")
             continue

@@ -1019,7 +1019,8 @@ def _peak_bytes(fn, inputs, dout, device):
 def check_bench_args(seq, batch, heads, kv_heads, head_dim, repeats, world, cp_ulysses=None):
     """The bench's sizes, before any process group: every rank fails alike, none waits for the others."""
     for flag, value in (("--seq", seq), ("--batch", batch), ("--heads", heads), ("--kv-heads", kv_heads),
-                        ("--head-dim", head_dim), ("--repeats", repeats), ("--cp-ulysses", 1 if cp_ulysses is None else cp_ulysses)):
+                        ("--head-dim", head_dim), ("--repeats", repeats),
+                        ("--cp-ulysses", 1 if cp_ulysses is None else cp_ulysses)):
         if value < 1:
             raise ValueError(f"{flag} {value} must be a positive integer")
     if seq % (2 * world):

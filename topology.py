@@ -177,7 +177,8 @@ overlapped gradient reduction, flash attention, bf16 (MEGATRON_CORE_2025, MOE_RU
 the benchmark mode drops tokens at capacity factor 1, so no expert exceeds its share). With the H100 preset
 unchanged (e_max and x0 carried over from Table 1, nothing fitted to these rows) the published layouts are predicted
 at 46.0% (-6.7%) and 39.8% (+2.1%) MFU, worst error -6.7%, and fit (69.6 and 63.5 GB of 72): counted
-conservatively (positions as learned, 25 M parameters; dropout masks although the runs had no dropout; K and V at full width in Korthikanti's 11 s b h). The planner's own top choice with
+conservatively (positions as learned, 25 M parameters; dropout masks although the runs had no dropout; K and V
+at full width in Korthikanti's 11 s b h). The planner's own top choice with
 the same software: Mixtral TP2 PP8 CP2 EP8 v7 (the published layout +4.2% slower), Qwen2 TP2 PP2 EP8 DP16 v7 (+4.7%).
 The authors' later Mixtral layout (July 2025, v 7) is predicted at +3.1% but does not fit under that count (74.7 GB).
 DeepSeek-V3 (technical report, arXiv 2412.19437: 2,048 H800, PP16 with DualPipe, EP64 over 8 nodes, ZeRO-1, 180K H800

@@ -767,7 +767,7 @@ class GPTStage(nn.Module):
         x = self.plan.reduce_tp(self.wte(ids))
         if self.plan.sequence_parallel:
             positions = positions.chunk(self.plan.sizes["tp"])[self.plan.ps.tp_rank]
-        return x + self.wpe[positions]
+        return x + F.embedding(positions, self.wpe)  # an embedding backward: no index_put
 
     def chunk_blocks(self, chunk):
         n = len(self.blocks) // self.plan.virtual_stages

@@ -7,7 +7,11 @@ Both models have the same shape, the same initial weights' distribution, the sam
 few lines: nn.Linear, F.scaled_dot_product_attention, F.cross_entropy, torch.optim.AdamW. train_gpt.py runs its
 whole machinery with every group of size 1 (plan, TP linears, vocabulary-parallel loss, 1F1B with one stage,
 the mixed-precision optimizer with its FP32 gradient buffers). The two alternate in rounds of --steps-per-round
-steps each on this noisy machine; the ratio of the median step times is printed (> 1: train_gpt.py is faster).
+steps each on this noisy machine, on one thread and then on every core (torch's default; --threads N: only N);
+for each, the ratio of the median step times is printed (> 1: train_gpt.py is faster) with the spread of the
+per-round ratios. Both take the whole batch as one micro-batch: train_gpt.py with --micro-batch 2 of a batch of 8
+runs GEMMs of a quarter the rows, which two threads share less well (its ratio against a one-micro-batch plain GPT
+drops to about 0.82 at two threads for that reason alone).
 """
 import argparse
 import math
@@ -67,6 +71,31 @@ def adamw(params, lr):
                              lr=lr, betas=(0.9, 0.95))
 
 
+def race(steps, data, a, threads):
+    """Alternating rounds of both programs on `threads` threads: per program the median step time, and the ratio
+    plain / train_gpt.py of each round's medians (its spread is the noise of this machine)."""
+    torch.set_num_threads(threads)
+    times = {name: [] for name in steps}
+    rounds, k = [], 0
+    for r in range(a.rounds + 1):  # round 0 warms up both and is not counted
+        # ABBA: which program goes first alternates, so neither always runs on a cache the other warmed
+        this_round = {}
+        for name, step in (list(steps.items()) if r % 2 else list(steps.items())[::-1]):
+            round_times = []
+            for _ in range(a.steps_per_round):
+                tokens = data.batch("train", k, a.batch, a.seq, 0, a.device)
+                k += 1
+                t0 = time.perf_counter()
+                step(tokens)  # each ends with a host sync (the loss), so the clock sees the whole step
+                round_times.append(time.perf_counter() - t0)
+            this_round[name] = statistics.median(round_times)
+            if r:
+                times[name] += round_times
+        if r:
+            rounds.append(this_round["plain"] / this_round["train_gpt.py"])
+    return {name: statistics.median(t) for name, t in times.items()}, rounds
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for flag, default in (("--layers", 4), ("--hidden", 128), ("--heads", 4), ("--seq", 128), ("--batch", 8),
@@ -80,17 +109,16 @@ def main():
             if getattr(a, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} {getattr(a, flag)} must be a positive integer")
         if a.threads < 0:
-            raise ValueError(f"--threads {a.threads} must be >= 0 (0: torch's default)")
+            raise ValueError(f"--threads {a.threads} must be >= 0 (0: one thread, then every core)")
         data = train_gpt.check_inputs(cfg, run, 1)
     except ValueError as e:
         print(f"train_gpt_vs_plain.py: error: {e}", file=sys.stderr)
         sys.exit(2)
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    cores = torch.get_num_threads()  # torch's default: the machine's cores
     _, stage, opt, pipe = train_gpt.build(cfg, run)
-    device = next(stage.parameters()).device  # both on the device train_gpt.py chose
+    a.device = next(stage.parameters()).device  # both on the device train_gpt.py chose
     torch.manual_seed(0)
-    plain = PlainGPT(cfg).to(device)
+    plain = PlainGPT(cfg).to(a.device)
     plain_opt = adamw(plain.parameters(), run.lr)
 
     def step_train_gpt(tokens):
@@ -104,26 +132,16 @@ def main():
         plain_opt.zero_grad(set_to_none=True)
         loss.item()  # the host sync train_step also has (its loss for the log)
 
-    times = {"train_gpt.py": [], "plain": []}
-    steps = {"train_gpt.py": step_train_gpt, "plain": step_plain}
-    k = 0
-    for r in range(a.rounds + 1):  # round 0 warms up both and is not counted
-        # ABBA: which program goes first alternates, so neither always runs on a cache the other warmed
-        for name, step in (list(steps.items()) if r % 2 else list(steps.items())[::-1]):
-            for _ in range(a.steps_per_round):
-                tokens = data.batch("train", k, a.batch, a.seq, 0, device)
-                k += 1
-                t0 = time.perf_counter()
-                step(tokens)  # each ends with a host sync (the loss), so the clock sees the whole step
-                if r:
-                    times[name].append(time.perf_counter() - t0)
-    med = {name: statistics.median(t) for name, t in times.items()}
     n = sum(p.numel() for p in plain.parameters())
     print(f"GPT L={a.layers} h={a.hidden} heads={a.heads} s={a.seq} batch={a.batch} ({n / 1e6:.2f} M parameters), "
-          f"{torch.get_num_threads()} threads, {a.rounds} alternating rounds of {a.steps_per_round} steps")
-    for name, t in med.items():
-        print(f"  {name:13s} median step {t * 1000:7.1f} ms   {a.batch * a.seq / t:9,.0f} tokens/s")
-    print(f"  ratio plain / train_gpt.py = {med['plain'] / med['train_gpt.py']:.3f}  (>= 1: train_gpt.py as fast)")
+          f"{a.rounds} alternating rounds of {a.steps_per_round} steps each, one micro-batch of the whole batch")
+    for threads in [a.threads] if a.threads else sorted({1, cores}):
+        med, rounds = race({"train_gpt.py": step_train_gpt, "plain": step_plain}, data, a, threads)
+        print(f"  {threads} thread{'s' * (threads > 1)}:")
+        for name, t in med.items():
+            print(f"    {name:13s} median step {t * 1000:7.1f} ms   {a.batch * a.seq / t:9,.0f} tokens/s")
+        print(f"    ratio plain / train_gpt.py = {med['plain'] / med['train_gpt.py']:.3f} (rounds {min(rounds):.3f} to "
+              f"{max(rounds):.3f}; >= 1: train_gpt.py as fast)")
 
 
 if __name__ == "__main__":

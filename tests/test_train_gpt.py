@@ -1668,6 +1668,9 @@ SCHEDULE_LAYOUTS = [  # (world, tp, pp, cp, cfg, kwargs): every schedule against
     (8, 2, 2, 1, CFG, dict(pp_schedule="interleaved", virtual_stages=2, sequence_parallel=True, micro_batch=1)),
     (8, 1, 2, 2, CFG_MOE, dict(pp_schedule="zb-h1", ep=2)),
     (8, 2, 2, 1, CFG_MOE, dict(pp_schedule="zb-h1", sequence_parallel=True, recompute="selective")),
+    (4, 1, 2, 2, CFG, dict(pp_schedule="interleaved", virtual_stages=2, cp_impl="ulysses", micro_batch=1)),
+    (4, 1, 2, 2, CFG, dict(pp_schedule="zb-h1", cp_impl="allgather", recompute="sqrt")),
+    (4, 1, 2, 1, CFG, dict(pp_schedule="zb-h1", virtual_stages=2, zero=1, micro_batch=1)),
 ]
 
 

@@ -2530,7 +2530,7 @@ def _fail(rank, code, message, everyone=False):
     if rank == 0 or everyone:
         print(f"train_gpt.py: error: {message}", file=sys.stderr, flush=True)
     else:  # torchrun stops the job at the first exit: let rank 0 say why first
-        time.sleep(0.5)
+        time.sleep(0.25)
     sys.exit(code)
 
 

@@ -13,10 +13,10 @@
 4. A checkpoint of that run saved and sampled from (the CUDA path of `--sample`).
 5. checkpointing.py's kept bytes per recomputation policy in bfloat16 on CUDA against its formula for CUDA
    kernels (1-byte dropout masks, FP32 LayerNorm statistics), which CPU runs cannot check.
-6. The pipeline schedules: zero bubble's split backward on the device against 1F1B; the interleaved schedule on two
-   gloo CPU processes (one GPU holds one NCCL rank) against one process in float64.
-7. Sharding: ZeRO-3's gather, release and reduction around every block on the device against ZeRO-0; ZeRO-3 on
-   two gloo CPU processes against one process in float64.
+6. The pipeline schedules: zero bubble's split backward on the device against 1F1B; the interleaved schedule on four
+   gloo CPU processes (PP2 x DP2 with ZeRO-3; one GPU holds one NCCL rank) against one process in float64.
+7. Sharding: ZeRO-3's gather, release and reduction around every block on the device against ZeRO-0 (and on
+   four gloo CPU processes, with the interleaved schedule, under 6).
 Each section reports its own failure (an exception, or a figure outside its stated bound) and the next one still
 runs; the exit code is 1 if any section failed.
 """
@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -213,24 +214,28 @@ def _device_curves(device, runs):
     return curves
 
 
-def _cpu_ranks_curves(runs):
-    """The float64 losses of 3 steps of train_gpt.py on gloo CPU processes (one GPU holds one NCCL rank), for each
-    (processes, flags)."""
+def _cpu_ranks_curve(nproc, flags):
+    """The float64 losses of 3 steps of train_gpt.py on `nproc` gloo CPU processes (one GPU holds one NCCL rank)."""
     import json
     import subprocess
-    curves = []
     with tempfile.TemporaryDirectory() as out:
-        for k, (nproc, flags) in enumerate(runs):
-            metrics = os.path.join(out, f"{k}.jsonl")
-            args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train_gpt.py"),
-                    "--data", "synthetic", "--layers", "4", "--hidden", "32", "--seq", "32", "--vocab", "64",
-                    "--batch", "8", "--micro-batch", "2", "--steps", "3", "--dtype", "float64", "--metrics", metrics,
-                    *flags]
-            env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-            subprocess.run(args, env=env, check=True, capture_output=True, timeout=300)
-            curves.append([json.loads(line)["loss"] for line in open(metrics)])
-    return curves
+        metrics = os.path.join(out, "metrics.jsonl")
+        args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train_gpt.py"),
+                *CPU_RUN, "--metrics", metrics, *flags]
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+        subprocess.run(args, env=env, check=True, capture_output=True, timeout=300)
+        return [json.loads(line)["loss"] for line in open(metrics)]
+
+
+CPU_RUN = ["--data", "synthetic", "--layers", "4", "--hidden", "32", "--seq", "32", "--vocab", "64", "--batch", "8",
+           "--micro-batch", "2", "--steps", "3", "--dtype", "float64"]
+
+
+def _one_process_curve():
+    """The same 3 steps in this process (on the CPU), the reference of the gloo runs."""
+    cfg, run, _ = train_gpt.parse_args(CPU_RUN + ["--metrics", ""])
+    return [r["loss"] for r in train_gpt.train(cfg, replace(run, metrics=None, log=False))]
 
 
 def _largest_difference(a, b):
@@ -245,22 +250,20 @@ def schedules(device, dry):
     # float32: only the order of the weight-gradient accumulation differs
     check("schedules zb-h1 vs 1f1b on the device", _largest_difference(one_f_one_b, zero_bubble), 1e-4,
           "largest loss difference over 4 steps")
-    one, interleaved = _cpu_ranks_curves([(1, []), (2, ["--pp", "2", "--pp-schedule", "interleaved",
-                                                        "--virtual-stages", "2"])])
-    check("schedules interleaved PP2 v=2 vs one process (CPU, float64)", _largest_difference(one, interleaved),
+    # PP2 x DP2 on four processes, interleaved, with the blocks under ZeRO-3: both executors' gloo paths at once
+    check("schedules interleaved PP2 v=2 x DP2 ZeRO-3 vs one process (CPU, float64)",
+          _largest_difference(_one_process_curve(), _cpu_ranks_curve(4, ["--pp", "2", "--pp-schedule", "interleaved",
+                                                                         "--virtual-stages", "2", "--zero", "3",
+                                                                         "--micro-batch", "1"])),
           1e-12, "largest loss difference over 3 steps")
 
 
 def sharding(device, dry):
-    """ZeRO-2/3's paths: on this device the units' gather, release (storage freed and reallocated) and gradient
-    reduction around every block (one process: no collective); on two gloo CPU processes ZeRO-3 against one
-    process, in float64."""
+    """ZeRO-2/3's paths on this device: the units' gather, release (storage freed and reallocated) and gradient
+    reduction around every block (one process: no collective; the multi-process one runs under `schedules`)."""
     zero0, zero3 = _device_curves(device, [dict(zero=0), dict(zero=3)])
     check("sharding zero 3 vs zero 0 on the device", _largest_difference(zero0, zero3), 1e-5,
           "largest loss difference over 4 steps (float32: another order of the gradient sums)")
-    one, two = _cpu_ranks_curves([(1, []), (2, ["--zero", "3", "--micro-batch", "2"])])
-    check("sharding zero 3 on 2 ranks vs one process (CPU, float64)", _largest_difference(one, two), 1e-12,
-          "largest loss difference over 3 steps")
 
 
 def recompute_memory(device, dry):

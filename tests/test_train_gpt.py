@@ -878,7 +878,7 @@ def _worker_pids(agent_pid):
 def test_a_killed_rank_ends_the_job_and_resume_reproduces_the_run(tmp_path):
     import signal
     import time
-    args = JOB + ["--steps", "12", "--save-every", "3", "--timeout-s", "20", "--tp", "2", "--pp", "2"]
+    args = JOB + ["--steps", "9", "--save-every", "3", "--timeout-s", "20", "--tp", "2", "--pp", "2"]
     full = _torchrun(4, args + ["--out-dir", "full", "--metrics", "full.jsonl"], str(tmp_path))
     killed = _torchrun(4, args + ["--out-dir", "ckpt", "--metrics", "killed.jsonl"], str(tmp_path))
     first = tmp_path / "ckpt" / "step_000003"
@@ -899,7 +899,7 @@ def test_a_killed_rank_ends_the_job_and_resume_reproduces_the_run(tmp_path):
     assert resumed.wait(timeout=300) == 0, resumed.communicate()[0]
     assert full.wait(timeout=300) == 0, full.communicate()[0]
     reference, got = _losses(tmp_path / "full.jsonl"), _losses(tmp_path / "resumed.jsonl")
-    assert min(got) >= 3 and max(got) == 11  # it resumed from a checkpoint, and finished
+    assert min(got) >= 3 and max(got) == 8  # it resumed from a checkpoint, and finished
     assert all(got[step] == reference[step] for step in got)  # bit for bit (float32 on CPU)
 
 

@@ -1012,7 +1012,8 @@ def test_plan_cli_limit_0_prints_no_rows(capsys):
 
 
 def test_explain_says_which_recomputation_was_tried(capsys):
-    topology.main(_PLAN_64 + ["--recompute", "none"])
+    # ZeRO fixed to 1, the deepest level of when this was written: ZeRO-3 lets every layout fit without recomputation
+    topology.main(_PLAN_64 + ["--recompute", "none", "--zero", "1"])
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if "do not fit in memory" in x)
     assert "even with full recomputation" not in line and "with recompute fixed to none" in line, line
@@ -1139,12 +1140,18 @@ def test_zero_is_tried_where_dp_is_one_but_cp_is_not():
 def test_the_search_tries_every_virtual_stage_count_up_to_the_maximum():
     # 128 GPUs, L=48 h=8192 a=64 s=8192, TP=2 PP=2: 24 layers per stage; the step time falls with v up to
     # MAX_VIRTUAL_STAGES = 8 (measured 42.56 s at v=1, 38.90 s at 6, 38.80 s at 8): 8 must be tried and win
-    c = topology.Cluster(gpus=128, **A100)
+    # (the schedules of when this was written, 1F1B and interleaved: a fixed v means one of them)
+    c = topology.Cluster(gpus=128, schedules=("1f1b", "interleaved"), **A100)
     m = topology.ModelShape(layers=48, hidden=8192, heads=64, seq=8192, vocab=51200, global_batch=256)
     by_v = {v: topology.estimate(c, m, 2, 2, 1, virtual_stages=v)["step_time_s"] for v in (1, 2, 3, 4, 6, 8)}
     assert topology.MAX_VIRTUAL_STAGES == 8 == min(by_v, key=by_v.get)
     searched = topology.estimate(c, m, 2, 2, 1)
     assert searched["virtual_stages"] == 8 and searched["step_time_s"] == by_v[8]
+    # with zero bubble too, every v again: the search is at least as fast as each (v, schedule) alone
+    every = topology.Cluster(gpus=128, **A100)
+    by_pair = {(v, s): topology.estimate(every, m, 2, 2, 1, virtual_stages=v, pp_schedule=s)["step_time_s"]
+               for v in (1, 2, 3, 4, 6, 8) for s in ("zb-h1",) + (("interleaved",) if v > 1 else ("1f1b",))}
+    assert topology.estimate(every, m, 2, 2, 1)["step_time_s"] == min(by_pair.values()) < by_v[8]
 
 
 def test_candidate_cp_sizes_go_up_to_16():
@@ -1156,7 +1163,8 @@ def test_candidate_cp_sizes_go_up_to_16():
 def test_explain_names_the_largest_overhead_and_where_the_runner_up_loses():
     # the chapter's model on 64 GPUs: measured largest overhead dp (0.271 s, TP next at 0.259 s), runner-up
     # TP=2 PP=2 slower mostly in the bubble (+0.124 s; its DP is 0.126 s faster). Against the rows themselves.
-    c = topology.Cluster(gpus=64, **A100)
+    # the planner's knobs of when this was written: 1F1B or interleaved, ZeRO-0 or 1
+    c = topology.Cluster(gpus=64, schedules=("1f1b", "interleaved"), zero_levels=(0, 1), **A100)
     plans = topology.plan(c, topology.ModelShape(**_CH))
     text = topology.explain(plans, c)
     best, second = [r for r in plans if r["fits"]][:2]
@@ -1174,7 +1182,8 @@ def test_when_nothing_fits_the_least_memory_tie_goes_to_the_fastest():
     # recomputation, ZeRO-1) at v = 1, 2, 4 in 7.52, 6.30, 5.72 s; with recomputation fixed to none 707.4 GB at
     # b=1 v = 1, 2, 4 in 5.76, 4.83, 4.41 s and b=2 in 7.67 s. The search used to keep the first tied knob set
     # tried (7.52 s and 5.76 s). Checked against every knob set, each evaluated alone.
-    c = topology.Cluster(gpus=32, **A100)
+    # the knobs of when this was written (1F1B or interleaved, ZeRO-0 or 1), every combination enumerated below
+    c = topology.Cluster(gpus=32, schedules=("1f1b", "interleaved"), zero_levels=(0, 1), **A100)
     m = topology.ModelShape(layers=8, hidden=2048, heads=16, seq=32768, vocab=51200, global_batch=32)
     for policies in (topology.RECOMPUTE_POLICIES, ("none",)):
         rows = []
@@ -1409,7 +1418,7 @@ def test_the_search_covers_ep_beside_every_other_knob():
     assert {r["cp"] for r in plans} >= {1, 2} and {r["virtual_stages"] for r in plans} > {1}
     # the cheapest recomputation that fits, the ZeRO and micro-batch that are fastest, per layout and EP size
     assert {r["zero"] for r in plans} == {False, True} and len({r["micro_batch"] for r in plans}) > 1
-    squeezed = topology.plan(topology.Cluster(gpus=64, gpu_mem_gb=24), _MOE)
+    squeezed = topology.plan(topology.Cluster(gpus=64, gpu_mem_gb=24, zero_levels=(0, 1)), _MOE)  # ZeRO-3 would fit
     assert {r["recompute"] for r in squeezed if r["fits"]} == {"none", "selective"}
     best = {}
     for r in plans:  # each (tp, pp, cp) appears once per EP size, each with its own knobs

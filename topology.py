@@ -1756,7 +1756,7 @@ def _schedule_choices(cluster, m, lay, vs):
 
 def _zero_choices(cluster, m, lay):
     """(ZeRO level, shard size) pairs to try: the given ones, else every level the implementation offers over every DP
-    x CP rank and, where the shard group of one node is smaller than that, over one node's (HSDP)."""
+    x CP rank and, where that group crosses nodes, over one node's of them (HSDP)."""
     n = lay.dp * lay.cp
     if n == 1:
         return [(0 if m.zero is None else m.zero, None)]
@@ -1765,6 +1765,8 @@ def _zero_choices(cluster, m, lay):
         levels.remove(0)
     if m.zero_shard_size is not None:
         return [(z, None if m.zero_shard_size == n else m.zero_shard_size) for z in levels]
+    if lay.local["dp_cp"]:  # the whole group inside a node already: nothing to keep off the network
+        return [(z, None) for z in levels]
     node = [k for k in _divisors(n) if k < n and _members_per_node(lay.tp, k, cluster.gpus, cluster.gpus_per_node)
             == k and k * lay.tp <= cluster.gpus_per_node]
     return [(z, None) for z in levels] + [(z, node[-1]) for z in levels if z and node and node[-1] > 1]

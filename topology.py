@@ -1502,8 +1502,10 @@ class Knobs(NamedTuple):
 class _Layout:
     """What one (tp, pp, cp, ep) fixes, computed once for all the knob combinations tried on it."""
 
-    def __init__(self, cluster, m, tp, pp, cp, ep=1):
+    def __init__(self, cluster, m, tp, pp, cp, ep=1, memo=None):
         self.tp, self.pp, self.cp, self.ep = tp, pp, cp, ep
+        # what does not depend on pp (the layers' forwards, CP's terms), shared by the layouts of one plan
+        self.memo = {} if memo is None else memo
         self.dp = _check_layout(cluster, m, tp, pp, cp, ep)
         self.per_node, self.local = layout_locality(cluster, tp, pp, cp, self.dp, ep)
         self.interleave_min_pp = cluster.interleave_min_pp
@@ -1818,11 +1820,12 @@ def _better(a, b):
 
 
 def estimate(cluster, m, tp, pp, cp, micro_batch=None, recompute=None, sequence_parallel=None, zero=None,
-             virtual_stages=None, ep=None, pp_schedule=None, zero_shard_size=None, cp_ulysses=None):
+             virtual_stages=None, ep=None, pp_schedule=None, zero_shard_size=None, cp_ulysses=None, memo=None):
     """The planner's choice for one layout: over the knobs not fixed (here or in `m`), the fastest combination that
     fits, each ZeRO level with the cheapest recomputation that fits it (when none fits, the fastest of those with the
     least memory); for a MoE model likewise over EP when `ep` is None. Raises ValueError for a layout or knob that
-    does not divide."""
+    does not divide. `memo`: a dict the calls of one plan share (for the same cluster and model: what does not depend
+    on pp)."""
     fixed = {"micro_batch": micro_batch, "recompute": recompute, "sequence_parallel": sequence_parallel,
              "zero": zero, "virtual_stages": virtual_stages, "pp_schedule": pp_schedule,
              "zero_shard_size": zero_shard_size, "cp_ulysses": cp_ulysses}
@@ -1832,11 +1835,11 @@ def estimate(cluster, m, tp, pp, cp, micro_batch=None, recompute=None, sequence_
     if m.recompute is not None and m.recompute not in RECOMPUTE_POLICIES:
         raise ValueError(f"recompute={m.recompute!r}; choose none, selective or full")
     if ep is not None:
-        return _best_for_layout(cluster, m, _Layout(cluster, m, tp, pp, cp, ep))
+        return _best_for_layout(cluster, m, _Layout(cluster, m, tp, pp, cp, ep, memo))
     best, refused = None, None
     for e in _ep_choices(cluster, m, tp, pp, cp):
         try:
-            best = _better(_best_for_layout(cluster, m, _Layout(cluster, m, tp, pp, cp, e)), best)
+            best = _better(_best_for_layout(cluster, m, _Layout(cluster, m, tp, pp, cp, e, memo)), best)
         except ValueError as error:
             refused = refused or error
     if best is None:
@@ -1863,7 +1866,7 @@ def _best_for_layout(cluster, m, lay):
                 optimizer_s[z] = _optimizer_seconds(cluster, lay, *z, split)
         least_states = min(states[z] for z in zeros)
         for sp in sps:
-            fs, cp_pairs = {}, {}  # by Ulysses size, computed once something needs a step time
+            fs, cp_pairs, too_big = {}, {}, set()  # by Ulysses size, computed once something needs a step time
 
             def stage(recompute):
                 """(_stage_parts with the fastest Ulysses size, that size, the ZeRO choices fastest first with
@@ -1871,17 +1874,27 @@ def _best_for_layout(cluster, m, lay):
                 key = (b, sp, recompute)
                 if key not in stage_parts:
                     if not fs:
-                        fs[1] = _layer_forwards(cluster, m, lay, b, sp)
+                        base = ("fs", lay.tp, lay.cp, lay.ep, b, sp)
+                        if base + (1,) not in lay.memo:
+                            lay.memo[base + (1,)] = _layer_forwards(cluster, m, lay, b, sp)
+                        fs[1] = lay.memo[base + (1,)]
                         if len(ulysses) > 1:
                             f = next(f for f in fs[1].values() if f)
-                            cp_pairs.update({u: (f["cp_fwd"], f["cp_bwd"]) if u == 1 else _cp_seconds(
-                                cluster, m, lay.tp, lay.cp, b, lay, f["attention"], u) for u in ulysses})
+                            for x in ulysses:
+                                if ("cp", lay.tp, lay.cp, b, x) not in lay.memo:
+                                    lay.memo[("cp", lay.tp, lay.cp, b, x)] = (f["cp_fwd"], f["cp_bwd"]) if x == 1 \
+                                        else _cp_seconds(cluster, m, lay.tp, lay.cp, b, lay, f["attention"], x)
+                                cp_pairs[x] = lay.memo[("cp", lay.tp, lay.cp, b, x)]
                     # every layer, dense or MoE, has the same CP terms, and every stage L/p layers: the Ulysses size
                     # with the least CP seconds per layer (layer_step's) makes every stage fastest
                     again = 1 if recompute == "none" else 2
                     u = ulysses[0] if len(ulysses) == 1 else min(
                         ulysses, key=lambda x: again * cp_pairs[x][0] + cp_pairs[x][1])
-                    fs[u] = fs.get(u) or _layer_forwards(cluster, m, lay, b, sp, u, ring=fs[1])
+                    if u not in fs:
+                        key_u = ("fs", lay.tp, lay.cp, lay.ep, b, sp, u)
+                        if key_u not in lay.memo:
+                            lay.memo[key_u] = _layer_forwards(cluster, m, lay, b, sp, u, ring=fs[1])
+                        fs[u] = lay.memo[key_u]
                     sp_parts = _stage_parts(cluster, m, lay, b, sp, recompute, fs[u])
                     backward = _overlap_backward(cluster, lay, fs[u], sp_parts[1])
                     if (micro_batches, backward) not in zero_s:
@@ -1903,12 +1916,16 @@ def _best_for_layout(cluster, m, lay):
                 if schedule == "zb-h1" and b not in deferred:
                     deferred[b] = _stage_deferred_bytes(m, lay.tp, lay.pp, lay.cp, lay.ep, b)
                 for recompute in recomputes:
+                    if schedule == "zb-h1" and best is not None and (v, recompute) in too_big:
+                        continue  # zero bubble holds at least what its base order holds, which fitted nowhere
                     key = (b, sp, recompute)
                     if key not in parts:
                         parts[key] = _activation_parts(cluster, m, lay.tp, lay.pp, lay.cp, lay.ep, b, recompute, sp)
                     activations = _activations_gb(parts[key], in_flight, schedule, lay.pp, micro_batches, v,
                                                   deferred.get(b, 0.0))
                     fitting = [z for z in zeros if states[z] + activations <= limit]
+                    if not fitting:
+                        too_big.add((v, recompute))
                     if not fitting and (best is not None or least_states + activations > least_key[0]):
                         continue  # the least memory matters only while nothing fits
                     sp_parts, u, fastest, dp_s, layers_s, busy = stage(recompute)
@@ -1942,7 +1959,7 @@ def candidate_layouts(cluster, m, tp=None, pp=None, cp=None, ep=None):
     for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):  # None: every size that divides is tried
         if value is not None:
             _check_count(name, value, "omit it to let the planner choose")
-    out = []
+    out, memo = [], {}
     all_fixed = None not in (tp, pp, cp, ep) or (None not in (tp, pp, cp) and not m.moe_every)
     tps = [tp] if tp is not None else [t for t in _divisors(cluster.gpus_per_node) if m.heads % t == 0]
     pps = [pp] if pp is not None else _divisors(m.layers)
@@ -1955,7 +1972,7 @@ def candidate_layouts(cluster, m, tp=None, pp=None, cp=None, ep=None):
               and m.global_batch % (cluster.gpus // (t * p * c)) == 0]
     for t, p, c, e in layouts if all_fixed else divide:
         try:
-            out.append(estimate(cluster, m, t, p, c, ep=e))
+            out.append(estimate(cluster, m, t, p, c, ep=e, memo=memo))
         except ValueError:
             if all_fixed:
                 raise

@@ -1667,11 +1667,13 @@ def test_zero_bubble_row_by_hand():
     weight = (L // p) * (_gemm(s, h, 3 * h // t) + _gemm(s, h // t, h) + 2 * _gemm(s, h, h)) + _gemm(s, h, V // t)
     stage = base["bubble_s"] / (p - 1)
     assert zb["bubble_s"] == pytest.approx((p - 1) * (stage - 2 * weight), rel=1e-12)
-    assert 0.5 < zb["bubble_s"] / base["bubble_s"] < 0.6  # W is 23% of a stage here: attention, elementwise and TP are B's
+    # W is 23% of a stage here: the attention core, the elementwise work and TP are B's
+    assert 0.5 < zb["bubble_s"] / base["bubble_s"] < 0.6
     same = ("compute_s", "tp_s", "cp_s", "pp_p2p_s", "dp_s", "optimizer_s", "weights_gb", "grads_gb", "optimizer_gb")
     assert all(zb[k] == base[k] for k in same)
-    # memory: A = L/p layers of 34 s b h/t (selective, SP) per micro-batch, A_w = L/p x s b h (8 + 24/t), more than A at
-    # t = 4: the last rank, 1 micro-batch before B and p - 1 deferred W's, is the most loaded; plus the instant after a B
+    # memory: A = L/p layers of 34 s b h/t (selective, SP) per micro-batch, A_w = L/p x s b h (8 + 24/t), more than A
+    # at t = 4: the last rank, 1 micro-batch before B and p - 1 deferred W's, is the most loaded; plus the instant after
+    # a B
     kept, deferred = (L // p) * 34 * s * h / t, (L // p) * s * h * (8 + 24 / t)
     working, mask = 5 * a * s * s / t, s * h / t
     first, last = p * kept + working + p * mask, kept + (p - 1) * deferred + working

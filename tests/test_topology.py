@@ -863,7 +863,7 @@ def test_figure_13_tensor_parallel_of_one_node_is_best():
 
 def test_planner_answers_for_16384_gpus_in_under_a_second():
     # Measured ~0.05 s for each batch on the shared 2-core machine (the old planner: 70 s); with the schedules, ZeRO
-    # levels, HSDP and Ulysses sizes 0.12-0.21 s of CPU. The bound is the issue's, on the CPU time this process spends
+    # levels, HSDP and Ulysses sizes 0.10-0.14 s of CPU. The bound is the issue's, on the CPU time this process spends
     # planning (the wall time grows with the other jobs on the 2 shared cores)
     c = topology.Cluster(gpus=16384)
     for batch in (3072, 16384):
@@ -1440,8 +1440,8 @@ def test_the_search_covers_ep_beside_every_other_knob():
 
 def test_planner_answers_for_16384_gpus_with_moe_in_under_a_second():
     # a DeepSeek-like fine-grained MoE (256 experts of 2048, top-8, a shared expert) on 16,384 H100: 1,210 layouts
-    # (TP, PP, CP and every EP dividing both 256 and the folding's ranks). Measured 0.38-0.48 s of CPU (0.62-0.75 s
-    # with the schedules, ZeRO levels, HSDP and Ulysses sizes: 0.32 s against 0.70 s at the same load); the wall
+    # (TP, PP, CP and every EP dividing both 256 and the folding's ranks). Measured 0.38-0.48 s of CPU (with the
+    # schedules, ZeRO levels, HSDP and Ulysses sizes 0.53-0.67 s against 0.30-0.45 s without, at the same load); the wall
     # time was 0.40 s on a quiet machine and 3 s at a load average of 12 (other jobs on the 2 shared cores), so
     # the bound is on the CPU time this process spends planning
     c = topology.Cluster.for_gpu("h100", 16384)

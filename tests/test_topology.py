@@ -1441,8 +1441,8 @@ def test_the_search_covers_ep_beside_every_other_knob():
 def test_planner_answers_for_16384_gpus_with_moe_in_under_a_second():
     # a DeepSeek-like fine-grained MoE (256 experts of 2048, top-8, a shared expert) on 16,384 H100: 1,210 layouts
     # (TP, PP, CP and every EP dividing both 256 and the folding's ranks). Measured 0.38-0.48 s of CPU (with the
-    # schedules, ZeRO levels, HSDP and Ulysses sizes 0.53-0.67 s against 0.30-0.45 s without, at the same load); the wall
-    # time was 0.40 s on a quiet machine and 3 s at a load average of 12 (other jobs on the 2 shared cores), so
+    # schedules, ZeRO levels, HSDP and Ulysses sizes 0.53-0.67 s against 0.30-0.45 s without, at the same load); the
+    # wall time was 0.40 s on a quiet machine and 3 s at a load average of 12 (other jobs on the 2 shared cores), so
     # the bound is on the CPU time this process spends planning
     c = topology.Cluster.for_gpu("h100", 16384)
     m = topology.ModelShape(layers=64, hidden=7168, heads=128, seq=4096, vocab=129280, global_batch=16384,

@@ -19,27 +19,41 @@ strides by TP*CP*DP ranks, i.e. across nodes. Experts are "folded" over the same
 `tp-ep-edp-pp` with `EP x EDP = CP x DP`, so EP groups are drawn from the data/context-parallel ranks of
 one (tp, pp) position, and EDP (expert data parallel) groups hold the replicas of one expert shard.
 
-The planner estimates, for every layout that divides the cluster and the model, the memory of one
-first-stage GPU and the time of one training step, chooses the knobs a practitioner chooses besides
-(TP, PP, CP, and EP for a MoE model) -- the recomputation (none, selective, full: the cheapest that fits), the
-micro-batch size b, the interleaved schedule's chunks per stage v, sequence parallelism (SP) and the distributed
-optimizer (ZeRO-1) -- ranks the layouts that fit by step time, and says why the winner wins. It models Megatron-LM
-(GPT, 4h MLP, tied embeddings, unfused attention core, 16-bit), the implementation Narayanan et al. 2021
-measured. Notation: s b h a L V t p c d as usual, m = B / (d b) micro-batches per pipeline, M = b s / c
-tokens per GPU, n = d c the gradient-reduction group.
+The planner estimates, for every layout that divides the cluster and the model, the memory of the most loaded
+GPU and the time of one training step, chooses the knobs a practitioner chooses besides (TP, PP, CP, and EP for a
+MoE model) -- the recomputation (none, selective, full: the cheapest that fits), the micro-batch size b, the
+pipeline schedule (1F1B, interleaved with v chunks per stage, zero bubble ZB-H1 with v >= 1), sequence parallelism
+(SP), the ZeRO level (0-3) and its shard size (HSDP), and CP's Ulysses size u (hybrid CP) -- ranks the layouts that
+fit by step time, and says why the winner wins; `plan --command` prints the torchrun line that runs the top row
+with train_gpt.py. It models Megatron-LM (GPT, 4h MLP, tied embeddings, unfused attention core, 16-bit), the
+implementation Narayanan et al. 2021 measured. Notation: s b h a L V t p c d as usual, m = B / (d b) micro-batches
+per pipeline, M = b s / c tokens per GPU, n = d c the gradient-reduction group, k the ZeRO shard size (n, or less
+with HSDP), u the Ulysses size of CP (c = u r, r the ring's size).
 
-Memory of one first-stage GPU (fits when <= 0.9 x GPU memory: CUDA context, allocator, buffers):
+Memory of the most loaded GPU (fits when <= 0.9 x GPU memory: CUDA context, allocator, buffers):
     parameters   ((12 h^2 + 13 h) L/p + V h) / t + s h            (embedding on stage 0, positions not split)
     states       2 + 2 + 16 bytes per parameter (16-bit weight, 16-bit gradient, fp32 master, Adam moments
-                 and fp32 gradient copy: Megatron-LM's accounting); ZeRO-1: 4 + 16 / n
+                 and fp32 gradient copy: Megatron-LM's accounting; grad_bytes 4: 2 + 4 + 12); ZeRO (Rajbhandari
+                 et al. 2020, FSDP) shards over k: ZeRO-1 the optimizer state, 4 + 16/k (6 + 12/k); ZeRO-2 the
+                 gradients too, 2 + 18/k (2 + 16/k); ZeRO-3 the parameters too, 20/k (18/k); ZeRO-2 and 3 add
+                 the full gradient of the unit (a layer, or the embedding) being reduce-scattered, ZeRO-3 the
+                 16-bit parameters of two units (the one computing and the next one, prefetched)
     activations  per layer and micro-batch, Korthikanti et al. 2022; under CP the s of s b h is s/c and the
-                 scores keep one s (5as/h: s/c queries against s keys):
+                 scores keep one s (5as/h: s/c queries against s keys; hybrid CP holds as many elements, s/r
+                 tokens of 1/u of the heads):
                    SP      none s b h/t (34 + 5as/h)       selective 34 s b h/t        full 2 s b h/t
                    no SP   none s b h (10 + 24/t + 5as/(ht)) selective s b h (10 + 24/t) full 2 s b h
                  x L/p layers x the micro-batches in flight on stage 0: 1F1B p (GPipe would keep m),
                  interleaved p + (p-1)/v (Korthikanti section 4.2.3), never more than m; plus one layer in
                  full while it is recomputed, the embedding's dropout mask (s b h, / t with SP, per micro-batch
                  in flight), and with p = 1 the fp32 logits 4 s b V / t.
+                 ZB-H1 keeps rank r's k_r chunks before their B as its base order does (1F1B k_r = p - r,
+                 interleaved 2 (p - r - 1) + (v - 1) p + 1, at most v m) and d_r = min(k_r + r, v m) - k_r
+                 chunks whose W is deferred (rank 0: none), each holding A_w: every linear's input and output
+                 gradient, as train_gpt.py keeps them for W, per layer s b h (8 + 24/t) with multi-head
+                 attention (`deferred_w_bytes`); rank r holds (k_r A + d_r A_w) / v + max(0, A_w - A)/v (right
+                 after a B, before the next F) with A a stage's kept activations: the most loaded rank is stage
+                 0 while A_w <= A, a later one under full recomputation (A = 2 s b h/t).
 
 Time of one layer's forward for one micro-batch on one GPU (measured constants below):
     GEMMs        QKV (M, h, 3h/t), projection (M, h/t, h), MLP (M, h, 4h/t), (M, 4h/t, h):
@@ -56,34 +70,61 @@ Time of one layer's forward for one micro-batch on one GPU (measured constants b
     TP           2 all-reduces (SP: all-gather + reduce-scatter, the same bytes) of M h 16-bit values:
                  2 (2 (t-1)/t M h e / B + latency), B the NVLink bus bandwidth (a TP group given across
                  nodes, k GPUs per node: k NICs' worth)
-    CP ring      K and V shards (2 M h / t values) passed c-1 times; backward 2c-1 times (K, V and dK, dV);
+    CP ring      K and V shards (2 M h / t values) passed r-1 times; backward 2r-1 times (K, V and dK, dV);
                  each step also pays a collective latency and 3 kernel launches, and each later block
                  merges its partial output into the fp32 accumulator (12 bytes per output element)
+    CP Ulysses   hybrid CP (USP, Fang and Zhao 2024; Megatron-Core's a2a+p2p): u > 1 consecutive CP ranks
+                 trade sequence for heads first, 4 all-to-alls forward and 4 backward, together (u-1)/u
+                 b s/(u r) (2 h + 2 h_kv)/t e per GPU (`hybrid_comm_bytes`, long_seq.py's formula), not
+                 overlapped; the ring then runs over r = c/u ranks on s/r tokens of 1/u of the heads (as many
+                 elements per step, r-1 steps). u divides c and the (KV) heads per TP rank; u = 1 is the ring,
+                 u = c Ulysses; the search takes the u with the least CP seconds (nothing else depends on it)
     backward = 2 x the forward's work with the same TP collectives; full recomputation adds the forward,
     selective the attention core; the output layer (last stage): 3 GEMMs (M, h, V/t) and a 48-byte fp32
     cross-entropy per logit; a stage = its L/p layers, the output layer (the last stage is the slowest) and
     2v pipeline exchanges of M h / t values (scatter-gather: each TP rank sends 1/t, then without SP an
-    all-gather over NVLink) plus p2p latency each.
-Step time = m x stage (compute + TP + CP + p2p) + bubble (p-1)/v x stage + gradient reduction (ring:
-2 (n-1)/n of 2 bytes per parameter; ZeRO-1: reduce-scatter + all-gather, the same bytes; across nodes a
-group with k members per node moves k NICs' worth, NCCL runs one ring per NIC) + the tied embedding's
-all-reduce between first and last stage + the optimizer step (48 bytes of HBM traffic per parameter
-updated, / n with ZeRO-1). Each row also splits compute_s into gemm_s, attention_s, elementwise_s and
-output_layer_s. The pipeline part, m (stage + 2v exchanges) + (p-1)/v stage with the output layer on the last
-stage, is checked in tests/test_topology.py against a rank-by-rank replay of Megatron-LM 2021's 1F1B and
-interleaved schedules (megatron/schedules.py of the SC'21 artifact: every exchange one blocking
-batch_isend_irecv, finished when the neighbours have posted theirs): it overstates the replay by 0.2-0.6%,
-because the 2021 steady state sends both directions in one exchange.
+    all-gather over NVLink) plus p2p latency each. ZB-H1 splits each backward into B (input gradients, the
+    attention core, the elementwise work, the communication, the recomputation) and W (one weight-gradient GEMM
+    per forward GEMM, of its shape: W = the forward's GEMM time, the output layer's one of its three), so that
+    W <= F and W <= B always, about half of the backward's work where GEMMs dominate.
+Step time = m x stage (compute + TP + CP + p2p) + bubble + gradient reduction + the tied embedding's all-reduce
+between first and last stage + the optimizer step (48 bytes of HBM traffic per parameter updated, / k with ZeRO).
+    bubble       1F1B (p-1) stage, interleaved (p-1)/v stage (Narayanan et al. 2021); ZB-H1 (Qi et al. 2023)
+                 per chunk (p-1)(F + B) - (min(m, p) - 1) W, i.e. (p-1)(F + B - W) for m >= p: (p-1)/v (stage -
+                 2 W_stage), a third of 1F1B's when F = B = W (`pipeline_bubble`, exact for W <= min(F, B))
+    DP           in (n-1)/n of the gradient bytes each (a ring; across nodes a group with k members per node
+                 moves k NICs' worth, NCCL runs one ring per NIC): ZeRO-0 an all-reduce (2 per step), ZeRO-1
+                 reduce-scatter + all-gather (2 per step), ZeRO-2 a reduce-scatter per micro-batch (its gradients
+                 go to their owners as its backward makes them) + 1 all-gather, ZeRO-3 per micro-batch an
+                 all-gather for the forward, one for the backward and the reduce-scatter (FORMULAS.md: with m
+                 micro-batches ZeRO-2/3 pay per micro-batch); the parameter all-gathers are counted at the
+                 gradient's bytes, as ZeRO-1's always were (exact for 16-bit gradients, twice the 16-bit
+                 parameters' bytes with fp32 main grads). HSDP (k < n): those over k consecutive ranks of the DP x
+                 CP group (one node's, when the search chooses), and an all-reduce of the 1/k shard over the n/k
+                 replicas once per step. Experts over the GPUs holding the same ones (no HSDP for them).
+Each row also splits compute_s into gemm_s, attention_s, elementwise_s and output_layer_s. The pipeline part, m
+(stage + 2v exchanges) + (p-1)/v stage with the output layer on the last stage, is checked in
+tests/test_topology.py against a rank-by-rank replay of Megatron-LM 2021's 1F1B and interleaved schedules
+(megatron/schedules.py of the SC'21 artifact: every exchange one blocking batch_isend_irecv, finished when the
+neighbours have posted theirs): it overstates the replay by 0.2-0.6%, because the 2021 steady state sends both
+directions in one exchange. The bubble and in-flight formulas of every schedule are checked against train_gpt.py's
+replay of the very lists its executor runs (`pipeline_schedule`, `replay_pipeline`) over a grid of p, m, v.
 
 What overlaps compute, as Megatron-LM does it: the CP ring's exchanges hide behind the attention core (only
 the excess counts); the gradient reduction hides behind the last micro-batch's backward only with
 `overlap_grad_reduce` (torch DDP, Megatron-Core's --overlap-grad-reduce; not Megatron-LM's 2021 "local"
-DDP, which Table 1's pipelined runs used). Not overlapped: TP collectives (each feeds the next GEMM;
+DDP, which Table 1's pipelined runs used); with it ZeRO-2 and 3 hide each micro-batch's collectives behind that
+micro-batch's backward (ZeRO-3's, with its forward all-gather, behind forward and backward: 1.5 x the backward),
+the once-per-step ones behind the last backward. Not overlapped: TP collectives (each feeds the next GEMM;
 Megatron-Core's --tp-comm-overlap is not modelled), pipeline exchanges (the 2021 schedule blocks on each
-batch_isend_irecv and synchronises), the embedding all-reduce, the optimizer step. The interleaved schedule
-needs m to be a multiple of p and p >= `interleave_min_pp`: 2 today, 3 in 2021 (Megatron-LM's arguments.py then
-asserted PP > 2; PP = 2 interleaving came with "Enable virtual pipelining and P2P communication overlap at
-PP=2", 2023).
+batch_isend_irecv and synchronises), Ulysses' all-to-alls, the embedding all-reduce, the optimizer step. The
+interleaved schedule, and ZB-H1 with v > 1, needs m to be a multiple of p and p >= `interleave_min_pp`: 2 today, 3
+in 2021 (Megatron-LM's arguments.py then asserted PP > 2; PP = 2 interleaving came with "Enable virtual pipelining
+and P2P communication overlap at PP=2", 2023). The search tries the schedules and ZeRO levels the implementation
+offers (`Cluster.schedules`, `Cluster.zero_levels`: all of them by default; CLUSTER_2021 1F1B and interleaved with
+ZeRO off, MEGATRON_CORE_2025 1F1B and interleaved with ZeRO-0/1), HSDP over every DP x CP rank or one node's, every
+Ulysses size; a fixed knob is taken as given. ZeRO-0 is left out where ZeRO-1 can run (the same bytes, more memory, a
+slower optimizer step).
 
 Constants (flags of `plan`; presets `--gpu a100|h100|h200`). A100 80 GB: peak 312 TFLOP/s (datasheet), HBM 1730
 GB/s achieved (85% of 2039), NVLink all-reduce bus bandwidth 230 GB/s (nccl-tests, DGX A100, of 300), InfiniBand
@@ -112,8 +153,9 @@ the two rows' gaps; the 4 GB/s exchanges, for one, leave +7.1% / +9.6% with the 
 GB/s brings 18.4B in but not 39.1B, with the 1T row 8.2% off. So the disagreement is the model's prediction, not
 a missing term: at 18-39B without SP, TP8 repeats the LayerNorms 8 times and exposes its all-reduces, which the
 paper's rule (TP up to a node, then PP) accepts; sequence parallelism (2022) removes the former, and with every
-knob the planner keeps TP2 with SP there. With every knob (ZeRO-1 and SP let smaller TP fit) it moves further
-from the 2021 layouts.
+knob the planner keeps TP2 with SP there. With every knob (ZeRO-1 and SP let smaller TP fit, ZB-H1 shrinks the
+bubble) it moves further from the 2021 layouts: ZB-H1 on every pipelined top choice but the 1T row's (interleaved,
+v = 8), ZeRO-1 throughout (without the overlapped reduction ZeRO-2/3 pay their per-micro-batch collectives in full).
 
 TFLOP/s per GPU are counted as Narayanan et al. count them, 96 B s L h^2 (1 + s/6h + V/16Lh) per step
 (every layer 4 x its forward, as with full recomputation), divided by step time and GPUs, whatever the plan
@@ -176,17 +218,21 @@ sequence 4096, global batch 256, micro-batch 1, untied embeddings, no recomputat
 overlapped gradient reduction, flash attention, bf16 (MEGATRON_CORE_2025, MOE_RUN_KNOBS); load factor 1 (balanced:
 the benchmark mode drops tokens at capacity factor 1, so no expert exceeds its share). With the H100 preset
 unchanged (e_max and x0 carried over from Table 1, nothing fitted to these rows) the published layouts are predicted
-at 46.0% (-6.7%) and 39.8% (+2.1%) MFU, worst error -6.7%, and fit (69.6 and 63.5 GB of 72): counted
-conservatively (positions as learned, 25 M parameters; dropout masks although the runs had no dropout; K and V
-at full width in Korthikanti's 11 s b h). The planner's own top choice with
-the same software: Mixtral TP2 PP8 CP2 EP8 v7 (the published layout +4.2% slower), Qwen2 TP2 PP2 EP8 DP16 v7 (+4.7%).
+at 46.0% (-6.7%) and 39.8% (+2.1%) MFU, worst error -6.7%, and fit (69.6 and 63.5 GB of 72): counted conservatively
+(positions as learned, 25 M parameters; dropout masks although the runs had no dropout; K and V at full width in
+Korthikanti's 11 s b h). The planner's own top choice with the same software (1F1B or interleaved, ZeRO-0/1, ring,
+Ulysses or hybrid CP): Mixtral TP1 PP8 CP4 EP8 v7 with CP as Ulysses over 4 (the published layout +4.8% slower),
+Qwen2 TP2 PP2 EP8 DP16 v7 (+4.7%). With every schedule and ZeRO level the planner knows, which those runs did not use:
+Mixtral the published layout under ZB-H1 (+10.4%: its 1F1B bubble, 0.78 s, halves), Qwen2 TP1 PP1 EP1 DP64 under
+ZeRO-3 with full recomputation (+14.4%; its per-micro-batch gathers hidden behind the overlapped compute).
 The authors' later Mixtral layout (July 2025, v 7) is predicted at +3.1% but does not fit under that count (74.7 GB).
 DeepSeek-V3 (technical report, arXiv 2412.19437: 2,048 H800, PP16 with DualPipe, EP64 over 8 nodes, ZeRO-1, 180K H800
 GPU hours per trillion tokens, i.e. 1,543 tokens/s per GPU) is not in the table: its MLA attention, FP8 GEMMs,
 DualPipe's overlapped all-to-alls and node-limited routing are outside this cost model.
 
 Run `python topology.py --help`; `python topology.py --nodes 8 --gpus-per-node 8 --tp 8 --pp 4` draws
-the rank map; `python topology.py plan ...` plans (`--moe-every --experts --top-k --ep ...` for MoE);
+the rank map; `python topology.py plan ...` plans (`--moe-every --experts --top-k --ep ...` for MoE; `--pp-schedule
+--zero --zero-shard-size --cp-ulysses` fix the new knobs; `--command` prints the torchrun line of the top row);
 `python topology.py calibrate` prints Table 1 and the MoE runs beside the planner; `python topology.py example`
 compares the chapter's two 64-GPU plans on two model shapes, then EP inside a node against EP across nodes.
 """
@@ -201,6 +247,7 @@ import sys
 import warnings
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -236,7 +283,12 @@ def _check_count(name, value, fix):
 
 
 def _divisors(n):
-    return [d for d in range(1, n + 1) if n % d == 0]
+    return list(_divisor_tuple(n))
+
+
+@functools.lru_cache(maxsize=4096)
+def _divisor_tuple(n):
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
 def validate_layout(world_size, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1, zero_shard=None):
@@ -588,6 +640,9 @@ MOE_EXTRA_KERNELS = 6         # router GEMM, softmax and top-k, histogram, count
 #                               inverse (a MoE layer's forward: KERNELS_PER_LAYER + these)
 MAX_MICRO_BATCH = 16          # the search tries micro-batch sizes up to this (Table 1 uses 1 to 16)
 MAX_VIRTUAL_STAGES = 8        # and interleaved schedules of up to this many model chunks per GPU
+SCHEDULES = ("1f1b", "interleaved", "zb-h1")  # train_gpt.py's --pp-schedule: 1F1B, Megatron-LM's interleaved 1F1B,
+#                               zero bubble ZB-H1 (Qi et al. 2023; on 1F1B's order, or on the interleaved one, v > 1)
+ZERO_LEVELS = (0, 1, 2, 3)    # train_gpt.py's --zero: replicated, sharded optimizer, + gradients, + parameters
 
 # Per GPU: datasheet peak, achieved bandwidths, the GEMM efficiency curve (e_max = `efficiency`, x0 =
 # `gemm_half_dim`), fixed costs per kernel launch, TP collective and pipeline exchange. Sources and how e_max
@@ -641,6 +696,11 @@ class Cluster:
     # (tp, pp) position, as topology.rank_groups builds them and train_gpt.py runs them; or "tp_dp_cp", Megatron-
     # Core's MoE parallel folding with expert TP 1 (Liu et al. 2025): all tp x cp x dp ranks of a stage, EP fastest
     expert_folding: str = "dp_cp"
+    # the pipeline schedules and ZeRO levels the implementation offers, which the search tries where the knob is free
+    # (a knob fixed in the ModelShape is taken as given): Megatron-LM 2021 had 1F1B and the interleaved schedule
+    # (CLUSTER_2021), Megatron-Core's MoE runs of 2025 those and its distributed optimizer, ZeRO-1 (MEGATRON_CORE_2025)
+    schedules: tuple = SCHEDULES
+    zero_levels: tuple = ZERO_LEVELS
 
     def __post_init__(self):
         # `not value > 0` rather than `value <= 0`: NaN fails it too
@@ -661,6 +721,11 @@ class Cluster:
             raise ValueError(f"grad_bytes={self.grad_bytes!r} must be 2 (16-bit gradients) or 4 (fp32 main grads)")
         if self.expert_folding not in EXPERT_FOLDINGS:
             raise ValueError(f"expert_folding={self.expert_folding!r}; choose one of {', '.join(EXPERT_FOLDINGS)}")
+        unknown = [x for x in self.schedules if x not in SCHEDULES]
+        if unknown or "1f1b" not in self.schedules:
+            raise ValueError(f"schedules={self.schedules!r} must hold '1f1b' and only {', '.join(SCHEDULES)}")
+        if 0 not in self.zero_levels or any(z not in ZERO_LEVELS for z in self.zero_levels):
+            raise ValueError(f"zero_levels={self.zero_levels!r} must hold 0 and only levels of {ZERO_LEVELS}")
 
     @classmethod
     def for_gpu(cls, gpu, gpus, **overrides):
@@ -676,8 +741,11 @@ EXPERT_FOLDINGS = ("dp_cp", "tp_dp_cp")
 @dataclass
 class ModelShape:
     """A GPT (4h MLP, learned positions, tied embeddings) and a global batch. The knobs `micro_batch`,
-    `recompute`, `sequence_parallel`, `zero` and `virtual_stages` are fixed when given and chosen by the
-    planner when None.
+    `recompute`, `sequence_parallel`, `zero` (the ZeRO level 0-3; True and False mean 1 and 0), `virtual_stages`,
+    `pp_schedule` (SCHEDULES), `zero_shard_size` (HSDP: shard over k of the DP x CP ranks, replicate over the rest;
+    None: shard over all of them) and `cp_ulysses` (the Ulysses size u of hybrid CP: 1 ring, cp Ulysses) are fixed
+    when given and chosen by the planner when None. A `virtual_stages` given without a `pp_schedule` keeps its
+    first meaning: 1F1B for 1, the interleaved schedule above.
 
     MoE, with train_gpt.py's names: every `moe_every`-th layer (layer i when (i + 1) % moe_every == 0; 0: a dense
     model) replaces its MLP by `experts` expert MLPs of hidden size `expert_hidden` (None: 4h), `top_k` per token,
@@ -697,8 +765,8 @@ class ModelShape:
     micro_batch: int = None
     recompute: str = None          # none | selective | full
     sequence_parallel: bool = None
-    zero: bool = None              # distributed optimizer (ZeRO-1) over the DP x CP ranks
-    virtual_stages: int = None     # model chunks per GPU of the interleaved 1F1B schedule (1: plain 1F1B)
+    zero: int = None               # ZeRO level over the DP x CP ranks: 0 replicated, 1 optimizer, 2 + grads, 3 + params
+    virtual_stages: int = None     # model chunks per GPU (1: one; interleaved or zero-bubble schedules: more)
     moe_every: int = 0
     experts: int = 8
     top_k: int = 2
@@ -709,15 +777,35 @@ class ModelShape:
     swiglu: bool = False
     kv_heads: int = None
     tied_embeddings: bool = True
+    pp_schedule: str = None        # 1f1b | interleaved | zb-h1
+    zero_shard_size: int = None    # HSDP: ZeRO shards over this many DP x CP ranks (None: all of them)
+    cp_ulysses: int = None         # hybrid CP: Ulysses over u consecutive CP ranks, a ring over cp / u
 
     def __post_init__(self):
         # a size of 0 would otherwise surface as a ZeroDivisionError deep in the cost model
         for name in ("layers", "hidden", "heads", "seq", "vocab"):
             _check_count(name, getattr(self, name), "give the model's size")
         _check_count("global_batch", self.global_batch, "give the sequences per optimizer step")
-        for name in ("micro_batch", "virtual_stages"):  # None: the planner chooses
+        for name in ("micro_batch", "virtual_stages", "zero_shard_size", "cp_ulysses"):  # None: the planner chooses
             if getattr(self, name) is not None:
                 _check_count(name, getattr(self, name), "omit it to let the planner choose")
+        if isinstance(self.zero, bool):  # the knob was ZeRO-1 on or off
+            self.zero = int(self.zero)
+        if self.zero is not None and self.zero not in ZERO_LEVELS:
+            raise ValueError(f"zero={self.zero!r} must be a ZeRO level 0, 1, 2 or 3 (--zero); omit it to let the "
+                             "planner choose")
+        if self.zero == 0 and self.zero_shard_size is not None:
+            raise ValueError(f"zero_shard_size={self.zero_shard_size} needs zero >= 1 (--zero-shard-size shards "
+                             "the ZeRO states); omit it, or choose --zero 1, 2 or 3")
+        if self.pp_schedule is not None and self.pp_schedule not in SCHEDULES:
+            raise ValueError(f"pp_schedule={self.pp_schedule!r}; choose one of {', '.join(SCHEDULES)} "
+                             "(--pp-schedule), or omit it to let the planner choose")
+        if self.pp_schedule == "interleaved" and self.virtual_stages == 1:
+            raise ValueError("pp_schedule='interleaved' needs virtual_stages >= 2 (--virtual-stages): model chunks "
+                             "per GPU")
+        if self.pp_schedule == "1f1b" and (self.virtual_stages or 1) > 1:
+            raise ValueError(f"virtual_stages={self.virtual_stages} needs pp_schedule interleaved or zb-h1 "
+                             "(--pp-schedule); 1f1b runs one chunk per GPU")
         if self.kv_heads is not None:
             _check_count("kv_heads", self.kv_heads, "omit it for multi-head attention")
             if self.heads % self.kv_heads:
@@ -951,6 +1039,23 @@ def moe_a2a_bytes(tokens, hidden, top_k, ep, bytes_per_element=ACT_BYTES, imbala
     return {f"{kind}_{phase}": sent for kind in ("dispatch", "combine") for phase in ("fwd", "bwd")}
 
 
+def hybrid_comm_bytes(b, s, q_width, kv_width, ulysses, ring, e, e_acc=None):
+    """Bytes one rank sends per attention layer under hybrid CP (USP: Ulysses over u ranks inside, a ring over r
+    across, CP = u r), by group and direction; a copy of long_seq.hybrid_comm_bytes (this file imports no other
+    file of the repository; a test checks that the two agree). q_width and kv_width are this rank's query and KV
+    widths (heads x head_dim, / t under TP), e bytes per element, e_acc those of the ring's dK/dV (default e).
+    The 4 all-to-alls (q, k, v, out; backward dout, dq, dk, dv) each keep 1/u of a tensor of b s/(u r) tokens at
+    home: (u-1)/u b s/(u r) (2 H + 2 H_kv) e. After them the rank holds s/r tokens of H_kv/u, and the ring passes K
+    and V r - 1 times, 2 (r-1) b (s/r) (H_kv/u) e, and backward returns dK and dV r times more at e_acc."""
+    e_acc = e if e_acc is None else e_acc
+    u, r = ulysses, ring
+    a2a = (u - 1) / u * b * s / (u * r) * (2 * q_width + 2 * kv_width) * e
+    kv_block = 2 * b * (s / r) * (kv_width / u)  # K and V of one ring shard, elements
+    return {"ulysses_fwd": a2a, "ulysses_bwd": a2a,
+            "ring_fwd": (r - 1) * kv_block * e,
+            "ring_bwd": (r - 1) * kv_block * e + (r * kv_block * e_acc if r > 1 else 0)}
+
+
 def load_imbalance(load_per_rank):
     """The factor f of a routing: the copies that reach the busiest EP rank over the mean (1: balanced)."""
     load = list(load_per_rank)
@@ -959,6 +1064,7 @@ def load_imbalance(load_per_rank):
 
 # ---- where each group lives ---------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=65536)
 def _members_per_node(stride, size, gpus, gpus_per_node):
     """Ranks of one group (base + stride * k, k < size) that share a node; `size` when the group never leaves
     a node. Exact when the group's span divides the node or is a multiple of it (the usual powers of two);
@@ -1044,9 +1150,10 @@ def _moe_mlp_forward(cluster, m, tokens, t, ep, lay):
     return gemms, memory, a2a
 
 
-def layer_forward(cluster, m, tp, cp, b, sp, lay, moe=False):
+def layer_forward(cluster, m, tp, cp, b, sp, lay, moe=False, ulysses=1):
     """Seconds of one layer's forward on one GPU for one micro-batch of b sequences, by kind (a MoE layer with
-    `moe`: its MLP from `_moe_mlp_forward`, and `ep_fwd` its all-to-alls)."""
+    `moe`: its MLP from `_moe_mlp_forward`, and `ep_fwd` its all-to-alls); CP as a ring over cp / `ulysses` ranks
+    after the Ulysses all-to-alls over `ulysses` (1: the ring alone, cp: Ulysses alone)."""
     h, a, s, t = m.hidden, m.heads, m.seq, tp
     kv = _kv_width(m)
     tokens = b * s // cp
@@ -1089,17 +1196,37 @@ def layer_forward(cluster, m, tp, cp, b, sp, lay, moe=False):
     # pays a latency and the launches of its partial attention and rescaling kernels (3), and each of the cp - 1
     # later blocks merges its partial output into the fp32 accumulator (forward; twice in the backward: dQ, and
     # dK dV travelling with the ring)
-    cp_fwd = cp_bwd = 0.0
-    if cp > 1:
-        kv_bytes = 2 * tokens * kv / t * ACT_BYTES
-        link = (cluster.nvlink_gbps if lay.local["cp"] else cluster.ib_gbps) * GB
-        per_step = cluster.collective_latency_us * 1e-6 + 3 * cluster.launch_us * 1e-6
-        merge = RING_MERGE_BYTES * tokens * h / t / hbm
-        cp_fwd = max(0.0, (cp - 1) * kv_bytes / link - attention) + (cp - 1) * (per_step + merge)
-        cp_bwd = (max(0.0, (2 * cp - 1) * kv_bytes / link - 2 * attention) + (2 * cp - 1) * per_step
-                  + 2 * (cp - 1) * merge)
+    cp_fwd, cp_bwd = _cp_seconds(cluster, m, tp, cp, b, lay, attention, ulysses)
     return {"gemm": gemms, "attention": attention, "elementwise": elementwise, "tp": tp_comm,
             "cp_fwd": cp_fwd, "cp_bwd": cp_bwd, "ep_fwd": ep_fwd, "flash": cluster.flash_attention}
+
+
+def _cp_seconds(cluster, m, t, cp, b, lay, attention, ulysses):
+    """(forward, backward) seconds of CP's exposed communication in one layer, one micro-batch (layer_forward)."""
+    h, s, kv, hbm = m.hidden, m.seq, _kv_width(m), cluster.hbm_gbps * GB
+    tokens = b * s // cp
+    # Hybrid CP (u = `ulysses` > 1): Ulysses over u consecutive CP ranks first, 4 all-to-alls forward (q, k, v, out)
+    # and 4 backward, `hybrid_comm_bytes`, not overlapped (each feeds the next step); the ring then runs over the
+    # r = cp/u ranks at stride t u on s/r tokens of 1/u of the heads: as many elements per step as the plain ring's,
+    # r - 1 steps. The attention core's work is the same at every u
+    cp_fwd = cp_bwd = 0.0
+    ring = cp // ulysses
+    if ring > 1:
+        kv_bytes = 2 * tokens * kv / t * ACT_BYTES
+        ring_local = lay.local["cp"] if ulysses == 1 else (
+            _members_per_node(t * ulysses, ring, cluster.gpus, cluster.gpus_per_node) == ring)
+        link = (cluster.nvlink_gbps if ring_local else cluster.ib_gbps) * GB
+        per_step = cluster.collective_latency_us * 1e-6 + 3 * cluster.launch_us * 1e-6
+        merge = RING_MERGE_BYTES * tokens * h / t / hbm
+        cp_fwd = max(0.0, (ring - 1) * kv_bytes / link - attention) + (ring - 1) * (per_step + merge)
+        cp_bwd = (max(0.0, (2 * ring - 1) * kv_bytes / link - 2 * attention) + (2 * ring - 1) * per_step
+                  + 2 * (ring - 1) * merge)
+    if ulysses > 1:
+        sent = hybrid_comm_bytes(b, s, h / t, kv / t, ulysses, ring, ACT_BYTES)["ulysses_fwd"]
+        inner = _members_per_node(t, ulysses, cluster.gpus, cluster.gpus_per_node)
+        a2a = a2a_seconds(cluster, sent, ulysses, inner) + 3 * cluster.collective_latency_us * 1e-6
+        cp_fwd, cp_bwd = cp_fwd + a2a, cp_bwd + a2a
+    return cp_fwd, cp_bwd
 
 
 def layer_step(f, recompute):
@@ -1139,14 +1266,65 @@ def p2p_exchange_seconds(cluster, m, tp, cp, b, sp, pp_local):
     return seconds
 
 
-# ---- memory of one first-stage GPU -------------------------------------------------------------------
+# ---- memory of the most loaded GPU -------------------------------------------------------------------
 
 def in_flight_microbatches(pp, v, micro_batches):
     """Micro-batches whose activations stage 0 holds at the peak: 1F1B keeps p (GPipe would keep m); the
-    interleaved schedule keeps p (1 + (p-1)/(p v)) (Korthikanti et al. 2022, section 4.2.3), never more than m."""
+    interleaved schedule keeps p (1 + (p-1)/(p v)) (Korthikanti et al. 2022, section 4.2.3), never more than m.
+    ZB-H1 on either order keeps as many before their B on stage 0 (rank r defers r W's: rank 0 none)."""
     if v == 1:
         return min(pp, micro_batches)
     return min(float(micro_batches), pp + (pp - 1) / v)
+
+
+@functools.lru_cache(maxsize=4096)
+def in_flight_chunks(schedule, pp, micro_batches, v=1):
+    """Per pipeline rank r, at its activation peak: (k, d), k the model chunks (of micro-batches) whose activations
+    wait for their backward B, d the chunks whose B has run but whose deferred W has not. 1F1B: k = min(p - r, m);
+    interleaved (Megatron-LM's order): k = min(2 (p - r - 1) + (v - 1) p + 1, v m); d = 0. ZB-H1 runs the same order
+    with rank r deferring r W's through the steady state: the same k, d = min(k + r, v m) - k. tests/test_topology.py
+    replays train_gpt.py's lists against these counts."""
+    if v == 1:
+        before_b = [min(pp - r, micro_batches) for r in range(pp)]
+    else:
+        before_b = [min((pp - r - 1) * 2 + (v - 1) * pp + 1, micro_batches * v) for r in range(pp)]
+    if schedule != "zb-h1":
+        return tuple((k, 0) for k in before_b)
+    return tuple((k, min(k + r, micro_batches * v) - k) for r, k in enumerate(before_b))
+
+
+@functools.lru_cache(maxsize=4096)
+def _zb_candidate_ranks(pp, micro_batches, v):
+    """The ranks 1..p-1 where a * k + b * d (a, b >= 0) can peak: (k, d) is piecewise linear in r, so the ends and
+    the ranks where its slope changes."""
+    chunks = in_flight_chunks("zb-h1", pp, micro_batches, v)
+    ranks = {1, pp - 1} if pp > 1 else set()
+    for r in range(2, pp - 1):
+        slope = [chunks[r][i] - chunks[r - 1][i] for i in (0, 1)]
+        if slope != [chunks[r + 1][i] - chunks[r][i] for i in (0, 1)]:
+            ranks.add(r)
+    return tuple(sorted(ranks))
+
+
+def deferred_w_bytes(m, tp, cp, ep, b, moe=False):
+    """Bytes the deferred W of one layer and one micro-batch holds under ZB-H1: every linear's input and output
+    gradient in 16 bits, as train_gpt.py's _TPLinear keeps them for W (the input gathered over TP under SP, so that W
+    sends nothing). Per token of this CP rank: attention 2 h + (h + 2 h_kv)/t + h/t (QKV: whole input, split
+    gradient; projection: split input, whole gradient), a dense MLP 2 h + 8 h/t; a MoE layer the same attention,
+    its router (h + E) and each routed copy's expert linears (2 h + (g + 1) f) on its T = tokens/t, a shared expert
+    2 h + (g + 1) f_s/t on every token. (train_gpt.py defers only the _TPLinear GEMMs: there the experts' and the
+    router's weight gradients stay in B.)"""
+    h, kv, t = m.hidden, _kv_width(m), tp
+    tokens = b * m.seq // cp
+    elements = tokens * (2 * h + (h + 2 * kv) / t + h / t)
+    if not moe:
+        return ACT_BYTES * (elements + tokens * (2 * h + 8 * h / t))
+    gates = 2 if m.swiglu else 1
+    mine = tokens / t
+    copies = mine * m.top_k * moe_load_factor(m, ep)
+    elements += (mine * (h + m.experts) + copies * (2 * h + (gates + 1) * expert_hidden(m))
+                 + (tokens * (2 * h + (gates + 1) * m.shared_expert_hidden / t) if m.shared_expert_hidden else 0))
+    return ACT_BYTES * elements
 
 
 def _state_bytes(cluster):
@@ -1157,10 +1335,31 @@ def _state_bytes(cluster):
     return STATE_BYTES["weights"], 4, 12
 
 
+def state_bytes_per_parameter(cluster, zero, shard):
+    """(weight, gradient, optimizer) bytes per parameter at ZeRO level `zero` over `shard` ranks, without the
+    working set: BF16 with fp32 main grads 18, 6 + 12/d, 2 + 16/d, 18/d; 16-bit gradients 20, 4 + 16/d, 2 + 18/d,
+    20/d (FORMULAS.md, "Sharded data parallelism")."""
+    w, g, o = _state_bytes(cluster)
+    return (w / shard if zero >= 3 else w, g / shard if zero >= 2 else g, o / shard if zero >= 1 else o)
+
+
 def expert_shard(cluster, tp, cp, dp, ep):
     """Ranks over which a distributed optimizer shards one expert's states: its EDP replicas (cp dp / ep with
     train_gpt.py's folding, whose TP ranks each keep a copy; tp cp dp / ep with Megatron-Core's)."""
     return (cp * dp if cluster.expert_folding == "dp_cp" else tp * cp * dp) // ep
+
+
+def _unit_parameters(m, tp, ep):
+    """Parameters of the largest unit ZeRO-3 gathers at once on one GPU: a layer (a MoE layer with its E/ep local
+    experts) or the token embedding with the positions, split t ways as held."""
+    p = layer_parameters(m)
+    moe = moe_layers_between(m, 0, m.layers)
+    units = [m.vocab * m.hidden / tp + m.seq * m.hidden]
+    if m.layers > moe:
+        units.append(p["dense"] / tp)
+    if moe:
+        units.append(p["moe_shared"] / tp + (m.experts // ep) * p["expert"])
+    return max(units)
 
 
 def _activation_parts(cluster, m, tp, pp, cp, ep, b, recompute, sp):
@@ -1183,32 +1382,64 @@ def _activation_parts(cluster, m, tp, pp, cp, ep, b, recompute, sp):
     return kept, working, embedding, logits
 
 
+def _stage_deferred_bytes(m, tp, pp, cp, ep, b):
+    """deferred_w_bytes of stage 0's layers, one micro-batch."""
+    dense_layers, moe_layers = stage_layer_counts(m, pp, 0)
+    return ((dense_layers * deferred_w_bytes(m, tp, cp, ep, b) if dense_layers else 0.0)
+            + (moe_layers * deferred_w_bytes(m, tp, cp, ep, b, moe=True) if moe_layers else 0.0))
+
+
 def first_stage_memory(cluster, m, tp, pp, cp, dp, b, v, recompute, sp, zero, micro_batches, ep=1, parts=None,
-                       split=None):
-    """(parameters held, micro-batches in flight, GB by kind) of one GPU of the first stage. `parts` and `split`:
+                       split=None, schedule="1f1b", shard=None):
+    """(parameters held, micro-batches in flight on stage 0, GB by kind) of the most loaded GPU: one of the first
+    stage, or under ZB-H1 the rank whose deferred W's hold the most (`_activations_gb`). `parts` and `split`:
     `_activation_parts` and `_first_stage_parameters` when the caller has them already (the search)."""
     split = split or _first_stage_parameters(m, tp, pp, ep)
     parts = parts or _activation_parts(cluster, m, tp, pp, cp, ep, b, recompute, sp)
     in_flight = in_flight_microbatches(pp, v, micro_batches)
-    mem = dict(zip(("weights_gb", "grads_gb", "optimizer_gb"), _states_gb(cluster, split, tp, cp, dp, ep, zero)))
-    mem["activations_gb"] = _activations_gb(parts, in_flight)
+    deferred = _stage_deferred_bytes(m, tp, pp, cp, ep, b) if schedule == "zb-h1" else 0.0
+    states = _states_gb(cluster, split, tp, cp, dp, ep, zero, shard, _unit_parameters(m, tp, ep))
+    mem = dict(zip(("weights_gb", "grads_gb", "optimizer_gb"), states))
+    mem["activations_gb"] = _activations_gb(parts, in_flight, schedule, pp, micro_batches, v, deferred)
     return split[0] + split[1], in_flight, mem
 
 
-def _states_gb(cluster, split, tp, cp, dp, ep, zero):
-    """GB of (weights, gradients, optimizer states) of a GPU holding `split` = (dense, expert) parameters."""
+def _states_gb(cluster, split, tp, cp, dp, ep, zero, shard=None, unit=0.0):
+    """GB of (weights, gradients, optimizer states) of a GPU holding `split` = (dense, expert) parameters at ZeRO
+    level `zero`: the dense ones sharded over `shard` of the DP x CP ranks (None: all), the experts over their EDP
+    ranks (HSDP is not applied to them); ZeRO-2 and 3 hold one unit's full gradient while it is reduce-scattered,
+    ZeRO-3 two units' parameters (the one computing, the next one prefetched), `unit` = `_unit_parameters`."""
     shared, experts = split
     params = shared + experts
     weight_bytes, grad_bytes, optimizer_bytes = _state_bytes(cluster)
-    shard = dp * cp if zero else 1
+    shard = (shard or dp * cp) if zero else 1
     expert_shards = expert_shard(cluster, tp, cp, dp, ep) if zero else 1
-    return (weight_bytes * params / GB, grad_bytes * params / GB,
-            (optimizer_bytes * shared / shard + optimizer_bytes * experts / expert_shards) / GB)
+    optimizer = (optimizer_bytes * shared / shard + optimizer_bytes * experts / expert_shards) / GB
+    if zero < 2:
+        return weight_bytes * params / GB, grad_bytes * params / GB, optimizer
+    grads = (grad_bytes * shared / shard + grad_bytes * experts / expert_shards + grad_bytes * unit) / GB
+    if zero < 3:
+        return weight_bytes * params / GB, grads, optimizer
+    weights = (weight_bytes * shared / shard + weight_bytes * experts / expert_shards + 2 * weight_bytes * unit) / GB
+    return weights, grads, optimizer
 
 
-def _activations_gb(parts, in_flight):
+def _activations_gb(parts, in_flight, schedule="1f1b", pp=1, micro_batches=1, v=1, deferred=0.0):
+    """GB of activations. 1F1B and interleaved: stage 0's, `in_flight` micro-batches. ZB-H1: the most of any rank r,
+    k chunks of its layers' kept activations A and d deferred W's of A_w each (`in_flight_chunks`, per chunk A / v and
+    A_w / v; rank 0 defers none, so it holds what it holds under the schedule's base order), plus max(0, A_w - A):
+    right after each B one chunk is already a deferred W and the next F has not run (with A_w > A, as under full
+    recomputation, that instant is the peak). Stage 0 also holds the embedding's masks and, without a pipeline, the
+    logits; its layers stand for every stage's (L/p each)."""
     kept, working, embedding, logits = parts
-    return (kept * in_flight + working + embedding * in_flight + logits) / GB
+    first = kept * in_flight + working + embedding * in_flight + logits
+    if schedule != "zb-h1":
+        return first / GB
+    chunks = in_flight_chunks(schedule, pp, micro_batches, v)
+    most = first
+    for r in _zb_candidate_ranks(pp, micro_batches, v):
+        most = max(most, kept * chunks[r][0] / v + deferred * chunks[r][1] / v + working)
+    return (most + max(0.0, (deferred - kept) / v)) / GB
 
 
 # ---- one configuration, then the search ------------------------------------------------------------
@@ -1216,6 +1447,10 @@ def _activations_gb(parts, in_flight):
 def _ep_pool(cluster, tp, cp, dp):
     """The ranks of one stage an EP group is drawn from (`Cluster.expert_folding`)."""
     return cp * dp if cluster.expert_folding == "dp_cp" else tp * cp * dp
+
+
+def _kv_heads(m):
+    return m.heads if m.kv_heads is None else m.kv_heads
 
 
 def _check_layout(cluster, m, tp, pp, cp, ep=1):
@@ -1237,10 +1472,22 @@ def _check_layout(cluster, m, tp, pp, cp, ep=1):
         valid = [e for e in _divisors(pool) if m.experts % e == 0]
         raise ValueError(f"ep={ep} must divide experts={m.experts} and {name}={pool} (experts fold over those "
                          f"ranks, Cluster.expert_folding={cluster.expert_folding!r}); choose ep among {valid}")
+    if m.cp_ulysses is not None and m.cp_ulysses not in _ulysses_sizes(m, tp, cp):
+        raise ValueError(f"cp_ulysses={m.cp_ulysses} must divide cp={cp} and the heads and KV heads per TP rank "
+                         f"({m.heads}/{tp}, {_kv_heads(m)}/{tp}) (--cp-ulysses); choose among "
+                         f"{_ulysses_sizes(m, tp, cp)}")
+    if m.zero_shard_size is not None and (cp * dp) % m.zero_shard_size:
+        raise ValueError(f"zero_shard_size={m.zero_shard_size} must divide dp*cp={dp}*{cp}={dp * cp} (HSDP shards over "
+                         f"sub-groups of the DP x CP ranks; --zero-shard-size); choose among {_divisors(dp * cp)}")
     return dp
 
 
-def _check_knobs(m, dp, pp, b, v, interleave_min_pp=2):
+def _ulysses_sizes(m, tp, cp):
+    """The Ulysses sizes u of hybrid CP on (tp, cp): u divides cp and the heads and KV heads of each TP rank."""
+    return [u for u in _divisors(cp) if m.heads % (tp * u) == 0 and (u == 1 or _kv_heads(m) % (tp * u) == 0)]
+
+
+def _check_knobs(m, dp, pp, b, v, interleave_min_pp=2, schedule=None):
     if (m.global_batch // dp) % b:
         raise ValueError(f"global_batch={m.global_batch} is not divisible by micro_batch*dp={b}*{dp}; "
                          "change global_batch, micro_batch or the layout")
@@ -1253,23 +1500,44 @@ def _check_knobs(m, dp, pp, b, v, interleave_min_pp=2):
     if v > 1 and (m.global_batch // (dp * b)) % pp:
         raise ValueError(f"the interleaved schedule (virtual_stages={v}) needs the micro-batches per pipeline "
                          f"({m.global_batch // (dp * b)}) to be a multiple of pp={pp}")
+    if (schedule == "interleaved") != (v > 1) and schedule != "zb-h1" and schedule is not None:
+        raise ValueError(f"pp_schedule={schedule!r} with virtual_stages={v}: 1f1b runs one chunk per GPU, "
+                         "interleaved two or more (--pp-schedule, --virtual-stages)")
+
+
+class Knobs(NamedTuple):
+    """Everything a plan fixes besides the layout (tp, pp, cp, ep)."""
+    micro_batch: int
+    virtual_stages: int
+    recompute: str
+    sequence_parallel: bool
+    zero: int                       # ZeRO level 0..3
+    pp_schedule: str = "1f1b"
+    zero_shard_size: int = None     # HSDP shard size; None: every DP x CP rank
+    cp_ulysses: int = 1             # hybrid CP's Ulysses size (1: the ring alone)
 
 
 class _Layout:
     """What one (tp, pp, cp, ep) fixes, computed once for all the knob combinations tried on it."""
 
-    def __init__(self, cluster, m, tp, pp, cp, ep=1):
+    def __init__(self, cluster, m, tp, pp, cp, ep=1, memo=None):
         self.tp, self.pp, self.cp, self.ep = tp, pp, cp, ep
+        # what does not depend on pp (the layers' forwards, CP's terms), shared by the layouts of one plan
+        self.memo = {} if memo is None else memo
         self.dp = _check_layout(cluster, m, tp, pp, cp, ep)
         self.per_node, self.local = layout_locality(cluster, tp, pp, cp, self.dp, ep)
         self.interleave_min_pp = cluster.interleave_min_pp
 
 
-def _layer_forwards(cluster, m, lay, b, sp):
-    """layer_forward of each kind of layer the model has: {"dense": ..., "moe": ...} (None where it has none)."""
+def _layer_forwards(cluster, m, lay, b, sp, ulysses=1, ring=None):
+    """layer_forward of each kind of layer the model has: {"dense": ..., "moe": ...} (None where it has none).
+    `ring`: this answer at ulysses=1, whose terms other than CP's are the same at every Ulysses size."""
+    if ring is not None:
+        return {kind: f and {**f, **dict(zip(("cp_fwd", "cp_bwd"), _cp_seconds(
+            cluster, m, lay.tp, lay.cp, b, lay, f["attention"], ulysses)))} for kind, f in ring.items()}
     dense, moe = m.layers - moe_layers_between(m, 0, m.layers), moe_layers_between(m, 0, m.layers)
-    return {"dense": layer_forward(cluster, m, lay.tp, lay.cp, b, sp, lay) if dense else None,
-            "moe": layer_forward(cluster, m, lay.tp, lay.cp, b, sp, lay, moe=True) if moe else None}
+    return {"dense": layer_forward(cluster, m, lay.tp, lay.cp, b, sp, lay, ulysses=ulysses) if dense else None,
+            "moe": layer_forward(cluster, m, lay.tp, lay.cp, b, sp, lay, moe=True, ulysses=ulysses) if moe else None}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -1298,56 +1566,143 @@ def _stage_counts(m, pp, fs, recompute, output):
 def _stage_parts(cluster, m, lay, b, sp, recompute, fs, counts=None):
     """What one (b, sp, recompute) fixes of the step's terms, whatever v and ZeRO: the output layer's seconds (0
     when the slowest stage is not the last), the slowest stage's `_stage_counts`, each kind's layer_step and
-    ep_step on it, one pipeline exchange."""
+    ep_step on it, one pipeline exchange, and the weight-gradient GEMMs of one micro-batch on it (ZB-H1's W: one
+    per forward GEMM, of its shape; the output layer's one of its three)."""
     output = output_layer_seconds(cluster, m, lay.tp, lay.cp, b)  # on the last stage, the slowest one
     counts = counts or _stage_counts(m, lay.pp, fs, recompute, output)
     per_kind = [(n, layer_step(fs[kind], recompute), ep_step(fs[kind], recompute))
                 for n, kind in zip(counts, ("dense", "moe")) if n]
     exchange = p2p_exchange_seconds(cluster, m, lay.tp, lay.cp, b, sp, lay.local["pp"]) if lay.pp > 1 else 0.0
-    return output if counts[2] else 0.0, counts, per_kind, exchange
+    weight = sum(n * fs[kind]["gemm"] for n, kind in zip(counts, ("dense", "moe")) if n)
+    if counts[2]:
+        weight += gemm_seconds(cluster, b * m.seq // lay.cp, m.hidden, m.vocab // lay.tp)
+    return output if counts[2] else 0.0, counts, per_kind, exchange, weight
 
 
-def step_time_terms(cluster, m, lay, b, v, recompute, sp, zero, fs, params, counts=None, parts=None):
-    """Seconds of one step on one GPU of the slowest stage, by term; the terms add up to the step time.
-    `fs` is _layer_forwards' answer for (b, sp), `params` the (dense, expert) parameters this GPU holds,
-    `counts` the slowest stage's `_stage_counts`, `parts` `_stage_parts` when the caller has it (the search)."""
+def pipeline_bubble(schedule, pp, v, micro_batches, stage, weight=0.0):
+    """Seconds the slowest stage idles per step, `stage` its time for one micro-batch through all its v chunks
+    (F + B + W of each chunk, communication included) and `weight` the W part. 1F1B and interleaved: (p-1)/v x
+    stage (per chunk: (p-1)(F + B) with B holding W). ZB-H1 (Qi et al. 2023), per chunk (p-1)(F + B) - (min(m, p)
+    - 1) W, i.e. (p-1)(F + B - W) for m >= p: each rank's deferred W's fill the drain's idle slots. Exact for W <=
+    min(F, B) (the planner's split always: F holds W's GEMMs' forward twins, B their input-gradient twins),
+    checked against train_gpt.py's replay of its lists."""
+    if schedule != "zb-h1":
+        return (pp - 1) / v * stage
+    return ((pp - 1) * (stage - weight) - (min(micro_batches, pp) - 1) * weight) / v
+
+
+# ZeRO's gradient and parameter collectives, counted in (n-1)/n of the gradient bytes each (a ring's share): (once
+# per step, once per micro-batch). ZeRO-0: the all-reduce (2); ZeRO-1: reduce-scatter + all-gather of the parameters
+# after the step (2); ZeRO-2: each micro-batch's gradients reduce-scattered into the owners' shards as its backward
+# produces them (the full gradient is freed), the all-gather once; ZeRO-3: per micro-batch an all-gather for the
+# forward, another for the backward (and recomputation) and the reduce-scatter; nothing after the step. The parameter
+# all-gathers are counted at the gradient's bytes, as ZeRO-1's always were here (exact for 16-bit gradients; with
+# fp32 main grads the 16-bit parameters move half of that: conservative)
+ZERO_COLLECTIVES = {0: (2, 0), 1: (2, 0), 2: (1, 1), 3: (0, 3)}
+
+
+def _dp_seconds(cluster, m, lay, zero, shard, micro_batches, params, backward):
+    """The gradient reduction's seconds per step (the docstring; ZERO_COLLECTIVES): dense weights over the n = DP x CP
+    ranks, or with HSDP (`shard` k < n) reduce-scatter and gather over k consecutive ones and all-reduce the 1/k
+    shard over the n/k replicas once per step; experts over the GPUs holding the same ones (no HSDP); the tied
+    embedding's all-reduce between first and last stage. `backward`: one micro-batch's backward on the slowest
+    stage where the implementation overlaps (the once-per-step part hides behind the last one, each micro-batch's
+    part behind its own backward, ZeRO-3's behind its forward and backward), None where it does not."""
     pp, dp, cp, tp = lay.pp, lay.dp, lay.cp, lay.tp
-    micro_batches = m.global_batch // (dp * b)  # per pipeline per step
-    output, counts, per_kind, exchange = parts or _stage_parts(cluster, m, lay, b, sp, recompute, fs, counts)
-    p2p = 2 * v * exchange if pp > 1 else 0.0
-    stage = sum(n * (compute + tp_layer + cp_layer + ep_layer) for n, (compute, tp_layer, cp_layer), ep_layer
-                in per_kind) + output + p2p  # one micro-batch through a stage
-    t = {"compute_s": micro_batches * (sum(n * step[0] for n, step, _ in per_kind) + output),
-         "tp_s": sum(micro_batches * n * step[1] for n, step, _ in per_kind),
-         "cp_s": sum(micro_batches * n * step[2] for n, step, _ in per_kind),
-         "ep_s": sum(micro_batches * n * ep_layer for n, _, ep_layer in per_kind),
-         "pp_p2p_s": micro_batches * p2p,
-         # 1F1B: the first micro-batch reaches the last stage after (p-1) stage times, interleaving cuts it v-fold
-         "bubble_s": (pp - 1) / v * stage}
-    # gradient reduction: dense weights over DP x CP, experts over the ranks holding the same experts (`edp`);
-    # ring all-reduce 2 (n-1)/n of the bytes, or with ZeRO-1 a reduce-scatter of the gradients and an all-gather
-    # of the parameters, (n-1)/n each: the same bytes
     shared, experts = params
-    n = dp * cp
-    dp_seconds = 0.0
-    if n > 1:
-        dp_seconds = 2 * (n - 1) / n * cluster.grad_bytes * shared / (_bus_gbps(cluster, lay.per_node["dp_cp"], n) * GB)
+    g, n = cluster.grad_bytes, dp * cp
+    once, each = ZERO_COLLECTIVES[zero]
+    if backward is None:  # nothing hides: every collective in one sum (ZeRO-2 at m = 1 then costs ZeRO-1's)
+        once, each = once + each * micro_batches, 0
+    k = n if shard is None else shard
+    step_s = mb_s = 0.0
+    if n > 1 and k == n:
+        bus = _bus_gbps(cluster, lay.per_node["dp_cp"], n)
+        step_s = once * (n - 1) / n * g * shared / (bus * GB)
+        mb_s = each * (n - 1) / n * g * shared / (bus * GB)
+    elif n > 1:
+        nodes = cluster.gpus, cluster.gpus_per_node
+        bus = _bus_gbps(cluster, _members_per_node(tp, k, *nodes), k)
+        step_s = once * (k - 1) / k * g * shared / (bus * GB)
+        mb_s = each * (k - 1) / k * g * shared / (bus * GB)
+        r = n // k
+        step_s += 2 * (r - 1) / r * g * shared / k / (_bus_gbps(cluster, _members_per_node(tp * k, r, *nodes), r) * GB)
     n_experts = tp * cp * dp // lay.ep
     if experts and n_experts > 1:
         bus = _bus_gbps(cluster, lay.per_node["edp"], n_experts)
-        dp_seconds += 2 * (n_experts - 1) / n_experts * cluster.grad_bytes * experts / (bus * GB)
-    overlap = cluster.overlap_grad_reduce
-    if overlap is True or (overlap == "without_pp" and pp == 1):  # hidden behind the last backward
-        backward = sum(n * 2 * (fs[kind]["gemm"] + fs[kind]["attention"] + fs[kind]["elementwise"])
-                       for n, kind in zip(counts, ("dense", "moe")) if n)
-        dp_seconds = max(0.0, dp_seconds - backward)
+        step_s += once * (n_experts - 1) / n_experts * g * experts / (bus * GB)
+        mb_s += each * (n_experts - 1) / n_experts * g * experts / (bus * GB)
+    if backward is not None:  # hidden behind the last backward
+        step_s = max(0.0, step_s - backward)
+        if each:
+            step_s += micro_batches * max(0.0, mb_s - backward * (1.5 if zero == 3 else 1.0))
     if pp > 1 and m.tied_embeddings:  # first and last stage all-reduce the embedding gradient after the backward
         link = cluster.nvlink_gbps if lay.local["pp"] else cluster.ib_gbps
-        dp_seconds += cluster.grad_bytes * m.vocab * m.hidden / tp / (link * GB)  # 2 (n-1)/n = 1 for n = 2
-    t["dp_s"] = dp_seconds
-    t["optimizer_s"] = (OPTIMIZER_STEP_BYTES * shared / (n if zero else 1) + OPTIMIZER_STEP_BYTES * experts
-                        / (expert_shard(cluster, tp, cp, dp, lay.ep) if zero else 1)) / (cluster.hbm_gbps * GB)
+        step_s += cluster.grad_bytes * m.vocab * m.hidden / tp / (link * GB)  # 2 (n-1)/n = 1 for n = 2
+    return step_s
+
+
+def _overlap_backward(cluster, lay, fs, counts):
+    """One micro-batch's backward on the slowest stage where the gradient reduction overlaps it, else None."""
+    overlap = cluster.overlap_grad_reduce
+    if not (overlap is True or (overlap == "without_pp" and lay.pp == 1)):
+        return None
+    return sum(n * 2 * (fs[kind]["gemm"] + fs[kind]["attention"] + fs[kind]["elementwise"])
+               for n, kind in zip(counts, ("dense", "moe")) if n)
+
+
+def _optimizer_seconds(cluster, lay, zero, shard, params):
+    """The optimizer step: OPTIMIZER_STEP_BYTES of HBM traffic per parameter updated, the shard's with ZeRO."""
+    shared, experts = params
+    n = (shard or lay.dp * lay.cp) if zero else 1
+    return (OPTIMIZER_STEP_BYTES * shared / n + OPTIMIZER_STEP_BYTES * experts
+            / (expert_shard(cluster, lay.tp, lay.cp, lay.dp, lay.ep) if zero else 1)) / (cluster.hbm_gbps * GB)
+
+
+def step_time_terms(cluster, m, lay, knobs, fs, params, counts=None, parts=None):
+    """Seconds of one step on one GPU of the slowest stage, by term; the terms add up to the step time.
+    `fs` is _layer_forwards' answer for (b, sp, u), `params` the (dense, expert) parameters this GPU holds,
+    `counts` the slowest stage's `_stage_counts`, `parts` `_stage_parts` when the caller has it (the search)."""
+    b, sp, recompute = knobs.micro_batch, knobs.sequence_parallel, knobs.recompute
+    parts = parts or _stage_parts(cluster, m, lay, b, sp, recompute, fs, counts)
+    t = _pipeline_terms(m, lay, knobs, parts)
+    micro_batches = m.global_batch // (lay.dp * b)
+    t["dp_s"] = _dp_seconds(cluster, m, lay, knobs.zero, knobs.zero_shard_size, micro_batches, params,
+                            _overlap_backward(cluster, lay, fs, parts[1]))
+    t["optimizer_s"] = _optimizer_seconds(cluster, lay, knobs.zero, knobs.zero_shard_size, params)
     return t
+
+
+def _layer_terms(micro_batches, parts):
+    """What the slowest stage's layers cost, whatever v and the schedule: ({compute_s, tp_s, cp_s, ep_s} per step,
+    one micro-batch through its layers and output layer); `parts`: `_stage_parts`."""
+    output, _, per_kind, _, _ = parts
+    busy = sum(n * (compute + tp_layer + cp_layer + ep_layer) for n, (compute, tp_layer, cp_layer), ep_layer
+               in per_kind) + output
+    return {"compute_s": micro_batches * (sum(n * step[0] for n, step, _ in per_kind) + output),
+            "tp_s": sum(micro_batches * n * step[1] for n, step, _ in per_kind),
+            "cp_s": sum(micro_batches * n * step[2] for n, step, _ in per_kind),
+            "ep_s": sum(micro_batches * n * ep_layer for n, _, ep_layer in per_kind)}, busy
+
+
+def _pipeline_terms(m, lay, knobs, parts, layers=None):
+    """The terms of step_time_terms before the gradient reduction and the optimizer: what the layers, their
+    communication and the pipeline cost on the slowest stage (`parts`: `_stage_parts`; `layers`: its
+    `_layer_terms` when the caller has them)."""
+    v, pp = knobs.virtual_stages, lay.pp
+    micro_batches = m.global_batch // (lay.dp * knobs.micro_batch)  # per pipeline per step
+    terms, busy = layers or _layer_terms(micro_batches, parts)
+    t = dict(terms)
+    t["pp_p2p_s"], t["bubble_s"] = _pipeline_tail(knobs.pp_schedule, pp, v, micro_batches, busy, parts[3], parts[4])
+    return t
+
+
+def _pipeline_tail(schedule, pp, v, micro_batches, busy, exchange, weight):
+    """(pp_p2p_s, bubble_s): 2v exchanges per micro-batch, and the bubble of a stage whose micro-batch takes `busy`
+    plus its exchanges. 1F1B: the first micro-batch reaches the last stage after (p-1) stage times, interleaving cuts
+    it v-fold, zero bubble fills it with deferred W's (`pipeline_bubble`)."""
+    p2p = 2 * v * exchange if pp > 1 else 0.0
+    return micro_batches * p2p, pipeline_bubble(schedule, pp, v, micro_batches, busy + p2p, weight)
 
 
 def compute_by_kind(cluster, m, lay, b, recompute, fs, counts):
@@ -1366,25 +1721,30 @@ def compute_by_kind(cluster, m, lay, b, recompute, fs, counts):
     return parts
 
 
-def evaluate(cluster, m, lay, b, v, recompute, sp, zero):
-    """Memory and step time of one layout with every knob fixed, term by term (see the module docstring)."""
-    _check_knobs(m, lay.dp, lay.pp, b, v, lay.interleave_min_pp)
+def evaluate(cluster, m, lay, knobs):
+    """Memory and step time of one layout with every knob fixed (a Knobs), term by term (the module docstring)."""
+    b, v, recompute, sp, zero = knobs[:5]
+    _check_knobs(m, lay.dp, lay.pp, b, v, lay.interleave_min_pp, knobs.pp_schedule)
     micro_batches = m.global_batch // (lay.dp * b)
     params, in_flight, mem = first_stage_memory(cluster, m, lay.tp, lay.pp, lay.cp, lay.dp, b, v, recompute, sp,
-                                                zero, micro_batches, lay.ep)
+                                                zero, micro_batches, lay.ep, schedule=knobs.pp_schedule,
+                                                shard=knobs.zero_shard_size)
     memory_gb = sum(mem.values())
-    fs = _layer_forwards(cluster, m, lay, b, sp)
+    fs = _layer_forwards(cluster, m, lay, b, sp, knobs.cp_ulysses)
     split = _first_stage_parameters(m, lay.tp, lay.pp, lay.ep)
     counts = _stage_counts(m, lay.pp, fs, recompute, output_layer_seconds(cluster, m, lay.tp, lay.cp, b))
-    t = step_time_terms(cluster, m, lay, b, v, recompute, sp, zero, fs, split, counts)
+    t = step_time_terms(cluster, m, lay, knobs, fs, split, counts)
     step_time_s = sum(t.values())
+    busy = t["compute_s"] + t["tp_s"] + t["cp_s"] + t["ep_s"] + t["pp_p2p_s"]
     row = {
         "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "ep": lay.ep, "micro_batch": b, "virtual_stages": v,
-        "recompute": recompute, "sequence_parallel": sp, "zero": zero, "micro_batches": micro_batches,
+        "recompute": recompute, "sequence_parallel": sp, "zero": zero, "pp_schedule": knobs.pp_schedule,
+        "zero_shard_size": knobs.zero_shard_size, "cp_ulysses": knobs.cp_ulysses, "micro_batches": micro_batches,
         "in_flight": in_flight, "params_per_gpu": params, "memory_gb": memory_gb, **mem,
         "fits": memory_gb <= cluster.gpu_mem_gb * MEMORY_HEADROOM,
         "step_time_s": step_time_s, **t, **compute_by_kind(cluster, m, lay, b, recompute, fs, counts),
-        "bubble_fraction": (lay.pp - 1) / v / (micro_batches + (lay.pp - 1) / v),
+        "bubble_fraction": ((lay.pp - 1) / v / (micro_batches + (lay.pp - 1) / v) if knobs.pp_schedule != "zb-h1"
+                            else t["bubble_s"] / (busy + t["bubble_s"])),
         "tflops_per_gpu": paper_flops(m) / step_time_s / cluster.gpus / 1e12,
         "mfu": model_flops(m) / step_time_s / cluster.gpus / (cluster.peak_tflops * 1e12),
         "hfu": training_flops(m, recompute) / step_time_s / cluster.gpus / (cluster.peak_tflops * 1e12),
@@ -1401,7 +1761,38 @@ def evaluate(cluster, m, lay, b, v, recompute, sp, zero):
     return row
 
 
-def _knob_choices(m, lay):
+def _schedule_choices(cluster, m, lay, vs):
+    """(v, schedule) pairs to try: a fixed pp_schedule; a fixed v alone keeps its first meaning (1F1B at 1, the
+    interleaved schedule above); else each v with every schedule the implementation offers (zero bubble from
+    pp = 2)."""
+    if m.pp_schedule is not None:
+        return [(v, m.pp_schedule) for v in vs]
+    if m.virtual_stages is not None:
+        return [(v, "1f1b" if v == 1 else "interleaved") for v in vs]
+    zb = ["zb-h1"] if "zb-h1" in cluster.schedules and lay.pp > 1 else []
+    return [(v, s) for v in vs for s in (["1f1b"] if v == 1 else
+                                          [x for x in ("interleaved",) if x in cluster.schedules]) + zb]
+
+
+def _zero_choices(cluster, m, lay):
+    """(ZeRO level, shard size) pairs to try: the given ones, else every level the implementation offers over every DP
+    x CP rank and, where that group crosses nodes, over one node's of them (HSDP)."""
+    n = lay.dp * lay.cp
+    if n == 1:
+        return [(0 if m.zero is None else m.zero, None)]
+    levels = [m.zero] if m.zero is not None else [z for z in cluster.zero_levels if z or not m.zero_shard_size]
+    if m.zero is None and 1 in levels:  # ZeRO-0 sends ZeRO-1's bytes, holds more and steps slower: never better
+        levels.remove(0)
+    if m.zero_shard_size is not None:
+        return [(z, None if m.zero_shard_size == n else m.zero_shard_size) for z in levels]
+    if lay.local["dp_cp"]:  # the whole group inside a node already: nothing to keep off the network
+        return [(z, None) for z in levels]
+    node = [k for k in _divisors(n) if k < n and _members_per_node(lay.tp, k, cluster.gpus, cluster.gpus_per_node)
+            == k and k * lay.tp <= cluster.gpus_per_node]
+    return [(z, None) for z in levels] + [(z, node[-1]) for z in levels if z and node and node[-1] > 1]
+
+
+def _knob_choices(cluster, m, lay):
     """The knob values the search tries on one layout: the given ones, or every sensible value."""
     per_pipeline = m.global_batch // lay.dp
     bs = ([m.micro_batch] if m.micro_batch is not None
@@ -1412,16 +1803,21 @@ def _knob_choices(m, lay):
             raise ValueError(f"sequence_parallel=False with MoE layers and tp={lay.tp}: the MoE tokens are split "
                              "over TP; use sequence_parallel=True (--sequence-parallel on) or tp=1")
         sps = [True]
-    zeros = [m.zero] if m.zero is not None else ([False, True] if lay.dp * lay.cp > 1 else [False])
+    zeros = _zero_choices(cluster, m, lay)
     recomputes = [m.recompute] if m.recompute is not None else list(RECOMPUTE_POLICIES)  # cheapest first
+    ulysses = [m.cp_ulysses] if m.cp_ulysses is not None else _ulysses_sizes(m, lay.tp, lay.cp)
+    can_interleave = [x for x in ("interleaved", "zb-h1") if x in cluster.schedules]
     for b in bs:
         if m.virtual_stages is not None:
             vs = [m.virtual_stages]
-        elif lay.pp < max(2, lay.interleave_min_pp) or (per_pipeline // b) % lay.pp:  # and m a multiple of p
-            vs = [1]
+        elif (lay.pp < max(2, lay.interleave_min_pp) or (per_pipeline // b) % lay.pp or not can_interleave
+              or m.pp_schedule == "1f1b"):  # and m a multiple of p
+            vs = [2] if m.pp_schedule == "interleaved" else [1]  # interleaving that cannot run: its own error
         else:
             vs = [v for v in _divisors(m.layers // lay.pp) if v <= MAX_VIRTUAL_STAGES]
-        yield b, vs, sps, zeros, recomputes
+            if m.pp_schedule == "interleaved":
+                vs = vs[1:] or [2]
+        yield b, _schedule_choices(cluster, m, lay, vs), sps, zeros, recomputes, ulysses
 
 
 def _ep_choices(cluster, m, tp, pp, cp):
@@ -1442,22 +1838,26 @@ def _better(a, b):
 
 
 def estimate(cluster, m, tp, pp, cp, micro_batch=None, recompute=None, sequence_parallel=None, zero=None,
-             virtual_stages=None, ep=None):
-    """The planner's choice for one layout: over the knobs not fixed (here or in `m`), the cheapest
-    recomputation that fits for each combination, then the fastest combination that fits (when none does, the
-    fastest of those with the least memory); for a MoE model likewise over EP when `ep` is None. Raises
-    ValueError for a layout or knob that does not divide."""
+             virtual_stages=None, ep=None, pp_schedule=None, zero_shard_size=None, cp_ulysses=None, memo=None):
+    """The planner's choice for one layout: over the knobs not fixed (here or in `m`), the fastest combination that
+    fits, each ZeRO level with the cheapest recomputation that fits it (when none fits, the fastest of those with the
+    least memory); for a MoE model likewise over EP when `ep` is None. Raises ValueError for a layout or knob that
+    does not divide. `memo`: a dict the calls of one plan share (for the same cluster and model: what does not depend
+    on pp)."""
     fixed = {"micro_batch": micro_batch, "recompute": recompute, "sequence_parallel": sequence_parallel,
-             "zero": zero, "virtual_stages": virtual_stages}
-    m = replace(m, **{k: v for k, v in fixed.items() if v is not None})
+             "zero": zero, "virtual_stages": virtual_stages, "pp_schedule": pp_schedule,
+             "zero_shard_size": zero_shard_size, "cp_ulysses": cp_ulysses}
+    fixed = {k: v for k, v in fixed.items() if v is not None}
+    if fixed:
+        m = replace(m, **fixed)
     if m.recompute is not None and m.recompute not in RECOMPUTE_POLICIES:
         raise ValueError(f"recompute={m.recompute!r}; choose none, selective or full")
     if ep is not None:
-        return _best_for_layout(cluster, m, _Layout(cluster, m, tp, pp, cp, ep))
+        return _best_for_layout(cluster, m, _Layout(cluster, m, tp, pp, cp, ep, memo))
     best, refused = None, None
     for e in _ep_choices(cluster, m, tp, pp, cp):
         try:
-            best = _better(_best_for_layout(cluster, m, _Layout(cluster, m, tp, pp, cp, e)), best)
+            best = _better(_best_for_layout(cluster, m, _Layout(cluster, m, tp, pp, cp, e, memo)), best)
         except ValueError as error:
             refused = refused or error
     if best is None:
@@ -1466,51 +1866,109 @@ def estimate(cluster, m, tp, pp, cp, micro_batch=None, recompute=None, sequence_
 
 
 def _best_for_layout(cluster, m, lay):
-    """The search on one layout. Memory is checked first and the step time computed only for what fits or
-    holds no more than the least memory so far; the full row (evaluate) is built once, for the winner."""
+    """The search on one layout. For each (b, sp, v, schedule) and recomputation, cheapest first: the fastest
+    (ZeRO level, shard) that fits, with the hybrid CP's Ulysses size that makes the stage fastest (it changes nothing
+    else); a costlier recomputation is tried only while a faster ZeRO choice does not fit. Memory is checked first
+    and the step time computed only for what fits or holds no more than the least memory so far, from cached parts
+    added in step_time_terms' order; the full row (evaluate) is built once, for the winner."""
     limit = cluster.gpu_mem_gb * MEMORY_HEADROOM
     best, best_time, least, least_key, refused = None, math.inf, None, (math.inf, math.inf), None
-    split, parts, stage_parts, states = _first_stage_parameters(m, lay.tp, lay.pp, lay.ep), {}, {}, {}
-    for b, vs, sps, zeros, recomputes in _knob_choices(m, lay):
+    split = _first_stage_parameters(m, lay.tp, lay.pp, lay.ep)
+    unit = _unit_parameters(m, lay.tp, lay.ep)
+    parts, stage_parts, states, deferred, zero_s, optimizer_s = {}, {}, {}, {}, {}, {}
+    for b, pairs, sps, zeros, recomputes, ulysses in _knob_choices(cluster, m, lay):
         micro_batches = m.global_batch // (lay.dp * b)
+        for z in zeros:
+            if z not in states:
+                states[z] = sum(_states_gb(cluster, split, lay.tp, lay.cp, lay.dp, lay.ep, *z, unit))
+                optimizer_s[z] = _optimizer_seconds(cluster, lay, *z, split)
+        least_states = min(states[z] for z in zeros)
         for sp in sps:
-            fs = None
-            for v in vs:
+            fs, cp_pairs, too_big = {}, {}, set()  # by Ulysses size, computed once something needs a step time
+
+            def stage(recompute):
+                """(_stage_parts with the fastest Ulysses size, that size, the ZeRO choices fastest first with
+                their gradient-reduction seconds)."""
+                key = (b, sp, recompute)
+                if key not in stage_parts:
+                    if not fs:
+                        base = ("fs", lay.tp, lay.cp, lay.ep, b, sp)
+                        if base + (1,) not in lay.memo:
+                            lay.memo[base + (1,)] = _layer_forwards(cluster, m, lay, b, sp)
+                        fs[1] = lay.memo[base + (1,)]
+                        if len(ulysses) > 1:
+                            f = next(f for f in fs[1].values() if f)
+                            for x in ulysses:
+                                if ("cp", lay.tp, lay.cp, b, x) not in lay.memo:
+                                    lay.memo[("cp", lay.tp, lay.cp, b, x)] = (f["cp_fwd"], f["cp_bwd"]) if x == 1 \
+                                        else _cp_seconds(cluster, m, lay.tp, lay.cp, b, lay, f["attention"], x)
+                                cp_pairs[x] = lay.memo[("cp", lay.tp, lay.cp, b, x)]
+                    # every layer, dense or MoE, has the same CP terms, and every stage L/p layers: the Ulysses size
+                    # with the least CP seconds per layer (layer_step's) makes every stage fastest
+                    again = 1 if recompute == "none" else 2
+                    u = ulysses[0] if len(ulysses) == 1 else min(
+                        ulysses, key=lambda x: again * cp_pairs[x][0] + cp_pairs[x][1])
+                    if u not in fs:
+                        key_u = ("fs", lay.tp, lay.cp, lay.ep, b, sp, u)
+                        if key_u not in lay.memo:
+                            lay.memo[key_u] = _layer_forwards(cluster, m, lay, b, sp, u, ring=fs[1])
+                        fs[u] = lay.memo[key_u]
+                    sp_parts = _stage_parts(cluster, m, lay, b, sp, recompute, fs[u])
+                    backward = _overlap_backward(cluster, lay, fs[u], sp_parts[1])
+                    if (micro_batches, backward) not in zero_s:
+                        zero_s[(micro_batches, backward)] = {z: _dp_seconds(cluster, m, lay, *z, micro_batches, split,
+                                                                            backward) for z in zeros}
+                    dp_s = zero_s[(micro_batches, backward)]
+                    terms, busy = _layer_terms(micro_batches, sp_parts)
+                    stage_parts[key] = (sp_parts, u, sorted(zeros, key=lambda z: dp_s[z] + optimizer_s[z]), dp_s,
+                                        sum(terms.values()), busy)
+                return stage_parts[key]
+
+            for v, schedule in pairs:
                 try:
-                    _check_knobs(m, lay.dp, lay.pp, b, v, lay.interleave_min_pp)
+                    _check_knobs(m, lay.dp, lay.pp, b, v, lay.interleave_min_pp, schedule)
                 except ValueError as e:  # this (b, v) cannot run on this layout; another micro-batch may
                     refused = refused or e
                     continue
                 in_flight = in_flight_microbatches(lay.pp, v, micro_batches)
-                for zero in zeros:
-                    if zero not in states:
-                        states[zero] = sum(_states_gb(cluster, split, lay.tp, lay.cp, lay.dp, lay.ep, zero))
-                    for recompute in recomputes:
-                        key = (b, sp, recompute)
-                        if key not in parts:
-                            parts[key] = _activation_parts(cluster, m, lay.tp, lay.pp, lay.cp, lay.ep, b, recompute,
-                                                           sp)
-                        # the sum first_stage_memory's kinds make, in its order
-                        memory_gb = states[zero] + _activations_gb(parts[key], in_flight)
-                        if memory_gb > limit and memory_gb > least_key[0]:
-                            continue
-                        fs = fs or _layer_forwards(cluster, m, lay, b, sp)
-                        if key not in stage_parts:
-                            stage_parts[key] = _stage_parts(cluster, m, lay, b, sp, recompute, fs)
-                        step = sum(step_time_terms(cluster, m, lay, b, v, recompute, sp, zero, fs, split,
-                                                   parts=stage_parts[key]).values())
-                        if memory_gb > limit:
-                            # knob sets can tie on memory (another b or v with as many sequences in
-                            # flight): of those, the fastest, not the first tried
-                            if (memory_gb, step) < least_key:
-                                least, least_key = (b, v, recompute, sp, zero), (memory_gb, step)
-                            continue
-                        if step < best_time:
-                            best, best_time = (b, v, recompute, sp, zero), step
-                        break  # the cheapest recomputation that fits: a costlier one only adds time
+                if schedule == "zb-h1" and b not in deferred:
+                    deferred[b] = _stage_deferred_bytes(m, lay.tp, lay.pp, lay.cp, lay.ep, b)
+                for recompute in recomputes:
+                    if schedule == "zb-h1" and best is not None and (v, recompute) in too_big:
+                        continue  # zero bubble holds at least what its base order holds, which fitted nowhere
+                    key = (b, sp, recompute)
+                    if key not in parts:
+                        parts[key] = _activation_parts(cluster, m, lay.tp, lay.pp, lay.cp, lay.ep, b, recompute, sp)
+                    activations = _activations_gb(parts[key], in_flight, schedule, lay.pp, micro_batches, v,
+                                                  deferred.get(b, 0.0))
+                    fitting = [z for z in zeros if states[z] + activations <= limit]
+                    if not fitting:
+                        too_big.add((v, recompute))
+                    if not fitting and (best is not None or least_states + activations > least_key[0]):
+                        continue  # the least memory matters only while nothing fits
+                    sp_parts, u, fastest, dp_s, layers_s, busy = stage(recompute)
+                    # step_time_terms' sum, in its order, from the cached parts
+                    p2p_s, bubble_s = _pipeline_tail(schedule, lay.pp, v, micro_batches, busy, *sp_parts[3:])
+                    pipeline = layers_s + p2p_s + bubble_s
+                    if not fitting:
+                        for z in zeros:
+                            memory_gb = states[z] + activations
+                            # knob sets can tie on memory (another b or v with as many sequences in flight): of
+                            # those, the fastest, not the first tried
+                            if memory_gb <= least_key[0] and (memory_gb, pipeline + dp_s[z] + optimizer_s[z]) \
+                                    < least_key:
+                                least = Knobs(b, v, recompute, sp, *z[:1], schedule, z[1], u)
+                                least_key = (memory_gb, pipeline + dp_s[z] + optimizer_s[z])
+                        continue
+                    z = next(z for z in fastest if z in fitting)
+                    step = pipeline + dp_s[z] + optimizer_s[z]
+                    if step < best_time:
+                        best, best_time = Knobs(b, v, recompute, sp, z[0], schedule, z[1], u), step
+                    if z == fastest[0] or pipeline + dp_s[fastest[0]] + optimizer_s[fastest[0]] >= best_time:
+                        break  # a costlier recomputation only adds time: it cannot win even with the fastest ZeRO
     if best is None and least is None:
         raise refused
-    return evaluate(cluster, m, lay, *(best or least))
+    return evaluate(cluster, m, lay, best or least)
 
 
 def candidate_layouts(cluster, m, tp=None, pp=None, cp=None, ep=None):
@@ -1519,7 +1977,7 @@ def candidate_layouts(cluster, m, tp=None, pp=None, cp=None, ep=None):
     for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):  # None: every size that divides is tried
         if value is not None:
             _check_count(name, value, "omit it to let the planner choose")
-    out = []
+    out, memo = [], {}
     all_fixed = None not in (tp, pp, cp, ep) or (None not in (tp, pp, cp) and not m.moe_every)
     tps = [tp] if tp is not None else [t for t in _divisors(cluster.gpus_per_node) if m.heads % t == 0]
     pps = [pp] if pp is not None else _divisors(m.layers)
@@ -1532,7 +1990,7 @@ def candidate_layouts(cluster, m, tp=None, pp=None, cp=None, ep=None):
               and m.global_batch % (cluster.gpus // (t * p * c)) == 0]
     for t, p, c, e in layouts if all_fixed else divide:
         try:
-            out.append(estimate(cluster, m, t, p, c, ep=e))
+            out.append(estimate(cluster, m, t, p, c, ep=e, memo=memo))
         except ValueError:
             if all_fixed:
                 raise
@@ -1565,8 +2023,12 @@ def _layout_name(r):
 
 
 def _knobs_name(r):
-    return (f"micro-batch {r['micro_batch']}, {r['virtual_stages']} chunk(s) per stage, recompute {r['recompute']}, "
-            f"SP {'on' if r['sequence_parallel'] else 'off'}, ZeRO-1 {'on' if r['zero'] else 'off'}")
+    shard = f" sharded over {r['zero_shard_size']} (HSDP)" if r.get("zero_shard_size") else ""
+    ulysses = (f", CP as Ulysses {r['cp_ulysses']} x ring {r['cp'] // r['cp_ulysses']}"
+               if r.get("cp_ulysses", 1) > 1 else "")
+    return (f"micro-batch {r['micro_batch']}, {r['virtual_stages']} chunk(s) per stage ({r['pp_schedule']}), "
+            f"recompute {r['recompute']}, SP {'on' if r['sequence_parallel'] else 'off'}, "
+            f"ZeRO-{r['zero']}{shard}{ulysses}")
 
 
 OVERHEADS = ("tp_s", "cp_s", "pp_p2p_s", "bubble_s", "dp_s", "optimizer_s", "ep_s")
@@ -1607,8 +2069,8 @@ def explain(plans, cluster, recompute=None):
     if not best["fits"]:  # plans are ranked by step time: the least bad is the smallest, not the first
         least = min(plans, key=lambda r: r["memory_gb"])
         untried = ["full recomputation"] if recompute not in (None, "full") else []
-        if not least["zero"] and least["dp"] * least["cp"] > 1:  # ZeRO-1 shards over DP x CP: only there it helps
-            untried.append("ZeRO-1")
+        if least["zero"] < 3 and least["dp"] * least["cp"] > 1:  # ZeRO shards over DP x CP: only there it helps
+            untried.append(f"ZeRO-{least['zero'] + 1}" + ("" if least["zero"] == 2 else "..3"))
         lines.append(f"No layout fits in {cluster.gpu_mem_gb} GB (x{MEMORY_HEADROOM} headroom) {tried}; the least "
                      f"bad is {_layout_name(least)} at {least['memory_gb']:.1f} GB: use "
                      f"{', '.join(untried + ['more pipeline stages or more GPUs'])}.")
@@ -1643,24 +2105,77 @@ def explain(plans, cluster, recompute=None):
 
 
 def format_table(plans, limit=12):
-    cols = [("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("cp", "cp"), ("b", "micro_batch"), ("v", "virtual_stages"),
-            ("m", "micro_batches"), ("recomp", "recompute"), ("sp", "sequence_parallel"), ("zero", "zero"),
+    cols = [("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("cp", "cp"), ("u", "cp_ulysses"), ("b", "micro_batch"),
+            ("v", "virtual_stages"), ("sched", "pp_schedule"), ("m", "micro_batches"), ("recomp", "recompute"),
+            ("sp", "sequence_parallel"), ("zero", "zero"),
             ("mem GB", "memory_gb"), ("fits", "fits"), ("step s", "step_time_s"), ("TFLOP/s", "tflops_per_gpu"),
             ("compute", "compute_s"), ("TP", "tp_s"), ("PP p2p", "pp_p2p_s"), ("bubble", "bubble_s"),
             ("DP", "dp_s"), ("CP", "cp_s"), ("optim", "optimizer_s")]
     if any("a2a_bytes" in r for r in plans[:limit]):  # MoE: the EP size and its all-to-alls
-        cols[4:4] = [("ep", "ep")]
+        cols[5:5] = [("ep", "ep")]
         cols.append(("EP a2a", "ep_s"))
     rows = [" ".join(f"{h:>8s}" for h, _ in cols)]
     for r in plans[:limit]:
         cells = []
         for _, c in cols:
             v = r[c]
+            if c == "zero":  # the level, /k with HSDP
+                v = f"{v}" + (f"/{r['zero_shard_size']}" if r["zero_shard_size"] else "")
+            elif c == "pp_schedule":
+                v = {"interleaved": "interlvd"}.get(v, v)
             cells.append(f"{v:>8.3f}" if isinstance(v, float) else f"{str(v):>8s}")
         rows.append(" ".join(cells))
     if len(plans) > limit:
         rows.append(f"... {len(plans) - limit} more")
     return "\n".join(rows)
+
+
+# ---- from plan to run --------------------------------------------------------------------------------
+
+TRAIN_GPT_DTYPES = ("bfloat16", "float16")  # train_gpt.py's 16-bit --dtype values: what the cost model assumes
+
+
+def torchrun_command(row, m, cluster, dtype="bfloat16"):
+    """The torchrun line that runs `row`, a plan of `m` on `cluster`, with train_gpt.py: nodes, processes per node,
+    and every train_gpt.py flag of the layout, schedule, ZeRO level, recomputation, dtype, batch and model (DP is the
+    world over TP x CP x PP there too). CP runs as ring (u = 1), Ulysses (u = cp) or hybrid with --cp-ulysses u.
+    Raises ValueError naming the flag where the model is one train_gpt.py cannot build: its GPT has multi-head
+    attention, GeLU MLPs of 4h and tied embeddings, its MoE block moe_ep.MoE(h, 4h, E, k) routes dropless and
+    folds EP over DP x CP."""
+    refused = [(m.kv_heads not in (None, m.heads), "--kv-heads", "multi-head attention"),
+               (m.swiglu, "--swiglu", "GeLU MLPs"),
+               (not m.tied_embeddings, "--untie-embeddings", "tied embeddings"),
+               (m.moe_every and m.expert_hidden not in (None, 4 * m.hidden), "--expert-hidden",
+                "experts of 4 x hidden"),
+               (m.moe_every and m.shared_expert_hidden, "--shared-expert-hidden", "no shared expert"),
+               (m.moe_every and m.capacity_factor is not None, "--capacity-factor", "dropless routing"),
+               (cluster.expert_folding != "dp_cp", "--expert-folding", "EP folded over DP x CP (dp_cp)")]
+    for bad, flag, what in refused:
+        if bad:
+            raise ValueError(f"--command: train_gpt.py runs {what}; plan without {flag} to get a command")
+    if dtype not in TRAIN_GPT_DTYPES:
+        raise ValueError(f"dtype={dtype!r} (--dtype); choose one of {', '.join(TRAIN_GPT_DTYPES)}")
+    gpus, per_node = cluster.gpus, cluster.gpus_per_node
+    if gpus > per_node and gpus % per_node:
+        raise ValueError(f"--command: gpus={gpus} is not a whole number of nodes of gpus_per_node={per_node}")
+    nodes, per_node = (1, gpus) if gpus <= per_node else (gpus // per_node, per_node)
+    launch = f"torchrun --nnodes={nodes} --nproc_per_node={per_node}"
+    if nodes > 1:
+        launch += " --rdzv_backend=c10d --rdzv_endpoint=$HEAD:29500"
+    u, cp = row["cp_ulysses"], row["cp"]
+    impl = "ring" if u == 1 else "ulysses" if u == cp else "hybrid"
+    flags = [("--tp", row["tp"]), ("--pp", row["pp"]), ("--cp", cp), ("--ep", row["ep"])]
+    flags += [("--sequence-parallel", None)] if row["sequence_parallel"] else []
+    flags += [("--cp-impl", impl)] + ([("--cp-ulysses", u)] if impl == "hybrid" else [])
+    flags += [("--pp-schedule", row["pp_schedule"]), ("--virtual-stages", row["virtual_stages"]),
+              ("--zero", row["zero"])] + ([("--zero-shard-size", row["zero_shard_size"])]
+                                          if row["zero_shard_size"] else [])
+    flags += [("--recompute", row["recompute"]), ("--dtype", dtype), ("--micro-batch", row["micro_batch"]),
+              ("--batch", m.global_batch), ("--layers", m.layers), ("--hidden", m.hidden), ("--heads", m.heads),
+              ("--seq", m.seq), ("--vocab", m.vocab)]
+    if m.moe_every:
+        flags += [("--moe-every", m.moe_every), ("--experts", m.experts), ("--top-k", m.top_k)]
+    return f"{launch} train_gpt.py " + " ".join(flag if value is None else f"{flag} {value}" for flag, value in flags)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1699,10 +2214,11 @@ def table_1_model(row, published_knobs):
 
 # What the authors' software offered: full recomputation (the only kind, used in every run), no sequence
 # parallelism, no distributed optimizer, no context parallelism (SOFTWARE_2021, knobs of the model); torch DDP
-# (overlapped) only without a pipeline, and the interleaved schedule only from PP = 3 (CLUSTER_2021, properties of
-# the implementation). The planner still chooses the micro-batch size and the interleaving, as the authors did.
+# (overlapped) only without a pipeline, the interleaved schedule only from PP = 3 and no zero-bubble schedule
+# (CLUSTER_2021, properties of the implementation). The planner still chooses the micro-batch size and the
+# interleaving, as the authors did.
 SOFTWARE_2021 = dict(recompute="full", sequence_parallel=False, zero=False)
-CLUSTER_2021 = dict(overlap_grad_reduce="without_pp", interleave_min_pp=3)
+CLUSTER_2021 = dict(overlap_grad_reduce="without_pp", interleave_min_pp=3, schedules=("1f1b", "interleaved"))
 
 
 def published_estimate(row, **cluster_overrides):
@@ -1725,10 +2241,10 @@ def fit_efficiency(**cluster_overrides):
     return best, errors(best)
 
 
-def calibrate(**cluster_overrides):
+def calibrate(every_knob=True, **cluster_overrides):
     """For each row of Table 1: the prediction for the published run (its layout and knobs); the planner with
-    the 2021 software (SOFTWARE_2021) on the published (TP, PP) and over every layout; the planner with every
-    knob it knows (today's Megatron-LM options) likewise."""
+    the 2021 software (SOFTWARE_2021) on the published (TP, PP) and over every layout; with `every_knob`, the planner
+    with every knob it knows (today's Megatron-LM options) likewise."""
     out = []
     for row in TABLE_1:
         params_b, _, _, _, tp, pp, gpus, _, measured, _, _, ddp = row
@@ -1739,7 +2255,7 @@ def calibrate(**cluster_overrides):
         for name, cluster, m, cp in (
                 ("2021", Cluster(gpus=gpus, **{**CLUSTER_2021, **cluster_overrides}),
                  replace(table_1_model(row, False), **SOFTWARE_2021), 1),
-                ("today", Cluster(gpus=gpus, **cluster_overrides), table_1_model(row, False), None)):
+                ("today", Cluster(gpus=gpus, **cluster_overrides), table_1_model(row, False), None))[:1 + every_knob]:
             on_published = estimate(cluster, m, tp, pp, 1)
             top = plan(cluster, m, cp=cp)[0]
             result[name] = {"on_published": on_published, "top": top,
@@ -1769,7 +2285,7 @@ def scan_cost_variants(variants=COST_VARIANTS):
     out = {}
     for name, overrides in variants.items():
         e_max, errors = fit_efficiency(**overrides)
-        rows = calibrate(**{**overrides, "efficiency": e_max})
+        rows = calibrate(every_knob=False, **{**overrides, "efficiency": e_max})
         out[name] = {"e_max": e_max, "worst_error": max(errors.values(), key=abs),
                      "published_slower": {r["params_b"]: r["2021"]["published_slower"] for r in rows}}
     return out
@@ -1787,10 +2303,22 @@ def print_cost_scan(scan):
               f"{slower[39.1]:>+7.1%}")
 
 
+def _zero_short(x):
+    """ZeRO-0 and 1 as off and on (the Table 1 columns of before the levels), higher levels by number; /k: HSDP."""
+    level = {0: "off", 1: "on"}.get(x["zero"], str(x["zero"]))
+    return level + (f"/{x['zero_shard_size']}" if x.get("zero_shard_size") else "")
+
+
+def _extra_knobs_short(x):
+    """The knobs that only show where they differ from 1F1B or interleaved and a plain ring: " zb" and " u=2"."""
+    return (" zb" if x.get("pp_schedule") == "zb-h1" else "") + (f" u={x['cp_ulysses']}"
+                                                                  if x.get("cp_ulysses", 1) > 1 else "")
+
+
 def _knobs_short(x):
     on_off = {True: "on", False: "off"}
     return (f"b={x['micro_batch']} v={x['virtual_stages']} {x['recompute']} SP={on_off[x['sequence_parallel']]} "
-            f"ZeRO={on_off[x['zero']]}")
+            f"ZeRO={_zero_short(x)}{_extra_knobs_short(x)}")
 
 
 def print_calibration(rows):
@@ -1809,7 +2337,8 @@ def print_calibration(rows):
           f"{DEFAULT_GPU_MEM_GB} GB x {MEMORY_HEADROOM}: {all(r['published']['fits'] for r in rows)}")
     titles = {"2021": "The planner with the authors' software (full recomputation, no SP, no ZeRO, no CP; it "
                       "chooses b and v):",
-              "today": "The planner with every knob (recomputation, SP, ZeRO-1, CP, b, v; DDP not overlapped):"}
+              "today": "The planner with every knob (recomputation, SP, ZeRO 0-3 and HSDP, CP and its Ulysses size, b, "
+                       "v, the schedule; DDP not overlapped; zb: ZB-H1, u: Ulysses size, ZeRO=3/8: level/HSDP shard):"}
     for name, title in titles.items():
         print(f"\n{title}\n{'params':>8s}   {'on the published (TP, PP)':<38s} {'step s':>7s}   "
               f"{'top choice':<50s} {'step s':>7s} {'published slower':>17s}")
@@ -1852,9 +2381,11 @@ def print_step_terms(rows, name):
 
 # The software of the published MoE runs, Megatron-Core 2025 (the model configurations of the runs, see
 # MOE_RUNS): flash attention, fp32 main grads under bf16 with the distributed optimizer (ZeRO-1), the gradient
-# reduction overlapped, MoE parallel folding with expert TP 1 (EP drawn from all tp x dp ranks of a stage), and
-# the run's knobs: micro-batch 1, no recomputation, sequence parallelism.
-MEGATRON_CORE_2025 = dict(overlap_grad_reduce=True, flash_attention=True, grad_bytes=4, expert_folding="tp_dp_cp")
+# reduction overlapped, MoE parallel folding with expert TP 1 (EP drawn from all tp x dp ranks of a stage), the
+# 1F1B and interleaved schedules and ZeRO-0/1 for the search (no zero bubble, no ZeRO-2/3 in those runs; calibrate_moe's
+# `top_all` adds them), and the run's knobs: micro-batch 1, no recomputation, sequence parallelism.
+MEGATRON_CORE_2025 = dict(overlap_grad_reduce=True, flash_attention=True, grad_bytes=4, expert_folding="tp_dp_cp",
+                          schedules=("1f1b", "interleaved"), zero_levels=(0, 1))
 MOE_RUN_KNOBS = dict(micro_batch=1, recompute="none", sequence_parallel=True, zero=True)
 # Measured MFU: Liu et al. 2025, "MoE Parallel Folding" (arXiv 2504.14960), abstract: 49.3% for Mixtral 8x22B and
 # 39.0% for Qwen2-57B-A14B on H100 (128 and 64 GPUs). Layouts and shapes: the paper's authors' benchmark
@@ -1897,7 +2428,8 @@ def moe_run_cluster(run, **cluster_overrides):
 def calibrate_moe(runs=MOE_RUNS, **cluster_overrides):
     """For each published MoE run: the prediction for its layout and knobs (`MOE_RUN_KNOBS`), its MFU in
     Megatron-Core's count against the measured one, and the planner's top choice with the same software and
-    every knob free (TP, PP, CP, EP, micro-batch, v, recomputation, ZeRO)."""
+    every knob free (TP, PP, CP and its Ulysses size, EP, micro-batch, v, recomputation, ZeRO); `top_all` with every
+    schedule and ZeRO level the planner knows (zero bubble, ZeRO-2/3, HSDP)."""
     out = []
     for run in runs:
         cluster, m = moe_run_cluster(run, **cluster_overrides), run["model"]
@@ -1909,12 +2441,14 @@ def calibrate_moe(runs=MOE_RUNS, **cluster_overrides):
         def mfu(row):
             return per_token * row["tokens_per_s"] / cluster.gpus / peak
         top = plan(cluster, m)[0]
+        top_all = plan(replace(cluster, schedules=SCHEDULES, zero_levels=ZERO_LEVELS), m)[0]
         out.append({"name": run["name"], "gpus": run["gpus"], "measured_mfu": run["measured_mfu"],
                     "measured_tokens_per_s_per_gpu": run["measured_mfu"] * peak / per_token,
                     "params_b": parameter_count(m) / 1e9, "active_params_b": active_parameter_count(m) / 1e9,
                     "published": published, "predicted_mfu": mfu(published),
                     "error": mfu(published) / run["measured_mfu"] - 1, "top": top, "top_mfu": mfu(top),
-                    "published_slower": published["step_time_s"] / top["step_time_s"] - 1})
+                    "published_slower": published["step_time_s"] / top["step_time_s"] - 1,
+                    "top_all": top_all, "top_all_mfu": mfu(top_all)})
     return out
 
 
@@ -1942,9 +2476,16 @@ def print_moe_calibration(rows):
           f"{'MFU':>6s} {'step s':>7s} {'published':>10s} {'published slower':>17s}")
     for r in rows:
         t = r["top"]
-        choice = f"{_layout_short(t)} {t['recompute']} ZeRO={'on' if t['zero'] else 'off'}"
+        choice = f"{_layout_short(t)} {t['recompute']} ZeRO={_zero_short(t)}{_extra_knobs_short(t)}"
         print(f"{r['name']:<16s} {choice:<56s} {r['top_mfu']:>6.1%} {t['step_time_s']:>7.3f} "
               f"{r['published']['step_time_s']:>10.3f} {r['published_slower']:>+17.1%}")
+    print("With every schedule and ZeRO level the planner knows (zero bubble, ZeRO-2/3, HSDP), not in those runs:")
+    for r in rows:
+        t = r["top_all"]
+        choice = f"{_layout_short(t)} {t['recompute']} ZeRO={_zero_short(t)}{_extra_knobs_short(t)}"
+        slower = r["published"]["step_time_s"] / t["step_time_s"] - 1
+        print(f"{r['name']:<16s} {choice:<56s} {r['top_all_mfu']:>6.1%} {t['step_time_s']:>7.3f} "
+              f"{r['published']['step_time_s']:>10.3f} {slower:>+17.1%}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -2143,8 +2684,15 @@ def _plan_main(argv):
     ap.add_argument("--recompute", choices=RECOMPUTE_POLICIES,
                     help="default: the cheapest that fits")
     ap.add_argument("--sequence-parallel", choices=["on", "off"], help="default: chosen by the planner")
-    ap.add_argument("--zero", type=int, choices=[0, 1], help="distributed optimizer; default: chosen by the planner")
-    ap.add_argument("--virtual-stages", type=int, help="model chunks per GPU (interleaved 1F1B); default: chosen")
+    ap.add_argument("--zero", type=int, choices=list(ZERO_LEVELS), help="ZeRO level: 0 replicated, 1 optimizer "
+                    "states, 2 + gradients, 3 + parameters sharded; default: chosen by the planner")
+    ap.add_argument("--zero-shard-size", type=int, help="HSDP: shard over this many DP x CP ranks, replicate across "
+                    "(default: chosen, every rank or one node's)")
+    ap.add_argument("--virtual-stages", type=int, help="model chunks per GPU (interleaved, zb-h1); default: chosen")
+    ap.add_argument("--pp-schedule", choices=SCHEDULES, help="pipeline schedule; default: chosen (with a fixed "
+                    "--virtual-stages: 1f1b for 1, interleaved above)")
+    ap.add_argument("--cp-ulysses", type=int, help="hybrid CP: Ulysses over this many of the CP ranks, a ring over "
+                    "the rest (1: ring, --cp: Ulysses); default: chosen")
     moe = ap.add_argument_group("MoE (train_gpt.py's names)")
     moe.add_argument("--moe-every", type=int, default=0, help="every n-th layer's MLP is a mixture of experts "
                      "(0: a dense model)")
@@ -2162,17 +2710,24 @@ def _plan_main(argv):
     moe.add_argument("--untie-embeddings", action="store_true", help="the output layer is a weight of its own")
     ap.add_argument("--limit", type=int, default=12, help="rows of the table")
     ap.add_argument("--json", action="store_true", help="every layout as JSON, best first")
+    ap.add_argument("--command", action="store_true", help="print only the torchrun line that runs the top row with "
+                    "train_gpt.py (train_gpt.py keeps fp32 main grads: plan with --grad-bytes 4 to model it)")
+    ap.add_argument("--dtype", choices=TRAIN_GPT_DTYPES, default="bfloat16", help="with --command: train_gpt.py's "
+                    "--dtype (the cost model is 16-bit for either)")
     a = ap.parse_args(argv)
     if a.limit < 0:
         raise ValueError(f"limit={a.limit} must be >= 0 (--limit): the number of rows to print")
     cluster = _cluster_from_args(a)
     m = ModelShape(a.layers, a.hidden, a.heads, a.seq, a.vocab, a.global_batch, a.micro_batch, a.recompute,
-                   None if a.sequence_parallel is None else a.sequence_parallel == "on",
-                   None if a.zero is None else bool(a.zero), a.virtual_stages, moe_every=a.moe_every,
-                   experts=a.experts, top_k=a.top_k, expert_hidden=a.expert_hidden,
+                   None if a.sequence_parallel is None else a.sequence_parallel == "on", a.zero, a.virtual_stages,
+                   moe_every=a.moe_every, experts=a.experts, top_k=a.top_k, expert_hidden=a.expert_hidden,
                    shared_expert_hidden=a.shared_expert_hidden, capacity_factor=a.capacity_factor,
-                   imbalance=a.imbalance, swiglu=a.swiglu, kv_heads=a.kv_heads, tied_embeddings=not a.untie_embeddings)
+                   imbalance=a.imbalance, swiglu=a.swiglu, kv_heads=a.kv_heads, tied_embeddings=not a.untie_embeddings,
+                   pp_schedule=a.pp_schedule, zero_shard_size=a.zero_shard_size, cp_ulysses=a.cp_ulysses)
     plans = plan(cluster, m, a.tp, a.pp, a.cp, a.ep)
+    if a.command:
+        print(torchrun_command(plans[0], m, cluster, a.dtype))
+        return
     if a.json:
         print(json.dumps(plans, indent=1))
         return

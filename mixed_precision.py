@@ -473,6 +473,7 @@ class _Bucket:
         """At step: SUM over the group (levels 0 and 1: all-reduce of the whole buffer, or reduce-scatter into
         this rank's shard; levels 2 and 3 were reduced by reduce_unit_grads), then, under HSDP, all-reduce of
         the shard over the replicate group (once per step at every level: a sum, so once suffices)."""
+        self.finish_reduce()
         if self.level <= 1 and self.group_size > 1:
             if self.level == 1:
                 _count_sent("reduce_scatter", self.grad_flat, self.group_size, 1)
@@ -484,10 +485,14 @@ class _Bucket:
             _count_sent("replicate_all_reduce", self.grad_shard, self.replicate_size, 2)
             dist.all_reduce(self.grad_shard, group=self.replicate_group)
 
-    def reduce_unit_grads(self):
+    def reduce_unit_grads(self, async_op=False):
         """Levels 2 and 3, after a backward: the parameters' full-size p.grad (the param dtype, as autograd left
         them; None counts as zeros), cast to the master dtype in one flat buffer, reduce-scattered (SUM) over the
-        group and added into this rank's grad_shard; p.grad is freed. One collective per call."""
+        group and added into this rank's grad_shard; p.grad is freed. One collective per call; with async_op it
+        is left running while the backward goes on (the rest of the model's backward overlaps it) and its sum is
+        added by finish_reduce(), at this bucket's next reduction, in all_reduce_grads or at the step: in the order
+        the collectives were issued either way."""
+        self.finish_reduce()  # at most one in flight per bucket: its full-size flat buffer is freed by then
         flat = torch.zeros(self.padded, dtype=self.grad_shard.dtype, device=self.grad_shard.device)
         with torch.no_grad():
             for p, start in zip(self.params, self.starts):
@@ -497,10 +502,21 @@ class _Bucket:
             if self.group_size > 1:
                 reduced = torch.empty_like(self.grad_shard)
                 _count_sent("reduce_scatter", flat, self.group_size, 1)
-                _reduce_scatter_flat(reduced, flat, group=self.group)
-                self.grad_shard.add_(reduced)
+                work = _reduce_scatter_flat(reduced, flat, group=self.group, async_op=True)
+                self.in_flight = (work, reduced, flat)  # the collective reads `flat` until it completes
+                if not async_op:
+                    self.finish_reduce()
             else:
                 self.grad_shard.add_(flat)
+
+    def finish_reduce(self):
+        """Wait for the reduce-scatter reduce_unit_grads left running and add its sum into grad_shard."""
+        if getattr(self, "in_flight", None) is not None:
+            work, reduced, _ = self.in_flight
+            work.wait()
+            with torch.no_grad():
+                self.grad_shard.add_(reduced)
+            self.in_flight = None
 
     def gather(self, async_op=False):
         """Level 3: give the full buffer its storage back and all-gather the shards into it; returns the work
@@ -613,15 +629,16 @@ class ShardedUnit:
             bucket.release()
         self._gathered = False
 
-    def reduce_grads(self):
+    def reduce_grads(self, async_op=False):
         """Zero 2 and 3, after each backward of the unit (once per micro-batch, after the W step under a
         zero-bubble schedule): every parameter's full-size p.grad is reduce-scattered (flat, in the master
         dtype) over its bucket's group into this rank's shard accumulator, summed over calls, and set to None.
-        Under HSDP the replicate all-reduce of the accumulated shard runs once, at step()."""
+        Under HSDP the replicate all-reduce of the accumulated shard runs once, at step(). With async_op the
+        reduce-scatters run on while the caller goes on (the optimizer waits for them where it needs them)."""
         if self.zero < 2:
             return
         for bucket in self.buckets:
-            bucket.reduce_unit_grads()
+            bucket.reduce_unit_grads(async_op)
 
     def param_bytes(self):
         """Bytes of the unit's full parameters alive now: the gathered buffers (padding included) at zero 3,
@@ -1060,6 +1077,8 @@ class MixedPrecisionOptimizer(_SavedState):
         self._fold_stray_grads()
         if group_size == 1 or not params:
             return
+        for bucket in self._buckets:  # the units' reduce-scatters still in flight, summed into their shards first
+            bucket.finish_reduce()
         holders = [p.main_grad if hasattr(p, "main_grad") else self._piece(p).grad for p in params]
         flat = torch.cat([h.reshape(-1) for h in holders])
         dist.all_reduce(flat, group=group)
@@ -1191,6 +1210,7 @@ class MixedPrecisionOptimizer(_SavedState):
         """Zero the main grads (zero 0 and 1, parameters in no unit) and the shard accumulators (zero 2 and 3
         units, whose p.grad becomes None)."""
         for bucket in self._buckets:
+            bucket.finish_reduce()  # a reduce-scatter still in flight would add into the zeroed shard later
             (bucket.grad_shard if bucket.grad_flat is None else bucket.grad_flat).zero_()
         for p in self.params:
             p.grad = p.main_grad if hasattr(p, "main_grad") and p.dtype == self.master_dtype else None
@@ -2136,8 +2156,8 @@ class _UnitStart(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        if ctx.reduce_grads:
-            ctx.unit.reduce_grads()
+        if ctx.reduce_grads:  # overlapped with the rest of the backward
+            ctx.unit.reduce_grads(async_op=True)
         ctx.unit.release()
         if ctx.prev_unit is not None:
             ctx.prev_unit.gather(async_op=True)

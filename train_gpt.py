@@ -1087,7 +1087,7 @@ def _run_action(stage, a, inbox, saved, waiting, micro_batches, tokens_per_micro
         waiting.pop(key).run()
         for block in stage.chunk_blocks(a.chunk):
             if block.unit is not None:
-                block.unit.reduce_grads()
+                block.unit.reduce_grads(async_op=True)
         return None
     x, out, aux, _ = saved.pop(key)
     split = stage.plan.split_backward

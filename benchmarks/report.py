@@ -199,7 +199,7 @@ REPORT_FLOPS = {"dense": GPTConfig(vocab_size=64, seq_len=32, n_layer=2, n_head=
                                  n_experts=4, top_k=2)}
 REPORT_PIPELINE_STAGES, REPORT_PIPELINE_MICRO_BATCHES = 4, (2, 8)
 REPORT_SCHEDULE = GPTConfig(vocab_size=32, seq_len=32, n_layer=8, n_head=4, n_embd=32)  # 8 layers: p = 4, v = 2
-REPORT_SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h1", 2))
+REPORT_SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
 
 
 def stage_kept_bytes_formula(cfg, run, b, policy, e=4):

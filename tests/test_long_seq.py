@@ -492,14 +492,18 @@ def test_demo_head_counts_split_over_any_world_size():
         assert bool(why) == ((h, h_kv) != (8, 4)), P
 
 
-@pytest.mark.parametrize("flag", ["--seq", "--batch", "--heads", "--kv-heads", "--head-dim", "--repeats",
-                                  "--cp-ulysses"])
-def test_bench_sizes_below_one_are_one_line_and_exit_code_2(flag):
+def test_bench_sizes_below_one_are_one_line_and_exit_code_2(capsys, monkeypatch):
     import subprocess
     import sys
-    out = subprocess.run([sys.executable, "long_seq.py", "--bench", flag, "0"], capture_output=True, text=True,
-                         timeout=60, cwd=os.path.dirname(os.path.abspath(ls.__file__)))
-    assert out.returncode == 2 and out.stderr.strip() == f"long_seq.py: error: {flag} 0 must be a positive integer"
+    out = subprocess.run([sys.executable, "long_seq.py", "--bench", "--seq", "0"], capture_output=True, text=True,
+                         timeout=60, cwd=os.path.dirname(os.path.abspath(ls.__file__)))  # the command line itself
+    assert out.returncode == 2 and out.stderr.strip() == "long_seq.py: error: --seq 0 must be a positive integer"
+    for flag in ["--batch", "--heads", "--kv-heads", "--head-dim", "--repeats", "--cp-ulysses"]:  # the same main
+        monkeypatch.setattr(sys, "argv", ["long_seq.py", "--bench", flag, "0"])
+        with pytest.raises(SystemExit) as exit_:
+            ls._main()
+        assert exit_.value.code == 2
+        assert capsys.readouterr().err.strip() == f"long_seq.py: error: {flag} 0 must be a positive integer"
 
 
 def test_bench_sequence_that_the_ranks_cannot_zigzag_is_one_line_before_any_group():

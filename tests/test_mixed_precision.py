@@ -1891,3 +1891,63 @@ def test_all_reduce_grads_sums_the_reduced_shard_of_a_zero3_unit_parameter():
         partner = out[(rank + 2) % 4][0]
         assert all(torch.equal(a, b + c) for a, b, c in zip(after, before, partner))
     assert out[0][0][0].numel() == 12 and out[1][0][0].numel() == 0  # rank 0 of each shard owns the norm weight
+
+
+def _through_sharded_call(model, opt, inputs, target):
+    """sharded_micro_batch's forward and backward, with the units entered by sharded_call's markers (as
+    train_gpt's blocks are): one autograd backward, the reduce-scatters issued by the markers."""
+    units = opt.units
+    x = F.embedding(inputs, model.embed)
+    for i, block in enumerate(model.blocks):
+        nxt, prev = (units[i + 1] if i + 1 < len(units) else None), (units[i - 1] if i else None)
+        x, = mp.sharded_call(units[i], lambda t: (block(t),), (x,), nxt, prev)
+    loss = ((x - target) ** 2).sum()
+    loss.backward()
+    return loss.item()
+
+
+def _async_unit_reduce(rank, world):
+    """Zero 2 and 3: each unit's reduce-scatter is issued asynchronously by the backward and still in flight
+    when the backward returns; the step finishes it. Same update as the blocking path."""
+    calls, out = [], {}
+    issue = mp._reduce_scatter_flat
+
+    def recording(*args, async_op=False, **kwargs):
+        calls.append(async_op)
+        return issue(*args, async_op=async_op, **kwargs)
+
+    mp._reduce_scatter_flat = recording
+    try:
+        for zero in (2, 3):
+            results = {}
+            for path in ("markers", "blocking"):
+                model = _blocks()
+                opt = _sharded_opt(model, zero, "adamw", (dist.group.WORLD, None), master_dtype=torch.float64)
+                inputs, target = (t.chunk(world)[rank] for t in mp.sharded_batch(0, rows=ROWS))
+                calls.clear()
+                if path == "markers":
+                    _through_sharded_call(model, opt, inputs, target)
+                    in_flight = [getattr(b, "in_flight", None) is not None for b in opt._buckets]
+                else:
+                    mp.sharded_micro_batch(model, opt, inputs, target)
+                    in_flight = None
+                opt.step(grad_scale=1 / ROWS, max_norm=SHARDED_MAX_NORM, norm_group=dist.group.WORLD)
+                results[path] = {"calls": list(calls), "in_flight": in_flight,
+                                 "after_step": [getattr(b, "in_flight", None) is not None for b in opt._buckets],
+                                 "params": _gathered_params(model, opt)}
+            out[zero] = results
+    finally:
+        mp._reduce_scatter_flat = issue
+    return out
+
+
+def test_unit_reduce_scatters_overlap_the_backward_and_give_the_blocking_update():
+    for rank_out in run_ranks(_async_unit_reduce, 2, timeout=60):
+        for zero, r in rank_out.items():
+            markers, blocking = r["markers"], r["blocking"]
+            # three units, one reduce-scatter each, issued without waiting; the embedding's at the step
+            assert markers["calls"][:3] == [True, True, True], zero
+            assert sum(markers["in_flight"]) == 3 and not any(markers["after_step"]), zero
+            # the same sums in the same order: bit-identical
+            for a, b in zip(markers["params"], blocking["params"]):
+                assert torch.equal(a, b), zero

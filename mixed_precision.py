@@ -342,7 +342,11 @@ def _group_size(group, name="group"):
 
 def _accumulate_main_grad(p):
     """Gradient hook, after autograd has written p.grad: add it to the persistent main grad (in the master
-    dtype, so that m micro-batches cost one rounding each in FP32, not m roundings in BF16), free p.grad."""
+    dtype, so that m micro-batches cost one rounding each in FP32, not m roundings in BF16), free p.grad.
+    p.grad is None where the backward left this weight's gradient for later (a zero-bubble B: its W adds the
+    gradient into main_grad itself)."""
+    if p.grad is None:
+        return
     with torch.no_grad():  # a gradient with a graph (create_graph=True) joins as a value
         p.main_grad.add_(p.grad.detach())
     p.grad = None
@@ -1623,8 +1627,23 @@ def _check_fp8_options(recipe, backward, split, amax_group):
                          "(blocks along K are cut between ranks and agreed)")
 
 
+def fp8_backward_scales(grad_out, x, weight, amax_group=None, x_scale=None, w_scale=None):
+    """The per-tensor scales of the backward GEMMs (tensorwise, delayed): grad_out's E5M2 scale from its amax,
+    MAX-reduced over amax_group (the ranks hold pieces of one gradient, or the same one), and x's and W's E4M3
+    scales (the forward's when given, else agreed again). A split backward (zero bubble) takes them in B, so
+    that its deferred W-GEMM communicates nothing."""
+    amax_g = amax_of(grad_out).reshape(1)
+    if _group_size(amax_group, "amax_group") > 1:
+        dist.all_reduce(amax_g, op=dist.ReduceOp.MAX, group=amax_group)
+        fp8_log["amax:all_reduce"] += 1
+    if x_scale is None or w_scale is None:
+        amax = agreed_amax(x, weight, amax_group)
+        x_scale, w_scale = fp8_scale(amax[0]), fp8_scale(amax[1])
+    return fp8_scale(amax_g[0], E5M2), x_scale, w_scale
+
+
 def fp8_backward_gemms(grad_out, x, weight, recipe="tensorwise", amax_group=None, split=None, use_scaled_mm=True,
-                       x_scale=None, w_scale=None, needs=(True, True)):
+                       x_scale=None, w_scale=None, needs=(True, True), scales=None):
     """The two backward GEMMs of y = x W^T in FP8 with E5M2 gradients (range over precision), for a 2-D
     grad_out G (M, N), x (M, K) and weight (N, K); returns (grad_x, grad_w), None where `needs` says so:
         dgrad  grad_x = G W      reduces over N: G (M, N) and W^T (K, N) blocked along N
@@ -1634,18 +1653,12 @@ def fp8_backward_gemms(grad_out, x, weight, recipe="tensorwise", amax_group=None
     blockwise gives G and G^T, x^T 1 x 128 tiles and W^T 128 x 128 blocks (W's own); MXFP8 blocks of 32.
     Under TP, dgrad's N is cut between ranks in a column-parallel layer (split="column": the cut blocks are
     agreed over amax_group); M is never split by TP. x and W are re-quantised from the saved high-precision
-    tensors along the new reduction dimension."""
+    tensors along the new reduction dimension. `scales`: fp8_backward_scales' (g, x, W) scales, taken earlier
+    (then this call communicates nothing for a per-tensor recipe; a fine-grained wgrad never does)."""
     g = grad_out
     grad_x = grad_w = None
     if recipe in ("tensorwise", "delayed"):
-        amax_g = amax_of(g).reshape(1)
-        if _group_size(amax_group, "amax_group") > 1:
-            dist.all_reduce(amax_g, op=dist.ReduceOp.MAX, group=amax_group)
-            fp8_log["amax:all_reduce"] += 1
-        g_scale = fp8_scale(amax_g[0], E5M2)
-        if x_scale is None or w_scale is None:
-            amax = agreed_amax(x, weight, amax_group)
-            x_scale, w_scale = fp8_scale(amax[0]), fp8_scale(amax[1])
+        g_scale, x_scale, w_scale = scales or fp8_backward_scales(g, x, weight, amax_group, x_scale, w_scale)
         if needs[0]:
             g8, _ = quantize_fp8(g, E5M2, g_scale)
             w_t8, _ = quantize_fp8(weight.t().contiguous(), scale=w_scale)

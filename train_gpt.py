@@ -122,6 +122,7 @@ class TrainConfig:
     recompute: str = "none"           # none | full | sqrt | selective
     dtype: str = "float32"            # float32 | bfloat16 | float16 | fp8 | float64
     fp8_recipe: str = "tensorwise"    # with --dtype fp8: tensorwise | delayed | rowwise | blockwise | mxfp8
+    fp8_backward: str = "bf16"        # with --dtype fp8: bf16 (16-bit backward GEMMs) | fp8 (E5M2 gradients)
     fp8_param_gather: bool = False    # ZeRO-1: all-gather the updated weights in MXFP8 + scales instead of BF16
     zero: int = 0                     # 1: optimizer states sharded over DP x CP (experts: EDP); 2: + gradients;
     #                                   3: + parameters (the blocks': gathered for each use)
@@ -462,35 +463,43 @@ class _TPLinear(torch.autograd.Function):
     and the weight-gradient GEMM waits, with its operands, for the schedule's W (run once, and without any
     communication: the gathered input is kept from B).
 
-    `gemm` runs the forward product: F.linear, or an FP8 GEMM (`fp8_product`). The backward is the same 16-bit
-    arithmetic either way (FP8 forward, BF16 backward).
+    `gemm` runs the forward product: F.linear, or an FP8 GEMM (`fp8_product`). The backward GEMMs are 16-bit, or
+    with --fp8-backward fp8 the gemm's own FP8 ones (E5M2 gradients; their scales are agreed in B, so W stays free
+    of communication).
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, sequence_parallel, gemm=F.linear):
         ctx.group, ctx.sp, ctx.has_bias = group, sequence_parallel and group is not None, bias is not None
+        ctx.fp8_backward = getattr(gemm, "backward_gemms", None)
         ctx.save_for_backward(x, weight)
         ctx.parameter = weight  # W adds into the parameter itself (a recomputed graph saves only its values)
         x_full = _all_gather_seq(x, group) if ctx.sp else x
-        return gemm(x_full, weight, bias)  # F.linear, or the FP8 forward GEMM (the backward stays 16-bit)
+        return gemm(x_full, weight, bias)  # F.linear, or the FP8 forward GEMM
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         x_full = _all_gather_seq(x, ctx.group) if ctx.sp else x
-        grad_x = grad_out @ weight
+        g2, x2 = grad_out.reshape(-1, grad_out.shape[-1]), x_full.reshape(-1, x_full.shape[-1])
+        fp8_wgrad = None
+        if ctx.fp8_backward is None:
+            grad_x = grad_out @ weight
+        else:  # FP8 dgrad now, with the scales both GEMMs use; the wgrad with the same scales, now or in W
+            (grad_x, _), scales = ctx.fp8_backward(g2, x2, weight, (True, False))
+            grad_x = grad_x.reshape(*grad_out.shape[:-1], weight.shape[1])
+            fp8_wgrad = lambda g2, x2: ctx.fp8_backward(g2, x2, weight, (False, True), scales)[0][1]
         wait = lambda: None
         if ctx.sp:
             grad_x, wait = _reduce_scatter_seq(grad_x, ctx.group, async_op=True)
         elif ctx.group is not None:
             wait = dist.all_reduce(grad_x, group=ctx.group, async_op=True).wait
-        g2, x2 = grad_out.reshape(-1, grad_out.shape[-1]), x_full.reshape(-1, x_full.shape[-1])
         grad_b = g2.sum(0) if ctx.has_bias else None
         if _deferred is not None:  # zero bubble: this GEMM belongs to W
-            _deferred.append(partial(_weight_grad, ctx.parameter, g2, x2))
+            _deferred.append(partial(_weight_grad, ctx.parameter, g2, x2, gemm=fp8_wgrad))
             wait()
             return grad_x, None, grad_b, None, None, None
-        grad_w = g2.t() @ x2  # computed while the input gradient travels
+        grad_w = g2.t() @ x2 if fp8_wgrad is None else fp8_wgrad(g2, x2)  # while the input gradient travels
         wait()
         return grad_x, grad_w, grad_b, None, None, None
 
@@ -517,11 +526,11 @@ class deferred_weight_grads:
         self.gemms = []
 
 
-def _weight_grad(weight, g2, x2):
-    """W of one linear: its weight gradient, added where autograd and the optimizer's hook would have put it (the
-    FP32 main grad that mixed_precision.py keeps, or .grad)."""
+def _weight_grad(weight, g2, x2, gemm=None):
+    """W of one linear: its weight gradient G^T x (16-bit, or `gemm`: the FP8 one), added where autograd and the
+    optimizer's hook would have put it (the FP32 main grad that mixed_precision.py keeps, or .grad)."""
     with torch.no_grad():
-        _add_weight_grad(weight, g2.t() @ x2)
+        _add_weight_grad(weight, g2.t() @ x2 if gemm is None else gemm(g2, x2))
 
 
 def _add_weight_grad(weight, grad):
@@ -563,25 +572,45 @@ class ColumnParallelLinear(nn.Module):
         return _TPLinear.apply(x, self.weight, self.bias, self.plan.tp, self.plan.sequence_parallel, self.gemm)
 
 
-def fp8_product(layer, recipe, split):
+class FP8(NamedTuple):
+    recipe: str      # --fp8-recipe
+    backward: str    # --fp8-backward: "bf16" or "fp8"
+
+
+def fp8_product(layer, fp8, split):
     """A block linear's forward product: F.linear, or with --dtype fp8 mixed_precision.fp8_linear in FP8 E4M3 under
     --fp8-recipe. Tensorwise and delayed scales are agreed (MAX of the amax) over TP, since the shards of one weight,
     and a row-parallel layer's input shards, are one tensor; rowwise, blockwise and MXFP8 scales are local in a
     column-parallel layer (every block lies on one rank) and agreed over TP where a row-parallel layer cuts K.
-    The backward stays BF16, the LM head and the experts BF16. Under CP and DP each rank quantises its own tokens:
+    The backward GEMMs are BF16, or with --fp8-backward fp8 FP8 with E5M2 gradients at the recipe's granularity
+    (mixed_precision.fp8_backward_gemms); in the backward it is the column-parallel dgrad that cuts its reduction
+    dimension (the layer's outputs) over TP, and those blocks are agreed there. Through _TPLinear (TP, or zero
+    bubble) both backward GEMMs take per-tensor scales from the current amaxes (delayed scaling included); the
+    LM head and the experts stay BF16. Under CP and DP each rank quantises its own tokens:
     per-tensor activation scales then depend slightly on the split (Transformer Engine also reduces the activation
     amax over CP), per-row and per-block ones do not. Delayed scaling keeps a history per layer (a buffer, not saved
     in checkpoints) and cannot be recomputed: each recomputation would record its amaxes again."""
-    if recipe is None:
+    if fp8 is None:
         return F.linear
-    if recipe == "delayed":
+    if fp8.recipe == "delayed":
         layer.register_buffer("amax_history", torch.zeros(2, 16), persistent=False)
 
     def product(x, weight, bias=None):
-        return mixed_precision.fp8_linear(x, weight, bias, amax_group=layer.plan.tp, recipe=recipe,
-                                          split=split if layer.plan.tp is not None else None,
+        return mixed_precision.fp8_linear(x, weight, bias, amax_group=layer.plan.tp, recipe=fp8.recipe,
+                                          backward=fp8.backward, split=split if layer.plan.tp is not None else None,
                                           amax_history=getattr(layer, "amax_history", None),
                                           record_amax=torch.is_grad_enabled())
+
+    def backward_gemms(g2, x2, weight, needs, scales=None):
+        """_TPLinear's FP8 backward: ((grad_x, grad_w), scales), the per-tensor scales agreed on the first call."""
+        group = layer.plan.tp
+        if scales is None and fp8.recipe in ("tensorwise", "delayed"):
+            scales = mixed_precision.fp8_backward_scales(g2, x2, weight, group)
+        return mixed_precision.fp8_backward_gemms(g2, x2, weight, fp8.recipe, group, split if group else None,
+                                                  needs=needs, scales=scales), scales
+
+    if fp8.backward == "fp8":
+        product.backward_gemms = backward_gemms
     return product
 
 
@@ -1159,7 +1188,8 @@ def build(cfg, run, optimizer=True):
                                 timeout_s=run.timeout_s, zero_shard=run.zero_shard_size)
     plan = make_plan(cfg, run, ps)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    stage = GPTStage(cfg, plan, run.param_dtype, fp8=run.fp8_recipe if run.dtype == "fp8" else None).to(device)
+    fp8 = FP8(run.fp8_recipe, run.fp8_backward) if run.dtype == "fp8" else None
+    stage = GPTStage(cfg, plan, run.param_dtype, fp8=fp8).to(device)
     opt = make_optimizer(stage, run) if optimizer else None
     if opt is not None and run.zero >= 2:  # each block a unit; its neighbours within its chunk, for the prefetch
         n = len(stage.blocks) // plan.virtual_stages
@@ -2251,6 +2281,11 @@ def validate(cfg, run, world):
         ((run.resume or run.save_every) and not run.out_dir, "--resume and --save-every need --out-dir"),
         (run.fp8_recipe not in mixed_precision.FP8_RECIPES,
          f"--fp8-recipe {run.fp8_recipe!r} is unknown; choose one of {mixed_precision.FP8_RECIPES}"),
+        (run.fp8_backward not in ("bf16", "fp8"),
+         f"--fp8-backward {run.fp8_backward!r} is unknown; choose bf16 (16-bit backward GEMMs) or fp8 (E5M2 "
+         "gradients)"),
+        (run.fp8_backward == "fp8" and run.dtype != "fp8",
+         "--fp8-backward fp8 runs the backward GEMMs of the FP8 layers in FP8: it needs --dtype fp8"),
         (run.dtype == "fp8" and run.fp8_recipe == "delayed" and run.recompute != "none",
          f"--fp8-recipe delayed records each GEMM's amax as it runs, and --recompute {run.recompute} would record it "
          "again: use --recompute none or another --fp8-recipe"),
@@ -2484,6 +2519,8 @@ def parse_args(argv=None):
     add("--dtype", default="float32", choices=list(DTYPES))
     add("--fp8-recipe", default="tensorwise", choices=mixed_precision.FP8_RECIPES, help="with --dtype fp8: the "
         "scaling granularity (tensorwise, delayed, rowwise, blockwise: DeepSeek-V3's tiles, mxfp8)")
+    add("--fp8-backward", default="bf16", choices=["bf16", "fp8"], help="with --dtype fp8: the backward GEMMs in "
+        "BF16, or in FP8 with E5M2 gradients at the recipe's granularity")
     add("--fp8-param-gather", action="store_true", help="with --zero 1: all-gather the updated weights in FP8")
     add("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="1: shard the optimizer states over DP x CP; "
         "2: and the gradients; 3: and the blocks' parameters (gathered for each use)")

@@ -6,8 +6,8 @@
 1. train_gpt.py on NCCL at world size 1, GPT-2 small (12 layers, 768 wide, 12 heads, 1024 context, vocabulary
    50304) in bfloat16: tokens/s and MFU (the GPU's dense BF16 peak from train_gpt.GPU_PEAK_TFLOPS).
 2. FP8: each recipe (tensorwise, rowwise, blockwise, MXFP8) through torch._scaled_mm where torch 2.13 runs its
-   scales on the device, against mixed_precision.py's emulation (the same FP8 operands and scales); and the
-   accumulation error of the real FP8 GEMM as K grows (1K-64K) beside the emulated 14-bit accumulator.
+   scales on the device, against mixed_precision.py's emulation (the same FP8 operands and scales); the two
+   backward GEMMs with E5M2 gradients (--fp8-backward fp8) the same way; and the accumulation error of the real FP8 GEMM as K grows (1K-64K) beside the emulated 14-bit accumulator.
 3. long_seq.py's fused ring attention on CUDA (world size 1: every ring step's kernel path) against the einsum
    reference and against F.scaled_dot_product_attention on the whole sequence, forward and backward.
 4. A checkpoint of that run saved and sampled from (the CUDA path of `--sample`).
@@ -102,9 +102,13 @@ def gpt2_small(device, dry, deadline):
 
 
 def fp8(device, dry):
-    """The FP8 section: the recipes' GEMMs, then the accumulation (measured even when a recipe's check fails)."""
+    """The FP8 section: the recipes' GEMMs, their FP8 backward, then the accumulation (each measured even when an
+    earlier check fails)."""
     try:
-        fp8_recipes(device, dry)
+        try:
+            fp8_recipes(device, dry)
+        finally:
+            fp8_backward(device, dry)
     finally:
         fp8_accumulation(device, dry)
 
@@ -149,6 +153,36 @@ def fp8_recipes(device, dry):
         # scale applied to the wrong row or block is off by O(1)
         check(f"fp8 {recipe} _scaled_mm vs emulation", ((fused.double() - emulated.double()).norm() /
                                                         emulated.double().norm()).item(), 1e-2, "relative error")
+
+
+def fp8_backward(device, dry):
+    """The backward GEMMs of an FP8 layer as --fp8-backward fp8 runs them (mixed_precision.fp8_backward_gemms:
+    dgrad G W and wgrad G^T x, the gradient G in E5M2, x and W in E4M3, at each recipe's granularity), through
+    torch._scaled_mm where torch 2.13 runs the layout on this device, against the emulation on the same operands;
+    and the emulation's SQNR against the float64 products of the unquantised tensors."""
+    mp = mixed_precision
+    m, k, n = (64, 256, 128) if dry else (1024, 4096, 1024)
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g, x, w = (torch.randn(*shape, generator=gen).to(device, dtype) for shape in ((m, n), (m, k), (n, k)))
+    exact = (g.double() @ w.double(), g.double().t() @ x.double())
+    for recipe in ("tensorwise", "rowwise", "blockwise", "mxfp8"):
+        emulated = mp.fp8_backward_gemms(g, x, w, recipe, use_scaled_mm=False)
+        before = mp.fp8_log["gemm:scaled_mm"]
+        fused = mp.fp8_backward_gemms(g, x, w, recipe, use_scaled_mm=True)
+        ran = mp.fp8_log["gemm:scaled_mm"] - before
+        for name, e, f, ref in zip(("dgrad", "wgrad"), emulated, fused, exact):
+            sqnr = mp.sqnr_db(ref, e)
+            # E5M2 keeps 3 significant bits (~22 dB alone), E4M3 4 (~28 dB): ~24.5 dB measured on CPU, bound 18
+            say(f"fp8 {recipe} E5M2 {name} emulation vs the unquantised GEMM", f"SQNR {sqnr:.1f} dB (bound 18)")
+            if not sqnr > 18:
+                raise AssertionError(f"fp8 {recipe} E5M2 {name}: SQNR {sqnr:.1f} dB is below 18 dB")
+            if ran:  # bound as the forward's: only the kernel's accumulation and the output rounding differ
+                check(f"fp8 {recipe} E5M2 {name} _scaled_mm vs emulation",
+                      ((f.double() - e.double()).norm() / e.double().norm()).item(), 1e-2, "relative error")
+        if not ran:
+            say(f"fp8 {recipe} E5M2 backward _scaled_mm", f"not run by torch {torch.__version__} on this device: "
+                "emulated")
 
 
 def fp8_accumulation(device, dry):

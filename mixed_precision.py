@@ -2357,7 +2357,7 @@ def on_forked_ranks(fn, world, *args):
     for r in range(world):
         if isinstance(results[r], BaseException):
             raise RuntimeError(f"rank {r} failed") from results[r]
-    return [torch.load(io.BytesIO(results[r]), weights_only=False) for r in range(world)]
+    return [torch.load(io.BytesIO(results[r]), weights_only=True) for r in range(world)]
 
 
 def row_parallel_fp8(recipe, m=8, k=384, n=256, seed=0, group=None):

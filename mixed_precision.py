@@ -170,8 +170,8 @@ all-reduce per operand), blockwise tiles and blocks only where K_local is not a 
 only where it is not a multiple of 32. The FP8 backward's dgrad reduces over N, which a column-parallel layer
 cuts: there the same rule applies along N.
 
-FP8 parameter all-gather (`fp8_param_gather`, ZeRO-1): each rank publishes its updated master shard in MXFP8
-(E4M3 + one E8M0 byte per 32), so the all-gather sends (d-1)/d x (1 + 1/32) bytes per parameter instead of
+FP8 parameter all-gather (`fp8_param_gather`: ZeRO-1 and 2 at the step, ZeRO-3 at every gather of a unit): each
+rank publishes its updated master shard in MXFP8 (E4M3 + one E8M0 byte per 32), so the all-gather sends (d-1)/d x (1 + 1/32) bytes per parameter instead of
 (d-1)/d x 2 (BF16): 0.516 of them, measured 0.520 with the padding that aligns each parameter to 32. The
 working weights become FP8-rounded (within E4M3's eps/2 of the masters); masters and moments stay FP32.
 """
@@ -445,6 +445,9 @@ class _Bucket:
             self.master_flat = self.param_shard.to(master_dtype) if self.separate_master else self.param_shard
             if fp8_param_gather:  # the working weights are FP8-rounded from the start (the same on every rank)
                 self.param_flat.copy_(fp8_param_round(self.param_flat))
+                if level == 3:  # what every gather sends: the shard's MXFP8 bytes, kept between steps
+                    self.packed = self._pack_fp8()
+                    self._unpack_fp8(self.packed, self.param_shard)
         self.gathered = level < 3
         if level == 3:
             self.param_flat.untyped_storage().resize_(0)  # at rest only the shard lives
@@ -532,6 +535,10 @@ class _Bucket:
             if self.group_size == 1:
                 self.param_flat.copy_(self.param_shard)
                 return None
+            if self.fp8_param_gather:  # FP8 bytes and scales travel; the BF16 values are written once they are in
+                gathered, work = self._all_gather_fp8(self.packed, async_op)
+                done = _AfterWork(work, lambda: self._unpack_gathered(gathered))
+                return done if async_op else done.wait()
             _count_sent("all_gather", self.param_flat, self.group_size, 1)
             return _all_gather_flat(self.param_flat, self.param_shard, group=self.group, async_op=async_op)
 
@@ -554,23 +561,53 @@ class _Bucket:
 
     def _publish_fp8(self):
         """fp8_param_gather: this rank's master shard in MXFP8 (E4M3 elements, one E8M0 scale per 32), packed
-        as bytes (shard + shard / 32) and all-gathered in one collective instead of the 2 x shard bytes of BF16;
-        every rank, the owner included, writes the dequantised values (exact in BF16: 4 significant bits
-        times a power of two), so the replicas stay identical."""
-        shard = self.hi - self.lo
+        as bytes (shard + shard / 32). Levels 1 and 2 all-gather it at once, in one collective instead of the
+        2 x shard bytes of BF16; level 3 keeps it, and every gather of the unit sends it. Every rank, the owner
+        included, writes the dequantised values (exact in BF16: 4 significant bits times a power of two), so
+        the replicas stay identical and the owner's shard is what the others receive."""
+        packed = self._pack_fp8()
+        if self.level == 3:
+            self.packed = packed
+            self._unpack_fp8(packed, self.param_shard)
+        elif self.sharded:
+            gathered, _ = self._all_gather_fp8(packed)
+            self._unpack_fp8(gathered, self.param_flat)
+        else:
+            self._unpack_fp8(packed, self.param_flat[self.lo:self.hi])
+
+    def _pack_fp8(self):
         q = quantize_mxfp8(self.master_flat.view(1, -1))
-        packed = torch.cat([q.data.view(torch.uint8).view(-1),
-                            q.scale.reciprocal().to(torch.float8_e8m0fnu).view(torch.uint8).view(-1)])
-        if self.sharded:
-            gathered = torch.empty(self.group_size * packed.numel(), dtype=torch.uint8, device=packed.device)
-            _count_sent("all_gather", gathered, self.group_size, 1)
-            _all_gather_flat(gathered, packed, group=self.group)
-            packed = gathered
-        packed = packed.view(-1, shard + shard // FP8_GATHER_BLOCK)  # one row per shard, in rank order
+        return torch.cat([q.data.view(torch.uint8).view(-1),
+                          q.scale.reciprocal().to(torch.float8_e8m0fnu).view(torch.uint8).view(-1)])
+
+    def _all_gather_fp8(self, packed, async_op=False):
+        gathered = torch.empty(self.group_size * packed.numel(), dtype=torch.uint8, device=packed.device)
+        _count_sent("all_gather", gathered, self.group_size, 1)
+        return gathered, _all_gather_flat(gathered, packed, group=self.group, async_op=async_op)
+
+    def _unpack_fp8(self, packed, target):
+        """The dequantised values of packed shards (one row per shard, in rank order) written into target."""
+        shard = self.hi - self.lo
+        packed = packed.view(-1, shard + shard // FP8_GATHER_BLOCK)
         data = packed[:, :shard].contiguous().view(E4M3).float().view(-1, FP8_GATHER_BLOCK)
         scales = packed[:, shard:].contiguous().view(torch.float8_e8m0fnu).float().view(-1, 1)  # 2^e
-        target = self.param_flat if self.sharded else self.param_flat[self.lo:self.hi]
         target.copy_((data * scales).view(-1))
+
+    def _unpack_gathered(self, gathered):
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.param_flat):
+            self._unpack_fp8(gathered, self.param_flat)
+
+
+class _AfterWork:
+    """A collective's work handle with a step to run once it completes: wait() waits, then runs `then`."""
+
+    def __init__(self, work, then):
+        self.work, self.then = work, then
+
+    def wait(self):
+        if self.work is not None:
+            self.work.wait()
+        self.then()
 
 
 class _GatherMeter:
@@ -686,9 +723,9 @@ def _check_arguments(params, shard_groups, zero, master_dtype, optimizer_default
         raise ValueError(f"master_dtype={master_dtype} must be a floating-point dtype (float32 or float64)")
     if fp8_param_gather not in (False, True):
         raise ValueError(f"fp8_param_gather={fp8_param_gather!r}: pass True or False")
-    if fp8_param_gather and zero != 1:
-        raise ValueError(f"fp8_param_gather=True with zero={zero}: only ZeRO-1 all-gathers the parameters; "
-                         "pass zero=1")
+    if fp8_param_gather and zero == 0:
+        raise ValueError(f"fp8_param_gather=True with zero={zero}: ZeRO-0 gathers no parameters; pass zero=1, 2 "
+                         "or 3")
     seen = set()
     for p in params:
         if id(p) in seen:
@@ -813,7 +850,7 @@ class _SavedState:
     """Save and load of MixedPrecisionOptimizer's state (its base class; one role, read apart from the step).
 
     It reads what the optimizer builds: `params`, `optimizer` (the inner one, whose parameters are the pieces),
-    `param_groups`, `loss_scaler` and `_managed(p)` -> (bucket, piece). Three granularities: owned_state and
+    `param_groups`, `loss_scaler`, `_buckets` and `_managed(p)` -> (bucket, piece). Three granularities: owned_state and
     owned_param (this rank's live pieces of the states and of the parameter values, for a checkpoint that writes
     each shard where it lies), full_state / load_full_state (one parameter's whole master and states, any
     layout to any other), state_dict / load_state_dict (everything, unsharded), plus the scalars
@@ -929,6 +966,9 @@ class _SavedState:
             DynamicLossScaler().load_state_dict(state["scalars"]["loss_scaler"])  # checked on a throwaway
         for p, full in zip(self.params, state["params"]):
             self.load_full_state(p, full)
+        for bucket in self._buckets:  # zero 3 under fp8_param_gather: its FP8 shard, made from the loaded masters
+            if bucket.level == 3 and bucket.fp8_param_gather:
+                bucket.publish_params()  # at level 3 local: no communication
         self.load_scalar_state(state["scalars"])
 
     def _check_param_groups(self, state):
@@ -983,9 +1023,11 @@ class MixedPrecisionOptimizer(_SavedState):
     run on every rank of the unit's groups alike, one call per unit per micro-batch; step() refuses a unit
     parameter that still holds a p.grad, and releases every gathered unit (its full parameters would be stale).
 
-    fp8_param_gather (zero=1, parameters narrower than master_dtype): each rank quantises its updated master
+    fp8_param_gather (zero 1 to 3, parameters narrower than master_dtype): each rank quantises its updated master
     shard to MXFP8 (E4M3, one power-of-two scale per 32 elements) and the shards are all-gathered as FP8 bytes
-    plus scales: (d-1)/d x (1 + 1/32) bytes per parameter sent instead of (d-1)/d x 2 for BF16. What changes
+    plus scales: (d-1)/d x (1 + 1/32) bytes per parameter sent instead of (d-1)/d x 2 for BF16, once per step at
+    zero 1 and 2, at every gather of a zero-3 unit (forward and backward), which keeps its packed shard
+    between steps ((1 + 1/32)/d bytes per parameter more at rest). What changes
     numerically: the working weights (forward and backward) become FP8-rounded, |w - master| <= 2^-4 |w| for
     normal values (E4M3's eps/2), from construction on; the masters, the moments and the updates stay FP32,
     so updates below the FP8 spacing still accumulate in the master until they move its rounding.
@@ -1223,7 +1265,8 @@ class MixedPrecisionOptimizer(_SavedState):
 
     def memory_bytes(self):
         """This rank's bytes at rest, from the live tensors: the parameter buffers (zero 3 units: the shards
-        only), the main-grad buffers (zero 2 and 3 units: the shard accumulators), and the separate master
+        only, and under fp8_param_gather also their MXFP8 bytes), the main-grad buffers (zero 2 and 3 units: the
+        shard accumulators), and the separate master
         copies plus every optimizer state tensor with dim > 0 (Adam's moments; the 0-dim step counters are not
         per-parameter). master_bytes is the masters' part of optimizer_bytes. peak_gathered_bytes: the most
         zero-3 unit parameter bytes gathered at once (the full buffers, padding included) since the previous
@@ -1233,7 +1276,8 @@ class MixedPrecisionOptimizer(_SavedState):
         states = size(t for s in self.optimizer.state.values() for t in s.values()
                       if torch.is_tensor(t) and t.dim() > 0)
         peak, self._meter.peak = self._meter.peak, self._meter.now
-        return {"param_bytes": size(b.param_shard if b.level == 3 else b.param_flat for b in self._buckets),
+        packed = size(b.packed for b in self._buckets if b.level == 3 and b.fp8_param_gather)  # FP8 shard copies
+        return {"param_bytes": size(b.param_shard if b.level == 3 else b.param_flat for b in self._buckets) + packed,
                 "grad_bytes": size(b.grad_shard if b.grad_flat is None else b.grad_flat for b in self._buckets),
                 "optimizer_bytes": masters + states, "master_bytes": masters, "peak_gathered_bytes": peak}
 

@@ -123,7 +123,7 @@ class TrainConfig:
     dtype: str = "float32"            # float32 | bfloat16 | float16 | fp8 | float64
     fp8_recipe: str = "tensorwise"    # with --dtype fp8: tensorwise | delayed | rowwise | blockwise | mxfp8
     fp8_backward: str = "bf16"        # with --dtype fp8: bf16 (16-bit backward GEMMs) | fp8 (E5M2 gradients)
-    fp8_param_gather: bool = False    # ZeRO-1: all-gather the updated weights in MXFP8 + scales instead of BF16
+    fp8_param_gather: bool = False    # ZeRO 1-3: all-gather the weights in MXFP8 + scales instead of BF16
     zero: int = 0                     # 1: optimizer states sharded over DP x CP (experts: EDP); 2: + gradients;
     #                                   3: + parameters (the blocks': gathered for each use)
     zero_shard_size: int = None       # hybrid sharding: shard over groups of this many DP x CP ranks, replicate across
@@ -2296,9 +2296,9 @@ def validate(cfg, run, world):
         (run.zero_shard_size is not None and not (run.zero_shard_size >= 1 and (cp * dp) % run.zero_shard_size == 0),
          f"--zero-shard-size {run.zero_shard_size} must divide dp*cp = {dp * cp} (hybrid sharding: shard over groups "
          f"of that many ranks, replicate across them)"),
-        (run.fp8_param_gather and not (run.zero == 1 and run.dtype in ("bfloat16", "fp8")),
-         "--fp8-param-gather all-gathers the ZeRO-1 shards of 16-bit weights: it needs --zero 1 and --dtype bfloat16 "
-         "or fp8"),
+        (run.fp8_param_gather and not (run.zero >= 1 and run.dtype in ("bfloat16", "fp8")),
+         "--fp8-param-gather all-gathers the ZeRO shards of 16-bit weights: it needs --zero 1, 2 or 3 and --dtype "
+         "bfloat16 or fp8"),
     ]
     for failed, message in checks:
         if failed:
@@ -2521,7 +2521,8 @@ def parse_args(argv=None):
         "scaling granularity (tensorwise, delayed, rowwise, blockwise: DeepSeek-V3's tiles, mxfp8)")
     add("--fp8-backward", default="bf16", choices=["bf16", "fp8"], help="with --dtype fp8: the backward GEMMs in "
         "BF16, or in FP8 with E5M2 gradients at the recipe's granularity")
-    add("--fp8-param-gather", action="store_true", help="with --zero 1: all-gather the updated weights in FP8")
+    add("--fp8-param-gather", action="store_true", help="with --zero 1, 2 or 3: all-gather the weights in FP8 "
+        "(MXFP8: E4M3 and one power-of-two scale per 32)")
     add("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="1: shard the optimizer states over DP x CP; "
         "2: and the gradients; 3: and the blocks' parameters (gathered for each use)")
     add("--zero-shard-size", type=int, default=None, help="hybrid sharding: shard over groups of this many DP x CP "

@@ -16,7 +16,8 @@
 6. The pipeline schedules: zero bubble's split backward on the device against 1F1B; the interleaved schedule on four
    gloo CPU processes (PP2 x DP2 with ZeRO-3; one GPU holds one NCCL rank) against one process in float64.
 7. Sharding: ZeRO-3's gather, release and reduction around every block on the device against ZeRO-0 (and on
-   four gloo CPU processes, with the interleaved schedule, under 6).
+   four gloo CPU processes, with the interleaved schedule, under 6); ZeRO-3 with FP8 parameter gathers (the
+   MXFP8 packing on the device) against BF16 ones.
 Each section reports its own failure (an exception, or a figure outside its stated bound) and the next one still
 runs; the exit code is 1 if any section failed.
 """
@@ -236,12 +237,13 @@ def ring(device, dry):
 
 
 def _device_curves(device, runs):
-    """The losses of 4 steps of a small float32 model on this device (one process), for each TrainConfig change."""
+    """The losses of 4 steps of a small model on this device (one process; float32 unless a change says otherwise),
+    for each TrainConfig change."""
     cfg = train_gpt.GPTConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, n_embd=64)
     curves = []
     for changes in runs:
-        run = train_gpt.TrainConfig(dtype="float32", batch=8, micro_batch=2, lr=1e-3, log=False, data="synthetic",
-                                    timeout_s=120, **changes)
+        run = train_gpt.TrainConfig(batch=8, micro_batch=2, lr=1e-3, log=False, data="synthetic", timeout_s=120,
+                                    **{"dtype": "float32", **changes})
         _, stage, opt, pipe = train_gpt.build(cfg, run)
         curves.append([train_gpt.train_step(stage, pipe, opt, train_gpt.synthetic_batch(k, 8, 64, 256).to(device),
                                             2, run.grad_clip)[0] for k in range(4)])
@@ -298,6 +300,11 @@ def sharding(device, dry):
     zero0, zero3 = _device_curves(device, [dict(zero=0), dict(zero=3)])
     check("sharding zero 3 vs zero 0 on the device", _largest_difference(zero0, zero3), 1e-5,
           "largest loss difference over 4 steps (float32: another order of the gradient sums)")
+    # --fp8-param-gather at ZeRO-3: the shards packed as MXFP8 bytes and E8M0 scales and unpacked on the device
+    bf16, fp8 = _device_curves(device, [dict(dtype="bfloat16", zero=3),
+                                        dict(dtype="bfloat16", zero=3, fp8_param_gather=True)])
+    check("sharding zero 3 fp8 parameter gather vs bf16 on the device", _largest_difference(bf16, fp8), 1e-2,
+          "largest loss difference over 4 steps (FP8-rounded working weights: E4M3's 2^-4 per weight)")
 
 
 def recompute_memory(device, dry):

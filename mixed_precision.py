@@ -171,9 +171,10 @@ only where it is not a multiple of 32. The FP8 backward's dgrad reduces over N, 
 cuts: there the same rule applies along N.
 
 FP8 parameter all-gather (`fp8_param_gather`: ZeRO-1 and 2 at the step, ZeRO-3 at every gather of a unit): each
-rank publishes its updated master shard in MXFP8 (E4M3 + one E8M0 byte per 32), so the all-gather sends (d-1)/d x (1 + 1/32) bytes per parameter instead of
-(d-1)/d x 2 (BF16): 0.516 of them, measured 0.520 with the padding that aligns each parameter to 32. The
-working weights become FP8-rounded (within E4M3's eps/2 of the masters); masters and moments stay FP32.
+rank publishes its updated master shard in MXFP8 (E4M3 + one E8M0 byte per 32), so the all-gather sends
+(d-1)/d x (1 + 1/32) bytes per parameter instead of (d-1)/d x 2 (BF16): 0.516 of them, measured 0.520 with the
+padding that aligns each parameter to 32. The working weights become FP8-rounded (within E4M3's eps/2 of the
+masters); masters and moments stay FP32.
 """
 import io
 import math
@@ -850,10 +851,10 @@ class _SavedState:
     """Save and load of MixedPrecisionOptimizer's state (its base class; one role, read apart from the step).
 
     It reads what the optimizer builds: `params`, `optimizer` (the inner one, whose parameters are the pieces),
-    `param_groups`, `loss_scaler`, `_buckets` and `_managed(p)` -> (bucket, piece). Three granularities: owned_state and
-    owned_param (this rank's live pieces of the states and of the parameter values, for a checkpoint that writes
-    each shard where it lies), full_state / load_full_state (one parameter's whole master and states, any
-    layout to any other), state_dict / load_state_dict (everything, unsharded), plus the scalars
+    `param_groups`, `loss_scaler`, `_buckets` and `_managed(p)` -> (bucket, piece). Three granularities: owned_state
+    and owned_param (this rank's live pieces of the states and of the parameter values, for a checkpoint that writes
+    each shard where it lies), full_state / load_full_state (one parameter's whole master and states, any layout to
+    any other), state_dict / load_state_dict (everything, unsharded), plus the scalars
     (hyperparameters, loss scaler)."""
 
     def full_state(self, p):
@@ -1024,13 +1025,13 @@ class MixedPrecisionOptimizer(_SavedState):
     parameter that still holds a p.grad, and releases every gathered unit (its full parameters would be stale).
 
     fp8_param_gather (zero 1 to 3, parameters narrower than master_dtype): each rank quantises its updated master
-    shard to MXFP8 (E4M3, one power-of-two scale per 32 elements) and the shards are all-gathered as FP8 bytes
-    plus scales: (d-1)/d x (1 + 1/32) bytes per parameter sent instead of (d-1)/d x 2 for BF16, once per step at
-    zero 1 and 2, at every gather of a zero-3 unit (forward and backward), which keeps its packed shard
-    between steps ((1 + 1/32)/d bytes per parameter more at rest). What changes
-    numerically: the working weights (forward and backward) become FP8-rounded, |w - master| <= 2^-4 |w| for
-    normal values (E4M3's eps/2), from construction on; the masters, the moments and the updates stay FP32,
-    so updates below the FP8 spacing still accumulate in the master until they move its rounding.
+    shard to MXFP8 (E4M3, one power-of-two scale per 32 elements) and the shards are all-gathered as FP8 bytes plus
+    scales: (d-1)/d x (1 + 1/32) bytes per parameter sent instead of (d-1)/d x 2 for BF16, once per step at zero 1
+    and 2, at every gather of a zero-3 unit (forward and backward), which keeps its packed shard between steps ((1 +
+    1/32)/d bytes per parameter more at rest). What changes numerically: the working weights (forward and backward)
+    become FP8-rounded, |w - master| <= 2^-4 |w| for normal values (E4M3's eps/2), from construction on; the
+    masters, the moments and the updates stay FP32, so updates below the FP8 spacing still accumulate in the master
+    until they move its rounding.
 
     The roles: this class is the step (reduce, scale, norm, skip, clip, update, publish); _Bucket and
     _build_buckets hold the sharded state (flat buffers, shards, pieces); _SavedState saves and loads it.
@@ -1264,13 +1265,13 @@ class MixedPrecisionOptimizer(_SavedState):
     # ---- memory ----
 
     def memory_bytes(self):
-        """This rank's bytes at rest, from the live tensors: the parameter buffers (zero 3 units: the shards
-        only, and under fp8_param_gather also their MXFP8 bytes), the main-grad buffers (zero 2 and 3 units: the
-        shard accumulators), and the separate master
-        copies plus every optimizer state tensor with dim > 0 (Adam's moments; the 0-dim step counters are not
-        per-parameter). master_bytes is the masters' part of optimizer_bytes. peak_gathered_bytes: the most
-        zero-3 unit parameter bytes gathered at once (the full buffers, padding included) since the previous
-        call (reading it starts a new window); 0 at zero < 3, where the parameters are whole in param_bytes."""
+        """This rank's bytes at rest, from the live tensors: the parameter buffers (zero 3 units: the shards only,
+        and under fp8_param_gather also their MXFP8 bytes), the main-grad buffers (zero 2 and 3 units: the shard
+        accumulators), and the separate master copies plus every optimizer state tensor with dim > 0 (Adam's
+        moments; the 0-dim step counters are not per-parameter). master_bytes is the masters' part of
+        optimizer_bytes. peak_gathered_bytes: the most zero-3 unit parameter bytes gathered at once (the full
+        buffers, padding included) since the previous call (reading it starts a new window); 0 at zero < 3, where
+        the parameters are whole in param_bytes."""
         size = lambda ts: sum(t.numel() * t.element_size() for t in ts)
         masters = size(b.master_flat for b in self._buckets if b.separate_master)
         states = size(t for s in self.optimizer.state.values() for t in s.values()

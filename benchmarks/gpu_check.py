@@ -7,7 +7,8 @@
    50304) in bfloat16: tokens/s and MFU (the GPU's dense BF16 peak from train_gpt.GPU_PEAK_TFLOPS).
 2. FP8: each recipe (tensorwise, rowwise, blockwise, MXFP8) through torch._scaled_mm where torch 2.13 runs its
    scales on the device, against mixed_precision.py's emulation (the same FP8 operands and scales); the two
-   backward GEMMs with E5M2 gradients (--fp8-backward fp8) the same way; and the accumulation error of the real FP8 GEMM as K grows (1K-64K) beside the emulated 14-bit accumulator.
+   backward GEMMs with E5M2 gradients (--fp8-backward fp8) the same way; and the accumulation error of the real
+   FP8 GEMM as K grows (1K-64K) beside the emulated 14-bit accumulator.
 3. long_seq.py's fused ring attention on CUDA (world size 1: every ring step's kernel path) against the einsum
    reference and against F.scaled_dot_product_attention on the whole sequence, forward and backward.
 4. A checkpoint of that run saved and sampled from (the CUDA path of `--sample`).

@@ -433,10 +433,11 @@ def test_flops_per_token_equal_the_measured_count(moe_every):
     assert train_gpt.model_flops_per_token(cfg) > 6 * cfg.vocab_size * cfg.n_embd
 
 
-def _resume_run(rank, world, out_dir, dtype, resume, cfg=CFG, **layout):
+def _resume_run(rank, world, out_dir, dtype, resume, cfg=CFG, weights=None, **layout):
+    """4 AdamW steps saved every 2 (weights: the run's --dtype when it is not the default dtype `dtype`)."""
     torch.set_default_dtype(getattr(torch, dtype))
-    run = _run(dtype=dtype, optimizer="adamw", lr=1e-2, steps=4, save_every=2, out_dir=out_dir, resume=resume,
-               micro_batch=1, **layout)
+    run = _run(dtype=weights or dtype, optimizer="adamw", lr=1e-2, steps=4, save_every=2, out_dir=out_dir,
+               resume=resume, micro_batch=1, **layout)
     return [(r["step"], r["loss"], r["grad_norm"]) for r in train_gpt.train(cfg, run)]
 
 
@@ -2018,9 +2019,11 @@ def test_resume_across_zero_levels_and_layouts(tmp_path, saved, world, layout):
     assert max(abs(a - b) for r, f in zip(resumed, full[2:]) for a, b in zip(r, f)) < TOL
 
 
-@pytest.mark.parametrize("zero", [2, 3])
-def test_resume_at_the_same_layout_is_exact_at_zero_2_and_3(tmp_path, zero):
-    full = run_ranks(_resume_run, 4, str(tmp_path / "a"), "float32", False, tp=2, zero=zero, timeout=180)[0]
+@pytest.mark.parametrize("zero, extra", [(2, {}), (3, {}), (3, dict(fp8_param_gather=True))])
+def test_resume_at_the_same_layout_is_exact_at_zero_2_and_3(tmp_path, zero, extra):
+    # float32; with FP8 parameter gathers BF16 weights (the resumed run packs its FP8 shards from the masters)
+    layout = dict(tp=2, zero=zero, weights="bfloat16" if extra else None, **extra)
+    full = run_ranks(_resume_run, 4, str(tmp_path / "a"), "float32", False, timeout=180, **layout)[0]
     _keep_first_checkpoint(tmp_path / "a", tmp_path / "b")
-    resumed = run_ranks(_resume_run, 4, str(tmp_path / "b"), "float32", True, tp=2, zero=zero, timeout=180)[0]
+    resumed = run_ranks(_resume_run, 4, str(tmp_path / "b"), "float32", True, timeout=180, **layout)[0]
     assert resumed == full[2:]  # bit for bit

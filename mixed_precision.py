@@ -446,9 +446,8 @@ class _Bucket:
             self.master_flat = self.param_shard.to(master_dtype) if self.separate_master else self.param_shard
             if fp8_param_gather:  # the working weights are FP8-rounded from the start (the same on every rank)
                 self.param_flat.copy_(fp8_param_round(self.param_flat))
-                if level == 3:  # what every gather sends: the shard's MXFP8 bytes, kept between steps
-                    self.packed = self._pack_fp8()
-                    self._unpack_fp8(self.packed, self.param_shard)
+                if level == 3:  # what every gather sends: the shard's MXFP8 bytes, kept between steps (local)
+                    self._publish_fp8()
         self.gathered = level < 3
         if level == 3:
             self.param_flat.untyped_storage().resize_(0)  # at rest only the shard lives
@@ -1291,6 +1290,7 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 AMAX_EPS = 1e-12  # an all-zero tensor gets a finite scale (fp8_max / 1e-12 is far below FP32's max)
 FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise", "mxfp8")
 FINE_GRAINED = ("rowwise", "blockwise", "mxfp8")
+FP8_BACKWARDS = ("bf16", "fp8")  # the backward GEMMs of an FP8 layer: 16-bit, or FP8 with E5M2 gradients
 
 fp8_log = Counter()  # "gemm:count": FP8 forward GEMMs run; "gemm:backward": FP8 backward GEMMs; "gemm:scaled_mm" /
 #                      "gemm:emulated": which path each FP8 GEMM took; "amax:all_reduce": amax agreements over a group.
@@ -1660,7 +1660,7 @@ class _GemmSpec(NamedTuple):
 def _check_fp8_options(recipe, backward, split, amax_group):
     if recipe not in FP8_RECIPES:
         raise ValueError(f"recipe={recipe!r}: use one of {FP8_RECIPES}")
-    if backward not in ("bf16", "fp8"):
+    if backward not in FP8_BACKWARDS:
         raise ValueError(f"backward={backward!r}: use 'bf16' (BF16 GEMMs on the saved tensors) or 'fp8' (E5M2 "
                          "gradients)")
     if split not in (None, "column", "row"):

@@ -604,7 +604,7 @@ def fp8_product(layer, fp8, split):
     def backward_gemms(g2, x2, weight, needs, scales=None):
         """_TPLinear's FP8 backward: ((grad_x, grad_w), scales), the per-tensor scales agreed on the first call."""
         group = layer.plan.tp
-        if scales is None and fp8.recipe in ("tensorwise", "delayed"):
+        if scales is None and fp8.recipe not in mixed_precision.FINE_GRAINED:  # per-tensor scales
             scales = mixed_precision.fp8_backward_scales(g2, x2, weight, group)
         return mixed_precision.fp8_backward_gemms(g2, x2, weight, fp8.recipe, group, split if group else None,
                                                   needs=needs, scales=scales), scales
@@ -2281,7 +2281,7 @@ def validate(cfg, run, world):
         ((run.resume or run.save_every) and not run.out_dir, "--resume and --save-every need --out-dir"),
         (run.fp8_recipe not in mixed_precision.FP8_RECIPES,
          f"--fp8-recipe {run.fp8_recipe!r} is unknown; choose one of {mixed_precision.FP8_RECIPES}"),
-        (run.fp8_backward not in ("bf16", "fp8"),
+        (run.fp8_backward not in mixed_precision.FP8_BACKWARDS,
          f"--fp8-backward {run.fp8_backward!r} is unknown; choose bf16 (16-bit backward GEMMs) or fp8 (E5M2 "
          "gradients)"),
         (run.fp8_backward == "fp8" and run.dtype != "fp8",
@@ -2519,7 +2519,7 @@ def parse_args(argv=None):
     add("--dtype", default="float32", choices=list(DTYPES))
     add("--fp8-recipe", default="tensorwise", choices=mixed_precision.FP8_RECIPES, help="with --dtype fp8: the "
         "scaling granularity (tensorwise, delayed, rowwise, blockwise: DeepSeek-V3's tiles, mxfp8)")
-    add("--fp8-backward", default="bf16", choices=["bf16", "fp8"], help="with --dtype fp8: the backward GEMMs in "
+    add("--fp8-backward", default="bf16", choices=mixed_precision.FP8_BACKWARDS, help="with --dtype fp8: the backward GEMMs in "
         "BF16, or in FP8 with E5M2 gradients at the recipe's granularity")
     add("--fp8-param-gather", action="store_true", help="with --zero 1, 2 or 3: all-gather the weights in FP8 "
         "(MXFP8: E4M3 and one power-of-two scale per 32)")

@@ -2519,8 +2519,8 @@ def parse_args(argv=None):
     add("--dtype", default="float32", choices=list(DTYPES))
     add("--fp8-recipe", default="tensorwise", choices=mixed_precision.FP8_RECIPES, help="with --dtype fp8: the "
         "scaling granularity (tensorwise, delayed, rowwise, blockwise: DeepSeek-V3's tiles, mxfp8)")
-    add("--fp8-backward", default="bf16", choices=mixed_precision.FP8_BACKWARDS, help="with --dtype fp8: the backward GEMMs in "
-        "BF16, or in FP8 with E5M2 gradients at the recipe's granularity")
+    add("--fp8-backward", default="bf16", choices=mixed_precision.FP8_BACKWARDS, help="with --dtype fp8: the "
+        "backward GEMMs in BF16, or in FP8 with E5M2 gradients at the recipe's granularity")
     add("--fp8-param-gather", action="store_true", help="with --zero 1, 2 or 3: all-gather the weights in FP8 "
         "(MXFP8: E4M3 and one power-of-two scale per 32)")
     add("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="1: shard the optimizer states over DP x CP; "

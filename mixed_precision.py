@@ -23,9 +23,9 @@ gradients in a BF16 .grad rounds m times to 8 significant bits (measured: 16 mic
 the sum's size away from the exact sum). `MixedPrecisionOptimizer` gives every parameter a persistent
 `main_grad` in the master dtype, a view of one flat buffer, and a gradient hook adds each backward's p.grad
 into it and frees p.grad: one FP32 rounding per micro-batch (measured 1e-8). A parameter already in the
-master dtype needs no copy: its .grad IS its main_grad view, and autograd accumulates into the flat buffer
-in place (DDP's gradient_as_bucket_view); its hook only copies back a .grad that replaced the view (autograd
-sums out of place under create_graph=True). Data-parallel reductions run on these FP32
+master dtype needs no copy and no hook: its .grad IS its main_grad view, and autograd accumulates into the flat
+buffer in place (DDP's gradient_as_bucket_view); a .grad that replaced the view (autograd sums out of place under
+create_graph=True) is copied back before anything reads the main grads. Data-parallel reductions run on these FP32
 buffers, so the sum over ranks does not round in BF16 either. Per parameter with Adam: 2 (BF16 weight)
 + 4 (FP32 main grad) + 4 (FP32 master) + 8 (Adam moments) = 18 bytes; the ZeRO paper's 16 keeps BF16
 gradients. A parameter already in the master dtype (FP32, or float64 for tests) has no separate master:
@@ -360,11 +360,13 @@ def _grad_is_main_grad(p):
 
 
 def _adopt_grad(p):
-    """Gradient hook of a parameter already in the master dtype. Its p.grad is its gradient, as torch defines
-    it: when something replaced the main_grad view (autograd accumulates out of place, main_grad + new, under
-    create_graph=True; a user writes p.grad = p.grad * 2 or p.grad = g), the new tensor is the whole gradient.
-    It is COPIED into main_grad, not added (adding would count main_grad's content twice), and p.grad points
-    at main_grad again."""
+    """For a parameter already in the master dtype, before its main grad is read (all_reduce_grads, step). Its
+    p.grad is its gradient, as torch defines it: when something replaced the main_grad view (autograd accumulates
+    out of place, main_grad + new, under create_graph=True; a user writes p.grad = p.grad * 2 or p.grad = g), the
+    new tensor is the whole gradient. It is COPIED into main_grad, not added (adding would count main_grad's
+    content twice), and p.grad points at main_grad again. No hook runs it after every backward: a Python hook per
+    parameter and micro-batch costs about 1% of a small model's step (benchmarks/train_gpt_vs_plain.py), and
+    until the main grad is read, p.grad (the view or its replacement) holds the whole gradient."""
     if p.grad is None or _grad_is_main_grad(p):
         return
     with torch.no_grad():
@@ -732,8 +734,8 @@ def _check_arguments(params, shard_groups, zero, master_dtype, optimizer_default
             raise ValueError(f"{name(p)} appears twice in params_or_param_groups: pass each parameter once")
         seen.add(id(p))
         if hasattr(p, "main_grad") or hasattr(p, "_zero_unit_level"):
-            raise ValueError(f"{name(p)} already belongs to a MixedPrecisionOptimizer (it has a main_grad "
-                             "and a gradient hook): build one optimizer per parameter")
+            raise ValueError(f"{name(p)} already belongs to a MixedPrecisionOptimizer (it has a main_grad): "
+                             "build one optimizer per parameter")
         if not p.dtype.is_floating_point:
             raise ValueError(f"{name(p)} is not floating point: only floating-point parameters train")
         narrower = master_dtype != p.dtype and torch.finfo(master_dtype).bits <= torch.finfo(p.dtype).bits
@@ -1036,9 +1038,9 @@ class MixedPrecisionOptimizer(_SavedState):
     _build_buckets hold the sharded state (flat buffers, shards, pieces); _SavedState saves and loads it.
 
     The parameters become views of flat buffers (one per entry, dtype and device; at zero 2 and 3 per unit too),
-    and each outside the zero 2 and 3 units gets a gradient hook (in the master dtype also a .grad that is its
-    main_grad view: leave it, zero_grad() keeps it; a p.grad that replaces it is taken as the whole gradient, as
-    in torch); a zero-3 unit's parameters have no storage until gathered:
+    and each outside the zero 2 and 3 units gets a gradient hook, or in the master dtype a .grad that is its
+    main_grad view (leave it, zero_grad() keeps it; a p.grad that replaces it is taken as the whole gradient, as
+    in torch, when the main grads are next read); a zero-3 unit's parameters have no storage until gathered:
     build the optimizer once the model has its final dtype and device, before anything else takes views of
     the parameters' storage, and only one optimizer per parameter.
     """
@@ -1067,9 +1069,8 @@ class MixedPrecisionOptimizer(_SavedState):
                 p._zero_unit_level = zero  # marks it as managed (it has no main_grad to tell)
                 p.grad = None
                 continue
-            if p.dtype == master_dtype:
+            if p.dtype == master_dtype:  # autograd adds into the view in place; _fold_stray_grads adopts the rest
                 p.grad = p.main_grad
-                p.register_post_accumulate_grad_hook(_adopt_grad)
             else:
                 p.register_post_accumulate_grad_hook(_accumulate_main_grad)
         self.optimizer = optimizer_class(
@@ -1097,10 +1098,11 @@ class MixedPrecisionOptimizer(_SavedState):
     # ---- the step ----
 
     def _fold_stray_grads(self):
-        """A gradient written to p.grad directly, not by backward (which the hooks catch), joins the sum: added
-        to the main grad of a narrower parameter (whose p.grad holds only what came since the last hook),
-        copied into that of a parameter in the master dtype (whose p.grad is the whole gradient). Unit
-        parameters at zero 2 and 3 have none: reduce_grads takes their p.grad."""
+        """Before the main grads are read: a gradient written to p.grad directly, not by backward (which the hooks
+        of narrower parameters catch), joins the sum: added to the main grad of a narrower parameter (whose p.grad
+        holds only what came since the last hook), copied into that of a parameter in the master dtype (whose
+        p.grad, the main_grad view or what replaced it, is the whole gradient). Unit parameters at zero 2 and 3
+        have none: reduce_grads takes their p.grad."""
         for p in self.params:
             if not hasattr(p, "main_grad"):
                 continue
@@ -2273,7 +2275,7 @@ def sharded_micro_batch(model, opt, inputs, target, recompute=False, prefetch=Tr
         units[i].release()
         units[i].reduce_grads()  # after the unit's whole backward (after W, under a zero-bubble schedule)
     if x0.requires_grad:
-        x0.backward(grad)  # the embedding: its hook adds into its main grad
+        x0.backward(grad)  # the embedding: into its main grad (a hook adds it, or autograd in place)
     return loss.item()
 
 

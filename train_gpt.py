@@ -528,18 +528,19 @@ class deferred_weight_grads:
 
 def _weight_grad(weight, g2, x2, gemm=None):
     """W of one linear: its weight gradient G^T x (16-bit, or `gemm`: the FP8 one), added where autograd and the
-    optimizer's hook would have put it (the FP32 main grad that mixed_precision.py keeps, or .grad)."""
+    optimizer's hook would have put it: .grad (an FP32 weight's is the FP32 main grad that mixed_precision.py
+    keeps, a view of its flat buffer), or the main grad itself (16-bit weights, whose .grad the hook frees)."""
     with torch.no_grad():
         _add_weight_grad(weight, g2.t() @ x2 if gemm is None else gemm(g2, x2))
 
 
 def _add_weight_grad(weight, grad):
-    if hasattr(weight, "main_grad"):
-        weight.main_grad.add_(grad)
-    elif weight.grad is None:
-        weight.grad = grad
-    else:
+    if weight.grad is not None:
         weight.grad += grad
+    elif hasattr(weight, "main_grad"):
+        weight.main_grad.add_(grad)
+    else:
+        weight.grad = grad
 
 
 # The layers below are the plan torch.distributed.tensor.parallel writes with DTensors, as production code

@@ -285,11 +285,15 @@ def test_a_master_dtype_grad_replaced_out_of_place_is_the_gradient_not_an_increm
     assert torch.equal(expected, torch.full((3,), 5.0 + 4.0 + 3.0 + 1.0))
     w = torch.nn.Parameter(torch.ones(3))  # in the master dtype: w.grad is its main_grad view
     opt = mp.MixedPrecisionOptimizer([w], torch.optim.SGD, lr=1.0)
+    assert w._post_accumulate_grad_hooks is None  # no Python hook per parameter and backward in the master dtype
     (w * 2).sum().backward()
     (w * 3).sum().backward(create_graph=True)
-    # the hook copies the out-of-place sum into the main grad at once and points w.grad back at it
-    assert torch.equal(w.main_grad, torch.full((3,), 5.0)) and w.grad.data_ptr() == w.main_grad.data_ptr()
+    # autograd summed out of place: w.grad is a new tensor, the whole gradient; the main grad still holds the first
+    # backward's 2 until it is read: the step copies w.grad into it (not adds: 5, not 7) and points w.grad back
+    assert torch.equal(w.grad, torch.full((3,), 5.0)) and w.grad.data_ptr() != w.main_grad.data_ptr()
+    assert torch.equal(w.main_grad, torch.full((3,), 2.0))
     assert opt.step().grad_norm == pytest.approx(math.sqrt(3 * 25.0))
+    assert w.grad.data_ptr() == w.main_grad.data_ptr()
     w2 = torch.nn.Parameter(torch.ones(3))
     opt2 = mp.MixedPrecisionOptimizer([w2], torch.optim.SGD, lr=1.0)
     assert torch.equal(_gradient_rewrites(w2, opt2.step), expected)  # as torch counts them, no double count

@@ -1,17 +1,19 @@
 """Is train_gpt.py, at world size 1, as fast as the same GPT written plainly in PyTorch?
 
-    python3 benchmarks/train_gpt_vs_plain.py [--layers 4 --hidden 128 --heads 4 --seq 128 --batch 8 --rounds 15]
+    python3 benchmarks/train_gpt_vs_plain.py [--layers 4 --hidden 128 --heads 4 --seq 128 --batch 8
+                                              --micro-batch 8 --rounds 15 --threads 0 --profile]
 
 Both models have the same shape, the same initial weights' distribution, the same data and the same optimizer
 (AdamW, betas (0.9, 0.95), weight decay 0.1 on 2-D weights, FP32). The plain one is nanoGPT's model.py in a
-few lines: nn.Linear, F.scaled_dot_product_attention, F.cross_entropy, torch.optim.AdamW. train_gpt.py runs its
-whole machinery with every group of size 1 (plan, TP linears, vocabulary-parallel loss, 1F1B with one stage,
-the mixed-precision optimizer with its FP32 gradient buffers). The two alternate in rounds of --steps-per-round
-steps each on this noisy machine, on one thread and then on every core (torch's default; --threads N: only N);
-for each, the ratio of the median step times is printed (> 1: train_gpt.py is faster) with the spread of the
-per-round ratios. Both take the whole batch as one micro-batch: train_gpt.py with --micro-batch 2 of a batch of 8
-runs GEMMs of a quarter the rows, which two threads share less well (its ratio against a one-micro-batch plain GPT
-drops to about 0.82 at two threads for that reason alone).
+few lines: nn.Linear, F.scaled_dot_product_attention, F.cross_entropy, torch.optim.AdamW, and nanoGPT's gradient
+accumulation (loss / steps, one backward per micro-batch). train_gpt.py runs its whole machinery with every group
+of size 1 (plan, TP linears, vocabulary-parallel loss, 1F1B with one stage, the mixed-precision optimizer with
+its FP32 gradient buffers). Both take the same micro-batches (--micro-batch, default the whole batch: fewer rows
+per GEMM is slower in both, and on two threads more so). The two alternate in rounds of --steps-per-round steps
+each on this noisy machine, on one thread and then on every core (torch's default; --threads N: only N); for
+each, the ratio of the median step times is printed (> 1: train_gpt.py is faster) with the spread of the
+per-round ratios. --profile adds, per thread count, both programs' self CPU time per step by operator
+(torch.profiler, the same alternation), the operators where they differ most first.
 """
 import argparse
 import math
@@ -96,20 +98,57 @@ def race(steps, data, a, threads):
     return {name: statistics.median(t) for name, t in times.items()}, rounds
 
 
+def profile_ops(steps, data, a, threads, rounds=3):
+    """Self CPU time per step of every operator, per program (torch.profiler over `rounds` alternating rounds of
+    --steps-per-round steps each, after one warm-up round): {program: {operator: (ms per step, calls per step)}}."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.set_num_threads(threads)
+    ops = {name: {} for name in steps}
+    k = 0
+    for r in range(rounds + 1):
+        for name, step in (list(steps.items()) if r % 2 else list(steps.items())[::-1]):
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(a.steps_per_round):
+                    step(data.batch("train", k, a.batch, a.seq, 0, a.device))
+                    k += 1
+            if r:
+                for e in prof.key_averages():
+                    ms, calls = ops[name].get(e.key, (0.0, 0.0))
+                    n = rounds * a.steps_per_round
+                    ops[name][e.key] = (ms + e.self_cpu_time_total / 1e3 / n, calls + e.count / n)
+    return ops
+
+
+def print_profile(ops, top=16):
+    a, b = ops["train_gpt.py"], ops["plain"]
+    total = {name: sum(ms for ms, _ in o.values()) for name, o in ops.items()}
+    print(f"    self CPU time per step by operator (ms; calls per step), where the two differ most first; totals "
+          f"train_gpt.py {total['train_gpt.py']:.1f}, plain {total['plain']:.1f}:")
+    print(f"      {'operator':52s} {'train_gpt.py':>18s} {'plain':>18s} {'difference':>10s}")
+    keys = sorted(set(a) | set(b), key=lambda key: -abs(a.get(key, (0, 0))[0] - b.get(key, (0, 0))[0]))
+    for key in keys[:top]:
+        (ma, ca), (mb, cb) = a.get(key, (0.0, 0.0)), b.get(key, (0.0, 0.0))
+        print(f"      {key[:52]:52s} {ma:9.2f} ({ca:6.1f}) {mb:9.2f} ({cb:6.1f}) {ma - mb:+10.2f}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for flag, default in (("--layers", 4), ("--hidden", 128), ("--heads", 4), ("--seq", 128), ("--batch", 8),
-                          ("--rounds", 15), ("--steps-per-round", 5), ("--threads", 0)):
+                          ("--micro-batch", 0), ("--rounds", 15), ("--steps-per-round", 5), ("--threads", 0)):
         ap.add_argument(flag, type=int, default=default)
+    ap.add_argument("--profile", action="store_true", help="also both programs' time by operator")
     a = ap.parse_args()
     cfg = train_gpt.GPTConfig(vocab_size=256, seq_len=a.seq, n_layer=a.layers, n_head=a.heads, n_embd=a.hidden)
-    run = train_gpt.TrainConfig(batch=a.batch, micro_batch=a.batch, lr=1e-3, log=False, data="embedded")
+    run = train_gpt.TrainConfig(batch=a.batch, micro_batch=a.micro_batch or a.batch, lr=1e-3, log=False,
+                                data="embedded")
     try:  # bad sizes: one line and exit code 2, as train_gpt.py does
         for flag in ("rounds", "steps_per_round"):
             if getattr(a, flag) < 1:
                 raise ValueError(f"--{flag.replace('_', '-')} {getattr(a, flag)} must be a positive integer")
         if a.threads < 0:
             raise ValueError(f"--threads {a.threads} must be >= 0 (0: one thread, then every core)")
+        if a.micro_batch < 0:
+            raise ValueError(f"--micro-batch {a.micro_batch} must be >= 0 (0: the whole batch)")
         data = train_gpt.check_inputs(cfg, run, 1)
     except ValueError as e:
         print(f"train_gpt_vs_plain.py: error: {e}", file=sys.stderr)
@@ -120,28 +159,34 @@ def main():
     torch.manual_seed(0)
     plain = PlainGPT(cfg).to(a.device)
     plain_opt = adamw(plain.parameters(), run.lr)
+    accumulate = a.batch // run.micro_batch
 
     def step_train_gpt(tokens):
         train_gpt.train_step(stage, pipe, opt, tokens, run.micro_batch, run.grad_clip)
 
     def step_plain(tokens):
-        loss = plain(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
+        for micro in tokens.split(run.micro_batch):  # nanoGPT's gradient accumulation
+            loss = plain(micro[:, :-1], micro[:, 1:]) / accumulate
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(plain.parameters(), run.grad_clip)
         plain_opt.step()
         plain_opt.zero_grad(set_to_none=True)
         loss.item()  # the host sync train_step also has (its loss for the log)
 
     n = sum(p.numel() for p in plain.parameters())
-    print(f"GPT L={a.layers} h={a.hidden} heads={a.heads} s={a.seq} batch={a.batch} ({n / 1e6:.2f} M parameters), "
-          f"{a.rounds} alternating rounds of {a.steps_per_round} steps each, one micro-batch of the whole batch")
+    print(f"GPT L={a.layers} h={a.hidden} heads={a.heads} s={a.seq} batch={a.batch} in {accumulate} micro-batch"
+          f"{'es' * (accumulate > 1)} of {run.micro_batch} ({n / 1e6:.2f} M parameters), {a.rounds} alternating rounds "
+          f"of {a.steps_per_round} steps each")
+    programs = {"train_gpt.py": step_train_gpt, "plain": step_plain}
     for threads in [a.threads] if a.threads else sorted({1, cores}):
-        med, rounds = race({"train_gpt.py": step_train_gpt, "plain": step_plain}, data, a, threads)
+        med, rounds = race(programs, data, a, threads)
         print(f"  {threads} thread{'s' * (threads > 1)}:")
         for name, t in med.items():
             print(f"    {name:13s} median step {t * 1000:7.1f} ms   {a.batch * a.seq / t:9,.0f} tokens/s")
         print(f"    ratio plain / train_gpt.py = {med['plain'] / med['train_gpt.py']:.3f} (rounds {min(rounds):.3f} to "
               f"{max(rounds):.3f}; >= 1: train_gpt.py as fast)")
+        if a.profile:
+            print_profile(profile_ops(programs, data, a, threads))
 
 
 if __name__ == "__main__":

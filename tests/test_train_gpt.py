@@ -997,12 +997,16 @@ def test_the_speed_benchmark_runs_and_refuses_bad_sizes_in_one_line():
     bench = [sys.executable, os.path.join(ROOT, "benchmarks", "train_gpt_vs_plain.py")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(bench + ["--rounds", "2", "--steps-per-round", "1", "--layers", "1", "--hidden", "32",
-                                  "--seq", "32"], capture_output=True, text=True, timeout=120, env=env)
+                                  "--seq", "32", "--batch", "4", "--micro-batch", "2", "--threads", "1", "--profile"],
+                         capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0 and "ratio plain / train_gpt.py" in out.stdout, out.stdout + out.stderr
+    assert "in 2 micro-batches of 2" in out.stdout and "aten::mm" in out.stdout  # the profile, by operator
     for argv, line in ((["--rounds", "0"], "--rounds 0 must be a positive integer"),
-                       (["--heads", "3"], "--hidden 128 must be divisible by --heads 3; e.g. --hidden 129")):
+                       (["--heads", "3"], "--hidden 128 must be divisible by --heads 3; e.g. --hidden 129"),
+                       (["--micro-batch", "3"], "--batch 8 must be divisible by dp*micro_batch = 1*3")):
         out = subprocess.run(bench + argv, capture_output=True, text=True, timeout=60, env=env)
-        assert out.returncode == 2 and out.stderr.strip() == f"train_gpt_vs_plain.py: error: {line}", out.stderr
+        assert out.returncode == 2 and out.stderr.startswith(f"train_gpt_vs_plain.py: error: {line}"), out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
 def _short_run(rank, world, data, cfg, **kwargs):

@@ -1242,8 +1242,8 @@ class MixedPrecisionOptimizer(_SavedState):
             sums[1] += owned_sq
             if not bucket.counts_in_norm():
                 continue
-            if counted is None:
-                sums[0] += owned_sq
+            if counted is None or all(id(p) in counted for p in bucket.params):
+                sums[0] += owned_sq  # the whole shard counts: no second pass over it, piece by piece
             else:
                 for p, piece in zip(bucket.params, bucket.pieces):
                     if id(p) in counted:

@@ -16,6 +16,7 @@ per-round ratios. --profile adds, per thread count, both programs' self CPU time
 (torch.profiler, the same alternation), the operators where they differ most first.
 """
 import argparse
+import contextlib
 import math
 import os
 import statistics
@@ -73,49 +74,48 @@ def adamw(params, lr):
                              lr=lr, betas=(0.9, 0.95))
 
 
-def race(steps, data, a, threads):
+def race(steps, data, a, threads, rounds=None, watch=None):
     """Alternating rounds of both programs on `threads` threads: per program the median step time, and the ratio
-    plain / train_gpt.py of each round's medians (its spread is the noise of this machine)."""
+    plain / train_gpt.py of each round's medians (its spread is the noise of this machine). `watch(name, counted)`,
+    if given, is a context manager around each program's round (profile_ops' profiler)."""
     torch.set_num_threads(threads)
     times = {name: [] for name in steps}
-    rounds, k = [], 0
-    for r in range(a.rounds + 1):  # round 0 warms up both and is not counted
+    ratios, k = [], 0
+    for r in range((a.rounds if rounds is None else rounds) + 1):  # round 0 warms up both and is not counted
         # ABBA: which program goes first alternates, so neither always runs on a cache the other warmed
         this_round = {}
         for name, step in (list(steps.items()) if r % 2 else list(steps.items())[::-1]):
             round_times = []
-            for _ in range(a.steps_per_round):
-                tokens = data.batch("train", k, a.batch, a.seq, 0, a.device)
-                k += 1
-                t0 = time.perf_counter()
-                step(tokens)  # each ends with a host sync (the loss), so the clock sees the whole step
-                round_times.append(time.perf_counter() - t0)
+            with watch(name, r > 0) if watch else contextlib.nullcontext():
+                for _ in range(a.steps_per_round):
+                    tokens = data.batch("train", k, a.batch, a.seq, 0, a.device)
+                    k += 1
+                    t0 = time.perf_counter()
+                    step(tokens)  # each ends with a host sync (the loss), so the clock sees the whole step
+                    round_times.append(time.perf_counter() - t0)
             this_round[name] = statistics.median(round_times)
             if r:
                 times[name] += round_times
         if r:
-            rounds.append(this_round["plain"] / this_round["train_gpt.py"])
-    return {name: statistics.median(t) for name, t in times.items()}, rounds
+            ratios.append(this_round["plain"] / this_round["train_gpt.py"])
+    return {name: statistics.median(t) for name, t in times.items()}, ratios
 
 
 def profile_ops(steps, data, a, threads, rounds=3):
-    """Self CPU time per step of every operator, per program (torch.profiler over `rounds` alternating rounds of
-    --steps-per-round steps each, after one warm-up round): {program: {operator: (ms per step, calls per step)}}."""
+    """Self CPU time per step of every operator, per program: torch.profiler around each program's rounds of the
+    same alternation as race (`rounds` counted after one warm-up): {program: {operator: (ms, calls) per step}}."""
     from torch.profiler import ProfilerActivity, profile
-    torch.set_num_threads(threads)
-    ops = {name: {} for name in steps}
-    k = 0
-    for r in range(rounds + 1):
-        for name, step in (list(steps.items()) if r % 2 else list(steps.items())[::-1]):
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                for _ in range(a.steps_per_round):
-                    step(data.batch("train", k, a.batch, a.seq, 0, a.device))
-                    k += 1
-            if r:
-                for e in prof.key_averages():
-                    ms, calls = ops[name].get(e.key, (0.0, 0.0))
-                    n = rounds * a.steps_per_round
-                    ops[name][e.key] = (ms + e.self_cpu_time_total / 1e3 / n, calls + e.count / n)
+    ops, n = {name: {} for name in steps}, rounds * a.steps_per_round
+
+    @contextlib.contextmanager
+    def watch(name, counted):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            yield
+        for e in prof.key_averages() if counted else ():
+            ms, calls = ops[name].get(e.key, (0.0, 0.0))
+            ops[name][e.key] = (ms + e.self_cpu_time_total / 1e3 / n, calls + e.count / n)
+
+    race(steps, data, a, threads, rounds, watch)
     return ops
 
 

@@ -457,7 +457,7 @@ class _TPLinear(torch.autograd.Function):
         no SP  forward as is; backward all-reduces the input gradient, overlapped with the weight gradient GEMM
         SP     forward all-gathers the input's sequence shards; only the local shard is saved and gathered
                again in backward; the input gradient is reduce-scattered, overlapped with the weight GEMM
-        group None (the LM head at TP = 1, a row-parallel layer's local product): no communication
+        group None (a TP = 1 layer under a zero-bubble schedule, a row-parallel layer's local product): no communication
 
     Under a zero-bubble schedule the backward is split (`deferred_weight_grads`): B returns the input gradient,
     and the weight-gradient GEMM waits, with its operands, for the schedule's W (run once, and without any
@@ -553,6 +553,14 @@ def _add_weight_grad(weight, grad):
 # without SP, ColwiseParallel() and RowwiseParallel() and no SequenceParallel; the embedding RowwiseParallel
 # (vocabulary rows), the LM head ColwiseParallel(use_local_output=False) under loss_parallel().
 
+def column_parallel(plan, x, weight, bias=None, gemm=F.linear):
+    """x W^T + b with W split by output rows over TP: through _TPLinear, or where it has nothing to add (TP = 1, no
+    zero bubble) the GEMM itself, whose backward autograd runs in C++ (no Python call per layer and backward)."""
+    if plan.tp is None and not plan.split_backward:
+        return gemm(x, weight, bias)
+    return _TPLinear.apply(x, weight, bias, plan.tp, plan.sequence_parallel, gemm)
+
+
 class ColumnParallelLinear(nn.Module):
     """y_local = x W_local^T + b_local, W split by output rows. `parts` > 1 splits each of `parts` equal
     blocks of the output (Q, K and V) separately, so every rank gets whole heads of each."""
@@ -568,9 +576,7 @@ class ColumnParallelLinear(nn.Module):
         tag([self.weight, self.bias], tp_dim=0, tp_parts=parts)
 
     def forward(self, x):
-        if self.plan.tp is None and not self.plan.split_backward:  # the plain GEMM and its own backward
-            return self.gemm(x, self.weight, self.bias)
-        return _TPLinear.apply(x, self.weight, self.bias, self.plan.tp, self.plan.sequence_parallel, self.gemm)
+        return column_parallel(self.plan, x, self.weight, self.bias, self.gemm)
 
 
 class FP8(NamedTuple):
@@ -818,7 +824,7 @@ class GPTStage(nn.Module):
         x, aux = self.plan.run_blocks(self.chunk_blocks(chunk), (x, torch.zeros((), dtype=torch.float64,
                                                                                   device=x.device)))
         if self.is_last_chunk(chunk):  # the LM head is column-parallel over the vocabulary: input gathered under SP
-            x = _TPLinear.apply(self.ln_f(x), self.lm_head.weight, None, self.plan.tp, self.plan.sequence_parallel)
+            x = column_parallel(self.plan, self.ln_f(x), self.lm_head.weight)
         return x, aux
 
     def loss_sum(self, logits, targets):

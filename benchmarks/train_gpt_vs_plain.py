@@ -1,7 +1,7 @@
 """Is train_gpt.py, at world size 1, as fast as the same GPT written plainly in PyTorch?
 
     python3 benchmarks/train_gpt_vs_plain.py [--layers 4 --hidden 128 --heads 4 --seq 128 --batch 8
-                                              --micro-batch 8 --rounds 15 --threads 0 --profile]
+                                              --micro-batch 8 --rounds 30 --threads 0 --profile]
 
 Both models have the same shape, the same initial weights' distribution, the same data and the same optimizer
 (AdamW, betas (0.9, 0.95), weight decay 0.1 on 2-D weights, FP32). The plain one is nanoGPT's model.py in a
@@ -11,14 +11,16 @@ of size 1 (plan, TP linears, vocabulary-parallel loss, 1F1B with one stage, the 
 its FP32 gradient buffers). Both take the same micro-batches (--micro-batch, default the whole batch: fewer rows
 per GEMM is slower in both, and on two threads more so). The two alternate in rounds of --steps-per-round steps
 each on this noisy machine, on one thread and then on every core (torch's default; --threads N: only N); for
-each, the ratio of the median step times is printed (> 1: train_gpt.py is faster) with the spread of the
-per-round ratios. --profile adds, per thread count, both programs' self CPU time per step by operator
+each, the ratio of the median step times is printed (> 1: train_gpt.py is faster) with a 95% interval (the rounds
+resampled: whether a ratio's distance from 1 is more than this machine's noise) and the spread of the per-round
+ratios. --profile adds, per thread count, both programs' self CPU time per step by operator
 (torch.profiler, the same alternation), the operators where they differ most first.
 """
 import argparse
 import contextlib
 import math
 import os
+import random
 import statistics
 import sys
 import time
@@ -75,11 +77,12 @@ def adamw(params, lr):
 
 
 def race(steps, data, a, threads, rounds=None, watch=None):
-    """Alternating rounds of both programs on `threads` threads: per program the median step time, and the ratio
-    plain / train_gpt.py of each round's medians (its spread is the noise of this machine). `watch(name, counted)`,
-    if given, is a context manager around each program's round (profile_ops' profiler)."""
+    """Alternating rounds of both programs on `threads` threads. Returns per program the median step time; the ratio
+    plain / train_gpt.py of each round's medians (their spread is the noise of this machine); per program each
+    counted round's step times. `watch(name, counted)`, if given, is a context manager around each program's round
+    (profile_ops' profiler)."""
     torch.set_num_threads(threads)
-    times = {name: [] for name in steps}
+    times = {name: [] for name in steps}  # per program, each counted round's step times
     ratios, k = [], 0
     for r in range((a.rounds if rounds is None else rounds) + 1):  # round 0 warms up both and is not counted
         # ABBA: which program goes first alternates, so neither always runs on a cache the other warmed
@@ -95,10 +98,24 @@ def race(steps, data, a, threads, rounds=None, watch=None):
                     round_times.append(time.perf_counter() - t0)
             this_round[name] = statistics.median(round_times)
             if r:
-                times[name] += round_times
+                times[name].append(round_times)
         if r:
             ratios.append(this_round["plain"] / this_round["train_gpt.py"])
-    return {name: statistics.median(t) for name, t in times.items()}, ratios
+    return {name: pooled_median(t, range(len(t))) for name, t in times.items()}, ratios, times
+
+
+def pooled_median(rounds, which):
+    return statistics.median(t for i in which for t in rounds[i])
+
+
+def ratio_interval(times, resamples=1000, seed=0):
+    """A 95% interval of the ratio of median step times plain / train_gpt.py (a percentile bootstrap): the rounds
+    drawn again with replacement, the two programs' rounds of one draw together (they ran side by side, on the same
+    state of the machine), the ratio of the pooled medians of each draw."""
+    rng, n = random.Random(seed), len(times["plain"])
+    draws = ([rng.randrange(n) for _ in range(n)] for _ in range(resamples))
+    ratios = sorted(pooled_median(times["plain"], d) / pooled_median(times["train_gpt.py"], d) for d in draws)
+    return ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]
 
 
 def profile_ops(steps, data, a, threads, rounds=3):
@@ -134,7 +151,7 @@ def print_profile(ops, top=16):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for flag, default in (("--layers", 4), ("--hidden", 128), ("--heads", 4), ("--seq", 128), ("--batch", 8),
-                          ("--micro-batch", 0), ("--rounds", 15), ("--steps-per-round", 5), ("--threads", 0)):
+                          ("--micro-batch", 0), ("--rounds", 30), ("--steps-per-round", 5), ("--threads", 0)):
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--profile", action="store_true", help="also both programs' time by operator")
     a = ap.parse_args()
@@ -179,12 +196,14 @@ def main():
           f"of {a.steps_per_round} steps each")
     programs = {"train_gpt.py": step_train_gpt, "plain": step_plain}
     for threads in [a.threads] if a.threads else sorted({1, cores}):
-        med, rounds = race(programs, data, a, threads)
+        med, rounds, times = race(programs, data, a, threads)
+        lo, hi = ratio_interval(times)
         print(f"  {threads} thread{'s' * (threads > 1)}:")
         for name, t in med.items():
             print(f"    {name:13s} median step {t * 1000:7.1f} ms   {a.batch * a.seq / t:9,.0f} tokens/s")
-        print(f"    ratio plain / train_gpt.py = {med['plain'] / med['train_gpt.py']:.3f} (rounds {min(rounds):.3f} to "
-              f"{max(rounds):.3f}; >= 1: train_gpt.py as fast)")
+        print(f"    ratio plain / train_gpt.py = {med['plain'] / med['train_gpt.py']:.3f} (95% interval {lo:.3f} to "
+              f"{hi:.3f}, resampling the rounds; rounds {min(rounds):.3f} to {max(rounds):.3f}; >= 1: train_gpt.py as "
+              "fast)")
         if a.profile:
             print_profile(profile_ops(programs, data, a, threads))
 

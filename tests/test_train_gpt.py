@@ -5,6 +5,7 @@ import math
 import sys
 import os
 import re
+import signal
 
 import pytest
 import torch
@@ -1542,8 +1543,14 @@ def test_two_runs_on_one_out_dir_one_is_refused_and_the_other_resumes_bit_exactl
     while not (lock.exists() and f"pid {first.pid}" in lock.read_text()):  # the first run holds the folder
         assert first.poll() is None, first.communicate()[0]
         time.sleep(0.02)
-    second = subprocess.run(args + ["--steps", "6", "--metrics", "second.jsonl"], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=120)
+    # paused while the second starts, so that it still holds the folder then, however slowly the second imports
+    # torch (on a slow machine the first run's 6 steps ended before the second looked)
+    os.kill(first.pid, signal.SIGSTOP)
+    try:
+        second = subprocess.run(args + ["--steps", "6", "--metrics", "second.jsonl"], cwd=tmp_path, env=env,
+                                capture_output=True, text=True, timeout=120)
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
     assert second.returncode == 2 and second.stdout == "", second
     line, = second.stderr.strip().splitlines()
     assert f"--out-dir out is in use by another run (pid {first.pid} on" in line, line

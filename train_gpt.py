@@ -1997,11 +1997,11 @@ def _check_entry(where, key, md, geometry, states, world_size):
 def check_checkpoint(path, cfg=None):
     """Everything about a checkpoint that can be checked without reading its tensors, before DCP reads a byte of
     them: train_state.json (read_train_state), every file it lists present with its recorded size, and DCP's
-    metadata unpickled safely with every entry checked: only tensors (a bytes entry makes DCP's loader call
-    torch.load(weights_only=False) on the bytes it points to, which can run any code), under the names this
-    program writes, inside their parameters, of the dtypes it saves, each stored piece inside a listed file and
-    untransformed. Returns (train_state, metadata); raises BadCheckpoint (one line) or, for a checkpoint of
-    another model shape than `cfg`, ValueError."""
+    metadata unpickled safely with every entry checked: only tensors (DCP's default planner unpickles a bytes
+    entry's bytes as an unrestricted pickle, which can run any code; _tensors_only_planner refuses them too),
+    under the names this program writes, inside their parameters, of the dtypes it saves, each stored piece
+    inside a listed file and untransformed. Returns (train_state, metadata); raises BadCheckpoint (one line)
+    or, for a checkpoint of another model shape than `cfg`, ValueError."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
     train_state = read_train_state(path, cfg)
@@ -2025,7 +2025,7 @@ def check_checkpoint(path, cfg=None):
     for key, md in metadata.state_dict_metadata.items():
         if type(md) is not TensorStorageMetadata:
             raise BadCheckpoint(f"{where}: entry {key!r} is a {type(md).__name__}, which this program never writes "
-                                "(DCP would load it with torch.load(weights_only=False), which can run code)")
+                                "(DCP's default planner would unpickle it unrestricted, which can run code)")
         _check_entry(where, key, md, geometry, states, train_state["world_size"])
         for chunk in md.chunks:
             if MetadataIndex(key, torch.Size(chunk.offsets)) not in metadata.storage_data:
@@ -2107,9 +2107,26 @@ def latest_checkpoint(out_dir, cfg=None, say=None):
 def _dcp_read(tensors, path):
     """Read the saved keys of `tensors` into them, on this rank alone (no_dist: the ranks read different parts)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     with warnings.catch_warnings():  # no_dist says it assumes one process: true of each rank's read
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(tensors, storage_reader=_safe_reader(path), no_dist=True)
+        try:
+            dcp.load(tensors, storage_reader=_safe_reader(path), planner=_tensors_only_planner(), no_dist=True)
+        except CheckpointException as e:  # a BaseException wrapping this rank's error: raise the error itself, so
+            raise next(iter(e.failures.values()))[0] from None  # that load_checkpoint's `except Exception` sees it
+
+
+def _tensors_only_planner():
+    """DCP's default load planner, except that a bytes entry is refused unread: the default unpickles its bytes
+    unrestricted (code can run). check_checkpoint already refuses such entries; this holds even where it was not
+    called, so no path through DCP unpickles a checkpoint's data."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class TensorsOnlyPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            raise BadCheckpoint(f"entry {read_item.dest_index.fqn!r} is stored as bytes, which this program never "
+                                "writes and never unpickles")
+    return TensorsOnlyPlanner()
 
 
 def _all_agree(error, device):

@@ -1417,8 +1417,9 @@ def test_crafted_checkpoint_metadata_is_refused_in_one_line_and_runs_nothing(pri
 
 
 def test_the_bytes_entry_attack_is_real_and_neither_resume_nor_sample_runs_it(pristine_checkpoint, tmp_path):
-    """Positive control: DCP's own reader runs the crafted checkpoint's command. train_gpt.py refuses it on --sample
-    and --resume in one line, exit code 2, before any process group, and the command never runs."""
+    """Positive control: DCP's own reader runs the crafted checkpoint's command. train_gpt.py's DCP read refuses it
+    even without check_checkpoint (its planner unpickles no bytes entry); --sample and --resume refuse it in one
+    line, exit code 2, before any process group; the command never runs."""
     import torch.distributed.checkpoint as dcp
     sentinel = tmp_path / "pwned"
     path = _copy(pristine_checkpoint, tmp_path)
@@ -1431,6 +1432,9 @@ def test_the_bytes_entry_attack_is_real_and_neither_resume_nor_sample_runs_it(pr
                  no_dist=True)
     assert sentinel.exists()  # the attack works against a plain DCP load
     sentinel.unlink()
+    with pytest.raises(Exception, match="stored as bytes, which this program never writes"):  # check_checkpoint
+        train_gpt._dcp_read({"rng/0": torch.empty(5056, dtype=torch.uint8)}, str(path))  # skipped: the planner refuses
+    assert not sentinel.exists()
     for argv in (["--sample", "5", "--out-dir", "c"],
                  ["--resume", "--out-dir", "c", "--layers", "2", "--heads", "2", "--hidden", "16", "--seq", "16",
                   "--vocab", "32", "--moe-every", "2", "--experts", "2", "--top-k", "1", "--data", "synthetic"]):

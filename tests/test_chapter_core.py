@@ -1,0 +1,31 @@
+"""The core-alone checker itself can fail: a banner missing or doubled, a repository import, a foreign package."""
+import pytest
+
+import chapter_core
+
+
+def test_a_repository_import_is_refused_at_any_depth():
+    with pytest.raises(AssertionError, match="a file of this repository"):
+        chapter_core.check_imports("x", "import torch\ndef f():\n    from topology import rank_groups\n")
+    with pytest.raises(AssertionError, match="a file of this repository"):
+        chapter_core.check_imports("x", "from . import topology\n")
+
+
+def test_only_the_standard_library_torch_numpy_and_einops_are_allowed():
+    chapter_core.check_imports("x", "import os, math\nimport torch.nn.functional as F\nimport numpy\n"
+                                    "from einops import rearrange\n")
+    with pytest.raises(AssertionError, match="only the standard library"):
+        chapter_core.check_imports("x", "import scipy\n")
+
+
+def test_a_file_needs_exactly_one_banner(tmp_path, monkeypatch):
+    monkeypatch.setattr(chapter_core, "ROOT", str(tmp_path))
+    (tmp_path / "none.py").write_text("x = 1\n")
+    (tmp_path / "two.py").write_text(f"x = 1\n{chapter_core.BANNER}\ny = 2\n{chapter_core.BANNER}: again\n")
+    (tmp_path / "one.py").write_text(f"x = 1\n{chapter_core.BANNER}: at scale\nraise SystemExit\n")
+    for name in ("none", "two"):
+        with pytest.raises(AssertionError, match="exactly one"):
+            chapter_core.core_lines(name)
+    (tmp_path / "out").mkdir()
+    core = chapter_core.load_core("one", tmp_path / "out")
+    assert core.x == 1 and not hasattr(core, "y")

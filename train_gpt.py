@@ -1252,7 +1252,10 @@ def train(cfg, run, data=None):
 def _train(cfg, run, data):
     plan, stage, opt, pipe = build(cfg, run)
     ps, device = plan.ps, next(stage.parameters()).device
-    start = resume(run.out_dir, stage, opt) if run.resume and checkpoint_dirs(run.out_dir) else 0
+    resumed = resume(run.out_dir, stage, opt) if run.resume and checkpoint_dirs(run.out_dir) else None
+    start = resumed["step"] if resumed else 0
+    if resumed and ps.rank == 0:
+        warn_what_changed(resumed, run)
     if run.log and ps.rank == 0 and start >= run.steps:
         print(f"{checkpoint_dirs(run.out_dir)[-1]} already holds step {start} of --steps {run.steps}: nothing to train")
     metrics = open_metrics(run.metrics, start) if run.metrics and ps.rank == 0 else None
@@ -1607,17 +1610,26 @@ def _metrics_before(path, step):
 # overlap them, in place, so a checkpoint saved at TP2 x PP2 with ZeRO-1 resumes at DP4 or PP1 x CP2. Saving
 # gathers nothing and allocates nothing on the device (gathering each parameter's whole state would cost 12 bytes
 # per parameter for Adam, all that ZeRO-1 saves); DCP's writer stages a host copy of this rank's own parts. The
-# rest (step, model shape, learning-rate schedule, loss scale, every file's size and CRC32) is JSON. A checkpoint
-# is written to step_NNNNNN.tmp and renamed when complete, so out_dir only ever holds complete ones; loading
-# checks everything first and unpickles nothing but DCP's own metadata classes.
-CHECKPOINT_FORMAT = "chunks+crc32"  # in train_state.json: DCP chunks of whole tensors, every file's CRC32
+# rest (step, model shape, learning-rate schedule, loss scale) is JSON. Written last, MANIFEST holds the size and
+# CRC32 of every other file and its own CRC32. A checkpoint is written to step_NNNNNN.tmp and renamed when complete,
+# so out_dir only ever holds complete ones. Loading verifies before it parses: MANIFEST's own CRC32 first, then each
+# file's size and CRC32 before its bytes are parsed (JSON) or unpickled (DCP's metadata, whose unpickler resolves
+# DCP's own classes only); then every value read is bounded before anything is built from it.
+CHECKPOINT_FORMAT = "chunks+manifest"  # in train_state.json: DCP chunks of whole tensors, a MANIFEST of CRC32s
+MANIFEST = "MANIFEST"
+MANIFEST_HEADER = re.compile(rb"train_gpt\.py checkpoint manifest; CRC32 of the lines below: ([0-9a-f]{8})")
+MANIFEST_LINE = re.compile(rb"(\.metadata|train_state\.json|__(\d{1,9})_\d{1,9}\.distcp) (\d{1,18}) ([0-9a-f]{8})")
+MANIFEST_MAX_BYTES = 1 << 26  # 60 bytes a file: a million ranks
+METADATA_MAX_BYTES = 1 << 31
+JSON_MAX_DEPTH = 8  # train_state.json nests 5 deep
 SHAPE_FLAGS = {"vocab_size": "--vocab", "seq_len": "--seq", "n_layer": "--layers", "n_head": "--heads",
                "n_embd": "--hidden", "moe_every": "--moe-every", "n_experts": "--experts", "top_k": "--top-k"}
 SCHEDULE_FIELDS = ("lr", "min_lr", "warmup", "steps")  # saved, so that a resume with another schedule is told
 OPTIMIZER_STATES = {"adamw": ("master", "step", "exp_avg", "exp_avg_sq"), "sgd": ("master", "momentum_buffer")}
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-DATA_FILE = re.compile(r"__\d+_\d+\.distcp")  # the names DCP's FileSystemWriter gives the tensor files
+DATA_FILE = re.compile(r"__(\d+)_\d+\.distcp")  # the names DCP's FileSystemWriter gives the tensor files: rank
 JSON_MAX_BYTES = 1 << 20
+STEP_FOLDER = re.compile(r"step_[0-9]{1,12}")  # ASCII digits: str.isdigit() also takes '³', which int() refuses
 
 
 class BadCheckpoint(ValueError):
@@ -1628,8 +1640,8 @@ def checkpoint_dirs(out_dir):
     """Complete checkpoints in out_dir, oldest first (a .tmp folder is one being written, or abandoned)."""
     if not out_dir or not os.path.isdir(out_dir):
         return []
-    names = [n for n in os.listdir(out_dir) if n.startswith("step_") and n[5:].isdigit()
-             and os.path.exists(os.path.join(out_dir, n, "train_state.json"))]
+    names = [n for n in os.listdir(out_dir) if STEP_FOLDER.fullmatch(n) and any(
+        os.path.lexists(os.path.join(out_dir, n, f)) for f in (MANIFEST, "train_state.json"))]
     return [os.path.join(out_dir, n) for n in sorted(names, key=lambda n: int(n[5:]))]
 
 
@@ -1654,10 +1666,11 @@ TRAIN_STATE_FIELDS = {  # key: (check, what it must be); `format` and `step` are
     "format": ((lambda v: v == CHECKPOINT_FORMAT), repr(CHECKPOINT_FORMAT)), "step": _int(1),
     "config": _OBJECT, "world_size": _int(1, 1 << 20), "layout": _OBJECT, "optimizer": _one_of(OPTIMIZER_STATES),
     "data": ((lambda v: isinstance(v, str)), "a string"), "text": ((lambda v: isinstance(v, bool)), "true or false"),
-    "schedule": _OBJECT, "optimizer_state": _OBJECT, "files": _OBJECT}
-CONFIG_FIELDS = {**{k: _int(1) for k in ("vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "n_experts",
-                                         "top_k")},
-                 "moe_every": _int(0), "seed": _int(0, 2 ** 31 - 1), "aux_loss_coeff": _real(), "z_loss_coeff": _real()}
+    "schedule": _OBJECT, "optimizer_state": _OBJECT}
+CONFIG_FIELDS = {  # bounds far past any model trained today, so that nothing read can overflow what is built from it
+    **{k: _int(1, 1 << 24) for k in ("vocab_size", "seq_len", "n_embd")},
+    **{k: _int(1, 1 << 16) for k in ("n_layer", "n_head", "n_experts", "top_k")},
+    "moe_every": _int(0, 1 << 16), "seed": _int(0, 2 ** 31 - 1), "aux_loss_coeff": _real(), "z_loss_coeff": _real()}
 LAYOUT_FIELDS = {**{k: _int(1, 1 << 20) for k in ("tp", "pp", "cp", "ep")}, "zero": _int(0, 3),
                  "dtype": _one_of(("float32", "bfloat16", "float16", "fp8", "float64"))}
 SCHEDULE_CHECKS = {"lr": _real(above=True), "min_lr": _real(none=True), "warmup": _int(0), "steps": _int(1)}
@@ -1680,33 +1693,125 @@ def _check_fields(obj, checks, where, prefix=""):
             raise BadCheckpoint(f"{where}: unknown key '{prefix}{key}': it was not written by this program")
 
 
-def _read_json(where):
-    """A JSON object from a regular file of at most JSON_MAX_BYTES (a FIFO would block, a huge file exhaust memory)."""
-    st = input_file(f"checkpoint {os.path.dirname(where)}", where, BadCheckpoint)
-    if st.st_size > JSON_MAX_BYTES:
-        raise BadCheckpoint(f"{where}: {st.st_size} bytes, far more than this program writes")
+def _manifest_error(path, why):
+    return BadCheckpoint(f"checkpoint {path}: {MANIFEST} {why}")
+
+
+def read_manifest(path):
+    """{file name: (size, CRC32)} of every file of the checkpoint but MANIFEST itself, from MANIFEST, whose first
+    line holds the CRC32 of the lines below it: checked before any of them is read. Raises BadCheckpoint."""
+    where = os.path.join(path, MANIFEST)
+    if not os.path.lexists(where):
+        raise BadCheckpoint(f"checkpoint {path} has no {MANIFEST}: it was written by an earlier train_gpt.py (resume "
+                            "or sample it with that version) or is damaged; or pass another --out-dir")
+    data = _verified_bytes(path, MANIFEST, None, MANIFEST_MAX_BYTES)
+    header, _, body = data.partition(b"\n")
+    sealed = MANIFEST_HEADER.fullmatch(header)
+    if not sealed:
+        raise _manifest_error(path, "does not begin as this program writes it")
+    if int(sealed[1], 16) != zlib.crc32(body):
+        raise _manifest_error(path, "does not match its own CRC32 (damaged after it was written)")
+    files = {}
+    for line in body.splitlines():
+        entry = MANIFEST_LINE.fullmatch(line)
+        if not entry or entry[1].decode() in files:
+            raise _manifest_error(path, f"holds {line[:60]!r}, not a file this program writes with its size and CRC32")
+        files[entry[1].decode()] = (int(entry[3]), int(entry[4], 16))
+    for name in (".metadata", "train_state.json"):
+        if name not in files:
+            raise _manifest_error(path, f"does not list {name}")
+    return files
+
+
+def _verified_bytes(path, name, manifest, max_bytes):
+    """The bytes of path/name, a regular file of at most max_bytes (a FIFO would block, a huge file exhaust memory)
+    whose size and CRC32 are the manifest's (with `manifest`): nothing is parsed before it passes."""
+    where = os.path.join(path, name)
+    st = input_file(f"checkpoint {path}", where, BadCheckpoint)
+    expected = manifest[name] if manifest is not None else (None, None)
+    if expected[0] is not None and st.st_size != expected[0]:
+        raise BadCheckpoint(f"checkpoint {path}: {name} holds {st.st_size} bytes, {expected[0]} were written "
+                            "(truncated or damaged)")
+    if st.st_size > max_bytes:
+        raise BadCheckpoint(f"checkpoint {path}: {name} holds {st.st_size} bytes, far more than this program writes")
     try:
         with open(where, "rb") as f:
-            state = json.loads(f.read().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+            data = f.read(max_bytes + 1)
+    except OSError as e:
+        raise BadCheckpoint(f"checkpoint {path}: {name} cannot be read ({e.strerror})") from None
+    if expected[1] is not None and zlib.crc32(data) != expected[1]:
+        raise BadCheckpoint(f"checkpoint {path}: {name} does not match its recorded CRC32 (damaged after it was "
+                            "written)")
+    return data
+
+
+def json_depth(data):
+    """How deep brackets nest in JSON text, outside its strings: one pass, before json.loads would recurse that deep."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in data:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (byte == 92, byte != 34)  # backslash, quote
+        elif byte == 34:
+            in_string = True
+        elif byte in (91, 123):  # [ {
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in (93, 125):
+            depth -= 1
+    return deepest
+
+
+def _read_json(path, name, manifest):
+    """A JSON object from path/name, its bytes verified (_verified_bytes) and its nesting bounded before parsing."""
+    where = os.path.join(path, name)
+    data = _verified_bytes(path, name, manifest, JSON_MAX_BYTES)
+    if json_depth(data) > JSON_MAX_DEPTH:
+        raise BadCheckpoint(f"{where}: nested {json_depth(data)} deep, where this program writes at most "
+                            f"{JSON_MAX_DEPTH}")
+    try:
+        state = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
         raise BadCheckpoint(f"{where}: not valid JSON ({str(e).splitlines()[0]})") from None
     if not isinstance(state, dict):
         raise BadCheckpoint(f"{where}: not a JSON object")
     return state
 
 
-def read_train_state(path, cfg=None):
-    """The JSON part of a checkpoint, checked field by field (the keys it must have, types, ranges, the model a
-    possible one) before anything uses it; with `cfg`, refuses a checkpoint of another model shape. Raises
-    BadCheckpoint, one line naming the file."""
+def parameter_count(cfg):
+    """The model's parameters in closed form (model_geometry's sum, with no model built): embeddings, final norm,
+    per block 4h^2 + 8h for attention and norms, and 8h^2 + 5h for a dense MLP or 8Eh^2 + Eh for E experts."""
+    h, experts = cfg.n_embd, cfg.n_experts
+    moe_blocks = sum(cfg.is_moe(layer) for layer in range(cfg.n_layer)) if cfg.moe_every else 0
+    return ((cfg.vocab_size + cfg.seq_len) * h + 2 * h + cfg.n_layer * (4 * h * h + 8 * h)
+            + (cfg.n_layer - moe_blocks) * (8 * h * h + 5 * h) + moe_blocks * (8 * experts * h * h + experts * h))
+
+
+def _check_plausible(state, manifest, where):
+    """What train_state.json says against what the folder holds: the ranks that wrote tensor files are the saved
+    world, and they hold at least 2 bytes per parameter of the model (every weight is saved, in 16 bits or more).
+    A model too large for its files is refused here, before a model of that shape is built."""
+    writers = {int(DATA_FILE.fullmatch(name)[1]) for name in manifest if DATA_FILE.fullmatch(name)}
+    if writers != set(range(state["world_size"])):
+        raise BadCheckpoint(f"{where}: 'world_size' is {state['world_size']}, but {len(writers)} ranks wrote its "
+                            "tensor files")
+    tensor_bytes = sum(size for name, (size, _) in manifest.items() if DATA_FILE.fullmatch(name))
+    params = parameter_count(GPTConfig(**state["config"]))
+    if 2 * params > tensor_bytes:
+        raise BadCheckpoint(f"{where}: 'config' describes a model of {params:,} parameters, more than its "
+                            f"{tensor_bytes:,} bytes of tensor files can hold")
+
+
+def read_train_state(path, cfg=None, manifest=None):
+    """The JSON part of a checkpoint, verified against MANIFEST and checked field by field (the keys it must have,
+    types, ranges, the model a possible one, as large as its files) before anything uses it; with `cfg`, refuses a
+    checkpoint of another model shape. Raises BadCheckpoint, one line naming the file."""
     where = os.path.join(path, "train_state.json")
-    state = _read_json(where)
-    if state.get("format") in ("boxes", None) and "files" not in state:
-        raise BadCheckpoint(f"checkpoint {path} was written by an earlier train_gpt.py (without checksums of its "
-                            "files): resume or sample it with that version, or pass another --out-dir")
+    manifest = manifest or read_manifest(path)
+    state = _read_json(path, "train_state.json", manifest)
     _check_fields(state, TRAIN_STATE_FIELDS, where)
     folder_step = os.path.basename(os.path.normpath(path))[5:]
-    if not folder_step.isdigit() or int(folder_step) != state["step"]:
+    if not STEP_FOLDER.fullmatch(os.path.basename(os.path.normpath(path))) or int(folder_step) != state["step"]:
         raise BadCheckpoint(f"{where}: 'step' is {state['step']}, but the folder is {os.path.basename(path)}")
     for key, checks in (("config", CONFIG_FIELDS), ("layout", LAYOUT_FIELDS), ("schedule", SCHEDULE_CHECKS),
                         ("optimizer_state", OPTIMIZER_STATE_FIELDS)):
@@ -1718,17 +1823,13 @@ def read_train_state(path, cfg=None):
             mixed_precision.DynamicLossScaler().load_state_dict(scaler)  # its own checks, on a throwaway
     except (ValueError, TypeError, KeyError) as e:
         raise BadCheckpoint(f"{where}: {str(e).splitlines()[0]}") from None
-    size_ok, crc_ok = _int(0)[0], _int(0, 2 ** 32 - 1)[0]
-    for name, entry in state["files"].items():
-        if not (name == ".metadata" or DATA_FILE.fullmatch(name)) or not (
-                isinstance(entry, list) and len(entry) == 2 and size_ok(entry[0]) and crc_ok(entry[1])):
-            raise BadCheckpoint(f"{where}: 'files' holds {name!r}: {entry!r}, not a file this program writes with its "
-                                "[size, CRC32]")
-    if ".metadata" not in state["files"]:
-        raise BadCheckpoint(f"{where}: 'files' does not list .metadata")
+    _check_plausible(state, manifest, where)
+    saved = GPTConfig(**state["config"])
     for field, flag in SHAPE_FLAGS.items() if cfg is not None else ():
-        if state["config"][field] != getattr(cfg, field):
-            raise ValueError(f"checkpoint {path} holds a model with {flag} {state['config'][field]}, this run has "
+        if field in ("n_experts", "top_k") and not (saved.moe_every or cfg.moe_every):
+            continue  # a dense model has no experts, whatever --experts says
+        if getattr(saved, field) != getattr(cfg, field):
+            raise ValueError(f"checkpoint {path} holds a model with {flag} {getattr(saved, field)}, this run has "
                              f"{flag} {getattr(cfg, field)}: pass the checkpoint's {flag}, or another --out-dir")
     return state
 
@@ -1885,11 +1986,9 @@ def save_checkpoint(out_dir, step, stage, opt, cfg, run, text=False):
                        "layout": {k: getattr(run, k) for k in ("tp", "pp", "cp", "ep", "zero", "dtype")},
                        "optimizer": run.optimizer, "data": run.data, "text": text,
                        "schedule": _schedule(run),
-                       "optimizer_state": opt.scalar_state(), "files": files}
-        with open(os.path.join(tmp, "train_state.json"), "w") as f:
-            json.dump(train_state, f)
-            f.flush()
-            os.fsync(f.fileno())
+                       "optimizer_state": opt.scalar_state()}
+        _write_synced(os.path.join(tmp, "train_state.json"), json.dumps(train_state).encode())
+        write_manifest(tmp, {**files, **checksums(tmp, ["train_state.json"])})
         if os.path.exists(final):  # keep the old one until the new one is in place
             shutil.rmtree(final + ".old", ignore_errors=True)  # left by a crash between these renames
             os.rename(final, final + ".old")
@@ -1897,6 +1996,20 @@ def save_checkpoint(out_dir, step, stage, opt, cfg, run, text=False):
         shutil.rmtree(final + ".old", ignore_errors=True)
     dist.barrier()
     return final
+
+
+def _write_synced(path, data):
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_manifest(folder, files):
+    """MANIFEST: one line per file, "name size crc32", under a first line holding the CRC32 of those lines."""
+    body = "".join(f"{name} {size} {crc:08x}\n" for name, (size, crc) in sorted(files.items())).encode()
+    _write_synced(os.path.join(folder, MANIFEST),
+                  f"train_gpt.py checkpoint manifest; CRC32 of the lines below: {zlib.crc32(body):08x}\n".encode() + body)
 
 
 def weights_are_finite(stage, opt=None):
@@ -1931,14 +2044,30 @@ class _SafeUnpickler(pickle.Unpickler):
                                      "holds: refusing to load it")
 
 
-def _safe_reader(path):
+_MEMO_OPCODES = {"PUT", "BINPUT", "LONG_BINPUT", "GET", "BINGET", "LONG_BINGET"}
+
+
+def _check_pickle(data):
+    """One pass over the pickle's opcodes before it is unpickled: every one known and whole, and no memo index
+    past the pickle's own length (a flipped bit that makes one say 1e9 has the unpickler allocate gigabytes)."""
+    import pickletools
+    for opcode, arg, _ in pickletools.genops(data):
+        if opcode.name in _MEMO_OPCODES and int(arg) > len(data):
+            raise pickle.UnpicklingError(f"{opcode.name} {arg} points past the pickle's {len(data)} bytes")
+
+
+def _safe_reader(path, manifest=None):
+    """DCP's file reader whose metadata is verified (size and CRC32 from `manifest`; without one the caller has
+    verified it), scanned (_check_pickle) and unpickled with DCP's own classes only (_SafeUnpickler)."""
+    import io
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class SafeReader(dcp.FileSystemReader):
         def read_metadata(self, *args, **kwargs):  # the tensors themselves are read with weights_only=True
-            with open(os.path.join(self.path, ".metadata"), "rb") as f:
-                metadata = _SafeUnpickler(f).load()
+            data = _verified_bytes(str(self.path), ".metadata", manifest, METADATA_MAX_BYTES)
+            _check_pickle(data)
+            metadata = _SafeUnpickler(io.BytesIO(data)).load()
             metadata.storage_meta = metadata.storage_meta or StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
@@ -1985,13 +2114,41 @@ def _check_entry(where, key, md, geometry, states, world_size):
             raise bad(f"is {dtype}")
     else:
         raise bad("names nothing that this model has")
+    most = world_size * max(1, 2 * len(size) - 1)  # each rank's parts: a ZeRO flat range is <= 2 ndim - 1 boxes
+    if len(md.chunks) > most:
+        raise bad(f"is stored as {len(md.chunks)} chunks, where a world of {world_size} writes at most {most}")
     boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
-    inside = all(len(o) == len(size) == len(s) and all(0 <= a and a + n <= w for a, n, w in zip(o, s, size))
-                 for o, s in boxes)
-    disjoint = all(any(a + n <= b or b + m <= a for a, n, b, m in zip(o1, s1, o2, s2))
-                   for i, (o1, s1) in enumerate(boxes) for o2, s2 in boxes[i + 1:])
-    if not (inside and disjoint and sum(math.prod(s) for _, s in boxes) == math.prod(size)):
+    if not chunks_tile(boxes, size):
         raise bad("is not stored as chunks that tile it")
+
+
+def chunks_tile(boxes, size):
+    """Whether the boxes [(offsets, sizes)] lie inside a tensor of `size`, are disjoint, and fill it. Disjointness
+    by a sweep along the dimension where the boxes overlap least: sorted by their start along it, each box is
+    compared (all at once) with the boxes that start before it ends; the whole check is O(n log n) numpy calls."""
+    if any(len(o) != len(size) or len(s) != len(size) for o, s in boxes):
+        return False
+    if sum(math.prod(s) for _, s in boxes) != math.prod(size):
+        return False
+    if not size:
+        return len(boxes) == 1
+    start = np.array([o for o, _ in boxes], dtype=np.int64).reshape(len(boxes), len(size))
+    end = start + np.array([s for _, s in boxes], dtype=np.int64).reshape(start.shape)
+    if (start < 0).any() or (end < start).any() or (end > np.array(size, dtype=np.int64)).any():
+        return False
+
+    def overlaps_along(dim):  # pairs whose extents along dim overlap: (boxes starting before my end) - (ended) - me
+        starts, ends = np.sort(start[:, dim]), np.sort(end[:, dim])
+        return int((np.searchsorted(starts, end[:, dim]) - np.searchsorted(ends, start[:, dim], "right") - 1).sum())
+
+    dim = min(range(len(size)), key=overlaps_along)
+    order = np.argsort(start[:, dim], kind="stable")
+    starts = start[order, dim]
+    for k, i in enumerate(order):
+        later = order[k + 1:np.searchsorted(starts, end[i, dim])]  # sorted after i, starting before i ends
+        if len(later) and ((start[later] < end[i]) & (start[i] < end[later])).all(axis=1).any():
+            return False
+    return True
 
 
 def check_checkpoint(path, cfg=None):
@@ -2000,12 +2157,14 @@ def check_checkpoint(path, cfg=None):
     metadata unpickled safely with every entry checked: only tensors (DCP's default planner unpickles a bytes
     entry's bytes as an unrestricted pickle, which can run any code; _tensors_only_planner refuses them too),
     under the names this program writes, inside their parameters, of the dtypes it saves, each stored piece
-    inside a listed file and untransformed. Returns (train_state, metadata); raises BadCheckpoint (one line)
-    or, for a checkpoint of another model shape than `cfg`, ValueError."""
+    inside a listed file and untransformed. MANIFEST comes first: no file is parsed before its size and CRC32
+    pass (the tensor files' CRC32s are verified by the ranks together, verify_checksums). Returns (train_state,
+    metadata, manifest); raises BadCheckpoint (one line) or, for a checkpoint of another model shape than `cfg`,
+    ValueError."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
-    train_state = read_train_state(path, cfg)
-    files = train_state["files"]
+    files = read_manifest(path)
+    train_state = read_train_state(path, cfg, files)
     for name, (size, _) in files.items():
         st = input_file(f"checkpoint {path}", os.path.join(path, name), BadCheckpoint)
         if st.st_size != size:
@@ -2013,7 +2172,9 @@ def check_checkpoint(path, cfg=None):
                                 "or damaged)")
     where = os.path.join(path, ".metadata")
     try:
-        metadata = _safe_reader(path).read_metadata()
+        metadata = _safe_reader(path, files).read_metadata()
+    except BadCheckpoint:
+        raise
     except Exception as e:  # untrusted bytes: any failure to parse them is a damaged file (nothing was run)
         raise BadCheckpoint(f"{where} cannot be read: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                             ) from None
@@ -2036,7 +2197,7 @@ def check_checkpoint(path, cfg=None):
             raise BadCheckpoint(f"{where}: a stored piece of {getattr(index, 'fqn', index)!r} is not described "
                                 "as this program writes it")
         if info.relative_path == ".metadata" or info.relative_path not in files:
-            raise BadCheckpoint(f"{where}: {index.fqn!r} is stored in {info.relative_path!r}, which train_state.json "
+            raise BadCheckpoint(f"{where}: {index.fqn!r} is stored in {info.relative_path!r}, which {MANIFEST} "
                                 "does not list")
         if not (_int(0)[0](info.offset) and _int(0)[0](info.length)) or (
                 info.offset + info.length > files[info.relative_path][0]):
@@ -2044,7 +2205,7 @@ def check_checkpoint(path, cfg=None):
         if info.transform_descriptors:
             raise BadCheckpoint(f"{where}: {index.fqn!r} is stored through transforms "
                                 f"{info.transform_descriptors!r}, which this program never writes")
-    return train_state, metadata
+    return train_state, metadata, files
 
 
 def file_crc32(path, chunk=1 << 24):
@@ -2067,7 +2228,7 @@ def verify_checksums(path, files):
     BadCheckpoint naming the first damaged file."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     found = None
-    for name in sorted(files)[rank::world]:
+    for name in sorted(n for n in files if DATA_FILE.fullmatch(n))[rank::world]:  # the rest: verified when read
         if file_crc32(os.path.join(path, name)) != files[name][1]:
             found = f"checkpoint {path}: {name} does not match its recorded CRC32 (damaged after it was written)"
             break
@@ -2104,14 +2265,15 @@ def latest_checkpoint(out_dir, cfg=None, say=None):
     return newest_passing(out_dir, lambda path: check_checkpoint(path, cfg)[0], say)
 
 
-def _dcp_read(tensors, path):
+def _dcp_read(tensors, path, manifest=None):
     """Read the saved keys of `tensors` into them, on this rank alone (no_dist: the ranks read different parts)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     with warnings.catch_warnings():  # no_dist says it assumes one process: true of each rank's read
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
-            dcp.load(tensors, storage_reader=_safe_reader(path), planner=_tensors_only_planner(), no_dist=True)
+            dcp.load(tensors, storage_reader=_safe_reader(path, manifest or read_manifest(path)),
+                     planner=_tensors_only_planner(), no_dist=True)
         except CheckpointException as e:  # a BaseException wrapping this rank's error: raise the error itself, so
             raise next(iter(e.failures.values()))[0] from None  # that load_checkpoint's `except Exception` sees it
 
@@ -2143,10 +2305,10 @@ def load_checkpoint(path, stage, opt=None):
     """Fill this rank's parameters (and, with `opt`, its optimizer state) from a checkpoint of any layout: each rank
     hands DCP the Boxes it holds (checkpoint_tensors), and DCP reads into them the saved parts that overlap them,
     in place. The checks come first (check_checkpoint, then the checksums, which the ranks verify together); then
-    the ranks agree that every one of them could read its part."""
+    the ranks agree that every one of them could read its part. Returns the checkpoint's train_state."""
     ps = stage.plan.ps
-    train_state, metadata = check_checkpoint(path, stage.cfg)  # before DCP reads a byte of it
-    verify_checksums(path, train_state["files"])
+    train_state, metadata, manifest = check_checkpoint(path, stage.cfg)  # before DCP reads a byte of it
+    verify_checksums(path, manifest)
     saved = metadata.state_dict_metadata
     like = {}  # NAME -> {STATE: (ndim, dtype)}: the optimizer states the checkpoint holds
     for key, md in saved.items():
@@ -2160,9 +2322,11 @@ def load_checkpoint(path, stage, opt=None):
     error = None
     try:
         with torch.no_grad():
-            _dcp_read(mine, path)
+            _dcp_read(mine, path, manifest)
     except Exception as e:  # an unreadable file: every rank must hear of it
-        error = BadCheckpoint(f"checkpoint {path}: rank {ps.rank} could not read its part ({e})".splitlines()[0])
+        why = ("a tensor file holds an object that is not tensor data: refused unread" if "Weights only load failed"
+               in str(e) else str(e))  # torch's own message advises weights_only=False, which would run it
+        error = BadCheckpoint(f"checkpoint {path}: rank {ps.rank} could not read its part ({why})".splitlines()[0])
     _all_agree(error, next(stage.parameters()).device)
     if opt is not None:
         opt.publish_params()  # ZeRO: the working weights from what was read
@@ -2170,13 +2334,13 @@ def load_checkpoint(path, stage, opt=None):
         opt.load_scalar_state({**scalars, "param_groups": opt.scalar_state()["param_groups"]})
     if rng is not None:
         torch.set_rng_state(rng)
+    return train_state
 
 
 def resume(out_dir, stage, opt=None):
     """Load the newest checkpoint of out_dir that passes every check (check_checkpoint, then the checksums, which
-    the ranks verify together), telling on rank 0 in one line each one skipped; returns its step."""
-    path, _ = newest_passing(out_dir, lambda path: load_checkpoint(path, stage, opt), _warn_on_rank_0)
-    return read_train_state(path)["step"]
+    the ranks verify together), telling on rank 0 in one line each one skipped; returns its train_state."""
+    return newest_passing(out_dir, lambda path: load_checkpoint(path, stage, opt), _warn_on_rank_0)[1]
 
 
 _OUT_DIR_LOCKS = {}  # absolute --out-dir -> the open lock file this process holds
@@ -2384,12 +2548,16 @@ def _check_inputs(cfg, run, world):
             raise ValueError(f"checkpoint {latest} was trained with --seed "
                              f"{state['config']['seed']}, this run has --seed {cfg.seed}: pass --seed "
                              f"{state['config']['seed']} to continue its sequence of batches")
-        if int(os.environ.get("RANK", 0)) == 0:  # moved data is fine, and a longer run is a new schedule: warn
-            if state["data"] != run.data:
-                _warn(f"resuming a run trained on --data {state['data']} with --data {run.data}")
-            if state.get("schedule") and state["schedule"] != _schedule(run):  # older checkpoints have none
-                _warn(_schedule_change(state["schedule"], run, state["step"]))
     return data
+
+
+def warn_what_changed(state, run):
+    """Moved data is fine, and a longer run is a new schedule: said once the checkpoint is loaded (the checks before
+    the process group may pass one that its checksums then skip)."""
+    if state["data"] != run.data:
+        _warn(f"resuming a run trained on --data {state['data']} with --data {run.data}")
+    if state["schedule"] != _schedule(run):
+        _warn(_schedule_change(state["schedule"], run, state["step"]))
 
 
 def _check_metrics_file(path):
@@ -2461,10 +2629,18 @@ def _world_size():
 # ----------------------------------------------------------------------------------------------------
 
 def sample_checkpoint(out_dir, world):
-    """The checkpoint --sample draws from, and its train_state: the newest that passes its checks."""
+    """The checkpoint --sample draws from, and its train_state: the newest that passes every check, its tensor
+    files' checksums included (the fallback of --resume: each newer one skipped is told in one line)."""
     if world != 1:
         raise ValueError("--sample runs on one process: use python, not torchrun")
-    path, state = latest_checkpoint(out_dir, say=_warn)
+    if not out_dir:
+        raise ValueError("--sample needs --out-dir, the folder of the checkpoints to sample from")
+
+    def verified(path):
+        train_state, _, manifest = check_checkpoint(path)
+        verify_checksums(path, manifest)
+        return train_state
+    path, state = newest_passing(out_dir, verified, say=_warn)
     if path is None:
         raise ValueError(f"--sample needs a checkpoint: --out-dir {out_dir} holds none")
     return path, state

@@ -560,6 +560,7 @@ def test_a_checkpoint_of_another_shape_or_format_is_refused(tmp_path):
         state_file = tmp_path / step / "train_state.json"
         state_file.write_text(json.dumps({k: v for k, v in json.loads(state_file.read_text()).items()
                                           if k not in ("format", "files")}))
+        (tmp_path / step / "MANIFEST").unlink()
     with pytest.raises(ValueError, match="none of its 2 checkpoints passes.*written by an earlier train_gpt.py"):
         train_gpt.check_inputs(CFG, _run(resume=True, out_dir=str(tmp_path)), 1)
 
@@ -603,14 +604,21 @@ def test_a_load_at_another_world_size_reads_in_place_and_keeps_the_flags_and_the
 def test_resume_with_another_learning_rate_schedule_says_what_the_rate_does(tmp_path, capsys):
     # Megatron-LM refuses a resumed run whose schedule differs from its checkpoint's; training longer is a common
     # wish, so here it is a warning on rank 0 with the learning rate at the step where the run continues
+    # (said once the checkpoint is loaded: the checks before the process group may pass one that its checksums skip)
     saved = _run(steps=2, out_dir=str(tmp_path), warmup=1)
     run_ranks(lambda rank, world: train_gpt.train(CFG, saved), 1, timeout=120)
-    capsys.readouterr()
-    train_gpt.check_inputs(CFG, dataclasses.replace(saved, resume=True), 1)
-    assert "warning" not in capsys.readouterr().err  # the same schedule
+
+    def warnings_of_a_resumed(run):
+        def resumed(rank, world):
+            said = []
+            train_gpt._warn = lambda message: said.append(f"train_gpt.py: warning: {message}")
+            train_gpt.train(CFG, run)
+            return said
+        return run_ranks(resumed, 1, timeout=120)[0]
+
+    assert warnings_of_a_resumed(dataclasses.replace(saved, resume=True)) == []  # the same schedule
     longer = dataclasses.replace(saved, resume=True, steps=6, min_lr=0.01)
-    train_gpt.check_inputs(CFG, longer, 1)
-    err = capsys.readouterr().err.strip().splitlines()
+    err = warnings_of_a_resumed(longer)
     # the saved schedule ended at min_lr = lr / 10 = 0.05 on step 1; stretched to 6 steps, step 2 runs at 0.428
     assert err == ["train_gpt.py: warning: resuming with another learning-rate schedule (--min-lr None -> 0.01, "
                    "--steps 2 -> 6): at step 2 the learning rate is 0.428, where the checkpoint's schedule gives "
@@ -1283,17 +1291,20 @@ def _copy(src, tmp_path, name="c"):
     return dst
 
 
+def _reseal(path):
+    """Record every file's size and CRC32 in a new MANIFEST, as a crafter would (the manifest's CRC32 finds damage,
+    not a deliberate edit): so that only the edit itself can be refused."""
+    names = [n for n in os.listdir(path) if n != "MANIFEST"]
+    train_gpt.write_manifest(str(path), train_gpt.checksums(str(path), names))
+
+
 def _edit_metadata(path, edit, extra_files=()):
-    """Rewrite DCP's .metadata with `edit(metadata)` applied, as a crafter would, and record the new files' sizes
-    and CRCs in train_state.json (so that only the edit itself can be refused)."""
-    import json
+    """Rewrite DCP's .metadata with `edit(metadata)` applied, as a crafter would, and reseal the checkpoint."""
     import pickle
     metadata = train_gpt._safe_reader(str(path)).read_metadata()
     edit(metadata)
     (path / ".metadata").write_bytes(pickle.dumps(metadata))
-    state = json.loads((path / "train_state.json").read_text())
-    state["files"].update(train_gpt.checksums(str(path), [".metadata", *extra_files]))
-    (path / "train_state.json").write_text(json.dumps(state))
+    _reseal(path)
 
 
 def _edit_state(path, edit):
@@ -1301,6 +1312,7 @@ def _edit_state(path, edit):
     state = json.loads((path / "train_state.json").read_text())
     edit(state)
     (path / "train_state.json").write_text(json.dumps(state))
+    _reseal(path)
 
 
 def _sentinel_pickle(sentinel):
@@ -1393,7 +1405,7 @@ CRAFTED_METADATA = [  # (what is crafted, the edit of DCP's metadata, what the o
      "is torch.float16"),
     ("an RNG state of another size", _set_entry("rng/0", lambda old: _tensor_md((7,), torch.uint8)),
      "is an RNG state of shape (7,)"),
-    ("a piece in an unlisted file", _storage(dict(relative_path="../../etc/passwd")), "which train_state.json does"),
+    ("a piece in an unlisted file", _storage(dict(relative_path="../../etc/passwd")), "which MANIFEST does not"),
     ("a piece past its file's end", _storage(dict(offset=10 ** 9)), "is stored outside __0_0.distcp"),
     ("a piece through a transform", _storage(dict(transform_descriptors=["zstd"])), "through transforms"),
 ]
@@ -1469,7 +1481,7 @@ CRAFTED_STATE = [  # (what is crafted in train_state.json, the edit, what the on
     ("no world size", _drop("world_size"), "'world_size' is missing"),
     ("a world size of 0", _set("world_size", 0), "'world_size' is 0"),
     ("a huge world size", _set("world_size", 10 ** 12), "'world_size' is 1000000000000"),
-    ("no checksums", _drop("files"), "'files' is missing"),
+    ("checksums where MANIFEST keeps them", _set("files", {".metadata": [10, 1]}), "unknown key 'files'"),
     ("an unknown key", _set("hook", "os.system"), "unknown key 'hook'"),
     ("a config of the wrong type", _set("config.n_layer", 2.0), "'config.n_layer' is 2.0"),
     ("a missing config field", lambda s: s["config"].pop("seq_len"), "'config.seq_len' is missing"),
@@ -1478,9 +1490,11 @@ CRAFTED_STATE = [  # (what is crafted in train_state.json, the edit, what the on
     ("an unknown optimizer", _set("optimizer", "lion"), "'optimizer' is 'lion'"),
     ("a loss scale of 0", _set("optimizer_state.loss_scaler.scale", 0.0), "init_scale=0.0 must be finite and > 0"),
     ("a negative learning rate", _set("schedule.lr", -1.0), "'schedule.lr' is -1.0"),
-    ("a listed file outside the folder", lambda s: s["files"].update({"../../x": [1, 2]}), "'files' holds '../../x'"),
-    ("a checksum of the wrong kind", lambda s: s["files"].update({".metadata": [10, "abc"]}),
-     "'files' holds '.metadata'"),
+    ("300,000 nested brackets", "[" * 300000 + "]" * 300000, "nested 300000 deep, where this program writes at"),
+    ("a huge hidden size", _set("config.n_embd", 2 ** 40), "'config.n_embd' is 1099511627776"),
+    ("a huge sequence", _set("config.seq_len", 2 ** 62), "'config.seq_len' is 4611686018427387904"),
+    ("more layers than its files hold", _set("config.n_layer", 20000), "more than its"),
+    ("a world larger than its writers", _set("world_size", 2), "'world_size' is 2, but 1 ranks wrote"),
 ]
 
 
@@ -1489,6 +1503,7 @@ def test_crafted_train_state_is_refused_in_one_line(pristine_checkpoint, tmp_pat
     path = _copy(pristine_checkpoint, tmp_path)
     if isinstance(edit, str):
         (path / "train_state.json").write_text(edit)
+        _reseal(path)
     else:
         _edit_state(path, edit)
     with pytest.raises(train_gpt.BadCheckpoint) as refused:
@@ -1503,7 +1518,7 @@ def test_a_truncated_or_garbled_metadata_file_is_one_line(pristine_checkpoint, t
     (path / ".metadata").write_bytes(data[: len(data) // 2])
     with pytest.raises(train_gpt.BadCheckpoint, match=r"\.metadata holds \d+ bytes, \d+ were written"):
         train_gpt.check_checkpoint(str(path))
-    _edit_state(path, lambda s: s["files"].update(train_gpt.checksums(str(path), [".metadata"])))  # recorded too
+    _reseal(path)  # recorded too
     with pytest.raises(train_gpt.BadCheckpoint, match=r"\.metadata cannot be read: "):
         train_gpt.check_checkpoint(str(path))
 

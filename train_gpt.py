@@ -1273,8 +1273,7 @@ def _train(cfg, run, data):
                                                                               plan.micro_batch_count))
             records.append(record)
             if metrics:
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
+                metrics = write_metrics(metrics, record, run.metrics)
             if run.log and ps.rank == 0:
                 print(step_line(record, skipped, moe=cfg.moe_every > 0), flush=True)
             if run.out_dir and ((run.save_every and (step + 1) % run.save_every == 0) or step + 1 == run.steps):
@@ -1282,14 +1281,30 @@ def _train(cfg, run, data):
                 if run.log and ps.rank == 0:
                     print(f"saved {path}", flush=True)
     except RuntimeError as e:  # a collective of the step, the evaluation or the save
-        if isinstance(e, (Diverged, Stalled)) or not _is_communication_failure(e):
+        if isinstance(e, (Diverged, Stalled, CannotSave)) or not _is_communication_failure(e):
             raise
         raise Stalled(f"rank {ps.rank}, step {step}: a collective waited past --timeout-s {run.timeout_s:g} or lost "
                       f"its peer: a rank stopped, hung or died ({str(e).splitlines()[0]})") from e
     finally:
         if metrics:
-            metrics.close()
+            with contextlib.suppress(OSError):
+                metrics.close()
     return records
+
+
+def write_metrics(metrics, record, path):
+    """Append the step's record; a write that fails (a full disk) is said in one line and the run goes on without
+    metrics (what was written stays): the training, not its log, is what a full disk must not lose."""
+    try:
+        metrics.write(json.dumps(record) + "\n")
+        metrics.flush()
+        return metrics
+    except OSError as e:
+        _warn(f"--metrics {path} could not be written at step {record['step']} ({e.strerror}): the run goes on "
+              "without recording metrics")
+        with contextlib.suppress(OSError):
+            metrics.close()
+        return None
 
 
 def train_one_step(step, stage, pipe, opt, data, cfg, run):
@@ -1362,6 +1377,11 @@ class Diverged(RuntimeError):
 
 class Stalled(RuntimeError):
     """A collective failed: a peer stopped, hung or died, and the wait reached --timeout-s (or its socket closed)."""
+
+
+class CannotSave(RuntimeError):
+    """A checkpoint or a metrics line could not be written (a full disk, the --out-dir lock lost): the run stops
+    without writing, and every checkpoint written before stays intact."""
 
 
 MIN_LOSS_SCALE = 1.0  # FP16: a scale below this (Megatron-LM's default --min-loss-scale) stops the run ...
@@ -1437,7 +1457,7 @@ def main(argv=None):
                       f"in {run.metrics}")
     except BadCheckpoint as e:  # every rank found it (checksums are agreed)
         _fail(rank, 2, e)
-    except Diverged as e:  # every rank holds the same loss and norm
+    except (Diverged, CannotSave) as e:  # every rank holds the same loss and norm, or agreed not to save
         _fail(rank, 1, e)
     except Stalled as e:  # only the ranks that waited know: each says so, then the job ends now
         if torchrun:
@@ -1562,6 +1582,9 @@ def load_data(spec, seq_len, vocab):
                        if not f.startswith("."))
     else:
         files = [spec]
+        if spec.endswith(".bin") and _global_rank() == 0:
+            _warn(f"--data {spec}: a .bin file without train.bin and val.bin beside it is read as bytes of text "
+                  "(nanoGPT's token ids are a folder holding both)")
     text = b"".join(_read_bytes(what, f) for f in files)  # each file checked before it is opened: a FIFO blocks
     return _split_text(what, _text_tokens(text), seq_len)
 
@@ -1959,19 +1982,32 @@ def save_checkpoint(out_dir, step, stage, opt, cfg, run, text=False):
     """Writes out_dir/step_NNNNNN atomically (the comment above); `text`: the data were bytes of text, which
     tells --sample to decode what it draws."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     plan = stage.plan
     if not weights_are_finite(stage, opt):  # agreed over the world: no rank writes, none waits
         raise Diverged(f"after step {step} the weights hold non-finite values: no checkpoint is written (lower --lr, "
                        "or keep --grad-clip on)")
+    device = next(stage.parameters()).device
+    if not _on_every_rank(plan.ps.rank != 0 or still_holds_out_dir(out_dir), device):
+        raise CannotSave(f"before saving step {step}: {os.path.join(out_dir, '.lock')} is no longer the file this run "
+                         f"locked (deleted or replaced), so another run may be writing into --out-dir {out_dir}: "
+                         "stopping without writing")
     state = checkpoint_tensors(stage, opt)
     state[f"rng/{plan.ps.rank}"] = torch.get_rng_state()  # restored when the world size is the same
     final = os.path.join(out_dir, f"step_{step:06d}")
     tmp = final + ".tmp"
-    if plan.ps.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))  # a box saved by several ranks is written once
+    try:
+        made = plan.ps.rank != 0 or _make_empty_folder(tmp)
+    except OSError as e:
+        made = e
+    if not _on_every_rank(made is True, device):
+        raise CannotSave(_save_error(tmp, made))
+    try:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))  # a box saved by several ranks is written once
+    except CheckpointException as e:  # a BaseException, raised on every rank alike (DCP gathers the failures)
+        if plan.ps.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # what was written of it: the space it took is freed
+        raise CannotSave(_save_error(tmp, next(iter(e.failures.values()), (e,))[0])) from None
     dist.barrier()  # every rank's files are written (and rank 0's metadata)
     # each rank checksums the files it wrote (DCP names them __RANK_N.distcp; rank 0 also writes .metadata)
     rank = plan.ps.rank
@@ -1979,23 +2015,57 @@ def save_checkpoint(out_dir, step, stage, opt, cfg, run, text=False):
                            if n.startswith(f"__{rank}_") or (rank == 0 and n == ".metadata")])
     every = [None] * plan.ps.world_size if rank == 0 else None
     dist.gather_object(mine, every, dst=0)
+    written = True
     if rank == 0:
-        files = {name: entry for part in every for name, entry in part.items()}
-        train_state = {"format": CHECKPOINT_FORMAT, "step": step, "config": asdict(cfg),
-                       "world_size": plan.ps.world_size,
-                       "layout": {k: getattr(run, k) for k in ("tp", "pp", "cp", "ep", "zero", "dtype")},
-                       "optimizer": run.optimizer, "data": run.data, "text": text,
-                       "schedule": _schedule(run),
-                       "optimizer_state": opt.scalar_state()}
-        _write_synced(os.path.join(tmp, "train_state.json"), json.dumps(train_state).encode())
-        write_manifest(tmp, {**files, **checksums(tmp, ["train_state.json"])})
-        if os.path.exists(final):  # keep the old one until the new one is in place
-            shutil.rmtree(final + ".old", ignore_errors=True)  # left by a crash between these renames
-            os.rename(final, final + ".old")
-        os.rename(tmp, final)  # atomic: the folder appears complete or not at all
-        shutil.rmtree(final + ".old", ignore_errors=True)
-    dist.barrier()
+        try:
+            _seal_checkpoint(tmp, final, every, step, plan, cfg, run, opt, text)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            written = e
+    if not _on_every_rank(written is True, device):
+        raise CannotSave(_save_error(tmp, written))
     return final
+
+
+def _seal_checkpoint(tmp, final, every, step, plan, cfg, run, opt, text):
+    """Rank 0: train_state.json, then MANIFEST (every file's size and CRC32), then the rename that makes it a
+    checkpoint."""
+    files = {name: entry for part in every for name, entry in part.items()}
+    train_state = {"format": CHECKPOINT_FORMAT, "step": step, "config": asdict(cfg),
+                   "world_size": plan.ps.world_size,
+                   "layout": {k: getattr(run, k) for k in ("tp", "pp", "cp", "ep", "zero", "dtype")},
+                   "optimizer": run.optimizer, "data": run.data, "text": text,
+                   "schedule": _schedule(run),
+                   "optimizer_state": opt.scalar_state()}
+    _write_synced(os.path.join(tmp, "train_state.json"), json.dumps(train_state).encode())
+    write_manifest(tmp, {**files, **checksums(tmp, ["train_state.json"])})
+    if os.path.exists(final):  # keep the old one until the new one is in place
+        shutil.rmtree(final + ".old", ignore_errors=True)  # left by a crash between these renames
+        os.rename(final, final + ".old")
+    os.rename(tmp, final)  # atomic: the folder appears complete or not at all
+    shutil.rmtree(final + ".old", ignore_errors=True)
+
+
+def _make_empty_folder(path):
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)  # a .tmp left by a crash
+    os.makedirs(path)
+    return True
+
+
+def _save_error(tmp, error):
+    """One line for a checkpoint that could not be written (rank 0's error where it had one)."""
+    why = (f"{error.strerror or error}" if isinstance(error, OSError) else
+           str(error).splitlines()[0] if isinstance(error, BaseException) and str(error) else "another rank failed")
+    return f"checkpoint {tmp} could not be written ({why}): stopping; the checkpoints written before are intact"
+
+
+def _on_every_rank(ok, device):
+    """Whether `ok` holds on every rank (one MIN all-reduce of a flag), so that all stop or none does."""
+    flag = torch.tensor([int(bool(ok))], dtype=torch.int32, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def _write_synced(path, data):
@@ -2008,8 +2078,8 @@ def _write_synced(path, data):
 def write_manifest(folder, files):
     """MANIFEST: one line per file, "name size crc32", under a first line holding the CRC32 of those lines."""
     body = "".join(f"{name} {size} {crc:08x}\n" for name, (size, crc) in sorted(files.items())).encode()
-    _write_synced(os.path.join(folder, MANIFEST),
-                  f"train_gpt.py checkpoint manifest; CRC32 of the lines below: {zlib.crc32(body):08x}\n".encode() + body)
+    header = f"train_gpt.py checkpoint manifest; CRC32 of the lines below: {zlib.crc32(body):08x}\n"
+    _write_synced(os.path.join(folder, MANIFEST), header.encode() + body)
 
 
 def weights_are_finite(stage, opt=None):
@@ -2350,15 +2420,29 @@ def hold_out_dir(out_dir):
     """One writer per --out-dir: an exclusive advisory lock (flock) on OUT/.lock, taken by rank 0 before anything
     is written and held while the process lives (released by the kernel when it exits, however it exits, so a
     crashed run leaves no lock behind: the file then only names its last holder). A second run is refused in
-    one line naming the holder. Across nodes this needs a filesystem that carries flock to its server (NFSv4,
-    Lustre mounted with -o flock, GPFS); where locks are refused, the run warns and goes on unprotected."""
+    one line naming the holder. The lock file is never followed if it is a symbolic link (whose target would be
+    overwritten), and before each checkpoint the run checks that OUT/.lock is still the file it locked (a deleted
+    or replaced lock file would let a second run in: the first then stops, still_holds_out_dir). Across nodes this
+    needs a filesystem that carries flock to its server (NFSv4, Lustre mounted with -o flock, GPFS); where locks
+    are refused, the run warns and goes on unprotected."""
+    import errno
     import fcntl
     key = os.path.abspath(out_dir)
     if key in _OUT_DIR_LOCKS:
         return
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, ".lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:  # O_NONBLOCK: a FIFO in its place would block the open
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as e:
+        why = "a symbolic link, which the lock never follows" if e.errno == errno.ELOOP else e.strerror
+        raise ValueError(f"--out-dir {out_dir}: its lock file {path} cannot be opened ({why}): remove it, or pass "
+                         "another --out-dir") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise ValueError(f"--out-dir {out_dir}: its lock file {path} is {_kind(mode)}: remove it, or pass another "
+                         "--out-dir")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -2374,6 +2458,18 @@ def hold_out_dir(out_dir):
     os.ftruncate(fd, 0)
     os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
     _OUT_DIR_LOCKS[key] = fd
+
+
+def still_holds_out_dir(out_dir):
+    """Whether OUT/.lock is still the file this process locked (True where this process holds no lock)."""
+    fd = _OUT_DIR_LOCKS.get(os.path.abspath(out_dir))
+    if fd is None:
+        return True
+    try:
+        now, held = os.stat(os.path.join(out_dir, ".lock"), follow_symlinks=False), os.fstat(fd)
+    except OSError:
+        return False
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
 
 
 def release_out_dir(out_dir):
@@ -2525,16 +2621,20 @@ def check_inputs(cfg, run, world):
 
 def _check_inputs(cfg, run, world):
     validate(cfg, run, world)
+    check_fits_in_memory(cfg, run)
     if run.out_dir:
         _check_folder_can_exist("--out-dir", run.out_dir)
         if _global_rank() == 0:  # before anything is written, and before the folder is looked at
             hold_out_dir(run.out_dir)
+    check_outputs_apart_from_inputs(run)
+    if run.metrics:
+        _check_metrics_file(run.metrics)
+    if run.out_dir and _global_rank() == 0 and os.path.isdir(run.out_dir):
+        clear_stale_writes(run.out_dir)
     data = load_data(run.data, cfg.seq_len, cfg.vocab_size)
     if data.vocab > cfg.vocab_size:
         raise ValueError(f"--vocab {cfg.vocab_size} is smaller than the data's vocabulary ({data.source} uses ids "
                          f"up to {data.vocab - 1}): pass --vocab {-(-data.vocab // run.tp) * run.tp} or more")
-    if run.metrics:
-        _check_metrics_file(run.metrics)
     if not run.resume and checkpoint_dirs(run.out_dir):
         raise ValueError(f"--out-dir {run.out_dir} holds checkpoints of an earlier run (latest "
                          f"{os.path.basename(checkpoint_dirs(run.out_dir)[-1])}): pass --resume to continue it, or "
@@ -2560,6 +2660,67 @@ def warn_what_changed(state, run):
         _warn(_schedule_change(state["schedule"], run, state["step"]))
 
 
+def _inside(path, folder):
+    return os.path.commonpath([path, folder]) == folder
+
+
+def check_outputs_apart_from_inputs(run):
+    """No output can overwrite an input or be read back as one: --metrics is not the --data file, nor inside the
+    --data folder, a checkpoint or its lock; --out-dir is not inside the --data folder (whose text files are all
+    read: the run would train on its own checkpoints)."""
+    data = os.path.realpath(run.data) if os.path.exists(run.data) else None
+    data_folder = data if data and os.path.isdir(data) else None
+    if run.out_dir and data_folder and _inside(os.path.realpath(run.out_dir), data_folder):
+        raise ValueError(f"--out-dir {run.out_dir} is inside the --data folder {run.data}, whose files are read as "
+                         "data: pass an --out-dir outside it")
+    if not run.metrics:
+        return
+    metrics = os.path.realpath(run.metrics)
+    if data and (metrics == data or (data_folder and _inside(metrics, data_folder))):
+        raise ValueError(f"--metrics {run.metrics} would overwrite the --data {run.data}: pass a path outside it")
+    folder = os.path.dirname(metrics)
+    out = os.path.realpath(run.out_dir) if run.out_dir else None
+    in_checkpoint = any(os.path.lexists(os.path.join(folder, name)) for name in (MANIFEST, "train_state.json",
+                                                                                  ".metadata"))
+    if in_checkpoint or (out and metrics != out and _inside(metrics, out) and (
+            os.path.basename(metrics) == ".lock" or STEP_FOLDER.match(os.path.relpath(metrics, out)))):
+        raise ValueError(f"--metrics {run.metrics} lies inside a checkpoint (or is the --out-dir lock): pass a path "
+                         "outside the checkpoint folders")
+
+
+def clear_stale_writes(out_dir):
+    """Rank 0, holding the --out-dir lock: a step_N.tmp or step_N.old folder is what a crashed save left (no other
+    run can be writing it): removed now, not when a save meets it. Anything else under such a name is not ours to
+    remove: refused in one line, before training."""
+    for name in os.listdir(out_dir):
+        if not re.fullmatch(r"step_[0-9]{1,12}\.(tmp|old)", name):
+            continue
+        path = os.path.join(out_dir, name)
+        if not os.path.isdir(path) or os.path.islink(path):
+            raise ValueError(f"--out-dir {out_dir} holds {name}, which is not a folder left by a save (a file or a "
+                             "link): remove it, or pass another --out-dir")
+        if os.path.abspath(out_dir) in _OUT_DIR_LOCKS:
+            shutil.rmtree(path)
+
+
+def check_fits_in_memory(cfg, run):
+    """Refuse, before anything is allocated, a model whose weights, gradients and master weights alone (4 bytes of
+    each per parameter at least, the parameters split over TP x PP x EP at best) exceed this rank's share of the
+    machine's memory (the GPU's, or the host's over its local ranks): an allocator's traceback otherwise."""
+    per_rank = 3 * 4 * parameter_count(cfg) / (run.tp * run.pp * run.ep)
+    if torch.cuda.is_available():
+        available = torch.cuda.get_device_properties(0).total_memory
+    elif hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // int(os.environ.get("LOCAL_WORLD_SIZE",
+                                                                                                      1))
+    else:
+        return
+    if per_rank > available:
+        raise ValueError(f"the model has {parameter_count(cfg):,} parameters: at least {per_rank / 2 ** 30:,.1f} GiB "
+                         f"per rank for its weights, gradients and master weights, where a rank has "
+                         f"{available / 2 ** 30:,.1f} GiB: pass a smaller --hidden or --layers, or more --tp or --pp")
+
+
 def _check_metrics_file(path):
     """--metrics names a regular file (or none yet) in a folder this process can write."""
     if os.path.isdir(path):
@@ -2577,6 +2738,12 @@ def _check_metrics_file(path):
         raise ValueError(f"--metrics {path}: the folder {folder} {what}")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ValueError(f"--metrics {path}: the folder {folder} is not writable; pass another path")
+    if _global_rank() == 0:  # the one writer tries: some folders (/proc, a full disk) refuse what access() allows
+        try:
+            with open(path, "a"):
+                pass
+        except OSError as e:
+            raise ValueError(f"--metrics {path} cannot be written ({e.strerror}); pass another path") from None
 
 
 def _check_folder_can_exist(flag, path):
@@ -2681,6 +2848,9 @@ class _ArgumentParser(argparse.ArgumentParser):
         raise ValueError(message)
 
 
+SHOW_SCHEDULE_MAX_ACTIONS = 4096
+
+
 def parse_args(argv=None):
     ap = _ArgumentParser(description="Train a GPT with TP x CP x DP x PP (DP = world / (tp*cp*pp)) by torchrun.")
     add = ap.add_argument
@@ -2748,6 +2918,10 @@ def parse_args(argv=None):
         for flag, value in (("--pp", a.pp), ("--micro-batches", m), ("--virtual-stages", a.virtual_stages)):
             if value < 1:
                 raise ValueError(f"{flag} {value} must be a positive integer")
+        if a.pp * m * a.virtual_stages > SHOW_SCHEDULE_MAX_ACTIONS:  # the picture has a column per time slot
+            raise ValueError(f"--show-schedule draws --pp x --micro-batches x --virtual-stages = "
+                             f"{a.pp * m * a.virtual_stages:,} forward actions, more than a screen can show "
+                             f"({SHOW_SCHEDULE_MAX_ACTIONS:,}): pass smaller values")
         error = schedule_error(a.pp_schedule, a.pp, m, a.virtual_stages)
         if error:
             raise ValueError(error.replace("m = batch / (dp micro_batch)", "--micro-batches"))

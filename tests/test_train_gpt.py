@@ -580,7 +580,7 @@ def _load_in_place(rank, world, path):
     the process's RNG was left alone, and the weight decay of the optimizer's groups afterwards."""
     plan, stage, opt, _ = train_gpt.build(CFG, _run(tp=2, dtype="float32", optimizer="adamw", weight_decay=0.0))
     reads, real = [], train_gpt._dcp_read
-    train_gpt._dcp_read = lambda tensors, p: reads.append(len(tensors)) or real(tensors, p)
+    train_gpt._dcp_read = lambda tensors, p, *more: reads.append(len(tensors)) or real(tensors, p, *more)
     storage = [p.untyped_storage().data_ptr() for p in stage.parameters()]
     torch.manual_seed(1234)
     before = torch.get_rng_state()
@@ -2062,3 +2062,257 @@ def test_resume_at_the_same_layout_is_exact_at_zero_2_and_3(tmp_path, zero, extr
     _keep_first_checkpoint(tmp_path / "a", tmp_path / "b")
     resumed = run_ranks(_resume_run, 4, str(tmp_path / "b"), "float32", True, timeout=180, **layout)[0]
     assert resumed == full[2:]  # bit for bit
+
+
+# ---- reliability, round 2: every byte verified before it is parsed, one fallback for every reader, no output over
+# ---- an input, a lock that cannot be fooled ---------------------------------------------------------------------
+
+RESUME_ARGV = ["--layers", "4", "--heads", "4", "--hidden", "16", "--seq", "16", "--vocab", "32", "--batch", "12",
+               "--micro-batch", "1", "--steps", "4", "--optimizer", "adamw", "--lr", "1e-2", "--data", "synthetic",
+               "--save-every", "2", "--out-dir", "out"]  # _resume_run's run, on the command line
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+    """step_000002 and step_000004 of _resume_run on one rank, and its uninterrupted (step, loss, grad_norm) curve."""
+    out = tmp_path_factory.mktemp("two") / "out"
+    return out, run_ranks(_resume_run, 1, str(out), "float32", False, timeout=120)[0]
+
+
+def _flip(path, at, bit):
+    data = bytearray(path.read_bytes())
+    data[at] ^= bit
+    path.write_bytes(bytes(data))
+
+
+def _flip_an_opcode_into_long_binput(path):
+    """One flipped bit that turns an opcode of the metadata pickle into LONG_BINPUT ('r'), whose 4-byte argument (the
+    bytes that follow) becomes a memo index the unpickler would allocate for."""
+    import pickletools
+    data = path.read_bytes()
+    at = next(pos for op, _, pos in pickletools.genops(data) if bin(ord(op.code) ^ ord("r")).count("1") == 1)
+    _flip(path, at, ord(data[at:at + 1]) ^ ord("r"))
+
+
+def _flip_n_layer(path):
+    data = (path / "train_state.json").read_bytes()
+    _flip(path / "train_state.json", data.index(b'"n_layer": 4') + len(b'"n_layer": '), ord("4") ^ ord("6"))
+
+
+DAMAGES = {  # one flipped bit in the newest checkpoint, step_000004: each is caught by a CRC32 before it is parsed
+    ".metadata": lambda ckpt: _flip(ckpt / ".metadata", len((ckpt / ".metadata").read_bytes()) // 2, 0x10),
+    ".metadata opcode -> LONG_BINPUT": lambda ckpt: _flip_an_opcode_into_long_binput(ckpt / ".metadata"),
+    "train_state.json n_layer 4 -> 6": _flip_n_layer,
+    "a tensor file": lambda ckpt: _flip(ckpt / "__0_0.distcp", len((ckpt / "__0_0.distcp").read_bytes()) // 2, 0x10),
+    "MANIFEST": lambda ckpt: _flip(ckpt / "MANIFEST", len((ckpt / "MANIFEST").read_bytes()) - 4, 0x01),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_one_flipped_bit_resume_and_sample_fall_back_in_one_line_to_the_checkpoint_before(two_checkpoints, tmp_path,
+                                                                                          damage, monkeypatch):
+    import json
+    import shutil
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the reference curve's threads: the same sums, bit for bit
+    src, full = two_checkpoints
+    shutil.copytree(src, tmp_path / "out", ignore=shutil.ignore_patterns(".lock"))
+    DAMAGES[damage](tmp_path / "out" / "step_000004")
+    (code, out, _), = _main_on_forked_ranks(RESUME_ARGV + ["--resume", "--metrics", "m.jsonl"], 1, str(tmp_path))
+    skips = [line for line in out.splitlines() if "skipping checkpoint" in line]
+    assert code == 0 and "Traceback" not in out and len(skips) == 1, out
+    assert "step_000004" in skips[0] and ("CRC32" in skips[0]), skips
+    resumed = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in resumed if r["step"] >= 2] == full[2:]  # bit for bit
+    shutil.rmtree(tmp_path / "out" / "step_000004")  # the run wrote a new one: damage it again, then sample
+    shutil.copytree(src / "step_000004", tmp_path / "out" / "step_000004")
+    DAMAGES[damage](tmp_path / "out" / "step_000004")
+    (code, out, _), = _main_on_forked_ranks(["--sample", "5", "--out-dir", "out"], 1, str(tmp_path))
+    lines = out.strip().splitlines()
+    assert code == 0 and "Traceback" not in out and "skipping checkpoint" in lines[0] and "step_000004" in lines[0]
+    assert len([line for line in lines if "skipping" in line]) == 1, out
+
+
+def test_a_flipped_bit_in_the_fp16_loss_scale_is_caught(pristine_checkpoint, tmp_path):
+    path = _copy(pristine_checkpoint, tmp_path)
+    data = (path / "train_state.json").read_bytes()
+    at = data.index(b'"scale": 65536') + len(b'"scale": ')  # 65536 -> 25536: one bit of the first digit
+    _flip(path / "train_state.json", at, ord("6") ^ ord("2"))
+    with pytest.raises(train_gpt.BadCheckpoint, match="train_state.json does not match its recorded CRC32"):
+        train_gpt.check_checkpoint(str(path))
+
+
+def test_a_crafted_memo_index_is_refused_before_the_unpickler_allocates_for_it(pristine_checkpoint, tmp_path):
+    import resource
+    import time
+    path = _copy(pristine_checkpoint, tmp_path)
+    _flip_an_opcode_into_long_binput(path / ".metadata")
+    _reseal(path)  # a crafter recomputes the CRC32s: the opcode scan still refuses it
+    before, start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.monotonic()
+    with pytest.raises(train_gpt.BadCheckpoint, match=r"\.metadata cannot be read"):
+        train_gpt.check_checkpoint(str(path))
+    grew_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert time.monotonic() - start < 5 and grew_kib < 100 * 1024, grew_kib  # a 1e9-entry memo would be GBs
+
+
+def test_thousands_of_crafted_chunks_are_refused_at_once_and_the_tiling_check_is_exact(pristine_checkpoint, tmp_path):
+    import random
+    import time
+    path = _copy(pristine_checkpoint, tmp_path)
+    chunks = [((i, 0), (1, 16)) for i in range(16)] * 510 + [((0, 0), (1, 16))]  # 8,161 chunks for one tensor
+    _edit_metadata(path, _set_chunks("model/wpe", chunks))
+    start = time.monotonic()
+    with pytest.raises(train_gpt.BadCheckpoint, match="8161 chunks, where a world of 1 writes at most 3"):
+        train_gpt.check_checkpoint(str(path))
+    assert time.monotonic() - start < 5
+    # the sweep against every pair, on random boxes (tilings, overlaps, gaps) ...
+    rng = random.Random(0)
+    for _ in range(300):
+        size = tuple(rng.randint(1, 5) for _ in range(rng.randint(1, 3)))
+        boxes = []
+        for _ in range(rng.randint(1, 6)):
+            o = tuple(rng.randint(0, n - 1) for n in size)
+            boxes.append((o, tuple(rng.randint(1, n - a) for a, n in zip(o, size))))
+        if rng.random() < 0.5:  # a real tiling: the rows of a flat range, as ZeRO cuts them
+            a = rng.randint(0, math.prod(size))
+            boxes = train_gpt.flat_range_boxes(size, 0, a) + train_gpt.flat_range_boxes(size, a, math.prod(size))
+        pairwise = all(any(a + n <= b or b + m <= a for a, n, b, m in zip(o1, s1, o2, s2))
+                       for i, (o1, s1) in enumerate(boxes) for o2, s2 in boxes[i + 1:])
+        expected = pairwise and sum(math.prod(s) for _, s in boxes) == math.prod(size)
+        assert train_gpt.chunks_tile(boxes, size) == expected, (boxes, size)
+    # ... and fast on a real one: a (4096, 4096) parameter cut by 2 TP ranks x 1,024 ZeRO ranks, 6,000+ chunks
+    boxes = [((r, c + t * 2048), (1, 2048)) for t in range(2) for r in range(4096) for c in (0,)]
+    boxes = [b for t in range(2) for z in range(1024) for b in
+             [(o, s) for o, s in ((tuple(x + y for x, y in zip(o, (0, t * 2048))), s) for o, s in
+                                  train_gpt.flat_range_boxes((4096, 2048), z * 8192 + 100, (z + 1) * 8192 + 100)
+                                  if z < 1023)]] + \
+        [(tuple(x + y for x, y in zip(o, (0, t * 2048))), s) for t in range(2) for o, s in
+         train_gpt.flat_range_boxes((4096, 2048), 0, 100) + train_gpt.flat_range_boxes((4096, 2048), 1023 * 8192 + 100,
+                                                                                       4096 * 2048)]
+    start = time.monotonic()
+    assert len(boxes) > 6000 and train_gpt.chunks_tile(boxes, (4096, 4096))
+    assert time.monotonic() - start < 5
+
+
+def test_outputs_never_overwrite_inputs(tmp_path):
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text("some text to train on " * 200)
+    data = str(tmp_path / "texts" / "a.txt")
+    refusals = [
+        (dict(data=data, metrics=data), "would overwrite the --data"),
+        (dict(data=str(tmp_path / "texts"), metrics=str(tmp_path / "texts" / "m.jsonl")), "would overwrite the --data"),
+        (dict(data=str(tmp_path / "texts"), out_dir=str(tmp_path / "texts" / "out")), "inside the --data folder"),
+        (dict(data=str(tmp_path / "texts"), out_dir=str(tmp_path / "texts")), "inside the --data folder"),
+    ]
+    for kwargs, says in refusals:
+        with pytest.raises(ValueError, match=says):
+            train_gpt.check_inputs(CFG, _run(**kwargs), 1)
+    assert (tmp_path / "texts" / "a.txt").read_text() == "some text to train on " * 200
+
+
+def test_metrics_inside_a_checkpoint_are_refused(pristine_checkpoint, tmp_path):
+    path = _copy(pristine_checkpoint, tmp_path)
+    before = (path / "train_state.json").read_bytes()
+    for metrics in (path / "train_state.json", path / "new.jsonl"):
+        with pytest.raises(ValueError, match="lies inside a checkpoint"):
+            train_gpt.check_inputs(CFG, _run(metrics=str(metrics), out_dir=str(tmp_path / "elsewhere")), 1)
+    with pytest.raises(ValueError, match="lies inside a checkpoint"):  # a checkpoint being written, or the lock
+        train_gpt.check_inputs(CFG, _run(metrics=str(tmp_path / "o" / "step_000009.tmp" / "m.jsonl"),
+                                          out_dir=str(tmp_path / "o")), 1)
+    assert (path / "train_state.json").read_bytes() == before and not (path / "new.jsonl").exists()
+
+
+def test_the_lock_never_follows_a_symbolic_link_and_refuses_what_is_not_a_file(tmp_path):
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me")
+    for name, make in (("link", lambda lock: lock.symlink_to(victim)), ("dir", lambda lock: lock.mkdir()),
+                       ("fifo", lambda lock: os.mkfifo(lock))):
+        out = tmp_path / name
+        out.mkdir()
+        make(out / ".lock")
+        (code, text, initialised), = _main_on_forked_ranks(JOB + ["--steps", "1", "--out-dir", name], 1,
+                                                           str(tmp_path))
+        assert code == 2 and not initialised and len(text.strip().splitlines()) == 1, text
+        assert "lock file" in text and ("symbolic link" in text if name == "link" else "remove it" in text), text
+    assert victim.read_text() == "keep me"
+
+
+def _train_deleting_the_lock_after_the_first_step(rank, world, out_dir):
+    real = train_gpt.train_one_step
+
+    def step_then_delete(step, *args):
+        result = real(step, *args)
+        if step == 0:
+            os.unlink(os.path.join(out_dir, ".lock"))  # as a careless `rm` would
+        return result
+    train_gpt.train_one_step = step_then_delete
+    try:
+        train_gpt.train(CFG, _run(steps=3, save_every=1, out_dir=out_dir))
+    except train_gpt.CannotSave as e:
+        return str(e)
+
+
+def test_a_deleted_lock_file_stops_the_run_before_its_next_checkpoint(tmp_path):
+    said = run_ranks(_train_deleting_the_lock_after_the_first_step, 1, str(tmp_path / "out"), timeout=120)[0]
+    assert said and "no longer the file this run locked" in said and "\n" not in said, said
+    assert [os.path.basename(p) for p in train_gpt.checkpoint_dirs(str(tmp_path / "out"))] == []
+
+
+def test_a_stale_tmp_is_handled_before_training(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "step_000003.tmp").write_text("not a folder")
+    with pytest.raises(ValueError, match="holds step_000003.tmp, which is not a folder left by a save"):
+        train_gpt.check_inputs(CFG, _run(steps=3, out_dir=str(out)), 1)
+    train_gpt.release_out_dir(str(out))
+    (out / "step_000003.tmp").unlink()
+    (out / "step_000003.tmp").mkdir()  # what a crashed save leaves: removed by the run that holds the folder
+    (out / "step_000003.tmp" / "__0_0.distcp").write_text("half written")
+    train_gpt.check_inputs(CFG, _run(steps=3, out_dir=str(out)), 1)
+    train_gpt.release_out_dir(str(out))
+    assert not (out / "step_000003.tmp").exists()
+
+
+def _train_on_a_full_disk(rank, world, out_dir, where):
+    import errno
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    if where == "save":
+        train_gpt._write_synced = full
+    else:  # the metrics file on a full device: every write fails with ENOSPC
+        train_gpt.open_metrics = lambda path, start: open("/dev/full", "a")
+    try:
+        said = []
+        train_gpt._warn = said.append
+        records = train_gpt.train(CFG, _run(steps=2, save_every=1, out_dir=out_dir, metrics=out_dir + ".jsonl"))
+        return "trained", len(records), said
+    except train_gpt.CannotSave as e:
+        return "stopped", str(e), []
+
+
+def test_a_full_disk_is_one_line_and_the_earlier_checkpoints_stay(tmp_path):
+    how, message, _ = run_ranks(_train_on_a_full_disk, 2, str(tmp_path / "out"), "save", timeout=120)[0]
+    assert how == "stopped" and "No space left on device" in message and "\n" not in message, message
+    assert os.listdir(tmp_path / "out") == [".lock"]  # no half-written checkpoint left behind
+    how, steps, said = run_ranks(_train_on_a_full_disk, 1, str(tmp_path / "m"), "metrics", timeout=120)[0]
+    assert how == "trained" and steps == 2 and len(said) == 1 and "No space left on device" in said[0], said
+
+
+def test_odd_folder_names_dense_checkpoints_and_huge_models_are_one_line(pristine_checkpoint, tmp_path):
+    (tmp_path / "c" / "step_³").mkdir(parents=True)
+    (tmp_path / "c" / "step_³" / "train_state.json").write_text("{}")
+    path = _copy(pristine_checkpoint, tmp_path)  # c/step_000001, beside the odd folder
+    assert train_gpt.checkpoint_dirs(str(tmp_path / "c")) == [str(path)]
+    dense = train_gpt.GPTConfig(vocab_size=32, seq_len=16, n_layer=2, n_head=2, n_embd=16)
+    state = train_gpt.read_train_state(str(path))
+    for experts in (2, 8):  # a dense model has no experts: --experts does not matter
+        cfg = dataclasses.replace(dense, **{**state["config"], "moe_every": 0, "n_experts": experts})
+        assert train_gpt.parameter_count(cfg) == sum(math.prod(s) for s in train_gpt.model_geometry(cfg).values())
+    moe = train_gpt.GPTConfig(**state["config"])
+    assert train_gpt.parameter_count(moe) == sum(math.prod(s) for s in train_gpt.model_geometry(moe).values())
+    huge = dataclasses.replace(CFG, n_embd=1 << 20, n_head=1)
+    with pytest.raises(ValueError, match="GiB per rank for its weights, gradients and master weights"):
+        train_gpt.check_inputs(huge, _run(), 1)
+    (code, out, _), = _main_on_forked_ranks(["--show-schedule", "--pp", "1000", "--micro-batches", "1000000"], 1,
+                                            str(tmp_path))
+    assert code == 2 and len(out.strip().splitlines()) == 1 and "more than a screen can show" in out, out

@@ -19,8 +19,9 @@ are ever written (impl="reference" writes the same block in einsums, the readabl
         forward   (P-1) x 2 b (s/P) H_kv e = 2 (P-1)/P b s H_kv e          the K/V of every other shard
         backward  the same K/V again, plus dK, dV P times: 2 b s H_kv e_acc
     memory per rank (ring_memory_bytes), forward + backward, O(s/P) with no s^2 term:
-        b (s/P) ((3 H + 6 H_kv) e + (H + 4 H_kv) e_acc) + lse    q, out, dout, k, v, two K/V blocks of a hop;
-                                                                 dq, the dK/dV held and the one arriving
+        b (s/P) ((3 H + 6 H_kv) e + (H + 4 H_kv) e_acc)    q, out, dout, k, v, two K/V blocks of a hop;
+                                                           dq, the dK/dV held and the one arriving
+        + b heads (s/P) e_acc                              the lse
 Causal load balancing by zigzag. With contiguous shards under a causal mask rank 0 attends one block and rank P-1
 P blocks: the last rank does ~2P-1 times the first's work, and every rank waits for it. Zigzag cuts the sequence
 into 2P chunks and gives rank i chunks i and 2P-1-i, one early and one late (zigzag_shard). Ring step 0 is then the
@@ -37,15 +38,17 @@ s tokens of H/P heads (sequence -> heads), ordinary attention runs per head, and
         forward   (P-1)/P b (s/P) (2 H + 2 H_kv') e;  backward the same (dout, dq, dk, dv)
     memory per rank: the whole s for H/P heads, also O(s/P); but every byte is exposed (no compute to hide behind),
     and P stops at the head count.
-Ring or Ulysses: Ulysses sends less at P > 1 + H/H_kv and is one SDPA call, inside a node with P | H_kv; the ring
-has no head limit and hides its transfers when a block's compute, 2 b (s/P)^2 H FLOPs, outlasts its K/V bytes.
+Ring or Ulysses: Ulysses sends fewer bytes once P > 1 + H/H_kv (MHA: P > 2) and runs one SDPA call, but needs P to
+divide the heads and exposes its bytes; the ring has no head limit, and its transfers hide while a half block's
+compute, 2 b (s/P)^2 H FLOPs, outlasts the next K/V's 2 b (s/P) H_kv e bytes.
 
 SP vs CP. Megatron sequence parallelism (SP, in train_gpt.py's tensor-parallel code) shards along s only the
-activations that TP would replicate: the LayerNorm and dropout activations between the TP regions, inside the TP
-group of t ranks. An all-gather enters each TP region and a reduce-scatter leaves it, in place of TP's all-reduce:
-the same 4 (t-1)/t b s H e bytes per layer forward, and those activations shrink by t; attention and the MLP still
-see the whole sequence. CP shards the whole sequence through every layer, attention included, over its own group:
-all activations / P, attention work / P, for the ring's or Ulysses's bytes above. The two compose (t x P ranks).
+activations that TP leaves whole: the LayerNorm and dropout activations between the TP regions, inside the TP group
+of t ranks. An all-gather enters each TP region and a reduce-scatter leaves it, in place of TP's all-reduce: the
+same 4 (t-1)/t b s H e bytes per layer forward. Activation memory per layer at 16 bits, scores not stored:
+b s H (10 + 24/t) under TP alone, 34 b s H / t with SP; but inside the TP regions every rank still attends over
+the whole sequence. CP shards the whole sequence through every layer, attention included, over its own group:
+34 b s H / (t P) with SP, attention work / (t P), for the ring's or Ulysses's bytes above. The two compose.
 
 Run `torchrun --nproc_per_node=4 long_seq.py` (or `python long_seq.py`, one rank): ring and Ulysses against full
 attention, bytes against these formulas, zigzag's balance; then the forms beyond the chapter. `--bench` measures

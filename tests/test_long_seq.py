@@ -1,6 +1,7 @@
 """long_seq.py: ring (zigzag causal and non-causal; fused kernels and the einsum reference), Ulysses and all-gather
 attention against SDPA on the whole sequence, on every rank; communication counted and overlapped; zigzag balance;
-saved and peak memory O(s/P) at s = 32768; validation before communication."""
+saved and peak memory O(s/P) at s = 32768; validation before communication; the core (the lines above the banner)
+alone on 3 ranks."""
 import itertools
 import os
 import sys

@@ -1,116 +1,60 @@
-"""Long sequences: Ring Attention, Ulysses, their hybrid (USP) and context-parallel (zigzag) sharding.
+"""Long sequences: context parallelism (CP) by ring attention and Ulysses, with zigzag causal load balancing.
 
-Attention costs O(s^2) compute and, unfused, O(s^2) memory; at 128K+ tokens even one layer's activations
-outgrow a GPU. Five techniques split the sequence, and they differ in WHAT they split and WHERE they talk:
+Why CP. A layer's activations grow as O(s): about 34 b s H bytes at 16 bits (Korthikanti et al. 2022; b sequences of
+s tokens, width H = heads x head_dim; e bytes per element below), and attention's work as O(s^2): 4 b s^2 H FLOPs
+forward (QK^T and PV), half that under a causal mask. At 128K tokens one layer's activations outgrow a GPU. CP cuts the
+sequence into P shards, one per rank of a CP group, so every activation of every layer holds s/P tokens and each
+rank does 1/P of the attention work. Only attention needs the other shards (a query meets every earlier key); two
+ways to bring them follow. Below, H_kv is the KV width (fewer heads under GQA) and e_acc the accumulator's bytes.
 
-    technique            splits                          collectives per layer                 constraint
-    Megatron SP          non-attention activations       all-gather + reduce-scatter (in TP)   inside a TP group
-                         (LayerNorm, dropout) along s
-    context parallel     every activation along s        only inside attention (ring/Ulysses) s % 2P (zigzag)
-    Ring Attention       q, k, v along s; KV travels      P-1 KV sends fwd; P-1 KV + P dKV bwd  any head count
-    Ulysses              s -> heads by all-to-all         4 all-to-alls fwd (q, k, v, out), 4 bwd  H % P
-    Hybrid (USP)         Ulysses over u, ring over r      4 all-to-alls in u; r-1 KV sends in r  H_kv % u
+Ring attention (Liu et al. 2023). Rank r holds q, k, v of its shard. In P steps the K/V shards travel round the ring
+(r sends to r+1, receives from r-1): P-1 hops, each posted before the current block is computed, so that it flies
+while the block computes. A block of q against one K/V shard gives a partial output o_i and its rows' log-sum-exp
+l_i, and partial softmaxes merge exactly: l = logaddexp(l_a, l_b), o = e^(l_a - l) o_a + e^(l_b - l) o_b, in FP32
+(float64 for float64). Backward replays the ring from the saved out and l, as FlashAttention-2 does: dQ stays home,
+dK and dV travel with their block and come home after P hops, each hop waited for only after the next block. Every
+block runs in a fused SDPA kernel that returns (out, lse) and takes them back for its gradients: no (s/P)^2 scores
+are ever written (impl="reference" writes the same block in einsums, the readable definition).
+    bytes sent per rank per layer (ring_comm_bytes):
+        forward   (P-1) x 2 b (s/P) H_kv e = 2 (P-1)/P b s H_kv e          the K/V of every other shard
+        backward  the same K/V again, plus dK, dV P times: 2 b s H_kv e_acc
+    memory per rank (ring_memory_bytes), forward + backward, O(s/P) with no s^2 term:
+        b (s/P) ((3 H + 6 H_kv) e + (H + 4 H_kv) e_acc)    q, out, dout, k, v, two K/V blocks of a hop;
+                                                           dq, the dK/dV held and the one arriving
+        + b heads (s/P) e_acc                              the lse
+Causal load balancing by zigzag. With contiguous shards under a causal mask rank 0 attends one block and rank P-1
+P blocks: the last rank does ~2P-1 times the first's work, and every rank waits for it. Zigzag cuts the sequence
+into 2P chunks and gives rank i chunks i and 2P-1-i, one early and one late (zigzag_shard). Ring step 0 is then the
+causal diagonal, and at every later step each rank computes exactly half a block: all of q against the first half
+of an earlier rank's K/V, or the second half of q against all of a later rank's. The same work on every rank at
+every step, and no mask built (the diagonal uses the kernels' is_causal). Positions (RoPE) and labels shard the
+same way: zigzag_shard of arange(s) keeps the global position ids. The length must be a multiple of 2P.
 
-Per GPU per layer (bytes sent, forward, e bytes per element, s the full sequence, P ranks):
-    Ring:      (P-1) x 2 b (s/P) h_kv d e = 2 (P-1)/P b s h_kv d e   (overlappable with the block compute)
-    Ulysses:   (P-1)/P^2 b s (2 h + 2 h_kv') d e   (one all-to-all sends (P-1)/P of a (s/P)-long tensor;
-               h_kv' = max(h_kv, P): fewer KV heads than ranks are replicated to P first)
-    All-gather CP (Llama 3): the same bytes as the ring's KV, in one exposed all-gather, full K and V held.
-Memory per rank: Ring keeps only O(s/P): q, k, v, out of its shard and the log-sum-exp (b h s/P); Ulysses
-holds full-sequence activations for h/P heads, also s/P of the total. Forward + backward, a ring rank's peak is
-(ring_memory_bytes) b (s/P) d ((3 h + 6 h_kv) e + (h + 4 h_kv) e_acc) + the lse: q, out, dout and k, v and the
-two KV blocks of a hop at e; dq and two dK/dV (the block held, the one arriving) at the accumulator's width. That
-holds only if no block's (s/P) x (s/P) scores are ever written: at s = 128K on 8 ranks
-one such block is 1 GiB per head in FP32 (the einsum reference holds four of them in backward).
+Ulysses (Jacobs et al. 2023, DeepSpeed). Each rank holds s/P tokens of all heads; an all-to-all trades them for all
+s tokens of H/P heads (sequence -> heads), ordinary attention runs per head, and a second all-to-all trades back
+(heads -> sequence). The heads must divide by P; fewer KV heads than ranks are replicated to P first
+(H_kv' = max(H_kv, P)). Each of the four all-to-alls (q, k, v, out) keeps 1/P of an s/P-token tensor at home:
+    bytes sent per rank per layer (ulysses_comm_bytes):
+        forward   (P-1)/P b (s/P) (2 H + 2 H_kv') e;  backward the same (dout, dq, dk, dv)
+    memory per rank: the whole s for H/P heads, also O(s/P); but every byte is exposed (no compute to hide behind),
+    and P stops at the head count.
+Ring or Ulysses: Ulysses sends fewer bytes once P > 1 + H/H_kv (MHA: P > 2) and runs one SDPA call, but needs P to
+divide the heads and exposes its bytes; the ring has no head limit, and its transfers hide while a half block's
+compute, 2 b (s/P)^2 H FLOPs, outlasts the next K/V's 2 b (s/P) H_kv e bytes.
 
-Ring Attention (Liu et al. 2023). Rank r holds a shard of q, k, v. In P steps the KV shards travel around
-the ring (r sends to r+1, receives from r-1), the next transfer in flight while the current block is
-computed. Each block yields a partial output o_i with its row log-sum-exp l_i; partial results merge
-exactly: l = logaddexp(l_a, l_b), o = e^(l_a - l) o_a + e^(l_b - l) o_b, in FP32 (or wider) accumulators.
-The backward repeats the ring from the saved out and l (as FlashAttention does): dQ stays local, dK and dV
-travel with their KV block and arrive home after P hops. Each dK/dV hop is posted after a block and waited
-for only after the next block's compute (double buffering), so in both directions transfers overlap compute.
+SP vs CP. Megatron sequence parallelism (SP, in train_gpt.py's tensor-parallel code) shards along s only the
+activations that TP leaves whole: the LayerNorm and dropout activations between the TP regions, inside the TP group
+of t ranks. An all-gather enters each TP region and a reduce-scatter leaves it, in place of TP's all-reduce: the
+same 4 (t-1)/t b s H e bytes per layer forward. Activation memory per layer at 16 bits, scores not stored:
+b s H (10 + 24/t) under TP alone, 34 b s H / t with SP; but inside the TP regions every rank still attends over
+the whole sequence. CP shards the whole sequence through every layer, attention included, over its own group:
+34 b s H / (t P) with SP, attention work / (t P), for the ring's or Ulysses's bytes above. The two compose.
 
-Fused blocks. Every ring step runs its block in a fused SDPA kernel that returns the row log-sum-exp with the
-output (FlashAttention: the scores live in tiles, never in memory): on CPU aten's flash kernel (float32,
-float64, bfloat16, float16, GQA without repeating KV), on CUDA the flash or the memory-efficient kernel
-(`fused_kernel` says which, and when none fits, e.g. float64 on CUDA, the reference runs). Its backward
-kernel takes the FINAL out and lse of the rows, so it returns exactly this block's share of dq, dk, dv. The
-merge stays in FP32 (float64 for float64 inputs). The zigzag half-blocks are unmasked and the diagonal uses
-the kernels' is_causal, so no mask is built either. `impl="reference"` runs the same ring with each block
-written out in einsums (scores materialised): the readable definition, tested equal to the fused one.
-All-gather CP attends each query chunk to its prefix as an unmasked block plus a causal diagonal block,
-merged the same way, so it runs the fused kernels too; Ulysses calls F.scaled_dot_product_attention, which
-picks them itself.
-
-Causal load balancing. With contiguous shards, under a causal mask rank 0 attends to one block and rank
-P-1 to P: the last rank does ~2P-1 times the work of the first, and everyone waits for it. Zigzag cuts the
-sequence into 2P chunks and gives rank r chunks r and 2P-1-r: one early and one late chunk. Then at
-ring step 0 a rank computes its causal diagonal block and at every later step exactly half a block: all
-of q against the first half of a KV block from an earlier rank, or the second half of q against all of a
-KV block from a later rank. Every rank does the same work at every step. Positions (for RoPE) and labels
-must be sharded the same way: `zigzag_shard` keeps global position ids if you shard `arange(s)`.
-
-Ulysses (Jacobs et al. 2023, DeepSpeed). Each rank holds a contiguous sequence shard of all heads; an
-all-to-all trades it for the full sequence of H/P heads, ordinary attention runs per head, and a reverse
-all-to-all restores sequence shards. The heads must divide by P; with grouped-query attention and fewer
-KV heads than ranks, each KV head is replicated (`repeat_interleave`, so query head i still meets KV head
-i // (H/H_kv)).
-
-Hybrid: Ulysses inside, ring across (USP, Fang and Zhao 2024; Megatron-LM's a2a+p2p with hierarchical CP sizes).
-Ulysses stops at P = H_kv (and its all-to-alls cross nodes once P leaves one); the ring's blocks shrink with s/P
-until its KV transfers no longer hide behind them. The hybrid splits CP = u x r: u consecutive CP ranks form a
-Ulysses group (inside a node when TP x u fits one), the r ranks at stride u a ring (topology.py's cp_ulysses and
-cp_ring groups). hybrid_attention runs an all-to-all over the Ulysses group that trades the rank's s/P tokens of
-all H heads for s/r tokens of H/u heads (K and V alike: u must divide H_kv), the fused zigzag ring over the ring
-group on that chunk, and the inverse all-to-all. The layout (hybrid_shard) is zigzag over the ring, each of its
-two chunks cut contiguously into u pieces, Ulysses rank i holding piece i of the early chunk and piece u-1-i of
-the late one: exactly zigzag_shard over all P = u r ranks at CP rank c = i + u j, so positions and labels shard as
-for the ring, and the u pieces an all-to-all brings in fall into the ring's order by zigzag_unshard. Causal work
-is balanced twice over: the ring ranks by zigzag, the Ulysses ranks by computing the same chunk for different
-heads (hybrid_pairs_per_rank: (H/u) x the ring shard's pairs, the same on every rank).
-
-Its communication per rank per layer (hybrid_comm_bytes; H, H_kv the query and KV widths, heads x head_dim, e
-bytes per element): the 4 all-to-alls (q, k, v, out; K and V travel in one message) each keep 1/u of a tensor of
-s/P tokens and send (u-1)/u of it,
-    all-to-all   (u-1)/u b (s/(u r)) (2 H + 2 H_kv) e             forward, the same again backward (dq, dk, dv, dout)
-    ring         (r-1) x 2 b (s/r) (H_kv/u) e = 2 (r-1)/(r u) b s H_kv e     forward (K and V r-1 times)
-                 backward: the same KV bytes, and dK, dV r times at the accumulator's width (2 b (s/u) H_kv e_acc)
-u = 1 is the pure ring, 2 (P-1)/P b s H_kv e, and r = 1 pure Ulysses, (P-1)/P^2 b s (2 H + 2 H_kv) e (measured
-equal to both, and the hybrid to its sum, in tests/test_long_seq.py and --bench). Memory per rank is O(s/P) for
-all three: after the all-to-all a rank holds s/r tokens of H/u heads, as many elements as s/P tokens of H heads, so
-the ring's part is ring_memory_bytes of the pure ring at P; the layer's own s/P tensors (q, k, v, out, dout) stay
-beside the all-to-alls' copies: hybrid_memory_bytes = ring_memory_bytes(b, H/u, H_kv/u, s/r, d) + b (s/P) d
-(3 H + 2 H_kv) e (measured 1.08 x at s = 16K on 2 x 2 ranks); Ulysses holds the full s of H/P heads, also s/P.
-
-When the hybrid wins. (1) Past the KV heads: Ulysses needs H_kv % P (or replicates KV heads: more bytes, more
-memory); the hybrid needs only H_kv % u, so a GQA model with 8 KV heads runs CP 32 as 8 x 4. (2) Past a node:
-with the Ulysses group inside it, only the ring crosses nodes, and it sends 2 (r-1)/(r u) b s H_kv e there instead
-of the pure ring's 2 (P-1)/P: about u times less; pure Ulysses at that P would run its all-to-alls (exposed, on
-the critical path) over the slow links. (3) Short chunks: a ring step computes half a causal block, 2 b l^2 H FLOPs
-for l local rows (QK^T and PV), while the next K and V, 2 b l H_kv e bytes, travel; the transfer hides when
-l >= (H_kv/H) e F / B (F FLOP/s, B the link's bytes/s). The pure ring has l = s/P, the hybrid's ring l = s/r: it
-hides at u times shorter sequences. H100 (F = 989e12 at e = 2) over InfiniBand (B = 45 GB/s per GPU) with H_kv/H =
-1/8: l >= 5.5K tokens, so a ring of 32 needs s >= 176K, the hybrid 8 x 4 s >= 22K. Bytes alone, forward, at the
-same P: pure Ulysses minus the hybrid = (r-1)/P b s ((2 H + 2 H_kv)/P - 2 H_kv) e, so Ulysses sends fewer exactly when
-P > 1 + H/H_kv (MHA: P > 2; 8 query heads per KV head: P > 9), but every byte of it is exposed, while the ring's
-part of the hybrid can hide (backward adds the ring's dK, dV to the hybrid). Inside one node with H_kv % P == 0,
-pure Ulysses is the simple choice (one SDPA call, no ring steps); the hybrid pays off past the KV heads and past
-the node.
-
-Run `torchrun --nproc_per_node=4 long_seq.py` (or plain `python long_seq.py` for one rank). `--bench` (also
-under torchrun; NCCL on GPUs) measures the peak memory and time of ring attention forward + backward at a long
-sequence, fused against reference and against SDPA on the whole sequence on one rank, beside the formula; and
-the bytes and peak memory of the hybrid, the ring and Ulysses at the same CP beside their formulas.
+Run `torchrun --nproc_per_node=4 long_seq.py` (or `python long_seq.py`, one rank): ring and Ulysses against full
+attention, bytes against these formulas, zigzag's balance; then the forms beyond the chapter. `--bench` measures
+peak memory and time at a long sequence.
 """
-import argparse
 import math
-import os
-import statistics
-import sys
-import tempfile
-import time
-import weakref
 from collections import Counter
 
 import torch
@@ -118,8 +62,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from einops import rearrange
 from torch.backends.cuda import SDPAParams, can_use_efficient_attention, can_use_flash_attention
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 # What each collective of this file sent from this rank: counts and bytes, by kind. Reset with .clear().
 comm_log = Counter()
@@ -173,32 +115,6 @@ def zigzag_unshard(shards, dim):
     return torch.cat([halves[r][0] for r in range(world)] + [halves[r][1] for r in reversed(range(world))], dim=dim)
 
 
-def hybrid_shard(x, dim, ulysses_rank, ulysses_size, ring_rank, ring_size):
-    """The shard of x along `dim` for hybrid_attention at Ulysses rank i of u and ring rank j of r: zigzag over
-    the ring (chunks j and 2r-1-j of 2r), each of the two chunks split contiguously into u pieces, piece i of the
-    early chunk and piece u-1-i of the late one (mirrored, like zigzag itself). That is zigzag_shard over the
-    whole CP group at CP rank c = i + u j (inner ranks consecutive, as topology.py numbers them), so positions
-    and labels shard as for the ring at the same CP. Needs the length to be a multiple of 2 u r."""
-    _check_rank(ulysses_rank, ulysses_size)
-    _check_rank(ring_rank, ring_size)
-    world = ulysses_size * ring_size
-    if x.shape[dim] % (2 * world):
-        raise ValueError(f"sequence length {x.shape[dim]} (dim {dim}) is not divisible by 2*u*r = 2*{ulysses_size}"
-                         f"*{ring_size} = {2 * world}; pad the sequence to a multiple of {2 * world}")
-    ring = x.chunk(2 * ring_size, dim=dim)
-    early = ring[ring_rank].chunk(ulysses_size, dim=dim)[ulysses_rank]
-    late = ring[2 * ring_size - 1 - ring_rank].chunk(ulysses_size, dim=dim)[ulysses_size - 1 - ulysses_rank]
-    return torch.cat([early, late], dim=dim)
-
-
-def hybrid_unshard(shards, dim, ulysses_size, ring_size):
-    """Inverse of hybrid_shard: the full tensor from every rank's shard, in CP rank order c = i + u j."""
-    if len(shards) != ulysses_size * ring_size:
-        raise ValueError(f"{len(shards)} shards for u*r = {ulysses_size}*{ring_size} ranks: pass one per CP rank")
-    ring_shards = [zigzag_unshard(shards[j * ulysses_size:(j + 1) * ulysses_size], dim) for j in range(ring_size)]
-    return zigzag_unshard(ring_shards, dim)
-
-
 def contiguous_shard(x, dim, rank, world):
     """Rank `rank`'s contiguous shard of x along `dim` (Ulysses, non-causal ring)."""
     _check_rank(rank, world)
@@ -225,6 +141,9 @@ def _check_qkv(q, k, v):
 # ----------------------------------------------------------------------------------------------------
 # One block of attention, forward and backward, with its log-sum-exp: a fused kernel, or the readable reference
 # ----------------------------------------------------------------------------------------------------
+# A block is q's rows against one K/V shard's columns. Forward returns (out, lse); backward takes the FINAL out and
+# lse of the rows (after every block is merged) and so returns exactly this block's share of dq, dk, dv. The
+# reference writes the block in einsums; it also runs where no fused kernel fits (float64 or odd head_dim on CUDA).
 
 def _repeat_kv(t, heads):
     """GQA: KV head j serves query heads j*g .. j*g+g-1 (g = H / H_kv)."""
@@ -509,6 +428,16 @@ def whole_sequence_memory_bytes(b, h, h_kv, s, d, dtype):
     return b * s * d * (4 * h + 4 * h_kv) * e + b * h * s * acc_e
 
 
+def ring_comm_bytes(b, s, kv_width, world, e, e_acc=None):
+    """Bytes one rank sends per attention layer under ring_attention over `world` ranks, by direction: forward the
+    K and V of one shard (2 b (s/P) kv_width elements) world-1 times; backward the same, plus dK and dV world times
+    at e_acc bytes (the accumulator's width: FP32 for 16-bit inputs; default e). kv_width = KV heads x head_dim."""
+    e_acc = e if e_acc is None else e_acc
+    kv_block = 2 * b * (s / world) * kv_width  # K and V of one shard, elements
+    return {"ring_fwd": (world - 1) * kv_block * e,
+            "ring_bwd": (world - 1) * kv_block * e + (world * kv_block * e_acc if world > 1 else 0)}
+
+
 # ----------------------------------------------------------------------------------------------------
 # Ulysses
 # ----------------------------------------------------------------------------------------------------
@@ -573,9 +502,91 @@ def ulysses_attention(q, k, v, group, causal=True, scale=None):
     return _heads_to_seq(out, group, world)
 
 
+def ulysses_comm_bytes(b, s, q_width, kv_width, world, e, ranks=None):
+    """Bytes one rank sends per attention layer under ulysses_attention over `world` ranks, by direction: each of
+    the 4 all-to-alls (q, k, v, out; backward dout, dq, dk, dv) keeps 1/world of a tensor of s/ranks tokens and
+    sends the rest. ranks: how many ranks share the sequence (default world). kv_width: the KV heads after
+    replication (max(H_kv, P)) x head_dim."""
+    ranks = world if ranks is None else ranks
+    a2a = (world - 1) / world * b * s / ranks * (2 * q_width + 2 * kv_width) * e
+    return {"ulysses_fwd": a2a, "ulysses_bwd": a2a}
+
+
+# ======================================================================================================================
+# BEYOND THE CHAPTER: the hybrid Ulysses x ring (USP), all-gather KV, work per rank, a CPU memory meter, demo, bench
+# ======================================================================================================================
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import weakref
+
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
 # ----------------------------------------------------------------------------------------------------
-# Hybrid: Ulysses inside, ring across (USP)
+# Hybrid: Ulysses inside, ring across (USP, Fang and Zhao 2024; Megatron-LM's a2a+p2p with hierarchical CP sizes)
 # ----------------------------------------------------------------------------------------------------
+# Ulysses stops at P = H_kv (and its all-to-alls cross nodes once P leaves one); the ring's blocks shrink with s/P
+# until its K/V transfers no longer hide behind them. The hybrid splits CP = u x r: u consecutive CP ranks form a
+# Ulysses group (inside a node when TP x u fits one), the r ranks at stride u a ring (topology.py's cp_ulysses and
+# cp_ring groups). hybrid_attention runs an all-to-all over the Ulysses group that trades the rank's s/P tokens of
+# all H heads for s/r tokens of H/u heads (K and V alike: u must divide H_kv), the core's ring over the ring group on
+# that chunk, and the inverse all-to-all. The layout (hybrid_shard) is zigzag over the ring, each of its two chunks
+# cut contiguously into u pieces, Ulysses rank i holding piece i of the early chunk and piece u-1-i of the late one:
+# exactly zigzag_shard over all P = u r ranks at CP rank c = i + u j, so positions and labels shard as for the ring,
+# and the u pieces an all-to-all brings in fall into the ring's order by zigzag_unshard. Causal work is balanced
+# twice over: the ring ranks by zigzag, the Ulysses ranks by computing the same chunk for different heads
+# (hybrid_pairs_per_rank: (H/u) x the ring shard's pairs, the same on every rank).
+#
+# Bytes per rank per layer (hybrid_comm_bytes): the 4 all-to-alls (K and V in one message) each keep 1/u of a tensor
+# of s/P tokens, (u-1)/u b (s/(u r)) (2 H + 2 H_kv) e each way (ulysses_comm_bytes over u of the P ranks); the ring
+# passes K and V of H_kv/u on s/r tokens, 2 (r-1)/(r u) b s H_kv e forward, the same and dK, dV r times at e_acc
+# backward (ring_comm_bytes over r). u = 1 is the pure ring, r = 1 pure Ulysses. Memory per rank is O(s/P): after
+# the all-to-all a rank holds s/r tokens of H/u heads, as many elements as s/P tokens of H heads, so the ring's part
+# is ring_memory_bytes at P; the layer's own s/P tensors (q, k, v, out, dout) stay beside the all-to-alls' copies.
+#
+# When the hybrid wins. (1) Past the KV heads: Ulysses needs H_kv % P (or replicates KV heads: more bytes, more
+# memory); the hybrid needs only H_kv % u, so a GQA model with 8 KV heads runs CP 32 as 8 x 4. (2) Past a node: with
+# the Ulysses group inside it, only the ring crosses nodes, and it sends 2 (r-1)/(r u) b s H_kv e there instead of
+# the pure ring's 2 (P-1)/P: about u times less; pure Ulysses at that P would run its exposed all-to-alls over the
+# slow links. (3) Short chunks: a ring step computes half a causal block, 2 b l^2 H FLOPs for l local rows, while
+# the next K and V, 2 b l H_kv e bytes, travel; the transfer hides when l >= (H_kv/H) e F / B (F FLOP/s, B the
+# link's bytes/s). The pure ring has l = s/P, the hybrid's ring l = s/r: it hides at u times shorter sequences.
+# H100 (F = 989e12 at e = 2) over InfiniBand (B = 45 GB/s per GPU) with H_kv/H = 1/8: l >= 5.5K tokens, so a ring of
+# 32 needs s >= 176K, the hybrid 8 x 4 s >= 22K. Bytes alone, forward, at the same P: pure Ulysses minus the hybrid
+# = (r-1)/P b s ((2 H + 2 H_kv)/P - 2 H_kv) e, so Ulysses sends fewer exactly when P > 1 + H/H_kv, but every byte of
+# it is exposed, while the ring's part of the hybrid can hide. Inside one node with H_kv % P == 0, pure Ulysses is
+# the simple choice; the hybrid pays off past the KV heads and past the node.
+
+def hybrid_shard(x, dim, ulysses_rank, ulysses_size, ring_rank, ring_size):
+    """The shard of x along `dim` for hybrid_attention at Ulysses rank i of u and ring rank j of r: zigzag over
+    the ring (chunks j and 2r-1-j of 2r), each of the two chunks split contiguously into u pieces, piece i of the
+    early chunk and piece u-1-i of the late one (mirrored, like zigzag itself). That is zigzag_shard over the
+    whole CP group at CP rank c = i + u j (inner ranks consecutive, as topology.py numbers them), so positions
+    and labels shard as for the ring at the same CP. Needs the length to be a multiple of 2 u r."""
+    _check_rank(ulysses_rank, ulysses_size)
+    _check_rank(ring_rank, ring_size)
+    world = ulysses_size * ring_size
+    if x.shape[dim] % (2 * world):
+        raise ValueError(f"sequence length {x.shape[dim]} (dim {dim}) is not divisible by 2*u*r = 2*{ulysses_size}"
+                         f"*{ring_size} = {2 * world}; pad the sequence to a multiple of {2 * world}")
+    ring = x.chunk(2 * ring_size, dim=dim)
+    early = ring[ring_rank].chunk(ulysses_size, dim=dim)[ulysses_rank]
+    late = ring[2 * ring_size - 1 - ring_rank].chunk(ulysses_size, dim=dim)[ulysses_size - 1 - ulysses_rank]
+    return torch.cat([early, late], dim=dim)
+
+
+def hybrid_unshard(shards, dim, ulysses_size, ring_size):
+    """Inverse of hybrid_shard: the full tensor from every rank's shard, in CP rank order c = i + u j."""
+    if len(shards) != ulysses_size * ring_size:
+        raise ValueError(f"{len(shards)} shards for u*r = {ulysses_size}*{ring_size} ranks: pass one per CP rank")
+    ring_shards = [zigzag_unshard(shards[j * ulysses_size:(j + 1) * ulysses_size], dim) for j in range(ring_size)]
+    return zigzag_unshard(ring_shards, dim)
+
 
 def _gather_ring_shard(x, group, u):
     """(..., b, H, s/P, d) hybrid shard -> (..., b, H/u, s/r, d): this rank's H/u heads of its ring rank's zigzag
@@ -624,18 +635,15 @@ def hybrid_attention(q, k, v, ulysses_group, ring_group, causal=True, scale=None
 
 
 def hybrid_comm_bytes(b, s, q_width, kv_width, ulysses, ring, e, e_acc=None):
-    """Bytes one rank sends per attention layer under hybrid_attention, by group and direction (the docstring's
-    derivation); ulysses=1 is the pure ring, ring=1 pure Ulysses (KV heads divisible by P). q_width and kv_width
-    are the query and KV widths this rank's attention holds, heads x head_dim (under TP: / t); e bytes per
-    element, e_acc those of the ring's dK/dV accumulator (FP32 for 16-bit, default e).
-    Keys: ulysses_fwd, ulysses_bwd (the all-to-alls, inner group), ring_fwd, ring_bwd (the KV passes, outer)."""
-    e_acc = e if e_acc is None else e_acc
+    """Bytes one rank sends per attention layer under hybrid_attention, by group and direction (derived above):
+    the core's Ulysses formula over the u ranks of the inner group on s/(u r) tokens, and the core's ring formula
+    over the r ranks of the outer group on H_kv/u of the KV width; ulysses=1 is the pure ring, ring=1 pure Ulysses
+    (KV heads divisible by P). q_width and kv_width are the query and KV widths this rank's attention holds, heads x
+    head_dim (under TP: / t); e bytes per element, e_acc those of the ring's dK/dV accumulator (FP32 for 16-bit,
+    default e). Keys: ulysses_fwd, ulysses_bwd (the all-to-alls, inner group), ring_fwd, ring_bwd (the KV passes)."""
     u, r = ulysses, ring
-    a2a = (u - 1) / u * b * s / (u * r) * (2 * q_width + 2 * kv_width) * e
-    kv_block = 2 * b * (s / r) * (kv_width / u)  # K and V of one ring shard, elements
-    return {"ulysses_fwd": a2a, "ulysses_bwd": a2a,
-            "ring_fwd": (r - 1) * kv_block * e,
-            "ring_bwd": (r - 1) * kv_block * e + (r * kv_block * e_acc if r > 1 else 0)}
+    return {**ulysses_comm_bytes(b, s, q_width, kv_width, u, e, ranks=u * r),
+            **ring_comm_bytes(b, s, kv_width / u, r, e, e_acc)}
 
 
 def hybrid_memory_bytes(b, h, h_kv, s, d, dtype, ulysses, ring):
@@ -648,8 +656,12 @@ def hybrid_memory_bytes(b, h, h_kv, s, d, dtype, ulysses, ring):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Optional: all-gather KV (Llama 3's context parallelism)
+# All-gather KV (Llama 3's context parallelism)
 # ----------------------------------------------------------------------------------------------------
+# Each rank gathers the whole K and V in one all-gather, (P-1)/P b s 2 H_kv e bytes forward (the ring's K/V bytes,
+# exposed rather than overlapped) and a reduce-scatter of dK, dV backward, and holds them: O(s) K/V per rank, cheap
+# when H_kv is small (GQA). Its zigzag query shard meets its prefix as an unmasked block plus a causal diagonal
+# block per chunk, run by the core's block kernels and merged by the core's log-sum-exp merge.
 
 # torch 2.13 renames the flat collectives (the old names still work, with a deprecation warning)
 _all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -871,15 +883,24 @@ def show_equivalence(rows, say):
         say(f"   {name:22s} {row['err']:.1e}")
 
 
+def _sent(row, direction):
+    """Bytes a variant's collectives sent from this rank in one direction ('fwd' or 'bwd'), all kinds together."""
+    return sum(v for key, v in row["log"].items() if key.endswith(direction + ":bytes"))
+
+
 def show_bytes(rows, formulas, say):
-    """Claim: what each variant sends per rank equals the formula of the module docstring."""
-    say("\n== bytes sent by rank 0, per collective kind (forward + backward), beside the forward formula")
+    """Claim: what each variant sends per rank, forward and backward, equals its formula."""
+    say("\n== bytes sent by rank 0, per collective kind, and each direction beside its formula")
     for name, row in rows.items():
-        say(f"-- {name}")
+        fwd, bwd, text = formulas[name]
+        say(f"-- {name}: {text}")
         for key in sorted(k for k in row["log"] if k.endswith(":count")):
             kind = key[:-6]
             say(f"   {kind:20s} {row['log'][key]:3d} sends, {row['log'][kind + ':bytes']:9d} bytes")
-        say(f"   formula: {formulas[name]}")
+        for direction, formula in (("fwd", fwd), ("bwd", bwd)):
+            measured = _sent(row, direction)
+            say(f"   {direction}: measured {measured:9d}, formula {formula:9.0f}  "
+                f"{'equal' if measured == formula else 'DIFFERENT'}")
 
 
 def show_saved_memory(rows, b, h, h_kv, s_local, d, say):
@@ -890,18 +911,29 @@ def show_saved_memory(rows, b, h, h_kv, s_local, d, say):
         say(f"   {name:22s} {row['saved']:9d} bytes")
 
 
-def show_balance(rows, s, P, b, h, u, say):
-    """Claim: under a causal mask zigzag gives every rank the same work, contiguous shards do not; the ring's and
-    the hybrid's blocks compute exactly those pairs."""
+def _work_per_rank(row, P):
+    """The attended pairs each rank's blocks computed (work_log), gathered from every rank."""
+    mine = torch.tensor([row["work"]], dtype=torch.float64)
+    every = [torch.zeros(1, dtype=torch.float64) for _ in range(P)]
+    dist.all_gather(every, mine)
+    return [int(w.item()) for w in every]
+
+
+def show_balance(rows, s, P, say):
+    """Claim: under a causal mask zigzag gives every rank the same work, contiguous shards do not; the ring's
+    blocks compute exactly those pairs."""
     say(f"\n== causal attention work per rank (attended query-key pairs), s={s}:")
     for layout in ("contiguous", "zigzag"):
         pairs = causal_pairs_per_rank(s, P, layout)
         say(f"   {layout:10s} {pairs}  max/min = {max(pairs) / min(pairs):.2f}")
-    for name in ("ring (zigzag)", f"hybrid {u} x {P // u}"):
-        mine = torch.tensor([rows[name]["work"]], dtype=torch.float64)
-        every = [torch.zeros(1, dtype=torch.float64) for _ in range(P)]
-        dist.all_gather(every, mine)
-        say(f"   {name} blocks, b x heads x pairs per rank: {[int(w.item()) for w in every]}")
+    say(f"   ring (zigzag) blocks, b x heads x pairs per rank: {_work_per_rank(rows['ring (zigzag)'], P)}")
+
+
+def show_hybrid_balance(rows, s, P, b, h, u, say):
+    """Claim: the hybrid's blocks do the same work on every rank, as hybrid_pairs_per_rank predicts."""
+    name = f"hybrid {u} x {P // u}"
+    say(f"\n== causal attention work per rank under the hybrid, s={s}:")
+    say(f"   {name} blocks, b x heads x pairs per rank: {_work_per_rank(rows[name], P)}")
     say(f"   hybrid_pairs_per_rank x b (heads/u x the ring shard's pairs): "
         f"{[b * w for w in hybrid_pairs_per_rank(s, h, u, P // u)]}; with a contiguous ring: "
         f"{[b * w for w in hybrid_pairs_per_rank(s, h, u, P // u, ring_layout='contiguous')]}")
@@ -910,7 +942,7 @@ def show_balance(rows, s, P, b, h, u, say):
 def show_table(rows, b, s, P, h, h_kv, d, u, say):
     """What splits what: the techniques side by side, forward bytes per rank (formula, measured), saved bytes."""
     e = 8  # float64
-    fwd = {name: sum(v for key, v in row["log"].items() if key.endswith("fwd:bytes")) for name, row in rows.items()}
+    fwd = {name: _sent(row, "fwd") for name, row in rows.items()}
     h_rep = max(h_kv, P)  # Ulysses replicates KV heads when H_kv < P
     hyb = hybrid_comm_bytes(b, s, h * d, h_kv * d, u, P // u, e)
     table = [
@@ -935,6 +967,8 @@ def show_table(rows, b, s, P, h, h_kv, d, u, say):
 
 
 def demo():
+    """The chapter's claims first (ring and Ulysses equal full attention, their bytes equal the formulas, zigzag
+    balances the causal work), then the forms beyond it (the einsum reference, the hybrid, all-gather KV)."""
     rank, P = _init()
     torch.set_num_threads(max(1, torch.get_num_threads() // P))
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -950,42 +984,55 @@ def demo():
     ref = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
     ref.backward(dout)
     say(f"== P={P} ranks, b={b}, H={h}, H_kv={h_kv}{why}, s={s}, d={d}, float64, causal; blocks run in the fused "
-        f"kernel {fused_kernel(q, k)!r}, 'ring reference' in einsums; hybrid: Ulysses {u} x ring {P // u}")
+        f"kernel {fused_kernel(q, k)!r}")
 
     def zigzag(t):
         return zigzag_shard(t, 2, rank, P)
 
-    variants = {
-        "ring (zigzag)": (lambda q, k, v: ring_attention(q, k, v, world), zigzag),
-        "ring reference": (lambda q, k, v: ring_attention(q, k, v, world, impl="reference"), zigzag),
-        "ulysses": (lambda q, k, v: ulysses_attention(q, k, v, world), lambda t: contiguous_shard(t, 2, rank, P)),
-        f"hybrid {u} x {P // u}": (lambda q, k, v: hybrid_attention(q, k, v, ulysses_group, ring_group),
-                                   lambda t: hybrid_shard(t, 2, i, u, j, P // u)),
-        "all-gather KV": (lambda q, k, v: allgather_attention(q, k, v, world), zigzag),
-    }
-    rows = {name: _run_variant(fn, shard, q, k, v, dout, leaves + [ref]) for name, (fn, shard) in variants.items()}
+    def run(variants):
+        return {name: _run_variant(fn, shard, q, k, v, dout, leaves + [ref]) for name, (fn, shard) in variants.items()}
 
-    e = 8  # float64
-    hyb = hybrid_comm_bytes(b, s, h * d, h_kv * d, u, P // u, e)
+    e = 8  # float64, and so its accumulator
+    ring = ring_comm_bytes(b, s, h_kv * d, P, e)
+    uly = ulysses_comm_bytes(b, s, h * d, max(h_kv, P) * d, P, e)
     formulas = {
-        "ring (zigzag)": f"fwd KV 2(P-1)/P b s h_kv d e = {2 * (P - 1) / P * b * s * h_kv * d * e:.0f}; bwd the same "
-                         f"KV plus dK,dV P times: 2 b s h_kv d e_acc = {2 * b * s * h_kv * d * e:.0f}",
-        "ring reference": "the same collectives as the fused ring",
-        "ulysses": f"fwd (P-1)/P^2 b s (2h + 2h_kv') d e = "
-                   f"{(P - 1) / P ** 2 * b * s * (2 * h + 2 * max(h_kv, P)) * d * e:.0f} (h_kv' = max(h_kv, P): KV "
-                   "heads replicated to P)",
-        f"hybrid {u} x {P // u}": f"hybrid_comm_bytes: all-to-alls (u-1)/u b s/P (2h + 2h_kv) d e = "
-                                  f"{hyb['ulysses_fwd']:.0f} each way; ring KV 2 (r-1)/(r u) b s h_kv d e = "
-                                  f"{hyb['ring_fwd']:.0f}, backward {hyb['ring_bwd']:.0f} with the dK/dV",
-        "all-gather KV": f"fwd KV (P-1)/P b s 2 h_kv d e = {(P - 1) / P * b * s * 2 * h_kv * d * e:.0f} (a ring "
-                         "all-gather forwards P-1 shards: the ring's KV bytes in one exposed collective, the whole KV "
-                         "held)",
+        "ring (zigzag)": (ring["ring_fwd"], ring["ring_bwd"], "ring_comm_bytes: fwd K,V P-1 times, 2 (P-1)/P b s "
+                          "H_kv e; bwd the same plus dK,dV P times, 2 b s H_kv e_acc"),
+        "ulysses": (uly["ulysses_fwd"], uly["ulysses_bwd"], "ulysses_comm_bytes: (P-1)/P b (s/P) (2 H + 2 H_kv') e "
+                    "each way, H_kv' = max(H_kv, P) (KV heads replicated to P)"),
     }
+    say("\n######## The chapter: ring attention (zigzag) and Ulysses")
+    rows = run({"ring (zigzag)": (lambda q, k, v: ring_attention(q, k, v, world), zigzag),
+                "ulysses": (lambda q, k, v: ulysses_attention(q, k, v, world),
+                            lambda t: contiguous_shard(t, 2, rank, P))})
     show_equivalence(rows, say)
     show_bytes(rows, formulas, say)
+    show_balance(rows, s, P, say)
     show_saved_memory(rows, b, h, h_kv, s // P, d, say)
-    show_balance(rows, s, P, b, h, u, say)
-    show_table(rows, b, s, P, h, h_kv, d, u, say)
+
+    hybrid = f"hybrid {u} x {P // u}"
+    hyb = hybrid_comm_bytes(b, s, h * d, h_kv * d, u, P // u, e)
+    gathered = (P - 1) / P * b * s * 2 * h_kv * d * e  # a ring all-gather forwards P-1 shards; so does its RS back
+    formulas.update({
+        "ring reference": (ring["ring_fwd"], ring["ring_bwd"], "the same collectives as the fused ring"),
+        hybrid: (hyb["ulysses_fwd"] + hyb["ring_fwd"], hyb["ulysses_bwd"] + hyb["ring_bwd"],
+                 "hybrid_comm_bytes: all-to-alls (u-1)/u b s/P (2 H + 2 H_kv) e each way, ring 2 (r-1)/(r u) b s "
+                 "H_kv e forward, backward with dK,dV r times"),
+        "all-gather KV": (gathered, gathered, "(P-1)/P b s 2 H_kv e each way: the ring's K/V bytes in one exposed "
+                          "all-gather, the whole K/V held"),
+    })
+    say(f"\n######## Beyond the chapter: the einsum reference, the hybrid Ulysses {u} x ring {P // u}, all-gather KV")
+    beyond = run({
+        "ring reference": (lambda q, k, v: ring_attention(q, k, v, world, impl="reference"), zigzag),
+        hybrid: (lambda q, k, v: hybrid_attention(q, k, v, ulysses_group, ring_group),
+                 lambda t: hybrid_shard(t, 2, i, u, j, P // u)),
+        "all-gather KV": (lambda q, k, v: allgather_attention(q, k, v, world), zigzag),
+    })
+    show_equivalence(beyond, say)
+    show_bytes(beyond, formulas, say)
+    show_hybrid_balance(beyond, s, P, b, h, u, say)
+    show_saved_memory(beyond, b, h, h_kv, s // P, d, say)
+    show_table({**rows, **beyond}, b, s, P, h, h_kv, d, u, say)
     say("\n(peak memory and time at a long sequence, fused against reference, and the hybrid's bytes and memory "
         "beside ring and Ulysses: python long_seq.py --bench, or under torchrun)")
     dist.barrier()  # gloo aborts a rank that tears down while a peer still talks to it

@@ -1,8 +1,10 @@
 """long_seq.py: ring (zigzag causal and non-causal; fused kernels and the einsum reference), Ulysses and all-gather
 attention against SDPA on the whole sequence, on every rank; communication counted and overlapped; zigzag balance;
-saved and peak memory O(s/P) at s = 32768; validation before communication."""
+saved and peak memory O(s/P) at s = 32768; validation before communication; the core (the lines above the banner)
+alone on 3 ranks."""
 import itertools
 import os
+import sys
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import chapter_core
 import long_seq as ls
 from multirank import run_ranks, value_errors
 
@@ -768,3 +771,47 @@ def test_hybrid_attention_at_s_16384_stays_within_1_25x_the_o_s_over_p_formula()
         assert formula < peak <= 1.25 * formula, (peak, formula)
         assert largest <= 2 * b * (h_kv // u) * (s // (P // u)) * d * 4  # the ring's KV stack: nothing (s/r)^2
         assert peak < scores / 8  # measured 9.1 x below one block's scores
+
+
+def _core_ring_and_ulysses(rank, P):
+    """Through the core alone (loaded by the parent before the fork, found by its module name): causal ring attention
+    on zigzag shards and Ulysses on contiguous shards, GQA, float64, against SDPA on the whole sequence (MATH
+    backend); (max error over out, dq, dk, dv of each, the bytes each sent forward and backward)."""
+    core = sys.modules["core_long_seq"]
+    group = dist.group.WORLD
+    b, h, h_kv, s, d = 2, 6, 3, 8 * P, 8
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(b, n, s, d, generator=gen, dtype=torch.float64) for n in (h, h_kv, h_kv))
+    dout = torch.randn(b, h, s, d, generator=gen, dtype=torch.float64)
+    full = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    with sdpa_kernel(SDPBackend.MATH):
+        ref = F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=True)
+    ref.backward(dout)
+    results = {}
+    for name, fn, shard in (("ring", core.ring_attention, core.zigzag_shard),
+                            ("ulysses", core.ulysses_attention, core.contiguous_shard)):
+        local = [shard(t, 2, rank, P).clone().requires_grad_(True) for t in (q, k, v)]
+        core.comm_log.clear()
+        out = fn(*local, group, causal=True)
+        out.backward(shard(dout, 2, rank, P))
+        got = [out] + [t.grad for t in local]
+        want = [shard(ref, 2, rank, P)] + [shard(t.grad, 2, rank, P) for t in full]
+        err = max((g - w).abs().max().item() for g, w in zip(got, want))
+        sent = {way: sum(n for key, n in core.comm_log.items() if key.endswith(way + ":bytes"))
+                for way in ("fwd", "bwd")}
+        results[name] = (err, sent)
+    return results
+
+
+def test_the_core_alone_runs_ring_and_ulysses_equal_to_sdpa_and_sends_its_formulas_bytes(tmp_path):
+    """The lines above the banner, saved alone: ring attention (zigzag, causal) and Ulysses on 3 ranks equal
+    attention on the whole sequence, outputs and gradients (float64: TOL), and send the core's formulas' bytes."""
+    core = chapter_core.load_core("long_seq", tmp_path)
+    P, b, h, h_kv, s, d, e = 3, 2, 6, 3, 24, 8, 8
+    ring = core.ring_comm_bytes(b, s, h_kv * d, P, e)
+    uly = core.ulysses_comm_bytes(b, s, h * d, h_kv * d, P, e)
+    for results in run_ranks(_core_ring_and_ulysses, P, timeout=60):
+        for name, (err, sent) in results.items():
+            assert err < TOL[torch.float64], (name, err)
+        assert results["ring"][1] == {"fwd": ring["ring_fwd"], "bwd": ring["ring_bwd"]}
+        assert results["ulysses"][1] == {"fwd": uly["ulysses_fwd"], "bwd": uly["ulysses_bwd"]}

@@ -1250,9 +1250,10 @@ def train(cfg, run, data=None):
 
 
 def _train(cfg, run, data):
-    plan, stage, opt, pipe = build(cfg, run)
+    with stalls_in_one_line(run, lambda: "while starting (process groups, the checkpoint)"):
+        plan, stage, opt, pipe = build(cfg, run)
+        resumed = resume(run.out_dir, stage, opt) if run.resume and checkpoint_dirs(run.out_dir) else None
     ps, device = plan.ps, next(stage.parameters()).device
-    resumed = resume(run.out_dir, stage, opt) if run.resume and checkpoint_dirs(run.out_dir) else None
     start = resumed["step"] if resumed else 0
     if resumed and ps.rank == 0:
         warn_what_changed(resumed, run)
@@ -1261,35 +1262,44 @@ def _train(cfg, run, data):
     metrics = open_metrics(run.metrics, start) if run.metrics and ps.rank == 0 else None
     records, skipped, step = [], 0, start
     try:
-        for step in range(start, run.steps):
-            record, schedule = train_one_step(step, stage, pipe, opt, data, cfg, run)
-            skipped = check_progress(step, record, opt, run, skipped)
-            if run.eval_every and ((step + 1) % run.eval_every == 0 or step == run.steps - 1):
-                record["val_loss"] = evaluate(stage, pipe, data, run, cfg)
-            if step == start:  # this rank's memory, from the live tensors, and what makes the batch
-                record.update(opt.memory_bytes(), in_flight_peak=schedule.peak, micro_batches=plan.micro_batch_count,
-                              dp=plan.dp,
-                              effective_batch=grad_accum.effective_batch_size(run.micro_batch, plan.dp, 1,
-                                                                              plan.micro_batch_count))
-            records.append(record)
-            if metrics:
-                metrics = write_metrics(metrics, record, run.metrics)
-            if run.log and ps.rank == 0:
-                print(step_line(record, skipped, moe=cfg.moe_every > 0), flush=True)
-            if run.out_dir and ((run.save_every and (step + 1) % run.save_every == 0) or step + 1 == run.steps):
-                path = save_checkpoint(run.out_dir, step + 1, stage, opt, cfg, run, text=data.text)
+        with stalls_in_one_line(run, lambda: f"step {step}"):
+            for step in range(start, run.steps):
+                record, schedule = train_one_step(step, stage, pipe, opt, data, cfg, run)
+                skipped = check_progress(step, record, opt, run, skipped)
+                if run.eval_every and ((step + 1) % run.eval_every == 0 or step == run.steps - 1):
+                    record["val_loss"] = evaluate(stage, pipe, data, run, cfg)
+                if step == start:  # this rank's memory, from the live tensors, and what makes the batch
+                    record.update(opt.memory_bytes(), in_flight_peak=schedule.peak,
+                                  micro_batches=plan.micro_batch_count, dp=plan.dp,
+                                  effective_batch=grad_accum.effective_batch_size(run.micro_batch, plan.dp, 1,
+                                                                                  plan.micro_batch_count))
+                records.append(record)
+                if metrics:
+                    metrics = write_metrics(metrics, record, run.metrics)
                 if run.log and ps.rank == 0:
-                    print(f"saved {path}", flush=True)
-    except RuntimeError as e:  # a collective of the step, the evaluation or the save
-        if isinstance(e, (Diverged, Stalled, CannotSave)) or not _is_communication_failure(e):
-            raise
-        raise Stalled(f"rank {ps.rank}, step {step}: a collective waited past --timeout-s {run.timeout_s:g} or lost "
-                      f"its peer: a rank stopped, hung or died ({str(e).splitlines()[0]})") from e
+                    print(step_line(record, skipped, moe=cfg.moe_every > 0), flush=True)
+                if run.out_dir and ((run.save_every and (step + 1) % run.save_every == 0) or step + 1 == run.steps):
+                    path = save_checkpoint(run.out_dir, step + 1, stage, opt, cfg, run, text=data.text)
+                    if run.log and ps.rank == 0:
+                        print(f"saved {path}", flush=True)
     finally:
         if metrics:
             with contextlib.suppress(OSError):
                 metrics.close()
     return records
+
+
+@contextlib.contextmanager
+def stalls_in_one_line(run, when):
+    """A collective that failed (of the start-up, a step, the evaluation or a save) becomes Stalled: one line naming
+    the rank and `when()`, and the job ends at once instead of a traceback per rank."""
+    try:
+        yield
+    except RuntimeError as e:
+        if isinstance(e, (Diverged, Stalled, CannotSave)) or not _is_communication_failure(e):
+            raise
+        raise Stalled(f"rank {_global_rank()}, {when()}: a collective waited past --timeout-s {run.timeout_s:g} or "
+                      f"lost its peer: a rank stopped, hung or died ({str(e).splitlines()[0]})") from e
 
 
 def write_metrics(metrics, record, path):

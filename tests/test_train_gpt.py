@@ -658,14 +658,15 @@ def test_building_moe_layers_leaves_the_processs_rng_alone():
     assert run_ranks(_rng_after_building_moe, 1, timeout=60)[0]
 
 
-def _main_on_forked_ranks(argv, world, cwd, timeout=60):
+def _main_on_forked_ranks(argv, world, cwd, timeout=60, ranks=None):
     """Run train_gpt.main(argv) as `world` torchrun ranks would (RANK, WORLD_SIZE... in the environment), each a
-    forked process writing stdout and stderr to its own file. Returns [(exit code, output, initialised)]: a rank
-    that created a process group reports initialised=True."""
+    forked process writing stdout and stderr to its own file (only `ranks` of them, if given: the others never
+    come). Returns [(exit code, output, initialised)]: a rank that created a process group reports
+    initialised=True."""
     import signal
     import time
     outs, pids = [], []
-    for rank in range(world):
+    for rank in range(world) if ranks is None else ranks:
         path = os.path.join(cwd, f"rank{rank}.out")
         outs.append(path)
         pid = os.fork()
@@ -2316,3 +2317,29 @@ def test_odd_folder_names_dense_checkpoints_and_huge_models_are_one_line(pristin
     (code, out, _), = _main_on_forked_ranks(["--show-schedule", "--pp", "1000", "--micro-batches", "1000000"], 1,
                                             str(tmp_path))
     assert code == 2 and len(out.strip().splitlines()) == 1 and "more than a screen can show" in out, out
+
+
+def test_a_rank_missing_at_start_or_hung_reading_a_checkpoint_ends_the_job_in_one_line(two_checkpoints, tmp_path,
+                                                                                       monkeypatch):
+    import shutil
+    import time
+    start = time.monotonic()  # rank 1 never comes: rank 0 waits in creating the process group, --timeout-s 2
+    (code, out, _), = _main_on_forked_ranks(JOB + ["--steps", "1", "--timeout-s", "2"], 2, str(tmp_path), ranks=[0],
+                                            timeout=30)
+    lines = out.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and "rank 0, while starting" in lines[0], out
+    assert "a collective waited past --timeout-s 2" in lines[0] and time.monotonic() - start < 15
+    # rank 1 hangs while the ranks verify the checkpoint's checksums together: rank 0 stops at its timeout
+    shutil.copytree(two_checkpoints[0], tmp_path / "out", ignore=shutil.ignore_patterns(".lock"))
+    real = train_gpt.verify_checksums
+
+    def hang_on_rank_1(*args):
+        if os.environ["RANK"] == "1":
+            time.sleep(6)  # past rank 0's timeout; then it finds rank 0 gone
+        return real(*args)
+    monkeypatch.setattr(train_gpt, "verify_checksums", hang_on_rank_1)
+    results = _main_on_forked_ranks(RESUME_ARGV + ["--resume", "--timeout-s", "2"], 2, str(tmp_path), timeout=40)
+    (code, out, _), (code_1, out_1, _) = results
+    lines = out.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and "rank 0, while starting" in lines[0] and "Traceback" not in out, out
+    assert code_1 == 1 and "Traceback" not in out_1, out_1

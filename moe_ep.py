@@ -767,8 +767,8 @@ def show_ep_equals_one_process(moe, reference, x_all, x, y, aux):
     router_grad = moe.router.weight.grad.clone()
     dist.all_reduce(router_grad)  # each rank holds its tokens' share of the router's gradient
     _say(f"   against the single-process MoE on all {P * T} tokens: max |dy| {errs[0]:.1e}, |dx| {errs[1]:.1e}, "
-         f"|dW_expert| {errs[2]:.1e}, |d aux| {errs[3]:.1e}, |d router grad (summed)| "
-         f"{(router_grad - reference.router.weight.grad).abs().max().item():.1e}")
+         f"|dW_expert| {errs[2]:.1e}, |d aux| (statistics summed over the ranks) {errs[3]:.1e}, "
+         f"|d router grad (summed)| {(router_grad - reference.router.weight.grad).abs().max().item():.1e}")
 
 
 def show_grouped_gemm_equals_loop(moe, x):
@@ -801,6 +801,21 @@ def show_balancing_loss_from_coeff_to_coeff_times_e():
          f"expert {load_balancing_loss(skew, 1, 1.0).item():.3f} (-> coeff * E = 4 as the logit gap grows)")
 
 
+def show_capacity(moe, x, capacity_factor=1.0):
+    """The same layer with a capacity: no expert takes more than C = ceil(cf T k / E) of a rank's copies."""
+    torch.manual_seed(0)
+    capped = MoE(moe.d_model, moe.d_hidden, moe.num_experts, moe.top_k, ep_group=moe.ep_group,
+                 capacity_factor=capacity_factor)
+    with torch.no_grad():
+        capped(x)
+    T, k, E = x.shape[0], moe.top_k, moe.num_experts
+    C = expert_capacity(T, k, E, capacity_factor)
+    kept = int(capped.last_load.sum())
+    _say(f"== capacity factor {capacity_factor}: C = ceil(cf T k / E) = ceil({capacity_factor} x {T} x {k} / {E}) = "
+         f"{C} copies per expert per rank; rank 0 keeps {capped.last_load.tolist()} (dropless: "
+         f"{moe.last_load.tolist()}), {T * k - kept} of its {T * k} copies dropped (their slots contribute zero)")
+
+
 def show_balancing_bias_update():
     bias = torch.zeros(4)
     update_balancing_bias(bias, torch.tensor([10.0, 2.0, 2.0, 2.0]), rate=1e-3)
@@ -822,10 +837,12 @@ def demo():
     y, aux, counter = _forward_backward_syncs(moe, x)  # the one step every claim below reads
     sent = show_dispatch_matrix(moe, x)
     show_all_to_all_bytes(moe, x, sent)
-    show_one_host_sync_per_layer(moe, counter)
     show_ep_equals_one_process(moe, reference, x_all, x, y, aux)
-    show_grouped_gemm_equals_loop(moe, x)
+    show_one_host_sync_per_layer(moe, counter)
     show_balancing_loss_from_coeff_to_coeff_times_e()
+    show_capacity(moe, x)
+    _say("== beyond the chapter")
+    show_grouped_gemm_equals_loop(moe, x)
     show_balancing_bias_update()
     dist.barrier()  # gloo aborts a rank that tears down while a peer still talks to it
     dist.destroy_process_group()

@@ -13,15 +13,15 @@ Load-balancing loss (Switch Transformer, GShard). Left alone, the router collaps
     L_bal = coeff * E * sum_i f_i P_i      f_i = (assignments to expert i) / (T k)     P_i = (1/T) sum_t p_ti
 
 f is counted, not differentiable: the gradient flows through P and pushes probability away from overloaded
-experts. Perfect balance, f_i = P_i = 1/E, gives coeff * E * E / E^2 = coeff. Collapse, every token certain
+experts. Perfect balance, f_i = P_i = 1/E, gives coeff * E * (E / E^2) = coeff. Collapse, every token certain
 of one expert (f = 1/k, P = 1 there, 0 elsewhere), gives coeff * E / k: coeff * E at top-1.
 
 Router z-loss (ST-MoE). L_z = coeff_z * (1/T) sum_t (logsumexp_i logits_ti)^2 keeps the logits small, so the
 softmax stays stable in low precision. Both losses are computed in float32 (float64 for float64 logits).
 
 Capacity. With a capacity factor cf each expert takes at most C = ceil(cf * T * k / E) of the T k assignments
-(exact arithmetic); an overloaded expert keeps its C highest-weight ones, the others contribute zero (dropped).
-cf = None is dropless: every assignment runs, and the all-to-alls below carry uneven splits.
+of a rank's T tokens (exact arithmetic, decided before dispatch); an overloaded expert keeps its C highest-weight
+ones, the others contribute zero (dropped). cf = None is dropless: every assignment runs, uneven splits and all.
 
 Expert parallelism. With an EP group of P ranks each rank holds E/P experts (expert e on rank e // (E/P)) and
 its own T tokens. One forward is four steps:
@@ -31,16 +31,17 @@ its own T tokens. One forward is four steps:
   2. experts: regroup the received rows expert-major and run each local expert on its slice (a loop);
   3. combine: the reverse all-to-all returns every result to the rank of its token;
   4. put every result back at its copy's place and sum the k copies of each token with the weights w_ti.
-The backward is the same two all-to-alls in reverse. Each rank computes T k token-expert MLPs (as without
-EP) but stores E/P experts. Bytes one rank sends per token all-to-all, rows of e bytes per element, under
+The backward is the same two all-to-alls in reverse. Each rank computes T k token-expert MLPs on average (as
+without EP) but stores E/P experts. Bytes one rank sends per token all-to-all, rows of e bytes per element, under
 uniform routing (a copy stays on its own rank with probability 1/P):
 
     bytes per all-to-all = T * k * d * e * (P - 1) / P      (dispatch and combine, forward and backward: 4 a layer)
 
 One host synchronisation per layer. all_to_all_single takes its splits as Python lists, so the host must read
 the counts. ONE transfer after the counts all-to-all brings the send splits and the received (rank x local
-expert) counts together, and the backward reuses those lists; everything else is sized by shapes (tokens per
-expert by a scatter_add into fixed bins, dropped copies sent to a bin E that sorts last and is never sent).
+expert) counts together, and the backward reuses those lists (P = 1: the loop's slice sizes, one transfer too).
+Everything else is sized by shapes: tokens per expert by a scatter_add into fixed bins, and dropped copies
+counted in an extra bin E that sorts last and never leaves the rank.
 
 Gradients. EP groups are drawn from the data- and context-parallel ranks; the ranks holding the same experts
 form the expert-data-parallel group EDP, with EP x EDP = DP x CP. The router is reduced over DP x CP like any
@@ -64,7 +65,7 @@ from einops import rearrange
 
 # collectives issued by this rank, "<kind>:count" and "<kind>:bytes" (bytes that left it, its own rows not
 # counted): dispatch_fwd, combine_fwd, dispatch_bwd, combine_bwd (token rows; each backward sends along the
-# other direction's routes), counts_a2a (forward only); router_stats_allreduce (count only)
+# other direction's routes), counts_a2a (forward only); router_stats_allreduce (count only, below the banner)
 comm_log = Counter()
 
 
@@ -91,6 +92,9 @@ def _router_precision(logits):
 # ----------------------------------------------------------------------------------------------------
 
 class Router(nn.Module):
+    """logits = x W_r, probabilities by a softmax over all experts (in float32 at least), the top-k chosen and
+    their weights renormalised (`normalize`, except at top-1)."""
+
     def __init__(self, d_model, num_experts, top_k, normalize=True):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))
@@ -245,7 +249,9 @@ def _inverse_permutation(perm):
 # ----------------------------------------------------------------------------------------------------
 
 class MoE(nn.Module):
-    """Top-k MoE of GELU MLP experts, expert-parallel over `ep_group`. forward(x) -> (y, aux_loss).
+    """Top-k MoE of GELU MLP experts, expert-parallel over `ep_group`. forward(x) -> (y, aux_loss), aux_loss =
+    L_bal (coefficient `aux_loss_coeff`) + L_z (`z_loss_coeff`) of this rank's tokens; `capacity_factor` None is
+    dropless. ep_group=None (or of one rank): every expert is here and nothing is communicated.
 
     Layout-independent initialisation: the router and ALL experts' weights are drawn from the default RNG in
     the same order on every rank and each rank keeps its slice, so under one seed every layout holds the
@@ -273,7 +279,7 @@ class MoE(nn.Module):
         mine = slice(ep_rank * self.local_experts, (ep_rank + 1) * self.local_experts)
         self.w1 = nn.Parameter(w1[mine].clone())
         self.w2 = nn.Parameter(w2[mine].clone())
-        self.last_load = None  # tokens per expert of the last forward (local tokens), for the bias update
+        self.last_load = None  # copies per expert of the last forward (this rank's tokens): the experts' load
 
     def expert_params(self):
         return [self.w1, self.w2]

@@ -733,15 +733,12 @@ def test_the_core_alone_ep_equals_one_process_and_balancing_loss_is_coeff_at_bal
             for key in ("y", "aux", "x_grad", "w1_grad", "w2_grad", "router_grad"):
                 assert r[key] < TOL, (capacity_factor, key, r[key])
             assert r["kept"] == (24 if capacity_factor is None else 4 * math.ceil(0.75 * 12 * 2 / 4))
-            assert {kind: r["log"][kind + ":count"] for kind in ("dispatch_fwd", "combine_fwd", "dispatch_bwd",
-                                                                  "combine_bwd", "counts_a2a")} == dict.fromkeys(
-                ("dispatch_fwd", "combine_fwd", "dispatch_bwd", "combine_bwd", "counts_a2a"), 1)
-    # the balancing loss: coeff at perfect balance (f_i = P_i = 1/E), coeff * E / k when every token is certain
-    # of one expert
-    E, T, k, coeff = 4, 8, 2, 0.01
-    balanced = core.load_balancing_loss(torch.zeros(T, E, dtype=torch.float64), k, coeff,
-                                        selected=torch.arange(T * k).reshape(T, k) % E)
+            kinds = ("dispatch_fwd", "combine_fwd", "dispatch_bwd", "combine_bwd", "counts_a2a")
+            assert [r["log"][kind + ":count"] for kind in kinds] == [1] * len(kinds)
+    # the balancing loss: coeff at perfect balance (f_i = P_i = 1/E), coeff * E / k at collapse (every token
+    # certain of expert 0); E = 4, k = 2, 8 tokens
+    coeff, one_copy_per_expert = 0.01, torch.arange(16).reshape(8, 2) % 4
+    collapse = torch.tensor([60.0, -60.0, -60.0, -60.0], dtype=torch.float64).expand(8, 4)
+    balanced = core.load_balancing_loss(torch.zeros(8, 4, dtype=torch.float64), 2, coeff, selected=one_copy_per_expert)
     assert balanced.item() == pytest.approx(coeff, rel=1e-14)
-    collapsed = torch.full((T, E), -60.0, dtype=torch.float64)
-    collapsed[:, 0] = 60.0
-    assert core.load_balancing_loss(collapsed, k, coeff).item() == pytest.approx(coeff * E / k, rel=1e-12)
+    assert core.load_balancing_loss(collapse, 2, coeff).item() == pytest.approx(coeff * 4 / 2, rel=1e-12)

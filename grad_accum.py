@@ -253,9 +253,10 @@ def _say(text):
         print(text)
 
 
-def show_effective_batch(b, world, K):
-    _say(f"== effective batch = micro_batch x DP x K = {b} x {world} x {K} = {effective_batch_size(b, world, K)} "
-         f"sequences; under a pipeline of m=8 micro-batches: {effective_batch_size(b, world, K, 8)}")
+def show_effective_batch(micro_batch, world, K):
+    _say(f"== effective batch = micro_batch x DP x K = {micro_batch} x {world} x {K} = "
+         f"{effective_batch_size(micro_batch, world, K)} sequences; under a pipeline of m=8 micro-batches: "
+         f"{effective_batch_size(micro_batch, world, K, 8)}")
 
 
 def show_k_micro_steps_equal_one_big_batch(all_micro):
@@ -266,13 +267,13 @@ def show_k_micro_steps_equal_one_big_batch(all_micro):
     reference = TinyLM()
     model = TinyLM()
     model.load_state_dict(reference.state_dict())
-    big = concat_batches([mb for rank_mbs in all_micro for mb in rank_mbs])
-    s, n = token_loss(reference, big)
-    (s / n).backward()
+    big = concat_batches([batch for rank_batches in all_micro for batch in rank_batches])
+    loss_sum, tokens = token_loss(reference, big)
+    (loss_sum / tokens).backward()
     loss = accumulate_gradients(model, all_micro[rank], token_loss, dp_group=None if world == 1 else dist.group.WORLD)
     err = max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
-    _say(f"== equivalence: global batch of {int(n)} tokens in one process vs {K} variable-length micro-batches on "
-         f"{world} rank(s): loss {loss:.12f} vs {(s / n).item():.12f}, max |grad diff| {err:.2e} (float64)")
+    _say(f"== equivalence: global batch of {int(tokens)} tokens in one process vs {K} variable-length micro-batches on "
+         f"{world} rank(s): loss {loss:.12f} vs {(loss_sum / tokens).item():.12f}, max |grad diff| {err:.2e} (float64)")
     return reference
 
 
@@ -327,8 +328,8 @@ def show_mean_of_means_gradient_error(reference, micro_batches):
     K, world = len(micro_batches), dist.get_world_size()
     naive = TinyLM()
     naive.load_state_dict(reference.state_dict())
-    for mb in micro_batches:
-        s_i, n_i = token_loss(naive, mb)
+    for batch in micro_batches:
+        s_i, n_i = token_loss(naive, batch)
         (s_i / n_i / K).backward()
     if world > 1:
         for p in naive.parameters():
@@ -343,11 +344,11 @@ def show_mean_of_means_gradient_error(reference, micro_batches):
 def demo():
     rank, world = _init_single_rank()
     torch.set_default_dtype(torch.float64)
-    K, b, seq = 4, 2, 8
+    K, micro_batch, seq = 4, 2, 8
     gen = torch.Generator().manual_seed(0)
     # every rank draws every rank's micro-batches, keeps its own: the reference sees the global batch
-    all_micro = [[make_batch(gen, b, seq) for _ in range(K)] for _ in range(world)]
-    show_effective_batch(b, world, K)
+    all_micro = [[make_batch(gen, micro_batch, seq) for _ in range(K)] for _ in range(world)]
+    show_effective_batch(micro_batch, world, K)
     reference = show_k_micro_steps_equal_one_big_batch(all_micro)
     show_one_ddp_sync_per_step(all_micro[rank])
     show_one_all_reduce_per_bucket(world)

@@ -1,87 +1,59 @@
-"""Mixture of Experts with expert parallelism: top-k router, balancing losses, all-to-all dispatch/combine.
+"""Mixture of Experts with expert parallelism: top-k router, balancing losses, capacity, all-to-all dispatch/combine.
 
-An MoE layer replaces one MLP by E expert MLPs and a router. Each token goes to its top-k experts and
-their outputs are summed with the router's weights: parameters grow E times, FLOPs per token only k times.
+An MoE layer replaces one MLP by E expert MLPs and a router. Each token goes to its top-k experts and their
+outputs are summed with the router's weights: parameters grow E times, FLOPs per token only k times.
 
-Router. logits = x W_r (T x E); probabilities by a softmax over ALL experts; the top-k per token are
-selected and (by default, as Mixtral) their weights renormalised to sum to one. Not at top-1: one weight
-renormalised is always exactly 1, a constant that passes the router no gradient from the task loss, so top-1
-gates with the raw probability of the chosen expert (as Switch Transformer). Without pressure the router
-collapses onto a few experts, so two auxiliary losses are added (Switch Transformer, ST-MoE, Megatron-LM):
+Routing. For T tokens x (T x d): logits = x W_r (T x E), p_t = softmax(logits_t) over ALL E experts, and the k
+largest p_ti pick token t's experts. Their weights are renormalised, w_ti = p_ti / sum_{j in top-k} p_tj (as
+Mixtral), and y_t = sum_{i in top-k} w_ti expert_i(x_t). Not at top-1: one weight renormalised is always exactly
+1, a constant that passes the router no gradient from the task loss, so top-1 gates with p_ti itself (Switch).
 
-    load balancing   coeff * E * sum_i f_i P_i      f_i: share of the T*k assignments sent to expert i
-                                                    P_i: mean router probability of expert i over tokens
-    router z-loss    coeff * mean_t (logsumexp_i logits_ti)^2   (keeps logits small, softmax stable)
+Load-balancing loss (Switch Transformer, GShard). Left alone, the router collapses onto a few experts, so
 
-f is not differentiable; the gradient flows through P, pushing probability away from overloaded experts.
-Perfectly uniform routing (f_i = P_i = 1/E) gives exactly coeff; concentrating every token on one expert
-with certainty gives coeff * E / k (that expert gets 1/k of the T*k assignments: coeff * E at top-1). Optional
-capacity factor cf: each expert takes at most ceil(T k / E * cf) assignments, the lowest-weight ones
-are dropped (their slot contributes zero); the default None is dropless. Optional auxiliary-loss-free
-balancing (DeepSeek-V3): a per-expert bias is added to the scores for the SELECTION only, and after each
-step bias_i += rate * sign(mean load - load_i).
+    L_bal = coeff * E * sum_i f_i P_i      f_i = (assignments to expert i) / (T k)     P_i = (1/T) sum_t p_ti
 
-Router losses over split sequences (`stats_group`). When the tokens of one micro-batch are split over
-several ranks (context parallelism, and tensor parallelism under sequence parallelism), the losses above
-must be those of the whole micro-batch, or their value and gradients change with the split. Megatron-LM
-all-reduces the tokens per expert over its tp_cp group and uses the global token count, so f is global;
-each rank keeps its local probability sums, and E * sum_i f_i * (local sum_t p_ti) / T_global is exactly
-that rank's share of the global loss: the shares add up to it, and each share's gradient with respect to
-the rank's logits is the global loss's gradient. Its z-loss divides each rank's mean by the group size
-(exact for equal splits). This file does the same with `stats_group` (MoE(..., stats_group=g),
-load_balancing_loss(..., group=g), z_loss(..., group=g)), each in ONE small all-reduce of the summed
-statistics: tokens per expert and probability sums per expert (balancing), sum_t lse_t^2 and the token
-count (z-loss). The MoE layer needs both, so it calls router_losses, which concatenates the two vectors and
-sums them in one all-reduce: one collective per layer per micro-batch, not two. The global token count is
-summed rather than assumed, so uneven splits are exact too, down to a rank with no tokens (grad_accum.py
-allows them; it still joins the all-reduce), and the forward value on every rank is the global loss while the
-gradient flows through the local share only. With no tokens at all (alone, or over the whole group) the losses
-are a zero that stays in the autograd graph, not 0/0.
+f is counted, not differentiable: the gradient flows through P and pushes probability away from overloaded
+experts. Perfect balance, f_i = P_i = 1/E, gives coeff * E * (E / E^2) = coeff. Collapse, every token certain
+of one expert (f = 1/k, P = 1 there, 0 elsewhere), gives coeff * E / k: coeff * E at top-1.
 
-Expert parallelism. With an EP group of P ranks each rank holds E/P experts (expert e on EP rank
-e // (E/P)) and T local tokens. One forward is four steps:
-  1. dispatch: sort the T*k token copies by expert; exchange per-expert counts (a small all-to-all); send
-     each copy to the rank of its expert with an uneven all_to_all_single;
-  2. compute: regroup the received copies expert-major and run each local expert on its slice;
-  3. combine: the reverse all-to-all returns each result to the rank of its token;
-  4. unpermute and sum the k results of each token, weighted by the router.
-The backward is the same two all-to-alls in reverse. Bytes sent per all-to-all per rank:
-T k d e (P-1)/P under uniform routing (a copy stays home with probability 1/P).
+Router z-loss (ST-MoE). L_z = coeff_z * (1/T) sum_t (logsumexp_i logits_ti)^2 keeps the logits small, so the
+softmax stays stable in low precision. Both losses are computed in float32 (float64 for float64 logits).
 
-One host synchronisation per layer per micro-batch. An accelerator runs ahead of the Python that feeds it
-until Python needs a value: .item(), .tolist(), or an op whose OUTPUT SIZE depends on the data (boolean
-indexing, nonzero, bincount, repeat_interleave without output_size) makes the host wait for the device.
-The only value the host must know is the all-to-all split sizes (all_to_all_single takes Python lists).
-So everything else is sized by shapes: tokens per expert by a scatter_add of ones into E+1 bins (bincount
-reads its maximum back to size its output); dropped copies (capacity) are not removed by a mask but
-routed to an extra bin E that sorts last and is never sent; results return to their copies by index_copy
-and are weighted by an einsum over the k copies of each token. After the counts all-to-all, ONE
-device-to-host transfer brings the send splits and the received (rank x local expert) counts together; the
-backward all-to-alls reuse those lists. With P = 1 the expert loop needs its per-expert sizes, also one
-transfer; the grouped GEMM takes the sizes as a device tensor, so a dropless P = 1 layer on it reads
-nothing at all. `HostSyncCounter` (below) counts these events on any device, the CPU included.
+Capacity. With a capacity factor cf each expert takes at most C = ceil(cf * T * k / E) of the T k assignments
+of a rank's T tokens (exact arithmetic, decided before dispatch); an overloaded expert keeps its C highest-weight
+ones, the others contribute zero (dropped). cf = None is dropless: every assignment runs, uneven splits and all.
 
-Grouped GEMM. The local experts run as one `torch._grouped_mm` (a GEMM per group of rows, sizes given by
-a device tensor of offsets) where torch provides it for the device and dtype; in torch 2.13 on CPU:
-float32, bfloat16 and float16, not float64, with 16-byte aligned rows (d_model and d_hidden times the
-element size multiples of 16). Elsewhere the loop over experts runs: the readable reference, one GEMM pair
-per expert on its slice of rows (`expert_impl="loop"` forces it; the tests prove both agree).
+Expert parallelism. With an EP group of P ranks each rank holds E/P experts (expert e on rank e // (E/P)) and
+its own T tokens. One forward is four steps:
+  1. dispatch: sort the T k token copies by expert (= by destination rank, then local expert), exchange the
+     counts per expert (a small all-to-all), and send every copy to its expert's rank: one uneven
+     all_to_all_single of d-wide token rows;
+  2. experts: regroup the received rows expert-major and run each local expert on its slice (a loop);
+  3. combine: the reverse all-to-all returns every result to the rank of its token;
+  4. put every result back at its copy's place and sum the k copies of each token with the weights w_ti.
+The backward is the same two all-to-alls in reverse. Each rank computes T k token-expert MLPs on average (as
+without EP) but stores E/P experts. Bytes one rank sends per token all-to-all, rows of e bytes per element, under
+uniform routing (a copy stays on its own rank with probability 1/P):
 
-Where EP lives (Megatron "MoE parallel folding", see topology.py): EP groups are drawn from the data- and
-context-parallel ranks of one (tp, pp) position; the ranks holding the same experts form the expert-data-
-parallel group EDP, with EP x EDP = DP x CP. Dense weights (router, attention) are reduced over DP x CP;
-expert weights over EDP only, because an expert's gradient already sums the tokens of its whole EP group.
-`reduce_moe_gradients` SUMS both, as every technique file of this repository reduces by sum; the caller
-normalises once (train_gpt.py divides by the global token count; a mean over the DP x CP ranks of each
-rank's mean loss divides by DP x CP).
+    bytes per all-to-all = T * k * d * e * (P - 1) / P      (dispatch and combine, forward and backward: 4 a layer)
 
-Run `torchrun --nproc_per_node=4 moe_ep.py` (or `python moe_ep.py` for one rank).
+One host synchronisation per layer. all_to_all_single takes its splits as Python lists, so the host must read
+the counts. ONE transfer after the counts all-to-all brings the send splits and the received (rank x local
+expert) counts together, and the backward reuses those lists (P = 1: the loop's slice sizes, one transfer too).
+Everything else is sized by shapes: tokens per expert by a scatter_add into fixed bins, and dropped copies
+counted in an extra bin E that sorts last and never leaves the rank.
+
+Gradients. EP groups are drawn from the data- and context-parallel ranks; the ranks holding the same experts
+form the expert-data-parallel group EDP, with EP x EDP = DP x CP. The router is reduced over DP x CP like any
+dense weight, the experts over EDP only: an expert's gradient already sums the tokens of its whole EP group
+(`reduce_moe_gradients` SUMS; the caller normalises once, e.g. by the global token count).
+
+Beyond the chapter (below the banner): router losses over ranks that split one micro-batch, DeepSeek-V3 bias
+balancing, the experts as one grouped GEMM, a counter of host synchronisations, the demo:
+`torchrun --nproc_per_node=4 moe_ep.py` (or `python moe_ep.py` for one rank).
 """
 import math
 import numbers
-import os
-import tempfile
-import threading
 from collections import Counter
 from fractions import Fraction
 
@@ -90,11 +62,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
-from torch.utils._python_dispatch import TorchDispatchMode
 
 # collectives issued by this rank, "<kind>:count" and "<kind>:bytes" (bytes that left it, its own rows not
 # counted): dispatch_fwd, combine_fwd, dispatch_bwd, combine_bwd (token rows; each backward sends along the
-# other direction's routes), counts_a2a (forward only); router_stats_allreduce (count only)
+# other direction's routes), counts_a2a (forward only); router_stats_allreduce (count only, below the banner)
 comm_log = Counter()
 
 
@@ -117,23 +88,37 @@ def _router_precision(logits):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Auxiliary losses (optionally over a group of ranks that share one micro-batch of tokens)
+# Router
 # ----------------------------------------------------------------------------------------------------
 
-def _summed_statistics(stats, group):
-    """Detached sum over `group` of every rank's statistics: one all-reduce, none for a size-1 group."""
-    stats = stats.detach().clone()
-    if _group_info(group)[1] > 1:
-        comm_log["router_stats_allreduce:count"] += 1
-        dist.all_reduce(stats, group=group)
-    return stats
+class Router(nn.Module):
+    """logits = x W_r, probabilities by a softmax over all experts (in float32 at least), the top-k chosen and
+    their weights renormalised (`normalize`, except at top-1)."""
+
+    def __init__(self, d_model, num_experts, top_k, normalize=True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, d_model))
+        nn.init.normal_(self.weight, std=d_model ** -0.5)
+        self.top_k, self.normalize = top_k, normalize
+
+    def select(self, probs):
+        """The k experts of every token: the k largest probabilities."""
+        return probs.topk(self.top_k, dim=-1).indices
+
+    def forward(self, x):
+        """x (T, d) -> logits (T, E), weights (T, k), experts (T, k)."""
+        logits = x @ self.weight.t()
+        probs = torch.softmax(_router_precision(logits), dim=-1)
+        experts = self.select(probs)
+        weights = probs.gather(-1, experts)
+        if self.normalize and self.top_k > 1:  # a single weight renormalised is 1: no gradient to the router
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, weights.to(x.dtype), experts
 
 
-def _global_value(local_share, global_value):
-    """Forward value: the global loss; gradient: this rank's share only. Each rank's logits then receive
-    exactly the gradient of the global loss with respect to them."""
-    return local_share + (global_value - local_share.detach())
-
+# ----------------------------------------------------------------------------------------------------
+# Auxiliary losses
+# ----------------------------------------------------------------------------------------------------
 
 def _check_router_logits(router_logits, top_k=None):
     """Before any all-reduce, so every rank fails alike: the losses count tokens along dimension 0."""
@@ -147,7 +132,7 @@ def _check_router_logits(router_logits, top_k=None):
 
 
 def _balancing_parts(router_logits, top_k, selected):
-    """This rank's tokens per expert (as the probabilities' dtype) and probability sums per expert."""
+    """Tokens per expert (as the probabilities' dtype) and probability sums per expert: f and P times T k, T."""
     _check_router_logits(router_logits, top_k)
     T, E = router_logits.shape
     if selected is not None and selected.shape != (T, top_k):
@@ -158,84 +143,31 @@ def _balancing_parts(router_logits, top_k, selected):
     return tokens_per_expert(selected, E).to(probs.dtype), probs.sum(0)
 
 
-def _balancing_over_group(local_prob_sum, summed, top_k, coeff):
-    """The group's balancing loss from `summed` (the group's tokens and probability sums per expert); the
-    gradient flows through this rank's probability sums."""
-    E = local_prob_sum.shape[0]
-    counts, prob_sum = summed[:E], summed[E:]
-    # T_global * k, counted: uneven splits are exact. At least 1: a group without any token gets 0 (its sums
-    # are all zero), not 0/0
-    assignments = counts.sum().clamp(min=1)
-    tokens = assignments / top_k
-    f = counts / assignments
-    scale = coeff * E / tokens              # P_i = (sum of p_ti over the group's tokens) / T_global
-    return _global_value(scale * (f * local_prob_sum).sum(), scale * (f * prob_sum).sum())
-
-
-def load_balancing_loss(router_logits, top_k, coeff, group=None, selected=None):
-    """Switch/Megatron: coeff * E * sum_i f_i P_i over the tokens of this rank, or of all ranks of `group`.
-
-    `selected` (T, k) are the experts actually chosen (e.g. with a balancing bias); default top-k of logits."""
-    counts, local_prob_sum = _balancing_parts(router_logits, top_k, selected)
-    if _group_info(group)[1] == 1:
-        T, E = router_logits.shape
-        T = max(T, 1)  # no tokens: the sums are zero and so is the loss, a zero still in the graph (not 0/0)
-        return coeff * E * ((counts / (T * top_k)) * local_prob_sum).sum() / T
-    summed = _summed_statistics(torch.cat([counts, local_prob_sum]), group)
-    return _balancing_over_group(local_prob_sum, summed, top_k, coeff)
+def load_balancing_loss(router_logits, top_k, coeff, selected=None):
+    """Switch/GShard: coeff * E * sum_i f_i P_i over these tokens. `selected` (T, k): the experts actually
+    chosen (the MoE layer passes its router's choice); default the top-k of the logits."""
+    counts, prob_sum = _balancing_parts(router_logits, top_k, selected)
+    T, E = router_logits.shape
+    T = max(T, 1)  # no tokens: the sums are zero and so is the loss, a zero still in the graph (not 0/0)
+    return coeff * E * ((counts / (T * top_k)) * prob_sum).sum() / T
 
 
 def _z_parts(router_logits):
-    """This rank's sum over tokens of logsumexp(logits)^2, and its token count."""
+    """The sum over tokens of logsumexp(logits)^2, and the token count."""
     _check_router_logits(router_logits)
     lse = torch.logsumexp(_router_precision(router_logits), -1)
     return (lse ** 2).sum(), lse.shape[0]
 
 
-def _z_statistics(local_sum, tokens):
-    # the token count joins the all-reduce as a device tensor filled with a Python int: no upload, no read
-    return torch.stack([local_sum, local_sum.new_full((), tokens)])
+def z_loss(router_logits, coeff):
+    """ST-MoE router z-loss: coeff * mean over tokens of logsumexp(logits)^2."""
+    lse_square_sum, tokens = _z_parts(router_logits)
+    return coeff * lse_square_sum / max(tokens, 1)  # no tokens: a zero still in the graph (not 0/0)
 
 
-def _z_over_group(local_sum, summed, coeff):
-    """The group's z-loss from `summed` (the group's sum of lse^2 and its token count)."""
-    tokens = summed[1].clamp(min=1)  # a group with no tokens at all: 0, not 0/0
-    return _global_value(coeff * local_sum / tokens, coeff * summed[0] / tokens)
-
-
-def z_loss(router_logits, coeff, group=None):
-    """ST-MoE router z-loss: coeff * mean over tokens (of this rank, or of all ranks of `group`) of
-    logsumexp(logits)^2."""
-    local_sum, tokens = _z_parts(router_logits)
-    if _group_info(group)[1] == 1:
-        return coeff * local_sum / max(tokens, 1)  # no tokens: a zero still in the graph (not 0/0)
-    summed = _summed_statistics(_z_statistics(local_sum, tokens), group)
-    return _z_over_group(local_sum, summed, coeff)
-
-
-def router_losses(router_logits, top_k, aux_coeff, z_coeff, group=None, selected=None):
-    """load_balancing_loss(router_logits, top_k, aux_coeff, group, selected) + z_loss(router_logits, z_coeff,
-    group), the same values and gradients, but both losses' statistics summed over `group` in ONE all-reduce
-    (what MoE.forward uses: one small collective per layer per micro-batch instead of two)."""
-    if _group_info(group)[1] == 1:
-        return load_balancing_loss(router_logits, top_k, aux_coeff, selected=selected) + z_loss(router_logits, z_coeff)
-    counts, local_prob_sum = _balancing_parts(router_logits, top_k, selected)
-    local_sum, tokens = _z_parts(router_logits)
-    E = counts.shape[0]
-    summed = _summed_statistics(torch.cat([counts, local_prob_sum, _z_statistics(local_sum, tokens)]), group)
-    return (_balancing_over_group(local_prob_sum, summed[:2 * E], top_k, aux_coeff)
-            + _z_over_group(local_sum, summed[2 * E:], z_coeff))
-
-
-def update_balancing_bias(bias, load, rate):
-    """DeepSeek-V3 auxiliary-loss-free balancing: raise the bias of underloaded experts, lower the others.
-    `load` (E,) token counts of the step (sum them over the data-parallel ranks first)."""
-    if bias.dtype not in (torch.float32, torch.float64):  # steps of `rate` in 16 bits round away (bf16: stalls at 0.5)
-        raise ValueError(f"bias is {bias.dtype}; keep the balancing bias in torch.float32 (Router keeps it so)")
-    with torch.no_grad():
-        bias += rate * torch.sign(load.float().mean() - load.float()).to(bias.dtype)
-    return bias
-
+# ----------------------------------------------------------------------------------------------------
+# Capacity
+# ----------------------------------------------------------------------------------------------------
 
 def expert_capacity(tokens, top_k, num_experts, capacity_factor):
     """ceil(tokens * top_k / num_experts * capacity_factor), in exact arithmetic: in floats a product that is
@@ -244,40 +176,6 @@ def expert_capacity(tokens, top_k, num_experts, capacity_factor):
     # product with 100 is still above 7; its repr is the shortest decimal that reads back as the same
     # float, i.e. the value the caller wrote, and that is the factor meant.
     return math.ceil(Fraction(tokens * top_k, num_experts) * Fraction(str(capacity_factor)))
-
-
-# ----------------------------------------------------------------------------------------------------
-# Router
-# ----------------------------------------------------------------------------------------------------
-
-class Router(nn.Module):
-    def __init__(self, d_model, num_experts, top_k, normalize=True, balancing_bias=False):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, d_model))
-        nn.init.normal_(self.weight, std=d_model ** -0.5)
-        self.top_k, self.normalize = top_k, normalize
-        # selection-only bias of auxiliary-loss-free balancing: a buffer, never trained by gradients
-        self.register_buffer("bias", torch.zeros(num_experts, dtype=torch.float32) if balancing_bias else None)
-
-    def _apply(self, fn, recurse=True):
-        # .to(torch.bfloat16) or .half() would cast the bias buffer too, and the 16-bit bias would then round
-        # away update_balancing_bias's small steps: it follows the module's device, never its dtype
-        bias = self.bias
-        out = super()._apply(fn, recurse)
-        if bias is not None and self.bias.dtype != bias.dtype:
-            self.bias = bias.to(self.bias.device)
-        return out
-
-    def forward(self, x):
-        """x (T, d) -> logits (T, E), weights (T, k), experts (T, k)."""
-        logits = x @ self.weight.t()
-        probs = torch.softmax(_router_precision(logits), dim=-1)
-        scores = probs if self.bias is None else probs + self.bias
-        experts = scores.topk(self.top_k, dim=-1).indices
-        weights = probs.gather(-1, experts)  # the bias selects, it never weights
-        if self.normalize and self.top_k > 1:  # a single weight renormalised is 1: no gradient to the router
-            weights = weights / weights.sum(-1, keepdim=True)
-        return logits, weights.to(x.dtype), experts
 
 
 def apply_capacity(experts, weights, num_experts, capacity):
@@ -336,9 +234,300 @@ def _exchange_counts(counts, group):
     return out
 
 
+def experts_loop(rows, w1, w2, sizes):
+    """The experts: rows sorted expert-major, `sizes` (a Python list) rows per expert; one GEMM pair per
+    expert on its slice."""
+    return torch.cat([F.gelu(r @ w1[e]) @ w2[e] for e, r in enumerate(rows.split(sizes))])
+
+
+def _inverse_permutation(perm):
+    return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+
+
 # ----------------------------------------------------------------------------------------------------
-# The experts: a loop (the reference) or one grouped GEMM
+# The MoE layer
 # ----------------------------------------------------------------------------------------------------
+
+class MoE(nn.Module):
+    """Top-k MoE of GELU MLP experts, expert-parallel over `ep_group`. forward(x) -> (y, aux_loss), aux_loss =
+    L_bal (coefficient `aux_loss_coeff`) + L_z (`z_loss_coeff`) of this rank's tokens; `capacity_factor` None is
+    dropless. ep_group=None (or of one rank): every expert is here and nothing is communicated.
+
+    Layout-independent initialisation: the router and ALL experts' weights are drawn from the default RNG in
+    the same order on every rank and each rank keeps its slice, so under one seed every layout holds the
+    same global weights (simple and exact; a production model would seed a generator per expert instead)."""
+
+    def __init__(self, d_model, d_hidden, num_experts, top_k, ep_group=None, capacity_factor=None,
+                 aux_loss_coeff=1e-2, z_loss_coeff=1e-3, normalize_topk=True):
+        super().__init__()
+        ep_rank, ep_size = _group_info(ep_group)
+        if num_experts % ep_size:
+            raise ValueError(f"num_experts={num_experts} is not divisible by the EP group size {ep_size}; "
+                             f"use an EP size dividing {num_experts}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k={top_k} must be between 1 and num_experts={num_experts}")
+        if capacity_factor is not None and not (math.isfinite(capacity_factor) and capacity_factor > 0):
+            raise ValueError(f"capacity_factor={capacity_factor} must be positive and finite, or None for dropless")
+        self.d_model, self.d_hidden, self.num_experts, self.top_k = d_model, d_hidden, num_experts, top_k
+        self.ep_group, self.ep_rank, self.ep_size = ep_group, ep_rank, ep_size
+        self.local_experts = num_experts // ep_size
+        self.capacity_factor = capacity_factor
+        self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
+        self.router = Router(d_model, num_experts, top_k, normalize_topk)
+        w1 = torch.randn(num_experts, d_model, d_hidden) * d_model ** -0.5
+        w2 = torch.randn(num_experts, d_hidden, d_model) * d_hidden ** -0.5
+        mine = slice(ep_rank * self.local_experts, (ep_rank + 1) * self.local_experts)
+        self.w1 = nn.Parameter(w1[mine].clone())
+        self.w2 = nn.Parameter(w2[mine].clone())
+        self.last_load = None  # copies per expert of the last forward (this rank's tokens): the experts' load
+
+    def expert_params(self):
+        return [self.w1, self.w2]
+
+    def dense_params(self):
+        return list(self.router.parameters())
+
+    def _route(self, x):
+        logits, weights, experts = self.router(x)
+        keep = None
+        if self.capacity_factor is not None:
+            cap = expert_capacity(x.shape[0], self.top_k, self.num_experts, self.capacity_factor)
+            keep = apply_capacity(experts, weights, self.num_experts, cap)
+        return logits, weights, experts, keep
+
+    def router_loss(self, logits, experts):
+        """L_bal + L_z of this rank's tokens, the balancing loss counting the experts the router chose."""
+        return (load_balancing_loss(logits, self.top_k, self.aux_loss_coeff, selected=experts)
+                + z_loss(logits, self.z_loss_coeff))
+
+    def _run_local_experts(self, rows, counts, sizes):
+        """rows sorted expert-major; `counts` (device tensor) and `sizes` (host list) rows per local expert."""
+        return experts_loop(rows, self.w1, self.w2, sizes)
+
+    def forward(self, x):
+        if x.shape[-1] != self.d_model:
+            raise ValueError(f"input's last dim {x.shape[-1]} != d_model={self.d_model}")
+        shape = x.shape
+        x = x.reshape(-1, self.d_model)
+        T, k, E = x.shape[0], self.top_k, self.num_experts
+        logits, weights, experts, keep = self._route(x)
+        aux = self.router_loss(logits, experts)
+
+        # 1. the token copies (copy j of token t is number t*k + j), sorted by expert = by destination rank,
+        #    then local expert; copies dropped by the capacity go to an extra bin E that sorts last
+        expert_of_copy = experts.reshape(-1)
+        if keep is not None:
+            expert_of_copy = torch.where(keep.reshape(-1), expert_of_copy, E)
+        order = torch.argsort(expert_of_copy, stable=True)
+        counts = tokens_per_expert(expert_of_copy, E + 1)[:E]
+        self.last_load = counts.detach()
+        if self.ep_size == 1:
+            y_sorted, kept = self._local(x, order, counts)
+        else:
+            y_sorted, kept = self._expert_parallel(x, order, counts)
+        # 4. every result back to its copy's place (dropped copies stay zero), summed with the router weights
+        y_copies = y_sorted.new_zeros(T * k, self.d_model).index_copy(0, order[:kept], y_sorted)
+        y = torch.einsum("tkd,tk->td", rearrange(y_copies, "(t k) d -> t k d", k=k), weights)
+        return y.reshape(shape), aux
+
+    def _local_sizes(self, order, counts):
+        """Rows per expert as a host list, and the number of kept copies."""
+        sizes = counts.tolist()  # THE host synchronisation of this layer: the loop's slice sizes
+        return sizes, sum(sizes)
+
+    def _local(self, x, order, counts):
+        """EP size 1: every expert is here. Returns (results in sorted order, number of kept copies)."""
+        sizes, kept = self._local_sizes(order, counts)
+        rows = x.index_select(0, order[:kept] // self.top_k)
+        return self._run_local_experts(rows, counts, sizes), kept
+
+    def _expert_parallel(self, x, order, counts):
+        P, local = self.ep_size, self.local_experts
+        send_counts = rearrange(counts, "(p e) -> p e", p=P)
+        recv_counts = _exchange_counts(send_counts, self.ep_group)
+        # THE host synchronisation of this layer, one transfer: the send splits and the received
+        # (source rank x local expert) counts, from which the receive splits and the loop's sizes follow
+        host = torch.cat([send_counts.sum(1), recv_counts.reshape(-1)]).tolist()
+        send_splits, received_matrix = host[:P], [host[P + i * local:P + (i + 1) * local] for i in range(P)]
+        recv_splits = [sum(row) for row in received_matrix]
+        sizes = [sum(column) for column in zip(*received_matrix)]
+        kept = sum(send_splits)
+        rows = x.index_select(0, order[:kept] // self.top_k)
+        received = _AllToAllTokens.apply(rows, send_splits, recv_splits, self.ep_group, "dispatch")
+        # 2. received rows are source-major (rank i, then local expert); regroup them expert-major
+        cell_of_row = torch.repeat_interleave(recv_counts.reshape(-1), output_size=sum(recv_splits))
+        regroup = torch.argsort(cell_of_row % local, stable=True)
+        out_rows = self._run_local_experts(received.index_select(0, regroup), recv_counts.sum(0), sizes)
+        back = out_rows.index_select(0, _inverse_permutation(regroup))
+        # 3. combine: send every result back to the rank of its token
+        return _AllToAllTokens.apply(back, recv_splits, send_splits, self.ep_group, "combine"), kept
+
+
+def reduce_moe_gradients(moe, dense_group, expert_group):
+    """SUM router gradients over `dense_group` (DP x CP) and expert gradients over `expert_group` (EDP): an
+    expert's gradient already holds every token of its EP group. The caller normalises (e.g. by the global
+    token count). group=None: no communication."""
+    for params, group in ((moe.dense_params(), dense_group), (moe.expert_params(), expert_group)):
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if _group_info(group)[1] > 1:
+                dist.all_reduce(p.grad, group=group)
+
+
+# BEYOND THE CHAPTER: router losses over ranks sharing a micro-batch, bias balancing, grouped GEMM, host syncs
+import os
+import tempfile
+import threading
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# ----------------------------------------------------------------------------------------------------
+# Router losses over split sequences (`group=`, MoE's `stats_group`)
+# ----------------------------------------------------------------------------------------------------
+# When the tokens of one micro-batch are split over several ranks (context parallelism, and tensor parallelism
+# under sequence parallelism), the losses must be those of the whole micro-batch, or their value and gradients
+# change with the split. Megatron-LM all-reduces the tokens per expert over its tp_cp group and uses the global
+# token count, so f is global; each rank keeps its local probability sums, and E * sum_i f_i * (local sum_t
+# p_ti) / T_global is exactly that rank's share of the global loss: the shares add up to it, and each share's
+# gradient with respect to the rank's logits is the global loss's gradient. Its z-loss divides each rank's mean
+# by the group size (exact for equal splits). Here each loss takes `group=` and sums its statistics in ONE
+# small all-reduce: tokens per expert and probability sums per expert (balancing), sum_t lse_t^2 and the token
+# count (z-loss); `router_losses`, which the MoE layer calls, concatenates both and sums them in one all-reduce
+# per layer per micro-batch. The global token count is summed rather than assumed, so uneven splits are exact
+# too, down to a rank with no tokens (grad_accum.py allows them; it still joins the all-reduce). The forward
+# value on every rank is the global loss while the gradient flows through the local share only. With no tokens
+# at all (alone, or over the whole group) the losses are a zero that stays in the autograd graph, not 0/0.
+# A group of one rank (None) is the chapter's loss, computed by the chapter's function.
+
+def _summed_statistics(stats, group):
+    """Detached sum over `group` of every rank's statistics: one all-reduce, none for a size-1 group."""
+    stats = stats.detach().clone()
+    if _group_info(group)[1] > 1:
+        comm_log["router_stats_allreduce:count"] += 1
+        dist.all_reduce(stats, group=group)
+    return stats
+
+
+def _global_value(local_share, global_value):
+    """Forward value: the global loss; gradient: this rank's share only. Each rank's logits then receive
+    exactly the gradient of the global loss with respect to them."""
+    return local_share + (global_value - local_share.detach())
+
+
+def _balancing_over_group(local_prob_sum, summed, top_k, coeff):
+    """The group's balancing loss from `summed` (the group's tokens and probability sums per expert); the
+    gradient flows through this rank's probability sums."""
+    E = local_prob_sum.shape[0]
+    counts, prob_sum = summed[:E], summed[E:]
+    # T_global * k, counted: uneven splits are exact. At least 1: a group without any token gets 0 (its sums
+    # are all zero), not 0/0
+    assignments = counts.sum().clamp(min=1)
+    tokens = assignments / top_k
+    f = counts / assignments
+    scale = coeff * E / tokens              # P_i = (sum of p_ti over the group's tokens) / T_global
+    return _global_value(scale * (f * local_prob_sum).sum(), scale * (f * prob_sum).sum())
+
+
+def _z_statistics(local_sum, tokens):
+    # the token count joins the all-reduce as a device tensor filled with a Python int: no upload, no read
+    return torch.stack([local_sum, local_sum.new_full((), tokens)])
+
+
+def _z_over_group(local_sum, summed, coeff):
+    """The group's z-loss from `summed` (the group's sum of lse^2 and its token count)."""
+    tokens = summed[1].clamp(min=1)  # a group with no tokens at all: 0, not 0/0
+    return _global_value(coeff * local_sum / tokens, coeff * summed[0] / tokens)
+
+
+# the chapter's losses, kept under these names: the group forms below take over the public names
+_local_load_balancing_loss, _local_z_loss = load_balancing_loss, z_loss
+
+
+def load_balancing_loss(router_logits, top_k, coeff, group=None, selected=None):
+    """The chapter's balancing loss over the tokens of this rank (group None) or of all ranks of `group`."""
+    if _group_info(group)[1] == 1:
+        return _local_load_balancing_loss(router_logits, top_k, coeff, selected=selected)
+    counts, local_prob_sum = _balancing_parts(router_logits, top_k, selected)
+    summed = _summed_statistics(torch.cat([counts, local_prob_sum]), group)
+    return _balancing_over_group(local_prob_sum, summed, top_k, coeff)
+
+
+def z_loss(router_logits, coeff, group=None):
+    """The chapter's z-loss over the tokens of this rank (group None) or of all ranks of `group`."""
+    if _group_info(group)[1] == 1:
+        return _local_z_loss(router_logits, coeff)
+    local_sum, tokens = _z_parts(router_logits)
+    summed = _summed_statistics(_z_statistics(local_sum, tokens), group)
+    return _z_over_group(local_sum, summed, coeff)
+
+
+def router_losses(router_logits, top_k, aux_coeff, z_coeff, group=None, selected=None):
+    """load_balancing_loss(router_logits, top_k, aux_coeff, group, selected) + z_loss(router_logits, z_coeff,
+    group), the same values and gradients, but both losses' statistics summed over `group` in ONE all-reduce
+    (what MoE.forward uses: one small collective per layer per micro-batch instead of two)."""
+    if _group_info(group)[1] == 1:
+        return load_balancing_loss(router_logits, top_k, aux_coeff, selected=selected) + z_loss(router_logits, z_coeff)
+    counts, local_prob_sum = _balancing_parts(router_logits, top_k, selected)
+    local_sum, tokens = _z_parts(router_logits)
+    E = counts.shape[0]
+    summed = _summed_statistics(torch.cat([counts, local_prob_sum, _z_statistics(local_sum, tokens)]), group)
+    return (_balancing_over_group(local_prob_sum, summed[:2 * E], top_k, aux_coeff)
+            + _z_over_group(local_sum, summed[2 * E:], z_coeff))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Auxiliary-loss-free balancing (DeepSeek-V3)
+# ----------------------------------------------------------------------------------------------------
+# A per-expert bias is added to the probabilities for the SELECTION only (the weights stay the router's
+# probabilities), and after each step bias_i += rate * sign(mean load - load_i): underloaded experts become
+# more likely to be chosen, with no loss term pulling on the router's gradients.
+
+def update_balancing_bias(bias, load, rate):
+    """DeepSeek-V3 auxiliary-loss-free balancing: raise the bias of underloaded experts, lower the others.
+    `load` (E,) token counts of the step (sum them over the data-parallel ranks first)."""
+    if bias.dtype not in (torch.float32, torch.float64):  # steps of `rate` in 16 bits round away (bf16: stalls at 0.5)
+        raise ValueError(f"bias is {bias.dtype}; keep the balancing bias in torch.float32 (Router keeps it so)")
+    with torch.no_grad():
+        bias += rate * torch.sign(load.float().mean() - load.float()).to(bias.dtype)
+    return bias
+
+
+class Router(Router):
+    """The chapter's router, with the selection-only balancing bias when `balancing_bias` (a float32 buffer,
+    never trained by gradients; None otherwise)."""
+
+    def __init__(self, d_model, num_experts, top_k, normalize=True, balancing_bias=False):
+        super().__init__(d_model, num_experts, top_k, normalize)
+        self.register_buffer("bias", None)
+        if balancing_bias:
+            self.add_balancing_bias()
+
+    def add_balancing_bias(self):
+        self.bias = torch.zeros(self.weight.shape[0], dtype=torch.float32, device=self.weight.device)
+
+    def _apply(self, fn, recurse=True):
+        # .to(torch.bfloat16) or .half() would cast the bias buffer too, and the 16-bit bias would then round
+        # away update_balancing_bias's small steps: it follows the module's device, never its dtype
+        bias = self.bias
+        out = super()._apply(fn, recurse)
+        if bias is not None and self.bias.dtype != bias.dtype:
+            self.bias = bias.to(self.bias.device)
+        return out
+
+    def select(self, probs):
+        return super().select(probs if self.bias is None else probs + self.bias)  # the bias selects, never weights
+
+
+# ----------------------------------------------------------------------------------------------------
+# The experts as one grouped GEMM
+# ----------------------------------------------------------------------------------------------------
+# The local experts run as one `torch._grouped_mm` (a GEMM per group of rows, sizes given by a device tensor of
+# offsets) where torch provides it for the device and dtype; in torch 2.13 on CPU: float32, bfloat16 and
+# float16, not float64, with 16-byte aligned rows (d_model and d_hidden times the element size multiples of
+# 16). Elsewhere the chapter's loop over experts runs (`expert_impl="loop"` forces it; the tests prove both
+# agree). Taking the sizes as a device tensor, a dropless layer with EP size 1 on the grouped GEMM reads
+# nothing back to the host at all; with EP the split sizes are still read, once.
 
 _grouped_gemm_works = {}  # (device, dtype) -> does torch._grouped_mm run there
 
@@ -373,70 +562,34 @@ def grouped_gemm_supported(device, dtype):
     return _grouped_gemm_works.setdefault(key, False)  # an unexpected error (printed by the thread): unsupported
 
 
-def experts_loop(rows, w1, w2, sizes):
-    """The reference: rows sorted expert-major, `sizes` (a Python list) rows per expert; one GEMM pair per
-    expert on its slice."""
-    return torch.cat([F.gelu(r @ w1[e]) @ w2[e] for e, r in enumerate(rows.split(sizes))])
-
-
 def experts_grouped(rows, w1, w2, counts):
-    """The same in two grouped GEMMs; `counts` (a device tensor) rows per expert, turned into the end offset
-    of each expert's rows: nothing is read back to the host."""
+    """experts_loop in two grouped GEMMs; `counts` (a device tensor) rows per expert, turned into the end
+    offset of each expert's rows: nothing is read back to the host."""
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     return torch._grouped_mm(F.gelu(torch._grouped_mm(rows, w1, offs=offs)), w2, offs=offs)
 
 
-def _inverse_permutation(perm):
-    return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
-
-
 # ----------------------------------------------------------------------------------------------------
-# The MoE layer
+# The MoE layer at scale
 # ----------------------------------------------------------------------------------------------------
 
-class MoE(nn.Module):
-    """Top-k MoE of GELU MLP experts, expert-parallel over `ep_group`. forward(x) -> (y, aux_loss).
-
-    `stats_group`: the ranks holding other tokens of the same micro-batch (CP, and TP under SP), over which
-    the router losses' statistics are summed. `expert_impl`: "auto" (grouped GEMM where supported, else the
-    loop), "grouped" (raises ValueError where unsupported) or "loop".
-
-    Layout-independent initialisation: the router and ALL experts' weights are drawn from the default RNG in
-    the same order on every rank and each rank keeps its slice, so under one seed every layout holds the
-    same global weights (simple and exact; a production model would seed a generator per expert instead)."""
+class MoE(MoE):
+    """The chapter's MoE, plus: `stats_group`, the ranks holding other tokens of the same micro-batch (CP, and
+    TP under SP), over which the router losses' statistics are summed; `balancing_bias` (DeepSeek-V3, the
+    router's selection-only bias); `expert_impl`: "auto" (grouped GEMM where supported, else the loop),
+    "grouped" (raises ValueError where unsupported) or "loop". With their defaults on one rank's tokens, it
+    is the chapter's layer."""
 
     def __init__(self, d_model, d_hidden, num_experts, top_k, ep_group=None, capacity_factor=None,
                  aux_loss_coeff=1e-2, z_loss_coeff=1e-3, normalize_topk=True, balancing_bias=False,
                  stats_group=None, expert_impl="auto"):
-        super().__init__()
-        ep_rank, ep_size = _group_info(ep_group)
-        if num_experts % ep_size:
-            raise ValueError(f"num_experts={num_experts} is not divisible by the EP group size {ep_size}; "
-                             f"use an EP size dividing {num_experts}")
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k={top_k} must be between 1 and num_experts={num_experts}")
-        if capacity_factor is not None and not (math.isfinite(capacity_factor) and capacity_factor > 0):
-            raise ValueError(f"capacity_factor={capacity_factor} must be positive and finite, or None for dropless")
         if expert_impl not in ("auto", "grouped", "loop"):
             raise ValueError(f"expert_impl={expert_impl!r} must be 'auto', 'grouped' or 'loop'")
-        self.d_model, self.d_hidden, self.num_experts, self.top_k = d_model, d_hidden, num_experts, top_k
-        self.ep_group, self.ep_rank, self.ep_size = ep_group, ep_rank, ep_size
-        self.local_experts = num_experts // ep_size
-        self.capacity_factor, self.stats_group, self.expert_impl = capacity_factor, stats_group, expert_impl
-        self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
-        self.router = Router(d_model, num_experts, top_k, normalize_topk, balancing_bias)
-        w1 = torch.randn(num_experts, d_model, d_hidden) * d_model ** -0.5
-        w2 = torch.randn(num_experts, d_hidden, d_model) * d_hidden ** -0.5
-        mine = slice(ep_rank * self.local_experts, (ep_rank + 1) * self.local_experts)
-        self.w1 = nn.Parameter(w1[mine].clone())
-        self.w2 = nn.Parameter(w2[mine].clone())
-        self.last_load = None  # tokens per expert of the last forward (local tokens), for the bias update
-
-    def expert_params(self):
-        return [self.w1, self.w2]
-
-    def dense_params(self):
-        return list(self.router.parameters())
+        super().__init__(d_model, d_hidden, num_experts, top_k, ep_group, capacity_factor, aux_loss_coeff,
+                         z_loss_coeff, normalize_topk)
+        self.stats_group, self.expert_impl = stats_group, expert_impl
+        if balancing_bias:
+            self.router.add_balancing_bias()
 
     def uses_grouped_gemm(self, x):
         """Whether forward(x) runs the experts as a grouped GEMM (decided from dtype, device and shapes)."""
@@ -448,89 +601,23 @@ class MoE(nn.Module):
                              "aligned); use expert_impl='auto' or 'loop'")
         return fits
 
-    def _route(self, x):
-        logits, weights, experts = self.router(x)
-        keep = None
-        if self.capacity_factor is not None:
-            cap = expert_capacity(x.shape[0], self.top_k, self.num_experts, self.capacity_factor)
-            keep = apply_capacity(experts, weights, self.num_experts, cap)
-        return logits, weights, experts, keep
-
-    def _run_local_experts(self, rows, counts, sizes, grouped):
-        """rows sorted expert-major; `counts` (device tensor) and `sizes` (host list) rows per local expert."""
-        if grouped:
-            return experts_grouped(rows, self.w1, self.w2, counts)
-        return experts_loop(rows, self.w1, self.w2, sizes)
-
     def forward(self, x):
-        if x.shape[-1] != self.d_model:
-            raise ValueError(f"input's last dim {x.shape[-1]} != d_model={self.d_model}")
-        grouped = self.uses_grouped_gemm(x)
-        shape = x.shape
-        x = x.reshape(-1, self.d_model)
-        T, k, E = x.shape[0], self.top_k, self.num_experts
-        logits, weights, experts, keep = self._route(x)
-        aux = router_losses(logits, k, self.aux_loss_coeff, self.z_loss_coeff, self.stats_group, selected=experts)
+        self.grouped = self.uses_grouped_gemm(x)  # decided (or refused) on every rank before any collective
+        return super().forward(x)
 
-        # 1. the token copies (copy j of token t is number t*k + j), sorted by expert = by destination rank,
-        #    then local expert; copies dropped by the capacity go to an extra bin E that sorts last
-        expert_of_copy = experts.reshape(-1)
-        if keep is not None:
-            expert_of_copy = torch.where(keep.reshape(-1), expert_of_copy, E)
-        order = torch.argsort(expert_of_copy, stable=True)
-        counts = tokens_per_expert(expert_of_copy, E + 1)[:E]
-        self.last_load = counts.detach()
-        if self.ep_size == 1:
-            y_sorted, kept = self._local(x, order, counts, grouped)
-        else:
-            y_sorted, kept = self._expert_parallel(x, order, counts, grouped)
-        # 4. every result back to its copy's place (dropped copies stay zero), summed with the router weights
-        y_copies = y_sorted.new_zeros(T * k, self.d_model).index_copy(0, order[:kept], y_sorted)
-        y = torch.einsum("tkd,tk->td", rearrange(y_copies, "(t k) d -> t k d", k=k), weights)
-        return y.reshape(shape), aux
+    def router_loss(self, logits, experts):
+        return router_losses(logits, self.top_k, self.aux_loss_coeff, self.z_loss_coeff, self.stats_group,
+                             selected=experts)
 
-    def _local(self, x, order, counts, grouped):
-        """EP size 1: every expert is here. Returns (results in sorted order, number of kept copies)."""
-        if grouped and self.capacity_factor is None:
-            kept, sizes = order.numel(), None  # the grouped GEMM takes the counts on the device: no host read
-        else:
-            sizes = counts.tolist()  # THE host synchronisation of this layer: the loop's slice sizes
-            kept = sum(sizes)
-        rows = x.index_select(0, order[:kept] // self.top_k)
-        return self._run_local_experts(rows, counts, sizes, grouped), kept
+    def _local_sizes(self, order, counts):
+        if self.grouped and self.capacity_factor is None:
+            return None, order.numel()  # the grouped GEMM takes the counts on the device: no host read
+        return super()._local_sizes(order, counts)
 
-    def _expert_parallel(self, x, order, counts, grouped):
-        P, local = self.ep_size, self.local_experts
-        send_counts = rearrange(counts, "(p e) -> p e", p=P)
-        recv_counts = _exchange_counts(send_counts, self.ep_group)
-        # THE host synchronisation of this layer, one transfer: the send splits and the received
-        # (source rank x local expert) counts, from which the receive splits and the loop's sizes follow
-        host = torch.cat([send_counts.sum(1), recv_counts.reshape(-1)]).tolist()
-        send_splits, received_matrix = host[:P], [host[P + i * local:P + (i + 1) * local] for i in range(P)]
-        recv_splits = [sum(row) for row in received_matrix]
-        sizes = [sum(column) for column in zip(*received_matrix)]
-        kept = sum(send_splits)
-        rows = x.index_select(0, order[:kept] // self.top_k)
-        received = _AllToAllTokens.apply(rows, send_splits, recv_splits, self.ep_group, "dispatch")
-        # 2. received rows are source-major (rank i, then local expert); regroup them expert-major
-        cell_of_row = torch.repeat_interleave(recv_counts.reshape(-1), output_size=sum(recv_splits))
-        regroup = torch.argsort(cell_of_row % local, stable=True)
-        out_rows = self._run_local_experts(received.index_select(0, regroup), recv_counts.sum(0), sizes, grouped)
-        back = out_rows.index_select(0, _inverse_permutation(regroup))
-        # 3. combine: send every result back to the rank of its token
-        return _AllToAllTokens.apply(back, recv_splits, send_splits, self.ep_group, "combine"), kept
-
-
-def reduce_moe_gradients(moe, dense_group, expert_group):
-    """SUM router gradients over `dense_group` (DP x CP) and expert gradients over `expert_group` (EDP): an
-    expert's gradient already holds every token of its EP group. The caller normalises (e.g. by the global
-    token count). group=None: no communication."""
-    for params, group in ((moe.dense_params(), dense_group), (moe.expert_params(), expert_group)):
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            if _group_info(group)[1] > 1:
-                dist.all_reduce(p.grad, group=group)
+    def _run_local_experts(self, rows, counts, sizes):
+        if self.grouped:
+            return experts_grouped(rows, self.w1, self.w2, counts)
+        return super()._run_local_experts(rows, counts, sizes)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -686,8 +773,8 @@ def show_ep_equals_one_process(moe, reference, x_all, x, y, aux):
     router_grad = moe.router.weight.grad.clone()
     dist.all_reduce(router_grad)  # each rank holds its tokens' share of the router's gradient
     _say(f"   against the single-process MoE on all {P * T} tokens: max |dy| {errs[0]:.1e}, |dx| {errs[1]:.1e}, "
-         f"|dW_expert| {errs[2]:.1e}, |d aux| {errs[3]:.1e}, |d router grad (summed)| "
-         f"{(router_grad - reference.router.weight.grad).abs().max().item():.1e}")
+         f"|dW_expert| {errs[2]:.1e}, |d aux| (statistics summed over the ranks) {errs[3]:.1e}, "
+         f"|d router grad (summed)| {(router_grad - reference.router.weight.grad).abs().max().item():.1e}")
 
 
 def show_grouped_gemm_equals_loop(moe, x):
@@ -720,6 +807,21 @@ def show_balancing_loss_from_coeff_to_coeff_times_e():
          f"expert {load_balancing_loss(skew, 1, 1.0).item():.3f} (-> coeff * E = 4 as the logit gap grows)")
 
 
+def show_capacity(moe, x, capacity_factor=1.0):
+    """The same layer with a capacity: no expert takes more than C = ceil(cf T k / E) of a rank's copies."""
+    torch.manual_seed(0)
+    capped = MoE(moe.d_model, moe.d_hidden, moe.num_experts, moe.top_k, ep_group=moe.ep_group,
+                 capacity_factor=capacity_factor)
+    with torch.no_grad():
+        capped(x)
+    T, k, E = x.shape[0], moe.top_k, moe.num_experts
+    C = expert_capacity(T, k, E, capacity_factor)
+    kept = int(capped.last_load.sum())
+    _say(f"== capacity factor {capacity_factor}: C = ceil(cf T k / E) = ceil({capacity_factor} x {T} x {k} / {E}) = "
+         f"{C} copies per expert per rank; rank 0 keeps {capped.last_load.tolist()} (dropless: "
+         f"{moe.last_load.tolist()}), {T * k - kept} of its {T * k} copies dropped (their slots contribute zero)")
+
+
 def show_balancing_bias_update():
     bias = torch.zeros(4)
     update_balancing_bias(bias, torch.tensor([10.0, 2.0, 2.0, 2.0]), rate=1e-3)
@@ -741,10 +843,12 @@ def demo():
     y, aux, counter = _forward_backward_syncs(moe, x)  # the one step every claim below reads
     sent = show_dispatch_matrix(moe, x)
     show_all_to_all_bytes(moe, x, sent)
-    show_one_host_sync_per_layer(moe, counter)
     show_ep_equals_one_process(moe, reference, x_all, x, y, aux)
-    show_grouped_gemm_equals_loop(moe, x)
+    show_one_host_sync_per_layer(moe, counter)
     show_balancing_loss_from_coeff_to_coeff_times_e()
+    show_capacity(moe, x)
+    _say("== beyond the chapter")
+    show_grouped_gemm_equals_loop(moe, x)
     show_balancing_bias_update()
     dist.barrier()  # gloo aborts a rank that tears down while a peer still talks to it
     dist.destroy_process_group()

@@ -1,9 +1,15 @@
 """grad_accum.py: K micro-steps equal one big batch (1 and 2/3 DP ranks), one sync per step, clear errors."""
+import copy
+import importlib.util
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import chapter_core
 import grad_accum as ga
 from multirank import run_ranks, value_errors
 
@@ -363,3 +369,37 @@ def _hooked_ddp_and_manual_sync(rank, world):
 
 def test_the_counting_hook_gives_ddps_gradients():
     assert max(run_ranks(_hooked_ddp_and_manual_sync, 2, timeout=60)) < TOL
+
+
+def test_the_file_alone_accumulates_k_micro_batches_into_the_one_big_batch_gradient(tmp_path):
+    """grad_accum.py is all chapter: the whole file, copied alone into an empty folder (its imports checked first:
+    standard library and torch only), accumulates K = 3 micro-batches of uneven token counts into the gradient
+    of one big batch, computed here with plain autograd on a model of its own (float64)."""
+    with open(os.path.join(chapter_core.ROOT, "grad_accum.py")) as f:
+        source = f.read()
+    chapter_core.check_imports("grad_accum", source)
+    (tmp_path / "grad_accum_alone.py").write_text(source)
+    spec = importlib.util.spec_from_file_location("grad_accum_alone", tmp_path / "grad_accum_alone.py")
+    alone = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(alone)
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Tanh(), torch.nn.Linear(8, 16))
+    reference = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(1)
+    micro_batches = []
+    for lengths in ([5, 1], [2, 2], [4, 3]):  # 6, 4 and 7 tokens: a mean of micro-batch means would be off
+        idx, targets = torch.randint(16, (2, 5), generator=gen), torch.randint(16, (2, 5), generator=gen)
+        micro_batches.append((idx, targets, torch.arange(5)[None, :] < torch.tensor(lengths)[:, None]))
+
+    def summed_token_loss(net, batch):
+        idx, targets, mask = batch
+        return F.cross_entropy(net(idx)[mask], targets[mask], reduction="sum"), int(mask.sum())
+
+    loss = alone.accumulate_gradients(model, micro_batches, summed_token_loss)
+    idx, targets, mask = (torch.cat(parts) for parts in zip(*micro_batches))
+    reference_loss = F.cross_entropy(reference(idx)[mask], targets[mask])  # the mean over all 17 tokens
+    reference_loss.backward()
+    assert loss == pytest.approx(reference_loss.item(), rel=TOL)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert (p.grad - q.grad).abs().max().item() < TOL

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import chapter_core
 import moe_ep
 import topology
 from multirank import run_ranks, value_errors
@@ -691,3 +692,53 @@ def test_the_demo_runs_to_its_last_line():
                          cwd=os.path.dirname(os.path.abspath(moe_ep.__file__)))
     assert out.returncode == 0, out.stderr
     assert "balancing bias after one update with loads [10, 2, 2, 2]: [-0.001, 0.001, 0.001, 0.001]" in out.stdout
+
+
+def _core_ep_rank(rank, P, core, capacity_factor):
+    """The core's MoE over an EP group of P ranks and the core's MoE in one process on each rank's tokens in turn
+    (capacity is decided per rank's tokens, and so is the chapter's aux loss): float64, the same seed."""
+    torch.set_default_dtype(torch.float64)
+    E, k, T, d = 4, 2, 12, 8
+    torch.manual_seed(0)
+    moe = core.MoE(d, 12, E, k, ep_group=dist.group.WORLD, capacity_factor=capacity_factor)
+    torch.manual_seed(0)
+    ref = core.MoE(d, 12, E, k, capacity_factor=capacity_factor)
+    gen = torch.Generator().manual_seed(1)
+    x_all, g_all = torch.randn(P * T, d, generator=gen), torch.randn(P * T, d, generator=gen)
+    chunks = [slice(r * T, (r + 1) * T) for r in range(P)]
+    x = x_all[chunks[rank]].clone().requires_grad_(True)
+    core.comm_log.clear()
+    y, aux = moe(x)
+    ((y * g_all[chunks[rank]]).sum() + aux).backward()
+    x_ref = x_all.clone().requires_grad_(True)
+    ref_outputs = [ref(x_ref[chunk]) for chunk in chunks]
+    sum((y_r * g_all[chunk]).sum() + aux_r for (y_r, aux_r), chunk in zip(ref_outputs, chunks)).backward()
+    router_sum = moe.router.weight.grad.clone()
+    dist.all_reduce(router_sum)  # each rank holds its own tokens' share of the router's gradient
+    experts = slice(rank * (E // P), (rank + 1) * (E // P))
+    y_ref, aux_ref = ref_outputs[rank]
+    return {"y": (y - y_ref).abs().max().item(), "aux": abs(aux.item() - aux_ref.item()),
+            "x_grad": (x.grad - x_ref.grad[chunks[rank]]).abs().max().item(),
+            "w1_grad": (moe.w1.grad - ref.w1.grad[experts]).abs().max().item(),
+            "w2_grad": (moe.w2.grad - ref.w2.grad[experts]).abs().max().item(),
+            "router_grad": (router_sum - ref.router.weight.grad).abs().max().item(),
+            "kept": moe.last_load.sum().item(), "log": dict(core.comm_log)}
+
+
+def test_the_core_alone_ep_equals_one_process_and_balancing_loss_is_coeff_at_balance(tmp_path):
+    core = chapter_core.load_core("moe_ep", tmp_path)  # loaded before forking: the ranks inherit it
+    assert not hasattr(core, "router_losses") and not hasattr(core, "HostSyncCounter")  # the cut is the chapter
+    for capacity_factor in (None, 0.75):
+        for r in run_ranks(_core_ep_rank, 2, core, capacity_factor, timeout=60):
+            for key in ("y", "aux", "x_grad", "w1_grad", "w2_grad", "router_grad"):
+                assert r[key] < TOL, (capacity_factor, key, r[key])
+            assert r["kept"] == (24 if capacity_factor is None else 4 * math.ceil(0.75 * 12 * 2 / 4))
+            kinds = ("dispatch_fwd", "combine_fwd", "dispatch_bwd", "combine_bwd", "counts_a2a")
+            assert [r["log"][kind + ":count"] for kind in kinds] == [1] * len(kinds)
+    # the balancing loss: coeff at perfect balance (f_i = P_i = 1/E), coeff * E / k at collapse (every token
+    # certain of expert 0); E = 4, k = 2, 8 tokens
+    coeff, one_copy_per_expert = 0.01, torch.arange(16).reshape(8, 2) % 4
+    collapse = torch.tensor([60.0, -60.0, -60.0, -60.0], dtype=torch.float64).expand(8, 4)
+    balanced = core.load_balancing_loss(torch.zeros(8, 4, dtype=torch.float64), 2, coeff, selected=one_copy_per_expert)
+    assert balanced.item() == pytest.approx(coeff, rel=1e-14)
+    assert core.load_balancing_loss(collapse, 2, coeff).item() == pytest.approx(coeff * 4 / 2, rel=1e-12)

@@ -68,7 +68,6 @@ GROUP_KINDS = ("tp", "cp", "dp", "pp", "dp_cp", "tp_cp", "tp_pp", "embedding", "
 
 
 # ---- the layout: pure arithmetic on rank numbers, no process group needed ------------------------------
-
 def _is_count(value):
     """An integer >= 1: Python's or numpy's, not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
@@ -140,13 +139,9 @@ def _groups_varying(shape, names, vary):
 
 
 def rank_groups(world_size, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1, zero_shard=None):
-    """Every group of every kind for a Megatron-LM layout, as lists of ranks.
+    """Every group of every kind for a Megatron-LM layout, as lists of ranks (GROUP_KINDS; the module docstring).
 
-    Keys: tp cp dp pp dp_cp tp_cp tp_pp embedding ep edp cp_ulysses cp_ring. Dense grid order tp-cp-dp-pp (tp
-    fastest); expert grid tp-ep-edp-pp with ep * edp = cp * dp. `embedding` pairs the first and last stage of
-    each pipeline (they hold the tied input and output embeddings and all-reduce its gradient). `tp_cp` holds the
-    ranks that share the tokens of one micro-batch (Megatron-LM's group for MoE router statistics).
-    Each CP group splits for hybrid attention (long_seq.py) into cp_ulysses x cp_ring, the CP rank being
+    `tp_cp` is Megatron-LM's group for MoE router statistics. Each CP group splits for hybrid attention (long_seq.py) into cp_ulysses x cp_ring, the CP rank being
     `ulysses_rank + cp_ulysses * ring_rank` (Megatron-LM's hierarchical CP: the first, inner size takes
     consecutive CP ranks): a `cp_ulysses` group is cp_ulysses consecutive CP ranks, TP x cp_ulysses consecutive
     ranks in all (inside a node when that fits one), and a `cp_ring` group strides by TP x cp_ulysses.
@@ -208,7 +203,6 @@ def warn_if_tp_crosses_nodes(groups, gpus_per_node):
 
 
 # ---- process groups: one object per rank with its coordinates and its groups ---------------------------
-
 @dataclass
 class ParallelState:
     """One rank's place in the layout. `groups[kind]` is the process group of that kind holding this rank,
@@ -341,7 +335,6 @@ def init_parallel(tp=1, pp=1, cp=1, ep=1, gpus_per_node=None, with_mesh=True, cp
 
 
 # ---- the rank map picture ------------------------------------------------------------------------------
-
 def rank_map(nodes, gpus_per_node, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1):
     """A node x GPU grid of (tp, cp, dp, pp) coordinates, then the group lists and where each kind lives (the
     hybrid's cp_ulysses and cp_ring kinds only where cp_ulysses > 1: else they are single ranks and cp itself)."""
@@ -424,35 +417,39 @@ def plan_figures(tp, pp, dp, layers, hidden, heads, seq, vocab, global_batch, mi
     """The docstring's closed form for one layout of a dense GPT (cp 1, 1F1B, selective recomputation with SP, no
     ZeRO): stage 0's memory in bytes, what each GPU sends per step and over which link, the bubble, and seconds."""
     micro_batches, stage_layers = global_batch // (dp * micro_batch), layers // pp
+    # memory of a stage-0 GPU: its layers' and the embedding's parameters, and the activations of the micro-batches
+    # in flight (1F1B: p before their backward; GPipe would hold all m)
     params = (dense_layer_parameters(hidden) * stage_layers + vocab * hidden) / tp + seq * hidden
-    in_flight = min(pp, micro_batches)  # 1F1B: stage 0 holds p micro-batches before their backward (GPipe: m)
+    out = {"params": params, "micro_batches": micro_batches, "in_flight": min(pp, micro_batches),
+           **{f"{kind}_bytes": size * params for kind, size in STATE_BYTES.items()}}
     kept = stage_layers * layer_activation_bytes(seq, hidden, heads, micro_batch, tp)
     working = 5 * heads * seq * seq * micro_batch / tp  # the scores of the layer being recomputed
     embedding = seq * micro_batch * hidden / tp  # the embedding's dropout mask, split by SP
     logits = 4 * seq * micro_batch * vocab / tp if pp == 1 else 0.0  # fp32 logits when stage 0 is also the last
-    inside = group_locality(rank_groups(tp * pp * dp, tp=tp, pp=pp), gpus_per_node)
-    link = {kind: machine["nvlink_gbps"] if inside[kind] else machine["ib_gbps"] for kind in ("tp", "dp", "pp")}
-    tp_collectives = micro_batches * stage_layers * 4 if tp > 1 else 0  # 2 forward, 2 backward
-    pp_exchanges = 2 * micro_batches if pp > 1 else 0  # an activation forward, its gradient back
-    tied_embedding = STATE_BYTES["grads"] * vocab * hidden / tp if pp > 1 else 0.0  # 2 (n-1)/n = 1 for n = 2
-    out = {"params": params, "micro_batches": micro_batches, "in_flight": in_flight,
-         **{f"{kind}_bytes": size * params for kind, size in STATE_BYTES.items()},
-         "activations_bytes": kept * in_flight + working + embedding * in_flight + logits,
-         "tp_bytes": tp_collectives * ring_allreduce_bytes(seq * micro_batch, hidden, tp), "tp_collectives":
-         tp_collectives, "pp_bytes": pp_exchanges * seq * micro_batch * hidden / tp * ACT_BYTES,
-         "pp_exchanges": pp_exchanges, "dp_bytes": 2 * (dp - 1) / dp * STATE_BYTES["grads"] * params,
-         "embedding_bytes": tied_embedding, "bubble": (pp - 1) / micro_batches, "inside_node": inside}
+    out["activations_bytes"] = kept * out["in_flight"] + working + embedding * out["in_flight"] + logits
     out["memory_bytes"] = sum(out[f"{kind}_bytes"] for kind in STATE_BYTES) + out["activations_bytes"]
-    out["tp_s"] = out["tp_bytes"] / (link["tp"] * GB) + tp_collectives * machine["collective_latency_us"] * 1e-6
-    out["pp_s"] = out["pp_bytes"] / (link["pp"] * GB) + pp_exchanges * machine["p2p_latency_us"] * 1e-6
-    out["dp_s"] = out["dp_bytes"] / (link["dp"] * GB) + tied_embedding / (link["pp"] * GB)
+    out["fits"] = out["memory_bytes"] <= MEMORY_HEADROOM * machine["gpu_mem_gb"] * GB
+    # what each GPU sends per step, and over which link its group runs
+    out["inside_node"] = inside = group_locality(rank_groups(tp * pp * dp, tp=tp, pp=pp), gpus_per_node)
+    link = {kind: (machine["nvlink_gbps"] if inside[kind] else machine["ib_gbps"]) * GB for kind in ("tp", "dp", "pp")}
+    tp_collectives = micro_batches * stage_layers * 4 if tp > 1 else 0  # 2 forward, 2 backward
+    out["tp_bytes"] = tp_collectives * ring_allreduce_bytes(seq * micro_batch, hidden, tp)
+    pp_exchanges = 2 * micro_batches if pp > 1 else 0  # an activation forward, its gradient back
+    out["pp_bytes"] = pp_exchanges * seq * micro_batch * hidden / tp * ACT_BYTES  # each TP rank sends 1/t
+    out["dp_bytes"] = 2 * (dp - 1) / dp * STATE_BYTES["grads"] * params
+    # first and last stage all-reduce the tied embedding's gradient: 2 (n-1)/n = 1 for n = 2
+    out["embedding_bytes"] = STATE_BYTES["grads"] * vocab * hidden / tp if pp > 1 else 0.0
+    # seconds: bytes over the link plus a latency per collective or exchange; compute at the large-GEMM efficiency
+    out["tp_s"] = out["tp_bytes"] / link["tp"] + tp_collectives * machine["collective_latency_us"] * 1e-6
+    out["pp_s"] = out["pp_bytes"] / link["pp"] + pp_exchanges * machine["p2p_latency_us"] * 1e-6
+    out["dp_s"] = out["dp_bytes"] / link["dp"] + out["embedding_bytes"] / link["pp"]
     # model FLOPs 72 B s L h^2 (1 + s/6h + V/12Lh) and the attention core selective recomputation redoes, 4 B s^2 h L
     flops = (72 * global_batch * seq * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
              + 4 * global_batch * seq ** 2 * hidden * layers)
     out["compute_s"] = flops / (tp * pp * dp) / (machine["peak_tflops"] * 1e12 * machine["efficiency"])
-    out["bubble_s"] = out["bubble"] * (out["compute_s"] + out["tp_s"] + out["pp_s"])  # (p-1)/m of the busy time
+    out["bubble"] = (pp - 1) / micro_batches  # of the busy time
+    out["bubble_s"] = out["bubble"] * (out["compute_s"] + out["tp_s"] + out["pp_s"])
     out["step_s"] = out["compute_s"] + out["tp_s"] + out["pp_s"] + out["bubble_s"] + out["dp_s"]
-    out["fits"] = out["memory_bytes"] <= 0.9 * machine["gpu_mem_gb"] * GB  # CUDA context, allocator, buffers
     return out
 
 
@@ -486,6 +483,7 @@ def print_chapter_plans(model=CHAPTER_MODEL, plans=CHAPTER_PLANS):
           f"the busy time ({b['bubble_s'] - a['bubble_s']:.3f} s more), {b['pp_s'] - a['pp_s']:.3f} s more in "
           f"exchanges and {b['activations_bytes'] / a['activations_bytes']:.1f}x the activations, which fit in 80 GB.")
 
+
 def chapter_demo():
     """The chapter in one read: the groups of a small layout, the rank maps of plans A and B, the two compared."""
     groups = rank_groups(16, tp=2, pp=2, cp=2, ep=2)
@@ -496,6 +494,7 @@ def chapter_demo():
         print(f"\nplan {name}: " + rank_map(8, 8, tp=layout["tp"], pp=layout["pp"]))
     print()
     print_chapter_plans()
+
 
 # BEYOND THE CHAPTER: the planner (every layout and knob: schedules, ZeRO, recomputation, CP, MoE), calibration, CLI
 """The planner estimates, for every layout that divides the cluster and the model, the memory of the most loaded
@@ -709,10 +708,12 @@ DeepSeek-V3 (technical report, arXiv 2412.19437: 2,048 H800, PP16 with DualPipe,
 GPU hours per trillion tokens, i.e. 1,543 tokens/s per GPU) is not in the table: its MLA attention, FP8 GEMMs,
 DualPipe's overlapped all-to-alls and node-limited routing are outside this cost model.
 
-Run `python topology.py --help`; `python topology.py --nodes 8 --gpus-per-node 8 --tp 8 --pp 4` draws
-the rank map; `python topology.py plan ...` plans (`--moe-every --experts --top-k --ep ...` for MoE; `--pp-schedule
---zero --zero-shard-size --cp-ulysses` fix the new knobs; `--command` prints the torchrun line of the top row);
-`python topology.py calibrate` prints Table 1 and the MoE runs beside the planner; `python topology.py example`
+`python topology.py` prints the chapter (the groups, the rank maps of plans A and B, the closed form); `python
+topology.py --nodes 8 --gpus-per-node 8 --tp 8 --pp 4` draws a rank map (`--help`); `python topology.py plan ...`
+plans (`--moe-every --experts --top-k --ep ...` for MoE; `--pp-schedule --zero --zero-shard-size --cp-ulysses` fix
+the new knobs; `--command` prints the torchrun line of the top row); `python topology.py calibrate` prints Table 1
+and the MoE runs beside the planner; `python topology.py example` prints the chapter's closed form, then the
+planner's rows for the two 64-GPU plans on two model shapes, then EP inside a node against EP across nodes.
 """
 import argparse
 import json
@@ -2740,7 +2741,9 @@ def print_moe_example():
 def _map_main(argv):
     ap = argparse.ArgumentParser(
         prog="topology.py",
-        description="Draw the Megatron-LM rank map. Subcommands: 'plan' (the layout planner, see "
+        description="Draw the Megatron-LM rank map (with no argument at all: the chapter, its groups, the rank "
+                    "maps of plan A and plan B and the two compared in closed form). Subcommands: 'plan' (the "
+                    "layout planner, see "
                     "'topology.py plan --help'), 'calibrate' (the planner against Narayanan et al. 2021, Table 1) "
                     "and 'example' (the chapter's 64-GPU plan A against plan B).")
     ap.add_argument("--nodes", type=int, default=2)

@@ -141,13 +141,13 @@ def _groups_varying(shape, names, vary):
 def rank_groups(world_size, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1, zero_shard=None):
     """Every group of every kind for a Megatron-LM layout, as lists of ranks (GROUP_KINDS; the module docstring).
 
-    `tp_cp` is Megatron-LM's group for MoE router statistics. Each CP group splits for hybrid attention (long_seq.py) into cp_ulysses x cp_ring, the CP rank being
-    `ulysses_rank + cp_ulysses * ring_rank` (Megatron-LM's hierarchical CP: the first, inner size takes
-    consecutive CP ranks): a `cp_ulysses` group is cp_ulysses consecutive CP ranks, TP x cp_ulysses consecutive
-    ranks in all (inside a node when that fits one), and a `cp_ring` group strides by TP x cp_ulysses.
-    Hybrid sharded data parallelism (HSDP, `zero_shard` = k, default all of DP x CP) splits each dp_cp group into
-    `dp_cp_shard` groups of k consecutive DP x CP ranks (the weights sharded over them: one node, say) and
-    `dp_cp_replicate` groups of the ranks at the same place in every shard group (the shards replicated across).
+    `tp_cp` is Megatron-LM's group for MoE router statistics. Each CP group splits for hybrid attention into
+    cp_ulysses x cp_ring, the CP rank being `ulysses_rank + cp_ulysses * ring_rank` (Megatron-LM's hierarchical CP:
+    the inner size takes consecutive CP ranks): a `cp_ulysses` group is TP x cp_ulysses consecutive ranks in all
+    (inside a node when that fits one), and a `cp_ring` group strides by TP x cp_ulysses. Hybrid sharded data
+    parallelism (HSDP, `zero_shard` = k, default all of DP x CP) splits each dp_cp group into `dp_cp_shard` groups
+    of k consecutive DP x CP ranks (the weights sharded over them: one node, say) and `dp_cp_replicate` groups of
+    the ranks at the same place in every shard group (the shards replicated across).
     """
     dp = validate_layout(world_size, tp, pp, cp, ep, cp_ulysses, zero_shard)
     dense_shape, dense_names = (tp, cp, dp, pp), ("tp", "cp", "dp", "pp")
@@ -1343,23 +1343,23 @@ def _cp_seconds(cluster, model, t, cp, b, layout, attention, ulysses):
     return cp_fwd, cp_bwd
 
 
-def layer_step(f, recompute):
+def layer_step(forward, recompute):
     """One layer, one micro-batch: forward, backward (2x the forward's work, the same TP collectives; a flash
     attention core's backward is 2.5x its forward: it recomputes the scores), and what the recomputation redoes
     (full: the whole forward; selective: the attention core)."""
-    work = f["gemm"] + f["attention"] + f["elementwise"]
-    compute = 3 * work + {"none": 0.0, "selective": f["attention"], "full": work}[recompute]
-    if f.get("flash"):
-        compute += 0.5 * f["attention"]
-    tp = (3 if recompute == "full" else 2) * f["tp"]
-    cp = (1 if recompute == "none" else 2) * f["cp_fwd"] + f["cp_bwd"]
+    work = forward["gemm"] + forward["attention"] + forward["elementwise"]
+    compute = 3 * work + {"none": 0.0, "selective": forward["attention"], "full": work}[recompute]
+    if forward.get("flash"):
+        compute += 0.5 * forward["attention"]
+    tp = (3 if recompute == "full" else 2) * forward["tp"]
+    cp = (1 if recompute == "none" else 2) * forward["cp_fwd"] + forward["cp_bwd"]
     return compute, tp, cp
 
 
-def ep_step(f, recompute):
+def ep_step(forward, recompute):
     """EP all-to-alls of one MoE layer and micro-batch: dispatch and combine forward, both again backward, and
     forward once more under full recomputation; none are overlapped (Megatron-Core's alltoall dispatcher)."""
-    return (3 if recompute == "full" else 2) * f.get("ep_fwd", 0.0)
+    return (3 if recompute == "full" else 2) * forward.get("ep_fwd", 0.0)
 
 
 def output_layer_seconds(cluster, model, tp, cp, b):

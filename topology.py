@@ -48,8 +48,8 @@ holds twice A's activations (8 micro-batches of L/8 layers at 1/4 against 4 of L
 256 micro-batches the bubble is small and B is faster. Few micro-batches (a small batch of wide layers) turn the
 answer to A. Seconds here are bytes over the link plus each collective's latency; compute is the step's FLOPs at
 the large-GEMM efficiency (`chapter_plans`). `python topology.py` prints the groups, the rank map and both plans.
-Below the banner, the planner ranks every layout with every knob (memory, step time term by term) and agrees with
-these figures for plans A and B.
+Below the banner, the planner ranks every layout with every knob (memory, step time term by term); for plans A and
+B its memory, communication seconds and bubble are these, its compute slower (each GEMM's own efficiency).
 """
 import functools
 import itertools

@@ -58,24 +58,27 @@ def test_the_core_alone_builds_megatrons_groups_and_the_full_files_plan_a_and_b(
     for kind in want:
         assert got[kind] == want[kind], kind
     assert got == topology.rank_groups(world, tp=tp, pp=pp, cp=cp, ep=ep)  # every kind, as the full file's
-    # plan A and plan B in closed form equal the planner's rows for the same layouts and knobs
-    figures, best = core.chapter_plans()
-    rows = {e["shape"]: e for e in topology.chapter_example()}["narrow_layers_big_batch"]
-    assert best == rows["preferred"] == "B"
-    for name, row in (("A", rows["plan_a"]), ("B", rows["plan_b"])):
-        plan = figures[name]
-        assert (plan["micro_batches"], plan["in_flight"], plan["params"]) == (
-            row["micro_batches"], row["in_flight"], row["params_per_gpu"])
-        for kind in ("weights", "grads", "optimizer", "activations"):
-            assert plan[f"{kind}_bytes"] / core.GB == pytest.approx(row[f"{kind}_gb"], rel=1e-12), (name, kind)
-        assert plan["memory_bytes"] / core.GB == pytest.approx(row["memory_gb"], rel=1e-12)
-        for mine, theirs in (("tp_s", "tp_s"), ("pp_s", "pp_p2p_s"), ("dp_s", "dp_s")):
-            assert plan[mine] == pytest.approx(row[theirs], rel=1e-12), (name, mine)
-        busy = row["compute_s"] + row["tp_s"] + row["cp_s"] + row["ep_s"] + row["pp_p2p_s"]
-        assert plan["bubble"] == pytest.approx(row["bubble_s"] / busy, rel=1e-12) == (row["pp"] - 1) / 256
-        inside = plan["inside_node"]
-        assert [inside["tp"], inside["dp"], inside["pp"]] == [row["intra_node"][k] for k in ("tp", "dp_cp", "pp")]
-    a, b = figures["A"]["inside_node"], figures["B"]["inside_node"]
+    # plan A and plan B in closed form equal the planner's rows for the same layouts and knobs, on the chapter's model
+    # (B wins) and on the planner's second example, a small batch of wide layers (A wins)
+    for example in topology.chapter_example():
+        figures, best = core.chapter_plans({k: example["model"][k] for k in core.CHAPTER_MODEL})
+        assert best == example["preferred"] == {"narrow_layers_big_batch": "B", "wide_layers_small_batch": "A"}[
+            example["shape"]]
+        for name, row in (("A", example["plan_a"]), ("B", example["plan_b"])):
+            plan = figures[name]
+            assert (plan["micro_batches"], plan["in_flight"], plan["params"]) == (
+                row["micro_batches"], row["in_flight"], row["params_per_gpu"])
+            for kind in ("weights", "grads", "optimizer", "activations"):
+                assert plan[f"{kind}_bytes"] / core.GB == pytest.approx(row[f"{kind}_gb"], rel=1e-12), (name, kind)
+            assert plan["memory_bytes"] / core.GB == pytest.approx(row["memory_gb"], rel=1e-12)
+            for mine, theirs in (("tp_s", "tp_s"), ("pp_s", "pp_p2p_s"), ("dp_s", "dp_s")):
+                assert plan[mine] == pytest.approx(row[theirs], rel=1e-12), (name, mine)
+            busy = row["compute_s"] + row["tp_s"] + row["cp_s"] + row["ep_s"] + row["pp_p2p_s"]
+            assert plan["bubble"] == pytest.approx(row["bubble_s"] / busy, rel=1e-12)
+            assert plan["bubble"] == (row["pp"] - 1) / row["micro_batches"]
+            inside = plan["inside_node"]
+            assert [inside["tp"], inside["dp"], inside["pp"]] == [row["intra_node"][k] for k in ("tp", "dp_cp", "pp")]
+    a, b = core.chapter_plans()[0]["A"]["inside_node"], core.chapter_plans()[0]["B"]["inside_node"]
     assert a["tp"] and b["tp"] and b["dp"] and not a["dp"] and not a["pp"] and not b["pp"]
 
 

@@ -1966,7 +1966,7 @@ def _better(a, b):
 
 def estimate(cluster, model, tp, pp, cp, micro_batch=None, recompute=None, sequence_parallel=None, zero=None,
              virtual_stages=None, ep=None, pp_schedule=None, zero_shard_size=None, cp_ulysses=None, memo=None):
-    """The planner's choice for one layout: over the knobs not fixed (here or in `m`), the fastest combination that
+    """The planner's choice for one layout: over the knobs not fixed (here or in `model`), the fastest combination that
     fits, each ZeRO level with the cheapest recomputation that fits it (when none fits, the fastest of those with the
     least memory); for a MoE model likewise over EP when `ep` is None. Raises ValueError for a layout or knob that
     does not divide. `memo`: a dict the calls of one plan share (for the same cluster and model: what does not depend
@@ -2265,7 +2265,7 @@ TRAIN_GPT_DTYPES = ("bfloat16", "float16")  # train_gpt.py's 16-bit --dtype valu
 
 
 def torchrun_command(row, model, cluster, dtype="bfloat16"):
-    """The torchrun line that runs `row`, a plan of `m` on `cluster`, with train_gpt.py: nodes, processes per node,
+    """The torchrun line that runs `row`, a plan of `model` on `cluster`, with train_gpt.py: nodes, processes per node,
     and every train_gpt.py flag of the layout, schedule, ZeRO level, recomputation, dtype, batch and model (DP is the
     world over TP x CP x PP there too). CP runs as ring (u = 1), Ulysses (u = cp) or hybrid with --cp-ulysses u.
     Raises ValueError naming the flag where the model is one train_gpt.py cannot build: its GPT has multi-head

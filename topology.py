@@ -1,253 +1,64 @@
-"""Rank layout for 3D/4D/5D parallel training: which GPU does what, which groups talk, and a planner.
+"""Rank layout of parallel training: which GPU does what, which groups talk, and over which link.
 
-A training job on N GPUs splits the work five ways. Tensor parallelism (TP) splits every weight matrix
-and needs 4 collectives per layer per micro-batch (2 forward, 2 backward), each of the full activation
-size `b s h`: it only pays off on NVLink, inside one node. Context parallelism (CP) splits the sequence
-and talks only inside attention. Pipeline parallelism (PP) splits the layers; a stage sends one
-activation `b s h` per micro-batch to the next stage, little enough for InfiniBand, but it idles for a
-bubble of `(p - 1) / (m + p - 1)` of the step (m micro-batches). Data parallelism (DP) replicates the
-model and all-reduces the gradients once per step. Expert parallelism (EP) places MoE experts on
-different ranks of the data-parallel dimension.
+A job on N GPUs splits the work up to five ways. Tensor parallelism (TP) splits every weight matrix of a layer and
+pays 4 collectives per layer and micro-batch (2 forward, 2 backward), each an all-reduce of the whole activation
+b s h (with sequence parallelism, SP, an all-gather and a reduce-scatter: the same bytes); a ring all-reduce over t
+ranks sends 2 (t-1)/t b s h e bytes from each GPU (e = 2 bytes per 16-bit element). Inside a DGX A100 node NVLink
+carries about 230 GB/s per GPU; across nodes each GPU has one InfiniBand NIC, about 23 GB/s: ten times less. So TP
+stays inside a node. Pipeline parallelism (PP) splits the layers: a stage sends one activation of b s h/t elements
+per GPU and micro-batch forward and one gradient back, little enough for InfiniBand, but the pipeline idles: with
+m micro-batches per step, 1F1B's bubble is (p-1)/m of the busy time. Data parallelism (DP) replicates the model
+and all-reduces the gradients once per step. Context parallelism (CP) splits the sequence and talks only inside
+attention; expert parallelism (EP) places the experts of MoE layers on different ranks.
 
-Megatron-LM numbers the ranks so that the chatty dimensions are the close ones (order `tp-cp-dp-pp`,
-TP varying fastest):
+Megatron-LM numbers the ranks so that the chattiest dimension is the closest (order tp-cp-dp-pp, TP fastest):
 
-    rank = tp_rank + TP * (cp_rank + CP * (dp_rank + DP * pp_rank)),   world = TP x CP x DP x PP
+    rank = tp_rank + TP * (cp_rank + CP * (dp_rank + DP * pp_rank)),      world = TP x CP x DP x PP
 
-so a TP group is TP consecutive ranks (on one node when TP divides the GPUs per node) and a PP group
-strides by TP*CP*DP ranks, i.e. across nodes. Experts are "folded" over the same ranks: the expert grid is
-`tp-ep-edp-pp` with `EP x EDP = CP x DP`, so EP groups are drawn from the data/context-parallel ranks of
-one (tp, pp) position, and EDP (expert data parallel) groups hold the replicas of one expert shard.
+A TP group is TP consecutive ranks (inside a node when TP divides the GPUs per node); a CP group strides by TP, a
+DP group by TP*CP, a PP group by TP*CP*DP, across nodes. `rank_groups` lists every group of every kind: tp cp dp
+pp; dp_cp (the dense gradients' reduction), tp_cp (the ranks sharing one micro-batch's tokens), tp_pp (model
+parallel), embedding (first and last stage: the tied embedding's gradient), ep and edp (below), cp_ulysses and
+cp_ring (hybrid CP splits each CP group: Ulysses over consecutive CP ranks, a ring across them), dp_cp_shard and
+dp_cp_replicate (hybrid sharding splits each dp_cp group into shards of k consecutive ranks and their replicas).
+`init_parallel` creates them all on the default process group and returns this rank's `ParallelState`;
+`rank_map` draws the grid and says which groups leave a node.
 
-The planner estimates, for every layout that divides the cluster and the model, the memory of the most loaded
-GPU and the time of one training step, chooses the knobs a practitioner chooses besides (TP, PP, CP, and EP for a
-MoE model) -- the recomputation (none, selective, full: the cheapest that fits), the micro-batch size b, the
-pipeline schedule (1F1B, interleaved with v chunks per stage, zero bubble ZB-H1 with v >= 1), sequence parallelism
-(SP), the ZeRO level (0-3) and its shard size (HSDP), and CP's Ulysses size u (hybrid CP) -- ranks the layouts that
-fit by step time, and says why the winner wins; `plan --command` prints the torchrun line that runs the top row
-with train_gpt.py. It models Megatron-LM (GPT, 4h MLP, tied embeddings, unfused attention core, 16-bit), the
-implementation Narayanan et al. 2021 measured. Notation: s b h a L V t p c d as usual, m = B / (d b) micro-batches
-per pipeline, M = b s / c tokens per GPU, n = d c the gradient-reduction group, k the ZeRO shard size (n, or less
-with HSDP), u the Ulysses size of CP (c = u r, r the ring's size).
+Experts fold over the same ranks (Megatron's MoE parallel folding, expert TP = TP): the expert grid is tp-ep-edp-pp
+with EP x EDP = CP x DP, so an EP group is drawn from the data- and context-parallel ranks of one (tp, pp)
+position, at stride TP (inside a node while TP x EP fits one), and an EDP group (expert data parallel) holds the
+replicas of one expert shard and reduces its gradients.
 
-Memory of the most loaded GPU (fits when <= 0.9 x GPU memory: CUDA context, allocator, buffers):
-    parameters   ((12 h^2 + 13 h) L/p + V h) / t + s h            (embedding on stage 0, positions not split)
-    states       2 + 2 + 16 bytes per parameter (16-bit weight, 16-bit gradient, fp32 master, Adam moments
-                 and fp32 gradient copy: Megatron-LM's accounting; grad_bytes 4: 2 + 4 + 12); ZeRO (Rajbhandari
-                 et al. 2020, FSDP) shards over k: ZeRO-1 the optimizer state, 4 + 16/k (6 + 12/k); ZeRO-2 the
-                 gradients too, 2 + 18/k (2 + 16/k); ZeRO-3 the parameters too, 20/k (18/k); ZeRO-2 and 3 add
-                 the full gradient of the unit (a layer, or the embedding) being reduce-scattered, ZeRO-3 the
-                 16-bit parameters of two units (the one computing and the next one, prefetched)
-    activations  per layer and micro-batch, Korthikanti et al. 2022; under CP the s of s b h is s/c and the
-                 scores keep one s (5as/h: s/c queries against s keys; hybrid CP holds as many elements, s/r
-                 tokens of 1/u of the heads):
-                   SP      none s b h/t (34 + 5as/h)       selective 34 s b h/t        full 2 s b h/t
-                   no SP   none s b h (10 + 24/t + 5as/(ht)) selective s b h (10 + 24/t) full 2 s b h
-                 x L/p layers x the micro-batches in flight on stage 0: 1F1B p (GPipe would keep m),
-                 interleaved p + (p-1)/v (Korthikanti section 4.2.3), never more than m; plus one layer in
-                 full while it is recomputed, the embedding's dropout mask (s b h, / t with SP, per micro-batch
-                 in flight), and with p = 1 the fp32 logits 4 s b V / t.
-                 ZB-H1 keeps rank r's k_r chunks before their B as its base order does (1F1B k_r = p - r,
-                 interleaved 2 (p - r - 1) + (v - 1) p + 1, at most v m) and d_r = min(k_r + r, v m) - k_r
-                 chunks whose W is deferred (rank 0: none), each holding A_w: every linear's input and output
-                 gradient, as train_gpt.py keeps them for W, per layer s b h (8 + 24/t) with multi-head
-                 attention (`deferred_w_bytes`); rank r holds (k_r A + d_r A_w) / v + max(0, A_w - A)/v (right
-                 after a B, before the next F) with A a stage's kept activations: the most loaded rank is stage
-                 0 while A_w <= A, a later one under full recomputation (A = 2 s b h/t).
-
-Time of one layer's forward for one micro-batch on one GPU (measured constants below):
-    GEMMs        QKV (M, h, 3h/t), projection (M, h/t, h), MLP (M, h, 4h/t), (M, 4h/t, h):
-                 2 M N K / (peak e(x)), e(x) = e_max x / (x + x0), x = min(M, N, K): every output tile pays
-                 a fixed prologue/epilogue and small M or N leave SMs idle in the last wave (NVIDIA,
-                 "Matrix Multiplication Background", tile and wave quantisation), so TP, which divides N or
-                 K by t, makes the GEMMs less efficient
-    attention    the s x s scores of a/t heads (n_s = b a s^2 / (t c)): max(4 (h/a) n_s / (peak e_max),
-                 13 n_s / HBM): QK^T writes them, the fused softmax and the dropout read and write them,
-                 AV reads them (memory-bound for head sizes h/a < 13 peak e_max / (4 HBM), over 400
-                 with every preset below)
-    elementwise  M h (22 / t_SP + 16 / t) / HBM bytes: 2 LayerNorms and 2 fused bias-dropout-adds (22,
-                 split t ways only with SP), the fused bias-GeLU on 4h/t (16); plus 20 kernel launches
-    TP           2 all-reduces (SP: all-gather + reduce-scatter, the same bytes) of M h 16-bit values:
-                 2 (2 (t-1)/t M h e / B + latency), B the NVLink bus bandwidth (a TP group given across
-                 nodes, k GPUs per node: k NICs' worth)
-    CP ring      K and V shards (2 M h / t values) passed r-1 times; backward 2r-1 times (K, V and dK, dV);
-                 each step also pays a collective latency and 3 kernel launches, and each later block
-                 merges its partial output into the fp32 accumulator (12 bytes per output element)
-    CP Ulysses   hybrid CP (USP, Fang and Zhao 2024; Megatron-Core's a2a+p2p): u > 1 consecutive CP ranks
-                 trade sequence for heads first, 4 all-to-alls forward and 4 backward, together (u-1)/u
-                 b s/(u r) (2 h + 2 h_kv)/t e per GPU (`hybrid_comm_bytes`, long_seq.py's formula), not
-                 overlapped; the ring then runs over r = c/u ranks on s/r tokens of 1/u of the heads (as many
-                 elements per step, r-1 steps). u divides c and the (KV) heads per TP rank; u = 1 is the ring,
-                 u = c Ulysses; the search takes the u with the least CP seconds (nothing else depends on it)
-    backward = 2 x the forward's work with the same TP collectives; full recomputation adds the forward,
-    selective the attention core; the output layer (last stage): 3 GEMMs (M, h, V/t) and a 48-byte fp32
-    cross-entropy per logit; a stage = its L/p layers, the output layer (the last stage is the slowest) and
-    2v pipeline exchanges of M h / t values (scatter-gather: each TP rank sends 1/t, then without SP an
-    all-gather over NVLink) plus p2p latency each. ZB-H1 splits each backward into B (input gradients, the
-    attention core, the elementwise work, the communication, the recomputation) and W (one weight-gradient GEMM
-    per forward GEMM, of its shape: W = the forward's GEMM time, the output layer's one of its three), so that
-    W <= F and W <= B always, about half of the backward's work where GEMMs dominate.
-Step time = m x stage (compute + TP + CP + p2p) + bubble + gradient reduction + the tied embedding's all-reduce
-between first and last stage + the optimizer step (48 bytes of HBM traffic per parameter updated, / k with ZeRO).
-    bubble       1F1B (p-1) stage, interleaved (p-1)/v stage (Narayanan et al. 2021); ZB-H1 (Qi et al. 2023)
-                 per chunk (p-1)(F + B) - (min(m, p) - 1) W, i.e. (p-1)(F + B - W) for m >= p: (p-1)/v (stage -
-                 2 W_stage), a third of 1F1B's when F = B = W (`pipeline_bubble`, exact for W <= min(F, B))
-    DP           in (n-1)/n of the gradient bytes each (a ring; across nodes a group with k members per node
-                 moves k NICs' worth, NCCL runs one ring per NIC): ZeRO-0 an all-reduce (2 per step), ZeRO-1
-                 reduce-scatter + all-gather (2 per step), ZeRO-2 a reduce-scatter per micro-batch (its gradients
-                 go to their owners as its backward makes them) + 1 all-gather, ZeRO-3 per micro-batch an
-                 all-gather for the forward, one for the backward and the reduce-scatter (FORMULAS.md: with m
-                 micro-batches ZeRO-2/3 pay per micro-batch); the parameter all-gathers are counted at the
-                 gradient's bytes, as ZeRO-1's always were (exact for 16-bit gradients, twice the 16-bit
-                 parameters' bytes with fp32 main grads). HSDP (k < n): those over k consecutive ranks of the DP x
-                 CP group (one node's, when the search chooses), and an all-reduce of the 1/k shard over the n/k
-                 replicas once per step. Experts over the GPUs holding the same ones (no HSDP for them).
-Each row also splits compute_s into gemm_s, attention_s, elementwise_s and output_layer_s. The pipeline part, m
-(stage + 2v exchanges) + (p-1)/v stage with the output layer on the last stage, is checked in
-tests/test_topology.py against a rank-by-rank replay of Megatron-LM 2021's 1F1B and interleaved schedules
-(megatron/schedules.py of the SC'21 artifact: every exchange one blocking batch_isend_irecv, finished when the
-neighbours have posted theirs): it overstates the replay by 0.2-0.6%, because the 2021 steady state sends both
-directions in one exchange. The bubble and in-flight formulas of every schedule are checked against train_gpt.py's
-replay of the very lists its executor runs (`pipeline_schedule`, `replay_pipeline`) over a grid of p, m, v.
-
-What overlaps compute, as Megatron-LM does it: the CP ring's exchanges hide behind the attention core (only
-the excess counts); the gradient reduction hides behind the last micro-batch's backward only with
-`overlap_grad_reduce` (torch DDP, Megatron-Core's --overlap-grad-reduce; not Megatron-LM's 2021 "local"
-DDP, which Table 1's pipelined runs used); with it ZeRO-2 and 3 hide each micro-batch's collectives behind that
-micro-batch's backward (ZeRO-3's, with its forward all-gather, behind forward and backward: 1.5 x the backward),
-the once-per-step ones behind the last backward. Not overlapped: TP collectives (each feeds the next GEMM;
-Megatron-Core's --tp-comm-overlap is not modelled), pipeline exchanges (the 2021 schedule blocks on each
-batch_isend_irecv and synchronises), Ulysses' all-to-alls, the embedding all-reduce, the optimizer step. The
-interleaved schedule, and ZB-H1 with v > 1, needs m to be a multiple of p and p >= `interleave_min_pp`: 2 today, 3
-in 2021 (Megatron-LM's arguments.py then asserted PP > 2; PP = 2 interleaving came with "Enable virtual pipelining
-and P2P communication overlap at PP=2", 2023). The search tries the schedules and ZeRO levels the implementation
-offers (`Cluster.schedules`, `Cluster.zero_levels`: all of them by default; CLUSTER_2021 1F1B and interleaved with
-ZeRO off, MEGATRON_CORE_2025 1F1B and interleaved with ZeRO-0/1), HSDP over every DP x CP rank or one node's, every
-Ulysses size; a fixed knob is taken as given. ZeRO-0 is left out where ZeRO-1 can run (the same bytes, more memory, a
-slower optimizer step).
-
-Constants (flags of `plan`; presets `--gpu a100|h100|h200`). A100 80 GB: peak 312 TFLOP/s (datasheet), HBM 1730
-GB/s achieved (85% of 2039), NVLink all-reduce bus bandwidth 230 GB/s (nccl-tests, DGX A100, of 300), InfiniBand
-23 GB/s per GPU (HDR 25), 4 us per kernel launch, 10 us per collective, 50 us per pipeline exchange, x0 = 128
-(one tile edge of the A100 GEMM kernels) and e_max = 0.71, chosen once: with x0 fixed, the e_max in 0.60..0.90
-(steps of 0.01) that minimises the largest error over the ten rows of Narayanan et al. 2021, Table 1
-(`fit_efficiency` repeats the choice; `python topology.py calibrate`); worst error -5.3% (the 1T run), all rows
-within 5.3%. H100 / H200: peak 989, HBM 2850 / 4080 (85% of 3350 / 4800), NVLink 360 (of 450), NDR 45 GB/s (of
-50), memory 80 / 141 GB; e_max and x0 carried over from A100, not calibrated (no published table with its
-configurations).
-
-Against Table 1 (`python topology.py calibrate`): every published run fits in 80 GB (full recomputation, at most
-62 GB); the predicted TFLOP/s per GPU are within 5.3% of the measured ones on all ten rows. With the authors'
-software (full recomputation, no SP, ZeRO or CP, interleaving from PP = 3; the planner picks b and v), the
-published (TP, PP) is the planner's top choice in 7 rows and within 5% of its step time in 8 (worst: 145.6B,
-+3.7%). Not for 18.4B and 39.1B: keeping t p, the planner trades TP for PP, TP2 PP4 (b 2, v 5) 8.05 s against the
-published TP8 PP1's 9.17 s (+13.8%) and TP2 PP8 (b 2, v 6) 12.55 s against TP8 PP2's 14.39 s (+14.7%). Term by
-term (calibrate prints them) TP8 pays 1.26 / 1.54 s more in exposed TP all-reduces and 0.59 / 0.88 s more in the
-LayerNorm, dropout and residual work every TP rank repeats without SP; the deeper pipelines pay back only 0.85 /
-0.66 s (p2p, bubble, their logits beside fewer layers, DP). These terms are checked: the pipeline ones against
-the replay of the 2021 schedules, TP at t = 1, 2, 4, 8 by rows 1-4 (errors +2.2..+2.9%). To come within 5% the
-pipelines' costs would have to double, and no cost of the 2021 implementation examined does that while Table 1
-stays within 6%: `python topology.py calibrate --scan` refits e_max for each variant (pipeline exchanges at 15 or
-4 GB/s, 1 or 4 ms per exchange, both extremes at once, TP all-reduces at 600 GB/s) and prints the worst error and
-the two rows' gaps; the 4 GB/s exchanges, for one, leave +7.1% / +9.6% with the worst error already 5.5%, and 600
-GB/s brings 18.4B in but not 39.1B, with the 1T row 8.2% off. So the disagreement is the model's prediction, not
-a missing term: at 18-39B without SP, TP8 repeats the LayerNorms 8 times and exposes its all-reduces, which the
-paper's rule (TP up to a node, then PP) accepts; sequence parallelism (2022) removes the former, and with every
-knob the planner keeps TP2 with SP there. With every knob (ZeRO-1 and SP let smaller TP fit, ZB-H1 shrinks the
-bubble) it moves further from the 2021 layouts: ZB-H1 on every pipelined top choice but the 1T row's (interleaved,
-v = 8), ZeRO-1 throughout (without the overlapped reduction ZeRO-2/3 pay their per-micro-batch collectives in full).
-
-TFLOP/s per GPU are counted as Narayanan et al. count them, 96 B s L h^2 (1 + s/6h + V/16Lh) per step
-(every layer 4 x its forward, as with full recomputation), divided by step time and GPUs, whatever the plan
-recomputes: a throughput in Table 1's units. `mfu` uses the model FLOPs, 72 B s L h^2 (1 + s/6h + V/12Lh);
-`hfu` the hardware FLOPs, the model FLOPs plus what the plan recomputes (Korthikanti et al. 2022: full
-recomputation adds 24 B s L h^2 (1 + s/6h), selective the attention core's 4 B s^2 h L).
-
-MoE (ModelShape with train_gpt.py's names: every `moe_every`-th layer's MLP is E = `experts` expert MLPs of hidden
-f = `expert_hidden`, k = `top_k` per token, a router of E h weights, optionally a shared expert of hidden f_s that
-every token passes; train_gpt.py's block is moe_ep.MoE(h, 4h, E, k): f = 4h, GeLU, f_s = 0, no expert or router
-biases). With n = 2 matrices per expert MLP (3 with SwiGLU) and h_kv the K/V width (h; less with GQA):
-    parameters   a dense layer 12 h^2 + 13 h; a MoE layer 2 h^2 + 2 h h_kv + (h + 2 h_kv) + h + 4 h (attention, its
-                 biases, LayerNorms) + E h + n h f_s + E n h f; + V h (twice untied) + s h. Active per token: k of
-                 the E experts
-    FLOPs        6 N + 12 L h s per token (train_gpt.py's model_flops_per_token), N = V h + per layer 2 h^2 + 2 h h_kv
-                 and 8 h^2 (dense) or E h + k n h f + k h + n h f_s (MoE: router, k experts, the weighted sum of
-                 their outputs, the shared expert)
-    layout       experts whole (expert TP 1), sharded over EP and replicated over EDP: the expert grid tp-ep-edp-pp,
-                 ep x edp = cp x dp, EP at stride tp (Cluster.expert_folding "dp_cp": topology.rank_groups and
-                 train_gpt.py, whose TP ranks each hold the EP shard's experts and split the MoE tokens), or
-                 Megatron-Core's MoE parallel folding (Liu et al. 2025; "tp_dp_cp"): ep x edp = tp x cp x dp, EP
-                 fastest. A MoE layer sees T = b s / (t c) tokens per GPU (SP: Megatron-Core requires it with MoE
-                 and TP), R = T k F copies of which reach this GPU's E/ep experts
-    load factor  F: the busiest EP rank's copies over the uniform T k; `imbalance` (>= 1, stated: 1 for balanced
-                 routing; load_imbalance(copies per EP rank) of a measured routing), capped by `capacity_factor`
-                 when tokens are dropped, 1 without EP (one GPU holds every expert)
-    memory       E/ep experts per MoE layer, their optimizer states sharded by ZeRO-1 over EDP (cp dp/ep; tp cp dp/ep
-                 folded), the dense ones over dp cp; kept per MoE layer and micro-batch (15 + 5 a s/h) s b h/t
-                 (attention and LayerNorms as Korthikanti; the scores not with selective or flash) + 2 T h + 4 T E +
-                 T h + 4 R h + 2 (g + 1)(R f + T f_s) (router input and fp32 probabilities, dropout mask, each copy's
-                 expert input and output, the expert activations; g = 2 with SwiGLU, 1 with GeLU); full: 2 s b h/t
-    all-to-all   per MoE layer and micro-batch: dispatch and combine forward, both again backward (the forward pair
-                 again under full recomputation), each sending T k h e (P - 1)/P x F bytes from the busiest GPU
-                 (FORMULAS.md: a copy stays home with probability 1/P; F times that returns from the busiest rank
-                 in the combine and the dispatch's backward), `moe_a2a_bytes`. With g of the P members on this GPU's
-                 node, (g - 1)/(P - 1) of the bytes go over NVLink and (P - g)/(P - 1) over this GPU's own NIC, at once:
-                 max(inside / NVLink, across / IB) + a latency (`a2a_seconds`); the counts exchange adds a latency.
-                 Not overlapped (Megatron-Core's alltoall dispatcher of 2025); a shared expert's overlap is not
-                 modelled
-    time         the router (T, h, E); each local expert's GEMMs (r, h, g f) and (r, f, h) on its r = R/(E/ep)
-                 rows, x = min(r, h, f): many experts at a small load run below e_max; the shared expert
-                 as a TP-split MLP; PERMUTE_BYTES = 8 per element of T k h (permutation, un-permutation and weighted
-                 sum) and EXPERT_ACT_BYTES 4 (GeLU) or 6 (SwiGLU) per element of R f through HBM, 6 more kernels;
-                 one TP pair (the attention's) instead of two, two with a shared expert; gradients of the dense weights
-                 over dp cp, of the experts over the tp cp dp/ep GPUs holding the same ones. The slowest stage is the
-                 last (the output layer), or one with more MoE layers when that one is slower.
-Implementation switches besides the presets (Cluster): `flash_attention` (Megatron-Core, Transformer Engine: the
-attention core is the causal half of 4 (h/a) FLOPs per score at e_max, 2.5x that in backward, no scores kept),
-`grad_bytes` 4 (fp32 main grads: 2 + 4 + 12 bytes per parameter, 6 + 12/n with ZeRO-1, 4-byte gradient reduction),
-`expert_folding`. The search tries every EP that divides E and the folding's ranks; under one second for 16,384 GPUs.
-
-Against published MoE runs (`python topology.py calibrate`, after Table 1). Liu et al. 2025, "MoE Parallel Folding"
-(arXiv 2504.14960), report 49.3% MFU for Mixtral 8x22B on 128 H100 and 39.0% for Qwen2-57B-A14B on 64, in
-Megatron-Core's FLOP count (`megatron_flops_per_token`: without the router and the weighted sum, 0.01% and 0.05% less
-than ours). Their layouts are the authors' benchmark configurations of April 2025 (github.com/yanring/Megatron-MoE-
-ModelZoo, commit 78fd4d6: runtime.conf, model_configs/benchmarking): Mixtral 8x22B (56 layers, h 6144, 48 heads, 8 KV
-groups, 8 SwiGLU experts of 16384, top-2, V 32000) TP2 PP8 EP8 (expert TP 1) DP8, v 1; Qwen2-57B-A14B (28 layers, h
-3584, 28 heads, 4 KV groups, 64 experts of 2560, top-8, a shared expert of 20480, V 151936) TP2 PP4 EP4 DP8, v 7; both
-sequence 4096, global batch 256, micro-batch 1, untied embeddings, no recomputation, SP, distributed optimizer,
-overlapped gradient reduction, flash attention, bf16 (MEGATRON_CORE_2025, MOE_RUN_KNOBS); load factor 1 (balanced:
-the benchmark mode drops tokens at capacity factor 1, so no expert exceeds its share). With the H100 preset
-unchanged (e_max and x0 carried over from Table 1, nothing fitted to these rows) the published layouts are predicted
-at 46.0% (-6.7%) and 39.8% (+2.1%) MFU, worst error -6.7%, and fit (69.6 and 63.5 GB of 72): counted conservatively
-(positions as learned, 25 M parameters; dropout masks although the runs had no dropout; K and V at full width in
-Korthikanti's 11 s b h). The planner's own top choice with the same software (1F1B or interleaved, ZeRO-0/1, ring,
-Ulysses or hybrid CP): Mixtral TP1 PP8 CP4 EP8 v7 with CP as Ulysses over 4 (the published layout +4.8% slower),
-Qwen2 TP2 PP2 EP8 DP16 v7 (+4.7%). With every schedule and ZeRO level the planner knows, which those runs did not use:
-Mixtral the published layout under ZB-H1 (+10.4%: its 1F1B bubble, 0.78 s, halves), Qwen2 TP1 PP1 EP1 DP64 under
-ZeRO-3 with full recomputation (+14.4%; its per-micro-batch gathers hidden behind the overlapped compute).
-The authors' later Mixtral layout (July 2025, v 7) is predicted at +3.1% but does not fit under that count (74.7 GB).
-DeepSeek-V3 (technical report, arXiv 2412.19437: 2,048 H800, PP16 with DualPipe, EP64 over 8 nodes, ZeRO-1, 180K H800
-GPU hours per trillion tokens, i.e. 1,543 tokens/s per GPU) is not in the table: its MLA attention, FP8 GEMMs,
-DualPipe's overlapped all-to-alls and node-limited routing are outside this cost model.
-
-Run `python topology.py --help`; `python topology.py --nodes 8 --gpus-per-node 8 --tp 8 --pp 4` draws
-the rank map; `python topology.py plan ...` plans (`--moe-every --experts --top-k --ep ...` for MoE; `--pp-schedule
---zero --zero-shard-size --cp-ulysses` fix the new knobs; `--command` prints the torchrun line of the top row);
-`python topology.py calibrate` prints Table 1 and the MoE runs beside the planner; `python topology.py example`
-compares the chapter's two 64-GPU plans on two model shapes, then EP inside a node against EP across nodes.
+The chapter's question: a GPT of L = 40 layers, h = 5120, a = 40 heads, s = 2048, V = 51200, global batch
+B = 512, on 64 A100 (8 nodes x 8). Plan A is TP=8 PP=4 DP=2, plan B TP=4 PP=8 DP=2; both with micro-batch b = 1
+(m = B/(d b) = 256 micro-batches per pipeline), selective recomputation with SP, 1F1B, no ZeRO (`plan_figures`):
+    memory   per GPU P = ((12 h^2 + 13 h) L/p + V h)/t + s h parameters (stage 0 also holds the embedding; the
+             positions are not split), at 2 + 2 + 16 bytes each: 16-bit weight and gradient, fp32 master weight,
+             Adam's two moments and the fp32 gradient copy. Activations (Korthikanti et al. 2022): 34 s b h/t per
+             layer x L/p layers x p micro-batches in flight on stage 0, plus s b h/t of the embedding's dropout
+             mask per micro-batch and the 5 a s^2 b/t scores of the layer being recomputed
+    TP       m (L/p) 4 all-reduces of 2 (t-1)/t b s h e per GPU and step, on NVLink in both plans (A's TP=8 fills
+             a node, B's TP=4 half of one): A sends (L/4)(7/8) of a layer's share, B (L/8)(3/4), less than half
+    DP       2 (d-1)/d e P per GPU: A's DP pair sits 8 ranks apart, in two nodes (InfiniBand); B's 4 apart, in one
+             node (NVLink); first and last stage also all-reduce the tied embedding's gradient, V h/t e
+    PP       2 m exchanges of b s h/t e per stage, across nodes in both plans; bubble (p-1)/m: 3/256 for A,
+             7/256 for B
+B sends less than half of A's TP bytes and keeps its gradient reduction on NVLink; it pays a bubble 7/3 of A's and
+holds twice A's activations (8 micro-batches of L/8 layers at 1/4 against 4 of L/4 at 1/8), which still fit. With
+256 micro-batches the bubble is small and B is faster. Few micro-batches (a small batch of wide layers) turn the
+answer to A. Seconds here are bytes over the link plus each collective's latency; compute is the step's FLOPs at
+the large-GEMM efficiency (`chapter_plans`). `python topology.py` prints the groups, the rank map and both plans.
+Below the banner, the planner ranks every layout with every knob (memory, step time term by term); for plans A and
+B its memory, communication seconds and bubble are these, its compute slower (each GEMM's own efficiency).
 """
-import argparse
 import functools
 import itertools
-import json
 import math
 import numbers
 import os
-import sys
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -256,10 +67,7 @@ GROUP_KINDS = ("tp", "cp", "dp", "pp", "dp_cp", "tp_cp", "tp_pp", "embedding", "
                "dp_cp_shard", "dp_cp_replicate")
 
 
-# ----------------------------------------------------------------------------------------------------
-# The layout: pure arithmetic on rank numbers, no process group needed
-# ----------------------------------------------------------------------------------------------------
-
+# ---- the layout: pure arithmetic on rank numbers, no process group needed ------------------------------
 def _is_count(value):
     """An integer >= 1: Python's or numpy's, not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
@@ -271,15 +79,10 @@ def _check_positive(**sizes):
             raise ValueError(f"{name} must be a positive integer, got {value!r}; use {name}=1 to disable it")
 
 
-def _flag(name):
-    """The command-line flag of a Cluster or ModelShape field: its name with dashes, but for e_max's."""
-    return next((flag for flag, (f, _) in _CONSTANT_FLAGS.items() if f == name), "--" + name.replace("_", "-"))
-
-
 def _check_count(name, value, fix):
     """A size or a count: an integer >= 1, else a ValueError naming the field, its flag and `fix`."""
     if not _is_count(value):
-        raise ValueError(f"{name}={value!r} must be a positive integer ({_flag(name)}); {fix}")
+        raise ValueError(f"{name}={value!r} must be a positive integer (--{name.replace('_', '-')}); {fix}")
 
 
 def _divisors(n):
@@ -336,19 +139,15 @@ def _groups_varying(shape, names, vary):
 
 
 def rank_groups(world_size, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1, zero_shard=None):
-    """Every group of every kind for a Megatron-LM layout, as lists of ranks.
+    """Every group of every kind for a Megatron-LM layout, as lists of ranks (GROUP_KINDS; the module docstring).
 
-    Keys: tp cp dp pp dp_cp tp_cp tp_pp embedding ep edp cp_ulysses cp_ring. Dense grid order tp-cp-dp-pp (tp
-    fastest); expert grid tp-ep-edp-pp with ep * edp = cp * dp. `embedding` pairs the first and last stage of
-    each pipeline (they hold the tied input and output embeddings and all-reduce its gradient). `tp_cp` holds the
-    ranks that share the tokens of one micro-batch (Megatron-LM's group for MoE router statistics).
-    Each CP group splits for hybrid attention (long_seq.py) into cp_ulysses x cp_ring, the CP rank being
-    `ulysses_rank + cp_ulysses * ring_rank` (Megatron-LM's hierarchical CP: the first, inner size takes
-    consecutive CP ranks): a `cp_ulysses` group is cp_ulysses consecutive CP ranks, TP x cp_ulysses consecutive
-    ranks in all (inside a node when that fits one), and a `cp_ring` group strides by TP x cp_ulysses.
-    Hybrid sharded data parallelism (HSDP, `zero_shard` = k, default all of DP x CP) splits each dp_cp group into
-    `dp_cp_shard` groups of k consecutive DP x CP ranks (the weights sharded over them: one node, say) and
-    `dp_cp_replicate` groups of the ranks at the same place in every shard group (the shards replicated across).
+    `tp_cp` is Megatron-LM's group for MoE router statistics. Each CP group splits for hybrid attention into
+    cp_ulysses x cp_ring, the CP rank being `ulysses_rank + cp_ulysses * ring_rank` (Megatron-LM's hierarchical CP:
+    the inner size takes consecutive CP ranks): a `cp_ulysses` group is TP x cp_ulysses consecutive ranks in all
+    (inside a node when that fits one), and a `cp_ring` group strides by TP x cp_ulysses. Hybrid sharded data
+    parallelism (HSDP, `zero_shard` = k, default all of DP x CP) splits each dp_cp group into `dp_cp_shard` groups
+    of k consecutive DP x CP ranks (the weights sharded over them: one node, say) and `dp_cp_replicate` groups of
+    the ranks at the same place in every shard group (the shards replicated across).
     """
     dp = validate_layout(world_size, tp, pp, cp, ep, cp_ulysses, zero_shard)
     dense_shape, dense_names = (tp, cp, dp, pp), ("tp", "cp", "dp", "pp")
@@ -403,10 +202,7 @@ def warn_if_tp_crosses_nodes(groups, gpus_per_node):
                       f"choose tp <= {gpus_per_node} dividing it, and put the rest into pp or dp", stacklevel=2)
 
 
-# ----------------------------------------------------------------------------------------------------
-# Process groups: one object per rank with its coordinates and its groups
-# ----------------------------------------------------------------------------------------------------
-
+# ---- process groups: one object per rank with its coordinates and its groups ---------------------------
 @dataclass
 class ParallelState:
     """One rank's place in the layout. `groups[kind]` is the process group of that kind holding this rank,
@@ -425,37 +221,14 @@ class ParallelState:
     intra_node: dict
     mesh: object = field(default=None, repr=False)
 
-    @property
-    def tp_rank(self):
-        return self.coords["tp"]
-
-    @property
-    def cp_rank(self):
-        return self.coords["cp"]
-
-    @property
-    def dp_rank(self):
-        return self.coords["dp"]
-
-    @property
-    def pp_rank(self):
-        return self.coords["pp"]
-
-    @property
-    def ep_rank(self):
-        return self.coords["ep"]
-
-    @property
-    def edp_rank(self):
-        return self.coords["edp"]
-
-    @property
-    def cp_ulysses_rank(self):
-        return self.coords["cp_ulysses"]
-
-    @property
-    def cp_ring_rank(self):
-        return self.coords["cp_ring"]
+    tp_rank = property(lambda self: self.coords["tp"])
+    cp_rank = property(lambda self: self.coords["cp"])
+    dp_rank = property(lambda self: self.coords["dp"])
+    pp_rank = property(lambda self: self.coords["pp"])
+    ep_rank = property(lambda self: self.coords["ep"])
+    edp_rank = property(lambda self: self.coords["edp"])
+    cp_ulysses_rank = property(lambda self: self.coords["cp_ulysses"])
+    cp_ring_rank = property(lambda self: self.coords["cp_ring"])
 
 
 def choose_backend(say=None):
@@ -561,10 +334,7 @@ def init_parallel(tp=1, pp=1, cp=1, ep=1, gpus_per_node=None, with_mesh=True, cp
     return state
 
 
-# ----------------------------------------------------------------------------------------------------
-# The rank map picture
-# ----------------------------------------------------------------------------------------------------
-
+# ---- the rank map picture ------------------------------------------------------------------------------
 def rank_map(nodes, gpus_per_node, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1):
     """A node x GPU grid of (tp, cp, dp, pp) coordinates, then the group lists and where each kind lives (the
     hybrid's cp_ulysses and cp_ring kinds only where cp_ulysses > 1: else they are single ranks and cp itself)."""
@@ -601,19 +371,364 @@ def rank_map(nodes, gpus_per_node, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1):
     return "\n".join(lines)
 
 
-# ----------------------------------------------------------------------------------------------------
-# The planner: memory and step time of Megatron-LM training, from published formulas and measured constants
-# ----------------------------------------------------------------------------------------------------
+# ---- plan A against plan B on 64 GPUs, in closed form ----------------------------------------------------
 
 GB = 1e9
 MEMORY_HEADROOM = 0.9       # usable fraction of GPU memory: CUDA context, allocator fragmentation, buffers
 ACT_BYTES = 2               # 16-bit activations and gradients on the wire
-GRAD_BYTES = 2              # gradients reduced in 16 bits (Table 1 ran fp16 with fp16 gradient buffers)
-# Model states per parameter (Megatron-LM's accounting; ZeRO, Rajbhandari et al. 2020): 16-bit weight, 16-bit
-# gradient, and 16 bytes of optimizer state: fp32 master weight, Adam's two fp32 moments and the fp32 copy of
-# the gradient. The ZeRO paper's 16 bytes leave out that gradient copy. A distributed optimizer (ZeRO-1) shards
-# the 16 over DP x CP.
+# Model states per parameter (Megatron-LM's accounting): 16-bit weight, 16-bit gradient, and 16 bytes of optimizer
+# state: fp32 master weight, Adam's two fp32 moments and the fp32 copy of the gradient
 STATE_BYTES = {"weights": 2, "grads": 2, "optimizer": 16}
+# One DGX A100 80 GB: datasheet peak, the fraction of it large GEMMs reach (the planner's calibration below), the
+# achieved bus bandwidth of an all-reduce on NVLink, InfiniBand per GPU (HDR, one NIC each), latency per collective
+# and per pipeline exchange
+A100 = dict(gpu_mem_gb=80, peak_tflops=312, efficiency=0.71, nvlink_gbps=230, ib_gbps=23, collective_latency_us=10,
+            p2p_latency_us=50)
+CHAPTER_MODEL = dict(layers=40, hidden=5120, heads=40, seq=2048, vocab=51200, global_batch=512)
+CHAPTER_PLANS = {"A": dict(tp=8, pp=4, dp=2), "B": dict(tp=4, pp=8, dp=2)}
+
+
+def dense_layer_parameters(hidden):
+    """12 h^2 + 13 h: attention 4 h^2 + 4 h, MLP 8 h^2 + 5 h, two LayerNorms 4 h."""
+    return 12 * hidden * hidden + 13 * hidden
+
+
+def layer_activation_bytes(seq, hidden, heads, micro_batch, tp, cp=1, recompute="selective", sequence_parallel=True,
+                           flash_attention=False):
+    """Korthikanti et al. 2022, 16-bit, one layer and micro-batch, the sequence split cp ways (the scores keep one s):
+    without SP  none s b h (10 + 24/t + 5as/(ht)), selective s b h (10 + 24/t), full 2 s b h;
+    with SP     none s b h/t (34 + 5as/h),        selective 34 s b h/t,       full 2 s b h/t.
+    A flash attention kernel stores no scores: its "none" is "selective"."""
+    s_local, s, h, a, t = seq // cp, seq, hidden, heads, tp
+    sbh = s_local * micro_batch * h
+    scores = 0 if flash_attention else 5 * a * s / (h * t)
+    if sequence_parallel:
+        return {"none": sbh / t * (34 + scores * t), "selective": 34 * sbh / t, "full": 2 * sbh / t}[recompute]
+    return {"none": sbh * (10 + 24 / t + scores), "selective": sbh * (10 + 24 / t), "full": 2 * sbh}[recompute]
+
+
+def ring_allreduce_bytes(tokens, hidden, ranks, bytes_per_element=ACT_BYTES):
+    """Bytes each GPU sends in a ring all-reduce of a tokens x hidden tensor over `ranks`: 2 (n-1)/n of it."""
+    return 2 * (ranks - 1) / ranks * tokens * hidden * bytes_per_element
+
+
+def plan_figures(tp, pp, dp, layers, hidden, heads, seq, vocab, global_batch, micro_batch=1, gpus_per_node=8,
+                 machine=A100):
+    """The docstring's closed form for one layout of a dense GPT (cp 1, 1F1B, selective recomputation with SP, no
+    ZeRO): stage 0's memory in bytes, what each GPU sends per step and over which link, the bubble, and seconds."""
+    micro_batches, stage_layers = global_batch // (dp * micro_batch), layers // pp
+    # memory of a stage-0 GPU: its layers' and the embedding's parameters, and the activations of the micro-batches
+    # in flight (1F1B: p before their backward; GPipe would hold all m)
+    params = (dense_layer_parameters(hidden) * stage_layers + vocab * hidden) / tp + seq * hidden
+    out = {"params": params, "micro_batches": micro_batches, "in_flight": min(pp, micro_batches),
+           **{f"{kind}_bytes": size * params for kind, size in STATE_BYTES.items()}}
+    kept = stage_layers * layer_activation_bytes(seq, hidden, heads, micro_batch, tp)
+    working = 5 * heads * seq * seq * micro_batch / tp  # the scores of the layer being recomputed
+    embedding = seq * micro_batch * hidden / tp  # the embedding's dropout mask, split by SP
+    logits = 4 * seq * micro_batch * vocab / tp if pp == 1 else 0.0  # fp32 logits when stage 0 is also the last
+    out["activations_bytes"] = kept * out["in_flight"] + working + embedding * out["in_flight"] + logits
+    out["memory_bytes"] = sum(out[f"{kind}_bytes"] for kind in STATE_BYTES) + out["activations_bytes"]
+    out["fits"] = out["memory_bytes"] <= MEMORY_HEADROOM * machine["gpu_mem_gb"] * GB
+    # what each GPU sends per step, and over which link its group runs
+    out["inside_node"] = inside = group_locality(rank_groups(tp * pp * dp, tp=tp, pp=pp), gpus_per_node)
+    link = {kind: (machine["nvlink_gbps"] if inside[kind] else machine["ib_gbps"]) * GB for kind in ("tp", "dp", "pp")}
+    tp_collectives = micro_batches * stage_layers * 4 if tp > 1 else 0  # 2 forward, 2 backward
+    out["tp_bytes"] = tp_collectives * ring_allreduce_bytes(seq * micro_batch, hidden, tp)
+    pp_exchanges = 2 * micro_batches if pp > 1 else 0  # an activation forward, its gradient back
+    out["pp_bytes"] = pp_exchanges * seq * micro_batch * hidden / tp * ACT_BYTES  # each TP rank sends 1/t
+    out["dp_bytes"] = 2 * (dp - 1) / dp * STATE_BYTES["grads"] * params
+    # first and last stage all-reduce the tied embedding's gradient: 2 (n-1)/n = 1 for n = 2
+    out["embedding_bytes"] = STATE_BYTES["grads"] * vocab * hidden / tp if pp > 1 else 0.0
+    # seconds: bytes over the link plus a latency per collective or exchange; compute at the large-GEMM efficiency
+    out["tp_s"] = out["tp_bytes"] / link["tp"] + tp_collectives * machine["collective_latency_us"] * 1e-6
+    out["pp_s"] = out["pp_bytes"] / link["pp"] + pp_exchanges * machine["p2p_latency_us"] * 1e-6
+    out["dp_s"] = out["dp_bytes"] / link["dp"] + out["embedding_bytes"] / link["pp"]
+    # model FLOPs 72 B s L h^2 (1 + s/6h + V/12Lh) and the attention core selective recomputation redoes, 4 B s^2 h L
+    flops = (72 * global_batch * seq * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
+             + 4 * global_batch * seq ** 2 * hidden * layers)
+    out["compute_s"] = flops / (tp * pp * dp) / (machine["peak_tflops"] * 1e12 * machine["efficiency"])
+    out["bubble"] = (pp - 1) / micro_batches  # of the busy time
+    out["bubble_s"] = out["bubble"] * (out["compute_s"] + out["tp_s"] + out["pp_s"])
+    out["step_s"] = out["compute_s"] + out["tp_s"] + out["pp_s"] + out["bubble_s"] + out["dp_s"]
+    return out
+
+
+def chapter_plans(model=CHAPTER_MODEL, plans=CHAPTER_PLANS, gpus_per_node=8, machine=A100):
+    """plan_figures of each plan, and the name of the faster one that fits."""
+    figures = {name: plan_figures(**layout, **model, gpus_per_node=gpus_per_node, machine=machine)
+               for name, layout in plans.items()}
+    return figures, min((n for n in figures if figures[n]["fits"]), key=lambda n: figures[n]["step_s"])
+
+
+def print_chapter_plans(model=CHAPTER_MODEL, plans=CHAPTER_PLANS):
+    figures, best = chapter_plans(model, plans)
+    print(f"L={model['layers']} h={model['hidden']} a={model['heads']} s={model['seq']} V={model['vocab']} "
+          f"B={model['global_batch']}, b=1, selective recomputation + SP, 1F1B, on 64 A100 (8 nodes x 8)")
+    link = lambda plan, kind: " NVLink" if plan["inside_node"][kind] else " IB"  # noqa: E731
+    rows = [("parameters per GPU, M", lambda plan: f"{plan['params'] / 1e6:.1f}"),
+            ("weights+grads+Adam GB", lambda plan: f"{sum(plan[k + '_bytes'] for k in STATE_BYTES) / GB:.2f}"),
+            ("activations GB", lambda plan: f"{plan['activations_bytes'] / GB:.2f}")]
+    rows += [(f"{kind.upper()} GB per step, link", lambda plan, kind=kind: f"{plan[kind + '_bytes'] / GB:.2f}"
+              + link(plan, kind)) for kind in ("tp", "dp", "pp")]
+    rows += [("bubble (p-1)/m", lambda plan: f"{plan['bubble']:.4f}")]
+    rows += [(f"{key[:-2]} s", lambda plan, key=key: f"{plan[key]:.3f}")
+             for key in ("compute_s", "tp_s", "pp_s", "bubble_s", "dp_s", "step_s")]
+    print(f"{'':24s}" + "".join(f"{name}: TP{p['tp']} PP{p['pp']} DP{p['dp']}".rjust(20) for name, p in plans.items()))
+    for label, show in rows:
+        print(f"{label:24s}" + "".join(show(figures[name]).rjust(20) for name in plans))
+    a, b = figures["A"], figures["B"]
+    print(f"answer: plan {best}. B sends {b['tp_bytes'] / a['tp_bytes']:.2f} of A's TP bytes "
+          f"({a['tp_s'] - b['tp_s']:.2f} s less) and reduces its gradients on{link(b, 'dp')} "
+          f"({a['dp_s'] - b['dp_s']:.3f} s less); it pays a bubble of {b['bubble']:.4f} against {a['bubble']:.4f} of "
+          f"the busy time ({b['bubble_s'] - a['bubble_s']:.3f} s more), {b['pp_s'] - a['pp_s']:.3f} s more in "
+          f"exchanges and {b['activations_bytes'] / a['activations_bytes']:.1f}x the activations, which fit in 80 GB.")
+
+
+def chapter_demo():
+    """The chapter in one read: the groups of a small layout, the rank maps of plans A and B, the two compared."""
+    groups = rank_groups(16, tp=2, pp=2, cp=2, ep=2)
+    print("rank_groups(16, tp=2, pp=2, cp=2, ep=2):")
+    for kind in ("tp", "cp", "dp", "pp", "dp_cp", "embedding", "ep", "edp"):
+        print(f"{kind:>11s}: " + " ".join(str(g) for g in groups[kind]))
+    for name, layout in CHAPTER_PLANS.items():
+        print(f"\nplan {name}: " + rank_map(8, 8, tp=layout["tp"], pp=layout["pp"]))
+    print()
+    print_chapter_plans()
+
+
+# BEYOND THE CHAPTER: the planner (every layout and knob: schedules, ZeRO, recomputation, CP, MoE), calibration, CLI
+"""The planner estimates, for every layout that divides the cluster and the model, the memory of the most loaded
+GPU and the time of one training step, chooses the knobs a practitioner chooses besides (TP, PP, CP, and EP for a
+MoE model) -- the recomputation (none, selective, full: the cheapest that fits), the micro-batch size b, the
+pipeline schedule (1F1B, interleaved with v chunks per stage, zero bubble ZB-H1 with v >= 1), sequence parallelism
+(SP), the ZeRO level (0-3) and its shard size (HSDP), and CP's Ulysses size u (hybrid CP) -- ranks the layouts that
+fit by step time, and says why the winner wins; `plan --command` prints the torchrun line that runs the top row
+with train_gpt.py. It models Megatron-LM (GPT, 4h MLP, tied embeddings, unfused attention core, 16-bit), the
+implementation Narayanan et al. 2021 measured. Notation: s b h a L V t p c d as usual, m = B / (d b) micro-batches
+per pipeline, M = b s / c tokens per GPU, n = d c the gradient-reduction group, k the ZeRO shard size (n, or less
+with HSDP), u the Ulysses size of CP (c = u r, r the ring's size).
+
+Memory of the most loaded GPU (fits when <= 0.9 x GPU memory: CUDA context, allocator, buffers):
+    parameters   ((12 h^2 + 13 h) L/p + V h) / t + s h            (embedding on stage 0, positions not split)
+    states       2 + 2 + 16 bytes per parameter (16-bit weight, 16-bit gradient, fp32 master, Adam moments
+                 and fp32 gradient copy: Megatron-LM's accounting; grad_bytes 4: 2 + 4 + 12); ZeRO (Rajbhandari
+                 et al. 2020, FSDP) shards over k: ZeRO-1 the optimizer state, 4 + 16/k (6 + 12/k); ZeRO-2 the
+                 gradients too, 2 + 18/k (2 + 16/k); ZeRO-3 the parameters too, 20/k (18/k); ZeRO-2 and 3 add
+                 the full gradient of the unit (a layer, or the embedding) being reduce-scattered, ZeRO-3 the
+                 16-bit parameters of two units (the one computing and the next one, prefetched)
+    activations  per layer and micro-batch, Korthikanti et al. 2022; under CP the s of s b h is s/c and the
+                 scores keep one s (5as/h: s/c queries against s keys; hybrid CP holds as many elements, s/r
+                 tokens of 1/u of the heads):
+                   SP      none s b h/t (34 + 5as/h)       selective 34 s b h/t        full 2 s b h/t
+                   no SP   none s b h (10 + 24/t + 5as/(ht)) selective s b h (10 + 24/t) full 2 s b h
+                 x L/p layers x the micro-batches in flight on stage 0: 1F1B p (GPipe would keep m),
+                 interleaved p + (p-1)/v (Korthikanti section 4.2.3), never more than m; plus one layer in
+                 full while it is recomputed, the embedding's dropout mask (s b h, / t with SP, per micro-batch
+                 in flight), and with p = 1 the fp32 logits 4 s b V / t.
+                 ZB-H1 keeps rank r's k_r chunks before their B as its base order does (1F1B k_r = p - r,
+                 interleaved 2 (p - r - 1) + (v - 1) p + 1, at most v m) and d_r = min(k_r + r, v m) - k_r
+                 chunks whose W is deferred (rank 0: none), each holding A_w: every linear's input and output
+                 gradient, as train_gpt.py keeps them for W, per layer s b h (8 + 24/t) with multi-head
+                 attention (`deferred_w_bytes`); rank r holds (k_r A + d_r A_w) / v + max(0, A_w - A)/v (right
+                 after a B, before the next F) with A a stage's kept activations: the most loaded rank is stage
+                 0 while A_w <= A, a later one under full recomputation (A = 2 s b h/t).
+
+Time of one layer's forward for one micro-batch on one GPU (measured constants below):
+    GEMMs        QKV (M, h, 3h/t), projection (M, h/t, h), MLP (M, h, 4h/t), (M, 4h/t, h):
+                 2 M N K / (peak e(x)), e(x) = e_max x / (x + x0), x = min(M, N, K): every output tile pays
+                 a fixed prologue/epilogue and small M or N leave SMs idle in the last wave (NVIDIA,
+                 "Matrix Multiplication Background", tile and wave quantisation), so TP, which divides N or
+                 K by t, makes the GEMMs less efficient
+    attention    the s x s scores of a/t heads (n_s = b a s^2 / (t c)): max(4 (h/a) n_s / (peak e_max),
+                 13 n_s / HBM): QK^T writes them, the fused softmax and the dropout read and write them,
+                 AV reads them (memory-bound for head sizes h/a < 13 peak e_max / (4 HBM), over 400
+                 with every preset below)
+    elementwise  M h (22 / t_SP + 16 / t) / HBM bytes: 2 LayerNorms and 2 fused bias-dropout-adds (22,
+                 split t ways only with SP), the fused bias-GeLU on 4h/t (16); plus 20 kernel launches
+    TP           2 all-reduces (SP: all-gather + reduce-scatter, the same bytes) of M h 16-bit values:
+                 2 (2 (t-1)/t M h e / B + latency), B the NVLink bus bandwidth (a TP group given across
+                 nodes, k GPUs per node: k NICs' worth)
+    CP ring      K and V shards (2 M h / t values) passed r-1 times; backward 2r-1 times (K, V and dK, dV);
+                 each step also pays a collective latency and 3 kernel launches, and each later block
+                 merges its partial output into the fp32 accumulator (12 bytes per output element)
+    CP Ulysses   hybrid CP (USP, Fang and Zhao 2024; Megatron-Core's a2a+p2p): u > 1 consecutive CP ranks
+                 trade sequence for heads first, 4 all-to-alls forward and 4 backward, together (u-1)/u
+                 b s/(u r) (2 h + 2 h_kv)/t e per GPU (`hybrid_comm_bytes`, long_seq.py's formula), not
+                 overlapped; the ring then runs over r = c/u ranks on s/r tokens of 1/u of the heads (as many
+                 elements per step, r-1 steps). u divides c and the (KV) heads per TP rank; u = 1 is the ring,
+                 u = c Ulysses; the search takes the u with the least CP seconds (nothing else depends on it)
+    backward = 2 x the forward's work with the same TP collectives; full recomputation adds the forward,
+    selective the attention core; the output layer (last stage): 3 GEMMs (M, h, V/t) and a 48-byte fp32
+    cross-entropy per logit; a stage = its L/p layers, the output layer (the last stage is the slowest) and
+    2v pipeline exchanges of M h / t values (scatter-gather: each TP rank sends 1/t, then without SP an
+    all-gather over NVLink) plus p2p latency each. ZB-H1 splits each backward into B (input gradients, the
+    attention core, the elementwise work, the communication, the recomputation) and W (one weight-gradient GEMM
+    per forward GEMM, of its shape: W = the forward's GEMM time, the output layer's one of its three), so that
+    W <= F and W <= B always, about half of the backward's work where GEMMs dominate.
+Step time = m x stage (compute + TP + CP + p2p) + bubble + gradient reduction + the tied embedding's all-reduce
+between first and last stage + the optimizer step (48 bytes of HBM traffic per parameter updated, / k with ZeRO).
+    bubble       1F1B (p-1) stage, interleaved (p-1)/v stage (Narayanan et al. 2021); ZB-H1 (Qi et al. 2023)
+                 per chunk (p-1)(F + B) - (min(m, p) - 1) W, i.e. (p-1)(F + B - W) for m >= p: (p-1)/v (stage -
+                 2 W_stage), a third of 1F1B's when F = B = W (`pipeline_bubble`, exact for W <= min(F, B))
+    DP           in (n-1)/n of the gradient bytes each (a ring; across nodes a group with k members per node
+                 moves k NICs' worth, NCCL runs one ring per NIC): ZeRO-0 an all-reduce (2 per step), ZeRO-1
+                 reduce-scatter + all-gather (2 per step), ZeRO-2 a reduce-scatter per micro-batch (its gradients
+                 go to their owners as its backward makes them) + 1 all-gather, ZeRO-3 per micro-batch an
+                 all-gather for the forward, one for the backward and the reduce-scatter (with m
+                 micro-batches ZeRO-2/3 pay per micro-batch); the parameter all-gathers are counted at the
+                 gradient's bytes, as ZeRO-1's always were (exact for 16-bit gradients, twice the 16-bit
+                 parameters' bytes with fp32 main grads). HSDP (k < n): those over k consecutive ranks of the DP x
+                 CP group (one node's, when the search chooses), and an all-reduce of the 1/k shard over the n/k
+                 replicas once per step. Experts over the GPUs holding the same ones (no HSDP for them).
+Each row also splits compute_s into gemm_s, attention_s, elementwise_s and output_layer_s. The pipeline part, m
+(stage + 2v exchanges) + (p-1)/v stage with the output layer on the last stage, is checked in
+tests/test_topology.py against a rank-by-rank replay of Megatron-LM 2021's 1F1B and interleaved schedules
+(megatron/schedules.py of the SC'21 artifact: every exchange one blocking batch_isend_irecv, finished when the
+neighbours have posted theirs): it overstates the replay by 0.2-0.6%, because the 2021 steady state sends both
+directions in one exchange. The bubble and in-flight formulas of every schedule are checked against train_gpt.py's
+replay of the very lists its executor runs (`pipeline_schedule`, `replay_pipeline`) over a grid of p, m, v.
+
+What overlaps compute, as Megatron-LM does it: the CP ring's exchanges hide behind the attention core (only
+the excess counts); the gradient reduction hides behind the last micro-batch's backward only with
+`overlap_grad_reduce` (torch DDP, Megatron-Core's --overlap-grad-reduce; not Megatron-LM's 2021 "local"
+DDP, which Table 1's pipelined runs used); with it ZeRO-2 and 3 hide each micro-batch's collectives behind that
+micro-batch's backward (ZeRO-3's, with its forward all-gather, behind forward and backward: 1.5 x the backward),
+the once-per-step ones behind the last backward. Not overlapped: TP collectives (each feeds the next GEMM;
+Megatron-Core's --tp-comm-overlap is not modelled), pipeline exchanges (the 2021 schedule blocks on each
+batch_isend_irecv and synchronises), Ulysses' all-to-alls, the embedding all-reduce, the optimizer step. The
+interleaved schedule, and ZB-H1 with v > 1, needs m to be a multiple of p and p >= `interleave_min_pp`: 2 today, 3
+in 2021 (Megatron-LM's arguments.py then asserted PP > 2; PP = 2 interleaving came with "Enable virtual pipelining
+and P2P communication overlap at PP=2", 2023). The search tries the schedules and ZeRO levels the implementation
+offers (`Cluster.schedules`, `Cluster.zero_levels`: all of them by default; CLUSTER_2021 1F1B and interleaved with
+ZeRO off, MEGATRON_CORE_2025 1F1B and interleaved with ZeRO-0/1), HSDP over every DP x CP rank or one node's, every
+Ulysses size; a fixed knob is taken as given. ZeRO-0 is left out where ZeRO-1 can run (the same bytes, more memory, a
+slower optimizer step).
+
+Constants (flags of `plan`; presets `--gpu a100|h100|h200`). A100 80 GB: peak 312 TFLOP/s (datasheet), HBM 1730
+GB/s achieved (85% of 2039), NVLink all-reduce bus bandwidth 230 GB/s (nccl-tests, DGX A100, of 300), InfiniBand
+23 GB/s per GPU (HDR 25), 4 us per kernel launch, 10 us per collective, 50 us per pipeline exchange, x0 = 128
+(one tile edge of the A100 GEMM kernels) and e_max = 0.71, chosen once: with x0 fixed, the e_max in 0.60..0.90
+(steps of 0.01) that minimises the largest error over the ten rows of Narayanan et al. 2021, Table 1
+(`fit_efficiency` repeats the choice; `python topology.py calibrate`); worst error -5.3% (the 1T run), all rows
+within 5.3%. H100 / H200: peak 989, HBM 2850 / 4080 (85% of 3350 / 4800), NVLink 360 (of 450), NDR 45 GB/s (of
+50), memory 80 / 141 GB; e_max and x0 carried over from A100, not calibrated (no published table with its
+configurations).
+
+Against Table 1 (`python topology.py calibrate`): every published run fits in 80 GB (full recomputation, at most
+62 GB); the predicted TFLOP/s per GPU are within 5.3% of the measured ones on all ten rows. With the authors'
+software (full recomputation, no SP, ZeRO or CP, interleaving from PP = 3; the planner picks b and v), the
+published (TP, PP) is the planner's top choice in 7 rows and within 5% of its step time in 8 (worst: 145.6B,
++3.7%). Not for 18.4B and 39.1B: keeping t p, the planner trades TP for PP, TP2 PP4 (b 2, v 5) 8.05 s against the
+published TP8 PP1's 9.17 s (+13.8%) and TP2 PP8 (b 2, v 6) 12.55 s against TP8 PP2's 14.39 s (+14.7%). Term by
+term (calibrate prints them) TP8 pays 1.26 / 1.54 s more in exposed TP all-reduces and 0.59 / 0.88 s more in the
+LayerNorm, dropout and residual work every TP rank repeats without SP; the deeper pipelines pay back only 0.85 /
+0.66 s (p2p, bubble, their logits beside fewer layers, DP). These terms are checked: the pipeline ones against
+the replay of the 2021 schedules, TP at t = 1, 2, 4, 8 by rows 1-4 (errors +2.2..+2.9%). To come within 5% the
+pipelines' costs would have to double, and no cost of the 2021 implementation examined does that while Table 1
+stays within 6%: `python topology.py calibrate --scan` refits e_max for each variant (pipeline exchanges at 15 or
+4 GB/s, 1 or 4 ms per exchange, both extremes at once, TP all-reduces at 600 GB/s) and prints the worst error and
+the two rows' gaps; the 4 GB/s exchanges, for one, leave +7.1% / +9.6% with the worst error already 5.5%, and 600
+GB/s brings 18.4B in but not 39.1B, with the 1T row 8.2% off. So the disagreement is the model's prediction, not
+a missing term: at 18-39B without SP, TP8 repeats the LayerNorms 8 times and exposes its all-reduces, which the
+paper's rule (TP up to a node, then PP) accepts; sequence parallelism (2022) removes the former, and with every
+knob the planner keeps TP2 with SP there. With every knob (ZeRO-1 and SP let smaller TP fit, ZB-H1 shrinks the
+bubble) it moves further from the 2021 layouts: ZB-H1 on every pipelined top choice but the 1T row's (interleaved,
+v = 8), ZeRO-1 throughout (without the overlapped reduction ZeRO-2/3 pay their per-micro-batch collectives in full).
+
+TFLOP/s per GPU are counted as Narayanan et al. count them, 96 B s L h^2 (1 + s/6h + V/16Lh) per step
+(every layer 4 x its forward, as with full recomputation), divided by step time and GPUs, whatever the plan
+recomputes: a throughput in Table 1's units. `mfu` uses the model FLOPs, 72 B s L h^2 (1 + s/6h + V/12Lh);
+`hfu` the hardware FLOPs, the model FLOPs plus what the plan recomputes (Korthikanti et al. 2022: full
+recomputation adds 24 B s L h^2 (1 + s/6h), selective the attention core's 4 B s^2 h L).
+
+MoE (ModelShape with train_gpt.py's names: every `moe_every`-th layer's MLP is E = `experts` expert MLPs of hidden
+f = `expert_hidden`, k = `top_k` per token, a router of E h weights, optionally a shared expert of hidden f_s that
+every token passes; train_gpt.py's block is moe_ep.MoE(h, 4h, E, k): f = 4h, GeLU, f_s = 0, no expert or router
+biases). With n = 2 matrices per expert MLP (3 with SwiGLU) and h_kv the K/V width (h; less with GQA):
+    parameters   a dense layer 12 h^2 + 13 h; a MoE layer 2 h^2 + 2 h h_kv + (h + 2 h_kv) + h + 4 h (attention, its
+                 biases, LayerNorms) + E h + n h f_s + E n h f; + V h (twice untied) + s h. Active per token: k of
+                 the E experts
+    FLOPs        6 N + 12 L h s per token (train_gpt.py's model_flops_per_token), N = V h + per layer 2 h^2 + 2 h h_kv
+                 and 8 h^2 (dense) or E h + k n h f + k h + n h f_s (MoE: router, k experts, the weighted sum of
+                 their outputs, the shared expert)
+    layout       experts whole (expert TP 1), sharded over EP and replicated over EDP: the expert grid tp-ep-edp-pp,
+                 ep x edp = cp x dp, EP at stride tp (Cluster.expert_folding "dp_cp": topology.rank_groups and
+                 train_gpt.py, whose TP ranks each hold the EP shard's experts and split the MoE tokens), or
+                 Megatron-Core's MoE parallel folding (Liu et al. 2025; "tp_dp_cp"): ep x edp = tp x cp x dp, EP
+                 fastest. A MoE layer sees T = b s / (t c) tokens per GPU (SP: Megatron-Core requires it with MoE
+                 and TP), R = T k F copies of which reach this GPU's E/ep experts
+    load factor  F: the busiest EP rank's copies over the uniform T k; `imbalance` (>= 1, stated: 1 for balanced
+                 routing; load_imbalance(copies per EP rank) of a measured routing), capped by `capacity_factor`
+                 when tokens are dropped, 1 without EP (one GPU holds every expert)
+    memory       E/ep experts per MoE layer, their optimizer states sharded by ZeRO-1 over EDP (cp dp/ep; tp cp dp/ep
+                 folded), the dense ones over dp cp; kept per MoE layer and micro-batch (15 + 5 a s/h) s b h/t
+                 (attention and LayerNorms as Korthikanti; the scores not with selective or flash) + 2 T h + 4 T E +
+                 T h + 4 R h + 2 (g + 1)(R f + T f_s) (router input and fp32 probabilities, dropout mask, each copy's
+                 expert input and output, the expert activations; g = 2 with SwiGLU, 1 with GeLU); full: 2 s b h/t
+    all-to-all   per MoE layer and micro-batch: dispatch and combine forward, both again backward (the forward pair
+                 again under full recomputation), each sending T k h e (P - 1)/P x F bytes from the busiest GPU
+                 (a copy stays home with probability 1/P; F times that returns from the busiest rank
+                 in the combine and the dispatch's backward), `moe_a2a_bytes`. With g of the P members on this GPU's
+                 node, (g - 1)/(P - 1) of the bytes go over NVLink and (P - g)/(P - 1) over this GPU's own NIC, at once:
+                 max(inside / NVLink, across / IB) + a latency (`a2a_seconds`); the counts exchange adds a latency.
+                 Not overlapped (Megatron-Core's alltoall dispatcher of 2025); a shared expert's overlap is not
+                 modelled
+    time         the router (T, h, E); each local expert's GEMMs (r, h, g f) and (r, f, h) on its r = R/(E/ep)
+                 rows, x = min(r, h, f): many experts at a small load run below e_max; the shared expert
+                 as a TP-split MLP; PERMUTE_BYTES = 8 per element of T k h (permutation, un-permutation and weighted
+                 sum) and EXPERT_ACT_BYTES 4 (GeLU) or 6 (SwiGLU) per element of R f through HBM, 6 more kernels;
+                 one TP pair (the attention's) instead of two, two with a shared expert; gradients of the dense weights
+                 over dp cp, of the experts over the tp cp dp/ep GPUs holding the same ones. The slowest stage is the
+                 last (the output layer), or one with more MoE layers when that one is slower.
+Implementation switches besides the presets (Cluster): `flash_attention` (Megatron-Core, Transformer Engine: the
+attention core is the causal half of 4 (h/a) FLOPs per score at e_max, 2.5x that in backward, no scores kept),
+`grad_bytes` 4 (fp32 main grads: 2 + 4 + 12 bytes per parameter, 6 + 12/n with ZeRO-1, 4-byte gradient reduction),
+`expert_folding`. The search tries every EP that divides E and the folding's ranks.
+
+Against published MoE runs (`python topology.py calibrate`, after Table 1). Liu et al. 2025, "MoE Parallel Folding"
+(arXiv 2504.14960), report 49.3% MFU for Mixtral 8x22B on 128 H100 and 39.0% for Qwen2-57B-A14B on 64, in
+Megatron-Core's FLOP count (`megatron_flops_per_token`: without the router and the weighted sum, 0.01% and 0.05% less
+than ours). Their layouts are the authors' benchmark configurations of April 2025 (github.com/yanring/Megatron-MoE-
+ModelZoo: runtime.conf, model_configs/benchmarking): Mixtral 8x22B (56 layers, h 6144, 48 heads, 8 KV
+groups, 8 SwiGLU experts of 16384, top-2, V 32000) TP2 PP8 EP8 (expert TP 1) DP8, v 1; Qwen2-57B-A14B (28 layers, h
+3584, 28 heads, 4 KV groups, 64 experts of 2560, top-8, a shared expert of 20480, V 151936) TP2 PP4 EP4 DP8, v 7; both
+sequence 4096, global batch 256, micro-batch 1, untied embeddings, no recomputation, SP, distributed optimizer,
+overlapped gradient reduction, flash attention, bf16 (MEGATRON_CORE_2025, MOE_RUN_KNOBS); load factor 1 (balanced:
+the benchmark mode drops tokens at capacity factor 1, so no expert exceeds its share). With the H100 preset
+unchanged (e_max and x0 carried over from Table 1, nothing fitted to these rows) the published layouts are predicted
+at 46.0% (-6.7%) and 39.8% (+2.1%) MFU, worst error -6.7%, and fit (69.6 and 63.5 GB of 72): counted conservatively
+(positions as learned, 25 M parameters; dropout masks although the runs had no dropout; K and V at full width in
+Korthikanti's 11 s b h). The planner's own top choice with the same software (1F1B or interleaved, ZeRO-0/1, ring,
+Ulysses or hybrid CP): Mixtral TP1 PP8 CP4 EP8 v7 with CP as Ulysses over 4 (the published layout +4.8% slower),
+Qwen2 TP2 PP2 EP8 DP16 v7 (+4.7%). With every schedule and ZeRO level the planner knows, which those runs did not use:
+Mixtral the published layout under ZB-H1 (+10.4%: its 1F1B bubble, 0.78 s, halves), Qwen2 TP1 PP1 EP1 DP64 under
+ZeRO-3 with full recomputation (+14.4%; its per-micro-batch gathers hidden behind the overlapped compute).
+The authors' later Mixtral layout (July 2025, v 7) is predicted at +3.1% but does not fit under that count (74.7 GB).
+DeepSeek-V3 (technical report, arXiv 2412.19437: 2,048 H800, PP16 with DualPipe, EP64 over 8 nodes, ZeRO-1, 180K H800
+GPU hours per trillion tokens, i.e. 1,543 tokens/s per GPU) is not in the table: its MLA attention, FP8 GEMMs,
+DualPipe's overlapped all-to-alls and node-limited routing are outside this cost model.
+
+`python topology.py` prints the chapter (the groups, the rank maps of plans A and B, the closed form); `python
+topology.py --nodes 8 --gpus-per-node 8 --tp 8 --pp 4` draws a rank map (`--help`); `python topology.py plan ...`
+plans (`--moe-every --experts --top-k --ep ...` for MoE; `--pp-schedule --zero --zero-shard-size --cp-ulysses` fix
+the new knobs; `--command` prints the torchrun line of the top row); `python topology.py calibrate` prints Table 1
+and the MoE runs beside the planner; `python topology.py example` prints the chapter's closed form, then the
+planner's rows for the two 64-GPU plans on two model shapes, then EP inside a node against EP across nodes.
+"""
+import argparse
+import json
+import sys
+from dataclasses import replace
+from typing import NamedTuple
+
+
+# ----------------------------------------------------------------------------------------------------
+# The planner: memory and step time of Megatron-LM training, from published formulas and measured constants
+# ----------------------------------------------------------------------------------------------------
+
+GRAD_BYTES = 2              # gradients reduced in 16 bits (Table 1 ran fp16 with fp16 gradient buffers)
+# STATE_BYTES (the chapter's): the ZeRO paper's (Rajbhandari et al. 2020) 16 bytes of optimizer state leave out the
+# fp32 gradient copy; a distributed optimizer (ZeRO-1) shards the 16 over DP x CP
 # HBM traffic of the kernels that are not GEMMs, counted from Megatron-LM's fused kernels, in bytes per element:
 LAYERNORM_DROPOUT_BYTES = 22  # per element of b s h, one layer forward: 2 LayerNorms (read + write, 4 each) and
 #                               2 fused bias-dropout-adds (read 2 tensors, write 1, a 1-byte mask: 7 each);
@@ -629,7 +744,7 @@ OPTIMIZER_STEP_BYTES = 48     # per parameter updated: grad to fp32 (6), unscale
 #                               Adam (read p g m v, write p m v: 28), master back to 16 bits (6)
 KERNELS_PER_LAYER = 20        # kernels in one layer's forward (4 GEMMs, 2 batched GEMMs, 2 LayerNorms, softmax,
 #                               dropout, GeLU, 2 bias-dropout-adds, 2 TP collectives, copies); backward twice that
-# MoE layers (the module docstring's MoE section): HBM traffic of the token permutation and of the experts'
+# MoE layers (the MoE prose above): HBM traffic of the token permutation and of the experts'
 # activation function, and the extra kernels of the dispatch
 PERMUTE_BYTES = 8             # per element of the T k h token copies, forward: the permutation before the
 #                               dispatch (read and write 16 bits: 4), the un-permutation and weighted sum after the
@@ -646,10 +761,10 @@ ZERO_LEVELS = (0, 1, 2, 3)    # train_gpt.py's --zero: replicated, sharded optim
 
 # Per GPU: datasheet peak, achieved bandwidths, the GEMM efficiency curve (e_max = `efficiency`, x0 =
 # `gemm_half_dim`), fixed costs per kernel launch, TP collective and pipeline exchange. Sources and how e_max
-# was chosen: the module docstring. H100 and H200 carry the A100's e_max and x0 over (not calibrated).
+# was chosen: the prose under the banner. H100 and H200 carry the A100's e_max and x0 over (not calibrated). The A100's
+# are the chapter's (A100) and its HBM bandwidth, GEMM tile edge and launch cost.
 GPU_PRESETS = {
-    "a100": dict(gpu_mem_gb=80, peak_tflops=312, hbm_gbps=1730, nvlink_gbps=230, ib_gbps=23,
-                 efficiency=0.71, gemm_half_dim=128, launch_us=4, collective_latency_us=10, p2p_latency_us=50),
+    "a100": dict(A100, hbm_gbps=1730, gemm_half_dim=128, launch_us=4),
     "h100": dict(gpu_mem_gb=80, peak_tflops=989, hbm_gbps=2850, nvlink_gbps=360, ib_gbps=45,
                  efficiency=0.71, gemm_half_dim=128, launch_us=4, collective_latency_us=10, p2p_latency_us=50),
     "h200": dict(gpu_mem_gb=141, peak_tflops=989, hbm_gbps=4080, nvlink_gbps=360, ib_gbps=45,
@@ -692,7 +807,7 @@ class Cluster:
     # bytes per gradient element, held and reduced: 2 (Megatron-LM 2021's fp16 gradient buffers; the distributed
     # optimizer then keeps an fp32 copy in its shard) or 4 (Megatron-Core's fp32 main grads under bf16)
     grad_bytes: int = GRAD_BYTES
-    # which ranks an EP group is drawn from (the module docstring, MoE section): "dp_cp", the dp x cp ranks of one
+    # which ranks an EP group is drawn from (the MoE prose above): "dp_cp", the dp x cp ranks of one
     # (tp, pp) position, as topology.rank_groups builds them and train_gpt.py runs them; or "tp_dp_cp", Megatron-
     # Core's MoE parallel folding with expert TP 1 (Liu et al. 2025): all tp x cp x dp ranks of a stage, EP fastest
     expert_folding: str = "dp_cp"
@@ -836,118 +951,121 @@ class ModelShape:
 
 # ---- the model's parameters and FLOPs ------------------------------------------------------------------
 
-def _kv_width(m):
+def _kv_width(model):
     """Width of K (and of V): h for multi-head attention, h kv_heads / heads with grouped-query attention."""
-    return m.hidden if m.kv_heads is None else m.hidden * m.kv_heads // m.heads
+    return model.hidden if model.kv_heads is None else model.hidden * model.kv_heads // model.heads
 
 
-def expert_hidden(m):
-    return 4 * m.hidden if m.expert_hidden is None else m.expert_hidden
+def expert_hidden(model):
+    return 4 * model.hidden if model.expert_hidden is None else model.expert_hidden
 
 
-def moe_layers_between(m, first, last):
+def moe_layers_between(model, first, last):
     """MoE layers among layers first .. last-1: layer i is one when (i + 1) % moe_every == 0 (train_gpt.py)."""
-    return last // m.moe_every - first // m.moe_every if m.moe_every else 0
+    return last // model.moe_every - first // model.moe_every if model.moe_every else 0
 
 
-def stage_layer_counts(m, pp, stage):
+def stage_layer_counts(model, pp, stage):
     """(dense, MoE) layers of pipeline stage `stage` (each stage holds L/p consecutive layers)."""
-    per = m.layers // pp
-    moe = moe_layers_between(m, stage * per, (stage + 1) * per)
+    per = model.layers // pp
+    moe = moe_layers_between(model, stage * per, (stage + 1) * per)
     return per - moe, moe
 
 
-def layer_parameters(m):
+def layer_parameters(model):
     """Parameters of one layer, by kind: a dense layer (12 h^2 + 13 h with multi-head attention: attention 4 h^2
     + 4 h, MLP 8 h^2 + 5 h, 2 LayerNorms 4 h); the part of a MoE layer that is not an expert (attention,
     LayerNorms, router E h, the shared expert); one expert (2 h f weights, 3 h f with SwiGLU; no biases)."""
-    h, kv, mats = m.hidden, _kv_width(m), 3 if m.swiglu else 2
+    h, kv, mats = model.hidden, _kv_width(model), 3 if model.swiglu else 2
     attention = 2 * h * h + 2 * h * kv + (h + 2 * kv) + h  # QKV and projection weights and biases
     dense = attention + 4 * h + 8 * h * h + 5 * h
     return {"dense": dense,
-            "moe_shared": attention + 4 * h + m.experts * h + mats * h * m.shared_expert_hidden,
-            "expert": mats * h * expert_hidden(m)}
+            "moe_shared": attention + 4 * h + model.experts * h + mats * h * model.shared_expert_hidden,
+            "expert": mats * h * expert_hidden(model)}
 
 
-def _embedding_parameters(m, both_ends):
+def _embedding_parameters(model, both_ends):
     """Token embedding (and, untied and when one GPU holds both ends, the output layer): V h each."""
-    return m.vocab * m.hidden * (2 if both_ends and not m.tied_embeddings else 1)
+    return model.vocab * model.hidden * (2 if both_ends and not model.tied_embeddings else 1)
 
 
-def parameter_count(m):
+def parameter_count(model):
     """Every parameter. Dense: Narayanan et al. 2021, P = 12 L h^2 (1 + 13/(12h) + (V + s)/(12 L h)); a MoE layer
     holds all E experts; untied embeddings add the output layer's V h."""
-    dense, moe = m.layers - moe_layers_between(m, 0, m.layers), moe_layers_between(m, 0, m.layers)
-    p = layer_parameters(m)
-    return (dense * p["dense"] + moe * (p["moe_shared"] + m.experts * p["expert"])
-            + _embedding_parameters(m, True) + m.seq * m.hidden)
+    dense, moe = model.layers - moe_layers_between(model, 0, model.layers), moe_layers_between(model, 0, model.layers)
+    p = layer_parameters(model)
+    return (dense * p["dense"] + moe * (p["moe_shared"] + model.experts * p["expert"])
+            + _embedding_parameters(model, True) + model.seq * model.hidden)
 
 
-def active_parameter_count(m):
+def active_parameter_count(model):
     """The parameters one token uses: every layer's dense part, its MoE layers' top-k experts (and the shared
     expert and router), the embeddings (input and output)."""
-    dense, moe = m.layers - moe_layers_between(m, 0, m.layers), moe_layers_between(m, 0, m.layers)
-    p = layer_parameters(m)
-    return (dense * p["dense"] + moe * (p["moe_shared"] + m.top_k * p["expert"])
-            + _embedding_parameters(m, True) + m.seq * m.hidden)
+    dense, moe = model.layers - moe_layers_between(model, 0, model.layers), moe_layers_between(model, 0, model.layers)
+    p = layer_parameters(model)
+    return (dense * p["dense"] + moe * (p["moe_shared"] + model.top_k * p["expert"])
+            + _embedding_parameters(model, True) + model.seq * model.hidden)
 
 
-def _first_stage_parameters(m, tp, pp, ep):
+def _first_stage_parameters(model, tp, pp, ep):
     """(dense part, expert part) of the parameters of one first-stage GPU: its L/p layers and the token
     embedding split t ways, the position embedding whole (Megatron-LM does not split it; the few replicated
     LayerNorm and router weights, < 0.1%, are counted as split); E/ep experts of each MoE layer, whole (expert
     TP 1). The last stage holds the output layer instead of the embedding: the same count."""
-    dense, moe = stage_layer_counts(m, pp, 0)
-    p = layer_parameters(m)
-    shared = (p["dense"] * dense + p["moe_shared"] * moe + _embedding_parameters(m, pp == 1)) / tp + m.seq * m.hidden
-    return shared, moe * (m.experts // ep) * p["expert"]
+    dense, moe = stage_layer_counts(model, pp, 0)
+    p = layer_parameters(model)
+    shared = ((p["dense"] * dense + p["moe_shared"] * moe + _embedding_parameters(model, pp == 1)) / tp
+              + model.seq * model.hidden)
+    return shared, moe * (model.experts // ep) * p["expert"]
 
 
-def params_on_first_stage(m, tp, pp, ep=1):
+def params_on_first_stage(model, tp, pp, ep=1):
     """Parameters held by one GPU of the first stage (`_first_stage_parameters`, both parts)."""
-    shared, experts = _first_stage_parameters(m, tp, pp, ep)
+    shared, experts = _first_stage_parameters(model, tp, pp, ep)
     return shared + experts
 
 
-def _is_plain(m):
+def _is_plain(model):
     """A dense GPT with multi-head attention: the published closed forms below hold exactly."""
-    return m.moe_every == 0 and _kv_width(m) == m.hidden
+    return model.moe_every == 0 and _kv_width(model) == model.hidden
 
 
-def _matmul_weights_per_token(m):
+def _matmul_weights_per_token(model):
     """Weights of the matmuls one token passes in the layers (train_gpt.py's count): attention 2 h^2 + 2 h h_kv, a
     dense MLP 8 h^2, a MoE MLP E h (router) + k (2|3) h f (its top-k experts) + k h (the router-weighted sum of the
     k outputs, a (1 x k)(k x h) product) + (2|3) h f_s (the shared expert)."""
-    h, kv, mats = m.hidden, _kv_width(m), 3 if m.swiglu else 2
-    moe = moe_layers_between(m, 0, m.layers)
+    h, kv, mats = model.hidden, _kv_width(model), 3 if model.swiglu else 2
+    moe = moe_layers_between(model, 0, model.layers)
     attention = 2 * h * h + 2 * h * kv
-    moe_mlp = m.experts * h + m.top_k * mats * h * expert_hidden(m) + m.top_k * h + mats * h * m.shared_expert_hidden
-    return m.layers * attention + (m.layers - moe) * 8 * h * h + moe * moe_mlp
+    moe_mlp = (model.experts * h + model.top_k * mats * h * expert_hidden(model) + model.top_k * h
+               + mats * h * model.shared_expert_hidden)
+    return model.layers * attention + (model.layers - moe) * 8 * h * h + moe * moe_mlp
 
 
-def flops_per_token(m):
+def flops_per_token(model):
     """Training FLOPs per token (PaLM appendix B, as train_gpt.py's `model_flops_per_token`): 6 N + 12 L h s, N
     the weights of every matmul a token passes (`_matmul_weights_per_token`) and the output layer V h."""
-    return 6 * (_matmul_weights_per_token(m) + m.vocab * m.hidden) + 12 * m.layers * m.hidden * m.seq
+    return (6 * (_matmul_weights_per_token(model) + model.vocab * model.hidden)
+            + 12 * model.layers * model.hidden * model.seq)
 
 
-def paper_flops(m):
+def paper_flops(model):
     """FLOPs of one step as Narayanan et al. 2021 count them (their Table 1's TFLOP/s): every layer 4 x its
     forward (forward, backward 2x, the recomputed forward), the logits 3 x: 96 B s L h^2 (1 + s/6h + V/16Lh);
     for MoE or grouped-query shapes the same rule on `_matmul_weights_per_token`: B s (8 N + 16 L h s + 6 V h)."""
-    B, s, L, h, V = m.global_batch, m.seq, m.layers, m.hidden, m.vocab
-    if _is_plain(m):
+    B, s, L, h, V = model.global_batch, model.seq, model.layers, model.hidden, model.vocab
+    if _is_plain(model):
         return 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
-    return B * s * (8 * _matmul_weights_per_token(m) + 16 * L * h * s + 6 * V * h)
+    return B * s * (8 * _matmul_weights_per_token(model) + 16 * L * h * s + 6 * V * h)
 
 
-def model_flops(m):
+def model_flops(model):
     """FLOPs of one step without recomputation (Korthikanti et al. 2022's model FLOPs, for MFU):
     72 B s L h^2 (1 + s/6h + V/12Lh); MoE or grouped-query shapes: B s x `flops_per_token`."""
-    B, s, L, h, V = m.global_batch, m.seq, m.layers, m.hidden, m.vocab
-    if _is_plain(m):
+    B, s, L, h, V = model.global_batch, model.seq, model.layers, model.hidden, model.vocab
+    if _is_plain(model):
         return 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))
-    return B * s * flops_per_token(m)
+    return B * s * flops_per_token(model)
 
 
 def _knob_value(name, given, from_model, default):
@@ -961,49 +1079,42 @@ def _knob_value(name, given, from_model, default):
     return value
 
 
-def training_flops(m, recompute=None):
+def training_flops(model, recompute=None):
     """Hardware FLOPs of one step: model FLOPs plus what the recomputation redoes: full redoes each layer's
     forward, 24 B s L h^2 (1 + s/6h) (giving the 96 formula; MoE: B s (2 N + 4 L h s)); selective redoes the
     attention core, 4 B s^2 h L."""
-    recompute = _knob_value("recompute", recompute, m.recompute, "none")
-    B, s, L, h = m.global_batch, m.seq, m.layers, m.hidden
-    full = (24 * B * s * L * h * h * (1 + s / (6 * h)) if _is_plain(m)
-            else B * s * (2 * _matmul_weights_per_token(m) + 4 * L * h * s))
+    recompute = _knob_value("recompute", recompute, model.recompute, "none")
+    B, s, L, h = model.global_batch, model.seq, model.layers, model.hidden
+    full = (24 * B * s * L * h * h * (1 + s / (6 * h)) if _is_plain(model)
+            else B * s * (2 * _matmul_weights_per_token(model) + 4 * L * h * s))
     extra = {"none": 0, "selective": 4 * B * s * s * h * L, "full": full}[recompute]
-    return model_flops(m) + extra
+    return model_flops(model) + extra
 
 
-def activation_bytes_per_layer(m, tp, cp, recompute=None, micro_batch=None, sequence_parallel=None,
+def activation_bytes_per_layer(model, tp, cp, recompute=None, micro_batch=None, sequence_parallel=None,
                                flash_attention=False):
-    """Korthikanti et al. 2022, 16-bit, one layer, one micro-batch, the sequence split cp ways:
-    without SP  none s b h (10 + 24/t + 5as/(ht)), selective s b h (10 + 24/t), full 2 s b h;
-    with SP     none s b h/t (34 + 5as/h),        selective 34 s b h/t,       full 2 s b h/t.
-    A flash attention kernel stores no scores: its "none" is "selective". Knobs not given come from `m` (then:
-    no recomputation, micro-batch 1, SP on)."""
-    recompute = _knob_value("recompute", recompute, m.recompute, "none")
-    b = _knob_value("micro_batch", micro_batch, m.micro_batch, 1)
+    """The chapter's `layer_activation_bytes` (Korthikanti et al. 2022) of a ModelShape. Knobs not given come from
+    `model` (then: no recomputation, micro-batch 1, SP on)."""
+    recompute = _knob_value("recompute", recompute, model.recompute, "none")
+    b = _knob_value("micro_batch", micro_batch, model.micro_batch, 1)
     if sequence_parallel is None:
-        sequence_parallel = m.sequence_parallel is not False
-    return _dense_layer_bytes(m, tp, cp, recompute, b, sequence_parallel, flash_attention)
+        sequence_parallel = model.sequence_parallel is not False
+    return _dense_layer_bytes(model, tp, cp, recompute, b, sequence_parallel, flash_attention)
 
 
-def _dense_layer_bytes(m, tp, cp, recompute, b, sequence_parallel, flash_attention):
-    s_local, s, h, a, t = m.seq // cp, m.seq, m.hidden, m.heads, tp
-    sbh = s_local * b * h
-    scores = 0 if flash_attention else 5 * a * s / (h * t)
-    if sequence_parallel:
-        return {"none": sbh / t * (34 + scores * t), "selective": 34 * sbh / t, "full": 2 * sbh / t}[recompute]
-    return {"none": sbh * (10 + 24 / t + scores), "selective": sbh * (10 + 24 / t), "full": 2 * sbh}[recompute]
+def _dense_layer_bytes(model, tp, cp, recompute, b, sequence_parallel, flash_attention):
+    return layer_activation_bytes(model.seq, model.hidden, model.heads, b, tp, cp, recompute, sequence_parallel,
+                                  flash_attention)
 
 
-def moe_load_factor(m, ep):
+def moe_load_factor(model, ep):
     """The docstring's f: tokens (copies) of the busiest EP rank over the uniform share T k: `imbalance` across an
     EP group, 1 without EP (one rank holds every expert), capped by the capacity factor when tokens are dropped."""
-    factor = m.imbalance if ep > 1 else 1.0
-    return factor if m.capacity_factor is None else min(factor, m.capacity_factor)
+    factor = model.imbalance if ep > 1 else 1.0
+    return factor if model.capacity_factor is None else min(factor, model.capacity_factor)
 
 
-def moe_activation_bytes_per_layer(m, tp, cp, ep, recompute=None, micro_batch=None, flash_attention=False):
+def moe_activation_bytes_per_layer(model, tp, cp, ep, recompute=None, micro_batch=None, flash_attention=False):
     """A MoE layer's kept bytes for one micro-batch (sequence parallelism: Megatron-Core requires it with MoE and
     TP; train_gpt.py splits the MoE tokens over TP anyway). Attention and LayerNorms as Korthikanti (11 + 4) s b h/t
     (+ the scores unless recomputed or flash); the MoE MLP on the T = s b/(t cp) tokens of this GPU, R = T k f
@@ -1011,22 +1122,22 @@ def moe_activation_bytes_per_layer(m, tp, cp, ep, recompute=None, micro_batch=No
     T h, each copy's expert input and output 2 + 2 bytes per element of R h, the expert activation's input and
     output 2 R f (2 + 1) with SwiGLU, 2 R f (1 + 1) with GeLU, and the shared expert's likewise on T x f_s. Full
     recomputation keeps the layer input, 2 s b h/t."""
-    recompute = _knob_value("recompute", recompute, m.recompute, "none")
-    b = _knob_value("micro_batch", micro_batch, m.micro_batch, 1)
-    return _moe_layer_bytes(m, tp, cp, ep, recompute, b, flash_attention)
+    recompute = _knob_value("recompute", recompute, model.recompute, "none")
+    b = _knob_value("micro_batch", micro_batch, model.micro_batch, 1)
+    return _moe_layer_bytes(model, tp, cp, ep, recompute, b, flash_attention)
 
 
-def _moe_layer_bytes(m, tp, cp, ep, recompute, b, flash_attention):
-    s_local, h, a, t = m.seq // cp, m.hidden, m.heads, tp
+def _moe_layer_bytes(model, tp, cp, ep, recompute, b, flash_attention):
+    s_local, h, a, t = model.seq // cp, model.hidden, model.heads, tp
     sbh = s_local * b * h
     if recompute == "full":
         return 2 * sbh / t
     tokens = s_local * b / t
-    copies = tokens * m.top_k * moe_load_factor(m, ep)
-    gates = 2 if m.swiglu else 1
-    mlp = (2 * tokens * h + 4 * tokens * m.experts + tokens * h + 4 * copies * h
-           + 2 * (gates + 1) * (copies * expert_hidden(m) + tokens * m.shared_expert_hidden))
-    scores = 0 if flash_attention or recompute == "selective" else 5 * a * s_local * m.seq * b / t
+    copies = tokens * model.top_k * moe_load_factor(model, ep)
+    gates = 2 if model.swiglu else 1
+    mlp = (2 * tokens * h + 4 * tokens * model.experts + tokens * h + 4 * copies * h
+           + 2 * (gates + 1) * (copies * expert_hidden(model) + tokens * model.shared_expert_hidden))
+    scores = 0 if flash_attention or recompute == "selective" else 5 * a * s_local * model.seq * b / t
     return 15 * sbh / t + scores + mlp
 
 
@@ -1125,42 +1236,45 @@ def gemm_seconds(cluster, M, N, K):
     return 2 * M * N * K / (cluster.peak_tflops * 1e12 * gemm_efficiency(cluster, min(M, N, K)))
 
 
-def _moe_mlp_forward(cluster, m, tokens, t, ep, lay):
+def _moe_mlp_forward(cluster, model, tokens, t, ep, layout):
     """A MoE MLP's forward on one GPU: (GEMMs, memory-bound work, EP all-to-alls) in seconds. T = tokens/t token
     copies k each, R = T k f of which reach this GPU's E/ep experts: the router (T, h, E), each local expert's
     grouped GEMMs on R/(E/ep) rows, the shared expert as a TP-split MLP on all `tokens`; the permutation and
     un-permutation (PERMUTE_BYTES per element of T k h), the expert activation (EXPERT_ACT_BYTES per element of
     R f); dispatch and combine (`moe_a2a_bytes`, `a2a_seconds`) and the small counts all-to-all (a latency)."""
-    h, f, fs, gates = m.hidden, expert_hidden(m), m.shared_expert_hidden, 2 if m.swiglu else 1
+    h, f, gates = model.hidden, expert_hidden(model), 2 if model.swiglu else 1
+    shared_hidden = model.shared_expert_hidden
     mine = tokens / t
-    local = m.experts // ep
-    copies = mine * m.top_k * moe_load_factor(m, ep)
+    local = model.experts // ep
+    copies = mine * model.top_k * moe_load_factor(model, ep)
     rows = copies / local
-    gemms = (gemm_seconds(cluster, mine, h, m.experts)
+    gemms = (gemm_seconds(cluster, mine, h, model.experts)
              + local * (gemm_seconds(cluster, rows, h, gates * f) + gemm_seconds(cluster, rows, f, h)))
-    if fs:
-        gemms += gemm_seconds(cluster, tokens, h, gates * fs // t) + gemm_seconds(cluster, tokens, fs // t, h)
-    act = EXPERT_ACT_BYTES[m.swiglu]
-    memory = (PERMUTE_BYTES * mine * m.top_k * h + act * (copies * f + tokens * fs / t)) / (cluster.hbm_gbps * GB)
-    sent = moe_a2a_bytes(mine, h, m.top_k, ep, ACT_BYTES, moe_load_factor(m, ep))["dispatch_fwd"]
+    if shared_hidden:
+        gemms += (gemm_seconds(cluster, tokens, h, gates * shared_hidden // t)
+                  + gemm_seconds(cluster, tokens, shared_hidden // t, h))
+    act = EXPERT_ACT_BYTES[model.swiglu]
+    memory = ((PERMUTE_BYTES * mine * model.top_k * h + act * (copies * f + tokens * shared_hidden / t))
+              / (cluster.hbm_gbps * GB))
+    sent = moe_a2a_bytes(mine, h, model.top_k, ep, ACT_BYTES, moe_load_factor(model, ep))["dispatch_fwd"]
     a2a = 0.0
     if ep > 1:
-        a2a = (2 * a2a_seconds(cluster, sent, ep, lay.per_node["ep"])
+        a2a = (2 * a2a_seconds(cluster, sent, ep, layout.per_node["ep"])
                + cluster.collective_latency_us * 1e-6)
     return gemms, memory, a2a
 
 
-def layer_forward(cluster, m, tp, cp, b, sp, lay, moe=False, ulysses=1):
+def layer_forward(cluster, model, tp, cp, b, sp, layout, moe=False, ulysses=1):
     """Seconds of one layer's forward on one GPU for one micro-batch of b sequences, by kind (a MoE layer with
     `moe`: its MLP from `_moe_mlp_forward`, and `ep_fwd` its all-to-alls); CP as a ring over cp / `ulysses` ranks
     after the Ulysses all-to-alls over `ulysses` (1: the ring alone, cp: Ulysses alone)."""
-    h, a, s, t = m.hidden, m.heads, m.seq, tp
-    kv = _kv_width(m)
+    h, a, s, t = model.hidden, model.heads, model.seq, tp
+    kv = _kv_width(model)
     tokens = b * s // cp
     hbm = cluster.hbm_gbps * GB
     ep_fwd = 0.0
     if moe:
-        mlp_gemms, mlp_memory, ep_fwd = _moe_mlp_forward(cluster, m, tokens, t, lay.ep, lay)
+        mlp_gemms, mlp_memory, ep_fwd = _moe_mlp_forward(cluster, model, tokens, t, layout.ep, layout)
         gemms = (gemm_seconds(cluster, tokens, h, (h + 2 * kv) // t) + gemm_seconds(cluster, tokens, h // t, h)
                  + mlp_gemms)
     else:
@@ -1187,23 +1301,23 @@ def layer_forward(cluster, m, tp, cp, b, sp, lay, moe=False, ulysses=1):
     # are whole, its tokens already split over TP), and the shared expert's when it has one
     tp_comm = 0.0
     if t > 1:
-        bus = _bus_gbps(cluster, lay.per_node["tp"], t)
-        pairs = (1 + (m.shared_expert_hidden > 0)) if moe else 2
-        tp_comm = pairs * (2 * (t - 1) / t * tokens * h * ACT_BYTES / (bus * GB) + cluster.collective_latency_us * 1e-6)
+        bus = _bus_gbps(cluster, layout.per_node["tp"], t)
+        pairs = (1 + (model.shared_expert_hidden > 0)) if moe else 2
+        tp_comm = pairs * (ring_allreduce_bytes(tokens, h, t) / (bus * GB) + cluster.collective_latency_us * 1e-6)
     # CP ring: K and V shards (2 b s h_kv / (t cp) elements) passed cp - 1 times forward; backward passes them
     # again and returns dK, dV cp times. The ring overlaps each exchange with the previous block's attention
     # (Megatron-Core / Transformer Engine), so only what exceeds the attention core is exposed. Each step also
     # pays a latency and the launches of its partial attention and rescaling kernels (3), and each of the cp - 1
     # later blocks merges its partial output into the fp32 accumulator (forward; twice in the backward: dQ, and
     # dK dV travelling with the ring)
-    cp_fwd, cp_bwd = _cp_seconds(cluster, m, tp, cp, b, lay, attention, ulysses)
+    cp_fwd, cp_bwd = _cp_seconds(cluster, model, tp, cp, b, layout, attention, ulysses)
     return {"gemm": gemms, "attention": attention, "elementwise": elementwise, "tp": tp_comm,
             "cp_fwd": cp_fwd, "cp_bwd": cp_bwd, "ep_fwd": ep_fwd, "flash": cluster.flash_attention}
 
 
-def _cp_seconds(cluster, m, t, cp, b, lay, attention, ulysses):
+def _cp_seconds(cluster, model, t, cp, b, layout, attention, ulysses):
     """(forward, backward) seconds of CP's exposed communication in one layer, one micro-batch (layer_forward)."""
-    h, s, kv, hbm = m.hidden, m.seq, _kv_width(m), cluster.hbm_gbps * GB
+    h, s, kv, hbm = model.hidden, model.seq, _kv_width(model), cluster.hbm_gbps * GB
     tokens = b * s // cp
     # Hybrid CP (u = `ulysses` > 1): Ulysses over u consecutive CP ranks first, 4 all-to-alls forward (q, k, v, out)
     # and 4 backward, `hybrid_comm_bytes`, not overlapped (each feeds the next step); the ring then runs over the
@@ -1213,7 +1327,7 @@ def _cp_seconds(cluster, m, t, cp, b, lay, attention, ulysses):
     ring = cp // ulysses
     if ring > 1:
         kv_bytes = 2 * tokens * kv / t * ACT_BYTES
-        ring_local = lay.local["cp"] if ulysses == 1 else (
+        ring_local = layout.local["cp"] if ulysses == 1 else (
             _members_per_node(t * ulysses, ring, cluster.gpus, cluster.gpus_per_node) == ring)
         link = (cluster.nvlink_gbps if ring_local else cluster.ib_gbps) * GB
         per_step = cluster.collective_latency_us * 1e-6 + 3 * cluster.launch_us * 1e-6
@@ -1229,36 +1343,36 @@ def _cp_seconds(cluster, m, t, cp, b, lay, attention, ulysses):
     return cp_fwd, cp_bwd
 
 
-def layer_step(f, recompute):
+def layer_step(forward, recompute):
     """One layer, one micro-batch: forward, backward (2x the forward's work, the same TP collectives; a flash
     attention core's backward is 2.5x its forward: it recomputes the scores), and what the recomputation redoes
     (full: the whole forward; selective: the attention core)."""
-    work = f["gemm"] + f["attention"] + f["elementwise"]
-    compute = 3 * work + {"none": 0.0, "selective": f["attention"], "full": work}[recompute]
-    if f.get("flash"):
-        compute += 0.5 * f["attention"]
-    tp = (3 if recompute == "full" else 2) * f["tp"]
-    cp = (1 if recompute == "none" else 2) * f["cp_fwd"] + f["cp_bwd"]
+    work = forward["gemm"] + forward["attention"] + forward["elementwise"]
+    compute = 3 * work + {"none": 0.0, "selective": forward["attention"], "full": work}[recompute]
+    if forward.get("flash"):
+        compute += 0.5 * forward["attention"]
+    tp = (3 if recompute == "full" else 2) * forward["tp"]
+    cp = (1 if recompute == "none" else 2) * forward["cp_fwd"] + forward["cp_bwd"]
     return compute, tp, cp
 
 
-def ep_step(f, recompute):
+def ep_step(forward, recompute):
     """EP all-to-alls of one MoE layer and micro-batch: dispatch and combine forward, both again backward, and
     forward once more under full recomputation; none are overlapped (Megatron-Core's alltoall dispatcher)."""
-    return (3 if recompute == "full" else 2) * f.get("ep_fwd", 0.0)
+    return (3 if recompute == "full" else 2) * forward.get("ep_fwd", 0.0)
 
 
-def output_layer_seconds(cluster, m, tp, cp, b):
+def output_layer_seconds(cluster, model, tp, cp, b):
     """Logits (forward + backward, never recomputed: 3 x 2 b s h V/t FLOPs) and the fp32 cross-entropy."""
-    tokens = b * m.seq // cp
-    return (3 * gemm_seconds(cluster, tokens, m.hidden, m.vocab // tp)
-            + LOSS_BYTES * tokens * m.vocab / tp / (cluster.hbm_gbps * GB))
+    tokens = b * model.seq // cp
+    return (3 * gemm_seconds(cluster, tokens, model.hidden, model.vocab // tp)
+            + LOSS_BYTES * tokens * model.vocab / tp / (cluster.hbm_gbps * GB))
 
 
-def p2p_exchange_seconds(cluster, m, tp, cp, b, sp, pp_local):
+def p2p_exchange_seconds(cluster, model, tp, cp, b, sp, pp_local):
     """One activation (or its gradient) between neighbouring stages: b s h/(t cp) elements per GPU over the
     link (Megatron-LM's scatter-gather: each TP rank sends 1/t), then without SP an all-gather over NVLink."""
-    elements = b * m.seq // cp * m.hidden
+    elements = b * model.seq // cp * model.hidden
     link = cluster.p2p_gbps if cluster.p2p_gbps is not None else (cluster.nvlink_gbps if pp_local else cluster.ib_gbps)
     seconds = cluster.p2p_latency_us * 1e-6 + elements / tp * ACT_BYTES / (link * GB)
     if not sp and tp > 1:
@@ -1306,7 +1420,7 @@ def _zb_candidate_ranks(pp, micro_batches, v):
     return tuple(sorted(ranks))
 
 
-def deferred_w_bytes(m, tp, cp, ep, b, moe=False):
+def deferred_w_bytes(model, tp, cp, ep, b, moe=False):
     """Bytes the deferred W of one layer and one micro-batch holds under ZB-H1: every linear's input and output
     gradient in 16 bits, as train_gpt.py's _TPLinear keeps them for W (the input gathered over TP under SP, so that W
     sends nothing). Per token of this CP rank: attention 2 h + (h + 2 h_kv)/t + h/t (QKV: whole input, split
@@ -1314,16 +1428,17 @@ def deferred_w_bytes(m, tp, cp, ep, b, moe=False):
     its router (h + E) and each routed copy's expert linears (2 h + (g + 1) f) on its T = tokens/t, a shared expert
     2 h + (g + 1) f_s/t on every token. (train_gpt.py defers only the _TPLinear GEMMs: there the experts' and the
     router's weight gradients stay in B.)"""
-    h, kv, t = m.hidden, _kv_width(m), tp
-    tokens = b * m.seq // cp
+    h, kv, t = model.hidden, _kv_width(model), tp
+    tokens = b * model.seq // cp
     elements = tokens * (2 * h + (h + 2 * kv) / t + h / t)
     if not moe:
         return ACT_BYTES * (elements + tokens * (2 * h + 8 * h / t))
-    gates = 2 if m.swiglu else 1
+    gates = 2 if model.swiglu else 1
     mine = tokens / t
-    copies = mine * m.top_k * moe_load_factor(m, ep)
-    elements += (mine * (h + m.experts) + copies * (2 * h + (gates + 1) * expert_hidden(m))
-                 + (tokens * (2 * h + (gates + 1) * m.shared_expert_hidden / t) if m.shared_expert_hidden else 0))
+    copies = mine * model.top_k * moe_load_factor(model, ep)
+    elements += (mine * (h + model.experts) + copies * (2 * h + (gates + 1) * expert_hidden(model))
+                 + (tokens * (2 * h + (gates + 1) * model.shared_expert_hidden / t) if model.shared_expert_hidden
+                    else 0))
     return ACT_BYTES * elements
 
 
@@ -1338,7 +1453,7 @@ def _state_bytes(cluster):
 def state_bytes_per_parameter(cluster, zero, shard):
     """(weight, gradient, optimizer) bytes per parameter at ZeRO level `zero` over `shard` ranks, without the
     working set: BF16 with fp32 main grads 18, 6 + 12/d, 2 + 16/d, 18/d; 16-bit gradients 20, 4 + 16/d, 2 + 18/d,
-    20/d (FORMULAS.md, "Sharded data parallelism")."""
+    20/d."""
     w, g, o = _state_bytes(cluster)
     return (w / shard if zero >= 3 else w, g / shard if zero >= 2 else g, o / shard if zero >= 1 else o)
 
@@ -1349,56 +1464,57 @@ def expert_shard(cluster, tp, cp, dp, ep):
     return (cp * dp if cluster.expert_folding == "dp_cp" else tp * cp * dp) // ep
 
 
-def _unit_parameters(m, tp, ep):
+def _unit_parameters(model, tp, ep):
     """Parameters of the largest unit ZeRO-3 gathers at once on one GPU: a layer (a MoE layer with its E/ep local
     experts) or the token embedding with the positions, split t ways as held."""
-    p = layer_parameters(m)
-    moe = moe_layers_between(m, 0, m.layers)
-    units = [m.vocab * m.hidden / tp + m.seq * m.hidden]
-    if m.layers > moe:
+    p = layer_parameters(model)
+    moe = moe_layers_between(model, 0, model.layers)
+    units = [model.vocab * model.hidden / tp + model.seq * model.hidden]
+    if model.layers > moe:
         units.append(p["dense"] / tp)
     if moe:
-        units.append(p["moe_shared"] / tp + (m.experts // ep) * p["expert"])
+        units.append(p["moe_shared"] / tp + (model.experts // ep) * p["expert"])
     return max(units)
 
 
-def _activation_parts(cluster, m, tp, pp, cp, ep, b, recompute, sp):
+def _activation_parts(cluster, model, tp, pp, cp, ep, b, recompute, sp):
     """Bytes of one first-stage GPU's activations: (its layers' per micro-batch in flight, the working set of the
     layer being recomputed, the embedding's dropout mask per micro-batch in flight, the fp32 logits)."""
     flash = cluster.flash_attention
-    dense_layers, moe_layers = stage_layer_counts(m, pp, 0)
-    kept = dense_layers * _dense_layer_bytes(m, tp, cp, recompute, b, sp, flash) if dense_layers else 0.0
+    dense_layers, moe_layers = stage_layer_counts(model, pp, 0)
+    kept = dense_layers * _dense_layer_bytes(model, tp, cp, recompute, b, sp, flash) if dense_layers else 0.0
     if moe_layers:
-        kept += moe_layers * _moe_layer_bytes(m, tp, cp, ep, recompute, b, flash)
-    s_local = m.seq // cp
+        kept += moe_layers * _moe_layer_bytes(model, tp, cp, ep, recompute, b, flash)
+    s_local = model.seq // cp
     # the layer being recomputed in the backward holds its activations in full for one micro-batch
     if recompute == "full":
-        working = (_moe_layer_bytes(m, tp, cp, ep, "none", b, flash) if moe_layers
-                   else _dense_layer_bytes(m, tp, cp, "none", b, sp, flash))
+        working = (_moe_layer_bytes(model, tp, cp, ep, "none", b, flash) if moe_layers
+                   else _dense_layer_bytes(model, tp, cp, "none", b, sp, flash))
     else:
-        working = {"none": 0.0, "selective": 0.0 if flash else 5 * m.heads * s_local * m.seq * b / tp}[recompute]
-    embedding = s_local * b * m.hidden / (tp if sp else 1)  # embedding dropout mask (Korthikanti)
-    logits = 4 * s_local * b * m.vocab / tp if pp == 1 else 0.0  # fp32 logits: stage 0 is also the last
+        working = {"none": 0.0,
+                   "selective": 0.0 if flash else 5 * model.heads * s_local * model.seq * b / tp}[recompute]
+    embedding = s_local * b * model.hidden / (tp if sp else 1)  # embedding dropout mask (Korthikanti)
+    logits = 4 * s_local * b * model.vocab / tp if pp == 1 else 0.0  # fp32 logits: stage 0 is also the last
     return kept, working, embedding, logits
 
 
-def _stage_deferred_bytes(m, tp, pp, cp, ep, b):
+def _stage_deferred_bytes(model, tp, pp, cp, ep, b):
     """deferred_w_bytes of stage 0's layers, one micro-batch."""
-    dense_layers, moe_layers = stage_layer_counts(m, pp, 0)
-    return ((dense_layers * deferred_w_bytes(m, tp, cp, ep, b) if dense_layers else 0.0)
-            + (moe_layers * deferred_w_bytes(m, tp, cp, ep, b, moe=True) if moe_layers else 0.0))
+    dense_layers, moe_layers = stage_layer_counts(model, pp, 0)
+    return ((dense_layers * deferred_w_bytes(model, tp, cp, ep, b) if dense_layers else 0.0)
+            + (moe_layers * deferred_w_bytes(model, tp, cp, ep, b, moe=True) if moe_layers else 0.0))
 
 
-def first_stage_memory(cluster, m, tp, pp, cp, dp, b, v, recompute, sp, zero, micro_batches, ep=1, parts=None,
+def first_stage_memory(cluster, model, tp, pp, cp, dp, b, v, recompute, sp, zero, micro_batches, ep=1, parts=None,
                        split=None, schedule="1f1b", shard=None):
     """(parameters held, micro-batches in flight on stage 0, GB by kind) of the most loaded GPU: one of the first
     stage, or under ZB-H1 the rank whose deferred W's hold the most (`_activations_gb`). `parts` and `split`:
     `_activation_parts` and `_first_stage_parameters` when the caller has them already (the search)."""
-    split = split or _first_stage_parameters(m, tp, pp, ep)
-    parts = parts or _activation_parts(cluster, m, tp, pp, cp, ep, b, recompute, sp)
+    split = split or _first_stage_parameters(model, tp, pp, ep)
+    parts = parts or _activation_parts(cluster, model, tp, pp, cp, ep, b, recompute, sp)
     in_flight = in_flight_microbatches(pp, v, micro_batches)
-    deferred = _stage_deferred_bytes(m, tp, pp, cp, ep, b) if schedule == "zb-h1" else 0.0
-    states = _states_gb(cluster, split, tp, cp, dp, ep, zero, shard, _unit_parameters(m, tp, ep))
+    deferred = _stage_deferred_bytes(model, tp, pp, cp, ep, b) if schedule == "zb-h1" else 0.0
+    states = _states_gb(cluster, split, tp, cp, dp, ep, zero, shard, _unit_parameters(model, tp, ep))
     mem = dict(zip(("weights_gb", "grads_gb", "optimizer_gb"), states))
     mem["activations_gb"] = _activations_gb(parts, in_flight, schedule, pp, micro_batches, v, deferred)
     return split[0] + split[1], in_flight, mem
@@ -1449,57 +1565,60 @@ def _ep_pool(cluster, tp, cp, dp):
     return cp * dp if cluster.expert_folding == "dp_cp" else tp * cp * dp
 
 
-def _kv_heads(m):
-    return m.heads if m.kv_heads is None else m.kv_heads
+def _kv_heads(model):
+    return model.heads if model.kv_heads is None else model.kv_heads
 
 
-def _check_layout(cluster, m, tp, pp, cp, ep=1):
+def _check_layout(cluster, model, tp, pp, cp, ep=1):
     dp = validate_layout(cluster.gpus, tp, pp, cp)
-    if m.layers % pp:
-        raise ValueError(f"layers={m.layers} is not divisible by pp={pp}; choose pp among {_divisors(m.layers)}")
-    if m.heads % tp:
-        raise ValueError(f"heads={m.heads} is not divisible by tp={tp}; choose tp among {_divisors(m.heads)}")
-    if cp > 1 and m.seq % (2 * cp):
-        raise ValueError(f"seq={m.seq} is not divisible by 2*cp={2 * cp} (causal load balancing); choose another cp")
-    if m.global_batch % dp:
-        raise ValueError(f"global_batch={m.global_batch} is not divisible by dp={dp}; change global_batch or the "
+    if model.layers % pp:
+        raise ValueError(f"layers={model.layers} is not divisible by pp={pp}; choose pp among "
+                         f"{_divisors(model.layers)}")
+    if model.heads % tp:
+        raise ValueError(f"heads={model.heads} is not divisible by tp={tp}; choose tp among {_divisors(model.heads)}")
+    if cp > 1 and model.seq % (2 * cp):
+        raise ValueError(f"seq={model.seq} is not divisible by 2*cp={2 * cp} (causal load balancing); choose "
+                         "another cp")
+    if model.global_batch % dp:
+        raise ValueError(f"global_batch={model.global_batch} is not divisible by dp={dp}; change global_batch or the "
                          "layout")
     _check_count("ep", ep, "the ranks that share one MoE layer's experts")
-    if ep > 1 and not m.moe_every:
+    if ep > 1 and not model.moe_every:
         raise ValueError(f"ep={ep} needs MoE layers: set moe_every > 0 (--moe-every), or ep=1")
     pool, name = _ep_pool(cluster, tp, cp, dp), "cp*dp" if cluster.expert_folding == "dp_cp" else "tp*cp*dp"
-    if m.moe_every and (m.experts % ep or pool % ep):
-        valid = [e for e in _divisors(pool) if m.experts % e == 0]
-        raise ValueError(f"ep={ep} must divide experts={m.experts} and {name}={pool} (experts fold over those "
+    if model.moe_every and (model.experts % ep or pool % ep):
+        valid = [e for e in _divisors(pool) if model.experts % e == 0]
+        raise ValueError(f"ep={ep} must divide experts={model.experts} and {name}={pool} (experts fold over those "
                          f"ranks, Cluster.expert_folding={cluster.expert_folding!r}); choose ep among {valid}")
-    if m.cp_ulysses is not None and m.cp_ulysses not in _ulysses_sizes(m, tp, cp):
-        raise ValueError(f"cp_ulysses={m.cp_ulysses} must divide cp={cp} and the heads and KV heads per TP rank "
-                         f"({m.heads}/{tp}, {_kv_heads(m)}/{tp}) (--cp-ulysses); choose among "
-                         f"{_ulysses_sizes(m, tp, cp)}")
-    if m.zero_shard_size is not None and (cp * dp) % m.zero_shard_size:
-        raise ValueError(f"zero_shard_size={m.zero_shard_size} must divide dp*cp={dp}*{cp}={dp * cp} (HSDP shards over "
-                         f"sub-groups of the DP x CP ranks; --zero-shard-size); choose among {_divisors(dp * cp)}")
+    if model.cp_ulysses is not None and model.cp_ulysses not in _ulysses_sizes(model, tp, cp):
+        raise ValueError(f"cp_ulysses={model.cp_ulysses} must divide cp={cp} and the heads and KV heads per TP rank "
+                         f"({model.heads}/{tp}, {_kv_heads(model)}/{tp}) (--cp-ulysses); choose among "
+                         f"{_ulysses_sizes(model, tp, cp)}")
+    if model.zero_shard_size is not None and (cp * dp) % model.zero_shard_size:
+        raise ValueError(f"zero_shard_size={model.zero_shard_size} must divide dp*cp={dp}*{cp}={dp * cp} (HSDP "
+                         f"shards over sub-groups of the DP x CP ranks; --zero-shard-size); choose among "
+                         f"{_divisors(dp * cp)}")
     return dp
 
 
-def _ulysses_sizes(m, tp, cp):
+def _ulysses_sizes(model, tp, cp):
     """The Ulysses sizes u of hybrid CP on (tp, cp): u divides cp and the heads and KV heads of each TP rank."""
-    return [u for u in _divisors(cp) if m.heads % (tp * u) == 0 and (u == 1 or _kv_heads(m) % (tp * u) == 0)]
+    return [u for u in _divisors(cp) if model.heads % (tp * u) == 0 and (u == 1 or _kv_heads(model) % (tp * u) == 0)]
 
 
-def _check_knobs(m, dp, pp, b, v, interleave_min_pp=2, schedule=None):
-    if (m.global_batch // dp) % b:
-        raise ValueError(f"global_batch={m.global_batch} is not divisible by micro_batch*dp={b}*{dp}; "
+def _check_knobs(model, dp, pp, b, v, interleave_min_pp=2, schedule=None):
+    if (model.global_batch // dp) % b:
+        raise ValueError(f"global_batch={model.global_batch} is not divisible by micro_batch*dp={b}*{dp}; "
                          "change global_batch, micro_batch or the layout")
-    if (m.layers // pp) % v:
-        raise ValueError(f"virtual_stages={v} must divide layers/pp={m.layers // pp}; choose among "
-                         f"{_divisors(m.layers // pp)}")
+    if (model.layers // pp) % v:
+        raise ValueError(f"virtual_stages={v} must divide layers/pp={model.layers // pp}; choose among "
+                         f"{_divisors(model.layers // pp)}")
     if v > 1 and pp < interleave_min_pp:
         raise ValueError(f"virtual_stages={v} needs pp >= {interleave_min_pp} with this implementation "
                          f"(Cluster.interleave_min_pp); use virtual_stages=1 or a deeper pipeline")
-    if v > 1 and (m.global_batch // (dp * b)) % pp:
+    if v > 1 and (model.global_batch // (dp * b)) % pp:
         raise ValueError(f"the interleaved schedule (virtual_stages={v}) needs the micro-batches per pipeline "
-                         f"({m.global_batch // (dp * b)}) to be a multiple of pp={pp}")
+                         f"({model.global_batch // (dp * b)}) to be a multiple of pp={pp}")
     if (schedule == "interleaved") != (v > 1) and schedule != "zb-h1" and schedule is not None:
         raise ValueError(f"pp_schedule={schedule!r} with virtual_stages={v}: 1f1b runs one chunk per GPU, "
                          "interleaved two or more (--pp-schedule, --virtual-stages)")
@@ -1520,24 +1639,25 @@ class Knobs(NamedTuple):
 class _Layout:
     """What one (tp, pp, cp, ep) fixes, computed once for all the knob combinations tried on it."""
 
-    def __init__(self, cluster, m, tp, pp, cp, ep=1, memo=None):
+    def __init__(self, cluster, model, tp, pp, cp, ep=1, memo=None):
         self.tp, self.pp, self.cp, self.ep = tp, pp, cp, ep
         # what does not depend on pp (the layers' forwards, CP's terms), shared by the layouts of one plan
         self.memo = {} if memo is None else memo
-        self.dp = _check_layout(cluster, m, tp, pp, cp, ep)
+        self.dp = _check_layout(cluster, model, tp, pp, cp, ep)
         self.per_node, self.local = layout_locality(cluster, tp, pp, cp, self.dp, ep)
         self.interleave_min_pp = cluster.interleave_min_pp
 
 
-def _layer_forwards(cluster, m, lay, b, sp, ulysses=1, ring=None):
+def _layer_forwards(cluster, model, layout, b, sp, ulysses=1, ring=None):
     """layer_forward of each kind of layer the model has: {"dense": ..., "moe": ...} (None where it has none).
     `ring`: this answer at ulysses=1, whose terms other than CP's are the same at every Ulysses size."""
     if ring is not None:
         return {kind: f and {**f, **dict(zip(("cp_fwd", "cp_bwd"), _cp_seconds(
-            cluster, m, lay.tp, lay.cp, b, lay, f["attention"], ulysses)))} for kind, f in ring.items()}
-    dense, moe = m.layers - moe_layers_between(m, 0, m.layers), moe_layers_between(m, 0, m.layers)
-    return {"dense": layer_forward(cluster, m, lay.tp, lay.cp, b, sp, lay, ulysses=ulysses) if dense else None,
-            "moe": layer_forward(cluster, m, lay.tp, lay.cp, b, sp, lay, moe=True, ulysses=ulysses) if moe else None}
+            cluster, model, layout.tp, layout.cp, b, layout, f["attention"], ulysses)))} for kind, f in ring.items()}
+    dense, moe = model.layers - moe_layers_between(model, 0, model.layers), moe_layers_between(model, 0, model.layers)
+    tp, cp = layout.tp, layout.cp
+    return {"dense": layer_forward(cluster, model, tp, cp, b, sp, layout, ulysses=ulysses) if dense else None,
+            "moe": layer_forward(cluster, model, tp, cp, b, sp, layout, moe=True, ulysses=ulysses) if moe else None}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -1547,35 +1667,36 @@ def _busiest_moe_stage(layers, pp, moe_every):
     return max(((j,) + stage_layer_counts(shape, pp, j) for j in range(pp)), key=lambda x: (x[2], -x[0]))
 
 
-def _stage_counts(m, pp, fs, recompute, output):
+def _stage_counts(model, pp, forwards, recompute, output):
     """(dense layers, MoE layers, holds the output layer) of the slowest stage: the last one, which carries the
     output layer, or one with more MoE layers when that is slower."""
-    last = stage_layer_counts(m, pp, pp - 1) + (True,)
-    if not m.moe_every:
+    last = stage_layer_counts(model, pp, pp - 1) + (True,)
+    if not model.moe_every:
         return last
-    j, dense, moe = _busiest_moe_stage(m.layers, pp, m.moe_every)
+    j, dense, moe = _busiest_moe_stage(model.layers, pp, model.moe_every)
     if moe == last[1]:
         return last
 
     def seconds(counts, extra):
-        return extra + sum(n * (sum(layer_step(fs[kind], recompute)) + ep_step(fs[kind], recompute))
+        return extra + sum(n * (sum(layer_step(forwards[kind], recompute)) + ep_step(forwards[kind], recompute))
                            for n, kind in zip(counts, ("dense", "moe")) if n)
     return (dense, moe, False) if seconds((dense, moe), 0.0) > seconds(last[:2], output) else last
 
 
-def _stage_parts(cluster, m, lay, b, sp, recompute, fs, counts=None):
+def _stage_parts(cluster, model, layout, b, sp, recompute, forwards, counts=None):
     """What one (b, sp, recompute) fixes of the step's terms, whatever v and ZeRO: the output layer's seconds (0
     when the slowest stage is not the last), the slowest stage's `_stage_counts`, each kind's layer_step and
     ep_step on it, one pipeline exchange, and the weight-gradient GEMMs of one micro-batch on it (ZB-H1's W: one
     per forward GEMM, of its shape; the output layer's one of its three)."""
-    output = output_layer_seconds(cluster, m, lay.tp, lay.cp, b)  # on the last stage, the slowest one
-    counts = counts or _stage_counts(m, lay.pp, fs, recompute, output)
-    per_kind = [(n, layer_step(fs[kind], recompute), ep_step(fs[kind], recompute))
+    output = output_layer_seconds(cluster, model, layout.tp, layout.cp, b)  # on the last stage, the slowest one
+    counts = counts or _stage_counts(model, layout.pp, forwards, recompute, output)
+    per_kind = [(n, layer_step(forwards[kind], recompute), ep_step(forwards[kind], recompute))
                 for n, kind in zip(counts, ("dense", "moe")) if n]
-    exchange = p2p_exchange_seconds(cluster, m, lay.tp, lay.cp, b, sp, lay.local["pp"]) if lay.pp > 1 else 0.0
-    weight = sum(n * fs[kind]["gemm"] for n, kind in zip(counts, ("dense", "moe")) if n)
+    exchange = (p2p_exchange_seconds(cluster, model, layout.tp, layout.cp, b, sp, layout.local["pp"]) if layout.pp > 1
+                else 0.0)
+    weight = sum(n * forwards[kind]["gemm"] for n, kind in zip(counts, ("dense", "moe")) if n)
     if counts[2]:
-        weight += gemm_seconds(cluster, b * m.seq // lay.cp, m.hidden, m.vocab // lay.tp)
+        weight += gemm_seconds(cluster, b * model.seq // layout.cp, model.hidden, model.vocab // layout.tp)
     return output if counts[2] else 0.0, counts, per_kind, exchange, weight
 
 
@@ -1601,14 +1722,14 @@ def pipeline_bubble(schedule, pp, v, micro_batches, stage, weight=0.0):
 ZERO_COLLECTIVES = {0: (2, 0), 1: (2, 0), 2: (1, 1), 3: (0, 3)}
 
 
-def _dp_seconds(cluster, m, lay, zero, shard, micro_batches, params, backward):
+def _dp_seconds(cluster, model, layout, zero, shard, micro_batches, params, backward):
     """The gradient reduction's seconds per step (the docstring; ZERO_COLLECTIVES): dense weights over the n = DP x CP
     ranks, or with HSDP (`shard` k < n) reduce-scatter and gather over k consecutive ones and all-reduce the 1/k
     shard over the n/k replicas once per step; experts over the GPUs holding the same ones (no HSDP); the tied
     embedding's all-reduce between first and last stage. `backward`: one micro-batch's backward on the slowest
     stage where the implementation overlaps (the once-per-step part hides behind the last one, each micro-batch's
     part behind its own backward, ZeRO-3's behind its forward and backward), None where it does not."""
-    pp, dp, cp, tp = lay.pp, lay.dp, lay.cp, lay.tp
+    pp, dp, cp, tp = layout.pp, layout.dp, layout.cp, layout.tp
     shared, experts = params
     g, n = cluster.grad_bytes, dp * cp
     once, each = ZERO_COLLECTIVES[zero]
@@ -1617,7 +1738,7 @@ def _dp_seconds(cluster, m, lay, zero, shard, micro_batches, params, backward):
     k = n if shard is None else shard
     step_s = mb_s = 0.0
     if n > 1 and k == n:
-        bus = _bus_gbps(cluster, lay.per_node["dp_cp"], n)
+        bus = _bus_gbps(cluster, layout.per_node["dp_cp"], n)
         step_s = once * (n - 1) / n * g * shared / (bus * GB)
         mb_s = each * (n - 1) / n * g * shared / (bus * GB)
     elif n > 1:
@@ -1627,49 +1748,50 @@ def _dp_seconds(cluster, m, lay, zero, shard, micro_batches, params, backward):
         mb_s = each * (k - 1) / k * g * shared / (bus * GB)
         r = n // k
         step_s += 2 * (r - 1) / r * g * shared / k / (_bus_gbps(cluster, _members_per_node(tp * k, r, *nodes), r) * GB)
-    n_experts = tp * cp * dp // lay.ep
+    n_experts = tp * cp * dp // layout.ep
     if experts and n_experts > 1:
-        bus = _bus_gbps(cluster, lay.per_node["edp"], n_experts)
+        bus = _bus_gbps(cluster, layout.per_node["edp"], n_experts)
         step_s += once * (n_experts - 1) / n_experts * g * experts / (bus * GB)
         mb_s += each * (n_experts - 1) / n_experts * g * experts / (bus * GB)
     if backward is not None:  # hidden behind the last backward
         step_s = max(0.0, step_s - backward)
         if each:
             step_s += micro_batches * max(0.0, mb_s - backward * (1.5 if zero == 3 else 1.0))
-    if pp > 1 and m.tied_embeddings:  # first and last stage all-reduce the embedding gradient after the backward
-        link = cluster.nvlink_gbps if lay.local["pp"] else cluster.ib_gbps
-        step_s += cluster.grad_bytes * m.vocab * m.hidden / tp / (link * GB)  # 2 (n-1)/n = 1 for n = 2
+    if pp > 1 and model.tied_embeddings:  # first and last stage all-reduce the embedding gradient after the backward
+        link = cluster.nvlink_gbps if layout.local["pp"] else cluster.ib_gbps
+        step_s += cluster.grad_bytes * model.vocab * model.hidden / tp / (link * GB)  # 2 (n-1)/n = 1 for n = 2
     return step_s
 
 
-def _overlap_backward(cluster, lay, fs, counts):
+def _overlap_backward(cluster, layout, forwards, counts):
     """One micro-batch's backward on the slowest stage where the gradient reduction overlaps it, else None."""
     overlap = cluster.overlap_grad_reduce
-    if not (overlap is True or (overlap == "without_pp" and lay.pp == 1)):
+    if not (overlap is True or (overlap == "without_pp" and layout.pp == 1)):
         return None
-    return sum(n * 2 * (fs[kind]["gemm"] + fs[kind]["attention"] + fs[kind]["elementwise"])
+    return sum(n * 2 * (forwards[kind]["gemm"] + forwards[kind]["attention"] + forwards[kind]["elementwise"])
                for n, kind in zip(counts, ("dense", "moe")) if n)
 
 
-def _optimizer_seconds(cluster, lay, zero, shard, params):
+def _optimizer_seconds(cluster, layout, zero, shard, params):
     """The optimizer step: OPTIMIZER_STEP_BYTES of HBM traffic per parameter updated, the shard's with ZeRO."""
     shared, experts = params
-    n = (shard or lay.dp * lay.cp) if zero else 1
+    n = (shard or layout.dp * layout.cp) if zero else 1
     return (OPTIMIZER_STEP_BYTES * shared / n + OPTIMIZER_STEP_BYTES * experts
-            / (expert_shard(cluster, lay.tp, lay.cp, lay.dp, lay.ep) if zero else 1)) / (cluster.hbm_gbps * GB)
+            / (expert_shard(cluster, layout.tp, layout.cp, layout.dp, layout.ep) if zero else 1)
+            ) / (cluster.hbm_gbps * GB)
 
 
-def step_time_terms(cluster, m, lay, knobs, fs, params, counts=None, parts=None):
+def step_time_terms(cluster, model, layout, knobs, forwards, params, counts=None, parts=None):
     """Seconds of one step on one GPU of the slowest stage, by term; the terms add up to the step time.
-    `fs` is _layer_forwards' answer for (b, sp, u), `params` the (dense, expert) parameters this GPU holds,
+    `forwards` is _layer_forwards' answer for (b, sp, u), `params` the (dense, expert) parameters this GPU holds,
     `counts` the slowest stage's `_stage_counts`, `parts` `_stage_parts` when the caller has it (the search)."""
     b, sp, recompute = knobs.micro_batch, knobs.sequence_parallel, knobs.recompute
-    parts = parts or _stage_parts(cluster, m, lay, b, sp, recompute, fs, counts)
-    t = _pipeline_terms(m, lay, knobs, parts)
-    micro_batches = m.global_batch // (lay.dp * b)
-    t["dp_s"] = _dp_seconds(cluster, m, lay, knobs.zero, knobs.zero_shard_size, micro_batches, params,
-                            _overlap_backward(cluster, lay, fs, parts[1]))
-    t["optimizer_s"] = _optimizer_seconds(cluster, lay, knobs.zero, knobs.zero_shard_size, params)
+    parts = parts or _stage_parts(cluster, model, layout, b, sp, recompute, forwards, counts)
+    t = _pipeline_terms(model, layout, knobs, parts)
+    micro_batches = model.global_batch // (layout.dp * b)
+    t["dp_s"] = _dp_seconds(cluster, model, layout, knobs.zero, knobs.zero_shard_size, micro_batches, params,
+                            _overlap_backward(cluster, layout, forwards, parts[1]))
+    t["optimizer_s"] = _optimizer_seconds(cluster, layout, knobs.zero, knobs.zero_shard_size, params)
     return t
 
 
@@ -1685,12 +1807,12 @@ def _layer_terms(micro_batches, parts):
             "ep_s": sum(micro_batches * n * ep_layer for n, _, ep_layer in per_kind)}, busy
 
 
-def _pipeline_terms(m, lay, knobs, parts, layers=None):
+def _pipeline_terms(model, layout, knobs, parts, layers=None):
     """The terms of step_time_terms before the gradient reduction and the optimizer: what the layers, their
     communication and the pipeline cost on the slowest stage (`parts`: `_stage_parts`; `layers`: its
     `_layer_terms` when the caller has them)."""
-    v, pp = knobs.virtual_stages, lay.pp
-    micro_batches = m.global_batch // (lay.dp * knobs.micro_batch)  # per pipeline per step
+    v, pp = knobs.virtual_stages, layout.pp
+    micro_batches = model.global_batch // (layout.dp * knobs.micro_batch)  # per pipeline per step
     terms, busy = layers or _layer_terms(micro_batches, parts)
     t = dict(terms)
     t["pp_p2p_s"], t["bubble_s"] = _pipeline_tail(knobs.pp_schedule, pp, v, micro_batches, busy, parts[3], parts[4])
@@ -1705,128 +1827,133 @@ def _pipeline_tail(schedule, pp, v, micro_batches, busy, exchange, weight):
     return micro_batches * p2p, pipeline_bubble(schedule, pp, v, micro_batches, busy + p2p, weight)
 
 
-def compute_by_kind(cluster, m, lay, b, recompute, fs, counts):
+def compute_by_kind(cluster, model, layout, b, recompute, forwards, counts):
     """`compute_s` split by kind (the parts add up to it) on the slowest stage (`counts`, `_stage_counts`): the
     layers' GEMMs, attention cores and memory-bound kernels (LayerNorms, bias-dropout-adds, GeLU, launches; a MoE
     layer's permutations and expert activation), each 3 x its forward (a flash attention core 3.5 x) plus what the
     recomputation redoes, and the output layer when that stage is the last."""
-    micro_batches = m.global_batch // (lay.dp * b)
+    micro_batches = model.global_batch // (layout.dp * b)
     redone = {"none": (), "selective": ("attention",), "full": ("gemm", "attention", "elementwise")}[recompute]
     parts = {}
     for kind in ("gemm", "attention", "elementwise"):
         flash = 0.5 if kind == "attention" and cluster.flash_attention else 0
-        parts[f"{kind}_s"] = sum(micro_batches * n * (3 + (kind in redone) + flash) * fs[layer][kind]
+        parts[f"{kind}_s"] = sum(micro_batches * n * (3 + (kind in redone) + flash) * forwards[layer][kind]
                                  for n, layer in zip(counts, ("dense", "moe")) if n)
-    parts["output_layer_s"] = micro_batches * output_layer_seconds(cluster, m, lay.tp, lay.cp, b) if counts[2] else 0.0
+    parts["output_layer_s"] = (micro_batches * output_layer_seconds(cluster, model, layout.tp, layout.cp, b)
+                               if counts[2] else 0.0)
     return parts
 
 
-def evaluate(cluster, m, lay, knobs):
-    """Memory and step time of one layout with every knob fixed (a Knobs), term by term (the module docstring)."""
+def evaluate(cluster, model, layout, knobs):
+    """Memory and step time of one layout with every knob fixed (a Knobs), term by term (the prose under the banner)."""
     b, v, recompute, sp, zero = knobs[:5]
-    _check_knobs(m, lay.dp, lay.pp, b, v, lay.interleave_min_pp, knobs.pp_schedule)
-    micro_batches = m.global_batch // (lay.dp * b)
-    params, in_flight, mem = first_stage_memory(cluster, m, lay.tp, lay.pp, lay.cp, lay.dp, b, v, recompute, sp,
-                                                zero, micro_batches, lay.ep, schedule=knobs.pp_schedule,
-                                                shard=knobs.zero_shard_size)
+    _check_knobs(model, layout.dp, layout.pp, b, v, layout.interleave_min_pp, knobs.pp_schedule)
+    micro_batches = model.global_batch // (layout.dp * b)
+    params, in_flight, mem = first_stage_memory(cluster, model, layout.tp, layout.pp, layout.cp, layout.dp, b, v,
+                                                recompute, sp, zero, micro_batches, layout.ep,
+                                                schedule=knobs.pp_schedule, shard=knobs.zero_shard_size)
     memory_gb = sum(mem.values())
-    fs = _layer_forwards(cluster, m, lay, b, sp, knobs.cp_ulysses)
-    split = _first_stage_parameters(m, lay.tp, lay.pp, lay.ep)
-    counts = _stage_counts(m, lay.pp, fs, recompute, output_layer_seconds(cluster, m, lay.tp, lay.cp, b))
-    t = step_time_terms(cluster, m, lay, knobs, fs, split, counts)
+    forwards = _layer_forwards(cluster, model, layout, b, sp, knobs.cp_ulysses)
+    split = _first_stage_parameters(model, layout.tp, layout.pp, layout.ep)
+    counts = _stage_counts(model, layout.pp, forwards, recompute,
+                           output_layer_seconds(cluster, model, layout.tp, layout.cp, b))
+    t = step_time_terms(cluster, model, layout, knobs, forwards, split, counts)
     step_time_s = sum(t.values())
     busy = t["compute_s"] + t["tp_s"] + t["cp_s"] + t["ep_s"] + t["pp_p2p_s"]
     row = {
-        "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "ep": lay.ep, "micro_batch": b, "virtual_stages": v,
+        "tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "cp": layout.cp, "ep": layout.ep, "micro_batch": b,
+        "virtual_stages": v,
         "recompute": recompute, "sequence_parallel": sp, "zero": zero, "pp_schedule": knobs.pp_schedule,
         "zero_shard_size": knobs.zero_shard_size, "cp_ulysses": knobs.cp_ulysses, "micro_batches": micro_batches,
         "in_flight": in_flight, "params_per_gpu": params, "memory_gb": memory_gb, **mem,
         "fits": memory_gb <= cluster.gpu_mem_gb * MEMORY_HEADROOM,
-        "step_time_s": step_time_s, **t, **compute_by_kind(cluster, m, lay, b, recompute, fs, counts),
-        "bubble_fraction": ((lay.pp - 1) / v / (micro_batches + (lay.pp - 1) / v) if knobs.pp_schedule != "zb-h1"
+        "step_time_s": step_time_s, **t, **compute_by_kind(cluster, model, layout, b, recompute, forwards, counts),
+        "bubble_fraction": ((layout.pp - 1) / v / (micro_batches + (layout.pp - 1) / v) if knobs.pp_schedule != "zb-h1"
                             else t["bubble_s"] / (busy + t["bubble_s"])),
-        "tflops_per_gpu": paper_flops(m) / step_time_s / cluster.gpus / 1e12,
-        "mfu": model_flops(m) / step_time_s / cluster.gpus / (cluster.peak_tflops * 1e12),
-        "hfu": training_flops(m, recompute) / step_time_s / cluster.gpus / (cluster.peak_tflops * 1e12),
-        "tokens_per_s": m.global_batch * m.seq / step_time_s,
-        "intra_node": dict(lay.local),
+        "tflops_per_gpu": paper_flops(model) / step_time_s / cluster.gpus / 1e12,
+        "mfu": model_flops(model) / step_time_s / cluster.gpus / (cluster.peak_tflops * 1e12),
+        "hfu": training_flops(model, recompute) / step_time_s / cluster.gpus / (cluster.peak_tflops * 1e12),
+        "tokens_per_s": model.global_batch * model.seq / step_time_s,
+        "intra_node": dict(layout.local),
         "moe_layers": counts[1],
     }
-    if m.moe_every:  # what one all-to-all of one MoE layer and micro-batch sends from the busiest GPU, and its time
-        tokens = b * m.seq // lay.cp / lay.tp
-        sent = moe_a2a_bytes(tokens, m.hidden, m.top_k, lay.ep, ACT_BYTES, moe_load_factor(m, lay.ep))
+    if model.moe_every:  # what one all-to-all of one MoE layer and micro-batch sends from the busiest GPU, and its time
+        tokens = b * model.seq // layout.cp / layout.tp
+        sent = moe_a2a_bytes(tokens, model.hidden, model.top_k, layout.ep, ACT_BYTES, moe_load_factor(model, layout.ep))
         row["a2a_bytes"] = sent["dispatch_fwd"]
-        row["a2a_s"] = a2a_seconds(cluster, sent["dispatch_fwd"], lay.ep, lay.per_node["ep"])
-        row["ep_members_per_node"] = lay.per_node["ep"]
+        row["a2a_s"] = a2a_seconds(cluster, sent["dispatch_fwd"], layout.ep, layout.per_node["ep"])
+        row["ep_members_per_node"] = layout.per_node["ep"]
     return row
 
 
-def _schedule_choices(cluster, m, lay, vs):
+def _schedule_choices(cluster, model, layout, vs):
     """(v, schedule) pairs to try: a fixed pp_schedule; a fixed v alone keeps its first meaning (1F1B at 1, the
     interleaved schedule above); else each v with every schedule the implementation offers (zero bubble from
     pp = 2)."""
-    if m.pp_schedule is not None:
-        return [(v, m.pp_schedule) for v in vs]
-    if m.virtual_stages is not None:
+    if model.pp_schedule is not None:
+        return [(v, model.pp_schedule) for v in vs]
+    if model.virtual_stages is not None:
         return [(v, "1f1b" if v == 1 else "interleaved") for v in vs]
-    zb = ["zb-h1"] if "zb-h1" in cluster.schedules and lay.pp > 1 else []
+    zb = ["zb-h1"] if "zb-h1" in cluster.schedules and layout.pp > 1 else []
     return [(v, s) for v in vs for s in (["1f1b"] if v == 1 else
                                           [x for x in ("interleaved",) if x in cluster.schedules]) + zb]
 
 
-def _zero_choices(cluster, m, lay):
+def _zero_choices(cluster, model, layout):
     """(ZeRO level, shard size) pairs to try: the given ones, else every level the implementation offers over every DP
     x CP rank and, where that group crosses nodes, over one node's of them (HSDP)."""
-    n = lay.dp * lay.cp
+    n = layout.dp * layout.cp
     if n == 1:
-        return [(0 if m.zero is None else m.zero, None)]
-    levels = [m.zero] if m.zero is not None else [z for z in cluster.zero_levels if z or not m.zero_shard_size]
-    if m.zero is None and 1 in levels:  # ZeRO-0 sends ZeRO-1's bytes, holds more and steps slower: never better
+        return [(0 if model.zero is None else model.zero, None)]
+    levels = ([model.zero] if model.zero is not None
+              else [z for z in cluster.zero_levels if z or not model.zero_shard_size])
+    if model.zero is None and 1 in levels:  # ZeRO-0 sends ZeRO-1's bytes, holds more and steps slower: never better
         levels.remove(0)
-    if m.zero_shard_size is not None:
-        return [(z, None if m.zero_shard_size == n else m.zero_shard_size) for z in levels]
-    if lay.local["dp_cp"]:  # the whole group inside a node already: nothing to keep off the network
+    if model.zero_shard_size is not None:
+        return [(z, None if model.zero_shard_size == n else model.zero_shard_size) for z in levels]
+    if layout.local["dp_cp"]:  # the whole group inside a node already: nothing to keep off the network
         return [(z, None) for z in levels]
-    node = [k for k in _divisors(n) if k < n and _members_per_node(lay.tp, k, cluster.gpus, cluster.gpus_per_node)
-            == k and k * lay.tp <= cluster.gpus_per_node]
+    node = [k for k in _divisors(n) if k < n and _members_per_node(layout.tp, k, cluster.gpus, cluster.gpus_per_node)
+            == k and k * layout.tp <= cluster.gpus_per_node]
     return [(z, None) for z in levels] + [(z, node[-1]) for z in levels if z and node and node[-1] > 1]
 
 
-def _knob_choices(cluster, m, lay):
+def _knob_choices(cluster, model, layout):
     """The knob values the search tries on one layout: the given ones, or every sensible value."""
-    per_pipeline = m.global_batch // lay.dp
-    bs = ([m.micro_batch] if m.micro_batch is not None
+    per_pipeline = model.global_batch // layout.dp
+    bs = ([model.micro_batch] if model.micro_batch is not None
           else [b for b in range(1, min(per_pipeline, MAX_MICRO_BATCH) + 1) if per_pipeline % b == 0])
-    sps = [m.sequence_parallel] if m.sequence_parallel is not None else ([False, True] if lay.tp > 1 else [False])
-    if m.moe_every and lay.tp > 1:  # Megatron-Core requires SP with MoE and TP (train_gpt.py splits the tokens)
-        if m.sequence_parallel is False:
-            raise ValueError(f"sequence_parallel=False with MoE layers and tp={lay.tp}: the MoE tokens are split "
+    sps = ([model.sequence_parallel] if model.sequence_parallel is not None
+           else ([False, True] if layout.tp > 1 else [False]))
+    if model.moe_every and layout.tp > 1:  # Megatron-Core requires SP with MoE and TP (train_gpt.py splits the tokens)
+        if model.sequence_parallel is False:
+            raise ValueError(f"sequence_parallel=False with MoE layers and tp={layout.tp}: the MoE tokens are split "
                              "over TP; use sequence_parallel=True (--sequence-parallel on) or tp=1")
         sps = [True]
-    zeros = _zero_choices(cluster, m, lay)
-    recomputes = [m.recompute] if m.recompute is not None else list(RECOMPUTE_POLICIES)  # cheapest first
-    ulysses = [m.cp_ulysses] if m.cp_ulysses is not None else _ulysses_sizes(m, lay.tp, lay.cp)
+    zeros = _zero_choices(cluster, model, layout)
+    recomputes = [model.recompute] if model.recompute is not None else list(RECOMPUTE_POLICIES)  # cheapest first
+    ulysses = [model.cp_ulysses] if model.cp_ulysses is not None else _ulysses_sizes(model, layout.tp, layout.cp)
     can_interleave = [x for x in ("interleaved", "zb-h1") if x in cluster.schedules]
     for b in bs:
-        if m.virtual_stages is not None:
-            vs = [m.virtual_stages]
-        elif (lay.pp < max(2, lay.interleave_min_pp) or (per_pipeline // b) % lay.pp or not can_interleave
-              or m.pp_schedule == "1f1b"):  # and m a multiple of p
-            vs = [2] if m.pp_schedule == "interleaved" else [1]  # interleaving that cannot run: its own error
+        if model.virtual_stages is not None:
+            vs = [model.virtual_stages]
+        elif (layout.pp < max(2, layout.interleave_min_pp) or (per_pipeline // b) % layout.pp or not can_interleave
+              or model.pp_schedule == "1f1b"):  # and m a multiple of p
+            vs = [2] if model.pp_schedule == "interleaved" else [1]  # interleaving that cannot run: its own error
         else:
-            vs = [v for v in _divisors(m.layers // lay.pp) if v <= MAX_VIRTUAL_STAGES]
-            if m.pp_schedule == "interleaved":
+            vs = [v for v in _divisors(model.layers // layout.pp) if v <= MAX_VIRTUAL_STAGES]
+            if model.pp_schedule == "interleaved":
                 vs = vs[1:] or [2]
-        yield b, _schedule_choices(cluster, m, lay, vs), sps, zeros, recomputes, ulysses
+        yield b, _schedule_choices(cluster, model, layout, vs), sps, zeros, recomputes, ulysses
 
 
-def _ep_choices(cluster, m, tp, pp, cp):
+def _ep_choices(cluster, model, tp, pp, cp):
     """Every EP size the search tries on (tp, pp, cp): 1 for a dense model, else those dividing the experts and
     the folding's ranks."""
-    if not m.moe_every or cluster.gpus % (tp * pp * cp):
+    if not model.moe_every or cluster.gpus % (tp * pp * cp):
         return [1]
     pool = _ep_pool(cluster, tp, cp, cluster.gpus // (tp * pp * cp))
-    return _divisors(math.gcd(pool, m.experts))
+    return _divisors(math.gcd(pool, model.experts))
 
 
 def _better(a, b):
@@ -1837,9 +1964,9 @@ def _better(a, b):
     return a if key(a) < key(b) else b
 
 
-def estimate(cluster, m, tp, pp, cp, micro_batch=None, recompute=None, sequence_parallel=None, zero=None,
+def estimate(cluster, model, tp, pp, cp, micro_batch=None, recompute=None, sequence_parallel=None, zero=None,
              virtual_stages=None, ep=None, pp_schedule=None, zero_shard_size=None, cp_ulysses=None, memo=None):
-    """The planner's choice for one layout: over the knobs not fixed (here or in `m`), the fastest combination that
+    """The planner's choice for one layout: over the knobs not fixed (here or in `model`), the fastest combination that
     fits, each ZeRO level with the cheapest recomputation that fits it (when none fits, the fastest of those with the
     least memory); for a MoE model likewise over EP when `ep` is None. Raises ValueError for a layout or knob that
     does not divide. `memo`: a dict the calls of one plan share (for the same cluster and model: what does not depend
@@ -1849,15 +1976,15 @@ def estimate(cluster, m, tp, pp, cp, micro_batch=None, recompute=None, sequence_
              "zero_shard_size": zero_shard_size, "cp_ulysses": cp_ulysses}
     fixed = {k: v for k, v in fixed.items() if v is not None}
     if fixed:
-        m = replace(m, **fixed)
-    if m.recompute is not None and m.recompute not in RECOMPUTE_POLICIES:
-        raise ValueError(f"recompute={m.recompute!r}; choose none, selective or full")
+        model = replace(model, **fixed)
+    if model.recompute is not None and model.recompute not in RECOMPUTE_POLICIES:
+        raise ValueError(f"recompute={model.recompute!r}; choose none, selective or full")
     if ep is not None:
-        return _best_for_layout(cluster, m, _Layout(cluster, m, tp, pp, cp, ep, memo))
+        return _best_for_layout(cluster, model, _Layout(cluster, model, tp, pp, cp, ep, memo))
     best, refused = None, None
-    for e in _ep_choices(cluster, m, tp, pp, cp):
+    for e in _ep_choices(cluster, model, tp, pp, cp):
         try:
-            best = _better(_best_for_layout(cluster, m, _Layout(cluster, m, tp, pp, cp, e, memo)), best)
+            best = _better(_best_for_layout(cluster, model, _Layout(cluster, model, tp, pp, cp, e, memo)), best)
         except ValueError as error:
             refused = refused or error
     if best is None:
@@ -1865,7 +1992,7 @@ def estimate(cluster, m, tp, pp, cp, micro_batch=None, recompute=None, sequence_
     return best
 
 
-def _best_for_layout(cluster, m, lay):
+def _best_for_layout(cluster, model, layout):
     """The search on one layout. For each (b, sp, v, schedule) and recomputation, cheapest first: the fastest
     (ZeRO level, shard) that fits, with the hybrid CP's Ulysses size that makes the stage fastest (it changes nothing
     else); a costlier recomputation is tried only while a faster ZeRO choice does not fit. Memory is checked first
@@ -1873,51 +2000,52 @@ def _best_for_layout(cluster, m, lay):
     added in step_time_terms' order; the full row (evaluate) is built once, for the winner."""
     limit = cluster.gpu_mem_gb * MEMORY_HEADROOM
     best, best_time, least, least_key, refused = None, math.inf, None, (math.inf, math.inf), None
-    split = _first_stage_parameters(m, lay.tp, lay.pp, lay.ep)
-    unit = _unit_parameters(m, lay.tp, lay.ep)
+    split = _first_stage_parameters(model, layout.tp, layout.pp, layout.ep)
+    unit = _unit_parameters(model, layout.tp, layout.ep)
     parts, stage_parts, states, deferred, zero_s, optimizer_s = {}, {}, {}, {}, {}, {}
-    for b, pairs, sps, zeros, recomputes, ulysses in _knob_choices(cluster, m, lay):
-        micro_batches = m.global_batch // (lay.dp * b)
+    for b, pairs, sps, zeros, recomputes, ulysses in _knob_choices(cluster, model, layout):
+        micro_batches = model.global_batch // (layout.dp * b)
         for z in zeros:
             if z not in states:
-                states[z] = sum(_states_gb(cluster, split, lay.tp, lay.cp, lay.dp, lay.ep, *z, unit))
-                optimizer_s[z] = _optimizer_seconds(cluster, lay, *z, split)
+                states[z] = sum(_states_gb(cluster, split, layout.tp, layout.cp, layout.dp, layout.ep, *z, unit))
+                optimizer_s[z] = _optimizer_seconds(cluster, layout, *z, split)
         least_states = min(states[z] for z in zeros)
         for sp in sps:
-            fs, cp_pairs, too_big = {}, {}, set()  # by Ulysses size, computed once something needs a step time
+            forwards, cp_pairs, too_big = {}, {}, set()  # by Ulysses size, computed once something needs a step time
 
             def stage(recompute):
                 """(_stage_parts with the fastest Ulysses size, that size, the ZeRO choices fastest first with
                 their gradient-reduction seconds)."""
                 key = (b, sp, recompute)
                 if key not in stage_parts:
-                    if not fs:
-                        base = ("fs", lay.tp, lay.cp, lay.ep, b, sp)
-                        if base + (1,) not in lay.memo:
-                            lay.memo[base + (1,)] = _layer_forwards(cluster, m, lay, b, sp)
-                        fs[1] = lay.memo[base + (1,)]
+                    if not forwards:
+                        base = ("fs", layout.tp, layout.cp, layout.ep, b, sp)
+                        if base + (1,) not in layout.memo:
+                            layout.memo[base + (1,)] = _layer_forwards(cluster, model, layout, b, sp)
+                        forwards[1] = layout.memo[base + (1,)]
                         if len(ulysses) > 1:
-                            f = next(f for f in fs[1].values() if f)
+                            f = next(f for f in forwards[1].values() if f)
                             for x in ulysses:
-                                if ("cp", lay.tp, lay.cp, b, x) not in lay.memo:
-                                    lay.memo[("cp", lay.tp, lay.cp, b, x)] = (f["cp_fwd"], f["cp_bwd"]) if x == 1 \
-                                        else _cp_seconds(cluster, m, lay.tp, lay.cp, b, lay, f["attention"], x)
-                                cp_pairs[x] = lay.memo[("cp", lay.tp, lay.cp, b, x)]
+                                key_cp = ("cp", layout.tp, layout.cp, b, x)
+                                if key_cp not in layout.memo:
+                                    layout.memo[key_cp] = (f["cp_fwd"], f["cp_bwd"]) if x == 1 else _cp_seconds(
+                                        cluster, model, layout.tp, layout.cp, b, layout, f["attention"], x)
+                                cp_pairs[x] = layout.memo[key_cp]
                     # every layer, dense or MoE, has the same CP terms, and every stage L/p layers: the Ulysses size
                     # with the least CP seconds per layer (layer_step's) makes every stage fastest
                     again = 1 if recompute == "none" else 2
                     u = ulysses[0] if len(ulysses) == 1 else min(
                         ulysses, key=lambda x: again * cp_pairs[x][0] + cp_pairs[x][1])
-                    if u not in fs:
-                        key_u = ("fs", lay.tp, lay.cp, lay.ep, b, sp, u)
-                        if key_u not in lay.memo:
-                            lay.memo[key_u] = _layer_forwards(cluster, m, lay, b, sp, u, ring=fs[1])
-                        fs[u] = lay.memo[key_u]
-                    sp_parts = _stage_parts(cluster, m, lay, b, sp, recompute, fs[u])
-                    backward = _overlap_backward(cluster, lay, fs[u], sp_parts[1])
+                    if u not in forwards:
+                        key_u = ("fs", layout.tp, layout.cp, layout.ep, b, sp, u)
+                        if key_u not in layout.memo:
+                            layout.memo[key_u] = _layer_forwards(cluster, model, layout, b, sp, u, ring=forwards[1])
+                        forwards[u] = layout.memo[key_u]
+                    sp_parts = _stage_parts(cluster, model, layout, b, sp, recompute, forwards[u])
+                    backward = _overlap_backward(cluster, layout, forwards[u], sp_parts[1])
                     if (micro_batches, backward) not in zero_s:
-                        zero_s[(micro_batches, backward)] = {z: _dp_seconds(cluster, m, lay, *z, micro_batches, split,
-                                                                            backward) for z in zeros}
+                        zero_s[(micro_batches, backward)] = {
+                            z: _dp_seconds(cluster, model, layout, *z, micro_batches, split, backward) for z in zeros}
                     dp_s = zero_s[(micro_batches, backward)]
                     terms, busy = _layer_terms(micro_batches, sp_parts)
                     stage_parts[key] = (sp_parts, u, sorted(zeros, key=lambda z: dp_s[z] + optimizer_s[z]), dp_s,
@@ -1926,20 +2054,21 @@ def _best_for_layout(cluster, m, lay):
 
             for v, schedule in pairs:
                 try:
-                    _check_knobs(m, lay.dp, lay.pp, b, v, lay.interleave_min_pp, schedule)
+                    _check_knobs(model, layout.dp, layout.pp, b, v, layout.interleave_min_pp, schedule)
                 except ValueError as e:  # this (b, v) cannot run on this layout; another micro-batch may
                     refused = refused or e
                     continue
-                in_flight = in_flight_microbatches(lay.pp, v, micro_batches)
+                in_flight = in_flight_microbatches(layout.pp, v, micro_batches)
                 if schedule == "zb-h1" and b not in deferred:
-                    deferred[b] = _stage_deferred_bytes(m, lay.tp, lay.pp, lay.cp, lay.ep, b)
+                    deferred[b] = _stage_deferred_bytes(model, layout.tp, layout.pp, layout.cp, layout.ep, b)
                 for recompute in recomputes:
                     if schedule == "zb-h1" and best is not None and (v, recompute) in too_big:
                         continue  # zero bubble holds at least what its base order holds, which fitted nowhere
                     key = (b, sp, recompute)
                     if key not in parts:
-                        parts[key] = _activation_parts(cluster, m, lay.tp, lay.pp, lay.cp, lay.ep, b, recompute, sp)
-                    activations = _activations_gb(parts[key], in_flight, schedule, lay.pp, micro_batches, v,
+                        parts[key] = _activation_parts(cluster, model, layout.tp, layout.pp, layout.cp, layout.ep, b,
+                                                       recompute, sp)
+                    activations = _activations_gb(parts[key], in_flight, schedule, layout.pp, micro_batches, v,
                                                   deferred.get(b, 0.0))
                     fitting = [z for z in zeros if states[z] + activations <= limit]
                     if not fitting:
@@ -1948,7 +2077,7 @@ def _best_for_layout(cluster, m, lay):
                         continue  # the least memory matters only while nothing fits
                     sp_parts, u, fastest, dp_s, layers_s, busy = stage(recompute)
                     # step_time_terms' sum, in its order, from the cached parts
-                    p2p_s, bubble_s = _pipeline_tail(schedule, lay.pp, v, micro_batches, busy, *sp_parts[3:])
+                    p2p_s, bubble_s = _pipeline_tail(schedule, layout.pp, v, micro_batches, busy, *sp_parts[3:])
                     pipeline = layers_s + p2p_s + bubble_s
                     if not fitting:
                         for z in zeros:
@@ -1968,29 +2097,29 @@ def _best_for_layout(cluster, m, lay):
                         break  # a costlier recomputation only adds time: it cannot win even with the fastest ZeRO
     if best is None and least is None:
         raise refused
-    return evaluate(cluster, m, lay, best or least)
+    return evaluate(cluster, model, layout, best or least)
 
 
-def candidate_layouts(cluster, m, tp=None, pp=None, cp=None, ep=None):
+def candidate_layouts(cluster, model, tp=None, pp=None, cp=None, ep=None):
     """The planner's choice for every (tp, pp, cp, ep) that divides the cluster and the model; TP inside a node
     unless given, CP up to 16, EP over the sizes that divide the experts and the folding's ranks."""
     for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):  # None: every size that divides is tried
         if value is not None:
             _check_count(name, value, "omit it to let the planner choose")
     out, memo = [], {}
-    all_fixed = None not in (tp, pp, cp, ep) or (None not in (tp, pp, cp) and not m.moe_every)
-    tps = [tp] if tp is not None else [t for t in _divisors(cluster.gpus_per_node) if m.heads % t == 0]
-    pps = [pp] if pp is not None else _divisors(m.layers)
+    all_fixed = None not in (tp, pp, cp, ep) or (None not in (tp, pp, cp) and not model.moe_every)
+    tps = [tp] if tp is not None else [t for t in _divisors(cluster.gpus_per_node) if model.heads % t == 0]
+    pps = [pp] if pp is not None else _divisors(model.layers)
     cps = [cp] if cp is not None else [c for c in range(1, 17)
-                                       if cluster.gpus % c == 0 and (c == 1 or m.seq % (2 * c) == 0)]
+                                       if cluster.gpus % c == 0 and (c == 1 or model.seq % (2 * c) == 0)]
     layouts = [(t, p, c, e) for t, p, c in itertools.product(tps, pps, cps)
-               for e in ([ep] if ep is not None else _ep_choices(cluster, m, t, p, c))]
+               for e in ([ep] if ep is not None else _ep_choices(cluster, model, t, p, c))]
     divide = [(t, p, c, e) for t, p, c, e in layouts  # checked early: building the error text costs more than planning
-              if cluster.gpus % (t * p * c) == 0 and m.layers % p == 0 and m.heads % t == 0
-              and m.global_batch % (cluster.gpus // (t * p * c)) == 0]
+              if cluster.gpus % (t * p * c) == 0 and model.layers % p == 0 and model.heads % t == 0
+              and model.global_batch % (cluster.gpus // (t * p * c)) == 0]
     for t, p, c, e in layouts if all_fixed else divide:
         try:
-            out.append(estimate(cluster, m, t, p, c, ep=e, memo=memo))
+            out.append(estimate(cluster, model, t, p, c, ep=e, memo=memo))
         except ValueError:
             if all_fixed:
                 raise
@@ -1998,20 +2127,20 @@ def candidate_layouts(cluster, m, tp=None, pp=None, cp=None, ep=None):
         reasons = {}
         for t, p, c, e in divide or layouts:
             try:
-                estimate(cluster, m, t, p, c, ep=e)
+                estimate(cluster, model, t, p, c, ep=e)
             except ValueError as err:
-                reasons.setdefault(str(err), f"TP={t} PP={p} CP={c}" + (f" EP={e}" if m.moe_every else ""))
+                reasons.setdefault(str(err), f"TP={t} PP={p} CP={c}" + (f" EP={e}" if model.moe_every else ""))
         if reasons:
             raise ValueError("no layout takes these sizes and knobs: " + "; ".join(
                 f"{where}: {why}" for why, where in list(reasons.items())[:3]))
     return out
 
 
-def plan(cluster, m, tp=None, pp=None, cp=None, ep=None):
+def plan(cluster, model, tp=None, pp=None, cp=None, ep=None):
     """The planner's choice for every candidate layout, the ones that fit first, fastest first."""
-    if m.recompute is not None and m.recompute not in RECOMPUTE_POLICIES:
-        raise ValueError(f"recompute={m.recompute!r}; choose none, selective or full")
-    plans = candidate_layouts(cluster, m, tp, pp, cp, ep)
+    if model.recompute is not None and model.recompute not in RECOMPUTE_POLICIES:
+        raise ValueError(f"recompute={model.recompute!r}; choose none, selective or full")
+    plans = candidate_layouts(cluster, model, tp, pp, cp, ep)
     if not plans:
         raise ValueError("no layout divides this cluster and model: check gpus, layers (pp), heads (tp), "
                          "seq (cp), experts (ep) and global_batch (dp * micro_batch)")
@@ -2135,20 +2264,20 @@ def format_table(plans, limit=12):
 TRAIN_GPT_DTYPES = ("bfloat16", "float16")  # train_gpt.py's 16-bit --dtype values: what the cost model assumes
 
 
-def torchrun_command(row, m, cluster, dtype="bfloat16"):
-    """The torchrun line that runs `row`, a plan of `m` on `cluster`, with train_gpt.py: nodes, processes per node,
+def torchrun_command(row, model, cluster, dtype="bfloat16"):
+    """The torchrun line that runs `row`, a plan of `model` on `cluster`, with train_gpt.py: nodes, processes per node,
     and every train_gpt.py flag of the layout, schedule, ZeRO level, recomputation, dtype, batch and model (DP is the
     world over TP x CP x PP there too). CP runs as ring (u = 1), Ulysses (u = cp) or hybrid with --cp-ulysses u.
     Raises ValueError naming the flag where the model is one train_gpt.py cannot build: its GPT has multi-head
     attention, GeLU MLPs of 4h and tied embeddings, its MoE block moe_ep.MoE(h, 4h, E, k) routes dropless and
     folds EP over DP x CP."""
-    refused = [(m.kv_heads not in (None, m.heads), "--kv-heads", "multi-head attention"),
-               (m.swiglu, "--swiglu", "GeLU MLPs"),
-               (not m.tied_embeddings, "--untie-embeddings", "tied embeddings"),
-               (m.moe_every and m.expert_hidden not in (None, 4 * m.hidden), "--expert-hidden",
+    refused = [(model.kv_heads not in (None, model.heads), "--kv-heads", "multi-head attention"),
+               (model.swiglu, "--swiglu", "GeLU MLPs"),
+               (not model.tied_embeddings, "--untie-embeddings", "tied embeddings"),
+               (model.moe_every and model.expert_hidden not in (None, 4 * model.hidden), "--expert-hidden",
                 "experts of 4 x hidden"),
-               (m.moe_every and m.shared_expert_hidden, "--shared-expert-hidden", "no shared expert"),
-               (m.moe_every and m.capacity_factor is not None, "--capacity-factor", "dropless routing"),
+               (model.moe_every and model.shared_expert_hidden, "--shared-expert-hidden", "no shared expert"),
+               (model.moe_every and model.capacity_factor is not None, "--capacity-factor", "dropless routing"),
                (cluster.expert_folding != "dp_cp", "--expert-folding", "EP folded over DP x CP (dp_cp)")]
     for bad, flag, what in refused:
         if bad:
@@ -2171,10 +2300,11 @@ def torchrun_command(row, m, cluster, dtype="bfloat16"):
               ("--zero", row["zero"])] + ([("--zero-shard-size", row["zero_shard_size"])]
                                           if row["zero_shard_size"] else [])
     flags += [("--recompute", row["recompute"]), ("--dtype", dtype), ("--micro-batch", row["micro_batch"]),
-              ("--batch", m.global_batch), ("--layers", m.layers), ("--hidden", m.hidden), ("--heads", m.heads),
-              ("--seq", m.seq), ("--vocab", m.vocab)]
-    if m.moe_every:
-        flags += [("--moe-every", m.moe_every), ("--experts", m.experts), ("--top-k", m.top_k)]
+              ("--batch", model.global_batch), ("--layers", model.layers), ("--hidden", model.hidden),
+              ("--heads", model.heads),
+              ("--seq", model.seq), ("--vocab", model.vocab)]
+    if model.moe_every:
+        flags += [("--moe-every", model.moe_every), ("--experts", model.experts), ("--top-k", model.top_k)]
     return f"{launch} train_gpt.py " + " ".join(flag if value is None else f"{flag} {value}" for flag, value in flags)
 
 
@@ -2205,11 +2335,12 @@ TABLE_1_SEQ, TABLE_1_VOCAB = 2048, 51200
 
 def table_1_model(row, published_knobs):
     _, heads, hidden, layers, _, _, _, batch, _, mb, chunks, _ = row
-    m = ModelShape(layers=layers, hidden=hidden, heads=heads, seq=TABLE_1_SEQ, vocab=TABLE_1_VOCAB,
+    model = ModelShape(layers=layers, hidden=hidden, heads=heads, seq=TABLE_1_SEQ, vocab=TABLE_1_VOCAB,
                    global_batch=batch)
     if published_knobs:
-        m = replace(m, micro_batch=mb, recompute="full", sequence_parallel=False, zero=False, virtual_stages=chunks)
-    return m
+        model = replace(model, micro_batch=mb, recompute="full", sequence_parallel=False, zero=False,
+                        virtual_stages=chunks)
+    return model
 
 
 # What the authors' software offered: full recomputation (the only kind, used in every run), no sequence
@@ -2252,12 +2383,12 @@ def calibrate(every_knob=True, **cluster_overrides):
         published = published_estimate(row, **cluster_overrides)
         result = {"params_b": params_b, "tp": tp, "pp": pp, "gpus": gpus, "measured_tflops": measured,
                   "published": published, "error": published["tflops_per_gpu"] / measured - 1}
-        for name, cluster, m, cp in (
+        for name, cluster, model, cp in (
                 ("2021", Cluster(gpus=gpus, **{**CLUSTER_2021, **cluster_overrides}),
                  replace(table_1_model(row, False), **SOFTWARE_2021), 1),
                 ("today", Cluster(gpus=gpus, **cluster_overrides), table_1_model(row, False), None))[:1 + every_knob]:
-            on_published = estimate(cluster, m, tp, pp, 1)
-            top = plan(cluster, m, cp=cp)[0]
+            on_published = estimate(cluster, model, tp, pp, 1)
+            top = plan(cluster, model, cp=cp)[0]
             result[name] = {"on_published": on_published, "top": top,
                             "top_is_published": (top["tp"], top["pp"], top["cp"]) == (tp, pp, 1),
                             "published_slower": on_published["step_time_s"] / top["step_time_s"] - 1}
@@ -2389,11 +2520,11 @@ MEGATRON_CORE_2025 = dict(overlap_grad_reduce=True, flash_attention=True, grad_b
 MOE_RUN_KNOBS = dict(micro_batch=1, recompute="none", sequence_parallel=True, zero=True)
 # Measured MFU: Liu et al. 2025, "MoE Parallel Folding" (arXiv 2504.14960), abstract: 49.3% for Mixtral 8x22B and
 # 39.0% for Qwen2-57B-A14B on H100 (128 and 64 GPUs). Layouts and shapes: the paper's authors' benchmark
-# configurations of April 2025 (github.com/yanring/Megatron-MoE-ModelZoo, commit 78fd4d6, runtime.conf and
+# configurations of April 2025 (github.com/yanring/Megatron-MoE-ModelZoo, runtime.conf and
 # model_configs/benchmarking/*.yaml): sequence 4096, global batch 256, micro-batch 1, GQA, SwiGLU experts, untied
 # embeddings, RoPE (positions are counted here as learned: 25 M parameters on stage 0, conservative), no dropout
 # (masks are counted: conservative), balanced load (benchmark mode: tokens dropped at capacity factor 1).
-# Mixtral's layout was changed to v = 7 in July 2025 (commit 7f59386): MIXTRAL_V7 below.
+# Mixtral's layout was changed to v = 7 in July 2025: MIXTRAL_V7 below.
 MOE_RUNS = (
     {"name": "Mixtral 8x22B", "gpus": 128, "measured_mfu": 0.493, "tp": 2, "pp": 8, "cp": 1, "ep": 8,
      "virtual_stages": 1,
@@ -2411,14 +2542,15 @@ MOE_RUNS = (
 MIXTRAL_V7 = dict(MOE_RUNS[0], virtual_stages=7)
 
 
-def megatron_flops_per_token(m):
+def megatron_flops_per_token(model):
     """FLOPs per token as Megatron-Core counts them for its MFU (training.py, num_floating_point_operations):
     12 h^2 ((1 + g/a + s/h) + f k (3/2 with SwiGLU) / h + f_s (3/2) / h) per layer + 6 V h, i.e.
     `flops_per_token` without the router (6 E h) and the weighted sum of the k outputs (6 k h)."""
-    h, kv, mats = m.hidden, _kv_width(m), 3 if m.swiglu else 2
-    moe = moe_layers_between(m, 0, m.layers)
-    mlp = (m.layers - moe) * 8 * h * h + moe * mats * h * (m.top_k * expert_hidden(m) + m.shared_expert_hidden)
-    return 6 * (m.layers * (2 * h * h + 2 * h * kv) + mlp + m.vocab * h) + 12 * m.layers * h * m.seq
+    h, kv, mats = model.hidden, _kv_width(model), 3 if model.swiglu else 2
+    moe = moe_layers_between(model, 0, model.layers)
+    mlp = ((model.layers - moe) * 8 * h * h
+           + moe * mats * h * (model.top_k * expert_hidden(model) + model.shared_expert_hidden))
+    return 6 * (model.layers * (2 * h * h + 2 * h * kv) + mlp + model.vocab * h) + 12 * model.layers * h * model.seq
 
 
 def moe_run_cluster(run, **cluster_overrides):
@@ -2432,19 +2564,19 @@ def calibrate_moe(runs=MOE_RUNS, **cluster_overrides):
     schedule and ZeRO level the planner knows (zero bubble, ZeRO-2/3, HSDP)."""
     out = []
     for run in runs:
-        cluster, m = moe_run_cluster(run, **cluster_overrides), run["model"]
-        published = estimate(cluster, m, run["tp"], run["pp"], run["cp"], ep=run["ep"],
+        cluster, model = moe_run_cluster(run, **cluster_overrides), run["model"]
+        published = estimate(cluster, model, run["tp"], run["pp"], run["cp"], ep=run["ep"],
                              virtual_stages=run["virtual_stages"], **MOE_RUN_KNOBS)
-        per_token = megatron_flops_per_token(m)
+        per_token = megatron_flops_per_token(model)
         peak = cluster.peak_tflops * 1e12
 
         def mfu(row):
             return per_token * row["tokens_per_s"] / cluster.gpus / peak
-        top = plan(cluster, m)[0]
-        top_all = plan(replace(cluster, schedules=SCHEDULES, zero_levels=ZERO_LEVELS), m)[0]
+        top = plan(cluster, model)[0]
+        top_all = plan(replace(cluster, schedules=SCHEDULES, zero_levels=ZERO_LEVELS), model)[0]
         out.append({"name": run["name"], "gpus": run["gpus"], "measured_mfu": run["measured_mfu"],
                     "measured_tokens_per_s_per_gpu": run["measured_mfu"] * peak / per_token,
-                    "params_b": parameter_count(m) / 1e9, "active_params_b": active_parameter_count(m) / 1e9,
+                    "params_b": parameter_count(model) / 1e9, "active_params_b": active_parameter_count(model) / 1e9,
                     "published": published, "predicted_mfu": mfu(published),
                     "error": mfu(published) / run["measured_mfu"] - 1, "top": top, "top_mfu": mfu(top),
                     "published_slower": published["step_time_s"] / top["step_time_s"] - 1,
@@ -2502,17 +2634,15 @@ EXAMPLE_SHAPES = {
                                           global_batch=32, **_EXAMPLE_KNOBS),
     # narrower layers and a big batch: 256 micro-batches amortise either bubble, and what remains is TP
     # traffic, (L/p)(t-1)/t per GPU: L/8 * 3/4 for B against L/4 * 7/8 for A
-    "narrow_layers_big_batch": ModelShape(layers=40, hidden=5120, heads=40, seq=2048, vocab=51200,
-                                          global_batch=512, **_EXAMPLE_KNOBS),
+    "narrow_layers_big_batch": ModelShape(**CHAPTER_MODEL, **_EXAMPLE_KNOBS),  # the chapter's model
 }
 def chapter_example():
     cluster = Cluster(gpus=64, gpus_per_node=8)
     out = []
-    for name, m in EXAMPLE_SHAPES.items():
-        a = estimate(cluster, m, tp=8, pp=4, cp=1)
-        b = estimate(cluster, m, tp=4, pp=8, cp=1)
+    for name, model in EXAMPLE_SHAPES.items():
+        a, b = (estimate(cluster, model, tp=plan["tp"], pp=plan["pp"], cp=1) for plan in CHAPTER_PLANS.values())
         winner = min((x for x in (a, b) if x["fits"]), key=lambda x: x["step_time_s"], default=None)
-        out.append({"shape": name, "model": m.__dict__, "plan_a": a, "plan_b": b,
+        out.append({"shape": name, "model": model.__dict__, "plan_a": a, "plan_b": b,
                     "preferred": None if winner is None else ("A" if winner is a else "B"),
                     "compute_b_over_a": b["compute_s"] / a["compute_s"] - 1})
     return out
@@ -2521,9 +2651,9 @@ def chapter_example():
 def print_chapter_example():
     examples = chapter_example()
     for ex in examples:
-        m = ex["model"]
-        print(f"\n== {ex['shape']}: L={m['layers']} h={m['hidden']} a={m['heads']} s={m['seq']} "
-              f"B={m['global_batch']} recompute={m['recompute']} on 64 GPUs (8 nodes x 8)")
+        model = ex["model"]
+        print(f"\n== {ex['shape']}: L={model['layers']} h={model['hidden']} a={model['heads']} s={model['seq']} "
+              f"B={model['global_batch']} recompute={model['recompute']} on 64 GPUs (8 nodes x 8)")
         rows = [("memory GB", "memory_gb"), ("  activations GB", "activations_gb"), ("fits", "fits"),
                 ("micro-batches m", "micro_batches"), ("step s", "step_time_s"), ("  compute", "compute_s"),
                 ("  TP", "tp_s"), ("  PP p2p", "pp_p2p_s"), ("  bubble", "bubble_s"), ("  DP", "dp_s"),
@@ -2570,9 +2700,10 @@ def moe_example():
 
 def print_moe_example():
     ex = moe_example()
-    m, a, b = ex["model"], ex["inside"], ex["across"]
-    print(f"\n== MoE: L={m['layers']} h={m['hidden']} a={m['heads']} s={m['seq']} B={m['global_batch']}, "
-          f"{m['experts']} experts of hidden {m['expert_hidden']}, top-{m['top_k']} "
+    model, a, b = ex["model"], ex["inside"], ex["across"]
+    print(f"\n== MoE: L={model['layers']} h={model['hidden']} a={model['heads']} s={model['seq']} "
+          f"B={model['global_batch']}, "
+          f"{model['experts']} experts of hidden {model['expert_hidden']}, top-{model['top_k']} "
           f"({parameter_count(MOE_EXAMPLE) / 1e9:.1f}B parameters, {active_parameter_count(MOE_EXAMPLE) / 1e9:.1f}B "
           "active) on 64 GPUs (8 nodes x 8)")
     rows = [("memory GB", lambda x: x["memory_gb"]), ("fits", lambda x: x["fits"]),
@@ -2586,10 +2717,11 @@ def print_moe_example():
         va, vb = get(a), get(b)
         fmt = (lambda v: f"{v:>18.3f}") if isinstance(va, float) else (lambda v: f"{str(v):>18s}")
         print(f"{label:18s} {fmt(va)} {fmt(vb)}")
-    per_step = 4 * m["layers"] * a["micro_batches"]
+    per_step = 4 * model["layers"] * a["micro_batches"]
     remote, peers, cluster = b["ep"] - b["ep_members_per_node"], b["ep"] - 1, ex["cluster"]
     rest = (a["step_time_s"] - a["ep_s"]) - (b["step_time_s"] - b["ep_s"])
-    print(f"Why: each GPU holds T = b s = {a['micro_batch'] * m['seq']} tokens, so an all-to-all sends T k h e (P-1)/P "
+    print(f"Why: each GPU holds T = b s = {a['micro_batch'] * model['seq']} tokens, so an all-to-all sends "
+          "T k h e (P-1)/P "
           f"= {a['a2a_bytes'] / 1e6:.1f} MB (P={a['ep']}) or {b['a2a_bytes'] / 1e6:.1f} MB (P={b['ep']}). Inside a "
           f"node it all crosses NVLink at {cluster.nvlink_gbps:.0f} GB/s: {a['a2a_s'] * 1e3:.3f} ms. Across "
           f"{b['ep'] // b['ep_members_per_node']} nodes {remote} of the {peers} peers are remote: "
@@ -2609,7 +2741,9 @@ def print_moe_example():
 def _map_main(argv):
     ap = argparse.ArgumentParser(
         prog="topology.py",
-        description="Draw the Megatron-LM rank map. Subcommands: 'plan' (the layout planner, see "
+        description="Draw the Megatron-LM rank map (with no argument at all: the chapter, its groups, the rank "
+                    "maps of plan A and plan B and the two compared in closed form). Subcommands: 'plan' (the "
+                    "layout planner, see "
                     "'topology.py plan --help'), 'calibrate' (the planner against Narayanan et al. 2021, Table 1) "
                     "and 'example' (the chapter's 64-GPU plan A against plan B).")
     ap.add_argument("--nodes", type=int, default=2)
@@ -2620,6 +2754,11 @@ def _map_main(argv):
     ap.add_argument("--ep", type=int, default=1)
     a = ap.parse_args(argv)
     print(rank_map(a.nodes, a.gpus_per_node, a.tp, a.pp, a.cp, a.ep))
+
+
+def _flag(name):
+    """The command-line flag of a Cluster or ModelShape field: its name with dashes, but for e_max's."""
+    return next((flag for flag, (f, _) in _CONSTANT_FLAGS.items() if f == name), "--" + name.replace("_", "-"))
 
 
 _CONSTANT_FLAGS = {  # flag -> (Cluster field, help)
@@ -2718,29 +2857,30 @@ def _plan_main(argv):
     if a.limit < 0:
         raise ValueError(f"limit={a.limit} must be >= 0 (--limit): the number of rows to print")
     cluster = _cluster_from_args(a)
-    m = ModelShape(a.layers, a.hidden, a.heads, a.seq, a.vocab, a.global_batch, a.micro_batch, a.recompute,
+    model = ModelShape(a.layers, a.hidden, a.heads, a.seq, a.vocab, a.global_batch, a.micro_batch, a.recompute,
                    None if a.sequence_parallel is None else a.sequence_parallel == "on", a.zero, a.virtual_stages,
                    moe_every=a.moe_every, experts=a.experts, top_k=a.top_k, expert_hidden=a.expert_hidden,
                    shared_expert_hidden=a.shared_expert_hidden, capacity_factor=a.capacity_factor,
                    imbalance=a.imbalance, swiglu=a.swiglu, kv_heads=a.kv_heads, tied_embeddings=not a.untie_embeddings,
                    pp_schedule=a.pp_schedule, zero_shard_size=a.zero_shard_size, cp_ulysses=a.cp_ulysses)
-    plans = plan(cluster, m, a.tp, a.pp, a.cp, a.ep)
+    plans = plan(cluster, model, a.tp, a.pp, a.cp, a.ep)
     if a.command:
-        print(torchrun_command(plans[0], m, cluster, a.dtype))
+        print(torchrun_command(plans[0], model, cluster, a.dtype))
         return
     if a.json:
         print(json.dumps(plans, indent=1))
         return
-    if m.moe_every:
-        print(f"model: {parameter_count(m) / 1e9:.2f} B parameters, {active_parameter_count(m) / 1e9:.2f} B active "
-              f"per token; {flops_per_token(m) / 1e9:.2f} GFLOP per token (6 N_active + 12 L h s), "
-              f"{model_flops(m) / 1e15:.1f} PFLOP per step")
+    if model.moe_every:
+        print(f"model: {parameter_count(model) / 1e9:.2f} B parameters, "
+              f"{active_parameter_count(model) / 1e9:.2f} B active "
+              f"per token; {flops_per_token(model) / 1e9:.2f} GFLOP per token (6 N_active + 12 L h s), "
+              f"{model_flops(model) / 1e15:.1f} PFLOP per step")
     else:
-        print(f"model: {parameter_count(m) / 1e9:.2f} B parameters; {paper_flops(m) / 1e15:.1f} PFLOP per step "
+        print(f"model: {parameter_count(model) / 1e9:.2f} B parameters; {paper_flops(model) / 1e15:.1f} PFLOP per step "
               "(96 B s L h^2 (1 + s/6h + V/16Lh))")
     print(format_table(plans, a.limit))
     print()
-    print(explain(plans, cluster, m.recompute))
+    print(explain(plans, cluster, model.recompute))
 
 
 def _calibrate_main(argv):
@@ -2774,8 +2914,11 @@ def main(argv=None):
         elif argv[:1] == ["calibrate"]:
             _calibrate_main(argv[1:])
         elif argv[:1] == ["example"]:
+            print_chapter_plans()
             print_chapter_example()
             print_moe_example()
+        elif not argv:  # the chapter: groups, rank map, plan A against plan B
+            chapter_demo()
         else:
             _map_main(argv)
     except ValueError as e:  # a layout or constant that cannot work: one line and the usage-error code

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import chapter_core
 import long_seq
 import topology
 import train_gpt
@@ -46,6 +47,51 @@ def _brute_force(world, tp, pp, cp, ep):
         buckets["ep"].setdefault((t, x, p), []).append(r)
         buckets["edp"].setdefault((t, e, p), []).append(r)
     return {k: sorted(sorted(v) for v in b.values()) for k, b in buckets.items()}
+
+
+def test_the_core_alone_builds_megatrons_groups_and_the_full_files_plan_a_and_b(tmp_path):
+    core = chapter_core.load_core("topology", tmp_path)  # the lines above the banner, imported alone
+    world, tp, pp, cp, ep = 16, 2, 2, 2, 2
+    got = core.rank_groups(world, tp=tp, pp=pp, cp=cp, ep=ep)
+    want = _brute_force(world, tp, pp, cp, ep)  # rank = tp + TP (cp + CP (dp + DP pp)), walked coordinate by coordinate
+    want["embedding"] = [[g[0], g[-1]] for g in want["pp"]]
+    for kind in want:
+        assert got[kind] == want[kind], kind
+    assert got == topology.rank_groups(world, tp=tp, pp=pp, cp=cp, ep=ep)  # every kind, as the full file's
+    # plan A and plan B in closed form equal the planner's rows for the same layouts and knobs, on the chapter's model
+    # (B wins) and on the planner's second example, a small batch of wide layers (A wins)
+    for example in topology.chapter_example():
+        figures, best = core.chapter_plans({k: example["model"][k] for k in core.CHAPTER_MODEL})
+        assert best == example["preferred"] == {"narrow_layers_big_batch": "B", "wide_layers_small_batch": "A"}[
+            example["shape"]]
+        for name, row in (("A", example["plan_a"]), ("B", example["plan_b"])):
+            plan = figures[name]
+            assert (plan["micro_batches"], plan["in_flight"], plan["params"]) == (
+                row["micro_batches"], row["in_flight"], row["params_per_gpu"])
+            for kind in ("weights", "grads", "optimizer", "activations"):
+                assert plan[f"{kind}_bytes"] / core.GB == pytest.approx(row[f"{kind}_gb"], rel=1e-12), (name, kind)
+            assert plan["memory_bytes"] / core.GB == pytest.approx(row["memory_gb"], rel=1e-12)
+            for mine, theirs in (("tp_s", "tp_s"), ("pp_s", "pp_p2p_s"), ("dp_s", "dp_s")):
+                assert plan[mine] == pytest.approx(row[theirs], rel=1e-12), (name, mine)
+            busy = row["compute_s"] + row["tp_s"] + row["cp_s"] + row["ep_s"] + row["pp_p2p_s"]
+            assert plan["bubble"] == pytest.approx(row["bubble_s"] / busy, rel=1e-12)
+            assert plan["bubble"] == (row["pp"] - 1) / row["micro_batches"]
+            inside = plan["inside_node"]
+            assert [inside["tp"], inside["dp"], inside["pp"]] == [row["intra_node"][k] for k in ("tp", "dp_cp", "pp")]
+    a, b = core.chapter_plans()[0]["A"]["inside_node"], core.chapter_plans()[0]["B"]["inside_node"]
+    assert a["tp"] and b["tp"] and b["dp"] and not a["dp"] and not a["pp"] and not b["pp"]
+
+
+def test_the_chapter_demo_and_help(capsys):
+    topology.main([])  # `python topology.py`: the groups, the two rank maps, plan A against plan B
+    out = capsys.readouterr().out
+    assert out.startswith("rank_groups(16, tp=2, pp=2, cp=2, ep=2):")
+    assert "plan A: world=64 = tp 8 x cp 1 x dp 2 x pp 4" in out
+    assert "plan B: world=64 = tp 4 x cp 1 x dp 2 x pp 8" in out
+    assert "answer: plan B." in out
+    with pytest.raises(SystemExit) as exit_code:
+        topology.main(["--help"])
+    assert exit_code.value.code == 0 and "plan" in capsys.readouterr().out
 
 
 def test_rank_groups_match_brute_force_on_random_layouts():
@@ -1531,6 +1577,7 @@ def test_chapter_moe_example_puts_ep_inside_a_node_and_says_why(capsys):
     assert f"in {top['a2a_s'] * 1e3:.3f} ms" in text and "The fastest plan with EP on InfiniBand" in text, text
     topology.main(["example"])
     out = capsys.readouterr().out
+    assert out.startswith("L=40 h=5120 a=40 s=2048") and "answer: plan B." in out  # the closed form first
     assert "== MoE:" in out and f"{b['a2a_s'] / a['a2a_s']:.1f}x" in out and f"{a['ep_s']:.3f} s against" in out
     rest = (b["step_time_s"] - b["ep_s"]) - (a["step_time_s"] - a["ep_s"])
     assert f"B's other terms are {-rest:.3f} s faster" in out

@@ -818,12 +818,14 @@ class Cluster:
     zero_levels: tuple = ZERO_LEVELS
 
     def __post_init__(self):
-        # `not value > 0` rather than `value <= 0`: NaN fails it too
+        # `not value > 0` rather than `value <= 0`: NaN fails it too; and no rate is infinite
         for name in ("gpus", "gpus_per_node", "gpu_mem_gb", "nvlink_gbps", "ib_gbps", "peak_tflops", "efficiency",
                      "hbm_gbps", "p2p_gbps"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name}={value!r} must be > 0 ({_flag(name)})")
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"{name}={value!r} must be finite ({_flag(name)})")
         # 0: a cost left out on purpose (gemm_half_dim 0: GEMMs at e_max whatever their size)
         for name in ("gemm_half_dim", "launch_us", "collective_latency_us", "p2p_latency_us"):
             value = getattr(self, name)
@@ -2739,7 +2741,7 @@ def print_moe_example():
 # ----------------------------------------------------------------------------------------------------
 
 def _map_main(argv):
-    ap = argparse.ArgumentParser(
+    ap = _OneLineParser(
         prog="topology.py",
         description="Draw the Megatron-LM rank map (with no argument at all: the chapter, its groups, the rank "
                     "maps of plan A and plan B and the two compared in closed form). Subcommands: 'plan' (the "
@@ -2754,6 +2756,16 @@ def _map_main(argv):
     ap.add_argument("--ep", type=int, default=1)
     a = ap.parse_args(argv)
     print(rank_map(a.nodes, a.gpus_per_node, a.tp, a.pp, a.cp, a.ep))
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """A flag that does not parse (`--gpus nan`) is one line, as every other bad input is: main prints it."""
+
+    def error(self, message):
+        raise ValueError(f"{message} (see {self.prog} --help)")
+
+
+MAX_GPUS = 1 << 20  # the planner enumerates every layout of the cluster: a bound past any cluster built
 
 
 def _flag(name):
@@ -2804,7 +2816,7 @@ def _add_cluster_flags(ap):
 
 
 def _plan_main(argv):
-    ap = argparse.ArgumentParser(prog="topology.py plan",
+    ap = _OneLineParser(prog="topology.py plan",
                                  description="Rank the layouts of a cluster for a model; each row with the knobs the "
                                              "planner chose (fix any knob or layout size with its flag).")
     ap.add_argument("--gpus", type=int, required=True)
@@ -2856,6 +2868,9 @@ def _plan_main(argv):
     a = ap.parse_args(argv)
     if a.limit < 0:
         raise ValueError(f"limit={a.limit} must be >= 0 (--limit): the number of rows to print")
+    if not 1 <= a.gpus <= MAX_GPUS:
+        raise ValueError(f"--gpus {a.gpus} must be between 1 and {MAX_GPUS:,}")
+
     cluster = _cluster_from_args(a)
     model = ModelShape(a.layers, a.hidden, a.heads, a.seq, a.vocab, a.global_batch, a.micro_batch, a.recompute,
                    None if a.sequence_parallel is None else a.sequence_parallel == "on", a.zero, a.virtual_stages,
@@ -2884,7 +2899,7 @@ def _plan_main(argv):
 
 
 def _calibrate_main(argv):
-    ap = argparse.ArgumentParser(prog="topology.py calibrate",
+    ap = _OneLineParser(prog="topology.py calibrate",
                                  description="Narayanan et al. 2021 Table 1, then published MoE runs "
                                              "(Megatron-Core, H100), beside the planner's predictions.")
     ap.add_argument("--json", action="store_true")

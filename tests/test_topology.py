@@ -944,7 +944,10 @@ def test_bad_cluster_constants_and_layouts_are_one_line_and_exit_code_2(capsys):
             "512", "--global-batch", "8"]
     for extra, names in ((["--p2p-gbps", "-5"], "p2p_gbps=-5.0 must be > 0 (--p2p-gbps)"),
                          (["--p2p-gbps", "0"], "p2p_gbps=0.0 must be > 0"),
-                         (["--tp", "3", "--pp", "1", "--cp", "1"], "tp")):
+                         (["--tp", "3", "--pp", "1", "--cp", "1"], "tp"),
+                         (["--peak-tflops", "inf"], "peak_tflops=inf must be finite (--peak-tflops)"),
+                         (["--gpus", "nan"], "argument --gpus: invalid int value: 'nan'"),  # not argparse's usage
+                         (["--gpus", "1000000000"], "--gpus 1000000000 must be between 1 and 1,048,576")):
         with pytest.raises(SystemExit) as exit_:
             topology.main(base + extra)
         err = capsys.readouterr().err.strip().splitlines()

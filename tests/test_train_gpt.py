@@ -2317,6 +2317,54 @@ def test_odd_folder_names_dense_checkpoints_and_huge_models_are_one_line(pristin
     (code, out, _), = _main_on_forked_ranks(["--show-schedule", "--pp", "1000", "--micro-batches", "1000000"], 1,
                                             str(tmp_path))
     assert code == 2 and len(out.strip().splitlines()) == 1 and "more than a screen can show" in out, out
+    with pytest.raises(ValueError, match="cannot be written"):  # a folder that refuses what access() allows
+        train_gpt.check_inputs(CFG, _run(metrics="/proc/m.jsonl"), 1)
+
+
+def test_a_dense_checkpoint_is_not_refused_over_experts_and_a_lone_bin_file_is_told(two_checkpoints, tmp_path,
+                                                                                    monkeypatch):
+    path = str(two_checkpoints[0] / "step_000004")
+    train_gpt.read_train_state(path, dataclasses.replace(CFG, n_experts=3, top_k=1))  # dense: no experts to compare
+    with pytest.raises(ValueError, match="--hidden 16, this run has --hidden 32"):
+        train_gpt.read_train_state(path, dataclasses.replace(CFG, n_embd=32))
+    said = []
+    monkeypatch.setattr(train_gpt, "_warn", said.append)
+    (tmp_path / "tokens.bin").write_bytes(bytes(range(256)) * 8)
+    train_gpt.load_data(str(tmp_path / "tokens.bin"), 16, 256)
+    assert len(said) == 1 and "read as bytes of text" in said[0], said
+
+
+def _load_expecting_a_refusal(rank, world, path):
+    cfg = train_gpt.GPTConfig(**train_gpt.read_train_state(path)["config"])
+    plan, stage, _, _ = train_gpt.build(cfg, train_gpt.TrainConfig(batch=1, micro_batch=1, log=False))
+    try:
+        train_gpt.load_checkpoint(path, stage)
+    except train_gpt.BadCheckpoint as e:
+        return str(e)
+
+
+def test_a_tensor_payload_that_is_no_tensor_is_refused_without_torchs_advice_to_unpickle_it(pristine_checkpoint,
+                                                                                          tmp_path):
+    import io
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    sentinel = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {sentinel}",)
+    buffer = io.BytesIO()
+    torch.save(Payload(), buffer)
+    path = _copy(pristine_checkpoint, tmp_path)
+    (path / "__0_9.distcp").write_bytes(buffer.getvalue())
+
+    def point_the_rng_at_the_payload(metadata):
+        metadata.storage_data[MetadataIndex("rng/0", torch.Size([0]))] = _StorageInfo("__0_9.distcp", 0,
+                                                                                      len(buffer.getvalue()))
+    _edit_metadata(path, point_the_rng_at_the_payload)
+    said = run_ranks(_load_expecting_a_refusal, 1, str(path), timeout=60)[0]
+    assert said and "not tensor data: refused unread" in said and "weights_only" not in said, said
+    assert not sentinel.exists()
 
 
 def test_a_rank_missing_at_start_or_hung_reading_a_checkpoint_ends_the_job_in_one_line(two_checkpoints, tmp_path,

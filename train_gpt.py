@@ -2678,7 +2678,8 @@ def check_outputs_apart_from_inputs(run):
     """No output can overwrite an input or be read back as one: --metrics is not the --data file, nor inside the
     --data folder, a checkpoint or its lock; --out-dir is not inside the --data folder (whose text files are all
     read: the run would train on its own checkpoints)."""
-    data = os.path.realpath(run.data) if os.path.exists(run.data) else None
+    data = os.path.realpath(run.data) if run.data not in ("embedded", "synthetic") and os.path.exists(run.data) \
+        else None
     data_folder = data if data and os.path.isdir(data) else None
     if run.out_dir and data_folder and _inside(os.path.realpath(run.out_dir), data_folder):
         raise ValueError(f"--out-dir {run.out_dir} is inside the --data folder {run.data}, whose files are read as "
@@ -2699,11 +2700,11 @@ def check_outputs_apart_from_inputs(run):
 
 
 def clear_stale_writes(out_dir):
-    """Rank 0, holding the --out-dir lock: a step_N.tmp or step_N.old folder is what a crashed save left (no other
-    run can be writing it): removed now, not when a save meets it. Anything else under such a name is not ours to
-    remove: refused in one line, before training."""
+    """Rank 0, holding the --out-dir lock: a step_N.tmp folder is what a crashed save left (no other run can be
+    writing it): removed now, not when a save meets it. Anything else under that name is not ours to remove:
+    refused in one line, before training."""
     for name in os.listdir(out_dir):
-        if not re.fullmatch(r"step_[0-9]{1,12}\.(tmp|old)", name):
+        if not re.fullmatch(r"step_[0-9]{1,12}\.tmp", name):
             continue
         path = os.path.join(out_dir, name)
         if not os.path.isdir(path) or os.path.islink(path):

@@ -87,9 +87,8 @@ def dtype_table():
 
 
 def _group_size(group, name="group"):
-    """1 for None (no communication). A group without this rank is refused: torch answers -1 for its size and
-    its collectives return at once there, so this rank would silently leave the sum (and clip, or skip,
-    alone)."""
+    """1 for None (no communication). A group without this rank is refused (torch answers -1 for its size, and
+    this rank would silently leave the sum)."""
     if group is None:
         return 1
     size = dist.get_world_size(group)
@@ -100,8 +99,7 @@ def _group_size(group, name="group"):
 
 
 def _collective_device(group):
-    """Where a tensor must live to take part in `group`'s collectives: this process's GPU under NCCL (which
-    takes no CPU tensors), else the CPU. For a rank that has no tensor of its own to take the device from."""
+    """Where a tensor must live to take part in `group`'s collectives: this process's GPU under NCCL, else CPU."""
     if group is not None and "nccl" in str(dist.get_backend(group)):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -202,10 +200,8 @@ def _count_sent(kind, tensor, d, factor):
 
 
 def _accumulate_main_grad(p):
-    """Gradient hook, after autograd has written p.grad: add it to the persistent main grad (in the master
-    dtype, so that m micro-batches cost one rounding each in FP32, not m roundings in BF16), free p.grad.
-    p.grad is None where the backward left this weight's gradient for later (a zero-bubble B: its W adds the
-    gradient into main_grad itself)."""
+    """Gradient hook, after autograd has written p.grad: add it into the FP32 main grad, free p.grad. (None where
+    the backward left this weight's gradient for later: a zero-bubble W adds it into main_grad itself.)"""
     if p.grad is None:
         return
     with torch.no_grad():  # a gradient with a graph (create_graph=True) joins as a value
@@ -214,18 +210,14 @@ def _accumulate_main_grad(p):
 
 
 def _grad_is_main_grad(p):
-    """A parameter already in the master dtype has p.grad = p.main_grad: autograd accumulates in place into
-    the flat buffer (DDP's gradient_as_bucket_view), with no copy."""
+    """p.grad is the main_grad view: autograd accumulates in place (DDP's gradient_as_bucket_view)."""
     return p.grad is not None and p.grad.data_ptr() == p.main_grad.data_ptr()
 
 
 def _adopt_grad(p):
-    """For a parameter already in the master dtype, before its main grad is read. Its p.grad is its gradient, as
-    torch defines it: when something replaced the main_grad view (autograd accumulates out of place under
-    create_graph=True; a user writes p.grad = g), the new tensor is the whole gradient. It is COPIED into
-    main_grad, not added (adding would count main_grad's content twice), and p.grad points at main_grad again.
-    No hook runs it after every backward (a Python call per parameter and micro-batch): until the main grad is
-    read, p.grad (the view or its replacement) holds the whole gradient."""
+    """A parameter in the master dtype, before its main grad is read: a p.grad that replaced the main_grad view
+    (create_graph=True accumulates out of place; a user writes p.grad = g) is the whole gradient, so it is COPIED
+    into main_grad (adding would count main_grad twice), and p.grad points at main_grad again."""
     if p.grad is None or _grad_is_main_grad(p):
         return
     with torch.no_grad():
@@ -263,11 +255,9 @@ class _Bucket:
         self.pieces = [self._piece(p, start) for p, start in zip(params, self.starts)]
 
     def _layout(self):
-        """(starts, N, lo, hi): the parameters back to back, one shard (the whole buffer)."""
-        starts, numel = [], 0
-        for p in self.params:
-            starts.append(numel)
-            numel += p.numel()
+        """(starts, N, lo, hi): the parameters back to back; one shard, the whole buffer."""
+        starts = [sum(p.numel() for p in self.params[:i]) for i in range(len(self.params))]
+        numel = sum(p.numel() for p in self.params)
         return starts, numel, 0, numel
 
     def _make_main_grads(self, master_dtype):
@@ -279,8 +269,8 @@ class _Bucket:
     def _owned_params(self):
         return self.param_flat[self.lo:self.hi]
 
-    def _finish_init(self):
-        """Nothing more at ZeRO-0 (the sharded buckets round or free their parameters here)."""
+    def _finish_init(self):  # the sharded buckets round or free their parameters here
+        pass
 
     def _piece(self, p, start):
         a = min(max(start, self.lo), self.hi)  # the intersection of [start, start + numel) with the shard
@@ -293,15 +283,13 @@ class _Bucket:
         piece.shard_range = (a - self.lo, b - self.lo)  # and of the shard buffers
         return piece
 
-    def groups(self):
-        """The groups this bucket's gradients are summed over."""
+    def groups(self):  # the groups this bucket's gradients are summed over
         return (self.group,)
 
     def owned_grads(self):
         return self.grad_shard
 
-    def counts_in_norm(self):
-        """Every rank holds the same reduced gradient: only group rank 0 counts it in the norm."""
+    def counts_in_norm(self):  # every rank holds the same reduced gradient: group rank 0 counts it
         return self.group_rank == 0
 
     def reduce_grads(self):
@@ -319,19 +307,16 @@ class _Bucket:
     def zero_main_grads(self):
         self.grad_buffer().zero_()
 
-    def param_buffers(self):
-        """The parameter storage at rest (memory_bytes)."""
+    def param_buffers(self):  # the parameter storage at rest (memory_bytes)
         return [self.param_flat]
 
     def grad_buffer(self):
         return self.grad_flat
 
-    def full_tensor(self, local, piece_range, p):
-        """p's whole tensor from this rank's piece of it (a master or a state): at ZeRO-0 the piece is whole."""
+    def full_tensor(self, local, piece_range, p):  # p's whole master or state from this rank's piece
         return local.detach().reshape(p.shape).clone()
 
-    def load_param(self, p, piece, master):
-        """The working parameter from a loaded master, rounded to its dtype."""
+    def load_param(self, p, piece, master):  # the working parameter: the loaded master, rounded
         p.copy_(master)
 
 
@@ -383,19 +368,11 @@ class MixedPrecisionOptimizer:
         opt.all_reduce_grads([tied_embedding], embedding_group)   # extra sums the caller needs, if any
         stepped, grad_norm = opt.step(grad_scale=1 / tokens, max_norm=1.0, norm_group=world)
 
-    shard_groups: (params, group) entries; a parameter's main grad is SUMMED over its entry's group. A parameter
-    in no entry, or in an entry with group None, has no data-parallel communication. Nothing averages: the
-    caller normalises (grad_scale). master_dtype: the dtype of main grads, masters and the inner optimizer's
-    state; a parameter already in master_dtype has no separate master (the optimizer updates its own storage).
-    The inner optimizer sees whole parameters of their shapes.
-
-    zero > 0, fp8_param_gather, units and a replicate group (hybrid sharding) are the at-scale forms: the
-    constructor then builds ShardedMixedPrecisionOptimizer, the subclass defined below the banner.
-
-    The parameters become views of flat buffers (one per entry, dtype and device), and each gets a gradient
-    hook, or in the master dtype a .grad that is its main_grad view (leave it, zero_grad() keeps it; a p.grad
-    that replaces it is taken as the whole gradient, as in torch, when the main grads are next read): build the
-    optimizer once the model has its final dtype and device, and only one optimizer per parameter.
+    shard_groups: (params, group) entries; a parameter's main grad is SUMMED over its entry's group (none: no
+    communication). Nothing averages: the caller normalises (grad_scale). master_dtype: the dtype of main grads,
+    masters and optimizer states. The parameters become views of flat buffers (one per entry, dtype and device):
+    build the optimizer once the model has its final dtype and device, one optimizer per parameter. zero > 0,
+    fp8_param_gather, units or a replicate group build ShardedMixedPrecisionOptimizer (below the banner).
     """
 
     def __new__(cls, *args, zero=0, fp8_param_gather=False, units=None, shard_groups=None, **kwargs):
@@ -477,8 +454,8 @@ class MixedPrecisionOptimizer:
             entries.append((unassigned, None, None))  # no data-parallel communication
         return entries
 
-    def _check_replicate_group(self, k, group, replicate_group):
-        """None here: a replicate group (hybrid sharding) builds the sharded optimizer."""
+    def _check_replicate_group(self, k, group, replicate_group):  # None here: HSDP is the sharded form's
+        pass
 
     def _add_buckets(self, params, make_bucket):
         """One bucket per (dtype, device) of `params`, in order of first appearance: a flat buffer holds one
@@ -560,14 +537,10 @@ class MixedPrecisionOptimizer:
     def step(self, grad_scale=1.0, max_norm=0.0, norm_group=None, norm_params=None):
         """Reduce, scale, measure, clip, update, copy back. Returns StepResult(stepped, grad_norm).
 
-        norm_params: the parameters the norm counts (None: all; the caller leaves out copies that another rank
-        already counts: TP-replicated parameters, the tied embedding's second copy). The sums of squares are
-        all-reduced (SUM) over norm_group (None: no communication) in one 2-element all-reduce that also carries
-        the overflow probe (the sum of squares of every owned gradient, counted or not): found_inf = the reduced
-        probe is not finite (a finite gradient whose squares overflow, a norm above 1.8e19 in FP32, counts
-        too). One collective, one host sync per step. norm_group must contain every shard group when clipping
-        or a loss scaler acts on the norm, or ranks would disagree. Without a loss scaler, a non-finite norm is
-        returned and the step is taken, as torch would."""
+        norm_params: the parameters the norm counts (None: all; leave out copies another rank counts: TP
+        replicas, a tied embedding's second copy). The overflow probe is the sum of squares of every gradient this
+        rank owns, counted or not (a norm above 1.8e19 in FP32 counts as an overflow too). norm_group must contain
+        every shard group when clipping or a loss scaler acts on the norm, or ranks would disagree."""
         counted = None if norm_params is None else {id(p) for p in norm_params}
         if counted is not None and not counted <= set(self._where):
             raise ValueError("norm_params holds a parameter that this optimizer does not manage")
@@ -606,19 +579,17 @@ class MixedPrecisionOptimizer:
         self.zero_grad()
         return StepResult(True, norm)
 
-    def _before_step(self):
-        """Nothing at ZeRO-0 (the sharded form checks and releases its units here)."""
+    def _before_step(self):  # the sharded form checks and releases its units here
+        pass
 
     def publish_params(self):
-        """Make the working parameters the rounding of the masters. step() ends with it; call it after loading a
-        checkpoint in place into owned_param and owned_state."""
+        """The copy back (step() ends with it); call it after loading in place into owned_param and owned_state."""
         for bucket in self._buckets:
             bucket.publish_params()
 
     def _check_norm_group_covers_shards(self, norm_group):
-        """Every shard group's ranks in norm_group (rank lists, no communication): a norm summed over a part of
-        a shard group misses the other ranks' gradients, and the ranks of that group clip or skip differently.
-        Groups never change: a norm_group found to cover them once is not checked again at the next step."""
+        """Every shard group's ranks in norm_group (rank lists, no communication), else its ranks clip or skip
+        differently. Groups never change: a norm_group found to cover them is not checked again."""
         if norm_group is getattr(self, "_covering_norm_group", None):
             return
         covered = set(dist.get_process_group_ranks(norm_group))
@@ -660,9 +631,8 @@ class MixedPrecisionOptimizer:
             p.grad = p.main_grad if hasattr(p, "main_grad") and p.dtype == self.master_dtype else None
 
     def memory_bytes(self):
-        """This rank's bytes at rest, from the live tensors: the parameter buffers, the main-grad buffers, and
-        the separate masters plus every optimizer state tensor with dim > 0 (Adam's moments; the 0-dim step
-        counters are not per-parameter). master_bytes is the masters' part of optimizer_bytes."""
+        """This rank's bytes at rest, from the live tensors: parameters, main grads, and the separate masters plus
+        the optimizer states with dim > 0 (Adam's moments); master_bytes is the masters' part of optimizer_bytes."""
         size = lambda ts: sum(t.numel() * t.element_size() for t in ts)
         masters = size(b.master_flat for b in self._buckets if b.separate_master)
         states = size(t for s in self.optimizer.state.values() for t in s.values()
@@ -674,12 +644,9 @@ class MixedPrecisionOptimizer:
     # ---- save and load: this rank's pieces where they lie, or one parameter's full state ----
 
     def owned_state(self, p, like=None):
-        """This rank's piece of p's master weight and optimizer states: the live tensors themselves, no copy and
-        no communication. Returns ((a, b), {"master": ..., "exp_avg": ..., "step": ...}): every tensor that is
-        not 0-dim holds the elements [a, b) of p.view(-1) (ZeRO-0: all of p, in p's shape). A sharded checkpoint
-        writes these from where they lie; loading writes into them in place. `like`, {state name: (ndim,
-        dtype)}, creates the states missing before the first step, zero-filled: 0-dim ones in that dtype on the
-        CPU, as torch.optim keeps them, the others like the piece."""
+        """((a, b), {"master": ..., "exp_avg": ..., "step": ...}): this rank's live piece of p's master and states,
+        elements [a, b) of p.view(-1), for a checkpoint that writes and loads them where they lie. `like`, {name:
+        (ndim, dtype)}, creates the states missing before the first step, zero-filled (0-dim ones on the CPU)."""
         _, piece = self._managed(p, "owned_state")
         state = self.optimizer.state[piece]
         for key, (ndim, dtype) in (like or {}).items():
@@ -690,15 +657,12 @@ class MixedPrecisionOptimizer:
         return piece.range, owned
 
     def owned_param(self, p):
-        """The parameter values of p this rank holds at rest: ((a, b), the live tensor holding the elements
-        [a, b) of p.view(-1)): (0, numel) and p itself, flattened. After loading in place into owned_param and
-        owned_state, call publish_params()."""
+        """((a, b), the live tensor holding the elements [a, b) of p.view(-1) at rest): here all of p."""
         self._managed(p, "owned_param")
         return (0, p.numel()), p.detach().view(-1)
 
     def full_state(self, p):
-        """{"master": p's master weight, then every optimizer state (exp_avg, exp_avg_sq, step, ...)}, each a
-        FULL tensor of p's shape (0-dim states as they are), in master/state dtype."""
+        """{"master": p's master, then every optimizer state}, each a FULL tensor of p's shape (0-dim as it is)."""
         bucket, piece = self._managed(p, "full_state")
         full = {"master": bucket.full_tensor(piece, piece.range, p)}
         state = self.optimizer.state.get(piece, {})
@@ -710,17 +674,14 @@ class MixedPrecisionOptimizer:
         return full
 
     def load_full_state(self, p, state):
-        """Inverse of full_state, whatever the layout that saved it: p takes the master rounded to its dtype,
-        this rank keeps the piece of the master and of every state tensor it owns, in the piece's dtype and
-        device. No communication."""
+        """Inverse of full_state, whatever the layout that saved it; no communication."""
         bucket, piece = self._managed(p, "load_full_state")
         a, b = piece.range
         cut = lambda t: t.detach().reshape(-1)[a:b].reshape(piece.shape).to(piece.device, piece.dtype, copy=True)
         with torch.no_grad():
             bucket.load_param(p, piece, state["master"].reshape(p.shape).to(p.device))
             piece.copy_(cut(state["master"]))
-        # 0-dim states (Adam's step) stay where they were saved: torch keeps them on the CPU unless the
-        # optimizer is fused or capturable
+        # 0-dim states (Adam's step) stay where they were saved (torch keeps them on the CPU)
         self.optimizer.state[piece] = {k: (v.detach().clone() if v.dim() == 0 else cut(v))
                                        for k, v in state.items() if k != "master"}
 
@@ -734,14 +695,12 @@ class MixedPrecisionOptimizer:
         return {"scalars": self.scalar_state(), "params": [self.full_state(p) for p in self.params]}
 
     def load_state_dict(self, state):
-        """Inverse of state_dict. Everything is checked before anything is overwritten, so a refused state leaves
-        the optimizer and the model as they were."""
+        """Inverse of state_dict; everything is checked before anything is overwritten."""
         if len(state["params"]) != len(self.params):
             raise ValueError(f"state_dict holds {len(state['params'])} parameters, this optimizer "
                              f"{len(self.params)}: build it over the same parameters")
         for i, (p, full) in enumerate(zip(self.params, state["params"])):
-            # the states may differ between param groups (momentum in one group only): only the master is
-            # required, and every state tensor must match its parameter
+            # the states may differ between param groups: only the master is required
             if "master" not in full:
                 raise ValueError(f"state_dict's parameter {i} holds {sorted(full)} but no 'master': pass a "
                                  "state_dict written by MixedPrecisionOptimizer.state_dict")
@@ -758,8 +717,8 @@ class MixedPrecisionOptimizer:
         self._after_load()
         self.load_scalar_state(state["scalars"])
 
-    def _after_load(self):
-        """Nothing at ZeRO-0 (the sharded form remakes its FP8 shards here)."""
+    def _after_load(self):  # the sharded form remakes its FP8 shards here
+        pass
 
     def _check_param_groups(self, state):
         if len(state["param_groups"]) != len(self.param_groups):
@@ -850,43 +809,25 @@ def agreed_amax(x, weight, amax_group=None):
     return amax
 
 
-def _probe_tensorwise():
-    a = torch.ones(128, 128).to(E4M3)
-    torch._scaled_mm(a, a.t(), scale_a=torch.tensor(1.0), scale_b=torch.tensor(1.0), out_dtype=torch.bfloat16)
-
-
 _SCALED_MM_ON_CPU = {}  # recipe -> bool, probed once
-_CPU_PROBES = {"tensorwise": _probe_tensorwise}  # recipe -> a small _scaled_mm call (more below the banner)
-
-
-def scaled_mm_supports(recipe, device):
-    """Whether torch 2.13's _scaled_mm runs this recipe's scale layout on the device. CUDA, from torch 2.13's
-    ScaledBlas.cpp: tensorwise and rowwise on compute capability 8.9+ (CUTLASS below 9.0 or cuBLASLt < 12.9);
-    blockwise (1x128 / 128x128, "DeepSeek style") on 9.0 only (Hopper), with cuBLASLt >= 12.9; MXFP8 (1x32,
-    E8M0) on 10.0+ (Blackwell). CPU: probed once by a small call (torch 2.13's CPU kernel takes tensorwise and
-    rowwise scales; it refuses blockwise scales and swizzled MX scales)."""
-    recipe = "tensorwise" if recipe == "delayed" else recipe
-    if device.type == "cuda":  # CUDA-only: the device's compute capability
-        capability = torch.cuda.get_device_capability(device)
-        if capability < (8, 9):
-            return False
-        cublas = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
-        return {"tensorwise": True, "rowwise": True, "blockwise": capability[0] == 9 and cublas >= (12, 9),
-                "mxfp8": capability >= (10, 0) and cublas >= (12, 8)}.get(recipe, False)
-    if device.type != "cpu":
-        return False
-    if recipe not in _SCALED_MM_ON_CPU:
-        try:
-            _CPU_PROBES[recipe]()
-            _SCALED_MM_ON_CPU[recipe] = True
-        except (RuntimeError, NotImplementedError, ValueError, KeyError):
-            _SCALED_MM_ON_CPU[recipe] = False
-    return _SCALED_MM_ON_CPU[recipe]
 
 
 def scaled_mm_available(device):
-    """torch._scaled_mm needs FP8 tensor cores (compute capability 8.9+) on CUDA; on CPU, probe once."""
-    return scaled_mm_supports("tensorwise", device)
+    """torch._scaled_mm with per-tensor scales: FP8 tensor cores (compute capability 8.9+) on CUDA; on CPU, probed
+    once by a small call."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    if device.type != "cpu":
+        return False
+    if "tensorwise" not in _SCALED_MM_ON_CPU:
+        try:
+            a = torch.ones(128, 128).to(E4M3)
+            torch._scaled_mm(a, a.t(), scale_a=torch.tensor(1.0), scale_b=torch.tensor(1.0),
+                             out_dtype=torch.bfloat16)
+            _SCALED_MM_ON_CPU["tensorwise"] = True
+        except (RuntimeError, NotImplementedError, ValueError):
+            _SCALED_MM_ON_CPU["tensorwise"] = False
+    return _SCALED_MM_ON_CPU["tensorwise"]
 
 
 def fp8_matmul(a_fp8, a_scale, b_fp8, b_scale, out_dtype, use_scaled_mm=True):
@@ -974,17 +915,12 @@ def fp8_linear(x, weight, bias=None, amax_group=None, use_scaled_mm=True, *, rec
                split=None, amax_history=None, record_amax=True):
     """y = x @ weight^T + bias with the forward GEMM in FP8 E4M3 under `recipe`; x has any leading shape.
 
-    tensorwise (default): per-tensor dynamic scales; the amaxes of x and weight are MAX-reduced over amax_group
-      first (one 2-element all-reduce; see agreed_amax): pass the TP group for a TP-sharded weight or input.
+    tensorwise (default): current per-tensor scales; the amaxes of x and weight are MAX-reduced over amax_group
+      first (agreed_amax): pass the TP group for a TP-sharded weight or input.
     delayed: the same with scales from amax_history (a (2, L) buffer of past agreed amaxes, input and weight),
       into which this call records its amaxes when record_amax (FP8Linear passes self.training).
-    rowwise, blockwise, mxfp8: fine-grained scales (quantize_rowwise, quantize_blockwise, quantize_mxfp8).
-      Under TP, `split` says what amax_group cuts: "row" (K: the input's last dimension and W's columns; scales
-      of blocks cut between ranks are agreed over the group) or "column" (W's rows: every forward block lies on
-      one rank, no communication; 128 x 128 weight blocks then start at this shard's first row, which is the
-      one-process blocking when the shard's rows are a multiple of 128).
-    backward: "bf16" (BF16 GEMMs on the saved high-precision tensors) or "fp8" (fp8_backward_gemms: E5M2
-    gradients, the recipe's granularity)."""
+    Below the banner: the fine-grained recipes, `split` (what amax_group cuts: "row", K, or "column", W's rows)
+    and backward="fp8"; backward="bf16" computes BF16 GEMMs on the saved high-precision tensors."""
     _check_fp8_options(recipe, backward, split, amax_group)
     if recipe == "delayed" and (amax_history is None or amax_history.dim() != 2 or amax_history.shape[0] != 2):
         raise ValueError("amax_history: the delayed recipe needs a (2, L) tensor of past amaxes (input, weight), "
@@ -1006,14 +942,10 @@ def fp8_linear(x, weight, bias=None, amax_group=None, use_scaled_mm=True, *, rec
 class FP8Linear(nn.Module):
     """nn.Linear whose forward GEMM runs in FP8 E4M3 under one of FP8_RECIPES; backward in BF16 or FP8.
 
-    amax_group: the group whose ranks hold shards of this weight or of its input (see agreed_amax); split:
-    how it cuts this layer (fp8_linear). recipe="delayed" (or the older delayed_scaling=True) takes each scale
-    from the largest amax of the last `amax_history_len` steps (Transformer Engine's recipe) instead of the
-    current tensor; the history records the agreed amax, so it is identical on every rank of amax_group. Every
-    training forward records one entry, so do not use it under activation checkpointing: the recomputed
-    forward records a second entry and quantises with a scale from the changed history, not the one the
-    forward used (Transformer Engine keeps the forward's scales for its recompute; this layer does not).
-    The other recipes are functions of the tensors alone and recompute identically."""
+    amax_group, split: as fp8_linear's. recipe="delayed" (or the older delayed_scaling=True) takes each scale
+    from the largest agreed amax of the last `amax_history_len` steps; every training forward records one entry,
+    so do not use it under activation checkpointing (the recomputed forward records a second one). The other
+    recipes are functions of the tensors alone and recompute identically."""
 
     def __init__(self, in_features, out_features, bias=True, delayed_scaling=False, amax_history_len=16,
                  use_scaled_mm=True, amax_group=None, device=None, dtype=None, *, recipe=None, backward="bf16",
@@ -1910,13 +1842,33 @@ def fp8_block_matmul(a, b, out_dtype, use_scaled_mm=True, recipe=None):
     return (partial * inv_a[:, :, None] * inv_b[:, None, :]).sum(0).to(out_dtype)
 
 
-def _probe_blocks(recipe):
-    ones = torch.ones(128, 128)
-    _scaled_mm_blocks(quantize_operand(ones, recipe, "activation"), quantize_operand(ones, recipe, "weight"),
-                      recipe, torch.float32)
-
-
-_CPU_PROBES.update({recipe: lambda recipe=recipe: _probe_blocks(recipe) for recipe in FINE_GRAINED})
+def scaled_mm_supports(recipe, device):
+    """Whether torch 2.13's _scaled_mm runs this recipe's scale layout on the device. CUDA, from torch 2.13's
+    ScaledBlas.cpp: tensorwise and rowwise on compute capability 8.9+ (CUTLASS below 9.0 or cuBLASLt < 12.9);
+    blockwise (1x128 / 128x128, "DeepSeek style") on 9.0 only (Hopper), with cuBLASLt >= 12.9; MXFP8 (1x32,
+    E8M0) on 10.0+ (Blackwell). CPU: probed once by a small call (torch 2.13's CPU kernel takes tensorwise and
+    rowwise scales; it refuses blockwise scales and swizzled MX scales)."""
+    recipe = "tensorwise" if recipe == "delayed" else recipe
+    if recipe == "tensorwise":
+        return scaled_mm_available(device)
+    if device.type == "cuda":  # CUDA-only: the device's compute capability
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 9):
+            return False
+        cublas = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+        return {"rowwise": True, "blockwise": capability[0] == 9 and cublas >= (12, 9),
+                "mxfp8": capability >= (10, 0) and cublas >= (12, 8)}.get(recipe, False)
+    if device.type != "cpu":
+        return False
+    if recipe not in _SCALED_MM_ON_CPU:
+        try:
+            ones = torch.ones(128, 128)
+            a = quantize_operand(ones, recipe, "activation")
+            _scaled_mm_blocks(a, quantize_operand(ones, recipe, "weight"), recipe, torch.float32)
+            _SCALED_MM_ON_CPU[recipe] = True
+        except (RuntimeError, NotImplementedError, ValueError):
+            _SCALED_MM_ON_CPU[recipe] = False
+    return _SCALED_MM_ON_CPU[recipe]
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -2611,13 +2611,13 @@ def show_fp16_underflow():
           f"(FP16 min subnormal {torch.finfo(torch.float16).smallest_normal * torch.finfo(torch.float16).eps:.2e})")
 
 
-def show_fp8_rounding():
+def show_fp8_rounding(recipes=("tensorwise",)):
     print("\n== FP8 quantisation of 1024 x 1024 Gaussian values per recipe: SQNR, and the largest relative error of")
     print("   the values that land in the format's normal range, against the bound eps/2")
     x = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0))
     for dtype in (E4M3, E5M2):
         fi = torch.finfo(dtype)
-        for recipe in ("tensorwise",) + FINE_GRAINED:
+        for recipe in recipes:
             if recipe == "tensorwise":
                 q, s = quantize_fp8(x, dtype)
                 x_hat, scaled = dequantize_fp8(q, s), x * s
@@ -2629,7 +2629,7 @@ def show_fp8_rounding():
             print(f"   {str(dtype)[6:]:14s} {recipe:10s} SQNR {sqnr_db(x, x_hat):5.1f} dB; max relative error "
                   f"{worst:.4f} <= eps/2 = {fi.eps / 2}")
     print(f"   torch._scaled_mm on this CPU: " + ", ".join(
-        f"{r} {scaled_mm_supports(r, torch.device('cpu'))}" for r in ("tensorwise",) + FINE_GRAINED))
+        f"{r} {scaled_mm_supports(r, torch.device('cpu'))}" for r in recipes))
 
 
 def show_training():
@@ -2639,6 +2639,10 @@ def show_training():
         print(f"   {mode:20s} loss {loss:.5f}" + (f"  ({skipped} steps skipped by the loss scaler)" if skipped else ""))
     print(f"   FP8 forward GEMMs run: {fp8_log['gemm:count']} "
           f"(torch._scaled_mm {fp8_log['gemm:scaled_mm']}, emulated {fp8_log['gemm:emulated']})")
+
+
+def show_training_recipes():
+    print("\n== the same MLP with FP8 forward GEMMs under every recipe and the E5M2 backward")
     for recipe in FP8_RECIPES:
         loss, _ = train_small_model("fp8_compute", fp8_recipe=recipe, fp8_backward="fp8")
         print(f"   fp8 {recipe:10s} + E5M2 backward  loss {loss:.5f}")
@@ -2802,7 +2806,9 @@ def show_micro_batch_cost():
               f"grad bytes/param ZeRO-2 {grads(two):.1f}, ZeRO-1 {grads(one):.1f}")
 
 
-def demo():
+def demo(everything=False):
+    """The chapter's claims, each measured (under a minute on two cores); `everything` (--all) adds the at-scale
+    forms: ZeRO-0..3 and HSDP bytes on forked ranks, the fine-grained recipes, FP8 under TP and in the gathers."""
     show_formats()
     show_master_weights()
     show_main_grads()
@@ -2810,16 +2816,26 @@ def demo():
     show_fp8_rounding()
     show_training()
     show_bytes_per_parameter()
+    if not everything:
+        print("\n(python3 mixed_precision.py --all adds ZeRO-0..3 and HSDP on forked ranks, the fine-grained FP8 "
+              "recipes, FP8 under TP and the FP8 parameter all-gather)")
+        return
     show_zero_bytes()
     show_sharded_bytes()
     show_gathered_working_set()
     show_sharded_sent()
     show_micro_batch_cost()
+    show_fp8_param_gather()
+    show_fp8_rounding(("tensorwise",) + FINE_GRAINED)
+    show_training_recipes()
     show_fp8_accumulation()
     show_fine_grained_scaling()
     show_fp8_under_tp()
-    show_fp8_param_gather()
 
 
 if __name__ == "__main__":
-    demo()
+    import argparse
+    parser = argparse.ArgumentParser(description="Mixed precision, measured: the chapter's claims; --all adds the "
+                                                 "at-scale forms (ZeRO-1/2/3, HSDP, fine-grained FP8)")
+    parser.add_argument("--all", action="store_true", help="also the longer sweeps on forked ranks")
+    demo(parser.parse_args().all)

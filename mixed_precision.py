@@ -1951,6 +1951,10 @@ FP8_RECIPES, FP8_BACKWARDS = tuple(FORWARD_PRODUCTS), tuple(BACKWARD_PRODUCTS)
 # ----------------------------------------------------------------------------------------------------
 # FP8: the accumulation inside the GEMM (why DeepSeek-V3 promotes partial sums to FP32)
 # ----------------------------------------------------------------------------------------------------
+#
+# Hopper's FP8 tensor cores sum the products with about 14 significant bits (DeepSeek-V3 3.3.2): a long K-sum
+# grows, its spacing grows with it, and later products lose their low bits. DeepSeek-V3 adds the partial sum
+# into FP32 every 128 elements. `limited_precision_sum` emulates both (the demo's `--all` prints the errors).
 
 def round_to_bits(v, bits, rounding="nearest"):
     """v (numpy float64) rounded to `bits` significant bits: to nearest (ties to even), or toward zero."""

@@ -472,7 +472,7 @@ class MixedPrecisionOptimizer:
 
     def _build_buckets(self, entries):
         for entry_params, group, _ in entries:
-            self._add_buckets(entry_params, lambda params: _Bucket(params, group, self.master_dtype))
+            self._add_buckets(entry_params, lambda params, group=group: _Bucket(params, group, self.master_dtype))
 
     def _route_grad(self, p):
         """Where p's gradient goes: its main_grad view directly (master dtype), or through the hook."""
@@ -741,9 +741,8 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 AMAX_EPS = 1e-12  # an all-zero tensor gets a finite scale (fp8_max / 1e-12 is far below FP32's max)
 PER_TENSOR = ("tensorwise", "delayed")
 
-fp8_log = Counter()  # "gemm:count": FP8 forward GEMMs run; "gemm:backward": FP8 backward GEMMs; "gemm:scaled_mm" /
-#                      "gemm:emulated": which path each FP8 GEMM took; "amax:all_reduce": amax agreements over a group.
-#                      The trainer's tests read it.
+fp8_log = Counter()  # "gemm:count" FP8 forward GEMMs, "gemm:backward" FP8 backward GEMMs, "gemm:scaled_mm" and
+#                      "gemm:emulated" the path each took, "amax:all_reduce" amax agreements (the tests read it)
 
 
 def fp8_scale(amax, dtype=E4M3):
@@ -794,13 +793,9 @@ def amax_of(t):
 
 
 def agreed_amax(x, weight, amax_group=None):
-    """[amax(x), amax(weight)], MAX-reduced over amax_group in one all-reduce of 2 elements.
-
-    A per-tensor scale belongs to the whole tensor: when a weight is split over the TP ranks (column- or
-    row-parallel), or a row-parallel input is split along its last dimension, every rank must quantise its
-    shard with the scale of the full tensor, or the shards are rounded on different grids and the layer
-    is no longer the same function as on one GPU. The MAX of the shards' amaxes is the full tensor's amax.
-    For a tensor that is replicated over the group the reduction changes nothing."""
+    """[amax(x), amax(weight)], MAX-reduced over amax_group in one all-reduce of 2 elements: a TP shard must be
+    quantised with the full tensor's scale, or the shards are rounded on different grids and the layer is no
+    longer the function it is on one GPU; the MAX of the shards' amaxes is the full tensor's amax."""
     group_size = _group_size(amax_group, "amax_group")
     amax = torch.stack([amax_of(x), amax_of(weight)])
     if group_size > 1:
@@ -1329,7 +1324,7 @@ class _GatherMeter:
 
 
 class ShardedUnit:
-    """One unit of parameters (a transformer block) that zero 2 and 3 shard deeper: one _Bucket per
+    """One unit of parameters (a transformer block) that zero 2 and 3 shard deeper: one _ShardedBucket per
     (shard-group entry, dtype, device) of its parameters, so each gather or reduce is one collective per bucket.
     `opt.units[i]`, in the order given. At zero < 3 gather, wait and release do nothing (the parameters are
     whole), at zero < 2 reduce_grads does nothing (the hooks accumulate main grads; the step reduces).

@@ -374,6 +374,7 @@ class MixedPrecisionOptimizer:
     build the optimizer once the model has its final dtype and device, one optimizer per parameter. zero > 0,
     fp8_param_gather, units or a replicate group build ShardedMixedPrecisionOptimizer (below the banner).
     """
+    units, fp8_param_gather = (), False  # the sharded form's; none here
 
     def __new__(cls, *args, zero=0, fp8_param_gather=False, units=None, shard_groups=None, **kwargs):
         if cls is MixedPrecisionOptimizer and _beyond_zero0(zero, fp8_param_gather, units, shard_groups):

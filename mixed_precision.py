@@ -1,201 +1,64 @@
-"""Mixed precision: number formats, FP32 master weights and main grads, ZeRO-1/2/3 and HSDP, FP16 loss scaling, FP8.
+"""Mixed precision: number formats, BF16 with FP32 master weights and main grads, FP16 loss scaling, FP8.
 
-A floating-point format spends its bits on an exponent (range) and a mantissa (precision). Every figure
-below comes from `torch.finfo`, run `python mixed_precision.py` to print the table:
+A floating-point format spends its bits on an exponent (range) and a mantissa (precision). `dtype_table()`
+reads every figure from torch.finfo (eps, the spacing at 1.0, is 2^-mantissa bits; rounding to nearest errs by
+at most eps/2 of a normal value):
 
-    format  bits  exp  mant  max        min normal  eps (spacing at 1.0)  used for
-    FP32    32    8    23    3.4e38     1.2e-38     1.2e-7                master weights, optimizer states
-    FP16    16    5    10    65504      6.1e-5      9.8e-4                legacy; overflows, needs loss scaling
-    BF16    16    8    7     3.4e38     1.2e-38     7.8e-3                training: FP32's range, less precision
-    E4M3    8     4    3     448        1.6e-2      0.125                 FP8 forward (weights, activations)
-    E5M2    8     5    2     57344      6.1e-5      0.25                  FP8 gradients (range over precision)
+    format  bits  exp  mant  max      min normal  eps     used for
+    FP32    32    8    23    3.4e38   1.2e-38     1.2e-7  master weights, main grads, optimizer states
+    FP16    16    5    10    65504    6.1e-5      9.8e-4  legacy: a small range, needs loss scaling
+    BF16    16    8    7     3.4e38   1.2e-38     7.8e-3  training: FP32's range, 8 significant bits
+    E4M3    8     4    3     448      1.6e-2      0.125   FP8 forward (weights, activations)
+    E5M2    8     5    2     57344    6.1e-5      0.25    FP8 gradients (range over precision)
 
-BF16 with FP32 master weights. Parameters, activations and gradients are BF16 (half the bytes, tensor-core
-speed), but the optimizer updates an FP32 copy of every parameter. The reason is the update size: near
-1.0, BF16 values are 2^-7 = 0.0078 apart, so a weight of 1.0 receiving an update of 1e-3 rounds back to
-1.0, every step, forever; the FP32 master accumulates the updates and the BF16 weight is re-rounded from
-it after each step. The autocast flow keeps FP32 parameters (4 + 4 + 8 = 16 bytes) and casts them to BF16
-inside each op; autocast caches every cast until its region exits, so at the end of the forward all of
-them are alive together: +2 bytes/param transient (`transient_bytes`, measured by `ParameterCopyTracker`).
+BF16 compute, FP32 master weights. Forward and backward run on BF16 parameters (half the bytes, tensor-core
+speed), but the optimizer steps an FP32 copy of each. Near 1.0 BF16 values lie 2^-7 apart: an update of 1e-3
+is below half that spacing and rounds away, every step, forever. The FP32 master accumulates the updates, and
+the BF16 weight is rounded from it again after each step (the copy back).
 
-FP32 gradient accumulation ("main grads", Megatron-LM). With m micro-batches per step, summing the BF16
-gradients in a BF16 .grad rounds m times to 8 significant bits (measured: 16 micro-batches land 1e-2 of
-the sum's size away from the exact sum). `MixedPrecisionOptimizer` gives every parameter a persistent
-`main_grad` in the master dtype, a view of one flat buffer, and a gradient hook adds each backward's p.grad
-into it and frees p.grad: one FP32 rounding per micro-batch (measured 1e-8). A parameter already in the
-master dtype needs no copy and no hook: its .grad IS its main_grad view, and autograd accumulates into the flat
-buffer in place (DDP's gradient_as_bucket_view); a .grad that replaced the view (autograd sums out of place under
-create_graph=True) is copied back before anything reads the main grads. Data-parallel reductions run on these FP32
-buffers, so the sum over ranks does not round in BF16 either. Per parameter with Adam: 2 (BF16 weight)
-+ 4 (FP32 main grad) + 4 (FP32 master) + 8 (Adam moments) = 18 bytes; the ZeRO paper's 16 keeps BF16
-gradients. A parameter already in the master dtype (FP32, or float64 for tests) has no separate master:
-the optimizer updates its own storage, 4 + 4 + 8 = 16 bytes.
+FP32 main grads. Over m micro-batches a BF16 .grad would round the running sum m times to 8 bits. Each
+parameter gets a persistent `main_grad` in FP32, a view of one flat buffer per dtype and device; a hook adds
+each backward's p.grad into it and frees p.grad: one FP32 rounding per micro-batch. The data-parallel SUM is
+one all-reduce of each flat buffer, in FP32. A parameter already in the master dtype is its own master and its
+.grad IS its main_grad view (autograd accumulates in place). Bytes per parameter with Adam:
 
-Sharded data parallelism: ZeRO-1, -2, -3 (Rajbhandari et al. 2020; ZeRO-1 is Megatron-LM's distributed
-optimizer, ZeRO-3 FSDP's design, here with Megatron's flat ranges), zero=1..3. Each shard-group entry (dense
-weights over DP x CP, expert weights over EDP) lays its parameters out in flat buffers padded to a multiple of
-the group size d; rank r owns the r-th 1/d of every buffer, a contiguous range [lo, hi) (a parameter may
-straddle two ranks: each optimises its piece). The levels differ in what else the ranges cut:
+    2 (BF16 weight) + 4 (FP32 main grad) + 4 (FP32 master) + 8 (two FP32 moments) = 18    (FP32 weights: 16)
 
-    zero=1  the FP32 masters and the optimizer states. A step: reduce-scatter (SUM) of the full FP32 main grads,
-            each rank receiving the sum of its shard; the inner optimizer steps the pieces in the shard; each rank
-            rounds its updated shard into the parameter buffer; one all-gather rebuilds the full parameters.
-    zero=2  also the gradients of the units (`units=`, one list of parameters per transformer block): they get no
-            full-size main grad; after each backward of a unit `opt.units[i].reduce_grads()` reduce-scatters the
-            full-size p.grad that autograd left (cast to FP32, one flat collective per bucket) into this rank's
-            FP32 shard accumulator and frees it. The step has nothing left to reduce for them.
-    zero=3  also the parameters of the units: they live as shards; `gather()` all-gathers a unit's shards into a
-            full flat buffer (the parameters are views of it) just before its forward (the next unit's gather is
-            issued asynchronously while this one computes: the prefetch), `release()` frees that storage after
-            it, and the backward gathers it again (the recomputation runs inside that backward, on the same
-            gather). The step writes each rank's updated shard and gathers nothing: the next forward does.
+One step of `MixedPrecisionOptimizer`, in order: all-reduce (SUM) each flat main-grad buffer over its group;
+g *= grad_scale / loss_scale; the global norm ||g|| = sqrt(sum g^2) over the gradients this rank counts, summed
+over the ranks in one 2-element all-reduce that also carries the overflow probe; skip the step on overflow;
+clip, g *= min(1, max_norm / (||g|| + 1e-6)) (clip_grad_norm_'s rule); the inner optimizer steps the FP32
+masters; the masters are rounded into the BF16 parameters; the main grads are zeroed.
 
-Parameters in no unit keep ZeRO-1 treatment at zero 2 and 3 (whole parameters and FP32 main grads, sharded
-states): the trainer keeps the embedding, the final norm and the LM head out of the units, since they are used
-at both ends of the step (a tied embedding in the first and the last stage, the head where the forward turns
-into the backward) and their gradients arrive through hooks and extra sums (all_reduce_grads over the
-embedding group). Per parameter with Adam, e bytes per parameter element (2 BF16, 4 FP32), 4 of FP32 main
-grad, s of states (two FP32 moments, 8, plus a 4-byte FP32 master where the parameter is narrower); each level
-divides one more part by d:
+FP16 loss scaling. FP16's smallest subnormal is 2^-24 = 6e-8: smaller gradients flush to zero. The loss is
+multiplied by S (2^16 to start), which lifts every gradient by S, and the FP32 main grads are multiplied by 1/S
+before the step. An inf or NaN anywhere means S was too large: the step is skipped on every rank and S *= 1/2;
+after growth_interval (2000) clean steps in a row S *= 2. `DynamicLossScaler` is torch.amp.GradScaler's rule.
 
-    bytes per parameter, Adam      zero=0        zero=1         zero=2            zero=3
-                                   e + 4 + s     e + 4 + s/d    e + (4 + s)/d     (e + 4 + s)/d + working set
-    BF16 params, FP32 main grads   18            6 + 12/d       2 + 16/d          18/d
-    FP32 params and grads          16            8 + 8/d        4 + 12/d          16/d
+FP8 with per-tensor scaling. E4M3 reaches only 448, so each tensor is scaled into range before the cast:
 
-The zero=3 working set: the full parameters of the units gathered at once, two units with a one-unit prefetch
-(`memory_bytes()["peak_gathered_bytes"]`), plus, between a unit's backward and its reduce_grads, its full-size
-p.grad (e per unit parameter) and the FP32 flat copy the reduce-scatter sends (4). Padding rule: each bucket
-(one per entry, dtype and device; at zero 2 and 3 also one per unit) is padded to a multiple of its shard
-count, at most k - 1 elements; the padding is in the parameter, main-grad and master buffers, not in the
-moments (which belong to the pieces). Measured from the live tensors by `memory_bytes()` (zero 3: the shards
-at rest) and printed by the demo at d = 2, 3 and 4.
+    scale = fp8_max / max(amax, eps),  amax = max |x|,  x_fp8 = clamp(x scale, +-fp8_max),  x ~= x_fp8 / scale
 
-Bytes sent per parameter and step on a ring (an all-reduce sends 2 (d-1)/d of its buffer, a reduce-scatter
-and an all-gather (d-1)/d of the full buffer), FP32 gradients, m micro-batches per step:
+and a GEMM y = x W^T multiplies the FP8 operands exactly, accumulates in FP32 and divides by both scales,
+y = (x_fp8 W_fp8^T) / (s_x s_W) (torch._scaled_mm, or an emulation with the same arithmetic). Current scaling
+("tensorwise") takes amax from the tensor itself, one extra pass over it. Delayed scaling (Transformer Engine)
+takes the largest amax of the last L steps from an amax history: no extra pass, but an outlier beyond the
+history saturates at +-fp8_max, and a recomputed forward (activation checkpointing) would record its amax a
+second time and quantise differently, so it does not combine with recomputation. Under tensor parallelism the
+amaxes of x and W are MAX-reduced over the TP group (one 2-element all-reduce), so every shard is rounded on
+the full tensor's grid. `FP8Linear` computes its backward in BF16 from the saved high-precision tensors.
 
-    zero=0  2 (d-1)/d 4            one all-reduce: the micro-batches accumulate into the main grads first
-    zero=1  (d-1)/d (4 + e)        reduce-scatter + all-gather: for e = 4 the all-reduce's two halves
-    zero=2  (d-1)/d (4 m + e)      one reduce-scatter per micro-batch, one all-gather per step
-    zero=3  (d-1)/d m (4 + 2 e)    per micro-batch the forward's and the backward's all-gathers and a
-                                   reduce-scatter; no all-gather after the step
-
-At m = 1: BF16 8, 6, 6, 8 and FP32 8, 8, 8, 12 times (d-1)/d (ZeRO-3 1.5x the all-reduce at e = 4). Several
-micro-batches at zero 2 and 3 cost one reduce-scatter each (4 (d-1)/d m instead of 4 (d-1)/d), because the
-full-size gradient lives only from a unit's backward to its reduce_grads; accumulating full-size gradients over
-the micro-batches and reducing once would keep a full-size FP32 buffer alive all step, 4 bytes per parameter:
-ZeRO-1's memory, the saving lost. This file reduce-scatters per micro-batch (the demo measures both).
-
-Hybrid sharding (HSDP), a shard-group entry (params, group, replicate_group): states, gradients and
-parameters sharded over the k ranks of `group` (a node, say), replicated over the r = d / k ranks of
-`replicate_group`: reduce-scatters and all-gathers over k, then one all-reduce (SUM) of the reduced 1/k shard
-over r, once per step at every level (at zero 2 and 3 at step(), on the accumulated shard: a sum, so once
-suffices); at zero=0 the all-reduce over k, then over r. Memory as sharding over k; bytes sent per parameter:
-the table's with d -> k, plus 2 (r-1)/r 4 / k (zero=0: 2 (r-1)/r 4), so only the shard crosses nodes.
-
-One step, in order: reduce (SUM over each entry's group, and its replicate group; nothing here averages, the
-caller passes grad_scale = 1 / tokens; zero 2 and 3 units were reduced by reduce_grads), multiply by grad_scale /
-loss_scale, the global gradient norm over the gradients this rank owns (its shard, once per replica set; under
-zero=0 group rank 0 of each entry), summed over `norm_group` in the same 2-element all-reduce that carries the
-loss scaler's overflow probe (one collective, one host sync), skip on overflow, clip as `clip_grad_norm_`, inner
-step, publish the parameters, zero the main grads. Checkpoints: `owned_state(p)` hands out this rank's piece of
-p's master and optimizer states as the live tensors and the range of p they cover, `owned_param(p)` the range
-of p's values this rank holds at rest and the live tensor holding it (p itself, or under zero=3 its shard), for
-a checkpoint that writes each shard where it lies and loads into it in place (then `publish_params()`);
-`full_state(p)` gathers them as full tensors (12 bytes per parameter for Adam, so for small models), so a run
-saved under one layout (zero=3 on 2 ranks) resumes under another (zero=1 on 3 ranks, or one process).
-
-FP16 dynamic loss scaling. FP16 has 5 exponent bits: gradients below 6e-8 (its smallest subnormal) flush
-to zero. Multiplying the loss by S (2^16 to start) shifts every gradient up by S; before the step the
-FP32 gradients are divided by S. If any gradient overflowed to inf/NaN the step is skipped and S halved
-on every rank whose gradients are part of the step, or ranks would diverge (`unscale_and_check`
-MAX-reduces its flag; `MixedPrecisionOptimizer.step` reads it from the gradient-norm all-reduce); after
-`growth_interval` clean steps S doubles again. `DynamicLossScaler` reproduces `torch.amp.GradScaler`.
-
-FP8 with per-tensor dynamic scaling. E4M3 reaches only 448, so each tensor is scaled into range first:
-`scale = fp8_max / max(amax, eps)`, `x_fp8 = clamp(x * scale, +-fp8_max).to(fp8)`, and `x ~= x_fp8 / scale`.
-The clamp is explicit because casts differ (torch 2.13 saturates E4M3 but turns E5M2 overflow into inf).
-`fp8_linear` (and the module `FP8Linear`) multiplies the E4M3 input and weight with `torch._scaled_mm`
-(Hopper/Ada GPUs, and CPU in torch 2.13, for dimensions that are multiples of 16; otherwise an emulation
-with the same arithmetic) accumulating in FP32, and by default computes its backward in BF16 from the saved
-high-precision tensors. A per-tensor scale belongs to the whole tensor: under tensor parallelism the
-amaxes of the input and the weight are MAX-reduced over the TP group (`amax_group`, one 2-element
-all-reduce per GEMM) so that every shard of a column- or row-parallel weight, and every shard of a
-row-parallel input, is quantised on the grid of the full tensor, as on one GPU. `fp8_log["gemm:count"]`
-counts the FP8 forward GEMMs. Its FP8 weight copies are transient and live one GEMM at a time: the
-weight's FP32 staging copy (scaled and clamped in place) and its FP8 copy, 4 + 1 = 5 bytes per element of
-the largest weight at the peak, not a cost per parameter (`transient_bytes`, measured).
-Relative rounding error is at most eps/2: 6.25% for E4M3 (about 31 dB SQNR on Gaussian data), 12.5% for
-E5M2. Delayed scaling (Transformer Engine) takes the scale from the amax history of earlier steps, so it
-needs no extra pass over the tensor, at the risk of saturating a sudden outlier. Here it does not combine
-with activation checkpointing: recomputation reruns the forward, which appends its amax to the history a
-second time and takes its scale from a history the first run already changed, so the backward works on
-activations the forward never produced (Transformer Engine saves the forward's scales for its recompute
-phase). Current scaling, the default, is a function of the tensors alone and recomputes exactly.
-
-FP8 recipes (`recipe=` of fp8_linear and FP8Linear). In y = x W^T both operands are (rows, K) with K the
-reduced dimension; a recipe gives each block of an operand its own scale, and the GEMM sums each K block's
-exact FP8 products in FP32, times its two scales: y_mn = sum_j (sum_{k in j} qx_mk qw_nk) / (sx_mj sw_nj).
-
-    recipe      activation block   weight block   scale           scale bits / element   used by
-    tensorwise  whole tensor       whole tensor   FP32            ~0                     the default here
-    delayed     whole tensor       whole tensor   FP32, history   ~0                     Transformer Engine
-    rowwise     1 x K (a token)    1 x K (a row)  FP32            32 / K                 torchtitan
-    blockwise   1 x 128            128 x 128      FP32            32/128 (W: 32/128^2)   DeepSeek-V3, Megatron
-    mxfp8       1 x 32             1 x 32         E8M0 = 2^e      8/32                   OCP MX, Blackwell
-
-A partial block at the end of a dimension holds what is left (as if zero-padded). torch._scaled_mm runs
-rowwise on CPU and Ada/Hopper, blockwise on Hopper only (cuBLASLt 12.9), MXFP8 on Blackwell only; elsewhere
-the emulation runs the same arithmetic. Why fine-grained: E4M3 keeps 4 significant bits across a normal range
-of 448 / 2^-6 = 28672, so a per-tensor scale set by an outlier m times the rest costs the rest nothing while
-it stays in that range (measured: m = 100 or 1000 gives the same per-token GEMM error, 3.7e-2, under every
-recipe); beyond it the rest falls into subnormals and zero (m = 1e6: 0.97 per-tensor, 3.7e-2 blockwise and
-MXFP8), while a fine-grained scale confines the outlier to its row, tile or block. Which to choose: tensorwise
-where tensors are well behaved (cheapest; one all-reduce per GEMM under TP); rowwise for outlier tokens at
-32/K bits; blockwise for outlier channels as well, the Hopper recipe; MXFP8 on Blackwell (native scales,
-exact power-of-two dequantisation); delayed only where the extra amax pass matters and no recomputation runs.
-backward="fp8" quantises the gradient to E5M2 (range over precision) for both backward GEMMs (dgrad reduces
-over N, wgrad over the tokens M), each operand blocked along its GEMM's reduced dimension in the recipe's
-granularity; "bf16" keeps the BF16 backward.
-
-Accumulation. Hopper's FP8 tensor cores sum the products with about 14 significant bits (DeepSeek-V3 3.3.2):
-a long K-sum grows, its spacing grows with it, and later products lose their low bits. DeepSeek-V3 adds the
-partial sum into FP32 every 128 elements. `limited_precision_sum` emulates both: for E4M3 values in [0, 1)
-the error grows from 2.4e-4 (K = 1K) to 2.1e-1 (K = 64K) without promotion and stays near 1e-5 with it.
-
-FP8 under TP, per recipe. A block lying on one rank is local; a block whose elements sit on several ranks is
-MAX-agreed over them. Column-parallel (split="column"): K is whole on every rank, so all forward scales are
-local (no communication); row-parallel (split="row"): K is cut, so rowwise rows are always agreed (one
-all-reduce per operand), blockwise tiles and blocks only where K_local is not a multiple of 128, MXFP8 blocks
-only where it is not a multiple of 32. The FP8 backward's dgrad reduces over N, which a column-parallel layer
-cuts: there the same rule applies along N.
-
-FP8 parameter all-gather (`fp8_param_gather`: ZeRO-1 and 2 at the step, ZeRO-3 at every gather of a unit): each
-rank publishes its updated master shard in MXFP8 (E4M3 + one E8M0 byte per 32), so the all-gather sends
-(d-1)/d x (1 + 1/32) bytes per parameter instead of (d-1)/d x 2 (BF16): 0.516 of them, measured 0.520 with the
-padding that aligns each parameter to 32. The working weights become FP8-rounded (within E4M3's eps/2 of the
-masters); masters and moments stay FP32.
+Beyond the chapter (below its banner): ZeRO-1/2/3 and HSDP, the FP8 parameter all-gather, the fine-grained FP8
+recipes (rowwise, blockwise, MXFP8), the FP8 backward with E5M2 gradients, the byte formulas, the demo.
 """
-import io
 import math
-from typing import NamedTuple
-import multiprocessing
 import numbers
-import os
-import tempfile
 from collections import Counter
-from datetime import timedelta
+from typing import NamedTuple
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
-from einops import rearrange
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import checkpoint
 
 # ----------------------------------------------------------------------------------------------------
 # The formats
@@ -221,6 +84,25 @@ def dtype_table():
                      "min_normal": fi.smallest_normal, "min_subnormal": fi.smallest_normal * fi.eps,
                      "eps": fi.eps, "use": use})
     return rows
+
+
+def _group_size(group, name="group"):
+    """1 for None (no communication). A group without this rank is refused (torch answers -1 for its size, and
+    this rank would silently leave the sum)."""
+    if group is None:
+        return 1
+    size = dist.get_world_size(group)
+    if size < 0:
+        raise ValueError(f"{name}: this rank is not a member of the group; pass a group that contains this rank "
+                         "(or None for no communication)")
+    return size
+
+
+def _collective_device(group):
+    """Where a tensor must live to take part in `group`'s collectives: this process's GPU under NCCL, else CPU."""
+    if group is not None and "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -305,10 +187,8 @@ class DynamicLossScaler:
 
 
 # ----------------------------------------------------------------------------------------------------
-# The optimizer wrapper: FP32 main grads, master weights, ZeRO-1 (Megatron-LM's distributed optimizer)
+# The optimizer: FP32 main grads in flat buffers, one reduction, the norm, clipping, the step, the copy back
 # ----------------------------------------------------------------------------------------------------
-
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 # Bytes this rank sends in the buckets' collectives, as a ring sends them: an all-reduce 2 (d-1)/d of its buffer,
 # a reduce-scatter (d-1)/d of its input, an all-gather (d-1)/d of its output (the demo reads it)
@@ -317,35 +197,11 @@ comm_bytes = Counter()
 
 def _count_sent(kind, tensor, d, factor):
     comm_bytes[kind] += factor * (d - 1) / d * tensor.numel() * tensor.element_size()
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _collective_device(group):
-    """Where a tensor must live to take part in `group`'s collectives: this process's GPU under NCCL (which
-    takes no CPU tensors), else the CPU. For a rank that has no tensor of its own to take the device from."""
-    if group is not None and "nccl" in str(dist.get_backend(group)):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _group_size(group, name="group"):
-    """1 for None (no communication). A group without this rank is refused: torch answers -1 for its size and
-    its collectives return at once there, so this rank would silently leave the sum (and clip, or skip,
-    alone)."""
-    if group is None:
-        return 1
-    size = dist.get_world_size(group)
-    if size < 0:
-        raise ValueError(f"{name}: this rank is not a member of the group; pass a group that contains this rank "
-                         "(or None for no communication)")
-    return size
 
 
 def _accumulate_main_grad(p):
-    """Gradient hook, after autograd has written p.grad: add it to the persistent main grad (in the master
-    dtype, so that m micro-batches cost one rounding each in FP32, not m roundings in BF16), free p.grad.
-    p.grad is None where the backward left this weight's gradient for later (a zero-bubble B: its W adds the
-    gradient into main_grad itself)."""
+    """Gradient hook, after autograd has written p.grad: add it into the FP32 main grad, free p.grad. (None where
+    the backward left this weight's gradient for later: a zero-bubble W adds it into main_grad itself.)"""
     if p.grad is None:
         return
     with torch.no_grad():  # a gradient with a graph (create_graph=True) joins as a value
@@ -354,19 +210,14 @@ def _accumulate_main_grad(p):
 
 
 def _grad_is_main_grad(p):
-    """A parameter already in the master dtype has p.grad = p.main_grad: autograd accumulates in place into
-    the flat buffer (DDP's gradient_as_bucket_view), with no copy."""
+    """p.grad is the main_grad view: autograd accumulates in place (DDP's gradient_as_bucket_view)."""
     return p.grad is not None and p.grad.data_ptr() == p.main_grad.data_ptr()
 
 
 def _adopt_grad(p):
-    """For a parameter already in the master dtype, before its main grad is read (all_reduce_grads, step). Its
-    p.grad is its gradient, as torch defines it: when something replaced the main_grad view (autograd accumulates
-    out of place, main_grad + new, under create_graph=True; a user writes p.grad = p.grad * 2 or p.grad = g), the
-    new tensor is the whole gradient. It is COPIED into main_grad, not added (adding would count main_grad's
-    content twice), and p.grad points at main_grad again. No hook runs it after every backward (a Python call per
-    parameter and micro-batch: about 0.5 ms of the 85 ms step of benchmarks/train_gpt_vs_plain.py's default GPT in
-    torch.profiler); until the main grad is read, p.grad (the view or its replacement) holds the whole gradient."""
+    """A parameter in the master dtype, before its main grad is read: a p.grad that replaced the main_grad view
+    (create_graph=True accumulates out of place; a user writes p.grad = g) is the whole gradient, so it is COPIED
+    into main_grad (adding would count main_grad twice), and p.grad points at main_grad again."""
     if p.grad is None or _grad_is_main_grad(p):
         return
     with torch.no_grad():
@@ -374,59 +225,21 @@ def _adopt_grad(p):
     p.grad = p.main_grad
 
 
-# ---- the sharded state: one _Bucket of flat buffers per shard-group entry (and unit), dtype and device ----
-
-FP8_GATHER_BLOCK = 32  # fp8_param_gather: one E8M0 scale per 32 elements, MXFP8's block
-
-
-def fp8_param_round(flat):
-    """The working weights under fp8_param_gather: a 1-D tensor (a parameter from its start, or a shard of
-    whole 32-element blocks) rounded to MXFP8 (quantize_mxfp8: E4M3 elements, one power-of-two scale per 32
-    elements) and back, in its own dtype: exact in BF16."""
-    return dequantize_blocks(quantize_mxfp8(flat.reshape(1, -1))).view(-1).to(flat.dtype)
-
-
 class _Bucket:
-    """The parameters of one shard-group entry that share a dtype and a device (at zero 2 and 3 also one unit),
-    laid out in flat buffers; `level` is the ZeRO level the bucket gets (0 to 3: a parameter in no unit gets 1
-    at zero 2 and 3).
+    """The parameters of one shard-group entry that share a dtype and a device, laid out in flat buffers of N
+    elements: every parameter's .data a view of `param_flat`, its .main_grad a view of `grad_flat` (master dtype),
+    and the master `master_flat` (master dtype; the parameter buffer itself when the dtypes agree). [lo, hi) is
+    the range of the buffers this rank optimises, its shard: at ZeRO-0 all of it. Each parameter's piece of the
+    master (its intersection with the shard, of its shape at ZeRO-0) is what the inner optimizer steps; the
+    piece's .grad is the same range of the main grads, read in place."""
+    level = 0  # the ZeRO level (the sharded buckets below the banner set theirs)
 
-    params      param dtype, padded length N: every parameter's .data becomes a view of its range. Level 3 keeps
-                only `param_shard` (its own storage) at rest: the full buffer's storage is freed and gather()
-                rebuilds it (the views stay views of the same storage)
-    main grads  master dtype. Levels 0 and 1: length N, every parameter's .main_grad is a view of its range.
-                Levels 2 and 3: `grad_shard` only, this rank's range, summed into by reduce_unit_grads()
-    master      master dtype, this rank's shard only, and only when the param dtype is narrower; otherwise
-                the shard of the parameters itself (param_shard) is what the optimizer updates
-
-    Sharding (level >= 1): N is padded to a multiple of the group size k and rank r owns [lo, hi) =
-    [r N/k, (r+1) N/k) of every buffer. Level 0 has one shard, the whole buffer, on every rank. Each parameter
-    contributes the piece of it that falls into the shard (possibly empty): the pieces are the inner optimizer's
-    parameters, so per-group options (weight decay) apply per parameter, and every rank holds a state entry for
-    every parameter (full_state relies on it). With fp8_param_gather every parameter starts at a multiple of 32
-    and N is a multiple of 32 k, so the 32-element FP8 blocks of a shard are blocks of one parameter each, the
-    same at every k. HSDP: the shard is replicated over `replicate_group`, whose all-reduce of the reduced
-    shard completes the sum over all d = k r data-parallel ranks."""
-
-    def __init__(self, params, group, level, master_dtype, fp8_param_gather=False, replicate_group=None):
-        self.params, self.group, self.level = params, group, level
+    def __init__(self, params, group, master_dtype):
+        self.params, self.group = params, group
         self.group_size = _group_size(group)
         self.group_rank = 0 if group is None else dist.get_rank(group)
-        self.replicate_group = replicate_group if _group_size(replicate_group) > 1 else None
-        self.replicate_size = _group_size(self.replicate_group)
-        self.replicate_rank = 0 if self.replicate_group is None else dist.get_rank(self.replicate_group)
-        self.fp8_param_gather = fp8_param_gather
-        shards = self.group_size if level >= 1 else 1
-        align = FP8_GATHER_BLOCK if fp8_param_gather else 1
-        self.starts, numel = [], 0
-        for p in params:
-            self.starts.append(numel)
-            numel += math.ceil(p.numel() / align) * align
-        self.padded = math.ceil(numel / (shards * align)) * shards * align
+        self.starts, self.padded, self.lo, self.hi = self._layout()
         self.padding = self.padded - sum(p.numel() for p in params)
-        shard = self.padded // shards
-        self.lo = shard * (self.group_rank if level >= 1 else 0)
-        self.hi = self.lo + shard
         dtype, device = params[0].dtype, params[0].device
         self.param_flat = torch.zeros(self.padded, dtype=dtype, device=device)
         with torch.no_grad():
@@ -434,26 +247,30 @@ class _Bucket:
                 view = self.param_flat[start:start + p.numel()].view(p.shape)
                 view.copy_(p)
                 p.data = view  # the same Parameter object: the model keeps working, now on the flat buffer
-            if level <= 1:
-                self.grad_flat = torch.zeros(self.padded, dtype=master_dtype, device=device)
-                for p, start in zip(params, self.starts):
-                    p.main_grad = self.grad_flat[start:start + p.numel()].view(p.shape)
-                self.grad_shard = self.grad_flat[self.lo:self.hi]
-            else:  # no full-size gradient buffer: reduce_unit_grads sums into the shard
-                self.grad_flat = None
-                self.grad_shard = torch.zeros(shard, dtype=master_dtype, device=device)
-            owned = self.param_flat[self.lo:self.hi]
-            self.param_shard = owned.clone() if level == 3 else owned
+            self._make_main_grads(master_dtype)
+            self.param_shard = self._owned_params()
             self.separate_master = dtype != master_dtype
             self.master_flat = self.param_shard.to(master_dtype) if self.separate_master else self.param_shard
-            if fp8_param_gather:  # the working weights are FP8-rounded from the start (the same on every rank)
-                self.param_flat.copy_(fp8_param_round(self.param_flat))
-                if level == 3:  # what every gather sends: the shard's MXFP8 bytes, kept between steps (local)
-                    self._publish_fp8()
-        self.gathered = level < 3
-        if level == 3:
-            self.param_flat.untyped_storage().resize_(0)  # at rest only the shard lives
+        self._finish_init()
         self.pieces = [self._piece(p, start) for p, start in zip(params, self.starts)]
+
+    def _layout(self):
+        """(starts, N, lo, hi): the parameters back to back; one shard, the whole buffer."""
+        starts = [sum(p.numel() for p in self.params[:i]) for i in range(len(self.params))]
+        numel = sum(p.numel() for p in self.params)
+        return starts, numel, 0, numel
+
+    def _make_main_grads(self, master_dtype):
+        self.grad_flat = torch.zeros(self.padded, dtype=master_dtype, device=self.param_flat.device)
+        for p, start in zip(self.params, self.starts):
+            p.main_grad = self.grad_flat[start:start + p.numel()].view(p.shape)
+        self.grad_shard = self.grad_flat[self.lo:self.hi]
+
+    def _owned_params(self):
+        return self.param_flat[self.lo:self.hi]
+
+    def _finish_init(self):  # the sharded buckets round or free their parameters here
+        pass
 
     def _piece(self, p, start):
         a = min(max(start, self.lo), self.hi)  # the intersection of [start, start + numel) with the shard
@@ -466,12 +283,865 @@ class _Bucket:
         piece.shard_range = (a - self.lo, b - self.lo)  # and of the shard buffers
         return piece
 
+    def groups(self):  # the groups this bucket's gradients are summed over
+        return (self.group,)
+
+    def owned_grads(self):
+        return self.grad_shard
+
+    def counts_in_norm(self):  # every rank holds the same reduced gradient: group rank 0 counts it
+        return self.group_rank == 0
+
+    def reduce_grads(self):
+        """At step: SUM the whole main-grad buffer over the group, one all-reduce."""
+        if self.group_size > 1:
+            _count_sent("all_reduce", self.grad_flat, self.group_size, 2)
+            dist.all_reduce(self.grad_flat, group=self.group)
+
+    def publish_params(self):
+        """The copy back: round the updated masters into the parameters."""
+        with torch.no_grad():
+            if self.separate_master:
+                self.param_shard.copy_(self.master_flat)
+
+    def zero_main_grads(self):
+        self.grad_buffer().zero_()
+
+    def param_buffers(self):  # the parameter storage at rest (memory_bytes)
+        return [self.param_flat]
+
+    def grad_buffer(self):
+        return self.grad_flat
+
+    def full_tensor(self, local, piece_range, p):  # p's whole master or state from this rank's piece
+        return local.detach().reshape(p.shape).clone()
+
+    def load_param(self, p, piece, master):  # the working parameter: the loaded master, rounded
+        p.copy_(master)
+
+
+def _param_groups(params_or_param_groups):
+    """The torch.optim param groups: a plain iterable of parameters is one group; frozen ones are left out."""
+    items = list(params_or_param_groups)
+    if not (items and isinstance(items[0], dict)):
+        items = [{"params": items}]  # a plain iterable of parameters: one group
+    groups = []
+    for g in items:  # as torch.optim: a group's params may be one tensor; frozen ones are left out
+        params = [g["params"]] if torch.is_tensor(g["params"]) else list(g["params"])
+        groups.append({**g, "params": [p for p in params if p.requires_grad]})
+    if not any(g["params"] for g in groups):
+        raise ValueError("params_or_param_groups holds no parameter that requires grad: pass the model's "
+                         "parameters (or a list of dicts with a 'params' key)")
+    return groups
+
+
+def _param_name(params, p):
+    i = next(i for i, q in enumerate(params) if q is p)
+    return f"parameter {i} (shape {tuple(p.shape)}, {p.dtype})"
+
+
+def _beyond_zero0(zero, fp8_param_gather, units, shard_groups):
+    """The arguments that need the sharded optimizer: a ZeRO level, the FP8 gather, units, a replicate group."""
+    hybrid = isinstance(shard_groups, (list, tuple)) and any(
+        isinstance(e, (list, tuple)) and len(e) == 3 and e[2] is not None for e in shard_groups)
+    return zero != 0 or bool(fp8_param_gather) or bool(units) or hybrid
+
+
+class StepResult(NamedTuple):
+    """What step() did: `stepped` (False when the loss scaler skipped an overflowing step) and the global
+    gradient norm. True as a boolean exactly when the step was taken."""
+    stepped: bool
+    grad_norm: float
+
+    def __bool__(self):
+        return self.stepped
+
+
+class MixedPrecisionOptimizer:
+    """Any torch.optim optimizer stepping FP32 master weights of the parameters, with FP32 gradient accumulation
+    (main grads), data-parallel gradient reduction (SUM), global-norm clipping and loss scaling.
+
+        opt = MixedPrecisionOptimizer(
+            [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
+            torch.optim.AdamW, shard_groups=[(dense, dp_cp_group), (experts, edp_group)], lr=3e-4)
+        for micro_batch in ...: loss.backward()      # hooks add every p.grad into p.main_grad (FP32)
+        opt.all_reduce_grads([tied_embedding], embedding_group)   # extra sums the caller needs, if any
+        stepped, grad_norm = opt.step(grad_scale=1 / tokens, max_norm=1.0, norm_group=world)
+
+    shard_groups: (params, group) entries; a parameter's main grad is SUMMED over its entry's group (none: no
+    communication). Nothing averages: the caller normalises (grad_scale). master_dtype: the dtype of main grads,
+    masters and optimizer states. The parameters become views of flat buffers (one per entry, dtype and device):
+    build the optimizer once the model has its final dtype and device, one optimizer per parameter. zero > 0,
+    fp8_param_gather, units or a replicate group build ShardedMixedPrecisionOptimizer (below the banner).
+    """
+    units, fp8_param_gather = (), False  # the sharded form's; none here
+
+    def __new__(cls, *args, zero=0, fp8_param_gather=False, units=None, shard_groups=None, **kwargs):
+        if cls is MixedPrecisionOptimizer and _beyond_zero0(zero, fp8_param_gather, units, shard_groups):
+            forms = cls.__subclasses__()  # the sharded form, where it is defined
+            if not forms:
+                raise ValueError(f"zero={zero!r}, fp8_param_gather, units or a replicate group: the sharded "
+                                 "optimizer is beyond the chapter; take the whole file")
+            cls = forms[0]
+        return super().__new__(cls)
+
+    def __init__(self, params_or_param_groups, optimizer_class, *, shard_groups=None, zero=0, loss_scaler=None,
+                 master_dtype=torch.float32, fp8_param_gather=False, units=None, **optimizer_defaults):
+        groups = _param_groups(params_or_param_groups)
+        self.params = [p for g in groups for p in g["params"]]
+        self.zero, self.master_dtype, self.loss_scaler = zero, master_dtype, loss_scaler
+        entries = self._check_arguments(shard_groups, optimizer_defaults)
+        # the inner optimizer's own checks (a bad lr, say) run on stand-ins, before any parameter is touched
+        optimizer_class([{**{k: v for k, v in g.items() if k != "params"},
+                          "params": [torch.zeros(1, dtype=master_dtype, requires_grad=True)]} for g in groups],
+                        **optimizer_defaults)
+        self._buckets, self._where = [], {}  # id(param) -> (bucket, index in the bucket)
+        self._build_buckets(entries)
+        for p in self.params:
+            self._route_grad(p)
+        self.optimizer = optimizer_class(
+            [{**{k: v for k, v in g.items() if k != "params"}, "params": [self._piece(p) for p in g["params"]]}
+             for g in groups], **optimizer_defaults)
+
+    # ---- construction ----
+
+    def _check_arguments(self, shard_groups, optimizer_defaults):
+        """Every impossible argument raises here, on every rank, before any buffer or collective. Returns the
+        entries as (params, group, replicate_group); parameters in no entry form one with group None."""
+        params, master_dtype = self.params, self.master_dtype
+        if "dp_group" in optimizer_defaults:
+            raise ValueError("dp_group was replaced by shard_groups=[(params, group)]; gradients are now "
+                             "SUMMED over the group (pass grad_scale to step() to normalise)")
+        if not master_dtype.is_floating_point:
+            raise ValueError(f"master_dtype={master_dtype} must be a floating-point dtype (float32 or float64)")
+        seen = set()
+        for p in params:
+            if id(p) in seen:
+                raise ValueError(f"{_param_name(params, p)} appears twice in params_or_param_groups: pass each "
+                                 "parameter once")
+            seen.add(id(p))
+            if hasattr(p, "main_grad") or hasattr(p, "_zero_unit_level"):  # the latter: a sharded unit's
+                raise ValueError(f"{_param_name(params, p)} already belongs to a MixedPrecisionOptimizer (it has a "
+                                 "main_grad): build one optimizer per parameter")
+            if not p.dtype.is_floating_point:
+                raise ValueError(f"{_param_name(params, p)} is not floating point: only floating-point parameters "
+                                 "train")
+            if master_dtype != p.dtype and torch.finfo(master_dtype).bits <= torch.finfo(p.dtype).bits:
+                raise ValueError(f"master_dtype={master_dtype} is narrower than {_param_name(params, p)}: use "
+                                 f"master_dtype={p.dtype} or wider (a master must hold its parameter exactly)")
+        entries, owner = [], {}
+        for k, entry in enumerate(shard_groups or []):
+            if not isinstance(entry, (tuple, list)) or len(entry) not in (2, 3):
+                raise ValueError(f"shard_groups[{k}] must be (params, group) or, for hybrid sharding, (params, "
+                                 "group, replicate_group)")
+            entry_params, group, replicate_group = (*entry, None) if len(entry) == 2 else entry
+            entry_params = [p for p in ([entry_params] if torch.is_tensor(entry_params) else entry_params)
+                            if p.requires_grad]
+            for p in entry_params:
+                if id(p) not in seen:
+                    raise ValueError(f"shard_groups[{k}] holds a parameter (shape {tuple(p.shape)}) that is not in "
+                                     "params_or_param_groups: every sharded parameter must be optimised")
+                if id(p) in owner:
+                    raise ValueError(f"{_param_name(params, p)} is in shard_groups[{owner[id(p)]}] and "
+                                     f"shard_groups[{k}]: a parameter's gradient is reduced over one group only")
+                owner[id(p)] = k
+            if group is not None and dist.get_rank(group) < 0:
+                raise ValueError(f"shard_groups[{k}]: this rank is not a member of the group; pass the group "
+                                 "that contains this rank (or None)")
+            self._check_replicate_group(k, group, replicate_group)
+            entries.append((entry_params, group, replicate_group))
+        unassigned = [p for p in params if id(p) not in owner]
+        if unassigned:
+            entries.append((unassigned, None, None))  # no data-parallel communication
+        return entries
+
+    def _check_replicate_group(self, k, group, replicate_group):  # None here: HSDP is the sharded form's
+        pass
+
+    def _add_buckets(self, params, make_bucket):
+        """One bucket per (dtype, device) of `params`, in order of first appearance: a flat buffer holds one
+        dtype."""
+        by_kind = {}
+        for p in params:
+            by_kind.setdefault((p.dtype, p.device), []).append(p)
+        made = [make_bucket(kind_params) for kind_params in by_kind.values()]
+        for bucket in made:
+            for i, p in enumerate(bucket.params):
+                self._where[id(p)] = (bucket, i)
+        self._buckets.extend(made)
+        return made
+
+    def _build_buckets(self, entries):
+        for entry_params, group, _ in entries:
+            self._add_buckets(entry_params, lambda params, group=group: _Bucket(params, group, self.master_dtype))
+
+    def _route_grad(self, p):
+        """Where p's gradient goes: its main_grad view directly (master dtype), or through the hook."""
+        if p.dtype == self.master_dtype:  # autograd adds into the view in place; _fold_stray_grads adopts the rest
+            p.grad = p.main_grad
+        else:
+            p.register_post_accumulate_grad_hook(_accumulate_main_grad)
+
+    def _piece(self, p):
+        bucket, i = self._where[id(p)]
+        return bucket.pieces[i]
+
+    def _managed(self, p, caller):
+        """(bucket, piece) of one of this optimizer's parameters; any other tensor is refused here, before any
+        collective (a KeyError on one rank would leave the others waiting in it)."""
+        if id(p) not in self._where:
+            raise ValueError(f"{caller}: a parameter (shape {tuple(p.shape)}) is not managed by this optimizer; "
+                             "pass one of the parameters it was built over")
+        bucket, i = self._where[id(p)]
+        return bucket, bucket.pieces[i]
+
+    @property
+    def param_groups(self):
+        """The inner optimizer's groups (same order and options as given): set the learning rate here."""
+        return self.optimizer.param_groups
+
+    # ---- the step ----
+
+    def _fold_stray_grads(self):
+        """Before the main grads are read: a gradient written to p.grad directly, not by backward (which the hooks
+        of narrower parameters catch), joins the sum: added to the main grad of a narrower parameter (whose p.grad
+        holds only what came since the last hook), copied into that of a parameter in the master dtype (whose
+        p.grad, the main_grad view or what replaced it, is the whole gradient)."""
+        for p in self.params:
+            if not hasattr(p, "main_grad"):  # a sharded unit's parameter: reduce_grads takes its p.grad
+                continue
+            if p.dtype == self.master_dtype:
+                _adopt_grad(p)
+            elif p.grad is not None:
+                _accumulate_main_grad(p)
+
+    def _grad_holder(self, p):
+        return p.main_grad
+
+    def all_reduce_grads(self, params, group):
+        """SUM the main grads of `params` over `group` in one flat all-reduce (None or size 1: nothing). For
+        gradients that need a sum outside the shard groups: the tied embedding over the embedding group, the
+        parameters replicated across TP under sequence parallelism over the TP group. Call before step()."""
+        params = list(params)
+        for p in params:
+            self._managed(p, "all_reduce_grads")
+        group_size = _group_size(group, "all_reduce_grads' group")
+        self._fold_stray_grads()
+        if group_size == 1 or not params:
+            return
+        holders = [self._grad_holder(p) for p in params]
+        flat = torch.cat([h.reshape(-1) for h in holders])
+        dist.all_reduce(flat, group=group)
+        for h, g in zip(holders, flat.split([h.numel() for h in holders])):
+            h.copy_(g.view(h.shape))
+
+    def step(self, grad_scale=1.0, max_norm=0.0, norm_group=None, norm_params=None):
+        """Reduce, scale, measure, clip, update, copy back. Returns StepResult(stepped, grad_norm).
+
+        norm_params: the parameters the norm counts (None: all; leave out copies another rank counts: TP
+        replicas, a tied embedding's second copy). The overflow probe is the sum of squares of every gradient this
+        rank owns, counted or not (a norm above 1.8e19 in FP32 counts as an overflow too). norm_group must contain
+        every shard group when clipping or a loss scaler acts on the norm, or ranks would disagree."""
+        counted = None if norm_params is None else {id(p) for p in norm_params}
+        if counted is not None and not counted <= set(self._where):
+            raise ValueError("norm_params holds a parameter that this optimizer does not manage")
+        if not max_norm >= 0 or not math.isfinite(grad_scale):  # `not >=`: NaN fails it too
+            raise ValueError(f"need max_norm >= 0 (0 disables clipping) and a finite grad_scale, got "
+                             f"max_norm={max_norm}, grad_scale={grad_scale}")
+        norm_group_size = _group_size(norm_group, "norm_group")
+        if (max_norm > 0 or self.loss_scaler is not None) and norm_group_size == 1 and any(
+                _group_size(g) > 1 for b in self._buckets for g in b.groups()):
+            raise ValueError("norm_group is None but gradients are reduced over groups of more than one rank: "
+                             "each rank then holds only part of the norm, and clipping or skipping would differ "
+                             "between ranks; pass a norm_group that contains every shard group (the world)")
+        if (max_norm > 0 or self.loss_scaler is not None) and norm_group_size > 1:
+            self._check_norm_group_covers_shards(norm_group)
+        self._before_step()
+        self._fold_stray_grads()
+        for bucket in self._buckets:  # 1. SUM over the data-parallel group
+            bucket.reduce_grads()
+        scale = grad_scale / (self.loss_scaler.scale if self.loss_scaler is not None else 1.0)
+        if scale != 1.0:  # 2. one multiply: the caller's normalisation and the loss scale's inverse
+            for bucket in self._buckets:
+                bucket.owned_grads().mul_(scale)
+        norm, found_inf = self._global_norm(counted, norm_group)  # 3. one all-reduce: norm and overflow
+        if self.loss_scaler is not None:  # 4. skip on overflow, on every rank alike
+            self.loss_scaler.update(found_inf)
+            if found_inf:
+                self.zero_grad()
+                return StepResult(False, norm)
+        if max_norm > 0:  # 5. clip as clip_grad_norm_
+            clip = max_norm / (norm + 1e-6)
+            if clip < 1.0:
+                for bucket in self._buckets:
+                    bucket.owned_grads().mul_(clip)
+        self.optimizer.step()  # 6. the inner optimizer steps the masters
+        self.publish_params()  # 7. the copy back
+        self.zero_grad()
+        return StepResult(True, norm)
+
+    def _before_step(self):  # the sharded form checks and releases its units here
+        pass
+
+    def publish_params(self):
+        """The copy back (step() ends with it); call it after loading in place into owned_param and owned_state."""
+        for bucket in self._buckets:
+            bucket.publish_params()
+
+    def _check_norm_group_covers_shards(self, norm_group):
+        """Every shard group's ranks in norm_group (rank lists, no communication), else its ranks clip or skip
+        differently. Groups never change: a norm_group found to cover them is not checked again."""
+        if norm_group is getattr(self, "_covering_norm_group", None):
+            return
+        covered = set(dist.get_process_group_ranks(norm_group))
+        for bucket in self._buckets:
+            for group in bucket.groups():
+                if _group_size(group) > 1 and not set(dist.get_process_group_ranks(group)) <= covered:
+                    raise ValueError(f"norm_group holds ranks {sorted(covered)}, which miss part of a shard group "
+                                     f"({sorted(dist.get_process_group_ranks(group))}): pass a norm_group that "
+                                     "contains every shard group and replicate group (the world)")
+        self._covering_norm_group = norm_group
+
+    def _global_norm(self, counted, norm_group):
+        """(norm, found_inf) from one all-reduce of [sum of squares counted, sum of squares owned]."""
+        device = self._buckets[0].grad_shard.device
+        sums = torch.zeros(2, dtype=self.master_dtype, device=device)
+        for bucket in self._buckets:
+            owned = bucket.owned_grads()
+            owned_sq = torch.dot(owned, owned).to(device)
+            sums[1] += owned_sq
+            if not bucket.counts_in_norm():
+                continue
+            if counted is None or all(id(p) in counted for p in bucket.params):
+                sums[0] += owned_sq  # the whole buffer counts: no second pass over it, piece by piece
+            else:
+                for p, piece in zip(bucket.params, bucket.pieces):
+                    if id(p) in counted:
+                        g = piece.grad.reshape(-1)
+                        sums[0] += torch.dot(g, g).to(device)
+        if _group_size(norm_group) > 1:
+            dist.all_reduce(sums, group=norm_group)
+        counted_sq, owned_sq = sums.tolist()  # the one host sync of the step
+        return math.sqrt(counted_sq), not math.isfinite(owned_sq)
+
+    def zero_grad(self):
+        """Zero the main grads; a parameter in the master dtype gets its main_grad view back as p.grad."""
+        for bucket in self._buckets:
+            bucket.zero_main_grads()
+        for p in self.params:
+            p.grad = p.main_grad if hasattr(p, "main_grad") and p.dtype == self.master_dtype else None
+
+    def memory_bytes(self):
+        """This rank's bytes at rest, from the live tensors: parameters, main grads, and the separate masters plus
+        the optimizer states with dim > 0 (Adam's moments); master_bytes is the masters' part of optimizer_bytes."""
+        size = lambda ts: sum(t.numel() * t.element_size() for t in ts)
+        masters = size(b.master_flat for b in self._buckets if b.separate_master)
+        states = size(t for s in self.optimizer.state.values() for t in s.values()
+                      if torch.is_tensor(t) and t.dim() > 0)
+        return {"param_bytes": size(t for b in self._buckets for t in b.param_buffers()),
+                "grad_bytes": size(b.grad_buffer() for b in self._buckets),
+                "optimizer_bytes": masters + states, "master_bytes": masters, "peak_gathered_bytes": 0}
+
+    # ---- save and load: this rank's pieces where they lie, or one parameter's full state ----
+
+    def owned_state(self, p, like=None):
+        """((a, b), {"master": ..., "exp_avg": ..., "step": ...}): this rank's live piece of p's master and states,
+        elements [a, b) of p.view(-1), for a checkpoint that writes and loads them where they lie. `like`, {name:
+        (ndim, dtype)}, creates the states missing before the first step, zero-filled (0-dim ones on the CPU)."""
+        _, piece = self._managed(p, "owned_state")
+        state = self.optimizer.state[piece]
+        for key, (ndim, dtype) in (like or {}).items():
+            if key not in state and key != "master":
+                state[key] = torch.zeros((), dtype=dtype) if ndim == 0 else torch.zeros_like(piece)
+        owned = {"master": piece}
+        owned.update((key, state[key]) for key in sorted(state) if torch.is_tensor(state[key]))
+        return piece.range, owned
+
+    def owned_param(self, p):
+        """((a, b), the live tensor holding the elements [a, b) of p.view(-1) at rest): here all of p."""
+        self._managed(p, "owned_param")
+        return (0, p.numel()), p.detach().view(-1)
+
+    def full_state(self, p):
+        """{"master": p's master, then every optimizer state}, each a FULL tensor of p's shape (0-dim as it is)."""
+        bucket, piece = self._managed(p, "full_state")
+        full = {"master": bucket.full_tensor(piece, piece.range, p)}
+        state = self.optimizer.state.get(piece, {})
+        for key in sorted(state):  # the same keys in the same order on every rank: the pieces step alike
+            value = state[key]
+            if torch.is_tensor(value):
+                full[key] = value.detach().clone() if value.dim() == 0 else \
+                    bucket.full_tensor(value, piece.range, p)
+        return full
+
+    def load_full_state(self, p, state):
+        """Inverse of full_state, whatever the layout that saved it; no communication."""
+        bucket, piece = self._managed(p, "load_full_state")
+        a, b = piece.range
+        cut = lambda t: t.detach().reshape(-1)[a:b].reshape(piece.shape).to(piece.device, piece.dtype, copy=True)
+        with torch.no_grad():
+            bucket.load_param(p, piece, state["master"].reshape(p.shape).to(p.device))
+            piece.copy_(cut(state["master"]))
+        # 0-dim states (Adam's step) stay where they were saved (torch keeps them on the CPU)
+        self.optimizer.state[piece] = {k: (v.detach().clone() if v.dim() == 0 else cut(v))
+                                       for k, v in state.items() if k != "master"}
+
+    def scalar_state(self):
+        """The non-tensor part: hyperparameters of each group, the loss scaler (the tensors: full_state)."""
+        return {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+                "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict()}
+
+    def state_dict(self):
+        """Everything, unsharded: the scalar state and every parameter's full_state, in parameter order."""
+        return {"scalars": self.scalar_state(), "params": [self.full_state(p) for p in self.params]}
+
+    def load_state_dict(self, state):
+        """Inverse of state_dict; everything is checked before anything is overwritten."""
+        if len(state["params"]) != len(self.params):
+            raise ValueError(f"state_dict holds {len(state['params'])} parameters, this optimizer "
+                             f"{len(self.params)}: build it over the same parameters")
+        for i, (p, full) in enumerate(zip(self.params, state["params"])):
+            # the states may differ between param groups: only the master is required
+            if "master" not in full:
+                raise ValueError(f"state_dict's parameter {i} holds {sorted(full)} but no 'master': pass a "
+                                 "state_dict written by MixedPrecisionOptimizer.state_dict")
+            for key, value in full.items():
+                if value.dim() > 0 and value.numel() != p.numel():
+                    raise ValueError(f"state_dict's parameter {i} has {value.numel()} elements in {key!r}, this "
+                                     f"optimizer's {p.numel()} (shape {tuple(p.shape)}): build it over the same "
+                                     "parameters")
+        self._check_param_groups(state["scalars"])
+        if self.loss_scaler is not None and state["scalars"]["loss_scaler"] is not None:
+            DynamicLossScaler().load_state_dict(state["scalars"]["loss_scaler"])  # checked on a throwaway
+        for p, full in zip(self.params, state["params"]):
+            self.load_full_state(p, full)
+        self._after_load()
+        self.load_scalar_state(state["scalars"])
+
+    def _after_load(self):  # the sharded form remakes its FP8 shards here
+        pass
+
+    def _check_param_groups(self, state):
+        if len(state["param_groups"]) != len(self.param_groups):
+            raise ValueError(f"state_dict has {len(state['param_groups'])} param groups, this optimizer "
+                             f"{len(self.param_groups)}: build it with the same groups")
+
+    def load_scalar_state(self, state):
+        self._check_param_groups(state)
+        for group, saved in zip(self.param_groups, state["param_groups"]):
+            group.update(saved)
+        if self.loss_scaler is not None and state["loss_scaler"] is not None:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
+
+
+# ----------------------------------------------------------------------------------------------------
+# FP8, per-tensor scaling: the tensorwise (current) and delayed recipes, a BF16 backward
+# ----------------------------------------------------------------------------------------------------
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+AMAX_EPS = 1e-12  # an all-zero tensor gets a finite scale (fp8_max / 1e-12 is far below FP32's max)
+PER_TENSOR = ("tensorwise", "delayed")
+
+fp8_log = Counter()  # "gemm:count" FP8 forward GEMMs, "gemm:backward" FP8 backward GEMMs, "gemm:scaled_mm" and
+#                      "gemm:emulated" the path each took, "amax:all_reduce" amax agreements (the tests read it)
+
+
+def fp8_scale(amax, dtype=E4M3):
+    """The tensorwise recipe (current scaling): s = fp8_max / max(amax, eps), x_fp8 = clamp(x s), x ~= x_fp8 / s.
+    (One correctly rounded FP32 division: `number / tensor` would take the reciprocal first, rounding twice.)"""
+    amax = torch.clamp(amax.float(), min=AMAX_EPS)
+    return torch.full_like(amax, torch.finfo(dtype).max) / amax
+
+
+def quantize_fp8(x, dtype=E4M3, scale=None):
+    """Per-tensor scaling: returns (x_fp8, scale) with x ~= x_fp8.float() / scale.
+
+    scale defaults to the dynamic fp8_max / amax(x); a given scale (delayed scaling) may push values past
+    the format's range, and they saturate at +-max rather than becoming inf or NaN (the clamp is explicit:
+    torch saturates E4M3 casts but turns E5M2 overflow into inf).
+    """
+    if scale is None:
+        scale = fp8_scale(amax_of(x), dtype)
+    fp8_max = torch.finfo(dtype).max
+    # one FP32 staging copy, scaled and clamped in place: 4 + 1 bytes per element alive at once, not 4 + 4
+    # (an explicit copy, since .float() of an FP32 tensor is the tensor itself)
+    x_fp8 = x.to(torch.float32, copy=True).mul_(scale).clamp_(-fp8_max, fp8_max).to(dtype)
+    return x_fp8, scale
+
+
+def dequantize_fp8(x_fp8, scale):
+    return x_fp8.float() / scale
+
+
+def delayed_scale(amax_history, amax, dtype=E4M3):
+    """The delayed recipe (Transformer Engine): s = fp8_max / max(the amaxes of the last L steps), from a (..., L)
+    history of agreed amaxes; where the history is still empty (zeros: the first step) the current amax. No pass
+    over the tensor is needed before its GEMM, but an outlier beyond the history saturates at +-fp8_max."""
+    history = amax_history.max(dim=-1).values
+    return fp8_scale(torch.where(history > 0, history, amax), dtype)  # torch.where: no host sync
+
+
+def push_amax(amax_history, amax):
+    """Shift the (..., L) history by one step and write this step's amax in front."""
+    amax_history.copy_(torch.roll(amax_history, 1, dims=-1))
+    amax_history[..., 0] = amax
+
+
+def amax_of(t):
+    """max |t| in FP32; 0 for an empty tensor (an expert that received no token still joins the all-reduce)."""
+    t = t.detach()
+    return t.abs().max().float() if t.numel() else torch.zeros((), device=t.device)
+
+
+def agreed_amax(x, weight, amax_group=None):
+    """[amax(x), amax(weight)], MAX-reduced over amax_group in one all-reduce of 2 elements: a TP shard must be
+    quantised with the full tensor's scale, or the shards are rounded on different grids and the layer is no
+    longer the function it is on one GPU; the MAX of the shards' amaxes is the full tensor's amax."""
+    group_size = _group_size(amax_group, "amax_group")
+    amax = torch.stack([amax_of(x), amax_of(weight)])
+    if group_size > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_group)
+        fp8_log["amax:all_reduce"] += 1
+    return amax
+
+
+_SCALED_MM_ON_CPU = {}  # recipe -> bool, probed once
+
+
+def scaled_mm_available(device):
+    """torch._scaled_mm with per-tensor scales: FP8 tensor cores (compute capability 8.9+) on CUDA; on CPU, probed
+    once by a small call."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    if device.type != "cpu":
+        return False
+    if "tensorwise" not in _SCALED_MM_ON_CPU:
+        try:
+            a = torch.ones(128, 128).to(E4M3)
+            torch._scaled_mm(a, a.t(), scale_a=torch.tensor(1.0), scale_b=torch.tensor(1.0),
+                             out_dtype=torch.bfloat16)
+            _SCALED_MM_ON_CPU["tensorwise"] = True
+        except (RuntimeError, NotImplementedError, ValueError):
+            _SCALED_MM_ON_CPU["tensorwise"] = False
+    return _SCALED_MM_ON_CPU["tensorwise"]
+
+
+def fp8_matmul(a_fp8, a_scale, b_fp8, b_scale, out_dtype, use_scaled_mm=True):
+    """(a / a_scale) @ (b / b_scale)^T with per-tensor scales and FP32 accumulation. b is (out, in) row-major, so
+    b.t() is the column-major operand that _scaled_mm wants (which also needs every dimension a multiple of 16).
+    The emulation is the same arithmetic: FP8 values are exact in FP32, products are accumulated in FP32 and
+    scaled once."""
+    inv_a, inv_b = a_scale.reciprocal().float(), b_scale.reciprocal().float()
+    shapes_ok = a_fp8.shape[0] % 16 == 0 and a_fp8.shape[1] % 16 == 0 and b_fp8.shape[0] % 16 == 0
+    if use_scaled_mm and shapes_ok and scaled_mm_available(a_fp8.device):
+        fp8_log["gemm:scaled_mm"] += 1
+        return torch._scaled_mm(a_fp8, b_fp8.t(), scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype)
+    fp8_log["gemm:emulated"] += 1
+    return ((a_fp8.float() @ b_fp8.float().t()) * (inv_a * inv_b)).to(out_dtype)
+
+
+
+class _GemmSpec(NamedTuple):
+    recipe: str
+    x_scale: torch.Tensor  # per-tensor scales (tensorwise, delayed); None for the fine-grained recipes
+    w_scale: torch.Tensor
+    use_scaled_mm: bool
+    backward: str
+    group: object          # the TP group (amax_group)
+    split: str             # None, "column" or "row": which dimension of this layer the group splits
+
+
+def _per_tensor_product(x2, weight, spec):
+    """The forward GEMM under a per-tensor recipe: both operands quantised with the scales fp8_linear agreed."""
+    x_fp8, _ = quantize_fp8(x2, scale=spec.x_scale)
+    w_fp8, _ = quantize_fp8(weight, scale=spec.w_scale)
+    return fp8_matmul(x_fp8, spec.x_scale, w_fp8, spec.w_scale, x2.dtype, spec.use_scaled_mm)
+
+
+def _bf16_backward(g, x2, weight, spec, needs):
+    """The backward GEMMs in BF16 from the saved high-precision tensors: grad_x = g W, grad_W = g^T x."""
+    g = g.to(torch.bfloat16)
+    grad_x = (g @ weight.to(torch.bfloat16)).to(x2.dtype) if needs[0] else None
+    grad_w = (g.t() @ x2.to(torch.bfloat16)).to(weight.dtype) if needs[1] else None
+    return grad_x, grad_w
+
+
+# recipe -> forward product, backward name -> backward products; the fine-grained recipes and the FP8 backward
+# join these tables below the banner
+FORWARD_PRODUCTS = {"tensorwise": _per_tensor_product, "delayed": _per_tensor_product}
+BACKWARD_PRODUCTS = {"bf16": _bf16_backward}
+FP8_RECIPES, FP8_BACKWARDS = tuple(FORWARD_PRODUCTS), tuple(BACKWARD_PRODUCTS)
+
+
+def _check_fp8_options(recipe, backward, split, amax_group):
+    if recipe not in FP8_RECIPES:
+        raise ValueError(f"recipe={recipe!r}: use one of {FP8_RECIPES}")
+    if backward not in FP8_BACKWARDS:
+        raise ValueError(f"backward={backward!r}: use one of {FP8_BACKWARDS} ('bf16': BF16 GEMMs on the saved "
+                         "tensors; 'fp8': E5M2 gradients)")
+    if split not in (None, "column", "row"):
+        raise ValueError(f"split={split!r}: use None, 'column' (the group splits the output rows of W) or 'row' "
+                         "(it splits K, the input columns of W and the last dimension of x)")
+    if recipe not in PER_TENSOR and split is None and _group_size(amax_group, "amax_group") > 1:
+        raise ValueError(f"split=None with an amax_group of several ranks: for the {recipe} recipe say how the "
+                         "group splits this layer, split='column' (blocks along K are local) or split='row' "
+                         "(blocks along K are cut between ranks and agreed)")
+
+
+class _FP8LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, spec):
+        ctx.save_for_backward(x, weight)  # high precision: the backward re-quantises (fp8) or not (bf16)
+        ctx.spec = spec
+        y = FORWARD_PRODUCTS[spec.recipe](x.reshape(-1, x.shape[-1]), weight, spec)
+        fp8_log["gemm:count"] += 1
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        spec = ctx.spec
+        grad_x, grad_w = BACKWARD_PRODUCTS[spec.backward](grad_out.reshape(-1, weight.shape[0]),
+                                                          x.reshape(-1, x.shape[-1]), weight, spec,
+                                                          ctx.needs_input_grad[:2])
+        return None if grad_x is None else grad_x.reshape(x.shape), grad_w, None
+
+
+def fp8_linear(x, weight, bias=None, amax_group=None, use_scaled_mm=True, *, recipe="tensorwise", backward="bf16",
+               split=None, amax_history=None, record_amax=True):
+    """y = x @ weight^T + bias with the forward GEMM in FP8 E4M3 under `recipe`; x has any leading shape.
+
+    tensorwise (default): current per-tensor scales; the amaxes of x and weight are MAX-reduced over amax_group
+      first (agreed_amax): pass the TP group for a TP-sharded weight or input.
+    delayed: the same with scales from amax_history (a (2, L) buffer of past agreed amaxes, input and weight),
+      into which this call records its amaxes when record_amax (FP8Linear passes self.training).
+    Below the banner: the fine-grained recipes, `split` (what amax_group cuts: "row", K, or "column", W's rows)
+    and backward="fp8"; backward="bf16" computes BF16 GEMMs on the saved high-precision tensors."""
+    _check_fp8_options(recipe, backward, split, amax_group)
+    if recipe == "delayed" and (amax_history is None or amax_history.dim() != 2 or amax_history.shape[0] != 2):
+        raise ValueError("amax_history: the delayed recipe needs a (2, L) tensor of past amaxes (input, weight), "
+                         "e.g. FP8Linear's buffer; or use the tensorwise recipe")
+    x_scale = w_scale = None
+    if recipe in ("tensorwise", "delayed"):
+        amax = agreed_amax(x, weight, amax_group)
+        if recipe == "delayed":
+            x_scale, w_scale = delayed_scale(amax_history, amax)
+            if record_amax:
+                push_amax(amax_history, amax)
+        else:
+            x_scale, w_scale = fp8_scale(amax[0]), fp8_scale(amax[1])
+    spec = _GemmSpec(recipe, x_scale, w_scale, use_scaled_mm, backward, amax_group, split)
+    y = _FP8LinearFunction.apply(x, weight, spec)
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+class FP8Linear(nn.Module):
+    """nn.Linear whose forward GEMM runs in FP8 E4M3 under one of FP8_RECIPES; backward in BF16 or FP8.
+
+    amax_group, split: as fp8_linear's. recipe="delayed" (or the older delayed_scaling=True) takes each scale
+    from the largest agreed amax of the last `amax_history_len` steps; every training forward records one entry,
+    so do not use it under activation checkpointing (the recomputed forward records a second one). The other
+    recipes are functions of the tensors alone and recompute identically."""
+
+    def __init__(self, in_features, out_features, bias=True, delayed_scaling=False, amax_history_len=16,
+                 use_scaled_mm=True, amax_group=None, device=None, dtype=None, *, recipe=None, backward="bf16",
+                 split=None):
+        super().__init__()
+        if not isinstance(amax_history_len, numbers.Integral) or amax_history_len < 1:
+            raise ValueError(f"amax_history_len={amax_history_len!r} must be an int >= 1 (the steps whose amaxes "
+                             "delayed scaling takes the max of; 16 is usual)")
+        if delayed_scaling and recipe not in (None, "delayed"):
+            raise ValueError(f"delayed_scaling=True with recipe={recipe!r}: delayed_scaling is recipe='delayed'; "
+                             "pass one of them")
+        recipe = recipe or ("delayed" if delayed_scaling else "tensorwise")
+        _check_fp8_options(recipe, backward, split, amax_group)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        self.recipe, self.backward, self.split = recipe, backward, split
+        self.delayed_scaling, self.use_scaled_mm, self.amax_group = recipe == "delayed", use_scaled_mm, amax_group
+        self.register_buffer("amax_history", torch.zeros(2, amax_history_len, device=device))  # input, weight
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        ref = nn.Linear(self.weight.shape[1], self.weight.shape[0], bias=self.bias is not None)
+        with torch.no_grad():  # the same initialisation as nn.Linear
+            self.weight.copy_(ref.weight)
+            if self.bias is not None:
+                self.bias.copy_(ref.bias)
+
+    def forward(self, x):
+        return fp8_linear(x, self.weight, self.bias, self.amax_group, self.use_scaled_mm, recipe=self.recipe,
+                          backward=self.backward, split=self.split,
+                          amax_history=self.amax_history if self.delayed_scaling else None,
+                          record_amax=self.training)
+
+
+
+# BEYOND THE CHAPTER: ZeRO-1/2/3 and HSDP, FP8 parameter all-gathers, fine-grained FP8 recipes, the FP8 backward
+import io
+import multiprocessing
+import os
+import tempfile
+from datetime import timedelta
+
+import numpy as np
+import torch.nn.functional as F
+from einops import rearrange
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import checkpoint
+
+# ----------------------------------------------------------------------------------------------------
+# Sharded data parallelism: ZeRO-1, -2, -3 and HSDP, built on the flat buffers above
+# ----------------------------------------------------------------------------------------------------
+#
+# ZeRO-1, -2, -3 (Rajbhandari et al. 2020; ZeRO-1 is Megatron-LM's distributed optimizer, ZeRO-3 FSDP's design,
+# here with Megatron's flat ranges), zero=1..3. Each shard-group entry (dense weights over DP x CP, expert
+# weights over EDP) lays its parameters out in flat buffers padded to a multiple of the group size d; rank r
+# owns the r-th 1/d of every buffer, a contiguous range [lo, hi) (a parameter may straddle two ranks: each
+# optimises its piece). The levels differ in what else the ranges cut:
+#
+#     zero=1  the FP32 masters and the optimizer states. A step: reduce-scatter (SUM) of the full FP32 main grads,
+#             each rank receiving the sum of its shard; the inner optimizer steps the pieces in the shard; each
+#             rank rounds its updated shard into the parameter buffer; one all-gather rebuilds the parameters.
+#     zero=2  also the gradients of the units (`units=`, one list of parameters per transformer block): they get
+#             no full-size main grad; after each backward of a unit `opt.units[i].reduce_grads()` reduce-scatters
+#             the full-size p.grad that autograd left (cast to FP32, one flat collective per bucket) into this
+#             rank's FP32 shard accumulator and frees it. The step has nothing left to reduce for them.
+#     zero=3  also the parameters of the units: they live as shards; `gather()` all-gathers a unit's shards into
+#             a full flat buffer (the parameters are views of it) just before its forward (the next unit's gather
+#             is issued asynchronously while this one computes: the prefetch), `release()` frees that storage
+#             after it, and the backward gathers it again (a recomputation runs inside that backward, on the same
+#             gather). The step writes each rank's updated shard and gathers nothing: the next forward does.
+#
+# Parameters in no unit keep ZeRO-1 treatment at zero 2 and 3 (whole parameters and FP32 main grads, sharded
+# states): the trainer keeps the embedding, the final norm and the LM head out of the units, since they are used
+# at both ends of the step and their gradients arrive through hooks and extra sums (all_reduce_grads over the
+# embedding group). Per parameter with Adam, e bytes per parameter element (2 BF16, 4 FP32), 4 of FP32 main
+# grad, s of states (two FP32 moments, 8, plus a 4-byte FP32 master where the parameter is narrower); each level
+# divides one more part by d:
+#
+#     bytes per parameter, Adam      zero=0        zero=1         zero=2            zero=3
+#                                    e + 4 + s     e + 4 + s/d    e + (4 + s)/d     (e + 4 + s)/d + working set
+#     BF16 params, FP32 main grads   18            6 + 12/d       2 + 16/d          18/d
+#     FP32 params and grads          16            8 + 8/d        4 + 12/d          16/d
+#
+# The zero=3 working set: the full parameters of the units gathered at once, two units with a one-unit prefetch
+# (`memory_bytes()["peak_gathered_bytes"]`), plus, between a unit's backward and its reduce_grads, its full-size
+# p.grad (e per unit parameter) and the FP32 flat copy the reduce-scatter sends (4). Padding rule: each bucket
+# (one per entry, dtype and device; at zero 2 and 3 also one per unit) is padded to a multiple of its shard
+# count, at most k - 1 elements; the padding is in the parameter, main-grad and master buffers, not in the
+# moments (which belong to the pieces).
+#
+# Bytes sent per parameter and step on a ring (an all-reduce sends 2 (d-1)/d of its buffer, a reduce-scatter
+# and an all-gather (d-1)/d of the full buffer), FP32 gradients, m micro-batches per step:
+#
+#     zero=0  2 (d-1)/d 4            one all-reduce: the micro-batches accumulate into the main grads first
+#     zero=1  (d-1)/d (4 + e)        reduce-scatter + all-gather: for e = 4 the all-reduce's two halves
+#     zero=2  (d-1)/d (4 m + e)      one reduce-scatter per micro-batch, one all-gather per step
+#     zero=3  (d-1)/d m (4 + 2 e)    per micro-batch the forward's and the backward's all-gathers and a
+#                                    reduce-scatter; no all-gather after the step
+#
+# At m = 1: BF16 8, 6, 6, 8 and FP32 8, 8, 8, 12 times (d-1)/d (ZeRO-3 1.5x the all-reduce at e = 4). Several
+# micro-batches at zero 2 and 3 cost one reduce-scatter each, because the full-size gradient lives only from a
+# unit's backward to its reduce_grads; accumulating full-size gradients over the micro-batches and reducing once
+# would keep a full-size FP32 buffer alive all step, 4 bytes per parameter: ZeRO-1's memory, the saving lost.
+#
+# Hybrid sharding (HSDP), a shard-group entry (params, group, replicate_group): states, gradients and parameters
+# sharded over the k ranks of `group` (a node, say), replicated over the r = d / k ranks of `replicate_group`:
+# reduce-scatters and all-gathers over k, then one all-reduce (SUM) of the reduced 1/k shard over r, once per
+# step at every level (at zero 2 and 3 at step(), on the accumulated shard: a sum, so once suffices); at zero=0
+# the all-reduce over k, then over r. Memory as sharding over k; bytes sent per parameter: the table's with
+# d -> k, plus 2 (r-1)/r 4 / k (zero=0: 2 (r-1)/r 4), so only the shard crosses nodes.
+#
+# The norm under sharding: each rank counts the gradients it owns (its shard, once per replica set; under zero=0
+# group rank 0 of each entry). Checkpoints: owned_state(p) and owned_param(p) hand out this rank's live pieces
+# (under zero=3 the parameter shard), for a checkpoint that writes each shard where it lies and loads into it in
+# place (then publish_params()); full_state(p) gathers them as full tensors (12 bytes per parameter for Adam, so
+# for small models), so a run saved under one layout (zero=3 on 2 ranks) resumes under another.
+#
+# FP8 parameter all-gather (`fp8_param_gather`: ZeRO-1 and 2 at the step, ZeRO-3 at every gather of a unit): each
+# rank publishes its updated master shard in MXFP8 (E4M3 + one E8M0 byte per 32), so the all-gather sends
+# (d-1)/d x (1 + 1/32) bytes per parameter instead of (d-1)/d x 2 (BF16): 0.516 of them (a little more with the
+# padding that aligns each parameter to 32). The working weights become FP8-rounded (within E4M3's eps/2 of the
+# masters); masters and moments stay FP32, so updates below the FP8 spacing still accumulate in the master.
+
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+FP8_GATHER_BLOCK = 32  # fp8_param_gather: one E8M0 scale per 32 elements, MXFP8's block
+
+
+def fp8_param_round(flat):
+    """The working weights under fp8_param_gather: a 1-D tensor (a parameter from its start, or a shard of
+    whole 32-element blocks) rounded to MXFP8 (quantize_mxfp8: E4M3 elements, one power-of-two scale per 32
+    elements) and back, in its own dtype: exact in BF16."""
+    return dequantize_blocks(quantize_mxfp8(flat.reshape(1, -1))).view(-1).to(flat.dtype)
+
+
+class _ShardedBucket(_Bucket):
+    """_Bucket at ZeRO level `level` (0 to 3: a parameter in no unit gets 1 at zero 2 and 3) over `group`'s k
+    ranks, and replicated over `replicate_group` (HSDP).
+
+    params      param dtype, padded length N. Level 3 keeps only `param_shard` (its own storage) at rest: the
+                full buffer's storage is freed and gather() rebuilds it (the views stay views of the same storage)
+    main grads  master dtype. Levels 0 and 1: length N, every parameter's .main_grad is a view of its range.
+                Levels 2 and 3: `grad_shard` only, this rank's range, summed into by reduce_unit_grads()
+    master      master dtype, this rank's shard only, and only when the param dtype is narrower; otherwise
+                the shard of the parameters itself (param_shard) is what the optimizer updates
+
+    Sharding (level >= 1): N is padded to a multiple of k and rank r owns [lo, hi) = [r N/k, (r+1) N/k) of every
+    buffer. Each parameter contributes the piece of it that falls into the shard (possibly empty): the pieces
+    are the inner optimizer's parameters, so per-group options (weight decay) apply per parameter, and every
+    rank holds a state entry for every parameter (full_state relies on it). With fp8_param_gather every
+    parameter starts at a multiple of 32 and N is a multiple of 32 k, so the 32-element FP8 blocks of a shard are
+    blocks of one parameter each, the same at every k. HSDP: the shard is replicated over `replicate_group`,
+    whose all-reduce of the reduced shard completes the sum over all d = k r data-parallel ranks."""
+
+    def __init__(self, params, group, level, master_dtype, fp8_param_gather=False, replicate_group=None):
+        self.level, self.fp8_param_gather = level, fp8_param_gather
+        self.replicate_group = replicate_group if _group_size(replicate_group) > 1 else None
+        self.replicate_size = _group_size(self.replicate_group)
+        self.replicate_rank = 0 if self.replicate_group is None else dist.get_rank(self.replicate_group)
+        self.gathered = level < 3
+        super().__init__(params, group, master_dtype)
+
+    def _layout(self):
+        shards = self.group_size if self.level >= 1 else 1
+        align = FP8_GATHER_BLOCK if self.fp8_param_gather else 1
+        starts, numel = [], 0
+        for p in self.params:
+            starts.append(numel)
+            numel += math.ceil(p.numel() / align) * align
+        padded = math.ceil(numel / (shards * align)) * shards * align
+        lo = padded // shards * (self.group_rank if self.level >= 1 else 0)
+        return starts, padded, lo, lo + padded // shards
+
+    def _make_main_grads(self, master_dtype):
+        if self.level <= 1:
+            return super()._make_main_grads(master_dtype)
+        self.grad_flat = None  # no full-size gradient buffer: reduce_unit_grads sums into the shard
+        self.grad_shard = torch.zeros(self.hi - self.lo, dtype=master_dtype, device=self.param_flat.device)
+
+    def _owned_params(self):
+        owned = super()._owned_params()
+        return owned.clone() if self.level == 3 else owned
+
+    def _finish_init(self):
+        with torch.no_grad():
+            if self.fp8_param_gather:  # the working weights are FP8-rounded from the start (the same on every rank)
+                self.param_flat.copy_(fp8_param_round(self.param_flat))
+                if self.level == 3:  # what every gather sends: the shard's MXFP8 bytes, kept between steps (local)
+                    self._publish_fp8()
+        if self.level == 3:
+            self.param_flat.untyped_storage().resize_(0)  # at rest only the shard lives
+
     @property
     def sharded(self):
         return self.level >= 1 and self.group_size > 1
 
-    def owned_grads(self):
-        return self.grad_shard
+    def groups(self):
+        return (self.group, self.replicate_group)
 
     def counts_in_norm(self):
         """Sharded: each rank counts its shard once per replica set (replicate rank 0). Level 0: only group rank
@@ -479,17 +1149,15 @@ class _Bucket:
         return (self.level >= 1 or self.group_rank == 0) and self.replicate_rank == 0
 
     def reduce_grads(self):
-        """At step: SUM over the group (levels 0 and 1: all-reduce of the whole buffer, or reduce-scatter into
+        """At step: SUM over the group (level 0: the all-reduce of the whole buffer; level 1: a reduce-scatter into
         this rank's shard; levels 2 and 3 were reduced by reduce_unit_grads), then, under HSDP, all-reduce of
         the shard over the replicate group (once per step at every level: a sum, so once suffices)."""
         self.finish_reduce()
-        if self.level <= 1 and self.group_size > 1:
-            if self.level == 1:
-                _count_sent("reduce_scatter", self.grad_flat, self.group_size, 1)
-                _reduce_scatter_flat(self.grad_shard, self.grad_flat, group=self.group)
-            else:
-                _count_sent("all_reduce", self.grad_flat, self.group_size, 2)
-                dist.all_reduce(self.grad_flat, group=self.group)
+        if self.level == 0:
+            super().reduce_grads()
+        elif self.level == 1 and self.group_size > 1:
+            _count_sent("reduce_scatter", self.grad_flat, self.group_size, 1)
+            _reduce_scatter_flat(self.grad_shard, self.grad_flat, group=self.group)
         if self.replicate_group is not None:
             _count_sent("replicate_all_reduce", self.grad_shard, self.replicate_size, 2)
             dist.all_reduce(self.grad_shard, group=self.replicate_group)
@@ -549,17 +1217,16 @@ class _Bucket:
         self.gathered = False
 
     def publish_params(self):
-        """Round the updated master shard into the parameter shard; levels 1 and 2 then all-gather the shards
-        (level 3 does not: the next forward gathers)."""
+        """The copy back into this rank's parameter shard (or its FP8 rounding); levels 1 and 2 then all-gather
+        the shards (level 3 does not: the next forward gathers)."""
         with torch.no_grad():
             if self.fp8_param_gather:
                 self._publish_fp8()
-            else:
-                if self.separate_master:
-                    self.param_shard.copy_(self.master_flat)
-                if self.sharded and self.level <= 2:
-                    _count_sent("all_gather", self.param_flat, self.group_size, 1)
-                    _all_gather_flat(self.param_flat, self.param_shard, group=self.group)
+                return
+            super().publish_params()
+            if self.sharded and self.level <= 2:
+                _count_sent("all_gather", self.param_flat, self.group_size, 1)
+                _all_gather_flat(self.param_flat, self.param_shard, group=self.group)
 
     def _publish_fp8(self):
         """fp8_param_gather: this rank's master shard in MXFP8 (E4M3 elements, one E8M0 scale per 32), packed
@@ -600,6 +1267,40 @@ class _Bucket:
             self._unpack_fp8(gathered, self.param_flat)
 
 
+    def zero_main_grads(self):
+        self.finish_reduce()  # a reduce-scatter still in flight would add into the zeroed shard later
+        super().zero_main_grads()
+
+    def param_buffers(self):
+        """Level 3: the shard only, and under fp8_param_gather also its MXFP8 bytes."""
+        if self.level < 3:
+            return super().param_buffers()
+        return [self.param_shard] + ([self.packed] if self.fp8_param_gather else [])
+
+    def grad_buffer(self):
+        return self.grad_shard if self.grad_flat is None else self.grad_flat
+
+    def full_tensor(self, local, piece_range, p):
+        """Sharded: the pieces gathered over the group (an all-reduce SUM of zero-filled full tensors, each element
+        owned by exactly one rank, so exact): every rank of the group calls it for the same params in order."""
+        if not self.sharded:
+            return super().full_tensor(local, piece_range, p)
+        a, b = piece_range
+        full = torch.zeros(p.numel(), dtype=local.dtype, device=local.device)
+        full[a:b] = local.detach().reshape(-1)
+        dist.all_reduce(full, group=self.group)
+        return full.view(p.shape)
+
+    def load_param(self, p, piece, master):
+        if self.level == 3:  # the parameter lives as its shard; the full view only while gathered
+            a, b = piece.range
+            lo, hi = piece.shard_range
+            self.param_shard[lo:hi].copy_(master.reshape(-1)[a:b])
+        if self.gathered:
+            # under fp8_param_gather the working weight is the master's FP8 rounding, as a step publishes it
+            p.copy_(fp8_param_round(master.reshape(-1)).view(p.shape) if self.fp8_param_gather else master)
+
+
 class _AfterWork:
     """A collective's work handle with a step to run once it completes: wait() waits, then runs `then`."""
 
@@ -624,7 +1325,7 @@ class _GatherMeter:
 
 
 class ShardedUnit:
-    """One unit of parameters (a transformer block) that zero 2 and 3 shard deeper: one _Bucket per
+    """One unit of parameters (a transformer block) that zero 2 and 3 shard deeper: one _ShardedBucket per
     (shard-group entry, dtype, device) of its parameters, so each gather or reduce is one collective per bucket.
     `opt.units[i]`, in the order given. At zero < 3 gather, wait and release do nothing (the parameters are
     whole), at zero < 2 reduce_grads does nothing (the hooks accumulate main grads; the step reduces).
@@ -691,87 +1392,6 @@ class ShardedUnit:
         return sum(b.param_flat.numel() * b.param_flat.element_size() for b in self.buckets if b.gathered)
 
 
-# ---- construction: the arguments, checked; the buckets, built ----
-
-def _param_groups(params_or_param_groups):
-    """The torch.optim param groups: a plain iterable of parameters is one group; frozen ones are left out."""
-    items = list(params_or_param_groups)
-    if not (items and isinstance(items[0], dict)):
-        items = [{"params": items}]  # a plain iterable of parameters: one group
-    groups = []
-    for g in items:  # as torch.optim: a group's params may be one tensor; frozen ones are left out
-        params = [g["params"]] if torch.is_tensor(g["params"]) else list(g["params"])
-        groups.append({**g, "params": [p for p in params if p.requires_grad]})
-    if not any(g["params"] for g in groups):
-        raise ValueError("params_or_param_groups holds no parameter that requires grad: pass the model's "
-                         "parameters (or a list of dicts with a 'params' key)")
-    return groups
-
-
-def _check_arguments(params, shard_groups, zero, master_dtype, optimizer_defaults, fp8_param_gather, units=None):
-    """Every impossible argument raises here, on every rank, before any buffer or collective. Returns the entries
-    as (params, group, replicate_group) and the units as lists of parameters."""
-    def name(p):
-        i = next(i for i, q in enumerate(params) if q is p)
-        return f"parameter {i} (shape {tuple(p.shape)}, {p.dtype})"
-
-    if "dp_group" in optimizer_defaults:
-        raise ValueError("dp_group was replaced by shard_groups=[(params, group)]; gradients are now "
-                         "SUMMED over the group (pass grad_scale to step() to normalise)")
-    if zero not in (0, 1, 2, 3):
-        raise ValueError(f"zero={zero!r}: use 0 (replicated), 1 (optimizer states sharded over each shard group), "
-                         "2 (and the gradients of the units) or 3 (and the parameters of the units)")
-    if not master_dtype.is_floating_point:
-        raise ValueError(f"master_dtype={master_dtype} must be a floating-point dtype (float32 or float64)")
-    if fp8_param_gather not in (False, True):
-        raise ValueError(f"fp8_param_gather={fp8_param_gather!r}: pass True or False")
-    if fp8_param_gather and zero == 0:
-        raise ValueError(f"fp8_param_gather=True with zero={zero}: ZeRO-0 gathers no parameters; pass zero=1, 2 "
-                         "or 3")
-    seen = set()
-    for p in params:
-        if id(p) in seen:
-            raise ValueError(f"{name(p)} appears twice in params_or_param_groups: pass each parameter once")
-        seen.add(id(p))
-        if hasattr(p, "main_grad") or hasattr(p, "_zero_unit_level"):
-            raise ValueError(f"{name(p)} already belongs to a MixedPrecisionOptimizer (it has a main_grad): "
-                             "build one optimizer per parameter")
-        if not p.dtype.is_floating_point:
-            raise ValueError(f"{name(p)} is not floating point: only floating-point parameters train")
-        narrower = master_dtype != p.dtype and torch.finfo(master_dtype).bits <= torch.finfo(p.dtype).bits
-        if narrower:
-            raise ValueError(f"master_dtype={master_dtype} is narrower than {name(p)}: use master_dtype="
-                             f"{p.dtype} or wider (a master must hold its parameter exactly)")
-        if fp8_param_gather and p.dtype == master_dtype:
-            raise ValueError(f"fp8_param_gather=True with {name(p)} in the master dtype: such a parameter is its "
-                             "own master and FP8 rounding would destroy it; keep parameters narrower than "
-                             "master_dtype (BF16 with FP32 masters) or pass fp8_param_gather=False")
-    entries, owner = [], {}
-    for k, entry in enumerate(shard_groups or []):
-        if not isinstance(entry, (tuple, list)) or len(entry) not in (2, 3):
-            raise ValueError(f"shard_groups[{k}] must be (params, group) or, for hybrid sharding, (params, group, "
-                             "replicate_group)")
-        entry_params, group, replicate_group = (*entry, None) if len(entry) == 2 else entry
-        entry_params = [p for p in ([entry_params] if torch.is_tensor(entry_params) else entry_params)
-                        if p.requires_grad]
-        for p in entry_params:
-            if id(p) not in seen:
-                raise ValueError(f"shard_groups[{k}] holds a parameter (shape {tuple(p.shape)}) that is not in "
-                                 "params_or_param_groups: every sharded parameter must be optimised")
-            if id(p) in owner:
-                raise ValueError(f"{name(p)} is in shard_groups[{owner[id(p)]}] and shard_groups[{k}]: a "
-                                 "parameter's gradient is reduced over one group only")
-            owner[id(p)] = k
-        if group is not None and dist.get_rank(group) < 0:
-            raise ValueError(f"shard_groups[{k}]: this rank is not a member of the group; pass the group "
-                             "that contains this rank (or None)")
-        _check_replicate_group(k, group, replicate_group)
-        entries.append((entry_params, group, replicate_group))
-    unassigned = [p for p in params if id(p) not in owner]
-    if unassigned:
-        entries.append((unassigned, None, None))  # no data-parallel communication
-    return entries, _check_units(units, seen, name)
-
 
 def _check_replicate_group(k, group, replicate_group):
     """HSDP: the replicate group holds this rank and meets the shard group in this rank only (rank lists, no
@@ -807,206 +1427,16 @@ def _check_units(units, optimised, name):
     return unit_lists
 
 
-def _build_buckets(entries, zero, master_dtype, fp8_param_gather, units=()):
-    """One _Bucket per (entry, dtype, device): a flat buffer holds one dtype. At zero 2 and 3 each unit gets its
-    own buckets per (entry, dtype, device), at that level, and the parameters in no unit level-1 buckets.
-    Returns (buckets, where, unit_buckets): where maps id(param) -> (bucket, index in the bucket), unit_buckets
-    holds each unit's buckets (empty lists at zero < 2)."""
-    unit_of = {id(p): u for u, unit in enumerate(units) for p in unit} if zero >= 2 else {}
-    buckets, where, unit_buckets = [], {}, [[] for _ in units]
+class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
+    """MixedPrecisionOptimizer with ZeRO-1, -2 or -3 sharding over each shard group (and HSDP), units and the FP8
+    parameter all-gather; `MixedPrecisionOptimizer(..., zero=k)` builds it for k > 0, for fp8_param_gather, units
+    or a replicate group (at zero=0 too). The step is the chapter's; what changes is the buckets (_ShardedBucket:
+    reduce-scatter instead of all-reduce, the shard's pieces, the all-gather of the copy back) and the units.
 
-    def add(params, group, replicate_group, level):
-        by_kind = {}
-        for p in params:
-            by_kind.setdefault((p.dtype, p.device), []).append(p)
-        made = [_Bucket(kind_params, group, level, master_dtype, fp8_param_gather, replicate_group)
-                for kind_params in by_kind.values()]
-        for bucket in made:
-            for i, p in enumerate(bucket.params):
-                where[id(p)] = (bucket, i)
-        buckets.extend(made)
-        return made
-
-    for entry_params, group, replicate_group in entries:  # outside the units: ZeRO-1 at zero 2 and 3
-        add([p for p in entry_params if id(p) not in unit_of], group, replicate_group, min(zero, 1))
-    for u in range(len(units) if zero >= 2 else 0):
-        for entry_params, group, replicate_group in entries:
-            unit_buckets[u] += add([p for p in entry_params if unit_of.get(id(p)) == u], group, replicate_group,
-                                   zero)
-    return buckets, where, unit_buckets
-
-
-class StepResult(NamedTuple):
-    """What step() did: `stepped` (False when the loss scaler skipped an overflowing step) and the global
-    gradient norm. True as a boolean exactly when the step was taken."""
-    stepped: bool
-    grad_norm: float
-
-    def __bool__(self):
-        return self.stepped
-
-
-# ---- save and load, then the step ----
-
-class _SavedState:
-    """Save and load of MixedPrecisionOptimizer's state (its base class; one role, read apart from the step).
-
-    It reads what the optimizer builds: `params`, `optimizer` (the inner one, whose parameters are the pieces),
-    `param_groups`, `loss_scaler`, `_buckets` and `_managed(p)` -> (bucket, piece). Three granularities: owned_state
-    and owned_param (this rank's live pieces of the states and of the parameter values, for a checkpoint that writes
-    each shard where it lies), full_state / load_full_state (one parameter's whole master and states, any layout to
-    any other), state_dict / load_state_dict (everything, unsharded), plus the scalars
-    (hyperparameters, loss scaler)."""
-
-    def full_state(self, p):
-        """{"master": p's master weight, then every optimizer state (exp_avg, exp_avg_sq, step, ...)}, each a
-        FULL tensor of p's shape (0-dim states as they are), in master/state dtype. Under zero=1 the pieces
-        are gathered over p's shard group (an all-reduce SUM of zero-filled full tensors, each element owned
-        by exactly one rank, so exact): every rank of the group calls it for the same params in order."""
-        bucket, piece = self._managed(p, "full_state")
-        full = {"master": self._gather(bucket, piece, piece.range, p)}
-        state = self.optimizer.state.get(piece, {})
-        for key in sorted(state):  # the same keys in the same order on every rank: the pieces step alike
-            value = state[key]
-            if torch.is_tensor(value):
-                full[key] = value.detach().clone() if value.dim() == 0 else \
-                    self._gather(bucket, value, piece.range, p)
-        return full
-
-    @staticmethod
-    def _gather(bucket, local, piece_range, p):
-        if not bucket.sharded:
-            return local.detach().reshape(p.shape).clone()
-        a, b = piece_range
-        full = torch.zeros(p.numel(), dtype=local.dtype, device=local.device)
-        full[a:b] = local.detach().reshape(-1)
-        dist.all_reduce(full, group=bucket.group)
-        return full.view(p.shape)
-
-    def load_full_state(self, p, state):
-        """Inverse of full_state, whatever the layout that saved it: p takes the master rounded to its dtype,
-        this rank keeps the piece of the master and of every state tensor in its shard, in the piece's dtype
-        and device (a checkpoint saved with another master dtype loads: the inner optimizer wants its states
-        in the dtype of its parameters). No communication."""
-        bucket, piece = self._managed(p, "load_full_state")
-        a, b = piece.range
-        cut = lambda t: t.detach().reshape(-1)[a:b].reshape(piece.shape).to(piece.device, piece.dtype, copy=True)
-        with torch.no_grad():
-            master = state["master"].reshape(p.shape).to(p.device)
-            if bucket.level == 3:  # the parameter lives as its shard; the full view only while gathered
-                _, param_shard = self.owned_param(p)
-                param_shard.copy_(master.reshape(-1)[a:b])
-            if bucket.gathered:
-                # under fp8_param_gather the working weight is the master's FP8 rounding, as a step publishes it
-                p.copy_(fp8_param_round(master.reshape(-1)).view(p.shape) if bucket.fp8_param_gather else master)
-            piece.copy_(cut(state["master"]))
-        # 0-dim states (Adam's step) stay where they were saved: torch keeps them on the CPU unless the
-        # optimizer is fused or capturable
-        self.optimizer.state[piece] = {k: (v.detach().clone() if v.dim() == 0 else cut(v))
-                                       for k, v in state.items() if k != "master"}
-
-    def owned_state(self, p, like=None):
-        """This rank's piece of p's master weight and optimizer states: the live tensors themselves, no copy and
-        no communication. Returns ((a, b), {"master": ..., "exp_avg": ..., "step": ...}): every tensor that is
-        not 0-dim holds the elements [a, b) of p.view(-1), in order (zero=0: all of p, in p's shape; zero=1: a
-        1-D piece, possibly empty). A sharded checkpoint writes these from where they lie, so saving gathers
-        nothing (full_state would hold the whole of every parameter's state at once: 12 bytes per parameter for
-        Adam, what ZeRO-1 saved); loading writes into them in place. `like`, {state name: (ndim, dtype)}, creates the
-        states missing before the first step, zero-filled: 0-dim ones in that dtype on the CPU, as torch.optim
-        keeps them, the others like the piece (in the master dtype, whatever a checkpoint saved them in)."""
-        _, piece = self._managed(p, "owned_state")
-        state = self.optimizer.state[piece]
-        for key, (ndim, dtype) in (like or {}).items():
-            if key not in state and key != "master":
-                state[key] = torch.zeros((), dtype=dtype) if ndim == 0 else torch.zeros_like(piece)
-        owned = {"master": piece}
-        owned.update((key, state[key]) for key in sorted(state) if torch.is_tensor(state[key]))
-        return piece.range, owned
-
-    def owned_param(self, p):
-        """The parameter values of p this rank holds at rest: ((a, b), tensor), the live tensor holding the
-        elements [a, b) of p.view(-1) (no copy, no communication). Zero 0 to 2 and parameters in no unit: (0,
-        numel) and p itself, flattened; zero 3 units: this rank's range (as owned_state's) and a view of the
-        parameter shard. A checkpoint writes and loads the parameters where they lie; after loading in place
-        into owned_param and owned_state, call publish_params(). Under zero 3 a parameter in the master dtype
-        is its own master: this tensor and owned_state's "master" are the same elements."""
-        bucket, piece = self._managed(p, "owned_param")
-        if bucket.level < 3:
-            return (0, p.numel()), p.detach().view(-1)
-        lo, hi = piece.shard_range
-        return piece.range, bucket.param_shard[lo:hi]
-
-    def scalar_state(self):
-        """The non-tensor part: hyperparameters of each group, the loss scaler (the tensors: full_state)."""
-        return {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
-                "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict()}
-
-    def state_dict(self):
-        """Everything, unsharded: the scalar state and every parameter's full_state, in parameter order
-        (collective under zero=1: every rank of each shard group calls it)."""
-        return {"scalars": self.scalar_state(), "params": [self.full_state(p) for p in self.params]}
-
-    def load_state_dict(self, state):
-        """Inverse of state_dict, at any zero setting and shard-group size. Everything is checked before
-        anything is overwritten, so a refused state leaves the optimizer and the model as they were."""
-        if len(state["params"]) != len(self.params):
-            raise ValueError(f"state_dict holds {len(state['params'])} parameters, this optimizer "
-                             f"{len(self.params)}: build it over the same parameters")
-        for i, (p, full) in enumerate(zip(self.params, state["params"])):
-            # the states may differ between param groups (momentum or amsgrad in one group only): only the
-            # master is required, and every state tensor must match its parameter
-            if "master" not in full:
-                raise ValueError(f"state_dict's parameter {i} holds {sorted(full)} but no 'master': pass a "
-                                 "state_dict written by MixedPrecisionOptimizer.state_dict")
-            for key, value in full.items():
-                if value.dim() > 0 and value.numel() != p.numel():
-                    raise ValueError(f"state_dict's parameter {i} has {value.numel()} elements in {key!r}, this "
-                                     f"optimizer's {p.numel()} (shape {tuple(p.shape)}): build it over the same "
-                                     "parameters")
-        self._check_param_groups(state["scalars"])
-        if self.loss_scaler is not None and state["scalars"]["loss_scaler"] is not None:
-            DynamicLossScaler().load_state_dict(state["scalars"]["loss_scaler"])  # checked on a throwaway
-        for p, full in zip(self.params, state["params"]):
-            self.load_full_state(p, full)
-        for bucket in self._buckets:  # zero 3 under fp8_param_gather: its FP8 shard, made from the loaded masters
-            if bucket.level == 3 and bucket.fp8_param_gather:
-                bucket.publish_params()  # at level 3 local: no communication
-        self.load_scalar_state(state["scalars"])
-
-    def _check_param_groups(self, state):
-        if len(state["param_groups"]) != len(self.param_groups):
-            raise ValueError(f"state_dict has {len(state['param_groups'])} param groups, this optimizer "
-                             f"{len(self.param_groups)}: build it with the same groups")
-
-    def load_scalar_state(self, state):
-        self._check_param_groups(state)
-        for group, saved in zip(self.param_groups, state["param_groups"]):
-            group.update(saved)
-        if self.loss_scaler is not None and state["loss_scaler"] is not None:
-            self.loss_scaler.load_state_dict(state["loss_scaler"])
-
-
-class MixedPrecisionOptimizer(_SavedState):
-    """Any torch.optim optimizer stepping master weights of the parameters, with FP32 gradient accumulation,
-    data-parallel gradient reduction (SUM), ZeRO-1, -2 or -3 sharding (and HSDP), global-norm clipping and loss
-    scaling.
-
-        opt = MixedPrecisionOptimizer(
-            [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
-            torch.optim.AdamW, shard_groups=[(dense, dp_cp_group), (experts, edp_group)], zero=1, lr=3e-4)
-        for micro_batch in ...: loss.backward()      # hooks add every p.grad into p.main_grad (FP32)
-        opt.all_reduce_grads([tied_embedding], embedding_group)   # extra sums the caller needs, if any
-        stepped, grad_norm = opt.step(grad_scale=1 / tokens, max_norm=1.0, norm_group=world)
-
-    shard_groups: (params, group) entries; a parameter's main grad is SUMMED over its entry's group, and with
-    zero >= 1 its master weight and optimizer state are sharded over that group. (params, group,
-    replicate_group): hybrid sharding, sharded over group, the reduced shards then SUMMED over replicate_group
-    (None or one rank: plain sharding). A parameter in no entry, or in an entry with group None, has no
-    data-parallel communication. Nothing averages: the caller normalises (grad_scale). master_dtype: the dtype
-    of main grads, masters and the inner optimizer's state; a parameter already in master_dtype has no
-    separate master (the optimizer updates its own storage). Under zero >= 1 the inner optimizer sees 1-D
-    pieces of parameters, so it must act elementwise (Adam, SGD: as in Megatron-LM); under zero=0 it sees whole
-    parameters of their shapes.
+    shard_groups: with zero >= 1 a parameter's master weight and optimizer state are sharded over its entry's
+    group. (params, group, replicate_group): hybrid sharding, sharded over group, the reduced shards then
+    SUMMED over replicate_group (None or one rank: plain sharding). Under zero >= 1 the inner optimizer sees 1-D
+    pieces of parameters, so it must act elementwise (Adam, SGD: as in Megatron-LM).
 
     units (zero 2 and 3; accepted and ignored below): one list of parameters per transformer block; they get
     the deeper sharding, every other parameter ZeRO-1's. `opt.units` (ShardedUnit, in the order given) are
@@ -1024,158 +1454,88 @@ class MixedPrecisionOptimizer(_SavedState):
     a linear's weight gradient does, needs no gather: release may then come right after B). reduce_grads must
     run on every rank of the unit's groups alike, one call per unit per micro-batch; step() refuses a unit
     parameter that still holds a p.grad, and releases every gathered unit (its full parameters would be stale).
+    A zero-3 unit's parameters have no storage until gathered.
 
     fp8_param_gather (zero 1 to 3, parameters narrower than master_dtype): each rank quantises its updated master
     shard to MXFP8 (E4M3, one power-of-two scale per 32 elements) and the shards are all-gathered as FP8 bytes plus
     scales: (d-1)/d x (1 + 1/32) bytes per parameter sent instead of (d-1)/d x 2 for BF16, once per step at zero 1
     and 2, at every gather of a zero-3 unit (forward and backward), which keeps its packed shard between steps ((1 +
-    1/32)/d bytes per parameter more at rest). What changes numerically: the working weights (forward and backward)
-    become FP8-rounded, |w - master| <= 2^-4 |w| for normal values (E4M3's eps/2), from construction on; the
-    masters, the moments and the updates stay FP32, so updates below the FP8 spacing still accumulate in the master
-    until they move its rounding.
-
-    The roles: this class is the step (reduce, scale, norm, skip, clip, update, publish); _Bucket and
-    _build_buckets hold the sharded state (flat buffers, shards, pieces); _SavedState saves and loads it.
-
-    The parameters become views of flat buffers (one per entry, dtype and device; at zero 2 and 3 per unit too),
-    and each outside the zero 2 and 3 units gets a gradient hook, or in the master dtype a .grad that is its
-    main_grad view (leave it, zero_grad() keeps it; a p.grad that replaces it is taken as the whole gradient, as
-    in torch, when the main grads are next read); a zero-3 unit's parameters have no storage until gathered:
-    build the optimizer once the model has its final dtype and device, before anything else takes views of
-    the parameters' storage, and only one optimizer per parameter.
+    1/32)/d bytes per parameter more at rest). The working weights (forward and backward) become FP8-rounded,
+    |w - master| <= 2^-4 |w| for normal values (E4M3's eps/2), from construction on.
     """
 
-    def __init__(self, params_or_param_groups, optimizer_class, *, shard_groups=None, zero=0, loss_scaler=None,
-                 master_dtype=torch.float32, fp8_param_gather=False, units=None, **optimizer_defaults):
-        groups = _param_groups(params_or_param_groups)
-        self.params = [p for g in groups for p in g["params"]]
-        entries, unit_lists = _check_arguments(self.params, shard_groups, zero, master_dtype, optimizer_defaults,
-                                               fp8_param_gather, units)
-        # the inner optimizer's own checks (a bad lr, say) run on stand-ins, before any parameter is touched
-        optimizer_class([{**{k: v for k, v in g.items() if k != "params"},
-                          "params": [torch.zeros(1, dtype=master_dtype, requires_grad=True)]} for g in groups],
-                        **optimizer_defaults)
-        self.zero, self.master_dtype, self.loss_scaler = zero, master_dtype, loss_scaler
-        self.fp8_param_gather = fp8_param_gather
-        self._buckets, self._where, unit_buckets = _build_buckets(entries, zero, master_dtype, fp8_param_gather,
-                                                                  unit_lists)
+    def __init__(self, params_or_param_groups, optimizer_class, *, zero=0, fp8_param_gather=False, units=None,
+                 **kwargs):
+        self.zero, self.fp8_param_gather, self._units_given = zero, fp8_param_gather, units
+        super().__init__(params_or_param_groups, optimizer_class, zero=zero, **kwargs)
+
+    def _check_arguments(self, shard_groups, optimizer_defaults):
+        zero, fp8_param_gather = self.zero, self.fp8_param_gather
+        if zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero={zero!r}: use 0 (replicated), 1 (optimizer states sharded over each shard "
+                             "group), 2 (and the gradients of the units) or 3 (and the parameters of the units)")
+        if fp8_param_gather not in (False, True):
+            raise ValueError(f"fp8_param_gather={fp8_param_gather!r}: pass True or False")
+        if fp8_param_gather and zero == 0:
+            raise ValueError(f"fp8_param_gather=True with zero={zero}: ZeRO-0 gathers no parameters; pass zero=1, "
+                             "2 or 3")
+        entries = super()._check_arguments(shard_groups, optimizer_defaults)
+        name = lambda p: _param_name(self.params, p)
+        for p in self.params:
+            if fp8_param_gather and p.dtype == self.master_dtype:
+                raise ValueError(f"fp8_param_gather=True with {name(p)} in the master dtype: such a parameter is "
+                                 "its own master and FP8 rounding would destroy it; keep parameters narrower than "
+                                 "master_dtype (BF16 with FP32 masters) or pass fp8_param_gather=False")
+        self._unit_lists = _check_units(self._units_given, {id(p) for p in self.params}, name)
+        return entries
+
+    def _check_replicate_group(self, k, group, replicate_group):
+        _check_replicate_group(k, group, replicate_group)
+
+    def _build_buckets(self, entries):
+        """One _ShardedBucket per (entry, dtype, device). At zero 2 and 3 each unit gets its own buckets per
+        (entry, dtype, device), at that level, and the parameters in no unit level-1 buckets."""
+        units, zero = self._unit_lists, self.zero
+        unit_of = {id(p): u for u, unit in enumerate(units) for p in unit} if zero >= 2 else {}
+        make = lambda group, replicate_group, level: lambda params: _ShardedBucket(
+            params, group, level, self.master_dtype, self.fp8_param_gather, replicate_group)
+        for entry_params, group, replicate_group in entries:  # outside the units: ZeRO-1 at zero 2 and 3
+            self._add_buckets([p for p in entry_params if id(p) not in unit_of],
+                              make(group, replicate_group, min(zero, 1)))
+        unit_buckets = [[] for _ in units]
+        for u in range(len(units) if zero >= 2 else 0):
+            for entry_params, group, replicate_group in entries:
+                unit_buckets[u] += self._add_buckets([p for p in entry_params if unit_of.get(id(p)) == u],
+                                                     make(group, replicate_group, zero))
         self._meter = _GatherMeter()
         self.units = [ShardedUnit(params, buckets, zero, self._meter)
-                      for params, buckets in zip(unit_lists, unit_buckets)]
-        # zero 2 and 3: the unit parameters keep no full-size gradient buffer and have no hook; reduce_grads
-        # takes their p.grad
-        for p in self.params:
-            if self._where[id(p)][0].level >= 2:
-                p._zero_unit_level = zero  # marks it as managed (it has no main_grad to tell)
-                p.grad = None
-                continue
-            if p.dtype == master_dtype:  # autograd adds into the view in place; _fold_stray_grads adopts the rest
-                p.grad = p.main_grad
-            else:
-                p.register_post_accumulate_grad_hook(_accumulate_main_grad)
-        self.optimizer = optimizer_class(
-            [{**{k: v for k, v in g.items() if k != "params"}, "params": [self._piece(p) for p in g["params"]]}
-             for g in groups], **optimizer_defaults)
+                      for params, buckets in zip(units, unit_buckets)]
 
-    def _piece(self, p):
-        bucket, i = self._where[id(p)]
-        return bucket.pieces[i]
+    def _route_grad(self, p):
+        """Zero 2 and 3: the unit parameters keep no full-size gradient buffer and have no hook; reduce_grads
+        takes their p.grad."""
+        if self._where[id(p)][0].level >= 2:
+            p._zero_unit_level = self.zero  # marks it as managed (it has no main_grad to tell)
+            p.grad = None
+            return
+        super()._route_grad(p)
 
-    def _managed(self, p, caller):
-        """(bucket, piece) of one of this optimizer's parameters; any other tensor is refused here, before the
-        all-reduces of full_state (a KeyError on one rank would leave the others waiting in them)."""
-        if id(p) not in self._where:
-            raise ValueError(f"{caller}: a parameter (shape {tuple(p.shape)}) is not managed by this optimizer; "
-                             "pass one of the parameters it was built over")
-        bucket, i = self._where[id(p)]
-        return bucket, bucket.pieces[i]
-
-    @property
-    def param_groups(self):
-        """The inner optimizer's groups (same order and options as given): set the learning rate here."""
-        return self.optimizer.param_groups
-
-    # ---- the step ----
-
-    def _fold_stray_grads(self):
-        """Before the main grads are read: a gradient written to p.grad directly, not by backward (which the hooks
-        of narrower parameters catch), joins the sum: added to the main grad of a narrower parameter (whose p.grad
-        holds only what came since the last hook), copied into that of a parameter in the master dtype (whose
-        p.grad, the main_grad view or what replaced it, is the whole gradient). Unit parameters at zero 2 and 3
-        have none: reduce_grads takes their p.grad."""
-        for p in self.params:
-            if not hasattr(p, "main_grad"):
-                continue
-            if p.dtype == self.master_dtype:
-                _adopt_grad(p)
-            elif p.grad is not None:
-                _accumulate_main_grad(p)
+    def _grad_holder(self, p):
+        """A unit parameter at zero 2 and 3 has no full gradient: its reduced piece in this rank's shard is summed
+        instead (every rank of the group must lay the parameter out alike, as TP replicas are: the same shapes in
+        the same order, so each owns the same range), after the units' last reduce_grads."""
+        return p.main_grad if hasattr(p, "main_grad") else self._piece(p).grad
 
     def all_reduce_grads(self, params, group):
-        """SUM the main grads of `params` over `group` in one flat all-reduce (None or size 1: nothing). For
-        gradients that need a sum outside the shard groups: the tied embedding over the embedding group, the
-        parameters replicated across TP under sequence parallelism over the TP group. Call before step().
-        A unit parameter at zero 2 and 3 has no full gradient: its reduced piece in this rank's shard is summed
-        instead (every rank of `group` must lay the parameter out alike, as TP replicas are: the same shapes in
-        the same order, so each owns the same range), after the units' last reduce_grads."""
         params = list(params)
         for p in params:
             self._managed(p, "all_reduce_grads")
-        group_size = _group_size(group, "all_reduce_grads' group")
-        self._fold_stray_grads()
-        if group_size == 1 or not params:
-            return
-        for bucket in self._buckets:  # the units' reduce-scatters still in flight, summed into their shards first
-            bucket.finish_reduce()
-        holders = [p.main_grad if hasattr(p, "main_grad") else self._piece(p).grad for p in params]
-        flat = torch.cat([h.reshape(-1) for h in holders])
-        dist.all_reduce(flat, group=group)
-        for h, g in zip(holders, flat.split([h.numel() for h in holders])):
-            h.copy_(g.view(h.shape))
+        if _group_size(group, "all_reduce_grads' group") > 1 and params:
+            for bucket in self._buckets:  # the units' reduce-scatters still in flight, summed into their shards
+                bucket.finish_reduce()
+        super().all_reduce_grads(params, group)
 
-    def step(self, grad_scale=1.0, max_norm=0.0, norm_group=None, norm_params=None):
-        """Reduce, scale, measure, clip, update. Returns StepResult(stepped, grad_norm), true if stepped.
-
-        1. every shard-group entry's main grads are SUMMED over its group (all-reduce, or reduce-scatter
-           under zero >= 1; zero 2 and 3 units were reduce-scattered by reduce_grads), then the shards over the
-           entry's replicate group (HSDP; an all-reduce);
-        2. multiplied by grad_scale / loss_scale (one multiply; loss_scale = 1 without a loss scaler);
-        3. the global gradient norm, in master_dtype, over the gradients this rank owns (its shard under
-           zero >= 1, counted by replicate rank 0; under zero=0 only group rank 0 of each entry counts the
-           replicated reduced gradient),
-           restricted to `norm_params` (None: all; the caller leaves out copies that another rank already
-           counts: TP-replicated parameters, the tied embedding's second copy). The sums of squares are
-           all-reduced (SUM) over `norm_group` (None: no communication). That same 2-element all-reduce
-           carries the loss scaler's overflow probe (the sum of squares of every owned gradient, counted or
-           not): found_inf = the reduced probe is not finite. So the overflow check costs no extra
-           collective, and there is one host sync per step. (A finite gradient whose squares overflow the
-           master dtype, a norm above 1.8e19 in FP32, also counts as an overflow.) norm_group must contain
-           every shard group when clipping or a loss scaler acts on the norm, or ranks would disagree
-           (a norm_group of None with a shard group of several ranks is refused); without either, a norm_group of
-           None returns this rank's part of the norm.
-           Without a loss scaler, a non-finite norm is returned and the step is taken, as torch would.
-        4. with a loss scaler: scaler.update(found_inf); on overflow the grads are zeroed and the step is
-           skipped, on every rank of norm_group alike, since they all see the same reduced value;
-        5. clipping when max_norm > 0: grads *= min(1, max_norm / (norm + 1e-6)) (clip_grad_norm_'s rule);
-        6. the inner optimizer steps the masters (or shards); the parameters are refreshed from them
-           (publish_params: zero 1 and 2 each rank writes its shard, then one all-gather per buffer; zero=3
-           units only the shard);
-        7. the main grads are zeroed.
-        """
-        counted = None if norm_params is None else {id(p) for p in norm_params}
-        if counted is not None and not counted <= set(self._where):
-            raise ValueError("norm_params holds a parameter that this optimizer does not manage")
-        if not max_norm >= 0 or not math.isfinite(grad_scale):  # `not >=`: NaN fails it too
-            raise ValueError(f"need max_norm >= 0 (0 disables clipping) and a finite grad_scale, got "
-                             f"max_norm={max_norm}, grad_scale={grad_scale}")
-        norm_group_size = _group_size(norm_group, "norm_group")
-        if (max_norm > 0 or self.loss_scaler is not None) and norm_group_size == 1 and any(
-                b.group_size > 1 or b.replicate_size > 1 for b in self._buckets):
-            raise ValueError("norm_group is None but gradients are reduced over groups of more than one rank: "
-                             "each rank then holds only part of the norm, and clipping or skipping would differ "
-                             "between ranks; pass a norm_group that contains every shard group (the world)")
-        if (max_norm > 0 or self.loss_scaler is not None) and norm_group_size > 1:
-            self._check_norm_group_covers_shards(norm_group)
+    def _before_step(self):
         pending = [i for i, p in enumerate(self.params) if hasattr(p, "_zero_unit_level") and p.grad is not None]
         if pending:
             raise ValueError(f"step(): unit parameters {pending} still hold a p.grad at zero={self.zero}: call "
@@ -1183,187 +1543,76 @@ class MixedPrecisionOptimizer(_SavedState):
                              "a zero-bubble schedule)")
         for unit in self.units:  # gathered full parameters would be stale after the step
             unit.release()
-        self._fold_stray_grads()
-        for bucket in self._buckets:
-            bucket.reduce_grads()
-        scale = grad_scale / (self.loss_scaler.scale if self.loss_scaler is not None else 1.0)
-        if scale != 1.0:
-            for bucket in self._buckets:
-                bucket.owned_grads().mul_(scale)
-        norm, found_inf = self._global_norm(counted, norm_group)
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(found_inf)
-            if found_inf:
-                self.zero_grad()
-                return StepResult(False, norm)
-        if max_norm > 0:
-            clip = max_norm / (norm + 1e-6)
-            if clip < 1.0:
-                for bucket in self._buckets:
-                    bucket.owned_grads().mul_(clip)
-        self.optimizer.step()
-        self.publish_params()
-        self.zero_grad()
-        return StepResult(True, norm)
 
     def publish_params(self):
-        """Make the working parameters the rounding of the masters (collective at zero 1 and 2): zero 0 copies
-        the masters into the parameters; zero 1 and 2 (and parameters in no unit) round each rank's master
-        shard into the parameter buffer and all-gather it; zero 3 rounds the master shard into the parameter
-        shard, nothing more (the next forward gathers), and releases any gathered unit. step() ends with it;
-        call it after loading a checkpoint in place into owned_param and owned_state."""
+        """zero 1 and 2 (and parameters in no unit) round each rank's master shard into the parameter buffer and
+        all-gather it; zero 3 rounds the master shard into the parameter shard, nothing more (the next forward
+        gathers), and releases any gathered unit."""
         for unit in self.units:
             unit.release()
-        for bucket in self._buckets:
-            bucket.publish_params()
-
-    def _check_norm_group_covers_shards(self, norm_group):
-        """Every shard group's ranks in norm_group (rank lists, no communication): a norm summed over a part of
-        a shard group misses the other ranks' shards, and the ranks of that group clip or skip differently.
-        Groups never change: a norm_group found to cover them once is not checked again at the next step."""
-        if norm_group is getattr(self, "_covering_norm_group", None):
-            return
-        covered = set(dist.get_process_group_ranks(norm_group))
-        for bucket in self._buckets:
-            for group in (bucket.group, bucket.replicate_group):
-                if _group_size(group) > 1 and not set(dist.get_process_group_ranks(group)) <= covered:
-                    raise ValueError(f"norm_group holds ranks {sorted(covered)}, which miss part of a shard group "
-                                     f"({sorted(dist.get_process_group_ranks(group))}): pass a norm_group that "
-                                     "contains every shard group and replicate group (the world)")
-        self._covering_norm_group = norm_group
-
-    def _global_norm(self, counted, norm_group):
-        """(norm, found_inf) from one all-reduce of [sum of squares counted, sum of squares owned]."""
-        device = self._buckets[0].grad_shard.device
-        sums = torch.zeros(2, dtype=self.master_dtype, device=device)
-        for bucket in self._buckets:
-            owned = bucket.owned_grads()
-            owned_sq = torch.dot(owned, owned).to(device)
-            sums[1] += owned_sq
-            if not bucket.counts_in_norm():
-                continue
-            if counted is None or all(id(p) in counted for p in bucket.params):
-                sums[0] += owned_sq  # the whole shard counts: no second pass over it, piece by piece
-            else:
-                for p, piece in zip(bucket.params, bucket.pieces):
-                    if id(p) in counted:
-                        g = piece.grad.reshape(-1)
-                        sums[0] += torch.dot(g, g).to(device)
-        if _group_size(norm_group) > 1:
-            dist.all_reduce(sums, group=norm_group)
-        counted_sq, owned_sq = sums.tolist()  # the one host sync of the step
-        return math.sqrt(counted_sq), not math.isfinite(owned_sq)
-
-    def zero_grad(self):
-        """Zero the main grads (zero 0 and 1, parameters in no unit) and the shard accumulators (zero 2 and 3
-        units, whose p.grad becomes None)."""
-        for bucket in self._buckets:
-            bucket.finish_reduce()  # a reduce-scatter still in flight would add into the zeroed shard later
-            (bucket.grad_shard if bucket.grad_flat is None else bucket.grad_flat).zero_()
-        for p in self.params:
-            p.grad = p.main_grad if hasattr(p, "main_grad") and p.dtype == self.master_dtype else None
-
-    # ---- memory ----
+        super().publish_params()
 
     def memory_bytes(self):
-        """This rank's bytes at rest, from the live tensors: the parameter buffers (zero 3 units: the shards only,
-        and under fp8_param_gather also their MXFP8 bytes), the main-grad buffers (zero 2 and 3 units: the shard
-        accumulators), and the separate master copies plus every optimizer state tensor with dim > 0 (Adam's
-        moments; the 0-dim step counters are not per-parameter). master_bytes is the masters' part of
-        optimizer_bytes. peak_gathered_bytes: the most zero-3 unit parameter bytes gathered at once (the full
-        buffers, padding included) since the previous call (reading it starts a new window); 0 at zero < 3, where
-        the parameters are whole in param_bytes."""
-        size = lambda ts: sum(t.numel() * t.element_size() for t in ts)
-        masters = size(b.master_flat for b in self._buckets if b.separate_master)
-        states = size(t for s in self.optimizer.state.values() for t in s.values()
-                      if torch.is_tensor(t) and t.dim() > 0)
+        """The chapter's figures (zero 3 units: the shards at rest, and under fp8_param_gather also their MXFP8
+        bytes; zero 2 and 3 units: the shard accumulators) and peak_gathered_bytes: the most zero-3 unit parameter
+        bytes gathered at once (the full buffers, padding included) since the previous call (reading it starts a
+        new window); 0 at zero < 3, where the parameters are whole in param_bytes."""
         peak, self._meter.peak = self._meter.peak, self._meter.now
-        packed = size(b.packed for b in self._buckets if b.level == 3 and b.fp8_param_gather)  # FP8 shard copies
-        return {"param_bytes": size(b.param_shard if b.level == 3 else b.param_flat for b in self._buckets) + packed,
-                "grad_bytes": size(b.grad_shard if b.grad_flat is None else b.grad_flat for b in self._buckets),
-                "optimizer_bytes": masters + states, "master_bytes": masters, "peak_gathered_bytes": peak}
+        return {**super().memory_bytes(), "peak_gathered_bytes": peak}
 
+    def owned_param(self, p):
+        """Zero 3 units: this rank's range (as owned_state's) and a view of the parameter shard. Under zero 3 a
+        parameter in the master dtype is its own master: this tensor and owned_state's "master" are the same
+        elements."""
+        bucket, piece = self._managed(p, "owned_param")
+        if bucket.level < 3:
+            return super().owned_param(p)
+        lo, hi = piece.shard_range
+        return piece.range, bucket.param_shard[lo:hi]
 
-# ----------------------------------------------------------------------------------------------------
-# FP8, per-tensor scaling: the tensorwise and delayed recipes
-# ----------------------------------------------------------------------------------------------------
-
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-AMAX_EPS = 1e-12  # an all-zero tensor gets a finite scale (fp8_max / 1e-12 is far below FP32's max)
-FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise", "mxfp8")
-FINE_GRAINED = ("rowwise", "blockwise", "mxfp8")
-FP8_BACKWARDS = ("bf16", "fp8")  # the backward GEMMs of an FP8 layer: 16-bit, or FP8 with E5M2 gradients
-
-fp8_log = Counter()  # "gemm:count": FP8 forward GEMMs run; "gemm:backward": FP8 backward GEMMs; "gemm:scaled_mm" /
-#                      "gemm:emulated": which path each FP8 GEMM took; "amax:all_reduce": amax agreements over a group.
-#                      The trainer's tests read it.
-
-
-def fp8_scale(amax, dtype=E4M3):
-    """The tensorwise recipe (current scaling): s = fp8_max / max(amax, eps), x_fp8 = clamp(x s), x ~= x_fp8 / s.
-    (One correctly rounded FP32 division: `number / tensor` would take the reciprocal first, rounding twice.)"""
-    amax = torch.clamp(amax.float(), min=AMAX_EPS)
-    return torch.full_like(amax, torch.finfo(dtype).max) / amax
-
-
-def quantize_fp8(x, dtype=E4M3, scale=None):
-    """Per-tensor scaling: returns (x_fp8, scale) with x ~= x_fp8.float() / scale.
-
-    scale defaults to the dynamic fp8_max / amax(x); a given scale (delayed scaling) may push values past
-    the format's range, and they saturate at +-max rather than becoming inf or NaN.
-    """
-    if scale is None:
-        scale = fp8_scale(amax_of(x), dtype)
-    fp8_max = torch.finfo(dtype).max
-    # one FP32 staging copy, scaled and clamped in place: 4 + 1 bytes per element alive at once, not 4 + 4
-    # (an explicit copy, since .float() of an FP32 tensor is the tensor itself)
-    x_fp8 = x.to(torch.float32, copy=True).mul_(scale).clamp_(-fp8_max, fp8_max).to(dtype)
-    return x_fp8, scale
-
-
-def dequantize_fp8(x_fp8, scale):
-    return x_fp8.float() / scale
-
-
-def delayed_scale(amax_history, amax, dtype=E4M3):
-    """The delayed recipe (Transformer Engine): s = fp8_max / max(the amaxes of the last L steps), from a (..., L)
-    history of agreed amaxes; where the history is still empty (zeros: the first step) the current amax. No pass
-    over the tensor is needed before its GEMM, but an outlier beyond the history saturates at +-fp8_max."""
-    history = amax_history.max(dim=-1).values
-    return fp8_scale(torch.where(history > 0, history, amax), dtype)  # torch.where: no host sync
-
-
-def push_amax(amax_history, amax):
-    """Shift the (..., L) history by one step and write this step's amax in front."""
-    amax_history.copy_(torch.roll(amax_history, 1, dims=-1))
-    amax_history[..., 0] = amax
-
-
-def amax_of(t):
-    """max |t| in FP32; 0 for an empty tensor (an expert that received no token still joins the all-reduce)."""
-    t = t.detach()
-    return t.abs().max().float() if t.numel() else torch.zeros((), device=t.device)
-
-
-def agreed_amax(x, weight, amax_group=None):
-    """[amax(x), amax(weight)], MAX-reduced over amax_group in one all-reduce of 2 elements.
-
-    A per-tensor scale belongs to the whole tensor: when a weight is split over the TP ranks (column- or
-    row-parallel), or a row-parallel input is split along its last dimension, every rank must quantise its
-    shard with the scale of the full tensor, or the shards are rounded on different grids and the layer
-    is no longer the same function as on one GPU. The MAX of the shards' amaxes is the full tensor's amax.
-    For a tensor that is replicated over the group the reduction changes nothing."""
-    group_size = _group_size(amax_group, "amax_group")
-    amax = torch.stack([amax_of(x), amax_of(weight)])
-    if group_size > 1:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_group)
-        fp8_log["amax:all_reduce"] += 1
-    return amax
+    def _after_load(self):
+        for bucket in self._buckets:  # zero 3 under fp8_param_gather: its FP8 shard, made from the loaded masters
+            if bucket.level == 3 and bucket.fp8_param_gather:
+                bucket.publish_params()  # at level 3 local: no communication
 
 
 # ----------------------------------------------------------------------------------------------------
 # FP8, fine-grained scaling: the rowwise, blockwise (DeepSeek-V3) and MXFP8 recipes
 # ----------------------------------------------------------------------------------------------------
+#
+# FP8 recipes (`recipe=` of fp8_linear and FP8Linear). In y = x W^T both operands are (rows, K) with K the
+# reduced dimension; a recipe gives each block of an operand its own scale, and the GEMM sums each K block's
+# exact FP8 products in FP32, times its two scales: y_mn = sum_j (sum_{k in j} qx_mk qw_nk) / (sx_mj sw_nj).
+#
+#     recipe      activation block   weight block   scale           scale bits / element   used by
+#     tensorwise  whole tensor       whole tensor   FP32            ~0                     the default here
+#     delayed     whole tensor       whole tensor   FP32, history   ~0                     Transformer Engine
+#     rowwise     1 x K (a token)    1 x K (a row)  FP32            32 / K                 torchtitan
+#     blockwise   1 x 128            128 x 128      FP32            32/128 (W: 32/128^2)   DeepSeek-V3, Megatron
+#     mxfp8       1 x 32             1 x 32         E8M0 = 2^e      8/32                   OCP MX, Blackwell
+#
+# A partial block at the end of a dimension holds what is left (as if zero-padded). torch._scaled_mm runs
+# rowwise on CPU and Ada/Hopper, blockwise on Hopper only (cuBLASLt 12.9), MXFP8 on Blackwell only; elsewhere
+# the emulation runs the same arithmetic. Why fine-grained: E4M3 keeps 4 significant bits across a normal range
+# of 448 / 2^-6 = 28672, so a per-tensor scale set by an outlier m times the rest costs the rest nothing while
+# it stays in that range; beyond it the rest falls into subnormals and zero, while a fine-grained scale confines
+# the outlier to its row, tile or block (the demo's outlier sweep, `--all`, measures it). Which to choose:
+# tensorwise where tensors are well behaved (cheapest; one all-reduce per GEMM under TP); rowwise for outlier
+# tokens at 32/K bits; blockwise for outlier channels as well, the Hopper recipe; MXFP8 on Blackwell (native
+# scales, exact power-of-two dequantisation); delayed only where the extra amax pass matters and no recomputation
+# runs. backward="fp8" quantises the gradient to E5M2 (range over precision) for both backward GEMMs (dgrad
+# reduces over N, wgrad over the tokens M), each operand blocked along its GEMM's reduced dimension in the
+# recipe's granularity; "bf16" keeps the chapter's BF16 backward.
+#
+# FP8 under TP, per recipe. A block lying on one rank is local; a block whose elements sit on several ranks is
+# MAX-agreed over them. Column-parallel (split="column"): K is whole on every rank, so all forward scales are
+# local (no communication); row-parallel (split="row"): K is cut, so rowwise rows are always agreed (one
+# all-reduce per operand), blockwise tiles and blocks only where K_local is not a multiple of 128, MXFP8 blocks
+# only where it is not a multiple of 32. The FP8 backward's dgrad reduces over N, which a column-parallel layer
+# cuts: there the same rule applies along N.
+
+FINE_GRAINED = ("rowwise", "blockwise", "mxfp8")
+
 
 class FP8Blocks(NamedTuple):
     """A 2-D tensor (rows, K) in FP8 with one scale per block: t ~= data / scale (of the element's block).
@@ -1510,65 +1759,9 @@ def block_scales(q):
 
 def dequantize_blocks(q):
     return q.data.float() / block_scales(q)
-
-
 # ----------------------------------------------------------------------------------------------------
 # FP8 GEMMs: torch._scaled_mm where torch supports the layout on the device, else the same arithmetic emulated
 # ----------------------------------------------------------------------------------------------------
-
-_SCALED_MM_ON_CPU = {}  # recipe -> bool, probed once
-
-
-def scaled_mm_available(device):
-    """torch._scaled_mm needs FP8 tensor cores (compute capability 8.9+) on CUDA; on CPU, probe once."""
-    return scaled_mm_supports("tensorwise", device)
-
-
-def scaled_mm_supports(recipe, device):
-    """Whether torch 2.13's _scaled_mm runs this recipe's scale layout on the device. CUDA, from torch 2.13's
-    ScaledBlas.cpp: tensorwise and rowwise on compute capability 8.9+ (CUTLASS below 9.0 or cuBLASLt < 12.9);
-    blockwise (1x128 / 128x128, "DeepSeek style") on 9.0 only (Hopper), with cuBLASLt >= 12.9; MXFP8 (1x32,
-    E8M0) on 10.0+ (Blackwell). CPU: probed once by a small call (torch 2.13's CPU kernel takes tensorwise and
-    rowwise scales; it refuses blockwise scales and swizzled MX scales)."""
-    recipe = "tensorwise" if recipe == "delayed" else recipe
-    if device.type == "cuda":  # CUDA-only: the device's compute capability
-        capability = torch.cuda.get_device_capability(device)
-        if capability < (8, 9):
-            return False
-        cublas = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
-        return {"tensorwise": True, "rowwise": True, "blockwise": capability[0] == 9 and cublas >= (12, 9),
-                "mxfp8": capability >= (10, 0) and cublas >= (12, 8)}.get(recipe, False)
-    if device.type != "cpu":
-        return False
-    if recipe not in _SCALED_MM_ON_CPU:
-        try:
-            ones = torch.ones(128, 128)
-            if recipe == "tensorwise":
-                a = ones.to(E4M3)
-                torch._scaled_mm(a, a.t(), scale_a=torch.tensor(1.0), scale_b=torch.tensor(1.0),
-                                 out_dtype=torch.bfloat16)
-            else:
-                a = quantize_operand(ones, recipe, "activation")
-                _scaled_mm_blocks(a, quantize_operand(ones, recipe, "weight"), recipe, torch.float32)
-            _SCALED_MM_ON_CPU[recipe] = True
-        except (RuntimeError, NotImplementedError, ValueError):
-            _SCALED_MM_ON_CPU[recipe] = False
-    return _SCALED_MM_ON_CPU[recipe]
-
-
-def fp8_matmul(a_fp8, a_scale, b_fp8, b_scale, out_dtype, use_scaled_mm=True):
-    """(a / a_scale) @ (b / b_scale)^T with per-tensor scales and FP32 accumulation. b is (out, in) row-major, so
-    b.t() is the column-major operand that _scaled_mm wants (which also needs every dimension a multiple of 16).
-    The emulation is the same arithmetic: FP8 values are exact in FP32, products are accumulated in FP32 and
-    scaled once."""
-    inv_a, inv_b = a_scale.reciprocal().float(), b_scale.reciprocal().float()
-    shapes_ok = a_fp8.shape[0] % 16 == 0 and a_fp8.shape[1] % 16 == 0 and b_fp8.shape[0] % 16 == 0
-    if use_scaled_mm and shapes_ok and scaled_mm_available(a_fp8.device):
-        fp8_log["gemm:scaled_mm"] += 1
-        return torch._scaled_mm(a_fp8, b_fp8.t(), scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype)
-    fp8_log["gemm:emulated"] += 1
-    return ((a_fp8.float() @ b_fp8.float().t()) * (inv_a * inv_b)).to(out_dtype)
-
 
 def _swizzle_32_4_4(scales):
     """cuBLAS's layout for 1-D block scales (SWIZZLE_32_4_4): the (rows, K blocks) matrix padded to 128 x 4
@@ -1645,34 +1838,38 @@ def fp8_block_matmul(a, b, out_dtype, use_scaled_mm=True, recipe=None):
     return (partial * inv_a[:, :, None] * inv_b[:, None, :]).sum(0).to(out_dtype)
 
 
+def scaled_mm_supports(recipe, device):
+    """Whether torch 2.13's _scaled_mm runs this recipe's scale layout on the device. CUDA, from torch 2.13's
+    ScaledBlas.cpp: tensorwise and rowwise on compute capability 8.9+ (CUTLASS below 9.0 or cuBLASLt < 12.9);
+    blockwise (1x128 / 128x128, "DeepSeek style") on 9.0 only (Hopper), with cuBLASLt >= 12.9; MXFP8 (1x32,
+    E8M0) on 10.0+ (Blackwell). CPU: probed once by a small call (torch 2.13's CPU kernel takes tensorwise and
+    rowwise scales; it refuses blockwise scales and swizzled MX scales)."""
+    recipe = "tensorwise" if recipe == "delayed" else recipe
+    if recipe == "tensorwise":
+        return scaled_mm_available(device)
+    if device.type == "cuda":  # CUDA-only: the device's compute capability
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 9):
+            return False
+        cublas = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+        return {"rowwise": True, "blockwise": capability[0] == 9 and cublas >= (12, 9),
+                "mxfp8": capability >= (10, 0) and cublas >= (12, 8)}.get(recipe, False)
+    if device.type != "cpu":
+        return False
+    if recipe not in _SCALED_MM_ON_CPU:
+        try:
+            ones = torch.ones(128, 128)
+            a = quantize_operand(ones, recipe, "activation")
+            _scaled_mm_blocks(a, quantize_operand(ones, recipe, "weight"), recipe, torch.float32)
+            _SCALED_MM_ON_CPU[recipe] = True
+        except (RuntimeError, NotImplementedError, ValueError):
+            _SCALED_MM_ON_CPU[recipe] = False
+    return _SCALED_MM_ON_CPU[recipe]
+
+
 # ----------------------------------------------------------------------------------------------------
-# An FP8 linear layer: the recipes in the forward, E5M2 gradients in an FP8 backward (or the BF16 one)
+# The FP8 backward: E5M2 gradients in both backward GEMMs
 # ----------------------------------------------------------------------------------------------------
-
-class _GemmSpec(NamedTuple):
-    recipe: str
-    x_scale: torch.Tensor  # per-tensor scales (tensorwise, delayed); None for the fine-grained recipes
-    w_scale: torch.Tensor
-    use_scaled_mm: bool
-    backward: str
-    group: object          # the TP group (amax_group)
-    split: str             # None, "column" or "row": which dimension of this layer the group splits
-
-
-def _check_fp8_options(recipe, backward, split, amax_group):
-    if recipe not in FP8_RECIPES:
-        raise ValueError(f"recipe={recipe!r}: use one of {FP8_RECIPES}")
-    if backward not in FP8_BACKWARDS:
-        raise ValueError(f"backward={backward!r}: use 'bf16' (BF16 GEMMs on the saved tensors) or 'fp8' (E5M2 "
-                         "gradients)")
-    if split not in (None, "column", "row"):
-        raise ValueError(f"split={split!r}: use None, 'column' (the group splits the output rows of W) or 'row' "
-                         "(it splits K, the input columns of W and the last dimension of x)")
-    if recipe in FINE_GRAINED and split is None and _group_size(amax_group, "amax_group") > 1:
-        raise ValueError(f"split=None with an amax_group of several ranks: for the {recipe} recipe say how the "
-                         "group splits this layer, split='column' (blocks along K are local) or split='row' "
-                         "(blocks along K are cut between ranks and agreed)")
-
 
 def fp8_backward_scales(grad_out, x, weight, amax_group=None, x_scale=None, w_scale=None):
     """The per-tensor scales of the backward GEMMs (tensorwise, delayed): grad_out's E5M2 scale from its amax,
@@ -1728,124 +1925,32 @@ def fp8_backward_gemms(grad_out, x, weight, recipe="tensorwise", amax_group=None
     return grad_x, grad_w
 
 
-class _FP8LinearFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, spec):
-        ctx.save_for_backward(x, weight)  # high precision: the backward re-quantises (fp8) or not (bf16)
-        ctx.spec = spec
-        x2 = x.reshape(-1, x.shape[-1])
-        if spec.recipe in ("tensorwise", "delayed"):
-            x_fp8, _ = quantize_fp8(x2, scale=spec.x_scale)
-            w_fp8, _ = quantize_fp8(weight, scale=spec.w_scale)
-            y = fp8_matmul(x_fp8, spec.x_scale, w_fp8, spec.w_scale, x.dtype, spec.use_scaled_mm)
-        else:
-            k_group = spec.group if spec.split == "row" else None  # a row-parallel layer cuts K
-            y = fp8_block_matmul(quantize_operand(x2, spec.recipe, "activation", E4M3, k_group),
-                                 quantize_operand(weight, spec.recipe, "weight", E4M3, k_group),
-                                 x.dtype, spec.use_scaled_mm, spec.recipe)
-        fp8_log["gemm:count"] += 1
-        return y.reshape(*x.shape[:-1], weight.shape[0])
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-        spec, needs = ctx.spec, ctx.needs_input_grad[:2]
-        x2 = x.reshape(-1, x.shape[-1])
-        if spec.backward == "fp8":
-            g = grad_out.reshape(-1, weight.shape[0])
-            grad_x, grad_w = fp8_backward_gemms(g, x2, weight, spec.recipe, spec.group, spec.split,
-                                                spec.use_scaled_mm, spec.x_scale, spec.w_scale, needs)
-            return None if grad_x is None else grad_x.reshape(x.shape), grad_w, None
-        g = grad_out.reshape(-1, weight.shape[0]).to(torch.bfloat16)
-        grad_x = grad_w = None
-        if needs[0]:
-            grad_x = (g @ weight.to(torch.bfloat16)).reshape(x.shape).to(x.dtype)
-        if needs[1]:
-            grad_w = (g.t() @ x2.to(torch.bfloat16)).to(weight.dtype)
-        return grad_x, grad_w, None
+def _block_product(x2, weight, spec):
+    """The forward GEMM under a fine-grained recipe; a row-parallel layer cuts K, so its blocks are agreed."""
+    k_group = spec.group if spec.split == "row" else None
+    return fp8_block_matmul(quantize_operand(x2, spec.recipe, "activation", E4M3, k_group),
+                            quantize_operand(weight, spec.recipe, "weight", E4M3, k_group),
+                            x2.dtype, spec.use_scaled_mm, spec.recipe)
 
 
-def fp8_linear(x, weight, bias=None, amax_group=None, use_scaled_mm=True, *, recipe="tensorwise", backward="bf16",
-               split=None, amax_history=None, record_amax=True):
-    """y = x @ weight^T + bias with the forward GEMM in FP8 E4M3 under `recipe`; x has any leading shape.
-
-    tensorwise (default): per-tensor dynamic scales; the amaxes of x and weight are MAX-reduced over amax_group
-      first (one 2-element all-reduce; see agreed_amax): pass the TP group for a TP-sharded weight or input.
-    delayed: the same with scales from amax_history (a (2, L) buffer of past agreed amaxes, input and weight),
-      into which this call records its amaxes when record_amax (FP8Linear passes self.training).
-    rowwise, blockwise, mxfp8: fine-grained scales (quantize_rowwise, quantize_blockwise, quantize_mxfp8).
-      Under TP, `split` says what amax_group cuts: "row" (K: the input's last dimension and W's columns; scales
-      of blocks cut between ranks are agreed over the group) or "column" (W's rows: every forward block lies on
-      one rank, no communication; 128 x 128 weight blocks then start at this shard's first row, which is the
-      one-process blocking when the shard's rows are a multiple of 128).
-    backward: "bf16" (BF16 GEMMs on the saved high-precision tensors) or "fp8" (fp8_backward_gemms: E5M2
-    gradients, the recipe's granularity)."""
-    _check_fp8_options(recipe, backward, split, amax_group)
-    if recipe == "delayed" and (amax_history is None or amax_history.dim() != 2 or amax_history.shape[0] != 2):
-        raise ValueError("amax_history: the delayed recipe needs a (2, L) tensor of past amaxes (input, weight), "
-                         "e.g. FP8Linear's buffer; or use the tensorwise recipe")
-    x_scale = w_scale = None
-    if recipe in ("tensorwise", "delayed"):
-        amax = agreed_amax(x, weight, amax_group)
-        if recipe == "delayed":
-            x_scale, w_scale = delayed_scale(amax_history, amax)
-            if record_amax:
-                push_amax(amax_history, amax)
-        else:
-            x_scale, w_scale = fp8_scale(amax[0]), fp8_scale(amax[1])
-    spec = _GemmSpec(recipe, x_scale, w_scale, use_scaled_mm, backward, amax_group, split)
-    y = _FP8LinearFunction.apply(x, weight, spec)
-    return y if bias is None else y + bias.to(y.dtype)
+def _fp8_backward(g, x2, weight, spec, needs):
+    return fp8_backward_gemms(g, x2, weight, spec.recipe, spec.group, spec.split, spec.use_scaled_mm, spec.x_scale,
+                              spec.w_scale, needs)
 
 
-class FP8Linear(nn.Module):
-    """nn.Linear whose forward GEMM runs in FP8 E4M3 under one of FP8_RECIPES; backward in BF16 or FP8.
-
-    amax_group: the group whose ranks hold shards of this weight or of its input (see agreed_amax); split:
-    how it cuts this layer (fp8_linear). recipe="delayed" (or the older delayed_scaling=True) takes each scale
-    from the largest amax of the last `amax_history_len` steps (Transformer Engine's recipe) instead of the
-    current tensor; the history records the agreed amax, so it is identical on every rank of amax_group. Every
-    training forward records one entry, so do not use it under activation checkpointing: the recomputed
-    forward records a second entry and quantises with a scale from the changed history, not the one the
-    forward used (Transformer Engine keeps the forward's scales for its recompute; this layer does not).
-    The other recipes are functions of the tensors alone and recompute identically."""
-
-    def __init__(self, in_features, out_features, bias=True, delayed_scaling=False, amax_history_len=16,
-                 use_scaled_mm=True, amax_group=None, device=None, dtype=None, *, recipe=None, backward="bf16",
-                 split=None):
-        super().__init__()
-        if not isinstance(amax_history_len, numbers.Integral) or amax_history_len < 1:
-            raise ValueError(f"amax_history_len={amax_history_len!r} must be an int >= 1 (the steps whose amaxes "
-                             "delayed scaling takes the max of; 16 is usual)")
-        if delayed_scaling and recipe not in (None, "delayed"):
-            raise ValueError(f"delayed_scaling=True with recipe={recipe!r}: delayed_scaling is recipe='delayed'; "
-                             "pass one of them")
-        recipe = recipe or ("delayed" if delayed_scaling else "tensorwise")
-        _check_fp8_options(recipe, backward, split, amax_group)
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
-        self.recipe, self.backward, self.split = recipe, backward, split
-        self.delayed_scaling, self.use_scaled_mm, self.amax_group = recipe == "delayed", use_scaled_mm, amax_group
-        self.register_buffer("amax_history", torch.zeros(2, amax_history_len, device=device))  # input, weight
-        self.reset_parameters()
-
-    def reset_parameters(self):
-        ref = nn.Linear(self.weight.shape[1], self.weight.shape[0], bias=self.bias is not None)
-        with torch.no_grad():  # the same initialisation as nn.Linear
-            self.weight.copy_(ref.weight)
-            if self.bias is not None:
-                self.bias.copy_(ref.bias)
-
-    def forward(self, x):
-        return fp8_linear(x, self.weight, self.bias, self.amax_group, self.use_scaled_mm, recipe=self.recipe,
-                          backward=self.backward, split=self.split,
-                          amax_history=self.amax_history if self.delayed_scaling else None,
-                          record_amax=self.training)
+# the chapter's tables, extended: every recipe and the FP8 backward, in the order the trainer's flags list them
+FORWARD_PRODUCTS.update(dict.fromkeys(FINE_GRAINED, _block_product))
+BACKWARD_PRODUCTS["fp8"] = _fp8_backward
+FP8_RECIPES, FP8_BACKWARDS = tuple(FORWARD_PRODUCTS), tuple(BACKWARD_PRODUCTS)
 
 
 # ----------------------------------------------------------------------------------------------------
 # FP8: the accumulation inside the GEMM (why DeepSeek-V3 promotes partial sums to FP32)
 # ----------------------------------------------------------------------------------------------------
+#
+# Hopper's FP8 tensor cores sum the products with about 14 significant bits (DeepSeek-V3 3.3.2): a long K-sum
+# grows, its spacing grows with it, and later products lose their low bits. DeepSeek-V3 adds the partial sum
+# into FP32 every 128 elements. `limited_precision_sum` emulates both (the demo's `--all` prints the errors).
 
 def round_to_bits(v, bits, rounding="nearest"):
     """v (numpy float64) rounded to `bits` significant bits: to nearest (ties to even), or toward zero."""
@@ -2506,13 +2611,13 @@ def show_fp16_underflow():
           f"(FP16 min subnormal {torch.finfo(torch.float16).smallest_normal * torch.finfo(torch.float16).eps:.2e})")
 
 
-def show_fp8_rounding():
+def show_fp8_rounding(recipes=("tensorwise",)):
     print("\n== FP8 quantisation of 1024 x 1024 Gaussian values per recipe: SQNR, and the largest relative error of")
     print("   the values that land in the format's normal range, against the bound eps/2")
     x = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0))
     for dtype in (E4M3, E5M2):
         fi = torch.finfo(dtype)
-        for recipe in ("tensorwise",) + FINE_GRAINED:
+        for recipe in recipes:
             if recipe == "tensorwise":
                 q, s = quantize_fp8(x, dtype)
                 x_hat, scaled = dequantize_fp8(q, s), x * s
@@ -2524,7 +2629,7 @@ def show_fp8_rounding():
             print(f"   {str(dtype)[6:]:14s} {recipe:10s} SQNR {sqnr_db(x, x_hat):5.1f} dB; max relative error "
                   f"{worst:.4f} <= eps/2 = {fi.eps / 2}")
     print(f"   torch._scaled_mm on this CPU: " + ", ".join(
-        f"{r} {scaled_mm_supports(r, torch.device('cpu'))}" for r in ("tensorwise",) + FINE_GRAINED))
+        f"{r} {scaled_mm_supports(r, torch.device('cpu'))}" for r in recipes))
 
 
 def show_training():
@@ -2534,6 +2639,10 @@ def show_training():
         print(f"   {mode:20s} loss {loss:.5f}" + (f"  ({skipped} steps skipped by the loss scaler)" if skipped else ""))
     print(f"   FP8 forward GEMMs run: {fp8_log['gemm:count']} "
           f"(torch._scaled_mm {fp8_log['gemm:scaled_mm']}, emulated {fp8_log['gemm:emulated']})")
+
+
+def show_training_recipes():
+    print("\n== the same MLP with FP8 forward GEMMs under every recipe and the E5M2 backward")
     for recipe in FP8_RECIPES:
         loss, _ = train_small_model("fp8_compute", fp8_recipe=recipe, fp8_backward="fp8")
         print(f"   fp8 {recipe:10s} + E5M2 backward  loss {loss:.5f}")
@@ -2697,7 +2806,9 @@ def show_micro_batch_cost():
               f"grad bytes/param ZeRO-2 {grads(two):.1f}, ZeRO-1 {grads(one):.1f}")
 
 
-def demo():
+def demo(everything=False):
+    """The chapter's claims, each measured (under a minute on two cores); `everything` (--all) adds the at-scale
+    forms: ZeRO-0..3 and HSDP bytes on forked ranks, the fine-grained recipes, FP8 under TP and in the gathers."""
     show_formats()
     show_master_weights()
     show_main_grads()
@@ -2705,16 +2816,26 @@ def demo():
     show_fp8_rounding()
     show_training()
     show_bytes_per_parameter()
+    if not everything:
+        print("\n(python3 mixed_precision.py --all adds ZeRO-0..3 and HSDP on forked ranks, the fine-grained FP8 "
+              "recipes, FP8 under TP and the FP8 parameter all-gather)")
+        return
     show_zero_bytes()
     show_sharded_bytes()
     show_gathered_working_set()
     show_sharded_sent()
     show_micro_batch_cost()
+    show_fp8_param_gather()
+    show_fp8_rounding(("tensorwise",) + FINE_GRAINED)
+    show_training_recipes()
     show_fp8_accumulation()
     show_fine_grained_scaling()
     show_fp8_under_tp()
-    show_fp8_param_gather()
 
 
 if __name__ == "__main__":
-    demo()
+    import argparse
+    parser = argparse.ArgumentParser(description="Mixed precision, measured: the chapter's claims; --all adds the "
+                                                 "at-scale forms (ZeRO-1/2/3, HSDP, fine-grained FP8)")
+    parser.add_argument("--all", action="store_true", help="also the longer sweeps on forked ranks")
+    demo(parser.parse_args().all)

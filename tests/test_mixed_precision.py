@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+import chapter_core
 import mixed_precision as mp
 from multirank import run_ranks, value_errors
 
@@ -35,16 +36,92 @@ def test_dtype_table_matches_the_bit_layouts():
     assert (rows["FP16"]["min_subnormal"], rows["FP8 E4M3"]["min_subnormal"]) == (2.0 ** -24, 2.0 ** -9)
 
 
+
+# ---- the chapter alone: the lines above the banner, saved and imported by themselves -------------------
+
+def _bf16_steps(optimizer_class, steps=3, micro_batches=2):
+    """A BF16 MLP trained `steps` AdamW steps, two micro-batches each, by optimizer_class(params) -> step(); returns
+    the parameters after each step and the norms step() returned."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).bfloat16()
+    step = optimizer_class(list(model.parameters()))
+    gen = torch.Generator().manual_seed(1)
+    params, norms = [], []
+    for _ in range(steps):
+        for _ in range(micro_batches):
+            model(torch.randn(6, 8, generator=gen).bfloat16()).float().square().mean().backward()
+        norms.append(step())
+        params.append([p.detach().clone() for p in model.parameters()])
+    return params, norms
+
+
+def _reference_masters(params):
+    """The chapter's flow written out with torch alone: FP32 sums of the BF16 gradients, AdamW on FP32 copies,
+    the BF16 weights rounded from them."""
+    masters = [p.detach().float().requires_grad_() for p in params]
+    inner = torch.optim.AdamW(masters, lr=1e-2)
+
+    def step():
+        grads = [p.grad.float() for p in params]  # autograd summed the two BF16 micro-batch gradients in BF16
+        for m, g in zip(masters, grads):
+            m.grad = g
+        inner.step()
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                p.copy_(m)
+                p.grad = None
+        return torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads])).item()
+    return step
+
+
+def test_the_core_alone_trains_bf16_with_fp32_masters_scales_fp16_losses_and_quantises_fp8(tmp_path):
+    core = chapter_core.load_core("mixed_precision", tmp_path)
+
+    def chapter(module):
+        def build(params):
+            opt = module.MixedPrecisionOptimizer(params, torch.optim.AdamW, zero=0, lr=1e-2)
+            assert type(opt) is module.MixedPrecisionOptimizer  # ZeRO-0 is the chapter's class, not the sharded
+            return lambda: opt.step().grad_norm
+        return build
+    # BF16 weights, FP32 main grads and masters: the core steps as the whole file does, bit for bit
+    ours, full = _bf16_steps(chapter(core)), _bf16_steps(chapter(mp))
+    assert all(torch.equal(a, b) for step_a, step_b in zip(ours[0], full[0]) for a, b in zip(step_a, step_b))
+    assert ours[1] == full[1]
+    # against torch alone with one micro-batch (BF16 .grad and FP32 main grad then hold the same sum): equal weights
+    ours, ref = _bf16_steps(chapter(core), micro_batches=1), _bf16_steps(_reference_masters, micro_batches=1)
+    assert all(torch.equal(a, b) for step_a, step_b in zip(ours[0], ref[0]) for a, b in zip(step_a, step_b))
+    assert ours[1] == pytest.approx(ref[1], rel=1e-6)
+    # the loss scaler is GradScaler's rule, and step() skips an overflowing step and backs off
+    injections = {2: float("inf"), 3: float("nan"), 9: float("-inf")}
+    assert _run_scaler(False, injections, module=core)[:2] == _run_scaler(True, injections)[:2]
+    layer = torch.nn.Linear(4, 2).half()
+    opt = core.MixedPrecisionOptimizer(layer.parameters(), torch.optim.SGD, lr=0.1,
+                                       loss_scaler=core.DynamicLossScaler(growth_interval=2))
+    before = layer.weight.detach().clone()
+    opt.loss_scaler.scale_loss(layer(torch.ones(3, 4).half()).float().sum()).backward()
+    layer.weight.main_grad[0, 0] = float("inf")
+    assert not opt.step() and opt.loss_scaler.scale == 2.0 ** 15 and torch.equal(layer.weight, before)
+    # per-tensor FP8: within E4M3's eps/2 of every value in its normal range; the GEMM is the dequantised product
+    x, w = torch.randn(32, 64, generator=torch.Generator().manual_seed(2)) * 3, torch.randn(16, 64) / 8
+    x_fp8, scale = core.quantize_fp8(x)
+    x_hat = core.dequantize_fp8(x_fp8, scale)
+    normal = (x * scale).abs() >= torch.finfo(torch.float8_e4m3fn).smallest_normal
+    assert x_fp8.dtype == torch.float8_e4m3fn and torch.equal(scale, torch.tensor(448.0) / x.abs().max())
+    assert ((x_hat - x).abs() <= torch.finfo(torch.float8_e4m3fn).eps / 2 * x.abs())[normal].all()
+    w_hat = core.dequantize_fp8(*core.quantize_fp8(w))
+    assert torch.allclose(core.fp8_linear(x, w), x_hat @ w_hat.t(), rtol=1e-5, atol=1e-5)
+
+
 # ---- the loss scaler against torch.amp.GradScaler -----------------------------------------------------
 
-def _run_scaler(use_torch, injections, growth_interval=3, steps=14):
+def _run_scaler(use_torch, injections, growth_interval=3, steps=14, module=mp):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     if use_torch:
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_interval=growth_interval)
     else:
-        scaler = mp.DynamicLossScaler(growth_interval=growth_interval)
+        scaler = module.DynamicLossScaler(growth_interval=growth_interval)
     gen = torch.Generator().manual_seed(1)
     scales, skipped = [], []
     for step in range(steps):

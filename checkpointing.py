@@ -1,104 +1,62 @@
-"""Activation recomputation (checkpointing): trade FLOPs for memory, measured against the formulas.
+"""Activation recomputation (checkpointing): memory traded for FLOPs, each measured beside its formula.
 
-Backward needs activations from forward: autograd keeps ("saves") the inputs of every matmul, the output
-of every softmax, every dropout mask... Between the end of forward and the start of backward all of it is
-alive at once, for every layer. Korthikanti et al. 2022 count, per transformer layer in 16-bit:
+What a layer keeps for backward. Backward needs tensors of the forward: every matmul's input, the softmax output,
+every dropout mask. Autograd saves them, and between the end of the forward and the start of the backward all of
+them are alive at once, for every layer. Korthikanti et al. (2022) count one pre-LN layer (s tokens, b sequences,
+h hidden, a heads) in 16-bit, 2 bytes an element and 1 byte a dropout-mask element:
 
-    attention   11 s b h + 5 a s^2 b     (QKV input 2, Q and K 4, V 2, projection input 2, dropout mask 1;
-                                          softmax output 2as^2b, its dropout mask as^2b, dropout output 2as^2b)
-    MLP         19 s b h                 (fc1 input 2, GELU input 8, fc2 input 8, dropout mask 1)
-    LayerNorms   4 s b h                 (two inputs of 2)
-    total       s b h (34 + 5 a s / h)   bytes per layer
+    LayerNorms   LN1 input 2 sbh, LN2 input 2 sbh                                          4 sbh
+    attention    QKV input (LN1 output) 2 sbh, Q and K 4 sbh, V 2 sbh,
+                 projection input 2 sbh, projection dropout mask 1 sbh                     11 sbh
+                 softmax output 2 as^2b, its dropout mask 1 as^2b, dropout output 2 as^2b    5 as^2b
+    MLP          fc1 input (LN2 output) 2 sbh, GELU input 8 sbh, fc2 input 8 sbh,
+                 MLP dropout mask 1 sbh                                                    19 sbh
+    a layer      s b h (34 + 5 a s / h) bytes; L layers keep L times that
 
-This file's block is that layer, so its kept bytes follow the same derivation with e bytes per element
-and m bytes per dropout-mask element (`kept_bytes_per_layer`, term by term):
+`kept_bytes_per_layer` writes these terms with e bytes an element and m bytes a mask element,
+s b h (16 e + 2 m) + a s^2 b (2 e + m), plus the two LayerNorms' mean and 1/std, 4 s b e_ln bytes, which the
+paper leaves out. On CUDA m = 1 and e_ln = 4 (FP32 statistics); PyTorch's CPU kernels keep masks and statistics
+in the input's dtype (m = e_ln = e). Its `Block` is that layer, written out so that every saved tensor shows.
 
-    none       s b h (16 e + 2 m) + a s^2 b (2 e + m) + 4 s b e_ln   (e = 2, m = 1: 34 sbh + 5 as^2b + LN stats)
+FLOPs (matmul FLOPs, 2 a multiply-add): a layer's forward is 24 b s h^2 (QKV 6, projection 2, fc1 and fc2 16) +
+4 b s^2 h (QK^T 2, xV 2); its backward is twice that (the gradients of the input and of the weights), so a step
+costs 3 forwards: 72 b s h^2 a layer, i.e. 6 N FLOPs a token for N = 12 h^2 weights a layer. Recomputation adds:
 
-the extra 4 s b e_ln are the two LayerNorms' mean and 1/std per token, which the paper leaves out. On CUDA
-m = 1 (a bool mask) and e_ln = 4 (FP32 statistics); on CPU PyTorch's dropout multiplies by a mask in the
-input's dtype (m = e) and LayerNorm keeps its statistics in the input's dtype (e_ln = e). Policies:
+    none       keeps all of the above. FLOPs 6 N a token (+ 12 b s^2 h a layer of attention core).
+    full       keeps each layer's input only, s b h e a layer; backward first recomputes the layer's forward.
+               FLOPs: one forward more, 2 N a token: 72 -> 96 b s h^2 a layer, +33%.
+    sqrt       Chen et al. (2016): checkpoints segments of seg = round(sqrt(L)) layers and keeps each segment's
+               input, ceil(L / seg) s b h e: it grows as sqrt(L). Backward recomputes one segment at a time,
+               every layer once: the FLOPs of full.
+    selective  Korthikanti et al.: recomputes only the attention core (QK^T, mask, softmax, dropout, xV), whose
+               memory grows with s^2 and whose FLOPs are small. Kept: s b h (16 e + 2 m) + 4 s b e_ln, 34 s b h in
+               16-bit: the 5 a s^2 b terms go (the core keeps its input, the QKV output, 3 s b h e, in place of
+               its Q, K and V copies). FLOPs: 2 b s^2 h a layer (QK^T redone; the paper counts xV too, 4 b s^2 h).
 
-    full       keep each block's input only: s b h e per layer; recompute the whole block in backward.
-               FLOPs: one extra forward, 24 b s h^2 + 4 b s^2 h per layer: 72 -> 96, +33% of a step.
-    sqrt       Chen et al. 2016: checkpoint segments of ~sqrt(L) blocks: keep ceil(L / seg) segment inputs,
-               O(sqrt(L)); in backward each segment is recomputed once (one segment's activations at a time):
-               the same FLOPs as full, fewer kept bytes, but a higher peak unless L is in the hundreds (below).
-    selective  Korthikanti et al.: recompute only the attention core (QK^T, mask, softmax, dropout, xV), the
-               part whose memory grows with s^2 but whose FLOPs (4 b s^2 h per layer) are small. Kept:
-               s b h (16 e + 2 m) + 4 s b e_ln (34 sbh at e = 2, m = 1): the as^2 terms are gone. FLOPs: only
-               QK^T, 2 b s^2 h per layer, is redone: non-reentrant checkpointing stops recomputing as soon as the
-               tensors backward needs are rebuilt, and nothing needs xV's output (the paper counts both).
-    selective_sac  the same idea with PyTorch's selective-checkpoint policy API (torchtitan's op-level SAC):
-               the whole block is checkpointed, the outputs of its projection GEMMs (aten.addmm/mm) are
-               cached, every other op is recomputed. Kept: the block input and the 4 GEMM outputs,
-               s b h (1 + 3 + 1 + 4 + 1) e = 10 sbh e: less than `selective`, because LayerNorm, GELU and
-               dropout are recomputed as well (cheap element-wise work that FlopCounterMode does not count).
-               A checkpoint around the attention core needs a block that exposes its core; the policy API
-               works on any block, picks ops by name, and caches whole op outputs.
+`run_blocks` runs a list of blocks under a policy, read from `POLICY_TABLE`. It uses non-reentrant
+`torch.utils.checkpoint` (use_reentrant=False): it takes inputs that need no gradient, nests, supports
+`torch.autograd.grad` and stops recomputing as soon as the tensors the backward needs are rebuilt (so selective
+never redoes xV, whose output no backward needs). A checkpoint restores the RNG state before recomputing, so the
+recomputed dropout masks are the original ones and the gradients are bit-identical to no recomputation.
 
-FLOPs are matmul FLOPs (2 per multiply-add), as `torch.utils.flop_counter.FlopCounterMode` counts them:
-forward 24 b s h^2 + 4 b s^2 h per layer (QKV 6, projection 2, MLP 16 b s h^2; QK^T and xV 2 b s^2 h each),
-backward twice that. Recomputation runs inside backward, so the counter sees it.
+Measured: `measure_kept_bytes` logs every storage the ops of the forward create (a dispatch mode holding weak
+references to them, a CPU stand-in for the CUDA allocator's statistics) and counts those still alive when the
+forward returns, held by autograd or a checkpoint, plus the input, less the output; `measure_flops` counts with
+`FlopCounterMode`, which sees the recomputation because it runs inside the backward. Both equal the formulas
+(`kept_bytes`, `training_flops`) to the byte and the FLOP.
 
-Kept bytes are not the peak. Backward recomputes one unit at a time and holds all of its activations at once
-on top of the kept bytes: one layer under `full`, a whole segment under `sqrt`. With A = one layer's `none`
-bytes above and X = s b h e (one block input), the forward+backward peak is (`peak_bytes`, term by term in
-`peak_bytes_terms`)
+Beyond the chapter, below its banner: the forward+backward peak (the kept bytes plus what a recomputation holds
+at once), op-level selective checkpointing (`selective_sac`), where sqrt's peak falls below full's, the demo.
 
-    peak = kept + W + T
-    W, recomputed and alive at once:  none 0;  full A - X;  sqrt seg A - X;  selective, in the attention
-          backward only, the core's q, k, v copies and s^2 tensors, 3X + a s^2 b (2 e + m);  selective_sac
-          A - X less its cached fc1 output (4X).
-    T, the transient at the largest of a block's moments (CPU kernels; b > 1 and a > 1):
-          end of its forward or recomputation, +5X: the QKV output (3X) and the attention output (X), held by
-              forward's local variables although autograd saved copies, and fc2's output before dropout;
-              (+2X under `selective`, which keeps the QKV output anyway)
-          MLP backward, +4X: the gradients through the dropout (X, its mask freed) and of the fc2 input (4X);
-          attention backward, + a s^2 b e + 3X - 13X - 2 s b e_ln: the probabilities' gradient and three
-              s b h gradients, the layer's MLP and projection tensors already freed: above the end of the
-              forward once a s / h exceeds about 15 (long sequences).
-    `peak_bytes_terms` also covers selective_sac (its cache frees each cached output once used; recomputing
-    the attention core is a fourth moment), b = 1 or a = 1 (`matmul_copies`: some reshapes are views) and a
-    shorter last sqrt segment.
-
-`measure_peak_bytes` counts every storage created during forward and backward from creation to release,
-parameter gradients excluded; it equals `peak_bytes` to the byte for every policy, dtype and shape the tests
-try. The transients are those of PyTorch's CPU kernels; CUDA's fused dropout and FP32 LayerNorm statistics
-change them in detail, not W. Two consequences, checked by the tests and printed by the report:
-
-    full never peaks above none: peak(none) - peak(full) = (L - 1)(A - X), equal at L = 1.
-    sqrt against full: the transients are the same, so
-        peak(sqrt) - peak(full) = (seg - 1) A - (L - ceil(L/seg)) X
-        (exact when seg divides L; a shorter last segment can make sqrt's one X lower). sqrt lowers the peak
-        only when ceil(L/seg) block inputs + one segment's activations < L block inputs + one layer's, which
-        with seg ~ sqrt(L) is sqrt(L) > A/X: L > (A/X)^2. A/X = 16 + 2m/e + a s (2e + m)/(h e) + 4 e_ln/(h e)
-        is at least 18 on CPU and 17 in 16-bit on CUDA and grows with a s / h: below 17^2 = 289 layers at any
-        sequence length, and below thousands for long sequences, sqrt's peak is the higher one. The report
-        prints A/X and the first such L for its shapes and for a 16-bit CUDA layer of GPT-3 6.7B's size, and
-        measures both policies at that L for a tiny block. What sqrt does lower is the kept bytes: they add
-        up when several micro-batches' activations wait at once (pipeline schedules); the working set is
-        there once.
-
-Implementation notes. Non-reentrant `torch.utils.checkpoint` (use_reentrant=False) is used throughout: it
-works with inputs that do not require grad, with keyword arguments and nested checkpoints, supports
-`torch.autograd.grad`, and stops recomputation as soon as the needed tensors are rebuilt; the reentrant
-variant re-runs forward inside backward under a new graph and has none of these. Both restore the RNG
-state, so recomputed dropout masks are the original ones and gradients are bit-identical to no
-recomputation. Both measurements read one log of every storage's creation and release under a dispatch
-mode (weak references to the storages, so the SAC cache, invisible to saved-tensor hooks, is counted too; a CPU
-stand-in for the CUDA allocator's statistics): kept bytes are the storages created during forward and still
-alive when backward would start, plus the input, minus the output; the peak is the log's running maximum. Offloading
-(`torch.autograd.graph.save_on_cpu`) is the other lever: it keeps everything but moves it to host memory,
-costing PCIe bandwidth instead of FLOPs.
-
-Run `python checkpointing.py` for the table, `python checkpointing.py --json` for JSON.
+    python3 checkpointing.py [--json] [--long]     # kept bytes and FLOPs per policy beside the formulas
 """
 import argparse
 import gc
 import json
 import math
 import weakref
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -106,10 +64,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 from torch.utils.flop_counter import FlopCounterMode
-
-POLICIES = ("none", "full", "sqrt", "selective", "selective_sac")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -155,11 +111,71 @@ def make_blocks(layers, hidden, heads, seq_len, dropout=0.1, seed=0):
 
 
 # ----------------------------------------------------------------------------------------------------
-# The policies, for any nn.ModuleList of blocks
+# What one layer keeps under each policy, term by term (the docstring's table)
 # ----------------------------------------------------------------------------------------------------
+
+def layer_keeps_everything(b, s, h, a, e, mask, e_ln):
+    """Policy none: every tensor the block's autograd graph saves (e bytes an element, `mask` bytes a dropout
+    mask element, `e_ln` bytes a LayerNorm statistic)."""
+    sbh, as2b = s * b * h, a * s * s * b
+    return {"LN1 input": sbh * e, "QKV input (LN1 output)": sbh * e, "Q and K (matmul copies)": 2 * sbh * e,
+            "V (matmul copy)": sbh * e, "projection input": sbh * e, "projection dropout mask": sbh * mask,
+            "softmax output": as2b * e, "attention dropout mask": as2b * mask,
+            "attention dropout output (input of xV)": as2b * e,
+            "LN2 input": sbh * e, "fc1 input (LN2 output)": sbh * e, "GELU input": 4 * sbh * e,
+            "fc2 input": 4 * sbh * e, "MLP dropout mask": sbh * mask,
+            "LayerNorm mean and 1/std (2 LNs)": 4 * s * b * e_ln}
+
+
+def layer_keeps_all_but_the_attention_core(b, s, h, a, e, mask, e_ln):
+    """Policy selective: the s^2 terms go, and so do the core's Q, K and V copies (its matmuls' saved inputs);
+    the checkpointed core keeps its own inputs q, k, v instead: views of the QKV output, one 3 sbh storage."""
+    terms = layer_keeps_everything(b, s, h, a, e, mask, e_ln)
+    for name in ("Q and K (matmul copies)", "V (matmul copy)", "softmax output", "attention dropout mask",
+                 "attention dropout output (input of xV)"):
+        del terms[name]
+    terms["QKV output (the core's checkpointed inputs)"] = 3 * s * b * h * e
+    return terms
+
+
+def layer_keeps_its_input(b, s, h, a, e, mask, e_ln):
+    """Policy full: the checkpoint keeps the block's input, nothing else."""
+    return {"block input": s * b * h * e}
+
 
 def sqrt_segment_size(layers):
     return max(1, round(math.sqrt(layers)))
+
+
+def one_layer(layers):
+    return 1
+
+
+# ----------------------------------------------------------------------------------------------------
+# The policies, for any nn.ModuleList of blocks
+# ----------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Policy:
+    """One recomputation policy: how `run_blocks` runs it, what `kept_bytes_per_layer` and `training_flops`
+    count for it."""
+    segment: Optional[Callable] = None  # L -> layers per checkpointed segment; None: no block is checkpointed
+    attention_core: bool = False  # checkpoint the attention core inside every block (`attention_core`)
+    kept: Optional[Callable] = None  # (b, s, h, a, e, mask, e_ln) -> {term: bytes} a layer keeps; None: per segment
+    recomputed_flops: Callable = lambda gemms, core: 0  # a layer's forward GEMM, core FLOPs -> FLOPs backward redoes
+    context_fn: Callable = noop_context_fn  # torch.utils.checkpoint's: what a checkpoint keeps of its segment
+
+
+POLICY_TABLE = {
+    "none": Policy(kept=layer_keeps_everything),
+    "full": Policy(segment=one_layer, kept=layer_keeps_its_input, recomputed_flops=lambda gemms, core: gemms + core),
+    "sqrt": Policy(segment=sqrt_segment_size, recomputed_flops=lambda gemms, core: gemms + core),
+    # only QK^T is redone: the checkpointed core stops once softmax and dropout are rebuilt (no backward needs
+    # xV's output)
+    "selective": Policy(attention_core=True, kept=layer_keeps_all_but_the_attention_core,
+                        recomputed_flops=lambda gemms, core: core // 2),
+}
+POLICIES = tuple(POLICY_TABLE)
 
 
 def attention_core(block, core, *args):
@@ -188,39 +204,25 @@ def _as_args(state):
     return state if isinstance(state, tuple) else (state,)
 
 
-def _gemm_outputs_only(ctx, op, *args, **kwargs):
-    """torchtitan-style op-level SAC: cache the projection GEMMs, recompute everything else."""
-    if op in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default):
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
 def run_blocks(blocks, x, policy="none"):
     """Forward through `blocks` with one recomputation policy. `x` is the hidden state, or a tuple of tensors
     that every block takes as arguments and returns (see `_call`)."""
-    if policy not in POLICIES:
-        raise ValueError(f"policy={policy!r}; choose one of {POLICIES}")
+    if policy not in POLICY_TABLE:
+        raise ValueError(f"policy={policy!r}; choose one of {tuple(POLICY_TABLE)}")
+    rule = POLICY_TABLE[policy]
     for block in blocks:
-        block.recompute_attention_core = policy == "selective"
-    if policy in ("none", "selective"):
+        block.recompute_attention_core = rule.attention_core
+    if rule.segment is None:
         return _run_segment(blocks, *_as_args(x))
-    if policy == "full":
-        for i in range(len(blocks)):
-            x = checkpoint(_run_segment, blocks[i:i + 1], *_as_args(x), use_reentrant=False)
-        return x
-    if policy == "sqrt":
-        seg = sqrt_segment_size(len(blocks))
-        for start in range(0, len(blocks), seg):
-            x = checkpoint(_run_segment, blocks[start:start + seg], *_as_args(x), use_reentrant=False)
-        return x
-    for i in range(len(blocks)):  # selective_sac
-        x = checkpoint(_run_segment, blocks[i:i + 1], *_as_args(x), use_reentrant=False,
-                       context_fn=lambda: create_selective_checkpoint_contexts(_gemm_outputs_only))
+    size = rule.segment(len(blocks))
+    for start in range(0, len(blocks), size):  # each segment keeps its input; backward recomputes the rest
+        x = checkpoint(_run_segment, blocks[start:start + size], *_as_args(x), use_reentrant=False,
+                       context_fn=rule.context_fn)
     return x
 
 
 # ----------------------------------------------------------------------------------------------------
-# The formulas
+# The formulas: kept bytes and FLOPs per policy
 # ----------------------------------------------------------------------------------------------------
 
 def kept_bytes_per_layer(policy, b, s, h, a, e, device="cpu"):
@@ -229,31 +231,12 @@ def kept_bytes_per_layer(policy, b, s, h, a, e, device="cpu"):
     Device-dependent details of PyTorch's kernels: on CUDA dropout keeps a bool mask (1 byte) and LayerNorm
     FP32 statistics; on CPU dropout is `x * bernoulli_mask` with the mask in x's dtype, and LayerNorm keeps
     its statistics in x's dtype."""
+    kept = POLICY_TABLE[policy].kept if policy in POLICY_TABLE else None
+    if kept is None:
+        raise ValueError(f"per-layer bytes are not defined for policy {policy!r}; use kept_bytes()")
     mask = 1 if device == "cuda" else e
     e_ln = 4 if device == "cuda" else e
-    sbh = s * b * h
-    attention_s2 = {"softmax output": a * s * s * b * e, "attention dropout mask": a * s * s * b * mask,
-                    "attention dropout output (input of xV)": a * s * s * b * e}
-    attention_sbh = {"LN1 input": sbh * e, "QKV input (LN1 output)": sbh * e, "Q and K (matmul copies)": 2 * sbh * e,
-                     "V (matmul copy)": sbh * e, "projection input": sbh * e, "projection dropout mask": sbh * mask}
-    mlp = {"LN2 input": sbh * e, "fc1 input (LN2 output)": sbh * e, "GELU input": 4 * sbh * e,
-           "fc2 input": 4 * sbh * e, "MLP dropout mask": sbh * mask}
-    ln_stats = {"LayerNorm mean and 1/std (2 LNs)": 4 * s * b * e_ln}
-    if policy == "none":
-        terms = {**attention_sbh, **attention_s2, **mlp, **ln_stats}
-    elif policy == "selective":
-        # the checkpointed core keeps its inputs q, k, v: views of the QKV output, one 3 sbh storage
-        terms = {**attention_sbh, **mlp, **ln_stats}
-        del terms["Q and K (matmul copies)"], terms["V (matmul copy)"]
-        terms["QKV output (the core's checkpointed inputs)"] = 3 * sbh * e
-    elif policy == "selective_sac":
-        terms = {"block input": sbh * e, "QKV GEMM output": 3 * sbh * e, "projection GEMM output": sbh * e,
-                 "fc1 GEMM output": 4 * sbh * e, "fc2 GEMM output": sbh * e}
-    elif policy == "full":
-        terms = {"block input": sbh * e}
-    else:
-        raise ValueError(f"per-layer bytes are not defined for policy {policy!r}; use kept_bytes()")
-    return terms
+    return kept(b, s, h, a, e, mask, e_ln)
 
 
 def kept_bytes(policy, layers, b, s, h, a, e, device="cpu"):
@@ -261,6 +244,151 @@ def kept_bytes(policy, layers, b, s, h, a, e, device="cpu"):
         return math.ceil(layers / sqrt_segment_size(layers)) * s * b * h * e
     return layers * sum(kept_bytes_per_layer(policy, b, s, h, a, e, device).values())
 
+
+def korthikanti_bytes_per_layer(policy, b, s, h, a):
+    """The paper's 16-bit figures, for comparison (no TP: t = 1)."""
+    return {"none": s * b * h * (34 + 5 * a * s / h), "selective": 34 * s * b * h, "full": 2 * s * b * h}.get(policy)
+
+
+def training_flops(policy, layers, b, s, h):
+    """Matmul FLOPs of forward + backward (+ recomputation) for `layers` blocks."""
+    gemms = 24 * b * s * h * h          # QKV 6, projection 2, fc1 8, fc2 8
+    core = 4 * b * s * s * h            # QK^T 2, xV 2
+    step = 3 * (gemms + core)           # backward = 2 x forward
+    return layers * (step + POLICY_TABLE[policy].recomputed_flops(gemms, core))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Measuring: storages alive between forward and backward, FLOPs of a training step
+# ----------------------------------------------------------------------------------------------------
+
+class _AllocationLog(TorchDispatchMode):
+    """Log, in order, every storage an op creates (+bytes) and its release (-bytes, from a weak reference to the
+    storage object, which PyTorch keeps for the storage's whole life). Outputs on a storage already logged or
+    `foreign` (created before: parameters, buffers, inputs) are views or in-place results, not new memory. A CPU
+    stand-in for the CUDA allocator's statistics: it sees the tensors ops return, not a kernel's scratch."""
+
+    def __init__(self, foreign=()):
+        super().__init__()
+        self.events, self.serial_of, self._refs, self._foreign = [], {}, {}, set(foreign)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = id(storage)  # unique while alive; the entry goes when the storage does
+                if key not in self.serial_of and key not in self._foreign:
+                    serial, nbytes = len(self.events), storage.nbytes()
+                    self.serial_of[key] = serial
+                    self.events.append((serial, nbytes))
+                    self._refs[key] = weakref.ref(storage, lambda _, k=key, n=nbytes: self._free(k, n))
+        return out
+
+    def _free(self, key, nbytes):
+        self.events.append((self.serial_of.pop(key), -nbytes))
+        del self._refs[key]
+
+
+def measure_kept_bytes(blocks, x, policy):
+    """Bytes alive between the end of forward and the start of backward: storages created in forward and
+    still referenced (by autograd, a checkpoint or the SAC cache), plus the input, minus the output.
+    `x` may be a tuple state (see `run_blocks`): its first tensor is the hidden state that is counted."""
+    state = tuple(t.detach() for t in _as_args(x))
+    state[0].requires_grad_(True)
+    # views of parameters, buffers (the causal mask) and the input are not activations
+    foreign = {id(t.untyped_storage()) for t in list(blocks.parameters()) + list(blocks.buffers()) + list(state)}
+    with _AllocationLog(foreign) as log:
+        y = run_blocks(blocks, state if isinstance(x, tuple) else state[0], policy)
+    gc.collect()
+    alive = {key: log.events[serial][1] for key, serial in log.serial_of.items()}  # created, not yet freed
+    for out in _as_args(y):
+        alive.pop(id(out.untyped_storage()), None)
+    return sum(alive.values()) + state[0].untyped_storage().nbytes(), y
+
+
+def measure_flops(blocks, x, policy):
+    x = x.detach().requires_grad_(True)
+    with FlopCounterMode(display=False) as counter:
+        run_blocks(blocks, x, policy).sum().backward()
+    return counter.get_total_flops()
+
+
+def gradients(blocks, x, policy, seed=1234):
+    """Input and parameter gradients of one forward/backward under a fixed dropout seed."""
+    x = x.detach().requires_grad_(True)
+    for p in blocks.parameters():
+        p.grad = None
+    torch.manual_seed(seed)
+    out = run_blocks(blocks, x, policy)
+    out.backward(torch.ones_like(out))
+    return [x.grad] + [p.grad.clone() for p in blocks.parameters()]
+
+
+# BEYOND THE CHAPTER: op-level selective checkpointing, the forward+backward peak, sqrt against full, the demo
+
+# ----------------------------------------------------------------------------------------------------
+# Op-level selective checkpointing (`selective_sac`): one more row of the policy table
+# ----------------------------------------------------------------------------------------------------
+# The idea of `selective` with PyTorch's selective-checkpoint policy API (torchtitan's op-level SAC): the whole
+# block is checkpointed (one layer a segment, as under full), the outputs of its projection GEMMs (aten.addmm and
+# aten.mm) are cached, every other op is recomputed. Kept: the block input and the 4 GEMM outputs,
+# s b h (1 + 3 + 1 + 4 + 1) e = 10 s b h e, less than `selective`, because LayerNorm, GELU and dropout are
+# recomputed as well (cheap element-wise work, which FlopCounterMode does not count). FLOPs: both core matmuls
+# are redone, 4 b s^2 h a layer: xV's output is the input of the cached projection GEMM, whose saved copy the
+# backward needs. A checkpoint around the attention core needs a block that exposes its core; the policy API
+# works on any block, picks ops by name and caches whole op outputs. The SAC cache is invisible to saved-tensor
+# hooks; `_AllocationLog` sees it because it follows the storages themselves.
+
+def _gemm_outputs_only(ctx, op, *args, **kwargs):
+    """torchtitan-style op-level SAC: cache the projection GEMMs, recompute everything else."""
+    if op in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def layer_keeps_its_input_and_gemm_outputs(b, s, h, a, e, mask, e_ln):
+    """Policy selective_sac: the checkpoint's input and the cache of the four projection GEMMs' outputs."""
+    sbh = s * b * h
+    return {"block input": sbh * e, "QKV GEMM output": 3 * sbh * e, "projection GEMM output": sbh * e,
+            "fc1 GEMM output": 4 * sbh * e, "fc2 GEMM output": sbh * e}
+
+
+POLICY_TABLE["selective_sac"] = Policy(
+    segment=one_layer, kept=layer_keeps_its_input_and_gemm_outputs, recomputed_flops=lambda gemms, core: core,
+    context_fn=lambda: create_selective_checkpoint_contexts(_gemm_outputs_only))
+POLICIES = tuple(POLICY_TABLE)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The forward+backward peak: kept bytes + what a recomputation holds at once + a transient
+# ----------------------------------------------------------------------------------------------------
+# Kept bytes are not the peak. Backward recomputes one unit at a time and holds all of its activations at once on
+# top of the kept bytes: one layer under `full`, a whole segment under `sqrt`. With A = one layer's `none` bytes
+# and X = s b h e (one block input), the forward+backward peak is (`peak_bytes`, term by term in
+# `peak_bytes_terms`)
+#
+#     peak = kept + W + T
+#     W, recomputed and alive at once:  none 0;  full A - X;  sqrt seg A - X;  selective, in the attention
+#           backward only, the core's q, k, v copies and s^2 tensors, 3X + a s^2 b (2 e + m);  selective_sac
+#           A - X less its cached fc1 output (4X).
+#     T, the transient at the largest of a block's moments (CPU kernels; b > 1 and a > 1):
+#           end of its forward or recomputation, +5X: the QKV output (3X) and the attention output (X), held by
+#               forward's local variables although autograd saved copies, and fc2's output before dropout;
+#               (+2X under `selective`, which keeps the QKV output anyway)
+#           MLP backward, +4X: the gradients through the dropout (X, its mask freed) and of the fc2 input (4X);
+#           attention backward, + a s^2 b e + 3X - 13X - 2 s b e_ln: the probabilities' gradient and three
+#               s b h gradients, the layer's MLP and projection tensors already freed: above the end of the
+#               forward once a s / h exceeds about 15 (long sequences).
+#     `peak_bytes_terms` also covers selective_sac (its cache frees each cached output once used; recomputing
+#     the attention core is a fourth moment), b = 1 or a = 1 (`matmul_copies`: some reshapes are views) and a
+#     shorter last sqrt segment.
+#
+# `measure_peak_bytes` counts every storage created during forward and backward from creation to release,
+# parameter gradients excluded; it equals `peak_bytes` to the byte for every policy, dtype and shape the tests
+# try. The transients are those of PyTorch's CPU kernels; CUDA's fused dropout and FP32 LayerNorm statistics
+# change them in detail, not W. One consequence, checked by the tests: full never peaks above none,
+# peak(none) - peak(full) = (L - 1)(A - X), equal at L = 1.
 
 def matmul_copies(b, a):
     """Which of the block's reshapes copy, as PyTorch's matmul does them (the rest are views). q, k and v are
@@ -332,89 +460,6 @@ def peak_bytes(policy, layers, b, s, h, a, e):
     return kept_bytes(policy, layers, b, s, h, a, e) + work + transient, moment, work, transient
 
 
-def sqrt_lowers_peak(layers, layer_bytes, input_bytes):
-    """Whether sqrt's peak is below full's: ceil(L / seg) kept inputs + one segment's activations against L kept
-    inputs + one layer's (each less the recomputed unit's kept input; the transients are the same). Exact when
-    seg divides L; with a shorter last segment sqrt's peak can be one input lower still (`peak_bytes_terms`)."""
-    seg = sqrt_segment_size(layers)
-    return math.ceil(layers / seg) * input_bytes + seg * layer_bytes < layers * input_bytes + layer_bytes
-
-
-def first_layers_where_sqrt_lowers_peak(layer_bytes, input_bytes):
-    """The smallest L for which `sqrt_lowers_peak`: about (A / X)^2, A one layer's activations, X its input."""
-    layers = 1
-    while not sqrt_lowers_peak(layers, layer_bytes, input_bytes):
-        layers += 1
-    return layers
-
-
-def korthikanti_bytes_per_layer(policy, b, s, h, a):
-    """The paper's 16-bit figures, for comparison (no TP: t = 1)."""
-    return {"none": s * b * h * (34 + 5 * a * s / h), "selective": 34 * s * b * h, "full": 2 * s * b * h}.get(policy)
-
-
-def training_flops(policy, layers, b, s, h):
-    """Matmul FLOPs of forward + backward (+ recomputation) for `layers` blocks."""
-    gemms = 24 * b * s * h * h          # QKV 6, projection 2, fc1 8, fc2 8
-    core = 4 * b * s * s * h            # QK^T 2, xV 2
-    step = 3 * (gemms + core)           # backward = 2 x forward
-    # non-reentrant checkpointing stops recomputing once every tensor backward needs is rebuilt: in the
-    # checkpointed attention core that is after softmax and dropout, so xV (whose output backward does not
-    # need) is skipped and only QK^T (2 b s^2 h) is redone. SAC must rebuild xV's output too (it is the input
-    # of the cached projection GEMM's saved copy), so it redoes both core matmuls.
-    extra = {"none": 0, "full": gemms + core, "sqrt": gemms + core, "selective": core // 2, "selective_sac": core}
-    return layers * (step + extra[policy])
-
-
-# ----------------------------------------------------------------------------------------------------
-# Measuring: storages alive between forward and backward, FLOPs of a training step
-# ----------------------------------------------------------------------------------------------------
-
-class _AllocationLog(TorchDispatchMode):
-    """Log, in order, every storage an op creates (+bytes) and its release (-bytes, from a weak reference to the
-    storage object, which PyTorch keeps for the storage's whole life). Outputs on a storage already logged or
-    `foreign` (created before: parameters, buffers, inputs) are views or in-place results, not new memory. A CPU
-    stand-in for the CUDA allocator's statistics: it sees the tensors ops return, not a kernel's scratch."""
-
-    def __init__(self, foreign=()):
-        super().__init__()
-        self.events, self.serial_of, self._refs, self._foreign = [], {}, {}, set(foreign)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key = id(storage)  # unique while alive; the entry goes when the storage does
-                if key not in self.serial_of and key not in self._foreign:
-                    serial, nbytes = len(self.events), storage.nbytes()
-                    self.serial_of[key] = serial
-                    self.events.append((serial, nbytes))
-                    self._refs[key] = weakref.ref(storage, lambda _, k=key, n=nbytes: self._free(k, n))
-        return out
-
-    def _free(self, key, nbytes):
-        self.events.append((self.serial_of.pop(key), -nbytes))
-        del self._refs[key]
-
-
-def measure_kept_bytes(blocks, x, policy):
-    """Bytes alive between the end of forward and the start of backward: storages created in forward and
-    still referenced (by autograd, a checkpoint or the SAC cache), plus the input, minus the output.
-    `x` may be a tuple state (see `run_blocks`): its first tensor is the hidden state that is counted."""
-    state = tuple(t.detach() for t in _as_args(x))
-    state[0].requires_grad_(True)
-    # views of parameters, buffers (the causal mask) and the input are not activations
-    foreign = {id(t.untyped_storage()) for t in list(blocks.parameters()) + list(blocks.buffers()) + list(state)}
-    with _AllocationLog(foreign) as log:
-        y = run_blocks(blocks, state if isinstance(x, tuple) else state[0], policy)
-    gc.collect()
-    alive = {key: log.events[serial][1] for key, serial in log.serial_of.items()}  # created, not yet freed
-    for out in _as_args(y):
-        alive.pop(id(out.untyped_storage()), None)
-    return sum(alive.values()) + state[0].untyped_storage().nbytes(), y
-
-
 def measure_peak_bytes(blocks, x, policy):
     """The most bytes of activations and their gradients alive at once in one forward and backward: every
     storage created meanwhile, from its creation until it is freed, but the parameters' gradients (parameter
@@ -446,26 +491,40 @@ def measure_peak_bytes(blocks, x, policy):
     return peak
 
 
-def measure_flops(blocks, x, policy):
-    x = x.detach().requires_grad_(True)
-    with FlopCounterMode(display=False) as counter:
-        run_blocks(blocks, x, policy).sum().backward()
-    return counter.get_total_flops()
+# ----------------------------------------------------------------------------------------------------
+# sqrt against full: where sqrt's peak is the lower one
+# ----------------------------------------------------------------------------------------------------
+# The transients of sqrt and full are the same, so
+#
+#     peak(sqrt) - peak(full) = (seg - 1) A - (L - ceil(L/seg)) X
+#
+# (exact when seg divides L; a shorter last segment can make sqrt's one X lower). sqrt lowers the peak only when
+# ceil(L/seg) block inputs + one segment's activations < L block inputs + one layer's, which with seg ~ sqrt(L) is
+# sqrt(L) > A/X: L > (A/X)^2. A/X = 16 + 2m/e + a s (2e + m)/(h e) + 4 e_ln/(h e) is at least 18 on CPU and 17 in
+# 16-bit on CUDA and grows with a s / h: below 17^2 = 289 layers at any sequence length, and below thousands for
+# long sequences, sqrt's peak is the higher one. The demo prints A/X and the first such L for its shapes and for a
+# 16-bit CUDA layer of GPT-3 6.7B's size, and with --long measures both policies at that L for a tiny block. What
+# sqrt does lower is the kept bytes: they add up when several micro-batches' activations wait at once (pipeline
+# schedules); the working set is there once.
+
+def sqrt_lowers_peak(layers, layer_bytes, input_bytes):
+    """Whether sqrt's peak is below full's: ceil(L / seg) kept inputs + one segment's activations against L kept
+    inputs + one layer's (each less the recomputed unit's kept input; the transients are the same). Exact when
+    seg divides L; with a shorter last segment sqrt's peak can be one input lower still (`peak_bytes_terms`)."""
+    seg = sqrt_segment_size(layers)
+    return math.ceil(layers / seg) * input_bytes + seg * layer_bytes < layers * input_bytes + layer_bytes
 
 
-def gradients(blocks, x, policy, seed=1234):
-    """Input and parameter gradients of one forward/backward under a fixed dropout seed."""
-    x = x.detach().requires_grad_(True)
-    for p in blocks.parameters():
-        p.grad = None
-    torch.manual_seed(seed)
-    out = run_blocks(blocks, x, policy)
-    out.backward(torch.ones_like(out))
-    return [x.grad] + [p.grad.clone() for p in blocks.parameters()]
+def first_layers_where_sqrt_lowers_peak(layer_bytes, input_bytes):
+    """The smallest L for which `sqrt_lowers_peak`: about (A / X)^2, A one layer's activations, X its input."""
+    layers = 1
+    while not sqrt_lowers_peak(layers, layer_bytes, input_bytes):
+        layers += 1
+    return layers
 
 
 # ----------------------------------------------------------------------------------------------------
-# The report
+# The report: the chapter's measurements first, then the peaks, the L sweep and sqrt against full
 # ----------------------------------------------------------------------------------------------------
 
 def _check_report_args(layers, b, s, h, a, dropout, sweep):
@@ -473,7 +532,7 @@ def _check_report_args(layers, b, s, h, a, dropout, sweep):
                               ("h", "--hidden", h), ("a", "--heads", a)):
         if value < 1:  # else a division by zero or a math domain error deep in the formulas
             raise ValueError(f"{name}={value} must be a positive integer ({flag})")
-    if not sweep or min(sweep) < 1:
+    if sweep is not None and (not sweep or min(sweep) < 1):  # None: no sweep
         raise ValueError(f"sweep={sweep!r}: give one or more layer counts >= 1 (--sweep)")
     if not 0.0 < dropout < 1.0:  # p = 0 keeps no masks, and the formulas count them: every figure would differ
         raise ValueError(f"dropout={dropout!r} must be in (0, 1): the formulas printed beside the measurements "
@@ -520,7 +579,8 @@ def kept_bytes_against_layers(sweep, shape, dtype, dropout):
 
 
 def report(layers=4, b=2, s=64, h=64, a=4, dropout=0.1, dtype=torch.float32, sweep=(4, 16, 64), crossover=True):
-    """Every measurement the demo prints, as one dict (what --json writes)."""
+    """Every measurement the demo prints, as one dict (what --json writes). `sweep=None` skips the L sweep,
+    `crossover=False` the measurement at the first L where sqrt's peak is lower (its formula stays)."""
     _check_report_args(layers, b, s, h, a, dropout, sweep)
     e = torch.empty(0, dtype=dtype).element_size()
     x = torch.randn(b, s, h, dtype=dtype, generator=torch.Generator().manual_seed(0))
@@ -530,7 +590,7 @@ def report(layers=4, b=2, s=64, h=64, a=4, dropout=0.1, dtype=torch.float32, swe
     return {"config": {"layers": layers, "batch": b, "seq": s, "hidden": h, "heads": a, "dropout": dropout,
                        "dtype": str(dtype).replace("torch.", ""), "bytes_per_element": e},
             "rows": policies_against_formulas(blocks, x, a),
-            "sweep": kept_bytes_against_layers(sweep, small, dtype, dropout),
+            "sweep": None if sweep is None else kept_bytes_against_layers(sweep, small, dtype, dropout),
             "sqrt_vs_full": sqrt_vs_full(dict(b=b, s=s, h=h, a=a), small, e, dtype, dropout, measure=crossover)}
 
 
@@ -557,8 +617,8 @@ def sqrt_vs_full(shape, sweep_shape, e, dtype=torch.float32, dropout=0.1, measur
 
 def show_kept_bytes_and_flops(r):
     c = r["config"]
-    print(f"== L={c['layers']} blocks, b={c['batch']}, s={c['seq']}, h={c['hidden']}, a={c['heads']}, "
-          f"{c['dtype']}, dropout {c['dropout']}")
+    print(f"== the chapter: L={c['layers']} blocks, b={c['batch']}, s={c['seq']}, h={c['hidden']}, a={c['heads']}, "
+          f"{c['dtype']}, dropout {c['dropout']}: kept bytes and FLOPs, measured beside the formulas")
     print(f"{'policy':14s} {'kept bytes':>11s} {'formula':>11s} {'paper 16-bit':>12s} {'MFLOP':>9s} "
           f"{'formula':>9s} {'vs none':>8s}")
     base = r["rows"][0]["flops"]
@@ -566,15 +626,6 @@ def show_kept_bytes_and_flops(r):
         paper = "" if row["korthikanti_16bit_bytes"] is None else f"{row['korthikanti_16bit_bytes']:.0f}"
         print(f"{row['policy']:14s} {row['saved_bytes']:11d} {row['formula_bytes']:11d} {paper:>12s} "
               f"{row['flops'] / 1e6:9.2f} {row['formula_flops'] / 1e6:9.2f} {row['flops'] / base - 1:+8.1%}")
-
-
-def show_peak_is_kept_plus_working_set_plus_transient(r):
-    print("\nforward+backward peak: measured | formula = kept + W (recomputed, alive at once) + T (transient), "
-          "at the moment it occurs")
-    for row in r["rows"]:
-        print(f"{row['policy']:14s} {row['peak_bytes']:9d} | {row['formula_peak_bytes']:9d} = "
-              f"{row['formula_bytes']:9d} + {row['peak_working_set']:8d} + {row['peak_transient']:7d}   "
-              f"{row['peak_moment']}")
 
 
 def show_per_layer_terms_against_the_paper(r):
@@ -592,8 +643,20 @@ def show_per_layer_terms_against_the_paper(r):
           "LayerNorm statistics, which the paper leaves out")
 
 
+def show_peak_is_kept_plus_working_set_plus_transient(r):
+    print("\n== beyond the chapter: the forward+backward peak, measured | formula = kept + W (recomputed, alive at "
+          "once) + T (transient), at the moment it occurs")
+    for row in r["rows"]:
+        print(f"{row['policy']:14s} {row['peak_bytes']:9d} | {row['formula_peak_bytes']:9d} = "
+              f"{row['formula_bytes']:9d} + {row['peak_working_set']:8d} + {row['peak_transient']:7d}   "
+              f"{row['peak_moment']}")
+
+
 def show_kept_bytes_against_layers(r):
     sw = r["sweep"]
+    if sw is None:
+        print("\n(--long or --sweep: kept bytes and peaks against L, sqrt's growing as sqrt(L))")
+        return
     print(f"\n== kept bytes and peak against L (b={sw['config']['b']}, s={sw['config']['s']}, "
           f"h={sw['config']['h']}): measured (formula)")
     for row in sw["rows"]:
@@ -617,13 +680,15 @@ def show_where_sqrt_lowers_the_peak(r):
             line += (f"; measured there: full {case['full_peak']} ({case['full_peak_formula']}), "
                      f"sqrt {case['sqrt_peak']} ({case['sqrt_peak_formula']})")
         print(line)
+    if "sqrt_peak" not in r["sqrt_vs_full"]["tiny"]:
+        print("   (--long measures full and sqrt at the tiny block's first L)")
 
 
 def print_report(r):
-    """The demo: `report`'s measurements, one claim after the other, each beside its formula."""
+    """The demo: `report`'s measurements, the chapter's claims first, each beside its formula."""
     show_kept_bytes_and_flops(r)
-    show_peak_is_kept_plus_working_set_plus_transient(r)
     show_per_layer_terms_against_the_paper(r)
+    show_peak_is_kept_plus_working_set_plus_transient(r)
     show_kept_bytes_against_layers(r)
     show_where_sqrt_lowers_the_peak(r)
 
@@ -636,13 +701,16 @@ def main(argv=None):
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--sweep", type=int, nargs="+", default=[4, 16, 64], help="layer counts of the L sweep")
+    ap.add_argument("--long", action="store_true",
+                    help="also the L sweep (--sweep, default 4 16 64) and the crossover measurement (some seconds)")
+    ap.add_argument("--sweep", type=int, nargs="+", default=None, help="layer counts of the L sweep (implies it)")
     ap.add_argument("--no-crossover", action="store_true",
-                    help="skip measuring full and sqrt at the first L where sqrt's peak is lower (a few seconds)")
+                    help="with --long, skip measuring full and sqrt at the first L where sqrt's peak is lower")
     args = ap.parse_args(argv)
+    sweep = tuple(args.sweep) if args.sweep is not None else (4, 16, 64) if args.long else None
     try:
-        result = report(args.layers, args.batch, args.seq, args.hidden, args.heads, sweep=tuple(args.sweep),
-                        crossover=not args.no_crossover)
+        result = report(args.layers, args.batch, args.seq, args.hidden, args.heads, sweep=sweep,
+                        crossover=args.long and not args.no_crossover)
     except ValueError as e:  # a shape that cannot work: one line and the usage-error code
         ap.exit(2, f"checkpointing.py: error: {e}\n")
     if args.json:
@@ -652,4 +720,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    torch.set_num_threads(1)  # tiny tensors: more threads only contend on a busy machine
     main()

@@ -16,13 +16,13 @@ h hidden, a heads) in 16-bit, 2 bytes an element and 1 byte a dropout-mask eleme
 `kept_bytes_per_layer` writes these terms with e bytes an element and m bytes a mask element,
 s b h (16 e + 2 m) + a s^2 b (2 e + m), plus the two LayerNorms' mean and 1/std, 4 s b e_ln bytes, which the
 paper leaves out. On CUDA m = 1 and e_ln = 4 (FP32 statistics); PyTorch's CPU kernels keep masks and statistics
-in the input's dtype (m = e_ln = e). Its `Block` is that layer, written out so that every saved tensor shows.
+in the input's dtype (m = e_ln = e). `Block` is that layer, written out so that every saved tensor shows.
 
 FLOPs (matmul FLOPs, 2 a multiply-add): a layer's forward is 24 b s h^2 (QKV 6, projection 2, fc1 and fc2 16) +
 4 b s^2 h (QK^T 2, xV 2); its backward is twice that (the gradients of the input and of the weights), so a step
 costs 3 forwards: 72 b s h^2 a layer, i.e. 6 N FLOPs a token for N = 12 h^2 weights a layer. Recomputation adds:
 
-    none       keeps all of the above. FLOPs 6 N a token (+ 12 b s^2 h a layer of attention core).
+    none       keeps all of the above. FLOPs: 72 b s h^2 + 12 b s^2 h a layer, 6 N a token and the core's.
     full       keeps each layer's input only, s b h e a layer; backward first recomputes the layer's forward.
                FLOPs: one forward more, 2 N a token: 72 -> 96 b s h^2 a layer, +33%.
     sqrt       Chen et al. (2016): checkpoints segments of seg = round(sqrt(L)) layers and keeps each segment's

@@ -45,8 +45,9 @@ forward returns, held by autograd or a checkpoint, plus the input, less the outp
 `FlopCounterMode`, which sees the recomputation because it runs inside the backward. Both equal the formulas
 (`kept_bytes`, `training_flops`) to the byte and the FLOP.
 
-Beyond the chapter, below its banner: the forward+backward peak (the kept bytes plus what a recomputation holds
-at once), op-level selective checkpointing (`selective_sac`), where sqrt's peak falls below full's, the demo.
+Beyond the chapter, below its banner: op-level selective checkpointing (`selective_sac`), the forward+backward
+peak (the kept bytes plus what a recomputation holds at once), where sqrt's peak falls below full's, activation
+offloading to host memory (`offload`, `selective+offload`: bus time instead of FLOPs), the demo.
 
     python3 checkpointing.py [--json] [--long]     # kept bytes and FLOPs per policy beside the formulas
 """
@@ -164,6 +165,7 @@ class Policy:
     kept: Optional[Callable] = None  # (b, s, h, a, e, mask, e_ln) -> {term: bytes} a layer keeps; None: per segment
     recomputed_flops: Callable = lambda gemms, core: 0  # a layer's forward GEMM, core FLOPs -> FLOPs backward redoes
     context_fn: Callable = noop_context_fn  # torch.utils.checkpoint's: what a checkpoint keeps of its segment
+    run: Optional[Callable] = None  # (blocks, x) -> output, for a policy of another kind (offloading, below)
 
 
 POLICY_TABLE = {
@@ -205,11 +207,13 @@ def _as_args(state):
 
 
 def run_blocks(blocks, x, policy="none"):
-    """Forward through `blocks` with one recomputation policy. `x` is the hidden state, or a tuple of tensors
-    that every block takes as arguments and returns (see `_call`)."""
-    if policy not in POLICY_TABLE:
+    """Forward through `blocks` with one policy: a name in `POLICY_TABLE`, or a `Policy`. `x` is the hidden
+    state, or a tuple of tensors that every block takes as arguments and returns (see `_call`)."""
+    rule = policy if isinstance(policy, Policy) else POLICY_TABLE.get(policy)
+    if rule is None:
         raise ValueError(f"policy={policy!r}; choose one of {tuple(POLICY_TABLE)}")
-    rule = POLICY_TABLE[policy]
+    if rule.run is not None:
+        return rule.run(blocks, x)
     for block in blocks:
         block.recompute_attention_core = rule.attention_core
     if rule.segment is None:
@@ -325,7 +329,7 @@ def gradients(blocks, x, policy, seed=1234):
     return [x.grad] + [p.grad.clone() for p in blocks.parameters()]
 
 
-# BEYOND THE CHAPTER: op-level selective checkpointing, the forward+backward peak, sqrt against full, the demo
+# BEYOND THE CHAPTER: op-level selective checkpointing, the forward+backward peak, sqrt against full, offloading
 
 # ----------------------------------------------------------------------------------------------------
 # Op-level selective checkpointing (`selective_sac`): one more row of the policy table
@@ -524,6 +528,167 @@ def first_layers_where_sqrt_lowers_peak(layer_bytes, input_bytes):
 
 
 # ----------------------------------------------------------------------------------------------------
+# Activation offloading: what autograd saves waits in host memory instead of being recomputed
+# ----------------------------------------------------------------------------------------------------
+# The other lever: keep every saved tensor, but not on the device. Under `offload` each block's saved tensors
+# (autograd's, caught by torch.autograd.graph.saved_tensors_hooks; parameters and buffers stay) are copied to host
+# memory during the block's forward and copied back before the block's backward. The copies are exact and keep
+# their strides (so the backward runs the same kernels): the gradients are bit-identical to none's.
+# `selective+offload` recomputes the attention core as `selective` does and offloads the rest: the s^2 terms never
+# cross the bus. With K the bytes the policy underneath keeps (`kept_bytes` of none or selective), a step has
+#
+#     device-resident activations   X = s b h e, the caller's input (all the rest waits on the host)
+#     copied to the host (forward)  K, and the same K back (backward): in 16-bit s b h (34 + 5 a s / h) a layer
+#                                   under offload, 34 s b h under selective+offload
+#
+# On CUDA the host copies are pinned and made on a side stream, so the forward does not wait for them; the
+# backward of block i waits for block i's copies only, and starts block i-1's (the next backward) at once. On CPU
+# the "host" copy is a separate CPU tensor, which `measure_kept_bytes` counts too (`measure_offload` subtracts
+# it). Offloading spends bus time instead of FLOPs: a layer's copy out hides behind its forward when
+# K_layer / B_pcie <= F_layer / rate (the copy back has the backward, twice as long); otherwise the step waits for
+# the difference, and once that wait exceeds a recomputed forward, F_layer / rate, recomputation is the cheaper
+# way to free the memory (`offload_or_recompute`). These hooks do not combine with full or sqrt recomputation
+# (a checkpoint would offload only its segment's input, already the least there is), and one backward brings the
+# activations back once (no retain_graph).
+
+OFFLOADED = {"offload": "none", "selective+offload": "selective"}  # offload policy -> recomputation underneath
+
+
+class ActivationOffload:
+    """Saved-tensor hooks that keep each block's saved activations on the host from its forward to its backward.
+    `hooks(i)` is the context for block i's forward. Tensors on the storage of one of `stay` (the parameters and
+    buffers) are no activations and stay where they are. Counts the bytes copied each way."""
+
+    def __init__(self, stay=()):
+        self.stay = {t.untyped_storage().data_ptr() for t in stay}
+        self.host, self.back, self.ready, self.streams = {}, {}, {}, {}  # per block, per block, per block, per device
+        self.bytes_to_host = self.bytes_to_device = 0
+
+    def hooks(self, index):
+        return torch.autograd.graph.saved_tensors_hooks(lambda tensor: self.pack(index, tensor), self.unpack)
+
+    def side_stream(self, device):
+        if device not in self.streams:
+            self.streams[device] = torch.cuda.Stream(device)
+        return self.streams[device]
+
+    def pack(self, index, tensor):
+        if tensor.untyped_storage().data_ptr() in self.stay:
+            return tensor
+        host = torch.empty_like(tensor, device="cpu", pin_memory=tensor.is_cuda)  # a dense layout keeps its strides
+        if tensor.is_cuda:
+            stream = self.side_stream(tensor.device)
+            stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the tensor is computed
+            with torch.cuda.stream(stream):
+                host.copy_(tensor, non_blocking=True)
+            tensor.record_stream(stream)  # its memory is not reused before the copy has read it
+        else:
+            host.copy_(tensor)
+        self.host.setdefault(index, []).append(host)
+        self.bytes_to_host += tensor.numel() * tensor.element_size()
+        return index, len(self.host[index]) - 1, tensor.device
+
+    def bring_back(self, index, device):
+        """Copy block `index`'s saved tensors back to `device` (on CUDA on the side stream, recording an event)."""
+        copies = self.host.pop(index)
+        if device.type == "cuda":
+            stream = self.side_stream(device)
+            with torch.cuda.stream(stream):
+                back = [torch.empty_like(h, device=device).copy_(h, non_blocking=True) for h in copies]
+            self.ready[index] = stream.record_event()
+        else:
+            back = [torch.empty_like(h, device=device).copy_(h) for h in copies]
+        self.back[index] = dict(enumerate(back))
+        self.bytes_to_device += sum(h.numel() * h.element_size() for h in copies)
+
+    def unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        index, slot, device = packed
+        if index not in self.back and index in self.host:  # block index's backward begins
+            self.bring_back(index, device)
+            if device.type == "cuda" and index - 1 in self.host:  # and block index - 1's is next: prefetch it
+                self.bring_back(index - 1, device)
+        if slot not in self.back.get(index, {}):
+            raise RuntimeError("offloaded activations come back once: a second backward (retain_graph) cannot "
+                               "use them")
+        tensor = self.back[index].pop(slot)
+        if device.type == "cuda":
+            current = torch.cuda.current_stream(device)
+            current.wait_event(self.ready[index])
+            tensor.record_stream(current)  # allocated on the side stream, used on this one
+        return tensor
+
+
+def run_offloaded(blocks, x, recompute="none", offload=None):
+    """`run_blocks` with `recompute` (none or selective), one block at a time under `offload`'s hooks (a new
+    `ActivationOffload` by default)."""
+    if recompute not in OFFLOADED.values():
+        raise ValueError(f"recompute={recompute!r}: offloading runs over one of {tuple(OFFLOADED.values())}")
+    if offload is None:
+        offload = ActivationOffload([t for block in blocks for t in (*block.parameters(), *block.buffers())])
+    for index in range(len(blocks)):
+        with offload.hooks(index):
+            x = run_blocks(blocks[index:index + 1], x, recompute)
+    return x
+
+
+# run_blocks(blocks, x, "offload") and (..., "selective+offload"); POLICIES keeps listing the recomputations only
+POLICY_TABLE["offload"] = Policy(run=lambda blocks, x: run_offloaded(blocks, x, "none"))
+POLICY_TABLE["selective+offload"] = Policy(run=lambda blocks, x: run_offloaded(blocks, x, "selective"),
+                                           recomputed_flops=POLICY_TABLE["selective"].recomputed_flops)
+
+
+def offload_bytes(policy, layers, b, s, h, a, e, device="cpu"):
+    """The formula: device-resident activation bytes, bytes copied to the host and back in one step."""
+    moved = kept_bytes(OFFLOADED[policy], layers, b, s, h, a, e, device)
+    return {"device_resident": s * b * h * e, "to_host": moved, "to_device": moved}
+
+
+def measure_offload(blocks, x, policy):
+    """The same, measured in one forward and backward: the storages alive between them (`measure_kept_bytes`)
+    less the host copies, and the bytes `ActivationOffload` copied each way."""
+    offload = ActivationOffload([*blocks.parameters(), *blocks.buffers()])
+    run = Policy(run=lambda blocks, x: run_offloaded(blocks, x, OFFLOADED[policy], offload))
+    kept, y = measure_kept_bytes(blocks, x, run)
+    on_host = offload.bytes_to_host  # every copy is still there before the backward
+    y.backward(torch.ones_like(y))
+    return {"device_resident": kept - on_host, "to_host": offload.bytes_to_host, "to_device": offload.bytes_to_device}
+
+
+def offload_or_recompute(b, s, h, a, e=2, pcie_bytes_per_s=25e9, flops_per_s=400e12, device="cuda"):
+    """Per layer and offload policy: the copy's time K_layer / B_pcie against the forward's F_layer / rate that
+    it hides behind, the wait if it does not, the bus bandwidth from which it would, and the verdict: offloading
+    is free, or cheaper than recomputing a forward, or recomputation wins."""
+    forward = (24 * b * s * h * h + 4 * b * s * s * h) / flops_per_s
+    rows = []
+    for policy, recompute in OFFLOADED.items():
+        layer = sum(kept_bytes_per_layer(recompute, b, s, h, a, e, device).values())
+        copy = layer / pcie_bytes_per_s
+        wait = max(0.0, copy - forward) + max(0.0, copy - 2 * forward)  # the copy out, the copy back
+        verdict = "offload free" if wait == 0 else "offload, waiting" if wait < forward else "recomputation wins"
+        rows.append({"policy": policy, "layer_bytes": layer, "copy_s": copy, "forward_s": forward, "wait_s": wait,
+                     "free_from_bytes_per_s": layer / forward, "verdict": verdict})
+    return rows
+
+
+def offload_against_formulas(blocks, x, a, pcie_bytes_per_s=25e9, flops_per_s=400e12):
+    """Per offload policy on `blocks`: gradients against none's, bytes measured beside `offload_bytes`; then
+    `offload_or_recompute` for this shape and a GPT-3 6.7B-sized layer, 16-bit on CUDA."""
+    (b, s, h), layers, e = x.shape, len(blocks), x.element_size()
+    reference = gradients(blocks, x, "none")
+    rows = [{"policy": policy, "gradients_identical": all(
+                torch.equal(r, g) for r, g in zip(reference, gradients(blocks, x, policy))),
+             "measured": measure_offload(blocks, x, policy), "formula": offload_bytes(policy, layers, b, s, h, a, e)}
+            for policy in OFFLOADED]
+    shapes = {"report": (b, s, h, a), "gpt3_6.7b": (1, 2048, 4096, 32)}
+    timing = {name: {"shape": dict(zip("bsha", shape)),
+                     "rows": offload_or_recompute(*shape, 2, pcie_bytes_per_s, flops_per_s)}
+              for name, shape in shapes.items()}
+    return {"rows": rows, "pcie_bytes_per_s": pcie_bytes_per_s, "flops_per_s": flops_per_s, "timing": timing}
+
+
+# ----------------------------------------------------------------------------------------------------
 # The report: the chapter's measurements first, then the peaks, the L sweep and sqrt against full
 # ----------------------------------------------------------------------------------------------------
 
@@ -578,9 +743,11 @@ def kept_bytes_against_layers(sweep, shape, dtype, dropout):
     return {"config": {**shape, "dtype": str(dtype).replace("torch.", "")}, "rows": rows, "growth_exponent": exponents}
 
 
-def report(layers=4, b=2, s=64, h=64, a=4, dropout=0.1, dtype=torch.float32, sweep=(4, 16, 64), crossover=True):
+def report(layers=4, b=2, s=64, h=64, a=4, dropout=0.1, dtype=torch.float32, sweep=(4, 16, 64), crossover=True,
+           pcie_bytes_per_s=25e9, flops_per_s=400e12):
     """Every measurement the demo prints, as one dict (what --json writes). `sweep=None` skips the L sweep,
-    `crossover=False` the measurement at the first L where sqrt's peak is lower (its formula stays)."""
+    `crossover=False` the measurement at the first L where sqrt's peak is lower (its formula stays); the bus
+    bandwidth and the GPU's rate are those `offload_or_recompute` weighs."""
     _check_report_args(layers, b, s, h, a, dropout, sweep)
     e = torch.empty(0, dtype=dtype).element_size()
     x = torch.randn(b, s, h, dtype=dtype, generator=torch.Generator().manual_seed(0))
@@ -591,7 +758,8 @@ def report(layers=4, b=2, s=64, h=64, a=4, dropout=0.1, dtype=torch.float32, swe
                        "dtype": str(dtype).replace("torch.", ""), "bytes_per_element": e},
             "rows": policies_against_formulas(blocks, x, a),
             "sweep": None if sweep is None else kept_bytes_against_layers(sweep, small, dtype, dropout),
-            "sqrt_vs_full": sqrt_vs_full(dict(b=b, s=s, h=h, a=a), small, e, dtype, dropout, measure=crossover)}
+            "sqrt_vs_full": sqrt_vs_full(dict(b=b, s=s, h=h, a=a), small, e, dtype, dropout, measure=crossover),
+            "offload": offload_against_formulas(blocks, x, a, pcie_bytes_per_s, flops_per_s)}
 
 
 def sqrt_vs_full(shape, sweep_shape, e, dtype=torch.float32, dropout=0.1, measure=True):
@@ -684,6 +852,24 @@ def show_where_sqrt_lowers_the_peak(r):
         print("   (--long measures full and sqrt at the tiny block's first L)")
 
 
+def show_offload_against_recomputation(r):
+    off = r["offload"]
+    print("\n== offloading: saved tensors on the host from each block's forward to its backward, measured (formula)")
+    for row in off["rows"]:
+        m, f = row["measured"], row["formula"]
+        print(f"   {row['policy']:18s} gradients identical to none: {row['gradients_identical']}; device-resident "
+              f"{m['device_resident']} ({f['device_resident']}), copied to host {m['to_host']} ({f['to_host']}), "
+              f"back {m['to_device']} ({f['to_device']})")
+    print(f"   a layer's copy (16-bit, CUDA) at {off['pcie_bytes_per_s'] / 1e9:g} GB/s against its forward at "
+          f"{off['flops_per_s'] / 1e12:g} TFLOP/s (--pcie-gbps, --gpu-tflops):")
+    for name, case in off["timing"].items():
+        for row in case["rows"]:
+            print(f"   {name:10s} {row['policy']:18s} {row['layer_bytes']:10d} bytes: "
+                  f"copy {row['copy_s'] * 1e3:.4g} ms, forward {row['forward_s'] * 1e3:.4g} ms, "
+                  f"wait {row['wait_s'] * 1e3:.4g} ms: {row['verdict']} "
+                  f"(free from {row['free_from_bytes_per_s'] / 1e9:.0f} GB/s)")
+
+
 def print_report(r):
     """The demo: `report`'s measurements, the chapter's claims first, each beside its formula."""
     show_kept_bytes_and_flops(r)
@@ -691,6 +877,7 @@ def print_report(r):
     show_peak_is_kept_plus_working_set_plus_transient(r)
     show_kept_bytes_against_layers(r)
     show_where_sqrt_lowers_the_peak(r)
+    show_offload_against_recomputation(r)
 
 
 def main(argv=None):
@@ -706,11 +893,14 @@ def main(argv=None):
     ap.add_argument("--sweep", type=int, nargs="+", default=None, help="layer counts of the L sweep (implies it)")
     ap.add_argument("--no-crossover", action="store_true",
                     help="with --long, skip measuring full and sqrt at the first L where sqrt's peak is lower")
+    ap.add_argument("--pcie-gbps", type=float, default=25.0, help="host-device bandwidth that offloading uses")
+    ap.add_argument("--gpu-tflops", type=float, default=400.0, help="the GPU's matmul rate it is weighed against")
     args = ap.parse_args(argv)
     sweep = tuple(args.sweep) if args.sweep is not None else (4, 16, 64) if args.long else None
     try:
         result = report(args.layers, args.batch, args.seq, args.hidden, args.heads, sweep=sweep,
-                        crossover=args.long and not args.no_crossover)
+                        crossover=args.long and not args.no_crossover, pcie_bytes_per_s=args.pcie_gbps * 1e9,
+                        flops_per_s=args.gpu_tflops * 1e12)
     except ValueError as e:  # a shape that cannot work: one line and the usage-error code
         ap.exit(2, f"checkpointing.py: error: {e}\n")
     if args.json:

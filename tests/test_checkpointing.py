@@ -274,3 +274,19 @@ def test_the_core_alone_recomputes_exactly_and_keeps_the_closed_form_bytes(tmp_p
         assert measured == kept[policy] == core.kept_bytes(policy, layers, b, s, h, a, e), policy
         flops = core.measure_flops(blocks, x, policy)
         assert flops == layers * (3 * forward + redone[policy]) == core.training_flops(policy, layers, b, s, h), policy
+
+
+@pytest.mark.parametrize("policy", ["offload", "selective+offload"])
+# the second shape: b = 1, where q, k, v are views of the QKV output (the host copies are of the views)
+@pytest.mark.parametrize("b, s, h, a, layers, dtype", [(B, S, H, A, L, torch.float32),
+                                                      (1, 16, 32, 2, 2, torch.bfloat16)])
+def test_offloading_gives_identical_gradients_and_moves_the_formula_bytes(policy, b, s, h, a, layers, dtype):
+    blocks = ck.make_blocks(layers, h, a, s, dropout=0.2).to(dtype)
+    x = torch.randn(b, s, h, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    assert all(torch.equal(r, g) for r, g in zip(ck.gradients(blocks, x, "none"), ck.gradients(blocks, x, policy)))
+    measured = ck.measure_offload(blocks, x, policy)
+    assert measured == ck.offload_bytes(policy, layers, b, s, h, a, x.element_size())
+    # everything the recomputation underneath keeps crosses the bus; only the caller's input stays
+    underneath = {"offload": "none", "selective+offload": "selective"}[policy]
+    assert measured["to_host"] == ck.measure_kept_bytes(blocks, x, underneath)[0]
+    assert measured["device_resident"] == b * s * h * x.element_size()

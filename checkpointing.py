@@ -158,8 +158,8 @@ def one_layer(layers):
 
 @dataclass(frozen=True)
 class Policy:
-    """One recomputation policy: how `run_blocks` runs it, what `kept_bytes_per_layer` and `training_flops`
-    count for it."""
+    """A row of `POLICY_TABLE`: how `run_blocks` runs the policy, what `kept_bytes_per_layer` and
+    `training_flops` count for it."""
     segment: Optional[Callable] = None  # L -> layers per checkpointed segment; None: no block is checkpointed
     attention_core: bool = False  # checkpoint the attention core inside every block (`attention_core`)
     kept: Optional[Callable] = None  # (b, s, h, a, e, mask, e_ln) -> {term: bytes} a layer keeps; None: per segment

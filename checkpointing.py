@@ -561,7 +561,10 @@ class ActivationOffload:
 
     def __init__(self, stay=()):
         self.stay = {t.untyped_storage().data_ptr() for t in stay}
-        self.host, self.back, self.ready, self.streams = {}, {}, {}, {}  # per block, per block, per block, per device
+        self.host = {}  # block -> the host copies of its saved tensors, in saving order
+        self.back = {}  # block -> {slot: a saved tensor back on the device}, until autograd unpacks it
+        self.ready = {}  # block -> a CUDA event: its copies back are done
+        self.streams = {}  # device -> the side stream the copies run on
         self.bytes_to_host = self.bytes_to_device = 0
 
     def hooks(self, index):
@@ -605,10 +608,10 @@ class ActivationOffload:
         if isinstance(packed, torch.Tensor):
             return packed
         index, slot, device = packed
-        if index not in self.back and index in self.host:  # block index's backward begins
+        if index in self.host:  # block index's backward begins, and its tensors were not prefetched
             self.bring_back(index, device)
-            if device.type == "cuda" and index - 1 in self.host:  # and block index - 1's is next: prefetch it
-                self.bring_back(index - 1, device)
+        if device.type == "cuda" and index - 1 in self.host:  # block index - 1's backward is next: prefetch it
+            self.bring_back(index - 1, device)
         if slot not in self.back.get(index, {}):
             raise RuntimeError("offloaded activations come back once: a second backward (retain_graph) cannot "
                                "use them")

@@ -1,104 +1,63 @@
-"""Activation recomputation (checkpointing): trade FLOPs for memory, measured against the formulas.
+"""Activation recomputation (checkpointing): memory traded for FLOPs, each measured beside its formula.
 
-Backward needs activations from forward: autograd keeps ("saves") the inputs of every matmul, the output
-of every softmax, every dropout mask... Between the end of forward and the start of backward all of it is
-alive at once, for every layer. Korthikanti et al. 2022 count, per transformer layer in 16-bit:
+What a layer keeps for backward. Backward needs tensors of the forward: every matmul's input, the softmax output,
+every dropout mask. Autograd saves them, and between the end of the forward and the start of the backward all of
+them are alive at once, for every layer. Korthikanti et al. (2022) count one pre-LN layer (s tokens, b sequences,
+h hidden, a heads) in 16-bit, 2 bytes an element and 1 byte a dropout-mask element:
 
-    attention   11 s b h + 5 a s^2 b     (QKV input 2, Q and K 4, V 2, projection input 2, dropout mask 1;
-                                          softmax output 2as^2b, its dropout mask as^2b, dropout output 2as^2b)
-    MLP         19 s b h                 (fc1 input 2, GELU input 8, fc2 input 8, dropout mask 1)
-    LayerNorms   4 s b h                 (two inputs of 2)
-    total       s b h (34 + 5 a s / h)   bytes per layer
+    LayerNorms   LN1 input 2 sbh, LN2 input 2 sbh                                          4 sbh
+    attention    QKV input (LN1 output) 2 sbh, Q and K 4 sbh, V 2 sbh,
+                 projection input 2 sbh, projection dropout mask 1 sbh                     11 sbh
+                 softmax output 2 as^2b, its dropout mask 1 as^2b, dropout output 2 as^2b    5 as^2b
+    MLP          fc1 input (LN2 output) 2 sbh, GELU input 8 sbh, fc2 input 8 sbh,
+                 MLP dropout mask 1 sbh                                                    19 sbh
+    a layer      s b h (34 + 5 a s / h) bytes; L layers keep L times that
 
-This file's block is that layer, so its kept bytes follow the same derivation with e bytes per element
-and m bytes per dropout-mask element (`kept_bytes_per_layer`, term by term):
+`kept_bytes_per_layer` writes these terms with e bytes an element and m bytes a mask element,
+s b h (16 e + 2 m) + a s^2 b (2 e + m), plus the two LayerNorms' mean and 1/std, 4 s b e_ln bytes, which the
+paper leaves out. On CUDA m = 1 and e_ln = 4 (FP32 statistics); PyTorch's CPU kernels keep masks and statistics
+in the input's dtype (m = e_ln = e). `Block` is that layer, written out so that every saved tensor shows.
 
-    none       s b h (16 e + 2 m) + a s^2 b (2 e + m) + 4 s b e_ln   (e = 2, m = 1: 34 sbh + 5 as^2b + LN stats)
+FLOPs (matmul FLOPs, 2 a multiply-add): a layer's forward is 24 b s h^2 (QKV 6, projection 2, fc1 and fc2 16) +
+4 b s^2 h (QK^T 2, xV 2); its backward is twice that (the gradients of the input and of the weights), so a step
+costs 3 forwards: 72 b s h^2 a layer, i.e. 6 N FLOPs a token for N = 12 h^2 weights a layer. Recomputation adds:
 
-the extra 4 s b e_ln are the two LayerNorms' mean and 1/std per token, which the paper leaves out. On CUDA
-m = 1 (a bool mask) and e_ln = 4 (FP32 statistics); on CPU PyTorch's dropout multiplies by a mask in the
-input's dtype (m = e) and LayerNorm keeps its statistics in the input's dtype (e_ln = e). Policies:
+    none       keeps all of the above. FLOPs: 72 b s h^2 + 12 b s^2 h a layer, 6 N a token and the core's.
+    full       keeps each layer's input only, s b h e a layer; backward first recomputes the layer's forward.
+               FLOPs: one forward more, 2 N a token: 72 -> 96 b s h^2 a layer, +33%.
+    sqrt       Chen et al. (2016): checkpoints segments of seg = round(sqrt(L)) layers and keeps each segment's
+               input, ceil(L / seg) s b h e: it grows as sqrt(L). Backward recomputes one segment at a time,
+               every layer once: the FLOPs of full.
+    selective  Korthikanti et al.: recomputes only the attention core (QK^T, mask, softmax, dropout, xV), whose
+               memory grows with s^2 and whose FLOPs are small. Kept: s b h (16 e + 2 m) + 4 s b e_ln, 34 s b h in
+               16-bit: the 5 a s^2 b terms go (the core keeps its input, the QKV output, 3 s b h e, in place of
+               its Q, K and V copies). FLOPs: 2 b s^2 h a layer (QK^T redone; the paper counts xV too, 4 b s^2 h).
 
-    full       keep each block's input only: s b h e per layer; recompute the whole block in backward.
-               FLOPs: one extra forward, 24 b s h^2 + 4 b s^2 h per layer: 72 -> 96, +33% of a step.
-    sqrt       Chen et al. 2016: checkpoint segments of ~sqrt(L) blocks: keep ceil(L / seg) segment inputs,
-               O(sqrt(L)); in backward each segment is recomputed once (one segment's activations at a time):
-               the same FLOPs as full, fewer kept bytes, but a higher peak unless L is in the hundreds (below).
-    selective  Korthikanti et al.: recompute only the attention core (QK^T, mask, softmax, dropout, xV), the
-               part whose memory grows with s^2 but whose FLOPs (4 b s^2 h per layer) are small. Kept:
-               s b h (16 e + 2 m) + 4 s b e_ln (34 sbh at e = 2, m = 1): the as^2 terms are gone. FLOPs: only
-               QK^T, 2 b s^2 h per layer, is redone: non-reentrant checkpointing stops recomputing as soon as the
-               tensors backward needs are rebuilt, and nothing needs xV's output (the paper counts both).
-    selective_sac  the same idea with PyTorch's selective-checkpoint policy API (torchtitan's op-level SAC):
-               the whole block is checkpointed, the outputs of its projection GEMMs (aten.addmm/mm) are
-               cached, every other op is recomputed. Kept: the block input and the 4 GEMM outputs,
-               s b h (1 + 3 + 1 + 4 + 1) e = 10 sbh e: less than `selective`, because LayerNorm, GELU and
-               dropout are recomputed as well (cheap element-wise work that FlopCounterMode does not count).
-               A checkpoint around the attention core needs a block that exposes its core; the policy API
-               works on any block, picks ops by name, and caches whole op outputs.
+`run_blocks` runs a list of blocks under a policy, read from `POLICY_TABLE`. It uses non-reentrant
+`torch.utils.checkpoint` (use_reentrant=False): it takes inputs that need no gradient, nests, supports
+`torch.autograd.grad` and stops recomputing as soon as the tensors the backward needs are rebuilt (so selective
+never redoes xV, whose output no backward needs). A checkpoint restores the RNG state before recomputing, so the
+recomputed dropout masks are the original ones and the gradients are bit-identical to no recomputation.
 
-FLOPs are matmul FLOPs (2 per multiply-add), as `torch.utils.flop_counter.FlopCounterMode` counts them:
-forward 24 b s h^2 + 4 b s^2 h per layer (QKV 6, projection 2, MLP 16 b s h^2; QK^T and xV 2 b s^2 h each),
-backward twice that. Recomputation runs inside backward, so the counter sees it.
+Measured: `measure_kept_bytes` logs every storage the ops of the forward create (a dispatch mode holding weak
+references to them, a CPU stand-in for the CUDA allocator's statistics) and counts those still alive when the
+forward returns, held by autograd or a checkpoint, plus the input, less the output; `measure_flops` counts with
+`FlopCounterMode`, which sees the recomputation because it runs inside the backward. Both equal the formulas
+(`kept_bytes`, `training_flops`) to the byte and the FLOP.
 
-Kept bytes are not the peak. Backward recomputes one unit at a time and holds all of its activations at once
-on top of the kept bytes: one layer under `full`, a whole segment under `sqrt`. With A = one layer's `none`
-bytes above and X = s b h e (one block input), the forward+backward peak is (`peak_bytes`, term by term in
-`peak_bytes_terms`)
+Beyond the chapter, below its banner: op-level selective checkpointing (`selective_sac`), the forward+backward
+peak (the kept bytes plus what a recomputation holds at once), where sqrt's peak falls below full's, activation
+offloading to host memory (`offload`, `selective+offload`: bus time instead of FLOPs), the demo.
 
-    peak = kept + W + T
-    W, recomputed and alive at once:  none 0;  full A - X;  sqrt seg A - X;  selective, in the attention
-          backward only, the core's q, k, v copies and s^2 tensors, 3X + a s^2 b (2 e + m);  selective_sac
-          A - X less its cached fc1 output (4X).
-    T, the transient at the largest of a block's moments (CPU kernels; b > 1 and a > 1):
-          end of its forward or recomputation, +5X: the QKV output (3X) and the attention output (X), held by
-              forward's local variables although autograd saved copies, and fc2's output before dropout;
-              (+2X under `selective`, which keeps the QKV output anyway)
-          MLP backward, +4X: the gradients through the dropout (X, its mask freed) and of the fc2 input (4X);
-          attention backward, + a s^2 b e + 3X - 13X - 2 s b e_ln: the probabilities' gradient and three
-              s b h gradients, the layer's MLP and projection tensors already freed: above the end of the
-              forward once a s / h exceeds about 15 (long sequences).
-    `peak_bytes_terms` also covers selective_sac (its cache frees each cached output once used; recomputing
-    the attention core is a fourth moment), b = 1 or a = 1 (`matmul_copies`: some reshapes are views) and a
-    shorter last sqrt segment.
-
-`measure_peak_bytes` counts every storage created during forward and backward from creation to release,
-parameter gradients excluded; it equals `peak_bytes` to the byte for every policy, dtype and shape the tests
-try. The transients are those of PyTorch's CPU kernels; CUDA's fused dropout and FP32 LayerNorm statistics
-change them in detail, not W. Two consequences, checked by the tests and printed by the report:
-
-    full never peaks above none: peak(none) - peak(full) = (L - 1)(A - X), equal at L = 1.
-    sqrt against full: the transients are the same, so
-        peak(sqrt) - peak(full) = (seg - 1) A - (L - ceil(L/seg)) X
-        (exact when seg divides L; a shorter last segment can make sqrt's one X lower). sqrt lowers the peak
-        only when ceil(L/seg) block inputs + one segment's activations < L block inputs + one layer's, which
-        with seg ~ sqrt(L) is sqrt(L) > A/X: L > (A/X)^2. A/X = 16 + 2m/e + a s (2e + m)/(h e) + 4 e_ln/(h e)
-        is at least 18 on CPU and 17 in 16-bit on CUDA and grows with a s / h: below 17^2 = 289 layers at any
-        sequence length, and below thousands for long sequences, sqrt's peak is the higher one. The report
-        prints A/X and the first such L for its shapes and for a 16-bit CUDA layer of GPT-3 6.7B's size, and
-        measures both policies at that L for a tiny block. What sqrt does lower is the kept bytes: they add
-        up when several micro-batches' activations wait at once (pipeline schedules); the working set is
-        there once.
-
-Implementation notes. Non-reentrant `torch.utils.checkpoint` (use_reentrant=False) is used throughout: it
-works with inputs that do not require grad, with keyword arguments and nested checkpoints, supports
-`torch.autograd.grad`, and stops recomputation as soon as the needed tensors are rebuilt; the reentrant
-variant re-runs forward inside backward under a new graph and has none of these. Both restore the RNG
-state, so recomputed dropout masks are the original ones and gradients are bit-identical to no
-recomputation. Both measurements read one log of every storage's creation and release under a dispatch
-mode (weak references to the storages, so the SAC cache, invisible to saved-tensor hooks, is counted too; a CPU
-stand-in for the CUDA allocator's statistics): kept bytes are the storages created during forward and still
-alive when backward would start, plus the input, minus the output; the peak is the log's running maximum. Offloading
-(`torch.autograd.graph.save_on_cpu`) is the other lever: it keeps everything but moves it to host memory,
-costing PCIe bandwidth instead of FLOPs.
-
-Run `python checkpointing.py` for the table, `python checkpointing.py --json` for JSON.
+    python3 checkpointing.py [--json] [--long]     # kept bytes and FLOPs per policy beside the formulas
 """
 import argparse
 import gc
 import json
 import math
 import weakref
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -106,10 +65,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 from torch.utils.flop_counter import FlopCounterMode
-
-POLICIES = ("none", "full", "sqrt", "selective", "selective_sac")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -155,11 +112,72 @@ def make_blocks(layers, hidden, heads, seq_len, dropout=0.1, seed=0):
 
 
 # ----------------------------------------------------------------------------------------------------
-# The policies, for any nn.ModuleList of blocks
+# What one layer keeps under each policy, term by term (the docstring's table)
 # ----------------------------------------------------------------------------------------------------
+
+def layer_keeps_everything(b, s, h, a, e, mask, e_ln):
+    """Policy none: every tensor the block's autograd graph saves (e bytes an element, `mask` bytes a dropout
+    mask element, `e_ln` bytes a LayerNorm statistic)."""
+    sbh, as2b = s * b * h, a * s * s * b
+    return {"LN1 input": sbh * e, "QKV input (LN1 output)": sbh * e, "Q and K (matmul copies)": 2 * sbh * e,
+            "V (matmul copy)": sbh * e, "projection input": sbh * e, "projection dropout mask": sbh * mask,
+            "softmax output": as2b * e, "attention dropout mask": as2b * mask,
+            "attention dropout output (input of xV)": as2b * e,
+            "LN2 input": sbh * e, "fc1 input (LN2 output)": sbh * e, "GELU input": 4 * sbh * e,
+            "fc2 input": 4 * sbh * e, "MLP dropout mask": sbh * mask,
+            "LayerNorm mean and 1/std (2 LNs)": 4 * s * b * e_ln}
+
+
+def layer_keeps_all_but_the_attention_core(b, s, h, a, e, mask, e_ln):
+    """Policy selective: the s^2 terms go, and so do the core's Q, K and V copies (its matmuls' saved inputs);
+    the checkpointed core keeps its own inputs q, k, v instead: views of the QKV output, one 3 sbh storage."""
+    terms = layer_keeps_everything(b, s, h, a, e, mask, e_ln)
+    for name in ("Q and K (matmul copies)", "V (matmul copy)", "softmax output", "attention dropout mask",
+                 "attention dropout output (input of xV)"):
+        del terms[name]
+    terms["QKV output (the core's checkpointed inputs)"] = 3 * s * b * h * e
+    return terms
+
+
+def layer_keeps_its_input(b, s, h, a, e, mask, e_ln):
+    """Policy full: the checkpoint keeps the block's input, nothing else."""
+    return {"block input": s * b * h * e}
+
 
 def sqrt_segment_size(layers):
     return max(1, round(math.sqrt(layers)))
+
+
+def one_layer(layers):
+    return 1
+
+
+# ----------------------------------------------------------------------------------------------------
+# The policies, for any nn.ModuleList of blocks
+# ----------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Policy:
+    """A row of `POLICY_TABLE`: how `run_blocks` runs the policy, what `kept_bytes_per_layer` and
+    `training_flops` count for it."""
+    segment: Optional[Callable] = None  # L -> layers per checkpointed segment; None: no block is checkpointed
+    attention_core: bool = False  # checkpoint the attention core inside every block (`attention_core`)
+    kept: Optional[Callable] = None  # (b, s, h, a, e, mask, e_ln) -> {term: bytes} a layer keeps; None: per segment
+    recomputed_flops: Callable = lambda gemms, core: 0  # a layer's forward GEMM, core FLOPs -> FLOPs backward redoes
+    context_fn: Callable = noop_context_fn  # torch.utils.checkpoint's: what a checkpoint keeps of its segment
+    run: Optional[Callable] = None  # (blocks, x) -> output, for a policy of another kind (offloading, below)
+
+
+POLICY_TABLE = {
+    "none": Policy(kept=layer_keeps_everything),
+    "full": Policy(segment=one_layer, kept=layer_keeps_its_input, recomputed_flops=lambda gemms, core: gemms + core),
+    "sqrt": Policy(segment=sqrt_segment_size, recomputed_flops=lambda gemms, core: gemms + core),
+    # only QK^T is redone: the checkpointed core stops once softmax and dropout are rebuilt (no backward needs
+    # xV's output)
+    "selective": Policy(attention_core=True, kept=layer_keeps_all_but_the_attention_core,
+                        recomputed_flops=lambda gemms, core: core // 2),
+}
+POLICIES = tuple(POLICY_TABLE)
 
 
 def attention_core(block, core, *args):
@@ -188,39 +206,27 @@ def _as_args(state):
     return state if isinstance(state, tuple) else (state,)
 
 
-def _gemm_outputs_only(ctx, op, *args, **kwargs):
-    """torchtitan-style op-level SAC: cache the projection GEMMs, recompute everything else."""
-    if op in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default):
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
 def run_blocks(blocks, x, policy="none"):
-    """Forward through `blocks` with one recomputation policy. `x` is the hidden state, or a tuple of tensors
-    that every block takes as arguments and returns (see `_call`)."""
-    if policy not in POLICIES:
-        raise ValueError(f"policy={policy!r}; choose one of {POLICIES}")
+    """Forward through `blocks` with one policy: a name in `POLICY_TABLE`, or a `Policy`. `x` is the hidden
+    state, or a tuple of tensors that every block takes as arguments and returns (see `_call`)."""
+    rule = policy if isinstance(policy, Policy) else POLICY_TABLE.get(policy)
+    if rule is None:
+        raise ValueError(f"policy={policy!r}; choose one of {tuple(POLICY_TABLE)}")
+    if rule.run is not None:
+        return rule.run(blocks, x)
     for block in blocks:
-        block.recompute_attention_core = policy == "selective"
-    if policy in ("none", "selective"):
+        block.recompute_attention_core = rule.attention_core
+    if rule.segment is None:
         return _run_segment(blocks, *_as_args(x))
-    if policy == "full":
-        for i in range(len(blocks)):
-            x = checkpoint(_run_segment, blocks[i:i + 1], *_as_args(x), use_reentrant=False)
-        return x
-    if policy == "sqrt":
-        seg = sqrt_segment_size(len(blocks))
-        for start in range(0, len(blocks), seg):
-            x = checkpoint(_run_segment, blocks[start:start + seg], *_as_args(x), use_reentrant=False)
-        return x
-    for i in range(len(blocks)):  # selective_sac
-        x = checkpoint(_run_segment, blocks[i:i + 1], *_as_args(x), use_reentrant=False,
-                       context_fn=lambda: create_selective_checkpoint_contexts(_gemm_outputs_only))
+    size = rule.segment(len(blocks))
+    for start in range(0, len(blocks), size):  # each segment keeps its input; backward recomputes the rest
+        x = checkpoint(_run_segment, blocks[start:start + size], *_as_args(x), use_reentrant=False,
+                       context_fn=rule.context_fn)
     return x
 
 
 # ----------------------------------------------------------------------------------------------------
-# The formulas
+# The formulas: kept bytes and FLOPs per policy
 # ----------------------------------------------------------------------------------------------------
 
 def kept_bytes_per_layer(policy, b, s, h, a, e, device="cpu"):
@@ -229,31 +235,12 @@ def kept_bytes_per_layer(policy, b, s, h, a, e, device="cpu"):
     Device-dependent details of PyTorch's kernels: on CUDA dropout keeps a bool mask (1 byte) and LayerNorm
     FP32 statistics; on CPU dropout is `x * bernoulli_mask` with the mask in x's dtype, and LayerNorm keeps
     its statistics in x's dtype."""
+    kept = POLICY_TABLE[policy].kept if policy in POLICY_TABLE else None
+    if kept is None:
+        raise ValueError(f"per-layer bytes are not defined for policy {policy!r}; use kept_bytes()")
     mask = 1 if device == "cuda" else e
     e_ln = 4 if device == "cuda" else e
-    sbh = s * b * h
-    attention_s2 = {"softmax output": a * s * s * b * e, "attention dropout mask": a * s * s * b * mask,
-                    "attention dropout output (input of xV)": a * s * s * b * e}
-    attention_sbh = {"LN1 input": sbh * e, "QKV input (LN1 output)": sbh * e, "Q and K (matmul copies)": 2 * sbh * e,
-                     "V (matmul copy)": sbh * e, "projection input": sbh * e, "projection dropout mask": sbh * mask}
-    mlp = {"LN2 input": sbh * e, "fc1 input (LN2 output)": sbh * e, "GELU input": 4 * sbh * e,
-           "fc2 input": 4 * sbh * e, "MLP dropout mask": sbh * mask}
-    ln_stats = {"LayerNorm mean and 1/std (2 LNs)": 4 * s * b * e_ln}
-    if policy == "none":
-        terms = {**attention_sbh, **attention_s2, **mlp, **ln_stats}
-    elif policy == "selective":
-        # the checkpointed core keeps its inputs q, k, v: views of the QKV output, one 3 sbh storage
-        terms = {**attention_sbh, **mlp, **ln_stats}
-        del terms["Q and K (matmul copies)"], terms["V (matmul copy)"]
-        terms["QKV output (the core's checkpointed inputs)"] = 3 * sbh * e
-    elif policy == "selective_sac":
-        terms = {"block input": sbh * e, "QKV GEMM output": 3 * sbh * e, "projection GEMM output": sbh * e,
-                 "fc1 GEMM output": 4 * sbh * e, "fc2 GEMM output": sbh * e}
-    elif policy == "full":
-        terms = {"block input": sbh * e}
-    else:
-        raise ValueError(f"per-layer bytes are not defined for policy {policy!r}; use kept_bytes()")
-    return terms
+    return kept(b, s, h, a, e, mask, e_ln)
 
 
 def kept_bytes(policy, layers, b, s, h, a, e, device="cpu"):
@@ -261,6 +248,151 @@ def kept_bytes(policy, layers, b, s, h, a, e, device="cpu"):
         return math.ceil(layers / sqrt_segment_size(layers)) * s * b * h * e
     return layers * sum(kept_bytes_per_layer(policy, b, s, h, a, e, device).values())
 
+
+def korthikanti_bytes_per_layer(policy, b, s, h, a):
+    """The paper's 16-bit figures, for comparison (no TP: t = 1)."""
+    return {"none": s * b * h * (34 + 5 * a * s / h), "selective": 34 * s * b * h, "full": 2 * s * b * h}.get(policy)
+
+
+def training_flops(policy, layers, b, s, h):
+    """Matmul FLOPs of forward + backward (+ recomputation) for `layers` blocks."""
+    gemms = 24 * b * s * h * h          # QKV 6, projection 2, fc1 8, fc2 8
+    core = 4 * b * s * s * h            # QK^T 2, xV 2
+    step = 3 * (gemms + core)           # backward = 2 x forward
+    return layers * (step + POLICY_TABLE[policy].recomputed_flops(gemms, core))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Measuring: storages alive between forward and backward, FLOPs of a training step
+# ----------------------------------------------------------------------------------------------------
+
+class _AllocationLog(TorchDispatchMode):
+    """Log, in order, every storage an op creates (+bytes) and its release (-bytes, from a weak reference to the
+    storage object, which PyTorch keeps for the storage's whole life). Outputs on a storage already logged or
+    `foreign` (created before: parameters, buffers, inputs) are views or in-place results, not new memory. A CPU
+    stand-in for the CUDA allocator's statistics: it sees the tensors ops return, not a kernel's scratch."""
+
+    def __init__(self, foreign=()):
+        super().__init__()
+        self.events, self.serial_of, self._refs, self._foreign = [], {}, {}, set(foreign)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = id(storage)  # unique while alive; the entry goes when the storage does
+                if key not in self.serial_of and key not in self._foreign:
+                    serial, nbytes = len(self.events), storage.nbytes()
+                    self.serial_of[key] = serial
+                    self.events.append((serial, nbytes))
+                    self._refs[key] = weakref.ref(storage, lambda _, k=key, n=nbytes: self._free(k, n))
+        return out
+
+    def _free(self, key, nbytes):
+        self.events.append((self.serial_of.pop(key), -nbytes))
+        del self._refs[key]
+
+
+def measure_kept_bytes(blocks, x, policy):
+    """Bytes alive between the end of forward and the start of backward: storages created in forward and
+    still referenced (by autograd, a checkpoint or the SAC cache), plus the input, minus the output.
+    `x` may be a tuple state (see `run_blocks`): its first tensor is the hidden state that is counted."""
+    state = tuple(t.detach() for t in _as_args(x))
+    state[0].requires_grad_(True)
+    # views of parameters, buffers (the causal mask) and the input are not activations
+    foreign = {id(t.untyped_storage()) for t in list(blocks.parameters()) + list(blocks.buffers()) + list(state)}
+    with _AllocationLog(foreign) as log:
+        y = run_blocks(blocks, state if isinstance(x, tuple) else state[0], policy)
+    gc.collect()
+    alive = {key: log.events[serial][1] for key, serial in log.serial_of.items()}  # created, not yet freed
+    for out in _as_args(y):
+        alive.pop(id(out.untyped_storage()), None)
+    return sum(alive.values()) + state[0].untyped_storage().nbytes(), y
+
+
+def measure_flops(blocks, x, policy):
+    x = x.detach().requires_grad_(True)
+    with FlopCounterMode(display=False) as counter:
+        run_blocks(blocks, x, policy).sum().backward()
+    return counter.get_total_flops()
+
+
+def gradients(blocks, x, policy, seed=1234):
+    """Input and parameter gradients of one forward/backward under a fixed dropout seed."""
+    x = x.detach().requires_grad_(True)
+    for p in blocks.parameters():
+        p.grad = None
+    torch.manual_seed(seed)
+    out = run_blocks(blocks, x, policy)
+    out.backward(torch.ones_like(out))
+    return [x.grad] + [p.grad.clone() for p in blocks.parameters()]
+
+
+# BEYOND THE CHAPTER: op-level selective checkpointing, the forward+backward peak, sqrt against full, offloading
+
+# ----------------------------------------------------------------------------------------------------
+# Op-level selective checkpointing (`selective_sac`): one more row of the policy table
+# ----------------------------------------------------------------------------------------------------
+# The idea of `selective` with PyTorch's selective-checkpoint policy API (torchtitan's op-level SAC): the whole
+# block is checkpointed (one layer a segment, as under full), the outputs of its projection GEMMs (aten.addmm and
+# aten.mm) are cached, every other op is recomputed. Kept: the block input and the 4 GEMM outputs,
+# s b h (1 + 3 + 1 + 4 + 1) e = 10 s b h e, less than `selective`, because LayerNorm, GELU and dropout are
+# recomputed as well (cheap element-wise work, which FlopCounterMode does not count). FLOPs: both core matmuls
+# are redone, 4 b s^2 h a layer: xV's output is the input of the cached projection GEMM, whose saved copy the
+# backward needs. A checkpoint around the attention core needs a block that exposes its core; the policy API
+# works on any block, picks ops by name and caches whole op outputs. The SAC cache is invisible to saved-tensor
+# hooks; `_AllocationLog` sees it because it follows the storages themselves.
+
+def _gemm_outputs_only(ctx, op, *args, **kwargs):
+    """torchtitan-style op-level SAC: cache the projection GEMMs, recompute everything else."""
+    if op in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def layer_keeps_its_input_and_gemm_outputs(b, s, h, a, e, mask, e_ln):
+    """Policy selective_sac: the checkpoint's input and the cache of the four projection GEMMs' outputs."""
+    sbh = s * b * h
+    return {"block input": sbh * e, "QKV GEMM output": 3 * sbh * e, "projection GEMM output": sbh * e,
+            "fc1 GEMM output": 4 * sbh * e, "fc2 GEMM output": sbh * e}
+
+
+POLICY_TABLE["selective_sac"] = Policy(
+    segment=one_layer, kept=layer_keeps_its_input_and_gemm_outputs, recomputed_flops=lambda gemms, core: core,
+    context_fn=lambda: create_selective_checkpoint_contexts(_gemm_outputs_only))
+POLICIES = tuple(POLICY_TABLE)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The forward+backward peak: kept bytes + what a recomputation holds at once + a transient
+# ----------------------------------------------------------------------------------------------------
+# Kept bytes are not the peak. Backward recomputes one unit at a time and holds all of its activations at once on
+# top of the kept bytes: one layer under `full`, a whole segment under `sqrt`. With A = one layer's `none` bytes
+# and X = s b h e (one block input), the forward+backward peak is (`peak_bytes`, term by term in
+# `peak_bytes_terms`)
+#
+#     peak = kept + W + T
+#     W, recomputed and alive at once:  none 0;  full A - X;  sqrt seg A - X;  selective, in the attention
+#           backward only, the core's q, k, v copies and s^2 tensors, 3X + a s^2 b (2 e + m);  selective_sac
+#           A - X less its cached fc1 output (4X).
+#     T, the transient at the largest of a block's moments (CPU kernels; b > 1 and a > 1):
+#           end of its forward or recomputation, +5X: the QKV output (3X) and the attention output (X), held by
+#               forward's local variables although autograd saved copies, and fc2's output before dropout;
+#               (+2X under `selective`, which keeps the QKV output anyway)
+#           MLP backward, +4X: the gradients through the dropout (X, its mask freed) and of the fc2 input (4X);
+#           attention backward, + a s^2 b e + 3X - 13X - 2 s b e_ln: the probabilities' gradient and three
+#               s b h gradients, the layer's MLP and projection tensors already freed: above the end of the
+#               forward once a s / h exceeds about 15 (long sequences).
+#     `peak_bytes_terms` also covers selective_sac (its cache frees each cached output once used; recomputing
+#     the attention core is a fourth moment), b = 1 or a = 1 (`matmul_copies`: some reshapes are views) and a
+#     shorter last sqrt segment.
+#
+# `measure_peak_bytes` counts every storage created during forward and backward from creation to release,
+# parameter gradients excluded; it equals `peak_bytes` to the byte for every policy, dtype and shape the tests
+# try. The transients are those of PyTorch's CPU kernels; CUDA's fused dropout and FP32 LayerNorm statistics
+# change them in detail, not W. One consequence, checked by the tests: full never peaks above none,
+# peak(none) - peak(full) = (L - 1)(A - X), equal at L = 1.
 
 def matmul_copies(b, a):
     """Which of the block's reshapes copy, as PyTorch's matmul does them (the rest are views). q, k and v are
@@ -332,89 +464,6 @@ def peak_bytes(policy, layers, b, s, h, a, e):
     return kept_bytes(policy, layers, b, s, h, a, e) + work + transient, moment, work, transient
 
 
-def sqrt_lowers_peak(layers, layer_bytes, input_bytes):
-    """Whether sqrt's peak is below full's: ceil(L / seg) kept inputs + one segment's activations against L kept
-    inputs + one layer's (each less the recomputed unit's kept input; the transients are the same). Exact when
-    seg divides L; with a shorter last segment sqrt's peak can be one input lower still (`peak_bytes_terms`)."""
-    seg = sqrt_segment_size(layers)
-    return math.ceil(layers / seg) * input_bytes + seg * layer_bytes < layers * input_bytes + layer_bytes
-
-
-def first_layers_where_sqrt_lowers_peak(layer_bytes, input_bytes):
-    """The smallest L for which `sqrt_lowers_peak`: about (A / X)^2, A one layer's activations, X its input."""
-    layers = 1
-    while not sqrt_lowers_peak(layers, layer_bytes, input_bytes):
-        layers += 1
-    return layers
-
-
-def korthikanti_bytes_per_layer(policy, b, s, h, a):
-    """The paper's 16-bit figures, for comparison (no TP: t = 1)."""
-    return {"none": s * b * h * (34 + 5 * a * s / h), "selective": 34 * s * b * h, "full": 2 * s * b * h}.get(policy)
-
-
-def training_flops(policy, layers, b, s, h):
-    """Matmul FLOPs of forward + backward (+ recomputation) for `layers` blocks."""
-    gemms = 24 * b * s * h * h          # QKV 6, projection 2, fc1 8, fc2 8
-    core = 4 * b * s * s * h            # QK^T 2, xV 2
-    step = 3 * (gemms + core)           # backward = 2 x forward
-    # non-reentrant checkpointing stops recomputing once every tensor backward needs is rebuilt: in the
-    # checkpointed attention core that is after softmax and dropout, so xV (whose output backward does not
-    # need) is skipped and only QK^T (2 b s^2 h) is redone. SAC must rebuild xV's output too (it is the input
-    # of the cached projection GEMM's saved copy), so it redoes both core matmuls.
-    extra = {"none": 0, "full": gemms + core, "sqrt": gemms + core, "selective": core // 2, "selective_sac": core}
-    return layers * (step + extra[policy])
-
-
-# ----------------------------------------------------------------------------------------------------
-# Measuring: storages alive between forward and backward, FLOPs of a training step
-# ----------------------------------------------------------------------------------------------------
-
-class _AllocationLog(TorchDispatchMode):
-    """Log, in order, every storage an op creates (+bytes) and its release (-bytes, from a weak reference to the
-    storage object, which PyTorch keeps for the storage's whole life). Outputs on a storage already logged or
-    `foreign` (created before: parameters, buffers, inputs) are views or in-place results, not new memory. A CPU
-    stand-in for the CUDA allocator's statistics: it sees the tensors ops return, not a kernel's scratch."""
-
-    def __init__(self, foreign=()):
-        super().__init__()
-        self.events, self.serial_of, self._refs, self._foreign = [], {}, {}, set(foreign)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key = id(storage)  # unique while alive; the entry goes when the storage does
-                if key not in self.serial_of and key not in self._foreign:
-                    serial, nbytes = len(self.events), storage.nbytes()
-                    self.serial_of[key] = serial
-                    self.events.append((serial, nbytes))
-                    self._refs[key] = weakref.ref(storage, lambda _, k=key, n=nbytes: self._free(k, n))
-        return out
-
-    def _free(self, key, nbytes):
-        self.events.append((self.serial_of.pop(key), -nbytes))
-        del self._refs[key]
-
-
-def measure_kept_bytes(blocks, x, policy):
-    """Bytes alive between the end of forward and the start of backward: storages created in forward and
-    still referenced (by autograd, a checkpoint or the SAC cache), plus the input, minus the output.
-    `x` may be a tuple state (see `run_blocks`): its first tensor is the hidden state that is counted."""
-    state = tuple(t.detach() for t in _as_args(x))
-    state[0].requires_grad_(True)
-    # views of parameters, buffers (the causal mask) and the input are not activations
-    foreign = {id(t.untyped_storage()) for t in list(blocks.parameters()) + list(blocks.buffers()) + list(state)}
-    with _AllocationLog(foreign) as log:
-        y = run_blocks(blocks, state if isinstance(x, tuple) else state[0], policy)
-    gc.collect()
-    alive = {key: log.events[serial][1] for key, serial in log.serial_of.items()}  # created, not yet freed
-    for out in _as_args(y):
-        alive.pop(id(out.untyped_storage()), None)
-    return sum(alive.values()) + state[0].untyped_storage().nbytes(), y
-
-
 def measure_peak_bytes(blocks, x, policy):
     """The most bytes of activations and their gradients alive at once in one forward and backward: every
     storage created meanwhile, from its creation until it is freed, but the parameters' gradients (parameter
@@ -446,26 +495,204 @@ def measure_peak_bytes(blocks, x, policy):
     return peak
 
 
-def measure_flops(blocks, x, policy):
-    x = x.detach().requires_grad_(True)
-    with FlopCounterMode(display=False) as counter:
-        run_blocks(blocks, x, policy).sum().backward()
-    return counter.get_total_flops()
+# ----------------------------------------------------------------------------------------------------
+# sqrt against full: where sqrt's peak is the lower one
+# ----------------------------------------------------------------------------------------------------
+# The transients of sqrt and full are the same, so
+#
+#     peak(sqrt) - peak(full) = (seg - 1) A - (L - ceil(L/seg)) X
+#
+# (exact when seg divides L; a shorter last segment can make sqrt's one X lower). sqrt lowers the peak only when
+# ceil(L/seg) block inputs + one segment's activations < L block inputs + one layer's, which with seg ~ sqrt(L) is
+# sqrt(L) > A/X: L > (A/X)^2. A/X = 16 + 2m/e + a s (2e + m)/(h e) + 4 e_ln/(h e) is at least 18 on CPU and 17 in
+# 16-bit on CUDA and grows with a s / h: below 17^2 = 289 layers at any sequence length, and below thousands for
+# long sequences, sqrt's peak is the higher one. The demo prints A/X and the first such L for its shapes and for a
+# 16-bit CUDA layer of GPT-3 6.7B's size, and with --long measures both policies at that L for a tiny block. What
+# sqrt does lower is the kept bytes: they add up when several micro-batches' activations wait at once (pipeline
+# schedules); the working set is there once.
+
+def sqrt_lowers_peak(layers, layer_bytes, input_bytes):
+    """Whether sqrt's peak is below full's: ceil(L / seg) kept inputs + one segment's activations against L kept
+    inputs + one layer's (each less the recomputed unit's kept input; the transients are the same). Exact when
+    seg divides L; with a shorter last segment sqrt's peak can be one input lower still (`peak_bytes_terms`)."""
+    seg = sqrt_segment_size(layers)
+    return math.ceil(layers / seg) * input_bytes + seg * layer_bytes < layers * input_bytes + layer_bytes
 
 
-def gradients(blocks, x, policy, seed=1234):
-    """Input and parameter gradients of one forward/backward under a fixed dropout seed."""
-    x = x.detach().requires_grad_(True)
-    for p in blocks.parameters():
-        p.grad = None
-    torch.manual_seed(seed)
-    out = run_blocks(blocks, x, policy)
-    out.backward(torch.ones_like(out))
-    return [x.grad] + [p.grad.clone() for p in blocks.parameters()]
+def first_layers_where_sqrt_lowers_peak(layer_bytes, input_bytes):
+    """The smallest L for which `sqrt_lowers_peak`: about (A / X)^2, A one layer's activations, X its input."""
+    layers = 1
+    while not sqrt_lowers_peak(layers, layer_bytes, input_bytes):
+        layers += 1
+    return layers
 
 
 # ----------------------------------------------------------------------------------------------------
-# The report
+# Activation offloading: what autograd saves waits in host memory instead of being recomputed
+# ----------------------------------------------------------------------------------------------------
+# The other lever: keep every saved tensor, but not on the device. Under `offload` each block's saved tensors
+# (autograd's, caught by torch.autograd.graph.saved_tensors_hooks; parameters and buffers stay) are copied to host
+# memory during the block's forward and copied back before the block's backward. The copies are exact and keep
+# their strides (so the backward runs the same kernels): the gradients are bit-identical to none's.
+# `selective+offload` recomputes the attention core as `selective` does and offloads the rest: the s^2 terms never
+# cross the bus. With K the bytes the policy underneath keeps (`kept_bytes` of none or selective), a step has
+#
+#     device-resident activations   X = s b h e, the caller's input (all the rest waits on the host)
+#     copied to the host (forward)  K, and the same K back (backward): in 16-bit s b h (34 + 5 a s / h) a layer
+#                                   under offload, 34 s b h under selective+offload
+#
+# On CUDA the host copies are pinned and made on a side stream, so the forward does not wait for them; the
+# backward of block i waits for block i's copies only, and starts block i-1's (the next backward) at once. On CPU
+# the "host" copy is a separate CPU tensor, which `measure_kept_bytes` counts too (`measure_offload` subtracts
+# it). Offloading spends bus time instead of FLOPs: a layer's copy out hides behind its forward when
+# K_layer / B_pcie <= F_layer / rate (the copy back has the backward, twice as long); otherwise the step waits for
+# the difference, and once that wait exceeds a recomputed forward, F_layer / rate, recomputation is the cheaper
+# way to free the memory (`offload_or_recompute`). These hooks do not combine with full or sqrt recomputation
+# (a checkpoint would offload only its segment's input, already the least there is), and one backward brings the
+# activations back once (no retain_graph).
+
+OFFLOADED = {"offload": "none", "selective+offload": "selective"}  # offload policy -> recomputation underneath
+
+
+class ActivationOffload:
+    """Saved-tensor hooks that keep each block's saved activations on the host from its forward to its backward.
+    `hooks(i)` is the context for block i's forward. Tensors on the storage of one of `stay` (the parameters and
+    buffers) are no activations and stay where they are. Counts the bytes copied each way."""
+
+    def __init__(self, stay=()):
+        self.stay = {t.untyped_storage().data_ptr() for t in stay}
+        self.host = {}  # block -> the host copies of its saved tensors, in saving order
+        self.back = {}  # block -> {slot: a saved tensor back on the device}, until autograd unpacks it
+        self.ready = {}  # block -> a CUDA event: its copies back are done
+        self.streams = {}  # device -> the side stream the copies run on
+        self.bytes_to_host = self.bytes_to_device = 0
+
+    def hooks(self, index):
+        return torch.autograd.graph.saved_tensors_hooks(lambda tensor: self.pack(index, tensor), self.unpack)
+
+    def side_stream(self, device):
+        if device not in self.streams:
+            self.streams[device] = torch.cuda.Stream(device)
+        return self.streams[device]
+
+    def pack(self, index, tensor):
+        if tensor.untyped_storage().data_ptr() in self.stay:
+            return tensor
+        host = torch.empty_like(tensor, device="cpu", pin_memory=tensor.is_cuda)  # a dense layout keeps its strides
+        if tensor.is_cuda:
+            stream = self.side_stream(tensor.device)
+            stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the tensor is computed
+            with torch.cuda.stream(stream):
+                host.copy_(tensor, non_blocking=True)
+            tensor.record_stream(stream)  # its memory is not reused before the copy has read it
+        else:
+            host.copy_(tensor)
+        self.host.setdefault(index, []).append(host)
+        self.bytes_to_host += tensor.numel() * tensor.element_size()
+        return index, len(self.host[index]) - 1, tensor.device
+
+    def bring_back(self, index, device):
+        """Copy block `index`'s saved tensors back to `device` (on CUDA on the side stream, recording an event)."""
+        copies = self.host.pop(index)
+        if device.type == "cuda":
+            stream = self.side_stream(device)
+            with torch.cuda.stream(stream):
+                back = [torch.empty_like(h, device=device).copy_(h, non_blocking=True) for h in copies]
+            self.ready[index] = stream.record_event()
+        else:
+            back = [torch.empty_like(h, device=device).copy_(h) for h in copies]
+        self.back[index] = dict(enumerate(back))
+        self.bytes_to_device += sum(h.numel() * h.element_size() for h in copies)
+
+    def unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        index, slot, device = packed
+        if index in self.host:  # block index's backward begins, and its tensors were not prefetched
+            self.bring_back(index, device)
+        if device.type == "cuda" and index - 1 in self.host:  # block index - 1's backward is next: prefetch it
+            self.bring_back(index - 1, device)
+        if slot not in self.back.get(index, {}):
+            raise RuntimeError("offloaded activations come back once: a second backward (retain_graph) cannot "
+                               "use them")
+        tensor = self.back[index].pop(slot)
+        if device.type == "cuda":
+            current = torch.cuda.current_stream(device)
+            current.wait_event(self.ready[index])
+            tensor.record_stream(current)  # allocated on the side stream, used on this one
+        return tensor
+
+
+def run_offloaded(blocks, x, recompute="none", offload=None):
+    """`run_blocks` with `recompute` (none or selective), one block at a time under `offload`'s hooks (a new
+    `ActivationOffload` by default)."""
+    if recompute not in OFFLOADED.values():
+        raise ValueError(f"recompute={recompute!r}: offloading runs over one of {tuple(OFFLOADED.values())}")
+    if offload is None:
+        offload = ActivationOffload([t for block in blocks for t in (*block.parameters(), *block.buffers())])
+    for index in range(len(blocks)):
+        with offload.hooks(index):
+            x = run_blocks(blocks[index:index + 1], x, recompute)
+    return x
+
+
+# run_blocks(blocks, x, "offload") and (..., "selective+offload"); POLICIES keeps listing the recomputations only
+POLICY_TABLE["offload"] = Policy(run=lambda blocks, x: run_offloaded(blocks, x, "none"))
+POLICY_TABLE["selective+offload"] = Policy(run=lambda blocks, x: run_offloaded(blocks, x, "selective"),
+                                           recomputed_flops=POLICY_TABLE["selective"].recomputed_flops)
+
+
+def offload_bytes(policy, layers, b, s, h, a, e, device="cpu"):
+    """The formula: device-resident activation bytes, bytes copied to the host and back in one step."""
+    moved = kept_bytes(OFFLOADED[policy], layers, b, s, h, a, e, device)
+    return {"device_resident": s * b * h * e, "to_host": moved, "to_device": moved}
+
+
+def measure_offload(blocks, x, policy):
+    """The same, measured in one forward and backward: the storages alive between them (`measure_kept_bytes`)
+    less the host copies, and the bytes `ActivationOffload` copied each way."""
+    offload = ActivationOffload([*blocks.parameters(), *blocks.buffers()])
+    run = Policy(run=lambda blocks, x: run_offloaded(blocks, x, OFFLOADED[policy], offload))
+    kept, y = measure_kept_bytes(blocks, x, run)
+    on_host = offload.bytes_to_host  # every copy is still there before the backward
+    y.backward(torch.ones_like(y))
+    return {"device_resident": kept - on_host, "to_host": offload.bytes_to_host, "to_device": offload.bytes_to_device}
+
+
+def offload_or_recompute(b, s, h, a, e=2, pcie_bytes_per_s=25e9, flops_per_s=400e12, device="cuda"):
+    """Per layer and offload policy: the copy's time K_layer / B_pcie against the forward's F_layer / rate that
+    it hides behind, the wait if it does not, the bus bandwidth from which it would, and the verdict: offloading
+    is free, or cheaper than recomputing a forward, or recomputation wins."""
+    forward = (24 * b * s * h * h + 4 * b * s * s * h) / flops_per_s
+    rows = []
+    for policy, recompute in OFFLOADED.items():
+        layer = sum(kept_bytes_per_layer(recompute, b, s, h, a, e, device).values())
+        copy = layer / pcie_bytes_per_s
+        wait = max(0.0, copy - forward) + max(0.0, copy - 2 * forward)  # the copy out, the copy back
+        verdict = "offload free" if wait == 0 else "offload, waiting" if wait < forward else "recomputation wins"
+        rows.append({"policy": policy, "layer_bytes": layer, "copy_s": copy, "forward_s": forward, "wait_s": wait,
+                     "free_from_bytes_per_s": layer / forward, "verdict": verdict})
+    return rows
+
+
+def offload_against_formulas(blocks, x, a, pcie_bytes_per_s=25e9, flops_per_s=400e12):
+    """Per offload policy on `blocks`: gradients against none's, bytes measured beside `offload_bytes`; then
+    `offload_or_recompute` for this shape and a GPT-3 6.7B-sized layer, 16-bit on CUDA."""
+    (b, s, h), layers, e = x.shape, len(blocks), x.element_size()
+    reference = gradients(blocks, x, "none")
+    rows = [{"policy": policy, "gradients_identical": all(
+                torch.equal(r, g) for r, g in zip(reference, gradients(blocks, x, policy))),
+             "measured": measure_offload(blocks, x, policy), "formula": offload_bytes(policy, layers, b, s, h, a, e)}
+            for policy in OFFLOADED]
+    shapes = {"report": (b, s, h, a), "gpt3_6.7b": (1, 2048, 4096, 32)}
+    timing = {name: {"shape": dict(zip("bsha", shape)),
+                     "rows": offload_or_recompute(*shape, 2, pcie_bytes_per_s, flops_per_s)}
+              for name, shape in shapes.items()}
+    return {"rows": rows, "pcie_bytes_per_s": pcie_bytes_per_s, "flops_per_s": flops_per_s, "timing": timing}
+
+
+# ----------------------------------------------------------------------------------------------------
+# The report: the chapter's measurements first, then the peaks, the L sweep and sqrt against full
 # ----------------------------------------------------------------------------------------------------
 
 def _check_report_args(layers, b, s, h, a, dropout, sweep):
@@ -473,7 +700,7 @@ def _check_report_args(layers, b, s, h, a, dropout, sweep):
                               ("h", "--hidden", h), ("a", "--heads", a)):
         if value < 1:  # else a division by zero or a math domain error deep in the formulas
             raise ValueError(f"{name}={value} must be a positive integer ({flag})")
-    if not sweep or min(sweep) < 1:
+    if sweep is not None and (not sweep or min(sweep) < 1):  # None: no sweep
         raise ValueError(f"sweep={sweep!r}: give one or more layer counts >= 1 (--sweep)")
     if not 0.0 < dropout < 1.0:  # p = 0 keeps no masks, and the formulas count them: every figure would differ
         raise ValueError(f"dropout={dropout!r} must be in (0, 1): the formulas printed beside the measurements "
@@ -519,8 +746,11 @@ def kept_bytes_against_layers(sweep, shape, dtype, dropout):
     return {"config": {**shape, "dtype": str(dtype).replace("torch.", "")}, "rows": rows, "growth_exponent": exponents}
 
 
-def report(layers=4, b=2, s=64, h=64, a=4, dropout=0.1, dtype=torch.float32, sweep=(4, 16, 64), crossover=True):
-    """Every measurement the demo prints, as one dict (what --json writes)."""
+def report(layers=4, b=2, s=64, h=64, a=4, dropout=0.1, dtype=torch.float32, sweep=(4, 16, 64), crossover=True,
+           pcie_bytes_per_s=25e9, flops_per_s=400e12):
+    """Every measurement the demo prints, as one dict (what --json writes). `sweep=None` skips the L sweep,
+    `crossover=False` the measurement at the first L where sqrt's peak is lower (its formula stays); the bus
+    bandwidth and the GPU's rate are those `offload_or_recompute` weighs."""
     _check_report_args(layers, b, s, h, a, dropout, sweep)
     e = torch.empty(0, dtype=dtype).element_size()
     x = torch.randn(b, s, h, dtype=dtype, generator=torch.Generator().manual_seed(0))
@@ -530,8 +760,9 @@ def report(layers=4, b=2, s=64, h=64, a=4, dropout=0.1, dtype=torch.float32, swe
     return {"config": {"layers": layers, "batch": b, "seq": s, "hidden": h, "heads": a, "dropout": dropout,
                        "dtype": str(dtype).replace("torch.", ""), "bytes_per_element": e},
             "rows": policies_against_formulas(blocks, x, a),
-            "sweep": kept_bytes_against_layers(sweep, small, dtype, dropout),
-            "sqrt_vs_full": sqrt_vs_full(dict(b=b, s=s, h=h, a=a), small, e, dtype, dropout, measure=crossover)}
+            "sweep": None if sweep is None else kept_bytes_against_layers(sweep, small, dtype, dropout),
+            "sqrt_vs_full": sqrt_vs_full(dict(b=b, s=s, h=h, a=a), small, e, dtype, dropout, measure=crossover),
+            "offload": offload_against_formulas(blocks, x, a, pcie_bytes_per_s, flops_per_s)}
 
 
 def sqrt_vs_full(shape, sweep_shape, e, dtype=torch.float32, dropout=0.1, measure=True):
@@ -557,8 +788,8 @@ def sqrt_vs_full(shape, sweep_shape, e, dtype=torch.float32, dropout=0.1, measur
 
 def show_kept_bytes_and_flops(r):
     c = r["config"]
-    print(f"== L={c['layers']} blocks, b={c['batch']}, s={c['seq']}, h={c['hidden']}, a={c['heads']}, "
-          f"{c['dtype']}, dropout {c['dropout']}")
+    print(f"== the chapter: L={c['layers']} blocks, b={c['batch']}, s={c['seq']}, h={c['hidden']}, a={c['heads']}, "
+          f"{c['dtype']}, dropout {c['dropout']}: kept bytes and FLOPs, measured beside the formulas")
     print(f"{'policy':14s} {'kept bytes':>11s} {'formula':>11s} {'paper 16-bit':>12s} {'MFLOP':>9s} "
           f"{'formula':>9s} {'vs none':>8s}")
     base = r["rows"][0]["flops"]
@@ -566,15 +797,6 @@ def show_kept_bytes_and_flops(r):
         paper = "" if row["korthikanti_16bit_bytes"] is None else f"{row['korthikanti_16bit_bytes']:.0f}"
         print(f"{row['policy']:14s} {row['saved_bytes']:11d} {row['formula_bytes']:11d} {paper:>12s} "
               f"{row['flops'] / 1e6:9.2f} {row['formula_flops'] / 1e6:9.2f} {row['flops'] / base - 1:+8.1%}")
-
-
-def show_peak_is_kept_plus_working_set_plus_transient(r):
-    print("\nforward+backward peak: measured | formula = kept + W (recomputed, alive at once) + T (transient), "
-          "at the moment it occurs")
-    for row in r["rows"]:
-        print(f"{row['policy']:14s} {row['peak_bytes']:9d} | {row['formula_peak_bytes']:9d} = "
-              f"{row['formula_bytes']:9d} + {row['peak_working_set']:8d} + {row['peak_transient']:7d}   "
-              f"{row['peak_moment']}")
 
 
 def show_per_layer_terms_against_the_paper(r):
@@ -592,8 +814,20 @@ def show_per_layer_terms_against_the_paper(r):
           "LayerNorm statistics, which the paper leaves out")
 
 
+def show_peak_is_kept_plus_working_set_plus_transient(r):
+    print("\n== beyond the chapter: the forward+backward peak, measured | formula = kept + W (recomputed, alive at "
+          "once) + T (transient), at the moment it occurs")
+    for row in r["rows"]:
+        print(f"{row['policy']:14s} {row['peak_bytes']:9d} | {row['formula_peak_bytes']:9d} = "
+              f"{row['formula_bytes']:9d} + {row['peak_working_set']:8d} + {row['peak_transient']:7d}   "
+              f"{row['peak_moment']}")
+
+
 def show_kept_bytes_against_layers(r):
     sw = r["sweep"]
+    if sw is None:
+        print("\n(--long or --sweep: kept bytes and peaks against L, sqrt's growing as sqrt(L))")
+        return
     print(f"\n== kept bytes and peak against L (b={sw['config']['b']}, s={sw['config']['s']}, "
           f"h={sw['config']['h']}): measured (formula)")
     for row in sw["rows"]:
@@ -617,15 +851,36 @@ def show_where_sqrt_lowers_the_peak(r):
             line += (f"; measured there: full {case['full_peak']} ({case['full_peak_formula']}), "
                      f"sqrt {case['sqrt_peak']} ({case['sqrt_peak_formula']})")
         print(line)
+    if "sqrt_peak" not in r["sqrt_vs_full"]["tiny"]:
+        print("   (--long measures full and sqrt at the tiny block's first L)")
+
+
+def show_offload_against_recomputation(r):
+    off = r["offload"]
+    print("\n== offloading: saved tensors on the host from each block's forward to its backward, measured (formula)")
+    for row in off["rows"]:
+        m, f = row["measured"], row["formula"]
+        print(f"   {row['policy']:18s} gradients identical to none: {row['gradients_identical']}; device-resident "
+              f"{m['device_resident']} ({f['device_resident']}), copied to host {m['to_host']} ({f['to_host']}), "
+              f"back {m['to_device']} ({f['to_device']})")
+    print(f"   a layer's copy (16-bit, CUDA) at {off['pcie_bytes_per_s'] / 1e9:g} GB/s against its forward at "
+          f"{off['flops_per_s'] / 1e12:g} TFLOP/s (--pcie-gbps, --gpu-tflops):")
+    for name, case in off["timing"].items():
+        for row in case["rows"]:
+            print(f"   {name:10s} {row['policy']:18s} {row['layer_bytes']:10d} bytes: "
+                  f"copy {row['copy_s'] * 1e3:.4g} ms, forward {row['forward_s'] * 1e3:.4g} ms, "
+                  f"wait {row['wait_s'] * 1e3:.4g} ms: {row['verdict']} "
+                  f"(free from {row['free_from_bytes_per_s'] / 1e9:.0f} GB/s)")
 
 
 def print_report(r):
-    """The demo: `report`'s measurements, one claim after the other, each beside its formula."""
+    """The demo: `report`'s measurements, the chapter's claims first, each beside its formula."""
     show_kept_bytes_and_flops(r)
-    show_peak_is_kept_plus_working_set_plus_transient(r)
     show_per_layer_terms_against_the_paper(r)
+    show_peak_is_kept_plus_working_set_plus_transient(r)
     show_kept_bytes_against_layers(r)
     show_where_sqrt_lowers_the_peak(r)
+    show_offload_against_recomputation(r)
 
 
 def main(argv=None):
@@ -636,13 +891,19 @@ def main(argv=None):
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--sweep", type=int, nargs="+", default=[4, 16, 64], help="layer counts of the L sweep")
+    ap.add_argument("--long", action="store_true",
+                    help="also the L sweep (--sweep, default 4 16 64) and the crossover measurement (some seconds)")
+    ap.add_argument("--sweep", type=int, nargs="+", default=None, help="layer counts of the L sweep (implies it)")
     ap.add_argument("--no-crossover", action="store_true",
-                    help="skip measuring full and sqrt at the first L where sqrt's peak is lower (a few seconds)")
+                    help="with --long, skip measuring full and sqrt at the first L where sqrt's peak is lower")
+    ap.add_argument("--pcie-gbps", type=float, default=25.0, help="host-device bandwidth that offloading uses")
+    ap.add_argument("--gpu-tflops", type=float, default=400.0, help="the GPU's matmul rate it is weighed against")
     args = ap.parse_args(argv)
+    sweep = tuple(args.sweep) if args.sweep is not None else (4, 16, 64) if args.long else None
     try:
-        result = report(args.layers, args.batch, args.seq, args.hidden, args.heads, sweep=tuple(args.sweep),
-                        crossover=not args.no_crossover)
+        result = report(args.layers, args.batch, args.seq, args.hidden, args.heads, sweep=sweep,
+                        crossover=args.long and not args.no_crossover, pcie_bytes_per_s=args.pcie_gbps * 1e9,
+                        flops_per_s=args.gpu_tflops * 1e12)
     except ValueError as e:  # a shape that cannot work: one line and the usage-error code
         ap.exit(2, f"checkpointing.py: error: {e}\n")
     if args.json:
@@ -652,4 +913,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    torch.set_num_threads(1)  # tiny tensors: more threads only contend on a busy machine
     main()

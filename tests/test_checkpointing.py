@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import checkpointing as ck
+import chapter_core
 
 B, S, H, A, L = 2, 32, 32, 4, 4
 
@@ -236,3 +237,56 @@ def test_tuple_state_kept_bytes_follow_the_policies():
     assert kept["none"] > kept["selective"] > kept["full"]
     # full keeps each block's inputs: the hidden state and the 0-dim running loss (8 bytes each but the first)
     assert kept["full"] == L * B * S * H * 8 + (L - 1) * 8
+
+
+def test_the_core_alone_recomputes_exactly_and_keeps_the_closed_form_bytes(tmp_path):
+    """The lines above the banner, loaded alone: each of the chapter's four policies gives the gradients of the
+    blocks called one after the other with no checkpoint (float64; dropout 0.5 is on, so each recomputation must
+    replay the RNG), and keeps, and computes, what the docstring's closed forms say (on CPU a dropout mask and a
+    LayerNorm statistic take e bytes, as an element does)."""
+    core = chapter_core.load_core("checkpointing", tmp_path)
+    assert core.POLICIES == ("none", "full", "sqrt", "selective")
+    b, s, h, a, layers, e = 2, 8, 16, 2, 4, 8
+    blocks = core.make_blocks(layers, h, a, s, dropout=0.5).double()
+    x = torch.randn(b, s, h, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+    def plain_gradients(seed):
+        for p in blocks.parameters():
+            p.grad = None
+        y = x.clone().requires_grad_(True)
+        torch.manual_seed(seed)
+        out = y
+        for block in blocks:
+            out = block(out)
+        out.backward(torch.ones_like(out))
+        return [y.grad] + [p.grad.clone() for p in blocks.parameters()]
+
+    reference = plain_gradients(7)  # before any policy marks the blocks
+    assert not torch.equal(reference[0], plain_gradients(8)[0])  # the dropout masks matter
+    sbh, as2b, sb = s * b * h, a * s * s * b, s * b
+    kept = {"none": layers * (18 * sbh + 3 * as2b + 4 * sb) * e, "full": layers * sbh * e, "sqrt": 2 * sbh * e,
+            "selective": layers * (18 * sbh + 4 * sb) * e}
+    forward = 24 * b * s * h * h + 4 * b * s * s * h
+    redone = {"none": 0, "full": forward, "sqrt": forward, "selective": 2 * b * s * s * h}
+    for policy in core.POLICIES:
+        assert all(torch.equal(r, g) for r, g in zip(reference, core.gradients(blocks, x, policy, seed=7))), policy
+        measured = core.measure_kept_bytes(blocks, x, policy)[0]
+        assert measured == kept[policy] == core.kept_bytes(policy, layers, b, s, h, a, e), policy
+        flops = core.measure_flops(blocks, x, policy)
+        assert flops == layers * (3 * forward + redone[policy]) == core.training_flops(policy, layers, b, s, h), policy
+
+
+@pytest.mark.parametrize("policy", ["offload", "selective+offload"])
+# the second shape: b = 1, where q, k, v are views of the QKV output (the host copies are of the views)
+@pytest.mark.parametrize("b, s, h, a, layers, dtype", [(B, S, H, A, L, torch.float32),
+                                                      (1, 16, 32, 2, 2, torch.bfloat16)])
+def test_offloading_gives_identical_gradients_and_moves_the_formula_bytes(policy, b, s, h, a, layers, dtype):
+    blocks = ck.make_blocks(layers, h, a, s, dropout=0.2).to(dtype)
+    x = torch.randn(b, s, h, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    assert all(torch.equal(r, g) for r, g in zip(ck.gradients(blocks, x, "none"), ck.gradients(blocks, x, policy)))
+    measured = ck.measure_offload(blocks, x, policy)
+    assert measured == ck.offload_bytes(policy, layers, b, s, h, a, x.element_size())
+    # everything the recomputation underneath keeps crosses the bus; only the caller's input stays
+    underneath = {"offload": "none", "selective+offload": "selective"}[policy]
+    assert measured["to_host"] == ck.measure_kept_bytes(blocks, x, underneath)[0]
+    assert measured["device_resident"] == b * s * h * x.element_size()

@@ -717,6 +717,7 @@ planner's rows for the two 64-GPU plans on two model shapes, then EP inside a no
 """
 import argparse
 import json
+import shlex
 import sys
 from dataclasses import replace
 from typing import NamedTuple
@@ -2266,10 +2267,12 @@ def format_table(plans, limit=12):
 TRAIN_GPT_DTYPES = ("bfloat16", "float16")  # train_gpt.py's 16-bit --dtype values: what the cost model assumes
 
 
-def torchrun_command(row, model, cluster, dtype="bfloat16"):
+def torchrun_command(row, model, cluster, dtype="bfloat16", steps=1000, data="embedded", out_dir="out",
+                     save_every=None):
     """The torchrun line that runs `row`, a plan of `model` on `cluster`, with train_gpt.py: nodes, processes per node,
-    and every train_gpt.py flag of the layout, schedule, ZeRO level, recomputation, dtype, batch and model (DP is the
-    world over TP x CP x PP there too). CP runs as ring (u = 1), Ulysses (u = cp) or hybrid with --cp-ulysses u.
+    every train_gpt.py flag of the layout, schedule, ZeRO level, recomputation, dtype, batch and model (DP is the
+    world over TP x CP x PP there too), and the job's: its steps, data, checkpoint folder (saved every `save_every`,
+    a tenth of the run by default) and --resume, so that a restarted job continues. CP runs as ring (u = 1), Ulysses (u = cp) or hybrid with --cp-ulysses u.
     Raises ValueError naming the flag where the model is one train_gpt.py cannot build: its GPT has multi-head
     attention, GeLU MLPs of 4h and tied embeddings, its MoE block moe_ep.MoE(h, 4h, E, k) routes dropless and
     folds EP over DP x CP."""
@@ -2307,6 +2310,8 @@ def torchrun_command(row, model, cluster, dtype="bfloat16"):
               ("--seq", model.seq), ("--vocab", model.vocab)]
     if model.moe_every:
         flags += [("--moe-every", model.moe_every), ("--experts", model.experts), ("--top-k", model.top_k)]
+    flags += [("--steps", steps), ("--data", shlex.quote(data)), ("--out-dir", shlex.quote(out_dir)),
+              ("--save-every", save_every or max(1, steps // 10)), ("--resume", None)]
     return f"{launch} train_gpt.py " + " ".join(flag if value is None else f"{flag} {value}" for flag, value in flags)
 
 
@@ -2865,6 +2870,11 @@ def _plan_main(argv):
                     "train_gpt.py (train_gpt.py keeps fp32 main grads: plan with --grad-bytes 4 to model it)")
     ap.add_argument("--dtype", choices=TRAIN_GPT_DTYPES, default="bfloat16", help="with --command: train_gpt.py's "
                     "--dtype (the cost model is 16-bit for either)")
+    job = ap.add_argument_group("with --command: the job train_gpt.py runs")
+    job.add_argument("--steps", type=int, default=1000, help="optimizer steps (default 1000)")
+    job.add_argument("--data", default="embedded", help="train_gpt.py's --data (default: its built-in corpus)")
+    job.add_argument("--out-dir", default="out", help="the checkpoint folder, shared by every node (default out)")
+    job.add_argument("--save-every", type=int, help="steps between checkpoints (default: a tenth of --steps)")
     a = ap.parse_args(argv)
     if a.limit < 0:
         raise ValueError(f"limit={a.limit} must be >= 0 (--limit): the number of rows to print")
@@ -2880,7 +2890,9 @@ def _plan_main(argv):
                    pp_schedule=a.pp_schedule, zero_shard_size=a.zero_shard_size, cp_ulysses=a.cp_ulysses)
     plans = plan(cluster, model, a.tp, a.pp, a.cp, a.ep)
     if a.command:
-        print(torchrun_command(plans[0], model, cluster, a.dtype))
+        if a.steps < 1 or (a.save_every is not None and a.save_every < 1):
+            raise ValueError("--steps and --save-every must be positive integers")
+        print(torchrun_command(plans[0], model, cluster, a.dtype, a.steps, a.data, a.out_dir, a.save_every))
         return
     if a.json:
         print(json.dumps(plans, indent=1))

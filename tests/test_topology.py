@@ -1938,6 +1938,8 @@ def test_the_plan_command_round_trips_through_train_gpts_parser_and_validation(c
                     cp_impl=impl, batch=16, dtype="bfloat16", layers=8, hidden=64, heads=4, seq=64, vocab=256,
                     moe_every=2 if moe else 0, experts=4 if moe else None, top_k=2 if moe else None)
     assert got == expected
+    # the job: as printed, the command runs the plan for real (steps, data, checkpoints, a restart resumes)
+    assert (run.steps, run.data, run.out_dir, run.save_every, run.resume) == (1000, "embedded", "out", 100, True)
     if impl == "hybrid":
         assert run.cp_ulysses == row["cp_ulysses"]
     if row["zero_shard_size"]:

@@ -32,8 +32,8 @@ same way: zigzag_shard of arange(s) keeps the global position ids. The length mu
 
 Ulysses (Jacobs et al. 2023, DeepSpeed). Each rank holds s/P tokens of all heads; an all-to-all trades them for all
 s tokens of H/P heads (sequence -> heads), ordinary attention runs per head, and a second all-to-all trades back
-(heads -> sequence). The heads must divide by P; fewer KV heads than ranks are replicated to P first
-(H_kv' = max(H_kv, P)). Each of the four all-to-alls (q, k, v, out) keeps 1/P of an s/P-token tensor at home:
+(heads -> sequence). The heads must divide by P; n_kv KV heads of d channels, fewer than P, are replicated to P
+first (H_kv' = max(n_kv, P) d). Each of the four all-to-alls (q, k, v, out) keeps 1/P of an s/P-token tensor home:
     bytes sent per rank per layer (ulysses_comm_bytes):
         forward   (P-1)/P b (s/P) (2 H + 2 H_kv') e;  backward the same (dout, dq, dk, dv)
     memory per rank: the whole s for H/P heads, also O(s/P); but every byte is exposed (no compute to hide behind),
@@ -506,7 +506,7 @@ def ulysses_comm_bytes(b, s, q_width, kv_width, world, e, ranks=None):
     """Bytes one rank sends per attention layer under ulysses_attention over `world` ranks, by direction: each of
     the 4 all-to-alls (q, k, v, out; backward dout, dq, dk, dv) keeps 1/world of a tensor of s/ranks tokens and
     sends the rest. ranks: how many ranks share the sequence (default world). kv_width: the KV heads after
-    replication (max(H_kv, P)) x head_dim."""
+    replication (max(n_kv, P) heads) x head_dim."""
     ranks = world if ranks is None else ranks
     a2a = (world - 1) / world * b * s / ranks * (2 * q_width + 2 * kv_width) * e
     return {"ulysses_fwd": a2a, "ulysses_bwd": a2a}

@@ -39,12 +39,15 @@ FP8 with per-tensor scaling. E4M3 reaches only 448, so each tensor is scaled int
 
     scale = fp8_max / max(amax, eps),  amax = max |x|,  x_fp8 = clamp(x scale, +-fp8_max),  x ~= x_fp8 / scale
 
-and a GEMM y = x W^T multiplies the FP8 operands exactly, accumulates in FP32 and divides by both scales,
+and a GEMM y = x W^T multiplies the FP8 operands exactly, accumulates in FP32 (Hopper's tensor cores keep
+fewer bits and promote: measured below the banner) and divides by both scales,
 y = (x_fp8 W_fp8^T) / (s_x s_W) (torch._scaled_mm, or an emulation with the same arithmetic). Current scaling
 ("tensorwise") takes amax from the tensor itself, one extra pass over it. Delayed scaling (Transformer Engine)
-takes the largest amax of the last L steps from an amax history: no extra pass, but an outlier beyond the
-history saturates at +-fp8_max, and a recomputed forward (activation checkpointing) would record its amax a
-second time and quantise differently, so it does not combine with recomputation. Under tensor parallelism the
+takes the largest amax of the last L steps from an amax history: the scale is known before the tensor is seen
+(a fused kernel records this step's amax while it casts; this file's emulation still measures it in a pass of its
+own before the GEMM), but an outlier beyond the history saturates at +-fp8_max, and a recomputed forward
+(activation checkpointing) would record its amax a second time and quantise differently, so it does not combine
+with recomputation. Under tensor parallelism the
 amaxes of x and W are MAX-reduced over the TP group (one 2-element all-reduce), so every shard is rounded on
 the full tensor's grid. `FP8Linear` computes its backward in BF16 from the saved high-precision tensors.
 
@@ -229,9 +232,10 @@ class _Bucket:
     """The parameters of one shard-group entry that share a dtype and a device, laid out in flat buffers of N
     elements: every parameter's .data a view of `param_flat`, its .main_grad a view of `grad_flat` (master dtype),
     and the master `master_flat` (master dtype; the parameter buffer itself when the dtypes agree). [lo, hi) is
-    the range of the buffers this rank optimises, its shard: at ZeRO-0 all of it. Each parameter's piece of the
-    master (its intersection with the shard, of its shape at ZeRO-0) is what the inner optimizer steps; the
-    piece's .grad is the same range of the main grads, read in place."""
+    the range of the buffers this rank optimises, its shard: at ZeRO-0 all of it. A parameter's "piece" is its part
+    of the master that this rank steps (its intersection with the shard: at ZeRO-0 the whole master of the
+    parameter, of its shape); the inner optimizer steps the pieces, and a piece's .grad is the same range of the
+    main grads, read in place."""
     level = 0  # the ZeRO level (the sharded buckets below the banner set theirs)
 
     def __init__(self, params, group, master_dtype):
@@ -363,8 +367,9 @@ class MixedPrecisionOptimizer:
 
         opt = MixedPrecisionOptimizer(
             [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
-            torch.optim.AdamW, shard_groups=[(dense, dp_cp_group), (experts, edp_group)], lr=3e-4)
-        for micro_batch in ...: loss.backward()      # hooks add every p.grad into p.main_grad (FP32)
+            torch.optim.AdamW, shard_groups=[(dense, dp_cp_group), (experts, edp_group)], lr=3e-4,
+            loss_scaler=DynamicLossScaler())         # FP16 weights; None for BF16
+        for micro_batch in ...: opt.loss_scaler.scale_loss(loss).backward()   # hooks add p.grad into p.main_grad
         opt.all_reduce_grads([tied_embedding], embedding_group)   # extra sums the caller needs, if any
         stepped, grad_norm = opt.step(grad_scale=1 / tokens, max_norm=1.0, norm_group=world)
 
@@ -775,8 +780,9 @@ def dequantize_fp8(x_fp8, scale):
 
 def delayed_scale(amax_history, amax, dtype=E4M3):
     """The delayed recipe (Transformer Engine): s = fp8_max / max(the amaxes of the last L steps), from a (..., L)
-    history of agreed amaxes; where the history is still empty (zeros: the first step) the current amax. No pass
-    over the tensor is needed before its GEMM, but an outlier beyond the history saturates at +-fp8_max."""
+    history of agreed amaxes; where the history is still empty (zeros: the first step) the current amax. The scale
+    is known before the tensor is seen (a fused cast records this step's amax for the history as it goes; the
+    emulation here measures it first), but an outlier beyond the history saturates at +-fp8_max."""
     history = amax_history.max(dim=-1).values
     return fp8_scale(torch.where(history > 0, history, amax), dtype)  # torch.where: no host sync
 

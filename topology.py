@@ -33,12 +33,12 @@ The chapter's question: a GPT of L = 40 layers, h = 5120, a = 40 heads, s = 2048
 B = 512, on 64 A100 (8 nodes x 8). Plan A is TP=8 PP=4 DP=2, plan B TP=4 PP=8 DP=2; both with micro-batch b = 1
 (m = B/(d b) = 256 micro-batches per pipeline), selective recomputation with SP, 1F1B, no ZeRO (`plan_figures`):
     memory   per GPU P = ((12 h^2 + 13 h) L/p + V h)/t + s h parameters (stage 0 also holds the embedding; the
-             positions are not split), at 2 + 2 + 16 bytes each: 16-bit weight and gradient, fp32 master weight,
-             Adam's two moments and the fp32 gradient copy. Activations (Korthikanti et al. 2022): 34 s b h/t per
-             layer x L/p layers x p micro-batches in flight on stage 0, plus s b h/t of the embedding's dropout
-             mask per micro-batch and the 5 a s^2 b/t scores of the layer being recomputed
+             positions are not split), at 2 + 2 + 16 bytes each: 16-bit weight and gradient, fp32 master, Adam's
+             moments, fp32 gradient copy (Megatron-LM 2021; mixed_precision.py keeps 18, fp32 main grads only).
+             Activations (Korthikanti et al. 2022): 34 s b h/t per layer x L/p layers x p micro-batches in flight
+             on stage 0, + s b h/t (embedding dropout mask) per micro-batch + 5 a s^2 b/t (the layer recomputed)
     TP       m (L/p) 4 all-reduces of 2 (t-1)/t b s h e per GPU and step, on NVLink in both plans (A's TP=8 fills
-             a node, B's TP=4 half of one): A sends (L/4)(7/8) of a layer's share, B (L/8)(3/4), less than half
+             a node, B's TP=4 half): per GPU and micro-batch A sends (L/4)(7/8), B (L/8)(3/4) x 8 b s h e
     DP       2 (d-1)/d e P per GPU: A's DP pair sits 8 ranks apart, in two nodes (InfiniBand); B's 4 apart, in one
              node (NVLink); first and last stage also all-reduce the tied embedding's gradient, V h/t e
     PP       2 m exchanges of b s h/t e per stage, across nodes in both plans; bubble (p-1)/m: 3/256 for A,
@@ -47,7 +47,7 @@ B sends less than half of A's TP bytes and keeps its gradient reduction on NVLin
 holds twice A's activations (8 micro-batches of L/8 layers at 1/4 against 4 of L/4 at 1/8), which still fit. With
 256 micro-batches the bubble is small and B is faster. Few micro-batches (a small batch of wide layers) turn the
 answer to A. Seconds here are bytes over the link plus each collective's latency; compute is the step's FLOPs at
-the large-GEMM efficiency (`chapter_plans`). `python topology.py` prints the groups, the rank map and both plans.
+the large-GEMM efficiency (`plan_figures`). `python topology.py` prints the groups, the rank map and both plans.
 Below the banner, the planner ranks every layout with every knob (memory, step time term by term); for plans A and
 B its memory, communication seconds and bubble are these, its compute slower (each GEMM's own efficiency).
 """
@@ -172,7 +172,8 @@ def rank_groups(world_size, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1, zero_shard=Non
 
 
 def rank_coordinates(rank, world_size, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1, zero_shard=None):
-    """(tp, cp, dp, pp, ep, edp, cp_ulysses, cp_ring) coordinates of one rank: the inverse of the rank formula."""
+    """{kind: coordinate} of one rank, the inverse of the rank formula: tp, cp, dp, pp; ep and edp on the expert
+    grid; cp_ulysses and cp_ring (hybrid CP); dp_cp_shard and dp_cp_replicate (HSDP)."""
     dp = validate_layout(world_size, tp, pp, cp, ep, cp_ulysses, zero_shard)
     # the digits below would wrap around silently
     if not (isinstance(rank, numbers.Integral) and not isinstance(rank, bool) and 0 <= rank < world_size):
@@ -444,6 +445,7 @@ def plan_figures(tp, pp, dp, layers, hidden, heads, seq, vocab, global_batch, mi
     out["pp_s"] = out["pp_bytes"] / link["pp"] + pp_exchanges * machine["p2p_latency_us"] * 1e-6
     out["dp_s"] = out["dp_bytes"] / link["dp"] + out["embedding_bytes"] / link["pp"]
     # model FLOPs 72 B s L h^2 (1 + s/6h + V/12Lh) and the attention core selective recomputation redoes, 4 B s^2 h L
+    # (the paper's count, QK^T and xV; checkpointing.py measures 2 B s^2 h L where only QK^T is redone)
     flops = (72 * global_batch * seq * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
              + 4 * global_batch * seq ** 2 * hidden * layers)
     out["compute_s"] = flops / (tp * pp * dp) / (machine["peak_tflops"] * 1e12 * machine["efficiency"])
@@ -2272,7 +2274,8 @@ def torchrun_command(row, model, cluster, dtype="bfloat16", steps=1000, data="em
     """The torchrun line that runs `row`, a plan of `model` on `cluster`, with train_gpt.py: nodes, processes per node,
     every train_gpt.py flag of the layout, schedule, ZeRO level, recomputation, dtype, batch and model (DP is the
     world over TP x CP x PP there too), and the job's: its steps, data, checkpoint folder (saved every `save_every`,
-    a tenth of the run by default) and --resume, so that a restarted job continues. CP runs as ring (u = 1), Ulysses (u = cp) or hybrid with --cp-ulysses u.
+    a tenth of the run by default) and --resume, so that a restarted job continues. CP runs as ring (u = 1),
+    Ulysses (u = cp) or hybrid with --cp-ulysses u.
     Raises ValueError naming the flag where the model is one train_gpt.py cannot build: its GPT has multi-head
     attention, GeLU MLPs of 4h and tied embeddings, its MoE block moe_ep.MoE(h, 4h, E, k) routes dropless and
     folds EP over DP x CP."""

@@ -1644,6 +1644,22 @@ def _from_k_blocks(tb, k, phase):
     return tb.reshape(rows, k) if n == 1 else tb.reshape(rows, n * tb.shape[2])[:, phase:phase + k]
 
 
+def _row_and_k_blocks(t, br, bk, phase=0):
+    """t (rows, K) as one FP32 staging copy viewed (row blocks, br, K blocks, w): _k_blocks along K, and the rows
+    zero-padded to a multiple of br."""
+    rows = t.shape[0]
+    tb = _k_blocks(t.detach().to(torch.float32, copy=True), bk, phase)
+    row_blocks = -(-rows // br)
+    if row_blocks * br != rows:
+        tb = F.pad(tb, (0, 0, 0, 0, 0, row_blocks * br - rows))
+    return tb.view(row_blocks, br, *tb.shape[1:])
+
+
+def _from_row_and_k_blocks(tb, rows, k, phase=0):
+    row_blocks, br, n, w = tb.shape
+    return _from_k_blocks(tb.view(row_blocks * br, n, w)[:rows], k, phase)
+
+
 def power_of_two_scale(amax, fp8_max):
     """MX scales: 2^-e with e = ceil(log2(amax / fp8_max)), the smallest X = 2^e with amax / X <= fp8_max, so the
     block's largest element lands in (fp8_max / 2, fp8_max] and none saturates. frexp of the (correctly
@@ -1681,12 +1697,8 @@ def quantize_blocks(t, block, dtype=E4M3, power_of_two=False, k_group=None):
     offset = rank * k  # this piece's first column in the full K
     phase = offset % bk
     fp8_max = torch.finfo(dtype).max
-    tb = _k_blocks(t.detach().to(torch.float32, copy=True), bk, phase)  # one FP32 staging copy (+ padding)
-    n, w = tb.shape[1:]
-    row_blocks = -(-rows // br)
-    if row_blocks * br != rows:
-        tb = F.pad(tb, (0, 0, 0, 0, 0, row_blocks * br - rows))
-    tb = tb.view(row_blocks, br, n, w)
+    tb = _row_and_k_blocks(t, br, bk, phase)
+    row_blocks, n = tb.shape[0], tb.shape[2]
     amax = tb.abs().amax(dim=(1, 3))  # (row blocks, K blocks)
     if size > 1 and k % bk:  # blocks shared with other ranks
         first = offset // bk
@@ -1698,8 +1710,7 @@ def quantize_blocks(t, block, dtype=E4M3, power_of_two=False, k_group=None):
     amax = amax.clamp(min=fp8_max / torch.finfo(torch.float32).max)  # a zero block: the largest finite scale
     scale = power_of_two_scale(amax, fp8_max) if power_of_two else torch.full_like(amax, fp8_max) / amax
     q = tb.mul_(scale[:, None, :, None]).clamp_(-fp8_max, fp8_max).to(dtype)
-    data = _from_k_blocks(q.view(row_blocks * br, n, w)[:rows], k, phase).contiguous()
-    return FP8Blocks(data, scale, (br, bk), phase)
+    return FP8Blocks(_from_row_and_k_blocks(q, rows, k, phase).contiguous(), scale, (br, bk), phase)
 
 
 def quantize_rowwise(t, dtype=E4M3, k_group=None):
@@ -1830,12 +1841,19 @@ def fp8_block_matmul(a, b, out_dtype, use_scaled_mm=True, recipe=None):
         fp8_log["gemm:scaled_mm"] += 1
         return _scaled_mm_blocks(a, b, recipe, out_dtype)
     fp8_log["gemm:emulated"] += 1
+    return _emulated_block_gemm(a, b, a.scale.reciprocal(), b.scale.reciprocal()).to(out_dtype)
+
+
+def _emulated_block_gemm(a, b, factor_a, factor_b):
+    """sum_j (sum_{k in K block j} a_mk b_nk) fa_(m, j) fb_(n, j) in FP32, for a (M, K) and b (N, K) blocked alike
+    along K and factor_* (row blocks, K blocks) the dequantisation factor of each block: each block's partial sum
+    of exact products, times its two factors, the blocks added in FP32."""
     (m, k), n = a.data.shape, b.data.shape[0]
     qa, qb = _k_blocks(a.data.float(), a.block[1], a.phase), _k_blocks(b.data.float(), b.block[1], b.phase)
     partial = torch.bmm(qa.transpose(0, 1), qb.permute(1, 2, 0))  # (K blocks, M, N), exact products, FP32 sums
-    inv_a = a.scale.reciprocal().repeat_interleave(a.block[0], dim=0)[:m].t()
-    inv_b = b.scale.reciprocal().repeat_interleave(b.block[0], dim=0)[:n].t()
-    return (partial * inv_a[:, :, None] * inv_b[:, None, :]).sum(0).to(out_dtype)
+    inv_a = factor_a.repeat_interleave(a.block[0], dim=0)[:m].t()
+    inv_b = factor_b.repeat_interleave(b.block[0], dim=0)[:n].t()
+    return (partial * inv_a[:, :, None] * inv_b[:, None, :]).sum(0)
 
 
 def scaled_mm_supports(recipe, device):

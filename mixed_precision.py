@@ -2056,6 +2056,238 @@ def sqnr_db(x, x_hat):
 
 
 # ----------------------------------------------------------------------------------------------------
+# NVFP4: 4-bit training numerics (E2M1 values, E4M3 scales per 16 elements, an FP32 scale per tensor)
+# ----------------------------------------------------------------------------------------------------
+#
+# The format. An E2M1 number has a sign, 2 exponent bits and 1 mantissa bit: the magnitudes 0, 0.5 (the one
+# subnormal), 1, 1.5, 2, 3, 4, 6, so between neighbours the spacing is 0.5 below 2, 1 in [2, 4] and 2 in [4, 6].
+# With only 8 magnitudes a scale per tensor cannot serve: every 16 consecutive elements along the GEMM's
+# reduced dimension K share one E4M3 scale, and the tensor has one FP32 scale above those, chosen so that the
+# block scales fit E4M3's range:
+#
+#     s_tensor = amax_tensor / (6 * 448),  s_block = E4M3(amax_block / 6 / s_tensor) <= 448,
+#     q = E2M1(x / (s_block s_tensor)) (saturating at +-6),  x ~= q s_block s_tensor.
+#
+# 4 bits per element plus 8 per 16 (4.5 bits; FP8 takes 8.25 with MXFP8's scales). Rounding to nearest (ties
+# to the even code) errs by at most half the local spacing times the block's scale: |x - x^| <= S/4 where
+# |x| / S < 2, S/2 below 4 and S above (S = s_block s_tensor ~ amax_block / 6), i.e. at most ~amax_block / 6.
+# E4M3's rounding of s_block may leave the block's largest element at up to 6 / (1 - 2^-4) = 6.4 before the
+# clamp to 6, an error of 0.4 S, inside that bound; a block whose scale falls below E4M3's normal range
+# (amax_block < 2^-6 / 448 of the tensor's amax) is rounded more coarsely.
+#
+# The recipe (NVIDIA's NVFP4 pretraining recipe). Activations and gradients take 1 x 16 blocks along K; weights
+# take 16 x 16 blocks, square, so the backward's W^T reuses W's values and scales, transposed (quantising W^T
+# anew would round along the other dimension: the forward and backward would see two different weights). The
+# weight-gradient GEMM grad_W = G^T x reduces over the tokens, where a few outlier tokens set a block's scale
+# and flush its other 15 elements toward zero: both of its operands are multiplied, along the tokens, by a
+# 16 x 16 random Hadamard matrix R = D H_16 / 4 (H_16 Sylvester's, D a seeded random sign diagonal, the same on
+# every rank), which spreads an outlier over its block; R is orthogonal, so (G^T R)(x^T R)^T = G^T x exactly
+# before rounding. Gradients are rounded stochastically: between E2M1 neighbours lo < v < hi, up with
+# probability (v - lo) / (hi - lo), so that E[round(v)] = v and the rounding errors average out over the many
+# small updates of training instead of adding up with one sign; the draws come from a seeded torch.Generator
+# (reproducible; the run seeds one per step so that the steps differ). Everything else rounds to nearest.
+# Practitioners keep the last few blocks and the LM head in BF16 (the loss is most sensitive there).
+#
+# quantize_nvfp4 returns the E2M1 values as an FP32 tensor holding only E2M1 values (the emulation computes
+# with them exactly); pack_e2m1 packs them two to a byte for the FP4 tensor cores (Blackwell, compute capability
+# 10.0+), which torch._scaled_mm drives there; everywhere else, the CPU included, nvfp4_matmul emulates the
+# same arithmetic: each 16-long block's partial sum of exact E2M1 products (exact in FP32) times the two E4M3
+# block scales (their product exact too), the blocks added in FP32, times the two tensor scales.
+
+NVFP4_RECIPE = "nvfp4"  # listed beside FP8_RECIPES by a caller; not one of them (fp8_linear does not take it)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes; the index is the 3-bit code
+E2M1_MAX, NVFP4_BLOCK = 6.0, 16
+
+
+class NVFP4(NamedTuple):
+    """A 2-D tensor (rows, K) in NVFP4: t ~= data * scale (of the element's block) * tensor_scale.
+
+    data: FP32, every element an E2M1 value; scale: (row blocks, K blocks) E4M3 block scales; block: (1, 16)
+    or (16, 16); phase: 0 (the fields FP8Blocks shares, so its helpers read both); tensor_scale: FP32, 0-d."""
+    data: torch.Tensor
+    scale: torch.Tensor
+    block: tuple
+    phase: int
+    tensor_scale: torch.Tensor
+
+
+def round_to_e2m1(x, stochastic=False, generator=None):
+    """x rounded to E2M1 (FP32 result), saturating at +-6: to nearest with ties to the even code (0, 1, 2, 4),
+    or stochastically, up to the upper neighbour with probability (|x| - lo) / (hi - lo) from `generator` (torch's
+    default generator when None). Both are exact: |x| - lo is exact in FP32 (Sterbenz: lo <= |x| <= 2 lo, or
+    lo = 0) and hi - lo is a power of two."""
+    grid = torch.tensor(E2M1_VALUES, device=x.device)
+    magnitude = x.float().abs().clamp(max=E2M1_MAX).contiguous()  # searchsorted reads it contiguous
+    lower = (torch.searchsorted(grid, magnitude, right=True) - 1).clamp(max=len(grid) - 2)
+    lo, hi = grid[lower], grid[lower + 1]
+    fraction = (magnitude - lo) / (hi - lo)
+    if stochastic:
+        up = torch.rand(magnitude.shape, generator=generator, device=x.device) < fraction
+    else:
+        up = (fraction > 0.5) | ((fraction == 0.5) & (lower % 2 == 1))  # a tie goes to the even code, lower + 1
+    return torch.where(up, hi, lo).copysign(x.float())
+
+
+def quantize_nvfp4(t, block=(1, NVFP4_BLOCK), stochastic=False, generator=None):
+    """t (rows, K) to NVFP4 with blocks of `block` = (1, 16) (activations, gradients) or (16, 16) (weights),
+    anchored at (0, 0); a partial block at the end holds what is left (as if zero-padded, as quantize_blocks).
+    stochastic: round the E2M1 values stochastically (gradients), from `generator`."""
+    if t.dim() != 2:
+        raise ValueError(f"t has shape {tuple(t.shape)}: quantize_nvfp4 takes a 2-D (rows, K) tensor")
+    if tuple(block) not in ((1, NVFP4_BLOCK), (NVFP4_BLOCK, NVFP4_BLOCK)):
+        raise ValueError(f"block={block!r}: NVFP4 takes (1, 16) (activations, gradients) or (16, 16) (weights)")
+    rows, k = t.shape
+    tb = _row_and_k_blocks(t.contiguous(), block[0], NVFP4_BLOCK)  # a transpose (W^T, G^T) copied once
+    amax = tb.abs().amax(dim=(1, 3))  # (row blocks, K blocks)
+    e4m3_max = torch.finfo(E4M3).max
+    tensor_amax = amax.max() if amax.numel() else torch.zeros((), device=t.device)
+    tensor_scale = tensor_amax.clamp(min=AMAX_EPS) / (E2M1_MAX * e4m3_max)
+    scale = (amax / E2M1_MAX / tensor_scale).clamp(max=e4m3_max).to(E4M3)
+    decode = (scale.float() * tensor_scale)[:, None, :, None]
+    scaled = torch.where(decode > 0, tb / decode, 0.0)  # a block whose scale is 0 in E4M3 holds zeros
+    q = round_to_e2m1(scaled, stochastic, generator)
+    return NVFP4(_from_row_and_k_blocks(q, rows, k).contiguous(), scale, tuple(block), 0, tensor_scale)
+
+
+def dequantize_nvfp4(q):
+    """q.data * s_block * s_tensor, each block's factor formed once in FP32 (as quantize_nvfp4 divided by it)."""
+    return q.data * block_scales(q._replace(scale=q.scale.float() * q.tensor_scale))
+
+
+def transpose_nvfp4(q):
+    """q^T of a 16 x 16-blocked q: the same values and scales, transposed (the backward's W^T)."""
+    if q.block != (NVFP4_BLOCK, NVFP4_BLOCK):
+        raise ValueError(f"block {q.block}: only square 16 x 16 blocks transpose into blocks along the new K")
+    return q._replace(data=q.data.t(), scale=q.scale.t())
+
+
+def random_hadamard(n=NVFP4_BLOCK, seed=0, dtype=torch.float32, device=None):
+    """R = D H_n / sqrt(n): Sylvester's Hadamard matrix (H_1 = [1], H_2m = [[H, H], [H, -H]]), its rows signed
+    by a random +-1 drawn from `seed` (a CPU generator: every rank draws the same). R R^T = I."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"n={n}: Sylvester's construction needs a power of two (16 for NVFP4)")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    signs = torch.randint(0, 2, (n, 1), generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 2 - 1
+    return (signs * h / math.sqrt(n)).to(dtype=dtype, device=device)
+
+
+def hadamard_along_k(t, hadamard):
+    """t (rows, K) with each n-long block along K multiplied by the n x n `hadamard`: (rows, K rounded up to n),
+    zero-padded (both operands of a GEMM padded alike: the padding adds nothing to the sum)."""
+    rows, k = t.shape
+    n = hadamard.shape[0]
+    blocks = F.pad(t, (0, -k % n)).reshape(rows, -1, n)
+    return (blocks @ hadamard.to(t.dtype)).reshape(rows, -1)
+
+
+def pack_e2m1(values):
+    """E2M1 values (..., K), K even, to uint8 (..., K/2): code = sign << 3 | index of |v| in E2M1_VALUES, element
+    2i in the low nibble and 2i + 1 in the high one (the layout of torch.float4_e2m1fn_x2)."""
+    grid = torch.tensor(E2M1_VALUES, device=values.device)
+    codes = torch.searchsorted(grid, values.abs().contiguous()).to(torch.uint8)
+    codes |= torch.signbit(values).to(torch.uint8) << 3
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def nvfp4_scaled_mm_supported(device):
+    """FP4 tensor cores: CUDA compute capability 10.0+ (Blackwell) with CUDA 12.8+. Never probed on the CPU (torch
+    2.13 has no CPU kernel for FP4)."""
+    if device.type != "cuda" or not hasattr(torch, "float4_e2m1fn_x2"):
+        return False
+    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    return torch.cuda.get_device_capability(device) >= (10, 0) and cuda >= (12, 8)
+
+
+def _scaled_mm_nvfp4(a, b, out_dtype):
+    """a @ b^T on the FP4 tensor cores: the E2M1 values packed (torch.float4_e2m1fn_x2, K/2 bytes a row), the E4M3
+    block scales one per row and 16 elements in cuBLAS's swizzled layout (as MXFP8's), the tensor scales applied
+    to the FP32 output."""
+    def operand(q, rows):
+        per_row = q.scale.float().repeat_interleave(q.block[0], dim=0)[:rows]  # (rows, K/16), exact
+        return pack_e2m1(q.data).view(torch.float4_e2m1fn_x2), _swizzle_32_4_4(per_row).to(E4M3)
+    (a4, sa), (b4, sb) = operand(a, a.data.shape[0]), operand(b, b.data.shape[0])
+    y = torch._scaled_mm(a4, b4.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+    return (y * (a.tensor_scale * b.tensor_scale)).to(out_dtype)
+
+
+def nvfp4_matmul(a, b, out_dtype=torch.float32, use_scaled_mm=True):
+    """a @ b^T for NVFP4 a (M, K) and b (N, K), both blocked along K in 16s (b may be 16 x 16-blocked):
+        y_mn = s_a s_b sum_j (sum_{k in block j} qa_mk qb_nk) sa_(m, j) sb_(n, j),
+    in FP32 (emulated: the same arithmetic as fp8_block_matmul's, with E4M3 factors); through torch._scaled_mm
+    only where the device has FP4 tensor cores and the shapes fit (M, N multiples of 16, K of 32)."""
+    if a.block[1] != NVFP4_BLOCK or b.block[1] != NVFP4_BLOCK or a.data.shape[1] != b.data.shape[1]:
+        raise ValueError(f"a and b must be NVFP4 blocked along the same K (shapes {tuple(a.data.shape)} and "
+                         f"{tuple(b.data.shape)}, blocks {a.block} and {b.block})")
+    (m, k), n = a.data.shape, b.data.shape[0]
+    if use_scaled_mm and not (m % 16 or n % 16 or k % 32) and nvfp4_scaled_mm_supported(a.data.device):
+        fp8_log["nvfp4:scaled_mm"] += 1
+        return _scaled_mm_nvfp4(a, b, out_dtype)
+    fp8_log["nvfp4:emulated"] += 1
+    y = _emulated_block_gemm(a, b, a.scale.float(), b.scale.float())
+    return (y * (a.tensor_scale * b.tensor_scale)).to(out_dtype)
+
+
+class _NVFP4Options(NamedTuple):
+    generator: object  # torch.Generator for the gradients' stochastic rounding (None: torch's default)
+    hadamard: torch.Tensor
+    use_scaled_mm: bool
+
+
+class _NVFP4LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, options):
+        x2 = x.reshape(-1, x.shape[-1])
+        qw = quantize_nvfp4(weight, (NVFP4_BLOCK, NVFP4_BLOCK))
+        y = nvfp4_matmul(quantize_nvfp4(x2), qw, x.dtype, options.use_scaled_mm)
+        ctx.save_for_backward(x, qw.data, qw.scale, qw.tensor_scale)  # x in high precision, W as quantised
+        ctx.options, ctx.weight_dtype = options, weight.dtype
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, *w_fields = ctx.saved_tensors
+        options = ctx.options
+        qw = NVFP4(w_fields[0], w_fields[1], (NVFP4_BLOCK, NVFP4_BLOCK), 0, w_fields[2])
+        g = grad_out.reshape(-1, qw.data.shape[0]).float()
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:  # dgrad G W: reduces over N; W^T is W's blocks transposed
+            qg = quantize_nvfp4(g, stochastic=True, generator=options.generator)
+            grad_x = nvfp4_matmul(qg, transpose_nvfp4(qw), x.dtype, options.use_scaled_mm).reshape(x.shape)
+        if ctx.needs_input_grad[1]:  # wgrad G^T x: reduces over the tokens, both operands Hadamard-transformed
+            g_t = hadamard_along_k(g.t(), options.hadamard)
+            x_t = hadamard_along_k(x2.t(), options.hadamard)
+            grad_w = nvfp4_matmul(quantize_nvfp4(g_t, stochastic=True, generator=options.generator),
+                                  quantize_nvfp4(x_t), ctx.weight_dtype, options.use_scaled_mm)
+        return grad_x, grad_w, None
+
+
+def nvfp4_linear(x, weight, bias=None, generator=None, hadamard_seed=0, use_scaled_mm=True):
+    """y = x @ weight^T + bias with all three GEMMs in NVFP4 (x has any leading shape):
+        forward  y = x W^T      x in 1 x 16 blocks, W in 16 x 16 blocks, both rounded to nearest
+        dgrad    grad_x = G W   G in 1 x 16 blocks along N, rounded stochastically; W^T is W's blocks transposed
+        wgrad    grad_W = G^T x G^T and x^T Hadamard-transformed along the tokens (random_hadamard(16,
+                                hadamard_seed)), in 1 x 16 blocks; G^T stochastically, x^T to nearest
+    generator: the torch.Generator of the stochastic rounding (on the gradient's device), seeded per step by the
+    caller for reproducible, varying draws; None takes torch's default generator."""
+    hadamard = random_hadamard(NVFP4_BLOCK, hadamard_seed, device=x.device)
+    y = _NVFP4LinearFunction.apply(x, weight, _NVFP4Options(generator, hadamard, use_scaled_mm))
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+def nvfp4_errors(x, weight, seed=0):
+    """NVFP4 on x (activations) and weight: the SQNR of x's quantisation, and the relative error of the GEMM x W^T
+    against float64, beside the same for BF16 operands (FP32 accumulation)."""
+    qx, qw = quantize_nvfp4(x), quantize_nvfp4(weight, (NVFP4_BLOCK, NVFP4_BLOCK))
+    exact = x.double() @ weight.double().t()
+    relative = lambda y: ((y.double() - exact).norm() / exact.norm()).item()
+    return {"sqnr_db": sqnr_db(x, dequantize_nvfp4(qx)), "gemm_error": relative(nvfp4_matmul(qx, qw)),
+            "bf16_gemm_error": relative(x.bfloat16().float() @ weight.bfloat16().float().t())}
+
+
+# ----------------------------------------------------------------------------------------------------
 # Memory accounting: bytes per parameter, by formula and measured on live tensors
 # ----------------------------------------------------------------------------------------------------
 

@@ -49,7 +49,7 @@ amaxes of x and W are MAX-reduced over the TP group (one 2-element all-reduce), 
 the full tensor's grid. `FP8Linear` computes its backward in BF16 from the saved high-precision tensors.
 
 Beyond the chapter (below its banner): ZeRO-1/2/3 and HSDP, the FP8 parameter all-gather, the fine-grained FP8
-recipes (rowwise, blockwise, MXFP8), the FP8 backward with E5M2 gradients, the byte formulas, the demo.
+recipes (rowwise, blockwise, MXFP8), the FP8 backward with E5M2 gradients, NVFP4, the byte formulas, the demo.
 """
 import math
 import numbers
@@ -977,7 +977,7 @@ class FP8Linear(nn.Module):
 
 
 
-# BEYOND THE CHAPTER: ZeRO-1/2/3 and HSDP, FP8 parameter all-gathers, fine-grained FP8 recipes, the FP8 backward
+# BEYOND THE CHAPTER: ZeRO-1/2/3 and HSDP, FP8 parameter all-gathers, fine-grained FP8 recipes, the FP8 backward, NVFP4
 import io
 import multiprocessing
 import os
@@ -3056,9 +3056,22 @@ def show_micro_batch_cost():
               f"grad bytes/param ZeRO-2 {grads(two):.1f}, ZeRO-1 {grads(one):.1f}")
 
 
+def show_nvfp4():
+    x = torch.randn(256, 1024, generator=torch.Generator().manual_seed(0))
+    weight = torch.randn(256, 1024, generator=torch.Generator().manual_seed(1)) / 32
+    e, mx = nvfp4_errors(x, weight), recipe_errors(x, weight, "mxfp8")
+    draws = round_to_e2m1(torch.full((10_000,), 0.7), stochastic=True, generator=torch.Generator().manual_seed(0))
+    print(f"\n== NVFP4 (4.5 bits/element), 256 x 1024 Gaussians: SQNR {e['sqnr_db']:.1f} dB, GEMM relative error "
+          f"{e['gemm_error']:.3f} (MXFP8: {mx['sqnr_db']:.1f} dB, {mx['gemm_error']:.3f}; BF16 GEMM "
+          f"{e['bf16_gemm_error']:.4f})")
+    print(f"   0.7 rounds to {round_to_e2m1(torch.tensor(0.7)).item()} to nearest, to {draws.mean().item():.3f} on "
+          "average over 10^4 stochastic roundings (unbiased: E[round(v)] = v)")
+
+
 def demo(everything=False):
     """The chapter's claims, each measured (under a minute on two cores); `everything` (--all) adds the at-scale
-    forms: ZeRO-0..3 and HSDP bytes on forked ranks, the fine-grained recipes, FP8 under TP and in the gathers."""
+    forms: ZeRO-0..3 and HSDP bytes on forked ranks, the fine-grained recipes, FP8 under TP and in the gathers,
+    NVFP4."""
     show_formats()
     show_master_weights()
     show_main_grads()
@@ -3068,7 +3081,7 @@ def demo(everything=False):
     show_bytes_per_parameter()
     if not everything:
         print("\n(python3 mixed_precision.py --all adds ZeRO-0..3 and HSDP on forked ranks, the fine-grained FP8 "
-              "recipes, FP8 under TP and the FP8 parameter all-gather)")
+              "recipes, FP8 under TP, the FP8 parameter all-gather and NVFP4)")
         return
     show_zero_bytes()
     show_sharded_bytes()
@@ -3081,11 +3094,12 @@ def demo(everything=False):
     show_fp8_accumulation()
     show_fine_grained_scaling()
     show_fp8_under_tp()
+    show_nvfp4()
 
 
 if __name__ == "__main__":
     import argparse
     parser = argparse.ArgumentParser(description="Mixed precision, measured: the chapter's claims; --all adds the "
-                                                 "at-scale forms (ZeRO-1/2/3, HSDP, fine-grained FP8)")
+                                                 "at-scale forms (ZeRO-1/2/3, HSDP, fine-grained FP8, NVFP4)")
     parser.add_argument("--all", action="store_true", help="also the longer sweeps on forked ranks")
     demo(parser.parse_args().all)

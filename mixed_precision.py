@@ -2085,14 +2085,15 @@ def sqnr_db(x, x_hat):
 # before rounding. Gradients are rounded stochastically: between E2M1 neighbours lo < v < hi, up with
 # probability (v - lo) / (hi - lo), so that E[round(v)] = v and the rounding errors average out over the many
 # small updates of training instead of adding up with one sign; the draws come from a seeded torch.Generator
-# (reproducible; the run seeds one per step so that the steps differ). Everything else rounds to nearest.
+# (reproducible; a run seeds one per step so that the steps differ). Everything else rounds to nearest.
 # Practitioners keep the last few blocks and the LM head in BF16 (the loss is most sensitive there).
 #
 # quantize_nvfp4 returns the E2M1 values as an FP32 tensor holding only E2M1 values (the emulation computes
 # with them exactly); pack_e2m1 packs them two to a byte for the FP4 tensor cores (Blackwell, compute capability
 # 10.0+), which torch._scaled_mm drives there; everywhere else, the CPU included, nvfp4_matmul emulates the
 # same arithmetic: each 16-long block's partial sum of exact E2M1 products (exact in FP32) times the two E4M3
-# block scales (their product exact too), the blocks added in FP32, times the two tensor scales.
+# block scales (their product exact too), the blocks added in FP32, times the two tensor scales. fp8_log counts
+# the path each GEMM took under "nvfp4:scaled_mm" and "nvfp4:emulated".
 
 NVFP4_RECIPE = "nvfp4"  # listed beside FP8_RECIPES by a caller; not one of them (fp8_linear does not take it)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes; the index is the 3-bit code

@@ -1833,6 +1833,9 @@ def test_nvfp4_linear_runs_its_three_gemms_as_stated_with_gradients_near_float64
     other = w.clone().requires_grad_(True)
     mp.nvfp4_linear(x, other, generator=torch.Generator().manual_seed(8), hadamard_seed=1).backward(g)
     assert not torch.equal(other.grad, leaves[1].grad)  # another step's seed: other draws
+    empty, weight = torch.randn(0, 64).requires_grad_(True), w.clone().requires_grad_(True)  # no tokens
+    mp.nvfp4_linear(empty, weight).sum().backward()
+    assert empty.grad.shape == (0, 64) and torch.all(weight.grad == 0)
 
 
 # ---- ZeRO-2, ZeRO-3 (units) and hybrid sharding --------------------------------------------------------

@@ -52,7 +52,7 @@ amaxes of x and W are MAX-reduced over the TP group (one 2-element all-reduce), 
 the full tensor's grid. `FP8Linear` computes its backward in BF16 from the saved high-precision tensors.
 
 Beyond the chapter (below its banner): ZeRO-1/2/3 and HSDP, the FP8 parameter all-gather, the fine-grained FP8
-recipes (rowwise, blockwise, MXFP8), the FP8 backward with E5M2 gradients, the byte formulas, the demo.
+recipes (rowwise, blockwise, MXFP8), the FP8 backward with E5M2 gradients, NVFP4, the byte formulas, the demo.
 """
 import math
 import numbers
@@ -983,7 +983,7 @@ class FP8Linear(nn.Module):
 
 
 
-# BEYOND THE CHAPTER: ZeRO-1/2/3 and HSDP, FP8 parameter all-gathers, fine-grained FP8 recipes, the FP8 backward
+# BEYOND THE CHAPTER: ZeRO-1/2/3 and HSDP, FP8 parameter all-gathers, fine-grained FP8 recipes, the FP8 backward, NVFP4
 import io
 import multiprocessing
 import os
@@ -1650,6 +1650,22 @@ def _from_k_blocks(tb, k, phase):
     return tb.reshape(rows, k) if n == 1 else tb.reshape(rows, n * tb.shape[2])[:, phase:phase + k]
 
 
+def _row_and_k_blocks(t, br, bk, phase=0):
+    """t (rows, K) as one FP32 staging copy viewed (row blocks, br, K blocks, w): _k_blocks along K, and the rows
+    zero-padded to a multiple of br."""
+    rows = t.shape[0]
+    tb = _k_blocks(t.detach().to(torch.float32, copy=True), bk, phase)
+    row_blocks = -(-rows // br)
+    if row_blocks * br != rows:
+        tb = F.pad(tb, (0, 0, 0, 0, 0, row_blocks * br - rows))
+    return tb.view(row_blocks, br, *tb.shape[1:])
+
+
+def _from_row_and_k_blocks(tb, rows, k, phase=0):
+    row_blocks, br, n, w = tb.shape
+    return _from_k_blocks(tb.view(row_blocks * br, n, w)[:rows], k, phase)
+
+
 def power_of_two_scale(amax, fp8_max):
     """MX scales: 2^-e with e = ceil(log2(amax / fp8_max)), the smallest X = 2^e with amax / X <= fp8_max, so the
     block's largest element lands in (fp8_max / 2, fp8_max] and none saturates. frexp of the (correctly
@@ -1687,12 +1703,8 @@ def quantize_blocks(t, block, dtype=E4M3, power_of_two=False, k_group=None):
     offset = rank * k  # this piece's first column in the full K
     phase = offset % bk
     fp8_max = torch.finfo(dtype).max
-    tb = _k_blocks(t.detach().to(torch.float32, copy=True), bk, phase)  # one FP32 staging copy (+ padding)
-    n, w = tb.shape[1:]
-    row_blocks = -(-rows // br)
-    if row_blocks * br != rows:
-        tb = F.pad(tb, (0, 0, 0, 0, 0, row_blocks * br - rows))
-    tb = tb.view(row_blocks, br, n, w)
+    tb = _row_and_k_blocks(t, br, bk, phase)
+    row_blocks, n = tb.shape[0], tb.shape[2]
     amax = tb.abs().amax(dim=(1, 3))  # (row blocks, K blocks)
     if size > 1 and k % bk:  # blocks shared with other ranks
         first = offset // bk
@@ -1704,8 +1716,7 @@ def quantize_blocks(t, block, dtype=E4M3, power_of_two=False, k_group=None):
     amax = amax.clamp(min=fp8_max / torch.finfo(torch.float32).max)  # a zero block: the largest finite scale
     scale = power_of_two_scale(amax, fp8_max) if power_of_two else torch.full_like(amax, fp8_max) / amax
     q = tb.mul_(scale[:, None, :, None]).clamp_(-fp8_max, fp8_max).to(dtype)
-    data = _from_k_blocks(q.view(row_blocks * br, n, w)[:rows], k, phase).contiguous()
-    return FP8Blocks(data, scale, (br, bk), phase)
+    return FP8Blocks(_from_row_and_k_blocks(q, rows, k, phase).contiguous(), scale, (br, bk), phase)
 
 
 def quantize_rowwise(t, dtype=E4M3, k_group=None):
@@ -1836,12 +1847,19 @@ def fp8_block_matmul(a, b, out_dtype, use_scaled_mm=True, recipe=None):
         fp8_log["gemm:scaled_mm"] += 1
         return _scaled_mm_blocks(a, b, recipe, out_dtype)
     fp8_log["gemm:emulated"] += 1
+    return _emulated_block_gemm(a, b, a.scale.reciprocal(), b.scale.reciprocal()).to(out_dtype)
+
+
+def _emulated_block_gemm(a, b, factor_a, factor_b):
+    """sum_j (sum_{k in K block j} a_mk b_nk) fa_(m, j) fb_(n, j) in FP32, for a (M, K) and b (N, K) blocked alike
+    along K and factor_* (row blocks, K blocks) the dequantisation factor of each block: each block's partial sum
+    of exact products, times its two factors, the blocks added in FP32."""
     (m, k), n = a.data.shape, b.data.shape[0]
     qa, qb = _k_blocks(a.data.float(), a.block[1], a.phase), _k_blocks(b.data.float(), b.block[1], b.phase)
     partial = torch.bmm(qa.transpose(0, 1), qb.permute(1, 2, 0))  # (K blocks, M, N), exact products, FP32 sums
-    inv_a = a.scale.reciprocal().repeat_interleave(a.block[0], dim=0)[:m].t()
-    inv_b = b.scale.reciprocal().repeat_interleave(b.block[0], dim=0)[:n].t()
-    return (partial * inv_a[:, :, None] * inv_b[:, None, :]).sum(0).to(out_dtype)
+    inv_a = factor_a.repeat_interleave(a.block[0], dim=0)[:m].t()
+    inv_b = factor_b.repeat_interleave(b.block[0], dim=0)[:n].t()
+    return (partial * inv_a[:, :, None] * inv_b[:, None, :]).sum(0)
 
 
 def scaled_mm_supports(recipe, device):
@@ -2041,6 +2059,239 @@ def recipe_errors(x, weight, recipe, ordinary=None):
 
 def sqnr_db(x, x_hat):
     return 10 * math.log10((x.double() ** 2).sum().item() / ((x.double() - x_hat.double()) ** 2).sum().item())
+
+
+# ----------------------------------------------------------------------------------------------------
+# NVFP4: 4-bit training numerics (E2M1 values, E4M3 scales per 16 elements, an FP32 scale per tensor)
+# ----------------------------------------------------------------------------------------------------
+#
+# The format. An E2M1 number has a sign, 2 exponent bits and 1 mantissa bit: the magnitudes 0, 0.5 (the one
+# subnormal), 1, 1.5, 2, 3, 4, 6, so between neighbours the spacing is 0.5 below 2, 1 in [2, 4] and 2 in [4, 6].
+# With only 8 magnitudes a scale per tensor cannot serve: every 16 consecutive elements along the GEMM's
+# reduced dimension K share one E4M3 scale, and the tensor has one FP32 scale above those, chosen so that the
+# block scales fit E4M3's range:
+#
+#     s_tensor = amax_tensor / (6 * 448),  s_block = E4M3(amax_block / 6 / s_tensor) <= 448,
+#     q = E2M1(x / (s_block s_tensor)) (saturating at +-6),  x ~= q s_block s_tensor.
+#
+# 4 bits per element plus 8 per 16 (4.5 bits; FP8 takes 8.25 with MXFP8's scales). Rounding to nearest (ties
+# to the even code) errs by at most half the local spacing times the block's scale: |x - x^| <= S/4 where
+# |x| / S < 2, S/2 below 4 and S above (S = s_block s_tensor ~ amax_block / 6), i.e. at most ~amax_block / 6.
+# E4M3's rounding of s_block may leave the block's largest element at up to 6 / (1 - 2^-4) = 6.4 before the
+# clamp to 6, an error of 0.4 S, inside that bound; a block whose scale falls below E4M3's normal range
+# (amax_block < 2^-6 / 448 of the tensor's amax) is rounded more coarsely.
+#
+# The recipe (NVIDIA's NVFP4 pretraining recipe). Activations and gradients take 1 x 16 blocks along K; weights
+# take 16 x 16 blocks, square, so the backward's W^T reuses W's values and scales, transposed (quantising W^T
+# anew would round along the other dimension: the forward and backward would see two different weights). The
+# weight-gradient GEMM grad_W = G^T x reduces over the tokens, where a few outlier tokens set a block's scale
+# and flush its other 15 elements toward zero: both of its operands are multiplied, along the tokens, by a
+# 16 x 16 random Hadamard matrix R = D H_16 / 4 (H_16 Sylvester's, D a seeded random sign diagonal, the same on
+# every rank), which spreads an outlier over its block; R is orthogonal, so (G^T R)(x^T R)^T = G^T x exactly
+# before rounding. Gradients are rounded stochastically: between E2M1 neighbours lo < v < hi, up with
+# probability (v - lo) / (hi - lo), so that E[round(v)] = v and the rounding errors average out over the many
+# small updates of training instead of adding up with one sign; the draws come from a seeded torch.Generator
+# (reproducible; a run seeds one per step so that the steps differ). Everything else rounds to nearest.
+# Practitioners keep the last few blocks and the LM head in BF16 (the loss is most sensitive there).
+#
+# quantize_nvfp4 returns the E2M1 values as an FP32 tensor holding only E2M1 values (the emulation computes
+# with them exactly); pack_e2m1 packs them two to a byte for the FP4 tensor cores (Blackwell, compute capability
+# 10.0+), which torch._scaled_mm drives there; everywhere else, the CPU included, nvfp4_matmul emulates the
+# same arithmetic: each 16-long block's partial sum of exact E2M1 products (exact in FP32) times the two E4M3
+# block scales (their product exact too), the blocks added in FP32, times the two tensor scales. fp8_log counts
+# the path each GEMM took under "nvfp4:scaled_mm" and "nvfp4:emulated".
+
+NVFP4_RECIPE = "nvfp4"  # listed beside FP8_RECIPES by a caller; not one of them (fp8_linear does not take it)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes; the index is the 3-bit code
+E2M1_MAX, NVFP4_BLOCK = 6.0, 16
+
+
+class NVFP4(NamedTuple):
+    """A 2-D tensor (rows, K) in NVFP4: t ~= data * scale (of the element's block) * tensor_scale.
+
+    data: FP32, every element an E2M1 value; scale: (row blocks, K blocks) E4M3 block scales; block: (1, 16)
+    or (16, 16); phase: 0 (the fields FP8Blocks shares, so its helpers read both); tensor_scale: FP32, 0-d."""
+    data: torch.Tensor
+    scale: torch.Tensor
+    block: tuple
+    phase: int
+    tensor_scale: torch.Tensor
+
+
+def round_to_e2m1(x, stochastic=False, generator=None):
+    """x rounded to E2M1 (FP32 result), saturating at +-6: to nearest with ties to the even code (0, 1, 2, 4),
+    or stochastically, up to the upper neighbour with probability (|x| - lo) / (hi - lo) from `generator` (torch's
+    default generator when None). Both are exact: |x| - lo is exact in FP32 (Sterbenz: lo <= |x| <= 2 lo, or
+    lo = 0) and hi - lo is a power of two."""
+    grid = torch.tensor(E2M1_VALUES, device=x.device)
+    magnitude = x.float().abs().clamp(max=E2M1_MAX).contiguous()  # searchsorted reads it contiguous
+    lower = (torch.searchsorted(grid, magnitude, right=True) - 1).clamp(max=len(grid) - 2)
+    lo, hi = grid[lower], grid[lower + 1]
+    fraction = (magnitude - lo) / (hi - lo)
+    if stochastic:
+        up = torch.rand(magnitude.shape, generator=generator, device=x.device) < fraction
+    else:
+        up = (fraction > 0.5) | ((fraction == 0.5) & (lower % 2 == 1))  # a tie goes to the even code, lower + 1
+    return torch.where(up, hi, lo).copysign(x.float())
+
+
+def quantize_nvfp4(t, block=(1, NVFP4_BLOCK), stochastic=False, generator=None):
+    """t (rows, K) to NVFP4 with blocks of `block` = (1, 16) (activations, gradients) or (16, 16) (weights),
+    anchored at (0, 0); a partial block at the end holds what is left (as if zero-padded, as quantize_blocks).
+    stochastic: round the E2M1 values stochastically (gradients), from `generator`."""
+    if t.dim() != 2:
+        raise ValueError(f"t has shape {tuple(t.shape)}: quantize_nvfp4 takes a 2-D (rows, K) tensor")
+    if tuple(block) not in ((1, NVFP4_BLOCK), (NVFP4_BLOCK, NVFP4_BLOCK)):
+        raise ValueError(f"block={block!r}: NVFP4 takes (1, 16) (activations, gradients) or (16, 16) (weights)")
+    rows, k = t.shape
+    tb = _row_and_k_blocks(t.contiguous(), block[0], NVFP4_BLOCK)  # a transpose (W^T, G^T) copied once
+    amax = tb.abs().amax(dim=(1, 3))  # (row blocks, K blocks)
+    e4m3_max = torch.finfo(E4M3).max
+    tensor_amax = amax.max() if amax.numel() else torch.zeros((), device=t.device)
+    tensor_scale = tensor_amax.clamp(min=AMAX_EPS) / (E2M1_MAX * e4m3_max)
+    scale = (amax / E2M1_MAX / tensor_scale).clamp(max=e4m3_max).to(E4M3)
+    decode = (scale.float() * tensor_scale)[:, None, :, None]
+    scaled = torch.where(decode > 0, tb / decode, 0.0)  # a block whose scale is 0 in E4M3 holds zeros
+    q = round_to_e2m1(scaled, stochastic, generator)
+    return NVFP4(_from_row_and_k_blocks(q, rows, k).contiguous(), scale, tuple(block), 0, tensor_scale)
+
+
+def dequantize_nvfp4(q):
+    """q.data * s_block * s_tensor, each block's factor formed once in FP32 (as quantize_nvfp4 divided by it)."""
+    return q.data * block_scales(q._replace(scale=q.scale.float() * q.tensor_scale))
+
+
+def transpose_nvfp4(q):
+    """q^T of a 16 x 16-blocked q: the same values and scales, transposed (the backward's W^T)."""
+    if q.block != (NVFP4_BLOCK, NVFP4_BLOCK):
+        raise ValueError(f"block {q.block}: only square 16 x 16 blocks transpose into blocks along the new K")
+    return q._replace(data=q.data.t(), scale=q.scale.t())
+
+
+def random_hadamard(n=NVFP4_BLOCK, seed=0, dtype=torch.float32, device=None):
+    """R = D H_n / sqrt(n): Sylvester's Hadamard matrix (H_1 = [1], H_2m = [[H, H], [H, -H]]), its rows signed
+    by a random +-1 drawn from `seed` (a CPU generator: every rank draws the same). R R^T = I."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"n={n}: Sylvester's construction needs a power of two (16 for NVFP4)")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    signs = torch.randint(0, 2, (n, 1), generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 2 - 1
+    return (signs * h / math.sqrt(n)).to(dtype=dtype, device=device)
+
+
+def hadamard_along_k(t, hadamard):
+    """t (rows, K) with each n-long block along K multiplied by the n x n `hadamard`: (rows, K rounded up to n),
+    zero-padded (both operands of a GEMM padded alike: the padding adds nothing to the sum)."""
+    rows, k = t.shape
+    n = hadamard.shape[0]
+    blocks = F.pad(t, (0, -k % n)).reshape(rows, -1, n)
+    return (blocks @ hadamard.to(t.dtype)).reshape(rows, -1)
+
+
+def pack_e2m1(values):
+    """E2M1 values (..., K), K even, to uint8 (..., K/2): code = sign << 3 | index of |v| in E2M1_VALUES, element
+    2i in the low nibble and 2i + 1 in the high one (the layout of torch.float4_e2m1fn_x2)."""
+    grid = torch.tensor(E2M1_VALUES, device=values.device)
+    codes = torch.searchsorted(grid, values.abs().contiguous()).to(torch.uint8)
+    codes |= torch.signbit(values).to(torch.uint8) << 3
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def nvfp4_scaled_mm_supported(device):
+    """FP4 tensor cores: CUDA compute capability 10.0+ (Blackwell) with CUDA 12.8+. Never probed on the CPU (torch
+    2.13 has no CPU kernel for FP4)."""
+    if device.type != "cuda" or not hasattr(torch, "float4_e2m1fn_x2"):
+        return False
+    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    return torch.cuda.get_device_capability(device) >= (10, 0) and cuda >= (12, 8)
+
+
+def _scaled_mm_nvfp4(a, b, out_dtype):
+    """a @ b^T on the FP4 tensor cores: the E2M1 values packed (torch.float4_e2m1fn_x2, K/2 bytes a row), the E4M3
+    block scales one per row and 16 elements in cuBLAS's swizzled layout (as MXFP8's), the tensor scales applied
+    to the FP32 output."""
+    def operand(q, rows):
+        per_row = q.scale.float().repeat_interleave(q.block[0], dim=0)[:rows]  # (rows, K/16), exact
+        return pack_e2m1(q.data).view(torch.float4_e2m1fn_x2), _swizzle_32_4_4(per_row).to(E4M3)
+    (a4, sa), (b4, sb) = operand(a, a.data.shape[0]), operand(b, b.data.shape[0])
+    y = torch._scaled_mm(a4, b4.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+    return (y * (a.tensor_scale * b.tensor_scale)).to(out_dtype)
+
+
+def nvfp4_matmul(a, b, out_dtype=torch.float32, use_scaled_mm=True):
+    """a @ b^T for NVFP4 a (M, K) and b (N, K), both blocked along K in 16s (b may be 16 x 16-blocked):
+        y_mn = s_a s_b sum_j (sum_{k in block j} qa_mk qb_nk) sa_(m, j) sb_(n, j),
+    in FP32 (emulated: the same arithmetic as fp8_block_matmul's, with E4M3 factors); through torch._scaled_mm
+    only where the device has FP4 tensor cores and the shapes fit (M, N multiples of 16, K of 32)."""
+    if a.block[1] != NVFP4_BLOCK or b.block[1] != NVFP4_BLOCK or a.data.shape[1] != b.data.shape[1]:
+        raise ValueError(f"a and b must be NVFP4 blocked along the same K (shapes {tuple(a.data.shape)} and "
+                         f"{tuple(b.data.shape)}, blocks {a.block} and {b.block})")
+    (m, k), n = a.data.shape, b.data.shape[0]
+    if use_scaled_mm and not (m % 16 or n % 16 or k % 32) and nvfp4_scaled_mm_supported(a.data.device):
+        fp8_log["nvfp4:scaled_mm"] += 1
+        return _scaled_mm_nvfp4(a, b, out_dtype)
+    fp8_log["nvfp4:emulated"] += 1
+    y = _emulated_block_gemm(a, b, a.scale.float(), b.scale.float())
+    return (y * (a.tensor_scale * b.tensor_scale)).to(out_dtype)
+
+
+class _NVFP4Options(NamedTuple):
+    generator: object  # torch.Generator for the gradients' stochastic rounding (None: torch's default)
+    hadamard: torch.Tensor
+    use_scaled_mm: bool
+
+
+class _NVFP4LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, options):
+        x2 = x.reshape(-1, x.shape[-1])
+        qw = quantize_nvfp4(weight, (NVFP4_BLOCK, NVFP4_BLOCK))
+        y = nvfp4_matmul(quantize_nvfp4(x2), qw, x.dtype, options.use_scaled_mm)
+        ctx.save_for_backward(x, qw.data, qw.scale, qw.tensor_scale)  # x in high precision, W as quantised
+        ctx.options, ctx.weight_dtype = options, weight.dtype
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, *w_fields = ctx.saved_tensors
+        options = ctx.options
+        qw = NVFP4(w_fields[0], w_fields[1], (NVFP4_BLOCK, NVFP4_BLOCK), 0, w_fields[2])
+        g = grad_out.reshape(-1, qw.data.shape[0]).float()
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:  # dgrad G W: reduces over N; W^T is W's blocks transposed
+            qg = quantize_nvfp4(g, stochastic=True, generator=options.generator)
+            grad_x = nvfp4_matmul(qg, transpose_nvfp4(qw), x.dtype, options.use_scaled_mm).reshape(x.shape)
+        if ctx.needs_input_grad[1]:  # wgrad G^T x: reduces over the tokens, both operands Hadamard-transformed
+            g_t = hadamard_along_k(g.t(), options.hadamard)
+            x_t = hadamard_along_k(x2.t(), options.hadamard)
+            grad_w = nvfp4_matmul(quantize_nvfp4(g_t, stochastic=True, generator=options.generator),
+                                  quantize_nvfp4(x_t), ctx.weight_dtype, options.use_scaled_mm)
+        return grad_x, grad_w, None
+
+
+def nvfp4_linear(x, weight, bias=None, generator=None, hadamard_seed=0, use_scaled_mm=True):
+    """y = x @ weight^T + bias with all three GEMMs in NVFP4 (x has any leading shape):
+        forward  y = x W^T      x in 1 x 16 blocks, W in 16 x 16 blocks, both rounded to nearest
+        dgrad    grad_x = G W   G in 1 x 16 blocks along N, rounded stochastically; W^T is W's blocks transposed
+        wgrad    grad_W = G^T x G^T and x^T Hadamard-transformed along the tokens (random_hadamard(16,
+                                hadamard_seed)), in 1 x 16 blocks; G^T stochastically, x^T to nearest
+    generator: the torch.Generator of the stochastic rounding (on the gradient's device), seeded per step by the
+    caller for reproducible, varying draws; None takes torch's default generator."""
+    hadamard = random_hadamard(NVFP4_BLOCK, hadamard_seed, device=x.device)
+    y = _NVFP4LinearFunction.apply(x, weight, _NVFP4Options(generator, hadamard, use_scaled_mm))
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+def nvfp4_errors(x, weight, seed=0):
+    """NVFP4 on x (activations) and weight: the SQNR of x's quantisation, and the relative error of the GEMM x W^T
+    against float64, beside the same for BF16 operands (FP32 accumulation)."""
+    qx, qw = quantize_nvfp4(x), quantize_nvfp4(weight, (NVFP4_BLOCK, NVFP4_BLOCK))
+    exact = x.double() @ weight.double().t()
+    relative = lambda y: ((y.double() - exact).norm() / exact.norm()).item()
+    return {"sqnr_db": sqnr_db(x, dequantize_nvfp4(qx)), "gemm_error": relative(nvfp4_matmul(qx, qw)),
+            "bf16_gemm_error": relative(x.bfloat16().float() @ weight.bfloat16().float().t())}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -2812,9 +3063,22 @@ def show_micro_batch_cost():
               f"grad bytes/param ZeRO-2 {grads(two):.1f}, ZeRO-1 {grads(one):.1f}")
 
 
+def show_nvfp4():
+    x = torch.randn(256, 1024, generator=torch.Generator().manual_seed(0))
+    weight = torch.randn(256, 1024, generator=torch.Generator().manual_seed(1)) / 32
+    e, mx = nvfp4_errors(x, weight), recipe_errors(x, weight, "mxfp8")
+    draws = round_to_e2m1(torch.full((10_000,), 0.7), stochastic=True, generator=torch.Generator().manual_seed(0))
+    print(f"\n== NVFP4 (4.5 bits/element), 256 x 1024 Gaussians: SQNR {e['sqnr_db']:.1f} dB, GEMM relative error "
+          f"{e['gemm_error']:.3f} (MXFP8: {mx['sqnr_db']:.1f} dB, {mx['gemm_error']:.3f}; BF16 GEMM "
+          f"{e['bf16_gemm_error']:.4f})")
+    print(f"   0.7 rounds to {round_to_e2m1(torch.tensor(0.7)).item()} to nearest, to {draws.mean().item():.3f} on "
+          "average over 10^4 stochastic roundings (unbiased: E[round(v)] = v)")
+
+
 def demo(everything=False):
     """The chapter's claims, each measured (under a minute on two cores); `everything` (--all) adds the at-scale
-    forms: ZeRO-0..3 and HSDP bytes on forked ranks, the fine-grained recipes, FP8 under TP and in the gathers."""
+    forms: ZeRO-0..3 and HSDP bytes on forked ranks, the fine-grained recipes, FP8 under TP and in the gathers,
+    NVFP4."""
     show_formats()
     show_master_weights()
     show_main_grads()
@@ -2824,7 +3088,7 @@ def demo(everything=False):
     show_bytes_per_parameter()
     if not everything:
         print("\n(python3 mixed_precision.py --all adds ZeRO-0..3 and HSDP on forked ranks, the fine-grained FP8 "
-              "recipes, FP8 under TP and the FP8 parameter all-gather)")
+              "recipes, FP8 under TP, the FP8 parameter all-gather and NVFP4)")
         return
     show_zero_bytes()
     show_sharded_bytes()
@@ -2837,11 +3101,12 @@ def demo(everything=False):
     show_fp8_accumulation()
     show_fine_grained_scaling()
     show_fp8_under_tp()
+    show_nvfp4()
 
 
 if __name__ == "__main__":
     import argparse
     parser = argparse.ArgumentParser(description="Mixed precision, measured: the chapter's claims; --all adds the "
-                                                 "at-scale forms (ZeRO-1/2/3, HSDP, fine-grained FP8)")
+                                                 "at-scale forms (ZeRO-1/2/3, HSDP, fine-grained FP8, NVFP4)")
     parser.add_argument("--all", action="store_true", help="also the longer sweeps on forked ranks")
     demo(parser.parse_args().all)

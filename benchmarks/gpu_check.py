@@ -9,15 +9,18 @@
    scales on the device, against mixed_precision.py's emulation (the same FP8 operands and scales); the two
    backward GEMMs with E5M2 gradients (--fp8-backward fp8) the same way; and the accumulation error of the real
    FP8 GEMM as K grows (1K-64K) beside the emulated 14-bit accumulator.
-3. long_seq.py's fused ring attention on CUDA (world size 1: every ring step's kernel path) against the einsum
+3. NVFP4: mixed_precision.py's emulated NVFP4 GEMM (1 x 16-blocked activations, 16 x 16-blocked weights) against
+   float64 beside BF16's error, and through torch._scaled_mm where the device has FP4 tensor cores (Blackwell),
+   against the emulation; elsewhere the emulation timed; nvfp4_linear's forward and backward timed, its errors.
+4. long_seq.py's fused ring attention on CUDA (world size 1: every ring step's kernel path) against the einsum
    reference and against F.scaled_dot_product_attention on the whole sequence, forward and backward.
-4. A checkpoint of that run saved and sampled from (the CUDA path of `--sample`).
-5. checkpointing.py's kept bytes per recomputation policy in bfloat16 on CUDA against its formula for CUDA
+5. A checkpoint of that run saved and sampled from (the CUDA path of `--sample`).
+6. checkpointing.py's kept bytes per recomputation policy in bfloat16 on CUDA against its formula for CUDA
    kernels (1-byte dropout masks, FP32 LayerNorm statistics), which CPU runs cannot check.
-6. The pipeline schedules: zero bubble's split backward on the device against 1F1B; the interleaved schedule on four
+7. The pipeline schedules: zero bubble's split backward on the device against 1F1B; the interleaved schedule on four
    gloo CPU processes (PP2 x DP2 with ZeRO-3; one GPU holds one NCCL rank) against one process in float64.
-7. Sharding: ZeRO-3's gather, release and reduction around every block on the device against ZeRO-0 (and on
-   four gloo CPU processes, with the interleaved schedule, under 6); ZeRO-3 with FP8 parameter gathers (the
+8. Sharding: ZeRO-3's gather, release and reduction around every block on the device against ZeRO-0 (and on
+   four gloo CPU processes, with the interleaved schedule, under 7); ZeRO-3 with FP8 parameter gathers (the
    MXFP8 packing on the device) against BF16 ones.
 Each section reports its own failure (an exception, or a figure outside its stated bound) and the next one still
 runs; the exit code is 1 if any section failed.
@@ -213,6 +216,73 @@ def fp8_accumulation(device, dry):
             raise AssertionError(f"fp8 accumulation K={k}: the default _scaled_mm error {real[False]:.2e} >= 1e-3")
 
 
+def _median_time(fn, device, repeats=5):
+    """The median wall time of fn() in seconds (the device synchronised around each call), after one warm-up."""
+    times = []
+    for _ in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return sorted(times[1:])[repeats // 2]
+
+
+def nvfp4(device, dry):
+    """NVFP4 as mixed_precision.py emulates it: the GEMM of 1 x 16-blocked activations and 16 x 16-blocked weights
+    against float64 (beside BF16 operands'), and against float64 on its own dequantised operands; through
+    torch._scaled_mm where the device has FP4 tensor cores (compute capability 10.0+), against the emulation;
+    otherwise the emulation timed beside a BF16 GEMM; then nvfp4_linear's forward and backward (stochastic
+    gradients, Hadamard-transformed wgrad) timed, and its output and gradients against float64."""
+    mp = mixed_precision
+    m, k, n = (64, 256, 128) if dry else (1024, 4096, 1024)
+    gen = torch.Generator(device="cpu").manual_seed(2)
+    a, b, g = (torch.randn(*shape, generator=gen).to(device) for shape in ((m, k), (n, k), (m, n)))
+    relative = lambda y, ref: ((y.double() - ref).norm() / ref.norm()).item()
+    qa, qb = mp.quantize_nvfp4(a), mp.quantize_nvfp4(b, (16, 16))
+    exact = a.double() @ b.double().t()
+    emulated = mp.nvfp4_matmul(qa, qb, use_scaled_mm=False)
+    error, bf16 = relative(emulated, exact), relative(a.bfloat16() @ b.bfloat16().t(), exact)
+    # one operand's NVFP4 error on Gaussian data is ~0.1 relative (SQNR ~20 dB); the two add in quadrature: ~0.15
+    say("nvfp4 emulated GEMM vs float64", f"relative error {error:.3f} (bound 0.25); BF16 operands {bf16:.1e}")
+    if not error < 0.25:
+        raise AssertionError(f"nvfp4: the GEMM's relative error {error:.3f} is not below 0.25")
+    # the same operands in float64: exact block partial sums, then a few FP32 roundings per block
+    check("nvfp4 emulation vs float64 on its operands", relative(emulated, mp.dequantize_nvfp4(qa).double()
+                                                                 @ mp.dequantize_nvfp4(qb).double().t()),
+          1e-5, "relative error (FP32 accumulation)")
+    seconds = _median_time(lambda: mp.nvfp4_matmul(qa, qb, use_scaled_mm=False), device)
+    bf16_seconds = _median_time(lambda: a.bfloat16() @ b.bfloat16().t(), device)
+    say(f"nvfp4 emulated GEMM {m}x{k}x{n}", f"{seconds * 1e3:.2f} ms (BF16 GEMM {bf16_seconds * 1e3:.2f} ms)")
+    if mp.nvfp4_scaled_mm_supported(device):
+        before = mp.fp8_log["nvfp4:scaled_mm"]
+        fused = mp.nvfp4_matmul(qa, qb, torch.bfloat16)
+        if mp.fp8_log["nvfp4:scaled_mm"] == before:
+            raise AssertionError("nvfp4: FP4 _scaled_mm is supported here but the GEMM was emulated")
+        # the same operands and scales: only the kernel's accumulation and the BF16 output rounding differ
+        check("nvfp4 _scaled_mm vs emulation", relative(fused, emulated.double()), 1e-2, "relative error")
+        fused_seconds = _median_time(lambda: mp.nvfp4_matmul(qa, qb, torch.bfloat16), device)
+        say("nvfp4 _scaled_mm GEMM", f"{fused_seconds * 1e3:.2f} ms")
+    else:
+        say("nvfp4 _scaled_mm", f"no FP4 tensor cores on this device for torch {torch.__version__}: emulated")
+    x, w = a.clone().requires_grad_(True), b.clone().requires_grad_(True)
+    draws = torch.Generator(device=device).manual_seed(0)
+
+    def step():
+        x.grad = w.grad = None
+        mp.nvfp4_linear(x, w, generator=draws).backward(g)
+    say("nvfp4_linear forward + backward", f"{_median_time(step, device) * 1e3:.2f} ms (emulated unless FP4 cores)")
+    errors = (relative(mp.nvfp4_linear(x, w, generator=draws), exact), relative(x.grad, g.double() @ b.double()),
+              relative(w.grad, g.double().t() @ a.double()))
+    # stochastic rounding's error variance is twice rounding to nearest's: ~0.17 for the gradients
+    say("nvfp4_linear output, grad_x, grad_w vs float64", "relative errors " + ", ".join(f"{e:.3f}" for e in errors)
+        + " (bound 0.25)")
+    if not max(errors) < 0.25:
+        raise AssertionError(f"nvfp4_linear: a relative error {max(errors):.3f} is not below 0.25")
+
+
 def ring(device, dry):
     from torch.distributed import group
     s, d = (256, 16) if dry else (4096, 64)
@@ -338,7 +408,8 @@ def main():
     say("torch", f"{torch.__version__}, cuda {torch.version.cuda}, device {device}")
     failed = 0
     for name, section in (("gpt2", lambda: gpt2_small(device, a.dry_run, deadline)),
-                          ("fp8", lambda: fp8(device, a.dry_run)), ("ring", lambda: ring(device, a.dry_run)),
+                          ("fp8", lambda: fp8(device, a.dry_run)), ("nvfp4", lambda: nvfp4(device, a.dry_run)),
+                          ("ring", lambda: ring(device, a.dry_run)),
                           ("recompute", lambda: recompute_memory(device, a.dry_run)),
                           ("schedules", lambda: schedules(device, a.dry_run)),
                           ("sharding", lambda: sharding(device, a.dry_run))):

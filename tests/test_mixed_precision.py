@@ -1658,6 +1658,186 @@ def test_every_recipe_takes_any_leading_shape_and_an_expert_without_tokens():
         assert out.shape == (0, 48) and torch.all(layer.weight.grad == 0), recipe
 
 
+# ---- NVFP4: E2M1 values, E4M3 scales per 16, an FP32 tensor scale; Hadamard, stochastic rounding -----------
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes, in code order
+
+
+def _relative(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _nearest_even_e2m1(v):
+    """Brute force: the closest E2M1 magnitude to min(|v|, 6), a tie to the even code (0, 1, 2, 4)."""
+    a = min(abs(v), 6.0)
+    return math.copysign(E2M1[min(range(8), key=lambda c: (abs(a - E2M1[c]), c % 2))], v)
+
+
+def test_round_to_e2m1_is_round_to_nearest_even_and_saturates():
+    # every multiple of 1/64 in [-8, 8]: every midpoint (a tie) and every value between, and beyond +-6
+    x = torch.arange(-512, 513, dtype=torch.float32) / 64
+    assert mp.round_to_e2m1(x).tolist() == [_nearest_even_e2m1(v) for v in x.tolist()]
+    bf16 = x.bfloat16()  # 8 significant bits: some of these values round on the way in
+    assert mp.round_to_e2m1(bf16).tolist() == [_nearest_even_e2m1(v) for v in bf16.float().tolist()]
+
+
+def _nvfp4_reference(x, block_rows):
+    """NVFP4 block by block: s_t = amax / (6 * 448), s_b = E4M3(amax_b / 6 / s_t), q = E2M1(x / (s_b s_t))."""
+    tensor_scale = x.abs().max() / (6 * 448)
+    data, scales = torch.empty_like(x), torch.empty(-(-x.shape[0] // block_rows), -(-x.shape[1] // 16))
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            rows, cols = slice(i * block_rows, (i + 1) * block_rows), slice(j * 16, (j + 1) * 16)
+            scales[i, j] = (x[rows, cols].abs().max() / 6 / tensor_scale).to(E4M3).float()
+            data[rows, cols] = mp.round_to_e2m1(x[rows, cols] / (scales[i, j] * tensor_scale))
+    return data, scales, tensor_scale
+
+
+def _spread_rows(rows=40, cols=72, seed=0):
+    """Gaussian rows whose magnitudes spread over three decades; 40 x 72: partial blocks along both dimensions."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, cols, generator=gen) * 10 ** (3 * torch.rand(rows, 1, generator=gen) - 1.5)
+
+
+@pytest.mark.parametrize("block", [(1, 16), (16, 16)])
+def test_nvfp4_holds_e2m1_values_and_e4m3_scales_within_the_formats_bound(block):
+    x = _spread_rows()
+    q = mp.quantize_nvfp4(x, block)
+    data, scales, tensor_scale = _nvfp4_reference(x, block[0])
+    assert torch.equal(q.data, data) and torch.equal(q.scale.float(), scales) and q.tensor_scale == tensor_scale
+    assert torch.isin(q.data.abs(), torch.tensor(E2M1)).all()
+    assert q.scale.dtype == E4M3 and torch.equal(q.scale.float().to(E4M3).float(), q.scale.float())
+    # the premise of the bound: every block scale in E4M3's normal range (amax_b > 2^-6 / 448 of the tensor's)
+    assert (q.scale.float() >= 2.0 ** -6).all()
+    # bound: S = s_b s_t, v = |x| / S; rounding to nearest errs by half the local spacing, S/4 for v < 2, S/2
+    # for v < 4, S above (the clamp of v <= 6 / (1 - 2^-4) = 6.4 to 6 errs by at most 0.4 S); plus FP32's
+    # roundings of x / S and q S, 2^-24 each relative to |x|
+    S = mp.block_scales(q._replace(scale=q.scale.float() * q.tensor_scale))
+    error, v = (mp.dequantize_nvfp4(q) - x).abs(), x.abs() / S
+    half_spacing = torch.where(v < 2, 0.25, torch.where(v < 4, 0.5, 1.0))
+    assert (error <= half_spacing * S + 2.0 ** -22 * x.abs()).all()
+    # so per block at most S <= amax_b / 6 (1 + 2^-4) (E4M3 rounds s_b by at most 2^-4 of itself)
+    amax = mp._row_and_k_blocks(x, block[0], 16).abs().amax(dim=(1, 3))
+    block_error = mp._row_and_k_blocks(error, block[0], 16).amax(dim=(1, 3))
+    assert (block_error <= amax / 6 * (1 + 2.0 ** -4)).all()
+    # stochastic rounding stays between the two neighbours: within one spacing (twice the half spacing)
+    stochastic = mp.quantize_nvfp4(x, block, stochastic=True, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(stochastic.scale.float(), q.scale.float())
+    assert ((mp.dequantize_nvfp4(stochastic) - x).abs() <= 2 * half_spacing * S + 2.0 ** -22 * x.abs()).all()
+
+
+def test_nvfp4_weight_blocks_are_square_so_the_transpose_reuses_their_scales():
+    w = _spread_rows(40, 72, seed=1)
+    transposed, direct = mp.transpose_nvfp4(mp.quantize_nvfp4(w, (16, 16))), mp.quantize_nvfp4(w.t(), (16, 16))
+    assert torch.equal(transposed.data, direct.data) and torch.equal(transposed.scale.float(), direct.scale.float())
+    assert transposed.tensor_scale == direct.tensor_scale
+    # 1 x 16 blocks are not: the blocks of x^T along its K are other elements than x's
+    assert not torch.equal(mp.quantize_nvfp4(w).data.t(), mp.quantize_nvfp4(w.t()).data)
+    with pytest.raises(ValueError):
+        mp.transpose_nvfp4(mp.quantize_nvfp4(w))
+
+
+def test_the_random_hadamard_is_orthogonal_spreads_an_outlier_and_leaves_the_gemm_unchanged():
+    r = mp.random_hadamard(16, seed=3, dtype=torch.float64)
+    assert (r @ r.t() - torch.eye(16, dtype=torch.float64)).abs().max() <= 1e-15
+    assert torch.equal(r, mp.random_hadamard(16, seed=3, dtype=torch.float64))
+    assert not torch.equal(r, mp.random_hadamard(16, seed=4, dtype=torch.float64))
+    outlier = torch.zeros(1, 16, dtype=torch.float64)
+    outlier[0, 5] = 1000.0
+    assert torch.equal(mp.hadamard_along_k(outlier, r).abs(), torch.full((1, 16), 250.0, dtype=torch.float64))
+    # the wgrad GEMM G^T x over M = 40 tokens (two blocks and a partial one, zero-padded alike in both operands)
+    gen = torch.Generator().manual_seed(0)
+    g, x = torch.randn(40, 24, generator=gen, dtype=torch.float64), torch.randn(40, 32, generator=gen,
+                                                                              dtype=torch.float64)
+    transformed = mp.hadamard_along_k(g.t(), r) @ mp.hadamard_along_k(x.t(), r).t()
+    assert _relative(transformed, g.t() @ x) <= 1e-12
+
+
+def test_stochastic_rounding_is_unbiased_between_the_two_neighbours_and_reproducible():
+    values = torch.tensor([0.1, 0.3, 0.7, 1.2, 1.75, 2.6, 3.3, 4.5, 5.9, -0.45, -2.2, -5.0, 1.5, -4.0])
+    n = 20000
+    draws = mp.round_to_e2m1(values.repeat(n, 1), stochastic=True, generator=torch.Generator().manual_seed(0))
+    grid = torch.tensor(E2M1)
+    for v, column in zip(values.tolist(), draws.t()):
+        i = int((grid <= abs(v)).sum()) - 1
+        lo, hi = E2M1[i], E2M1[min(i + 1, 7)]
+        assert set(column.abs().tolist()) <= {lo, hi} and (column * v >= 0).all(), v
+        if lo == abs(v):  # an E2M1 value is never moved
+            assert (column == v).all(), v
+            continue
+        # one draw is lo or hi, up with probability f: its standard deviation (hi - lo) sqrt(f (1 - f)); the
+        # mean of n draws lies within 5 standard errors of v (a false failure has probability ~6e-7)
+        f = (abs(v) - lo) / (hi - lo)
+        standard_error = (hi - lo) * math.sqrt(f * (1 - f) / n)
+        assert abs(column.double().mean().item() - v) <= 5 * standard_error, v
+    again = mp.round_to_e2m1(values.repeat(n, 1), stochastic=True, generator=torch.Generator().manual_seed(0))
+    other = mp.round_to_e2m1(values.repeat(n, 1), stochastic=True, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(again, draws) and not torch.equal(other, draws)
+
+
+def test_nvfp4_matmul_emulates_fp32_accumulation_and_the_fp4_scaled_mm_layout_passes_torchs_checks(monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(48, 80, generator=gen), torch.randn(32, 80, generator=gen)
+    qa, qb = mp.quantize_nvfp4(a), mp.quantize_nvfp4(b, (16, 16))
+    monkeypatch.setattr(torch, "_scaled_mm", None)  # the CPU never reaches it: calling it would raise
+    before = mp.fp8_log["nvfp4:emulated"]
+    y = mp.nvfp4_matmul(qa, qb)
+    assert mp.fp8_log["nvfp4:emulated"] == before + 1
+    # block partial sums of E2M1 products are exact in FP32; then a few FP32 roundings per block (2^-24 each)
+    exact = mp.dequantize_nvfp4(qa).double() @ mp.dequantize_nvfp4(qb).double().t()
+    assert _relative(y, exact) <= 1e-6
+    monkeypatch.undo()
+    assert mp.pack_e2m1(torch.tensor([0.5, -6.0, 1.0, 3.0])).tolist() == [0x1 | 0xF << 4, 0x2 | 0x5 << 4]
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():  # torch's meta checks of FP4 operands and swizzled E4M3 scales, without a GPU
+        for m, k, n in ((256, 640, 384), (128, 96, 16)):
+            qa = mp.NVFP4(torch.ones(m, k), torch.ones(m, k // 16).to(E4M3), (1, 16), 0, torch.tensor(1.0))
+            qb = mp.NVFP4(torch.ones(n, k), torch.ones(-(-n // 16), k // 16).to(E4M3), (16, 16), 0,
+                          torch.tensor(1.0))
+            assert mp._scaled_mm_nvfp4(qa, qb, torch.bfloat16).shape == (m, n)
+    assert not mp.nvfp4_scaled_mm_supported(torch.device("cpu"))
+    cuda = torch.device("cuda", 0)
+    for capability, version, expected in (((9, 0), "12.9", False), ((10, 0), "12.8", True),
+                                          ((10, 0), "12.6", False), ((12, 0), "12.9", True)):
+        monkeypatch.setattr(mp.torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        monkeypatch.setattr(mp.torch.version, "cuda", version)
+        assert mp.nvfp4_scaled_mm_supported(cuda) == expected, (capability, version)
+
+
+def test_nvfp4_linear_runs_its_three_gemms_as_stated_with_gradients_near_float64():
+    gen = torch.Generator().manual_seed(0)
+    x, w, g = (torch.randn(*shape, generator=gen) for shape in ((2, 40, 64), (48, 64), (2, 40, 48)))
+    leaves = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    y = mp.nvfp4_linear(*leaves, generator=torch.Generator().manual_seed(7), hadamard_seed=1)
+    y.backward(g)
+    # the structure: the same quantised operands formed here, the draws in the same order (dgrad, then wgrad);
+    # W^T quantised alone equals W's 16 x 16 blocks transposed (the test above); float64 products of them
+    draws, r = torch.Generator().manual_seed(7), mp.random_hadamard(16, 1)
+    x2, g2 = x.reshape(-1, 64), g.reshape(-1, 48)
+    dq = lambda t, *args, **kwargs: mp.dequantize_nvfp4(mp.quantize_nvfp4(t, *args, **kwargs)).double()
+    y_ref = dq(x2) @ dq(w, (16, 16)).t()
+    grad_x_ref = dq(g2, stochastic=True, generator=draws) @ dq(w.t(), (16, 16)).t()
+    grad_w_ref = (dq(mp.hadamard_along_k(g2.t(), r), stochastic=True, generator=draws)
+                  @ dq(mp.hadamard_along_k(x2.t(), r)).t())
+    for got, ref in ((y.reshape(-1, 48), y_ref), (leaves[0].grad.reshape(-1, 64), grad_x_ref),
+                     (leaves[1].grad, grad_w_ref)):
+        assert _relative(got, ref) <= 1e-6  # the FP32 emulation against float64 on the same operands
+    # the numerics against float64 on the unquantised tensors. One operand's NVFP4 error on Gaussian data:
+    # ~0.09-0.11 relative (rounding to nearest, SQNR ~20 dB), and sqrt(2) more under stochastic rounding
+    # (its error variance f (1 - f) spacing^2 averages spacing^2 / 6, twice rounding to nearest's / 12); the
+    # two operands' errors are independent and add in quadrature: ~0.15 (y), ~0.17 (gradients). Bound 0.25:
+    # room for a small problem's spread, while a block scale misplaced or a transform left unpaired is O(1)
+    errors = (_relative(y, x.double() @ w.double().t()), _relative(leaves[0].grad, g.double() @ w.double()),
+              _relative(leaves[1].grad, g2.double().t() @ x2.double()))
+    assert max(errors) <= 0.25, errors
+    other = w.clone().requires_grad_(True)
+    mp.nvfp4_linear(x, other, generator=torch.Generator().manual_seed(8), hadamard_seed=1).backward(g)
+    assert not torch.equal(other.grad, leaves[1].grad)  # another step's seed: other draws
+    empty, weight = torch.randn(0, 64).requires_grad_(True), w.clone().requires_grad_(True)  # no tokens
+    mp.nvfp4_linear(empty, weight).sum().backward()
+    assert empty.grad.shape == (0, 64) and torch.all(weight.grad == 0)
+
+
 # ---- ZeRO-2, ZeRO-3 (units) and hybrid sharding --------------------------------------------------------
 
 ROWS, SHARDED_LR, SHARDED_MAX_NORM = 36, 0.02, 20.0  # 36 rows: 3 micro-batches on 2, 3 and 4 ranks; clips steps 0, 1

@@ -142,6 +142,7 @@ class TrainConfig:
     out_dir: str = None               # checkpoints: out_dir/step_NNNNNN
     save_every: int = 0               # steps between checkpoints (0: only at the end, if out_dir is set)
     resume: bool = False              # continue from the latest complete checkpoint in out_dir, if any
+    init_from_hf: str = None          # a GPT-2 folder (config.json, model.safetensors): the initial weights
     timeout_s: float = 300.0          # process-group timeout: a dead peer ends the job within it
     metrics: str = None
     peak_tflops: float = None
@@ -1253,6 +1254,8 @@ def _train(cfg, run, data):
     with stalls_in_one_line(run, lambda: "while starting (process groups, the checkpoint)"):
         plan, stage, opt, pipe = build(cfg, run)
         resumed = resume(run.out_dir, stage, opt) if run.resume and checkpoint_dirs(run.out_dir) else None
+        if run.init_from_hf and not resumed:  # a checkpoint to resume comes first: a restarted job goes on
+            load_hf_weights(run.init_from_hf, stage, opt)
     ps, device = plan.ps, next(stage.parameters()).device
     start = resumed["step"] if resumed else 0
     if resumed and ps.rank == 0:
@@ -1451,7 +1454,12 @@ def main(argv=None):
         if a.sample:
             path, state = sample_checkpoint(run.out_dir, world)
             cfg = GPTConfig(**state["config"])
+        elif a.export_hf or a.export_nanogpt:
+            path, state = export_source(run.out_dir, a.step, world, "--export-hf" if a.export_hf else
+                                        "--export-nanogpt")
         else:
+            if run.init_from_hf:
+                cfg = config_from_hf(run.init_from_hf, cfg, a.shape_given)
             data = check_inputs(cfg, run, world)
     except ValueError as e:
         _fail(rank, 2, e)
@@ -1460,6 +1468,8 @@ def main(argv=None):
     try:
         if a.sample:
             print(sample(cfg, path, a.sample, a.temperature, a.sample_top_k, seed=a.seed))
+        elif a.export_hf or a.export_nanogpt:
+            print("\n".join(export_weights(path, state, a.export_hf, a.export_nanogpt)))
         else:
             records = train(cfg, run, data)
             if dist.get_rank() == 0 and records:
@@ -2803,6 +2813,316 @@ def _world_size():
 
 
 # ----------------------------------------------------------------------------------------------------
+# Weights out and in: Hugging Face GPT-2 and nanoGPT
+# ----------------------------------------------------------------------------------------------------
+# An export reads the newest checkpoint that passes every check (or --step N) into a one-process model, as --sample
+# does, and writes its weights only; an import (--init-from-hf) fills each rank's slice of every parameter, and its
+# FP32 master, from a GPT-2 folder. Our model is GPT-2's computation (pre-LN blocks, LayerNorm eps 1e-5, scale
+# 1/sqrt(head_dim), biases everywhere, LM head tied to wte, no dropout) with the exact GELU (erf): the config says
+# "activation_function": "gelu", not GPT-2's tanh approximation "gelu_new". The names, whole tensors (h = --hidden):
+#
+#     ours (model_geometry)   HF GPT2LMHeadModel (Conv1D: (in, out))      nanoGPT (nn.Linear: (out, in))
+#     wte.weight (V, h)       transformer.wte.weight; lm_head: tied        transformer.wte.weight, lm_head.weight
+#     wpe (seq, h)            transformer.wpe.weight (n_positions = seq)   transformer.wpe.weight (block_size)
+#     h.N.ln1, h.N.ln2        transformer.h.N.ln_1, ln_2 (.weight, .bias)  the same
+#     h.N.qkv (3h, h): Q;K;V  h.N.attn.c_attn (h, 3h): ours transposed     h.N.attn.c_attn (3h, h): ours
+#     h.N.proj (h, h)         h.N.attn.c_proj: transposed                  h.N.attn.c_proj
+#     h.N.fc (4h, h)          h.N.mlp.c_fc (h, 4h): transposed             h.N.mlp.c_fc
+#     h.N.out (h, 4h)         h.N.mlp.c_proj (4h, h): transposed           h.N.mlp.c_proj
+#     ln_f                    transformer.ln_f                             transformer.ln_f
+#
+# Our QKV weight at TP 1 is Q's rows, then K's, then V's, each (h, h) with the heads in order (ColumnParallelLinear
+# with parts=3 splits each block over TP on its own: _slice_geometry sees it as (3, h, h)); GPT-2 splits c_attn's
+# output the same way. The vocabulary is kept whole, the rows a TP padding added included (a text model padded to
+# 258 exports 258 ids, two that no text uses); so an import takes the folder's vocabulary, which --tp must divide.
+# The safetensors file is written and read here (an 8-byte little-endian header length, a JSON header {name: {dtype,
+# shape, data_offsets}}, the raw bytes): no dependency, and nothing is unpickled; every value of the header and of
+# config.json is checked before use. MoE models have no GPT-2 (or nanoGPT) form: their export is refused.
+
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+SAFETENSORS_MAX_HEADER = 1 << 27
+HF_CONFIG_MAX_BYTES = 1 << 20
+HF_SHAPE = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd", "n_positions": "seq_len",
+            "vocab_size": "vocab_size"}  # config.json's key: GPTConfig's field
+HF_ACTIVATIONS = {"gelu": "", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}  # HF name: its approximation
+HF_DEFAULTS = {"n_inner": None, "layer_norm_epsilon": 1e-5, "tie_word_embeddings": True, "scale_attn_weights": True,
+               "scale_attn_by_inverse_layer_idx": False, "add_cross_attention": False,
+               "activation_function": "gelu_new"}  # GPT2Config's, where config.json omits the key
+HF_COMPUTED = {"n_inner": (None,), "layer_norm_epsilon": (1e-5,), "tie_word_embeddings": (True,),  # n_inner: or 4h
+               "scale_attn_weights": (True,), "scale_attn_by_inverse_layer_idx": (False,),
+               "add_cross_attention": (False,), "activation_function": tuple(HF_ACTIVATIONS)}
+HF_BUFFERS = re.compile(r"h\.[0-9]+\.attn\.(bias|masked_bias)")  # causal masks older GPT-2 files hold: not weights
+
+
+def gpt2_names(cfg):
+    """[(HF name without "transformer.", our name, transposed)] for every weight: the table above."""
+    names = [("wte.weight", "wte.weight", False), ("wpe.weight", "wpe", False)]
+    for i in range(cfg.n_layer):
+        for theirs, ours, conv in (("ln_1", "ln1", False), ("attn.c_attn", "qkv", True),
+                                   ("attn.c_proj", "proj", True), ("ln_2", "ln2", False),
+                                   ("mlp.c_fc", "fc", True), ("mlp.c_proj", "out", True)):
+            names += [(f"h.{i}.{theirs}.weight", f"h.{i}.{ours}.weight", conv),
+                      (f"h.{i}.{theirs}.bias", f"h.{i}.{ours}.bias", False)]
+    return names + [("ln_f.weight", "ln_f.weight", False), ("ln_f.bias", "ln_f.bias", False)]
+
+
+def gpt2_shapes(cfg):
+    """{HF name: shape} of a GPT-2 of cfg's shape (Conv1D weights (in, out)): ours (model_geometry; QKV's (3, ...)
+    as (3h, ...)), transposed where GPT-2 has a Conv1D."""
+    geometry = model_geometry(cfg)
+    ours = {name: [s[0] * s[1], *s[2:]] if ".qkv." in name else list(s) for name, s in geometry.items()}
+    return {theirs: ours[name][::-1] if conv else ours[name] for theirs, name, conv in gpt2_names(cfg)}
+
+
+def _whole_weights(stage):
+    """{our name: the whole parameter} of a one-process stage (the tied head is wte itself)."""
+    return {name: p.detach().float().cpu() for name, p, tied_copy in _saved_params(stage) if not tied_copy}
+
+
+def hf_config(cfg):
+    """GPT2LMHeadModel's config.json for our model: the shape, the exact GELU, eps 1e-5, no dropout, tied head."""
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
+            "n_positions": cfg.seq_len, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
+            "n_inner": None, "activation_function": "gelu", "layer_norm_epsilon": 1e-5, "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0, "attn_pdrop": 0.0, "initializer_range": 0.02, "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False, "tie_word_embeddings": True,
+            "bos_token_id": None, "eos_token_id": None, "torch_dtype": "float32"}
+
+
+def safetensors_bytes(tensors, metadata=None):
+    """The safetensors file of {name: tensor}: the header's length (8 bytes, little-endian), the JSON header
+    (padded with spaces to a multiple of 8, so every tensor starts aligned), the tensors' bytes in header order."""
+    dtype_names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+    header, offset, blobs = {"__metadata__": dict(metadata or {})}, 0, []
+    for name, t in tensors.items():
+        blob = t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        header[name] = {"dtype": dtype_names[t.dtype], "shape": list(t.shape), "data_offsets": [offset,
+                                                                                               offset + len(blob)]}
+        offset += len(blob)
+        blobs.append(blob)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + b"".join(blobs)
+
+
+def _write_file(path, data):
+    """Write a whole file or leave the old one: a temporary beside it, synced, renamed over it."""
+    tmp = path + ".tmp"
+    _write_synced(tmp, data)
+    os.replace(tmp, path)
+
+
+def read_safetensors_header(path, shapes):
+    """The checked header of a safetensors file: {HF name without "transformer.": (dtype, shape, begin, end) in the
+    file}, for exactly the tensors `shapes` names ({name: shape}), each of a known float dtype, of that shape, its
+    bytes inside the file and as many as its shape needs. Names with the prefix "transformer." or without (older
+    GPT-2 files), the causal-mask buffers of older files and a tied lm_head.weight are allowed. Raises
+    BadCheckpoint, one line naming the file."""
+    st = input_file("--init-from-hf", path, BadCheckpoint)
+
+    def bad(why):
+        return BadCheckpoint(f"--init-from-hf: {path}: {why}")
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        length = int.from_bytes(prefix, "little") if len(prefix) == 8 else None
+        if length is None or not 2 <= length <= min(st.st_size - 8, SAFETENSORS_MAX_HEADER):
+            raise bad(f"its header length {length} does not fit its {st.st_size} bytes: not a safetensors file")
+        text = f.read(length)
+    if json_depth(text) > 3:
+        raise bad(f"its header nests {json_depth(text)} deep, where safetensors nests 3")
+    try:
+        header = json.loads(text.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise bad(f"its header is not valid JSON ({str(e).splitlines()[0]})") from None
+    if not isinstance(header, dict):
+        raise bad("its header is not a JSON object")
+    metadata = header.pop("__metadata__", {})
+    if not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise bad("its __metadata__ is not an object of strings")
+    data_bytes, entries = st.st_size - 8 - length, {}
+    prefix = "transformer." if "transformer.wte.weight" in header else ""
+    for key, entry in header.items():
+        name = key[len(prefix):] if key.startswith(prefix) else key
+        if not (isinstance(entry, dict) and set(entry) == {"dtype", "shape", "data_offsets"}):
+            raise bad(f"tensor {key!r} is not described by exactly dtype, shape and data_offsets")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if dtype not in SAFETENSORS_DTYPES:
+            raise bad(f"tensor {key!r} is {dtype!r}; the weights can be one of {sorted(SAFETENSORS_DTYPES)}")
+        if not (isinstance(shape, list) and len(shape) <= 8 and all(_int(0, 1 << 40)[0](n) for n in shape)):
+            raise bad(f"tensor {key!r} has the shape {shape!r}, not a list of sizes")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_int(0)[0](o) for o in offsets)
+                and offsets[0] <= offsets[1] <= data_bytes):
+            raise bad(f"tensor {key!r} lies at {offsets!r}, outside the file's {data_bytes} bytes of data")
+        size = math.prod(shape) * SAFETENSORS_DTYPES[dtype].itemsize
+        if offsets[1] - offsets[0] != size:
+            raise bad(f"tensor {key!r} of shape {shape} and {dtype} takes {size} bytes, its offsets span "
+                      f"{offsets[1] - offsets[0]}")
+        if name in shapes and shape != list(shapes[name]):
+            raise bad(f"tensor {key!r} has the shape {shape}, where config.json's model has {list(shapes[name])}")
+        if name not in shapes and not (HF_BUFFERS.fullmatch(name) or (name == "lm_head.weight" and
+                                                                      shape == list(shapes["wte.weight"]))):
+            raise bad(f"tensor {key!r} is no weight of a GPT-2 of config.json's shape")
+        entries[name] = (SAFETENSORS_DTYPES[dtype], shape, 8 + length + offsets[0], 8 + length + offsets[1])
+    missing = [name for name in shapes if name not in entries]
+    if missing:
+        raise bad(f"tensor {prefix + missing[0]!r} is missing ({len(missing)} of the model's are)")
+    return entries
+
+
+def _read_tensor(path, entry):
+    dtype, shape, begin, end = entry
+    with open(path, "rb") as f:
+        f.seek(begin)
+        data = bytearray(f.read(end - begin))
+    if len(data) != end - begin:
+        raise BadCheckpoint(f"--init-from-hf: {path} was cut short while it was read")
+    return torch.frombuffer(data, dtype=dtype).view(shape) if data else torch.empty(shape, dtype=dtype)
+
+
+def read_hf_config(folder, say=None):
+    """The model shape of a GPT-2 folder's config.json as GPTConfig fields, every value checked: the shape keys
+    integers in range, and nothing our model cannot compute (an untied head, another LayerNorm eps, another
+    attention scale, an MLP other than 4h). GPT-2's own tanh GELU is accepted with a warning: this run computes
+    the exact one (as nanoGPT does with GPT-2's weights), told through `say`. Raises ValueError, one line."""
+    path = os.path.join(folder, "config.json")
+    input_file("--init-from-hf", path)
+    if os.path.getsize(path) > HF_CONFIG_MAX_BYTES:
+        raise ValueError(f"--init-from-hf: {path} is larger than any GPT-2 config ({HF_CONFIG_MAX_BYTES} bytes)")
+    data = _read_bytes("--init-from-hf", path)
+    if json_depth(data) > JSON_MAX_DEPTH:
+        raise ValueError(f"--init-from-hf: {path} nests {json_depth(data)} deep")
+    try:
+        config = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"--init-from-hf: {path} is not valid JSON ({str(e).splitlines()[0]})") from None
+    if not isinstance(config, dict) or config.get("model_type") != "gpt2":
+        raise ValueError(f"--init-from-hf: {path} is not a GPT-2 config (\"model_type\": \"gpt2\")")
+    shape = {}
+    for key, field in HF_SHAPE.items():
+        if not _int(1, 1 << 24)[0](config.get(key)):
+            raise ValueError(f"--init-from-hf: {path}: {key!r} is {config.get(key)!r}, not an integer from 1 to "
+                             f"{1 << 24}")
+        shape[field] = config[key]
+    for key, allowed in HF_COMPUTED.items():
+        value = config.get(key, HF_DEFAULTS[key])
+        if not any(type(value) is type(ok) and value == ok for ok in allowed + ((4 * shape["n_embd"],) if key ==
+                                                                              "n_inner" else ())):
+            raise ValueError(f"--init-from-hf: {path}: {key!r} is {value!r}, which this model does not compute (a 4h "
+                             "MLP, LayerNorm eps 1e-5, attention scale 1/sqrt(head_dim), a tied head, the GELU)")
+    activation = config.get("activation_function", HF_DEFAULTS["activation_function"])
+    if say and HF_ACTIVATIONS[activation]:
+        say(f"--init-from-hf: {path} was trained with the tanh GELU ({activation}); this run computes the exact one")
+    return shape
+
+
+def config_from_hf(folder, cfg, given):
+    """cfg with the shape of the GPT-2 folder: config.json, then the safetensors header checked against it (and a
+    lm_head.weight, if the file holds one, equal to wte: tied). A shape flag in `given` ({GPTConfig field: the value
+    passed}) that disagrees is refused in one line. Before any process group."""
+    shape = {**read_hf_config(folder, say=_warn_on_rank_0), "moe_every": 0}
+    for field, value in given.items():
+        if field in shape and value != shape[field]:
+            flag = SHAPE_FLAGS[field]
+            raise ValueError(f"--init-from-hf {folder} holds a GPT-2 with {flag} {shape[field]}, and this run has "
+                             f"{flag} {value}: omit {flag} (the shape comes from config.json)")
+    cfg = replace(cfg, **shape)
+    path = os.path.join(folder, "model.safetensors")
+    entries = read_safetensors_header(path, gpt2_shapes(cfg))
+    if "lm_head.weight" in entries and not torch.equal(_read_tensor(path, entries["lm_head.weight"]),
+                                                       _read_tensor(path, entries["wte.weight"])):
+        raise BadCheckpoint(f"--init-from-hf: {path}: lm_head.weight differs from wte.weight; this model ties them")
+    return cfg
+
+
+def load_hf_weights(folder, stage, opt=None):
+    """Initialise this rank's stage (and the optimizer's masters) from a GPT-2 folder, at any layout: each
+    parameter's whole tensor is read, turned into ours (Conv1D transposed, QKV viewed as (3, h, h)), and this rank's
+    slice of it (_slice_geometry) is handed to the optimizer as the parameter's master (load_full_state: the working
+    weight and the master, ZeRO shards included, written as a checkpoint load writes them), then published. Only the
+    tensors of this stage are read. Call it before the first step, on every rank."""
+    cfg, ps = stage.cfg, stage.plan.ps
+    shape = read_hf_config(folder)  # checked again: train() may be called without main's checks
+    if any(getattr(cfg, field) != value for field, value in shape.items()) or cfg.moe_every:
+        raise ValueError(f"--init-from-hf {folder} holds a GPT-2 of shape {shape}; this model is another: build it "
+                         "from config_from_hf")
+    path = os.path.join(folder, "model.safetensors")
+    entries = read_safetensors_header(path, gpt2_shapes(cfg))
+    theirs = {ours: (name, conv) for name, ours, conv in gpt2_names(cfg)}
+    with torch.no_grad():
+        for name, p, _ in _saved_params(stage):
+            hf_name, conv = theirs[name]
+            whole = _read_tensor(path, entries[hf_name])
+            shape_now, offsets, whole_shape = _slice_geometry(p, ps)
+            whole = (whole.t() if conv else whole).reshape(whole_shape)
+            local = whole[tuple(slice(o, o + n) for o, n in zip(offsets, shape_now))].reshape(p.shape)
+            if opt is None:
+                p.copy_(local)
+            else:
+                opt.load_full_state(p, {"master": local})
+        if opt is not None:
+            opt.publish_params()
+
+
+def export_source(out_dir, step, world, flag):
+    """The checkpoint an export reads, and its train_state: --step N's, or the newest that passes every check
+    (its checksums included; each newer one skipped is told in one line, as --resume and --sample do)."""
+    if world != 1:
+        raise ValueError(f"{flag} runs on one process: use python, not torchrun")
+    if not out_dir:
+        raise ValueError(f"{flag} needs --out-dir, the folder of the checkpoints to export")
+
+    def verified(path):
+        train_state, _, manifest = check_checkpoint(path)
+        verify_checksums(path, manifest)
+        return train_state
+    if step is not None:
+        paths = [p for p in checkpoint_dirs(out_dir) if int(os.path.basename(p)[5:]) == step]
+        if not paths:
+            raise ValueError(f"{flag}: --out-dir {out_dir} holds no checkpoint of --step {step}")
+        path, state = paths[0], verified(paths[0])
+    else:
+        path, state = newest_passing(out_dir, verified, say=_warn)
+    if path is None:
+        raise ValueError(f"{flag} needs a checkpoint: --out-dir {out_dir} holds none")
+    if state["config"]["moe_every"]:
+        raise ValueError(f"{flag}: checkpoint {path} holds a mixture-of-experts model (--moe-every "
+                         f"{state['config']['moe_every']}), which has no {flag[9:]} form: only dense models export")
+    return path, state
+
+
+def export_weights(path, state, hf_dir=None, nanogpt_file=None):
+    """Write the checkpoint's weights as a Hugging Face GPT-2 folder (config.json, model.safetensors, FP32) and/or
+    nanoGPT's ckpt.pt; returns what was written, one line each."""
+    cfg = GPTConfig(**state["config"])
+    _, stage, _, _ = build(cfg, TrainConfig(batch=1, micro_batch=1, log=False), optimizer=False)
+    load_checkpoint(path, stage)
+    ours, done = _whole_weights(stage), []
+    if hf_dir:
+        tensors = {}
+        for theirs, name, conv in gpt2_names(cfg):
+            tensors["transformer." + theirs] = (ours[name].t() if conv else ours[name]).contiguous()
+        os.makedirs(hf_dir, exist_ok=True)
+        _write_file(os.path.join(hf_dir, "model.safetensors"), safetensors_bytes(tensors, {"format": "pt"}))
+        _write_file(os.path.join(hf_dir, "config.json"), (json.dumps(hf_config(cfg), indent=2) + "\n").encode())
+        done.append(f"wrote {hf_dir}: config.json, model.safetensors ({len(tensors)} tensors, "
+                    f"{parameter_count(cfg):,} parameters) from {path}")
+    if nanogpt_file:
+        model = {"transformer." + theirs: ours[name].clone() for theirs, name, _ in gpt2_names(cfg)}
+        model["lm_head.weight"] = model["transformer.wte.weight"]  # tied: one tensor under both names, as nanoGPT
+        model_args = dict(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, block_size=cfg.seq_len,
+                          bias=True, vocab_size=cfg.vocab_size, dropout=0.0)
+        if os.path.dirname(nanogpt_file):
+            os.makedirs(os.path.dirname(nanogpt_file), exist_ok=True)
+        import io
+        buffer = io.BytesIO()
+        torch.save({"model_args": model_args, "model": model, "iter_num": state["step"], "best_val_loss": None,
+                    "config": {}}, buffer)
+        _write_file(nanogpt_file, buffer.getvalue())
+        done.append(f"wrote {nanogpt_file}: nanoGPT's model_args and model ({len(model)} entries) from {path}")
+    return done
+
+
+# ----------------------------------------------------------------------------------------------------
 # Sampling
 # ----------------------------------------------------------------------------------------------------
 
@@ -2916,6 +3236,12 @@ def parse_args(argv=None):
     add("--sample", type=int, default=None, help="print this many generated bytes (N >= 1) from --out-dir's newest "
         "checkpoint that passes its checks")
     add("--temperature", type=float, default=0.8)
+    add("--export-hf", default=None, metavar="DIR", help="write --out-dir's newest good checkpoint (or --step's) "
+        "as a Hugging Face GPT-2 folder (config.json, model.safetensors) and exit; dense models")
+    add("--export-nanogpt", default=None, metavar="FILE", help="the same as nanoGPT's ckpt.pt")
+    add("--step", type=int, default=None, help="with --export-hf/--export-nanogpt: the checkpoint of this step")
+    add("--init-from-hf", default=None, metavar="DIR", help="start from the weights of a GPT-2 folder, at any "
+        "layout; the model's shape comes from its config.json")
     add("--sample-top-k", type=int, default=50)
     add("--metrics", default="metrics.jsonl")
     add("--peak-tflops", type=float, default=None, help="per GPU, for MFU (default on A100/H100/H200: "
@@ -2942,6 +3268,14 @@ def parse_args(argv=None):
     if not (math.isfinite(a.temperature) and a.temperature > 0) or a.sample_top_k < 0:
         raise ValueError("--sample-top-k must be >= 0 and --temperature finite and > 0 (e.g. --sample 300 "
                          "--temperature 0.8 --sample-top-k 50; --sample-top-k 0 samples from every token)")
+    if a.step is not None and not (a.export_hf or a.export_nanogpt):
+        raise ValueError("--step goes with --export-hf or --export-nanogpt (training runs --steps)")
+    a.shape_given = {}  # --init-from-hf: the shape flags passed, each to agree with config.json
+    if a.init_from_hf:
+        ap.set_defaults(**{flag[2:].replace("-", "_"): None for flag in SHAPE_FLAGS.values()})
+        given = vars(ap.parse_args(argv))
+        a.shape_given = {field: given[flag[2:].replace("-", "_")] for field, flag in SHAPE_FLAGS.items()
+                         if given[flag[2:].replace("-", "_")] is not None}
     cfg = GPTConfig(vocab_size=a.vocab, seq_len=a.seq, n_layer=a.layers, n_head=a.heads, n_embd=a.hidden,
                     seed=a.seed, moe_every=a.moe_every, n_experts=a.experts, top_k=a.top_k)
     run = TrainConfig(**{f.name: getattr(a, f.name) for f in fields(TrainConfig) if hasattr(a, f.name)})

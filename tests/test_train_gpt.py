@@ -2391,3 +2391,189 @@ def test_a_rank_missing_at_start_or_hung_reading_a_checkpoint_ends_the_job_in_on
     lines = out.strip().splitlines()
     assert code == 1 and len(lines) == 1 and "rank 0, while starting" in lines[0] and "Traceback" not in out, out
     assert code_1 == 1 and "Traceback" not in out_1, out_1
+
+
+# ---- weights out and in: Hugging Face GPT-2 (config.json + model.safetensors) and nanoGPT's ckpt.pt -------------
+# The references are independent of train_gpt's reader and writer: the safetensors file is read here with json and
+# struct, and two plain GPT forwards are written from the exported names (GPT-2's Conv1D (in, out) layout, nanoGPT's
+# nn.Linear (out, in)). The checkpoint and the exports are float32: logits agree to float32 rounding (measured
+# <= 1e-6 on logits of ~1; 1e-5 leaves an order of magnitude, a wrong transpose or block order moves them by > 0.1).
+EXPORT_TOL = 1e-5
+
+
+def _read_safetensors_independently(path):
+    """(header length, header, {name: float64 tensor}) with json, struct and numpy alone."""
+    import json
+    import struct
+    import numpy as np
+    data = open(path, "rb").read()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    tensors = {name: torch.from_numpy(np.frombuffer(data[8 + length + e["data_offsets"][0]:8 + length +
+                                                         e["data_offsets"][1]], dtype="<f4").reshape(e["shape"])
+                                      .astype(np.float64))
+               for name, e in header.items() if name != "__metadata__"}
+    return length, header, tensors
+
+
+def _plain_gpt_logits(w, ids, n_layer, n_head, linear, head):
+    """A GPT forward from GPT-2's names (w without "transformer."), `linear(x, name)` its layers' layout."""
+    b, s = ids.shape
+    ln = lambda x, name: F.layer_norm(x, x.shape[-1:], w[name + ".weight"], w[name + ".bias"], eps=1e-5)
+    x = w["wte.weight"][ids] + w["wpe.weight"][:s]
+    h = x.shape[-1]
+    split = lambda t: t.view(b, s, n_head, h // n_head).transpose(1, 2)
+    causal = torch.ones(s, s, dtype=torch.bool).triu(1)
+    for i in range(n_layer):
+        q, k, v = map(split, linear(ln(x, f"h.{i}.ln_1"), f"h.{i}.attn.c_attn").split(h, dim=-1))
+        scores = (q @ k.transpose(-1, -2) / math.sqrt(h // n_head)).masked_fill(causal, float("-inf"))
+        x = x + linear((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, h), f"h.{i}.attn.c_proj")
+        x = x + linear(F.gelu(linear(ln(x, f"h.{i}.ln_2"), f"h.{i}.mlp.c_fc")), f"h.{i}.mlp.c_proj")
+    return ln(x, "ln_f") @ head.t()
+
+
+def _export_and_forward(rank, world, out, hf, ckpt, step, ids):
+    """Export --step's checkpoint to both formats as main does, and the logits of our own one-process model."""
+    path, state = train_gpt.export_source(out, step, 1, "--export-hf")
+    said = train_gpt.export_weights(path, state, hf, ckpt)
+    _, stage, _, _ = train_gpt.build(CFG, train_gpt.TrainConfig(batch=1, micro_batch=1, log=False), optimizer=False)
+    train_gpt.load_checkpoint(path, stage)
+    with torch.no_grad():
+        logits, _ = stage(ids, torch.arange(ids.shape[1]))
+    return said, logits
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A TP2 x PP2 float32 AdamW run (checkpoints at steps 2 and 4), its step-2 checkpoint exported to both formats,
+    and our model's logits for step 2's batch."""
+    tmp = tmp_path_factory.mktemp("export")
+    records = run_ranks(_resume_run, 4, str(tmp / "out"), "float32", False, tp=2, pp=2, timeout=180)[0]
+    tokens = train_gpt.synthetic_batch(2, BATCH, CFG.seq_len, CFG.vocab_size, CFG.seed)
+    said, logits = run_ranks(_export_and_forward, 1, str(tmp / "out"), str(tmp / "hf"), str(tmp / "ckpt.pt"), 2,
+                             tokens[:, :-1], timeout=120)[0]
+    return dict(tmp=tmp, records=records, tokens=tokens, said=said, logits=logits, hf=tmp / "hf",
+                ckpt=tmp / "ckpt.pt")
+
+
+def test_a_tp2_pp2_checkpoint_exported_to_hf_and_nanogpt_computes_the_runs_logits(exported):
+    ids, targets = exported["tokens"][:, :-1], exported["tokens"][:, 1:]
+    _, _, hf = _read_safetensors_independently(exported["hf"] / "model.safetensors")
+    hf = {name[len("transformer."):]: t for name, t in hf.items()}
+    conv1d = lambda x, name: x @ hf[name + ".weight"] + hf[name + ".bias"]  # GPT-2's Conv1D: weight (in, out)
+    hf_logits = _plain_gpt_logits(hf, ids, CFG.n_layer, CFG.n_head, conv1d, hf["wte.weight"])
+    saved = torch.load(exported["ckpt"], weights_only=True)  # plain tensors and numbers: nothing to unpickle
+    assert saved["model_args"] == dict(n_layer=4, n_head=4, n_embd=16, block_size=16, bias=True, vocab_size=32,
+                                       dropout=0.0)
+    nano = {name.removeprefix("transformer."): t.double() for name, t in saved["model"].items()}
+    linear = lambda x, name: F.linear(x, nano[name + ".weight"], nano[name + ".bias"])  # nn.Linear: (out, in)
+    nano_logits = _plain_gpt_logits(nano, ids, CFG.n_layer, CFG.n_head, linear, nano["lm_head.weight"])
+    assert saved["model"]["lm_head.weight"] is saved["model"]["transformer.wte.weight"]  # tied, as nanoGPT's
+    ours = exported["logits"].double()
+    assert (hf_logits - ours).abs().max() < EXPORT_TOL and (nano_logits - ours).abs().max() < EXPORT_TOL
+    # and the loss of the TP2 x PP2 run itself on that batch (its step 2 ran with the step-2 checkpoint's weights)
+    loss = F.cross_entropy(hf_logits.flatten(0, 1), targets.flatten()).item()
+    assert exported["records"][2][0] == 2 and abs(loss - exported["records"][2][1]) < EXPORT_TOL
+    assert [line.split(":")[0] for line in exported["said"]] == [f"wrote {exported['hf']}",
+                                                                  f"wrote {exported['ckpt']}"]
+
+
+def test_the_hf_folder_holds_gpt2s_config_and_a_safetensors_file_field_by_field(exported):
+    import json
+    config = json.loads((exported["hf"] / "config.json").read_text())
+    assert config == {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 32,
+                      "n_positions": 16, "n_embd": 16, "n_layer": 4, "n_head": 4, "n_inner": None,
+                      "activation_function": "gelu", "layer_norm_epsilon": 1e-5, "resid_pdrop": 0.0,
+                      "embd_pdrop": 0.0, "attn_pdrop": 0.0, "initializer_range": 0.02, "scale_attn_weights": True,
+                      "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+                      "tie_word_embeddings": True, "bos_token_id": None, "eos_token_id": None,
+                      "torch_dtype": "float32"}
+    path = exported["hf"] / "model.safetensors"
+    length, header, _ = _read_safetensors_independently(path)
+    assert length % 8 == 0 and header.pop("__metadata__") == {"format": "pt"}
+    h = 16
+    expected = {"wte.weight": [32, h], "wpe.weight": [16, h], "ln_f.weight": [h], "ln_f.bias": [h]}
+    for i in range(4):
+        for name, shape in (("ln_1", [h]), ("attn.c_attn", [h, 3 * h]), ("attn.c_proj", [h, h]), ("ln_2", [h]),
+                            ("mlp.c_fc", [h, 4 * h]), ("mlp.c_proj", [4 * h, h])):
+            expected[f"h.{i}.{name}.weight"] = shape
+            expected[f"h.{i}.{name}.bias"] = shape[-1:]
+    assert {name: e["shape"] for name, e in header.items()} == {"transformer." + n: s for n, s in expected.items()}
+    end = 0  # the tensors' bytes follow each other from the end of the header to the end of the file
+    for entry in sorted(header.values(), key=lambda e: e["data_offsets"]):
+        assert entry["dtype"] == "F32" and entry["data_offsets"] == [end, end + 4 * math.prod(entry["shape"])]
+        end = entry["data_offsets"][1]
+    assert 8 + length + end == os.path.getsize(path)
+
+
+def _init_from_hf(rank, world, hf, steps, **layout):
+    torch.set_default_dtype(torch.float32)
+    run = _run(dtype="float32", optimizer="adamw", lr=1e-2, steps=steps, micro_batch=1, init_from_hf=hf, **layout)
+    return [r["loss"] for r in train_gpt.train(CFG, run)]
+
+
+@pytest.mark.parametrize("world, layout", [(4, dict(pp=2, zero=1)), (4, dict(tp=2, zero=3, sequence_parallel=True))])
+def test_init_from_hf_at_another_layout_starts_from_the_exported_weights_masters_included(exported, world, layout):
+    # the first loss is the exported model's on step 0's batch; the second one shows the ZeRO masters were set too
+    # (a master left at the random initialisation would undo the import at the first update)
+    tokens = train_gpt.synthetic_batch(0, BATCH, CFG.seq_len, CFG.vocab_size, CFG.seed)
+    _, _, hf = _read_safetensors_independently(exported["hf"] / "model.safetensors")
+    hf = {name[len("transformer."):]: t for name, t in hf.items()}
+    conv1d = lambda x, name: x @ hf[name + ".weight"] + hf[name + ".bias"]
+    logits = _plain_gpt_logits(hf, tokens[:, :-1], CFG.n_layer, CFG.n_head, conv1d, hf["wte.weight"])
+    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).item()
+    one_process = run_ranks(_init_from_hf, 1, str(exported["hf"]), 2, timeout=120)[0]
+    losses = run_ranks(_init_from_hf, world, str(exported["hf"]), 2, timeout=180, **layout)[0]
+    assert abs(one_process[0] - loss) < EXPORT_TOL and abs(losses[0] - loss) < EXPORT_TOL
+    assert abs(losses[1] - one_process[1]) < EXPORT_TOL
+
+
+def _rewrite_safetensors(src, dst, edit):
+    """Copy the HF folder src to dst with the safetensors header edited by `edit(header)` (data unchanged)."""
+    import json
+    import shutil
+    import struct
+    shutil.copytree(src, dst)
+    data = open(src / "model.safetensors", "rb").read()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    edit(header)
+    text = json.dumps(header).encode()
+    (dst / "model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + data[8 + length:])
+
+
+def test_a_crafted_hf_folder_is_refused_in_one_line_and_a_moe_export_too(exported, pristine_checkpoint, tmp_path):
+    import json
+    qkv = "transformer.h.0.attn.c_attn.weight"
+
+    def past_the_end(header):
+        header[qkv]["data_offsets"] = [o + 10 ** 6 for o in header[qkv]["data_offsets"]]
+
+    def set_field(key, value):
+        return lambda header: header[qkv].update({key: value})
+    cases = [("offsets", past_the_end, "lies at"), ("dtype", set_field("dtype", "I8"), "is 'I8'"),
+             ("missing", lambda header: header.pop(qkv), f"{qkv!r} is missing"),
+             ("shape", set_field("shape", [48, 16]), "has the shape [48, 16], where config.json's model has [16, 48]"),
+             ("extra", lambda header: header.update(evil=header[qkv]), "'evil' is no weight of a GPT-2")]
+    argvs = []
+    for name, edit, says in cases:
+        _rewrite_safetensors(exported["hf"], tmp_path / name, edit)
+        argvs.append((["--init-from-hf", str(tmp_path / name), "--steps", "1"], says))
+    (tmp_path / "length").mkdir()
+    (tmp_path / "length" / "config.json").write_bytes((exported["hf"] / "config.json").read_bytes())
+    (tmp_path / "length" / "model.safetensors").write_bytes((10 ** 9).to_bytes(8, "little") + b"{}")
+    argvs.append((["--init-from-hf", str(tmp_path / "length")], "header length 1000000000 does not fit its 10 bytes"))
+    config = json.loads((exported["hf"] / "config.json").read_text())
+    (tmp_path / "relu").mkdir()
+    (tmp_path / "relu" / "config.json").write_text(json.dumps({**config, "activation_function": "relu"}))
+    argvs += [(["--init-from-hf", str(tmp_path / "relu")], "'activation_function' is 'relu', which this model"),
+              (["--init-from-hf", str(exported["hf"]), "--hidden", "32"], "holds a GPT-2 with --hidden 16, and this "
+                                                                           "run has --hidden 32: omit --hidden"),
+              (["--out-dir", os.path.dirname(pristine_checkpoint), "--export-hf", str(tmp_path / "x")],
+               "holds a mixture-of-experts model (--moe-every 2), which has no hf form"),
+              (["--out-dir", os.path.dirname(pristine_checkpoint), "--export-nanogpt", str(tmp_path / "x.pt")],
+               "which has no nanogpt form")]
+    for argv, says in argvs:
+        (code, out, initialised), = _main_on_forked_ranks(argv, 1, str(tmp_path))
+        assert code == 2 and not initialised and len(out.strip().splitlines()) == 1 and says in out, (argv, out)
+    assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "x.pt")

@@ -2507,25 +2507,39 @@ def test_the_hf_folder_holds_gpt2s_config_and_a_safetensors_file_field_by_field(
 
 
 def _init_from_hf(rank, world, hf, steps, **layout):
+    """The losses of a float32 run started from the GPT-2 folder hf; then, in BF16 at the same layout (where the
+    FP32 masters are copies apart from the parameters), the largest difference between a parameter at rest and its
+    master's BF16 rounding, over every piece this rank owns (0 only if the import wrote the masters too)."""
     torch.set_default_dtype(torch.float32)
     run = _run(dtype="float32", optimizer="adamw", lr=1e-2, steps=steps, micro_batch=1, init_from_hf=hf, **layout)
-    return [r["loss"] for r in train_gpt.train(CFG, run)]
+    losses = [r["loss"] for r in train_gpt.train(CFG, run)]
+    _, stage, opt, _ = train_gpt.build(CFG, dataclasses.replace(run, dtype="bfloat16"))
+    train_gpt.load_hf_weights(hf, stage, opt)
+    apart = 0.0
+    for p in stage.parameters():
+        (a, _), at_rest = opt.owned_param(p)
+        (c, d), owned = opt.owned_state(p)
+        piece = at_rest.reshape(-1)[c - a:d - a].float()
+        apart = max([apart] + (owned["master"].reshape(-1).bfloat16().float() - piece).abs().tolist())
+    return losses, apart
 
 
 @pytest.mark.parametrize("world, layout", [(4, dict(pp=2, zero=1)), (4, dict(tp=2, zero=3, sequence_parallel=True))])
 def test_init_from_hf_at_another_layout_starts_from_the_exported_weights_masters_included(exported, world, layout):
-    # the first loss is the exported model's on step 0's batch; the second one shows the ZeRO masters were set too
-    # (a master left at the random initialisation would undo the import at the first update)
+    # the first loss is the exported model's on step 0's batch; the second one, the same as the one-process run's,
+    # and BF16 masters equal to their parameters show that the ZeRO masters were set too (a master left at the random
+    # initialisation would undo the import at the first update)
     tokens = train_gpt.synthetic_batch(0, BATCH, CFG.seq_len, CFG.vocab_size, CFG.seed)
     _, _, hf = _read_safetensors_independently(exported["hf"] / "model.safetensors")
     hf = {name[len("transformer."):]: t for name, t in hf.items()}
     conv1d = lambda x, name: x @ hf[name + ".weight"] + hf[name + ".bias"]
     logits = _plain_gpt_logits(hf, tokens[:, :-1], CFG.n_layer, CFG.n_head, conv1d, hf["wte.weight"])
     loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).item()
-    one_process = run_ranks(_init_from_hf, 1, str(exported["hf"]), 2, timeout=120)[0]
-    losses = run_ranks(_init_from_hf, world, str(exported["hf"]), 2, timeout=180, **layout)[0]
+    one_process, _ = run_ranks(_init_from_hf, 1, str(exported["hf"]), 2, timeout=120)[0]
+    out = run_ranks(_init_from_hf, world, str(exported["hf"]), 2, timeout=180, **layout)
+    losses = out[0][0]
     assert abs(one_process[0] - loss) < EXPORT_TOL and abs(losses[0] - loss) < EXPORT_TOL
-    assert abs(losses[1] - one_process[1]) < EXPORT_TOL
+    assert abs(losses[1] - one_process[1]) < EXPORT_TOL and all(apart == 0.0 for _, apart in out)
 
 
 def _rewrite_safetensors(src, dst, edit):

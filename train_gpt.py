@@ -1455,8 +1455,7 @@ def main(argv=None):
             path, state = sample_checkpoint(run.out_dir, world)
             cfg = GPTConfig(**state["config"])
         elif a.export_hf or a.export_nanogpt:
-            path, state = export_source(run.out_dir, a.step, world, "--export-hf" if a.export_hf else
-                                        "--export-nanogpt")
+            path, state = export_source(run.out_dir, a.step, world, a.export_hf, a.export_nanogpt)
         else:
             if run.init_from_hf:
                 cfg = config_from_hf(run.init_from_hf, cfg, a.shape_given)
@@ -3063,9 +3062,29 @@ def load_hf_weights(folder, stage, opt=None):
             opt.publish_params()
 
 
-def export_source(out_dir, step, world, flag):
+def _inside_checkpoint(path):
+    """Whether path or a folder above it is a checkpoint (holds a MANIFEST or a train_state.json)."""
+    path, above = os.path.realpath(path), None
+    while path != above:
+        if any(os.path.lexists(os.path.join(path, name)) for name in (MANIFEST, "train_state.json")):
+            return True
+        path, above = os.path.dirname(path), path
+    return False
+
+
+def export_source(out_dir, step, world, hf_dir=None, nanogpt_file=None):
     """The checkpoint an export reads, and its train_state: --step N's, or the newest that passes every check
-    (its checksums included; each newer one skipped is told in one line, as --resume and --sample do)."""
+    (its checksums included; each newer one skipped is told in one line, as --resume and --sample do). The outputs
+    are checked first: a folder for --export-hf, a file for --export-nanogpt, neither inside a checkpoint."""
+    flag = "--export-hf" if hf_dir else "--export-nanogpt"
+    for what, path, folder in (("--export-hf", hf_dir, hf_dir), ("--export-nanogpt", nanogpt_file,
+                                                                  os.path.dirname(nanogpt_file or "") or ".")):
+        if path and (os.path.isdir(path) if what == "--export-nanogpt" else os.path.lexists(path) and
+                     not os.path.isdir(path)):
+            raise ValueError(f"{what} {path} is {'a folder' if os.path.isdir(path) else 'a file'}: pass a "
+                             f"{'file' if what == '--export-nanogpt' else 'folder'} name")
+        if path and _inside_checkpoint(folder):
+            raise ValueError(f"{what} {path} lies inside a checkpoint: pass a path outside the checkpoint folders")
     if world != 1:
         raise ValueError(f"{flag} runs on one process: use python, not torchrun")
     if not out_dir:

@@ -2435,7 +2435,7 @@ def _plain_gpt_logits(w, ids, n_layer, n_head, linear, head):
 
 def _export_and_forward(rank, world, out, hf, ckpt, step, ids):
     """Export --step's checkpoint to both formats as main does, and the logits of our own one-process model."""
-    path, state = train_gpt.export_source(out, step, 1, "--export-hf")
+    path, state = train_gpt.export_source(out, step, 1, hf, ckpt)
     said = train_gpt.export_weights(path, state, hf, ckpt)
     _, stage, _, _ = train_gpt.build(CFG, train_gpt.TrainConfig(batch=1, micro_batch=1, log=False), optimizer=False)
     train_gpt.load_checkpoint(path, stage)
@@ -2587,7 +2587,9 @@ def test_a_crafted_hf_folder_is_refused_in_one_line_and_a_moe_export_too(exporte
               (["--out-dir", os.path.dirname(pristine_checkpoint), "--export-hf", str(tmp_path / "x")],
                "holds a mixture-of-experts model (--moe-every 2), which has no hf form"),
               (["--out-dir", os.path.dirname(pristine_checkpoint), "--export-nanogpt", str(tmp_path / "x.pt")],
-               "which has no nanogpt form")]
+               "which has no nanogpt form"),
+              (["--out-dir", os.path.dirname(pristine_checkpoint), "--export-hf", pristine_checkpoint],
+               "lies inside a checkpoint")]
     for argv, says in argvs:
         (code, out, initialised), = _main_on_forked_ranks(argv, 1, str(tmp_path))
         assert code == 2 and not initialised and len(out.strip().splitlines()) == 1 and says in out, (argv, out)

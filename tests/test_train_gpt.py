@@ -2589,7 +2589,7 @@ def test_a_crafted_hf_folder_is_refused_in_one_line_and_a_moe_export_too(exporte
               (["--out-dir", os.path.dirname(pristine_checkpoint), "--export-nanogpt", str(tmp_path / "x.pt")],
                "which has no nanogpt form"),
               (["--out-dir", os.path.dirname(pristine_checkpoint), "--export-hf", pristine_checkpoint],
-               "lies inside a checkpoint")]
+               "lies inside a checkpoint"), (["--step", "2"], "--step goes with --export-hf or --export-nanogpt")]
     for argv, says in argvs:
         (code, out, initialised), = _main_on_forked_ranks(argv, 1, str(tmp_path))
         assert code == 2 and not initialised and len(out.strip().splitlines()) == 1 and says in out, (argv, out)

@@ -3105,7 +3105,8 @@ def export_source(out_dir, step, world, hf_dir=None, nanogpt_file=None):
         raise ValueError(f"{flag} needs a checkpoint: --out-dir {out_dir} holds none")
     if state["config"]["moe_every"]:
         raise ValueError(f"{flag}: checkpoint {path} holds a mixture-of-experts model (--moe-every "
-                         f"{state['config']['moe_every']}), which has no {flag[9:]} form: only dense models export")
+                         f"{state['config']['moe_every']}), which has no {'GPT-2' if hf_dir else 'nanoGPT'} form: "
+                         "only dense models export")
     return path, state
 
 

@@ -2585,9 +2585,9 @@ def test_a_crafted_hf_folder_is_refused_in_one_line_and_a_moe_export_too(exporte
               (["--init-from-hf", str(exported["hf"]), "--hidden", "32"], "holds a GPT-2 with --hidden 16, and this "
                                                                            "run has --hidden 32: omit --hidden"),
               (["--out-dir", os.path.dirname(pristine_checkpoint), "--export-hf", str(tmp_path / "x")],
-               "holds a mixture-of-experts model (--moe-every 2), which has no hf form"),
+               "holds a mixture-of-experts model (--moe-every 2), which has no GPT-2 form"),
               (["--out-dir", os.path.dirname(pristine_checkpoint), "--export-nanogpt", str(tmp_path / "x.pt")],
-               "which has no nanogpt form"),
+               "which has no nanoGPT form"),
               (["--out-dir", os.path.dirname(pristine_checkpoint), "--export-hf", pristine_checkpoint],
                "lies inside a checkpoint"), (["--step", "2"], "--step goes with --export-hf or --export-nanogpt")]
     for argv, says in argvs:

@@ -2311,6 +2311,14 @@ def checksums(folder, names):
     return {n: [os.path.getsize(os.path.join(folder, n)), file_crc32(os.path.join(folder, n))] for n in names}
 
 
+def verified_checkpoint(path):
+    """check_checkpoint, then every tensor file's CRC32 on this one process: what a one-process reader (--sample,
+    the exports) verifies before it loads. Returns the train_state."""
+    train_state, _, manifest = check_checkpoint(path)
+    verify_checksums(path, manifest)
+    return train_state
+
+
 def verify_checksums(path, files):
     """Check the recorded CRC32 of every listed file, each rank its share (every world-th file), so the job reads
     the checkpoint once; every rank learns of a damaged one (an all-gather of the ranks' findings). Raises
@@ -3090,17 +3098,13 @@ def export_source(out_dir, step, world, hf_dir=None, nanogpt_file=None):
     if not out_dir:
         raise ValueError(f"{flag} needs --out-dir, the folder of the checkpoints to export")
 
-    def verified(path):
-        train_state, _, manifest = check_checkpoint(path)
-        verify_checksums(path, manifest)
-        return train_state
     if step is not None:
         paths = [p for p in checkpoint_dirs(out_dir) if int(os.path.basename(p)[5:]) == step]
         if not paths:
             raise ValueError(f"{flag}: --out-dir {out_dir} holds no checkpoint of --step {step}")
-        path, state = paths[0], verified(paths[0])
+        path, state = paths[0], verified_checkpoint(paths[0])
     else:
-        path, state = newest_passing(out_dir, verified, say=_warn)
+        path, state = newest_passing(out_dir, verified_checkpoint, say=_warn)
     if path is None:
         raise ValueError(f"{flag} needs a checkpoint: --out-dir {out_dir} holds none")
     if state["config"]["moe_every"]:
@@ -3154,11 +3158,7 @@ def sample_checkpoint(out_dir, world):
     if not out_dir:
         raise ValueError("--sample needs --out-dir, the folder of the checkpoints to sample from")
 
-    def verified(path):
-        train_state, _, manifest = check_checkpoint(path)
-        verify_checksums(path, manifest)
-        return train_state
-    path, state = newest_passing(out_dir, verified, say=_warn)
+    path, state = newest_passing(out_dir, verified_checkpoint, say=_warn)
     if path is None:
         raise ValueError(f"--sample needs a checkpoint: --out-dir {out_dir} holds none")
     return path, state

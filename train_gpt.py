@@ -724,6 +724,7 @@ class LayerNorm(nn.Module):
 
 class Block(nn.Module):
     """Pre-LN transformer block; the state it passes on is (hidden, running router loss)."""
+    recompute_attention_core = False
 
     def __init__(self, i, cfg, plan, dtype, fp8=None):
         super().__init__()
@@ -751,7 +752,10 @@ class Block(nn.Module):
 
     def attention(self, x):
         q, k, v = rearrange(self.qkv(self.ln1(x)), "b s (three a d) -> three b a s d", three=3, a=self.heads)
-        y = checkpointing.attention_core(self, self.plan.attention, q, k, v)
+        if self.recompute_attention_core:  # selective recomputation (checkpointing.run_blocks marks the block)
+            y = checkpointing.attention_core(self, self.plan.attention, q, k, v)
+        else:
+            y = self.plan.attention(q, k, v)
         return self.proj(rearrange(y, "b a s d -> b s (a d)"))
 
     def mlp(self, x):
@@ -761,17 +765,27 @@ class Block(nn.Module):
         return self.plan.from_token_shard(y), aux.to(torch.float64)
 
     def forward(self, x, aux):
-        if self.unit is None:
-            return self.compute(x, aux)
-        # ZeRO-2/3: the block's parameters gathered while it computes (the next block's all-gather prefetched),
-        # its gradients reduce-scattered when its backward is done (after W under zero bubble)
-        return mixed_precision.sharded_call(self.unit, self.compute, (x, aux), self.next_unit, self.prev_unit,
-                                            reduce_grads=not self.plan.split_backward)
-
-    def compute(self, x, aux):
         x = x + self.attention(x)
         y, a = self.mlp(self.ln2(x))
         return x + y, aux if a is None else aux + a
+
+
+def zero_unit_forward(block, x, aux):
+    """ZeRO-2/3 (`attach_zero_units` makes it the block's forward): the block's parameters gathered while it computes
+    (the next block's all-gather prefetched), its gradients reduce-scattered when its backward is done (after W
+    under zero bubble)."""
+    return mixed_precision.sharded_call(block.unit, partial(Block.forward, block), (x, aux), block.next_unit,
+                                        block.prev_unit, reduce_grads=not block.plan.split_backward)
+
+
+def attach_zero_units(stage, opt):
+    """Each block a ZeRO-2/3 unit; its neighbours within its chunk, for the prefetch."""
+    n = len(stage.blocks) // stage.plan.virtual_stages
+    for i, (block, unit) in enumerate(zip(stage.blocks, opt.units)):
+        block.unit = unit
+        block.next_unit = opt.units[i + 1] if (i + 1) % n else None
+        block.prev_unit = opt.units[i - 1] if i % n else None
+        block.forward = partial(zero_unit_forward, block)
 
 
 class GPTStage(nn.Module):
@@ -821,8 +835,12 @@ class GPTStage(nn.Module):
         sum of the chunk's auxiliary (MoE router) losses."""
         if self.is_first_chunk(chunk):
             x = self.embed(x, positions)
-        x, aux = self.plan.run_blocks(self.chunk_blocks(chunk), (x, torch.zeros((), dtype=torch.float64,
-                                                                                  device=x.device)))
+        blocks, aux = self.chunk_blocks(chunk), torch.zeros((), dtype=torch.float64, device=x.device)
+        if self.plan.recompute == "none":
+            for block in blocks:
+                x, aux = block(x, aux)
+        else:  # a recomputation policy: checkpointing.py runs the blocks
+            x, aux = self.plan.run_blocks(blocks, (x, aux))
         if self.is_last_chunk(chunk):  # the LM head is column-parallel over the vocabulary: input gathered under SP
             x = column_parallel(self.plan, self.ln_f(x), self.lm_head.weight)
         return x, aux
@@ -1104,18 +1122,26 @@ def _slots(kind, p, m, v):
     return span, at
 
 
+def forward_micro_batch(stage, x, positions, targets, chunk, tokens_per_micro_batch, totals):
+    """One micro-batch through one chunk: its output, or at the last virtual stage its summed LM loss; and its
+    router loss weighted by its token count. Both losses are added to `totals` (LM, router) for the log."""
+    out, aux = stage(x, positions, chunk=chunk)
+    if stage.is_last_chunk(chunk):
+        out = stage.loss_sum(out, targets)
+        totals[0] += out.detach().double()
+    aux = aux * tokens_per_micro_batch
+    totals[1] += aux.detach()
+    return out, aux
+
+
 def _run_action(stage, a, inbox, saved, waiting, micro_batches, tokens_per_micro_batch, grad_scale, totals):
     """One action on this rank; returns what it sends on (an output, an input gradient), or None."""
     first, last, key = stage.is_first_chunk(a.chunk), stage.is_last_chunk(a.chunk), (a.chunk, a.micro)
     if a.kind == "F":
         ids, positions, targets = micro_batches[a.micro]
         x = None if first else inbox.pop(a)
-        out, aux = stage(ids if first else x, positions, chunk=a.chunk)
-        if last:
-            out = stage.loss_sum(out, targets)
-            totals[0] += out.detach().double()
-        aux = aux * tokens_per_micro_batch
-        totals[1] += aux.detach()
+        out, aux = forward_micro_batch(stage, ids if first else x, positions, targets, a.chunk, tokens_per_micro_batch,
+                                       totals)
         if torch.is_grad_enabled():
             saved[key] = (x, out, aux, last)
         return None if last else out
@@ -1154,8 +1180,17 @@ def train_step(stage, pipe, optimizer, tokens, micro_batch, grad_clip=0.0):
     # that the optimizer divides out again
     global_tokens = tokens.shape[0] * (tokens.shape[1] - 1)
     loss_scale = optimizer.loss_scaler.scale if optimizer.loss_scaler is not None else 1.0
-    loss_sum, aux_sum, schedule = run_schedule(stage, pipe, plan.schedule, micro, micro_batch * (tokens.shape[1] - 1),
-                                               loss_scale / global_tokens)
+    tokens_per_micro_batch, grad_scale = micro_batch * (tokens.shape[1] - 1), loss_scale / global_tokens
+    if plan.pp is None and not plan.split_backward:  # one stage: 1F1B is each micro-batch's forward, then backward
+        totals = torch.zeros(2, dtype=torch.float64, device=device)  # LM loss, router loss
+        for ids, positions, targets in micro:
+            loss, aux = forward_micro_batch(stage, ids, positions, targets, 0, tokens_per_micro_batch, totals)
+            ((loss + aux) * grad_scale).backward()
+        loss_sum, aux_sum, schedule = totals[0], totals[1], ScheduleStats(min(1, len(micro)), 0,
+                                                                          schedule_1f1b(1, len(micro), 0))
+    else:
+        loss_sum, aux_sum, schedule = run_schedule(stage, pipe, plan.schedule, micro, tokens_per_micro_batch,
+                                                   grad_scale)
     for r in stage.reductions:
         if not r.data_parallel:  # the optimizer runs the data-parallel sums (and ZeRO's reduce-scatter)
             optimizer.all_reduce_grads(r.params, r.group)
@@ -1198,12 +1233,8 @@ def build(cfg, run, optimizer=True):
     fp8 = FP8(run.fp8_recipe, run.fp8_backward) if run.dtype == "fp8" else None
     stage = GPTStage(cfg, plan, run.param_dtype, fp8=fp8).to(device)
     opt = make_optimizer(stage, run) if optimizer else None
-    if opt is not None and run.zero >= 2:  # each block a unit; its neighbours within its chunk, for the prefetch
-        n = len(stage.blocks) // plan.virtual_stages
-        for i, (block, unit) in enumerate(zip(stage.blocks, opt.units)):
-            block.unit = unit
-            block.next_unit = opt.units[i + 1] if (i + 1) % n else None
-            block.prev_unit = opt.units[i - 1] if i % n else None
+    if opt is not None and run.zero >= 2:
+        attach_zero_units(stage, opt)
     pipe = Pipeline(plan, (run.micro_batch, plan.seq_hidden, cfg.n_embd), run.param_dtype, device)
     return plan, stage, opt, pipe
 
@@ -1243,28 +1274,35 @@ def train(cfg, run, data=None):
     val_loss on eval steps; loss_scale and skipped under FP16; and on the first line this rank's param_bytes,
     grad_bytes, optimizer_bytes (master_bytes: the masters' part), in_flight_peak and the batch's make-up:
     micro_batches, dp, effective_batch."""
+    metrics = None
     try:
-        return _train(cfg, run, data or check_inputs(cfg, run, _world_size()))
-    finally:
-        release_out_dir(run.out_dir)
-
-
-def _train(cfg, run, data):
-    with stalls_in_one_line(run, lambda: "while starting (process groups, the checkpoint)"):
-        plan, stage, opt, pipe = build(cfg, run)
-        resumed = resume(run.out_dir, stage, opt) if run.resume and checkpoint_dirs(run.out_dir) else None
-    ps, device = plan.ps, next(stage.parameters()).device
-    start = resumed["step"] if resumed else 0
-    if resumed and ps.rank == 0:
-        warn_what_changed(resumed, run)
-    if run.log and ps.rank == 0 and start >= run.steps:
-        print(f"{checkpoint_dirs(run.out_dir)[-1]} already holds step {start} of --steps {run.steps}: nothing to train")
-    metrics = open_metrics(run.metrics, start) if run.metrics and ps.rank == 0 else None
-    records, skipped, step = [], 0, start
-    try:
+        data = data or check_inputs(cfg, run, _world_size())
+        with stalls_in_one_line(run, lambda: "while starting (process groups, the checkpoint)"):
+            plan, stage, opt, pipe = build(cfg, run)
+            resumed = resume(run.out_dir, stage, opt) if run.resume and checkpoint_dirs(run.out_dir) else None
+        ps, device = plan.ps, next(stage.parameters()).device
+        start = resumed["step"] if resumed else 0
+        if resumed and ps.rank == 0:
+            warn_what_changed(resumed, run)
+        if run.log and ps.rank == 0 and start >= run.steps:
+            print(f"{checkpoint_dirs(run.out_dir)[-1]} already holds step {start} of --steps {run.steps}: "
+                  "nothing to train")
+        metrics = open_metrics(run.metrics, start) if run.metrics and ps.rank == 0 else None
+        records, skipped, step = [], 0, start
         with stalls_in_one_line(run, lambda: f"step {step}"):
             for step in range(start, run.steps):
-                record, schedule = train_one_step(step, stage, pipe, opt, data, cfg, run)
+                lr = lr_at(step, run)
+                for group in opt.param_groups:
+                    group["lr"] = lr
+                tokens = data.batch("train", step, run.batch, cfg.seq_len, cfg.seed, device)  # before the clock
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                loss, aux, grad_norm, stepped, schedule = train_step(stage, pipe, opt, tokens, run.micro_batch,
+                                                                     run.grad_clip)
+                # train_step ends with a host sync (the loss), so this is the whole step
+                record = step_record(step, lr, loss, aux, grad_norm, stepped, time.perf_counter() - t0, stage, opt,
+                                     cfg, run)
                 skipped = check_progress(step, record, opt, run, skipped)
                 if run.eval_every and ((step + 1) % run.eval_every == 0 or step == run.steps - 1):
                     record["val_loss"] = evaluate(stage, pipe, data, run, cfg)
@@ -1282,11 +1320,12 @@ def _train(cfg, run, data):
                     path = save_checkpoint(run.out_dir, step + 1, stage, opt, cfg, run, text=data.text)
                     if run.log and ps.rank == 0:
                         print(f"saved {path}", flush=True)
+        return records
     finally:
         if metrics:
             with contextlib.suppress(OSError):
                 metrics.close()
-    return records
+        release_out_dir(run.out_dir)
 
 
 @contextlib.contextmanager
@@ -1317,19 +1356,9 @@ def write_metrics(metrics, record, path):
         return None
 
 
-def train_one_step(step, stage, pipe, opt, data, cfg, run):
-    """The learning rate of the step, its batch (drawn before the clock starts), train_step; its record and the
-    ScheduleStats."""
-    lr = lr_at(step, run)
-    for group in opt.param_groups:
-        group["lr"] = lr
+def step_record(step, lr, loss, aux, grad_norm, stepped, dt, stage, opt, cfg, run):
+    """What a step logs (see `train`)."""
     device = next(stage.parameters()).device
-    tokens = data.batch("train", step, run.batch, cfg.seq_len, cfg.seed, device)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    loss, aux, grad_norm, stepped, schedule = train_step(stage, pipe, opt, tokens, run.micro_batch, run.grad_clip)
-    dt = time.perf_counter() - t0  # train_step ends with a host sync (the loss), so dt is the whole step
     record = {"step": step, "loss": loss, "aux_loss": aux, "lr": lr,
               "grad_norm": grad_norm if math.isfinite(grad_norm) else None,  # JSON has no inf (FP16 skips)
               "tokens_per_s": run.batch * cfg.seq_len / dt, "step_time_s": dt}
@@ -1340,7 +1369,7 @@ def train_one_step(step, stage, pipe, opt, data, cfg, run):
         record["loss_scale"] = opt.loss_scaler.scale
     if not stepped:
         record["skipped"] = True  # FP16 overflow: no update, the loss scale backed off
-    return record, schedule
+    return record
 
 
 @torch.no_grad()
@@ -1351,7 +1380,13 @@ def evaluate(stage, pipe, data, run, cfg):
     micro = [mb for j in range(run.eval_batches)
              for mb in plan.micro_batches(data.batch("val", j, run.batch, cfg.seq_len, cfg.seed, device),
                                           run.micro_batch, device)]
-    total = run_schedule(stage, pipe, "forward", micro, 0)[0] * plan.logs_lm_loss
+    if plan.pp is None:  # one stage: each micro-batch's forward
+        totals = torch.zeros(2, dtype=torch.float64, device=device)
+        for ids, positions, targets in micro:
+            forward_micro_batch(stage, ids, positions, targets, 0, 0, totals)
+        total = totals[0] * plan.logs_lm_loss
+    else:
+        total = run_schedule(stage, pipe, "forward", micro, 0)[0] * plan.logs_lm_loss
     if plan.world is not None:
         dist.all_reduce(total)
     return total.item() / (run.eval_batches * run.batch * cfg.seq_len)

@@ -512,45 +512,6 @@ class _TPLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None
 
 
-_deferred = None  # while a zero-bubble B runs: the list its linears leave their weight-gradient GEMMs in
-
-
-class deferred_weight_grads:
-    """`with deferred_weight_grads() as w: loss.backward()` computes only the input gradients of the linears (and
-    every other gradient); `w.run()` later computes their weight gradients, each once (Qi et al. 2023's B and W)."""
-
-    def __enter__(self):
-        global _deferred
-        self.gemms, _deferred = [], []
-        return self
-
-    def __exit__(self, *exc):
-        global _deferred
-        self.gemms, _deferred = _deferred, None
-
-    def run(self):
-        for gemm in self.gemms:
-            gemm()
-        self.gemms = []
-
-
-def _weight_grad(weight, g2, x2, gemm=None):
-    """W of one linear: its weight gradient G^T x (16-bit, or `gemm`: the FP8 one), added where autograd and the
-    optimizer's hook would have put it: .grad (an FP32 weight's is the FP32 main grad that mixed_precision.py
-    keeps, a view of its flat buffer), or the main grad itself (16-bit weights, whose .grad the hook frees)."""
-    with torch.no_grad():
-        _add_weight_grad(weight, g2.t() @ x2 if gemm is None else gemm(g2, x2))
-
-
-def _add_weight_grad(weight, grad):
-    if weight.grad is not None:
-        weight.grad += grad
-    elif hasattr(weight, "main_grad"):
-        weight.main_grad.add_(grad)
-    else:
-        weight.grad = grad
-
-
 # The layers below are the plan torch.distributed.tensor.parallel writes with DTensors, as production code
 # (torchtitan) does, here by hand so that every collective is in sight. For one block, with SP:
 #     parallelize_module(block, tp_mesh, {"ln1": SequenceParallel(), "ln2": SequenceParallel(),
@@ -778,24 +739,6 @@ class Block(nn.Module):
         return x + y, aux if router_loss is None else aux + router_loss
 
 
-def zero_unit_forward(block, x, aux):
-    """ZeRO-2/3 (`attach_zero_units` makes it the block's forward): the block's parameters gathered while it computes
-    (the next block's all-gather prefetched), its gradients reduce-scattered when its backward is done (after W
-    under zero bubble)."""
-    return mixed_precision.sharded_call(block.unit, partial(Block.forward, block), (x, aux), block.next_unit,
-                                        block.prev_unit, reduce_grads=not block.plan.split_backward)
-
-
-def attach_zero_units(stage, opt):
-    """Each block a ZeRO-2/3 unit; its neighbours within its chunk, for the prefetch."""
-    n = len(stage.blocks) // stage.plan.virtual_stages
-    for i, (block, unit) in enumerate(zip(stage.blocks, opt.units)):
-        block.unit = unit
-        block.next_unit = opt.units[i + 1] if (i + 1) % n else None
-        block.prev_unit = opt.units[i - 1] if i % n else None
-        block.forward = partial(zero_unit_forward, block)
-
-
 class GPTStage(nn.Module):
     """The layers of one pipeline stage; the first stage embeds, the last one normalises and projects to
     the (vocabulary-sharded) logits with a copy of the token embedding (tied weights). Made with its parameters:
@@ -859,52 +802,12 @@ class GPTStage(nn.Module):
         return per_token.sum()
 
 
-def block_activation_bytes(b, s, h, a, t, sequence_parallel, e, acc_e):
-    """Bytes one dense block keeps for backward, term by term (b the micro-batch, s this rank's CP shard of
-    the sequence, t TP, e bytes of the activations, acc_e of the LayerNorm statistics and the attention's
-    row log-sum-exp, FP32 on CUDA). Without SP the LayerNorm inputs and outputs are whole on every TP rank; with
-    SP every term is split by t. Against Korthikanti et al.'s 16-bit layer:
-
-        no SP   s b h e (4 + 12/t) + the LN statistics + lse / t   his sbh (10 + 24/t + 5as/(ht))
-        SP      s b h e (16/t)     + (LN statistics + lse) / t     his sbh (34/t + 5as/(ht))
-
-    our 4 replicated terms are the two LayerNorm inputs and outputs, his 10 add dropout masks; his as/h terms are
-    the s x s softmax that a fused attention kernel never stores. Measured equal in tests/test_train_gpt.py and
-    benchmarks/report.py (CPU float32: acc_e = e)."""
-    sbh = s * b * h
-    sp = t if sequence_parallel else 1
-    return {
-        "LN1 input, LN1 output (QKV input), LN2 input, LN2 output (fc input)": 4 * sbh * e // sp,
-        "LayerNorm mean and 1/std (2 LNs)": 4 * s * b * acc_e // sp,
-        "q, k, v (views of the QKV output)": 3 * sbh * e // t,
-        "attention output (kept by the fused kernel; the projection's input is a view of it)": sbh * e // t,
-        "attention row log-sum-exp": a * s * b * acc_e // t,
-        "GELU input (fc output)": 4 * sbh * e // t,
-        "fc2 input (GELU output)": 4 * sbh * e // t,
-    }
-
-
-def block_forward_comm_bytes(b, s, h, t, sequence_parallel, moe, e, experts=0, stats_e=4):
-    """Bytes one TP rank sends in one block's forward (ring algorithms): a dense block 4 (t-1)/t b s h e, with
-    or without SP (2 all-reduces, or 2 all-gathers and 2 reduce-scatters); a MoE block the attention's half of that,
-    plus without SP one all-gather of the MoE outputs, (t-1)/t b s h e (the experts run on the token shard, so the
-    MLP's all-reduce is gone), plus the all-reduce of its router statistics over the ranks that share the
-    micro-batch (TP x CP): 2 (t-1)/t (2 E + 2) stats_e (token counts, probability sums, z-loss sum and count)."""
-    sbhe = s * b * h * e
-    if not moe:
-        return 4 * (t - 1) * sbhe // t
-    return (2 if sequence_parallel else 3) * (t - 1) * sbhe // t + 2 * (t - 1) * (2 * experts + 2) * stats_e // t
-
-
 # ----------------------------------------------------------------------------------------------------
 # Pipeline parallelism: a schedule is a list of actions per rank; one executor runs any of them
 # ----------------------------------------------------------------------------------------------------
-# With v virtual stages per rank (interleaving), rank r holds the model chunks c = 0..v-1, chunk c being virtual
-# stage c p + r of the p v (each L / (p v) layers): micro-batches pass rank 0, 1, ..., p-1, then rank 0 again with
-# its next chunk. A rank's schedule is the order of its actions: F (forward of a chunk and a micro-batch), B (its
-# backward; under zero bubble only the input gradients) and W (zero bubble: the weight gradients). Replayed with
-# each action's duration (F 1 unit, B 2 or B 1 + W 1), the lists give the step time, the bubble and what is in
-# flight: `replay_pipeline`, checked against the published formulas (`schedule_formulas`) and drawn by `timeline`.
+# A rank's schedule is the order of its actions: F (the forward of a micro-batch through a model chunk) and B (its
+# backward). `replay_pipeline` times the ranks' lists, each action waiting for its input, and the executor runs them
+# slot by slot, sending and receiving between the slots.
 
 class Action(NamedTuple):
     kind: str        # "F", "B" or "W"
@@ -918,38 +821,6 @@ def schedule_1f1b(p, m, r):
     warmup = min(p - r - 1, m)
     steady = [action for j in range(m - warmup) for action in (Action("F", warmup + j), Action("B", j))]
     return [Action("F", i) for i in range(warmup)] + steady + [Action("B", j) for j in range(m - warmup, m)]
-
-
-def schedule_interleaved(p, m, v, r):
-    """Megatron-LM's interleaved 1F1B: micro-batches advance through the chunks in groups of p; rank r runs
-    (p - r - 1) 2 + (v - 1) p warm-up forwards (of chunks), then alternates, then drains. Needs m a multiple of p."""
-    def place(k, forward):  # the k-th forward (or backward) of this rank: its micro-batch and chunk
-        group, within = divmod(k, p * v)
-        chunk = within // p
-        return group * p + within % p, chunk if forward else v - 1 - chunk
-
-    total, warmup = m * v, min((p - r - 1) * 2 + (v - 1) * p, m * v)
-    steady = [action for k in range(total - warmup) for action in (Action("F", *place(warmup + k, True)),
-                                                         Action("B", *place(k, False)))]
-    return ([Action("F", *place(k, True)) for k in range(warmup)] + steady +
-            [Action("B", *place(k, False)) for k in range(total - warmup, total)])
-
-
-def schedule_zero_bubble(order, r):
-    """ZB-H1 (Qi et al. 2023) from a 1F1B (or interleaved) order: each backward split into B, the input gradient
-    the previous stage waits for, and W, the weight gradient nobody waits for. Rank r defers r of its W's through
-    the steady state and runs one after each B of the drain, where 1F1B's rank r would idle: the bubble falls from
-    (p - 1)(F + B + W) to (p - 1)(F + B - W), and rank r holds at most p - r micro-batches before B (1F1B's) plus
-    r waiting for W (a part of their activations: the inputs of the linears)."""
-    out, waiting = [], []
-    steady_ends = max(i for i, action in enumerate(order) if action.kind == "F")
-    for i, action in enumerate(order):
-        out.append(action)
-        if action.kind == "B":
-            waiting.append(Action("W", action.micro, action.chunk))
-            if len(waiting) > (r if i < steady_ends else 0):
-                out.append(waiting.pop(0))
-    return out + waiting
 
 
 SCHEDULES = ("1f1b", "interleaved", "zb-h1")
@@ -997,54 +868,6 @@ def replay_pipeline(orders, forward=1, backward=2, weight=1, v=1, slots=False):
     if pos != [len(o) for o in orders]:
         raise ValueError("the ranks' orders wait on each other forever")
     return (max(clock), start) if slots else max(clock)
-
-
-def in_flight_peak(order, split):
-    """The most (chunk, micro-batch) activations alive at once on a rank: from its F until its B (or, with a split
-    backward, until its W, which still needs the linears' inputs)."""
-    live = peak = 0
-    for action in order:
-        live += (action.kind == "F") - (action.kind == ("W" if split else "B"))
-        peak = max(peak, live)
-    return peak
-
-
-def schedule_formulas(kind, p, m, v=1):
-    """The published step time (in units of one chunk's forward, B = 2 F, or B = W = F when split) and in-flight
-    peaks (chunks, per rank): 1F1B 3 (m + p - 1), p - r; interleaved 3 (v m + p - 1), i.e. a bubble of (p - 1)/(v m)
-    of the ideal, (p - r - 1) 2 + (v - 1) p + 1; ZB-H1 3 v m + p - 1 for m >= p: the bubble (p - 1) units, one third
-    of 1F1B's, and 1F1B's or the interleaved peak plus the r deferred W's."""
-    if kind == "1f1b":
-        return 3 * (m + p - 1), [min(p - r, m) for r in range(p)]
-    peak = [min((p - r - 1) * 2 + (v - 1) * p + 1, m * v) if v > 1 else min(p - r, m) for r in range(p)]
-    if kind == "interleaved":
-        return 3 * (v * m + p - 1), peak
-    return 3 * v * m + p - 1, [min(k + r, m * v) for r, k in enumerate(peak)]
-
-
-def timeline(kind, p, m, v=1):
-    """The schedule as text: one row per rank, one column per time unit (F 1, B 2 or B 1 + W 1), each cell the
-    action and micro-batch (and chunk, with v > 1: F3.1 is micro-batch 3 on chunk 1); under it the step time and
-    bubble beside the formulas, and each rank's in-flight peak."""
-    split = kind == "zb-h1"
-    orders = pipeline_schedule(kind, p, m, v)
-    span, start = replay_pipeline(orders, backward=1 if split else 2, v=v, slots=True)
-    width = len(f"F{m - 1}" + (f".{v - 1}" if v > 1 else "")) + 1
-    rows = []
-    for r, order in enumerate(orders):
-        cells = ["."] * span
-        for action in order:
-            t = start[(r, action)]
-            for u in range(2 if action.kind == "B" and not split else 1):
-                cells[t + u] = f"{action.kind}{action.micro}" + (f".{action.chunk}" if v > 1 else "")
-        rows.append(f"rank {r}  " + "".join(c.ljust(width) for c in cells).rstrip())
-    formula, peaks = schedule_formulas(kind, p, m, v)
-    ideal = 3 * m * v
-    rows.append(f"{kind}, p={p} m={m} v={v}: {span} units (formula {formula}), bubble {(span - ideal) / span:.3f} of "
-                f"the step, {(span - ideal) / ideal:.3f} of the ideal {ideal}")
-    rows.append("in flight per rank (chunks): " + ", ".join(
-        f"{in_flight_peak(o, split)} ({f})" for o, f in zip(orders, peaks)))
-    return "\n".join(rows)
 
 
 class ScheduleStats(NamedTuple):
@@ -1213,20 +1036,6 @@ def train_step(stage, pipe, optimizer, tokens, micro_batch, grad_clip=0.0):
     return loss, aux, grad_norm, stepped, schedule
 
 
-def model_flops_per_token(cfg):
-    """Training FLOPs per token (PaLM appendix B, as nanoGPT's MFU): 6 N + 12 L h s, N the weights of every
-    matmul a token goes through, forward and backward (x 3): per dense block 12 h^2 (QKV 3, projection 1, MLP
-    8); per MoE block 4 h^2 + E h (the router) + k 8 h^2 (its top-k experts) + k h (the router-weighted sum of
-    the k expert outputs, a (1 x k)(k x h) product); and the LM head V h (tied to the embedding, whose lookup
-    is not a matmul). 12 L h s is attention's QK^T and AV over the whole sequence (a causal kernel skips half
-    of it; PaLM and FlopCounterMode count all of it). benchmarks/report.py measures the same number."""
-    h, k = cfg.n_embd, cfg.top_k
-    n = cfg.vocab_size * h
-    for layer in range(cfg.n_layer):
-        n += 4 * h * h + (cfg.n_experts * h + k * 8 * h * h + k * h if cfg.is_moe(layer) else 8 * h * h)
-    return 6 * n + 12 * cfg.n_layer * h * cfg.seq_len
-
-
 # ----------------------------------------------------------------------------------------------------
 # Build: process groups -> plan -> this rank's stage (with its gradient reductions) -> optimizer -> pipeline
 # ----------------------------------------------------------------------------------------------------
@@ -1342,35 +1151,6 @@ def train(cfg, train_cfg, data=None):
         release_out_dir(train_cfg.out_dir)
 
 
-@contextlib.contextmanager
-def stalls_in_one_line(train_cfg, when):
-    """A collective that failed (of the start-up, a step, the evaluation or a save) becomes Stalled: one line naming
-    the rank and `when()`, and the job ends at once instead of a traceback per rank."""
-    try:
-        yield
-    except RuntimeError as e:
-        if isinstance(e, (Diverged, Stalled, CannotSave)) or not _is_communication_failure(e):
-            raise
-        raise Stalled(f"rank {_global_rank()}, {when()}: a collective waited past --timeout-s "
-                      f"{train_cfg.timeout_s:g} or lost its peer: a rank stopped, hung or died "
-                      f"({str(e).splitlines()[0]})") from e
-
-
-def write_metrics(metrics, record, path):
-    """Append the step's record; a write that fails (a full disk) is said in one line and the run goes on without
-    metrics (what was written stays): the training, not its log, is what a full disk must not lose."""
-    try:
-        metrics.write(json.dumps(record) + "\n")
-        metrics.flush()
-        return metrics
-    except OSError as e:
-        _warn(f"--metrics {path} could not be written at step {record['step']} ({e.strerror}): the run goes on "
-              "without recording metrics")
-        with contextlib.suppress(OSError):
-            metrics.close()
-        return None
-
-
 def step_record(step, lr, loss, aux, grad_norm, stepped, dt, stage, opt, cfg, train_cfg):
     """What a step logs (see `train`)."""
     device = next(stage.parameters()).device
@@ -1418,17 +1198,288 @@ def lr_at(step, train_cfg):
     return min_lr + 0.5 * (1 + math.cos(math.pi * min(decay, 1.0))) * (train_cfg.lr - min_lr)
 
 
-GPU_PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "A100": 312.0,
-                   "L40S": 362.0}  # dense BF16 per GPU; the first name that the device's name contains
+def main(argv=None):
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    if torchrun:
+        watch_launcher()
+    try:
+        cfg, train_cfg, flags = parse_args(argv)
+        if flags.show_schedule:
+            print(timeline(train_cfg.pp_schedule, train_cfg.pp, flags.micro_batches, train_cfg.virtual_stages))
+            return
+        if flags.sample:
+            path, state = sample_checkpoint(train_cfg.out_dir, world)
+            cfg = GPTConfig(**state["config"])
+        else:
+            data = check_inputs(cfg, train_cfg, world)
+    except ValueError as e:
+        _fail(rank, 2, e)
+    if os.environ.get("OMP_NUM_THREADS") is None and not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    try:
+        if flags.sample:
+            print(sample(cfg, path, flags.sample, flags.temperature, flags.sample_top_k, seed=flags.seed))
+        else:
+            records = train(cfg, train_cfg, data)
+            if dist.get_rank() == 0 and records:
+                print(f"loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} in {len(records)} steps; metrics "
+                      f"in {train_cfg.metrics}")
+    except BadCheckpoint as e:  # every rank found it (checksums are agreed)
+        _fail(rank, 2, e)
+    except (Diverged, CannotSave) as e:  # every rank holds the same loss and norm, or agreed not to save
+        _fail(rank, 1, e)
+    except Stalled as e:  # only the ranks that waited know: each says so, then the job ends now
+        if torchrun:
+            stop_local_peers()
+        _fail(rank, 1, e, everyone=True)
+    dist.barrier()
+    dist.destroy_process_group()
 
 
-def peak_tflops(train_cfg, device):
-    if train_cfg.peak_tflops:
-        return train_cfg.peak_tflops
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name()
-        return next((v for k, v in GPU_PEAK_TFLOPS.items() if k in name), None)
-    return None  # no known peak on CPU: no MFU
+# BEYOND THE CHAPTER: interleaved and zero-bubble schedules, all-gather and hybrid CP, ZeRO-2/3 units, formulas
+# ====================================================================================================
+# Each form below plugs into the core above through a name the Plan or the executor looks up (a schedule's
+# action lists, an entry of CP_IMPLS, a block's forward), not through a branch of the step.
+
+# ----------------------------------------------------------------------------------------------------
+# Interleaved and zero-bubble pipeline schedules: the action lists, the W split, the timeline
+# ----------------------------------------------------------------------------------------------------
+# With v virtual stages per rank (interleaving), rank r holds the model chunks c = 0..v-1, chunk c being virtual
+# stage c p + r of the p v (each L / (p v) layers): micro-batches pass rank 0, 1, ..., p-1, then rank 0 again with
+# its next chunk. Under zero bubble each backward is split into B (the input gradients, which the previous stage
+# waits for) and W (the weight gradients, which nobody waits for). Replayed with each action's duration (F 1 unit,
+# B 2 or B 1 + W 1), the lists give the step time, the bubble and what is in flight, checked against the
+# published formulas (`schedule_formulas`) and drawn by `timeline`.
+
+def schedule_interleaved(p, m, v, r):
+    """Megatron-LM's interleaved 1F1B: micro-batches advance through the chunks in groups of p; rank r runs
+    (p - r - 1) 2 + (v - 1) p warm-up forwards (of chunks), then alternates, then drains. Needs m a multiple of p."""
+    def place(k, forward):  # the k-th forward (or backward) of this rank: its micro-batch and chunk
+        group, within = divmod(k, p * v)
+        chunk = within // p
+        return group * p + within % p, chunk if forward else v - 1 - chunk
+
+    total, warmup = m * v, min((p - r - 1) * 2 + (v - 1) * p, m * v)
+    steady = [action for k in range(total - warmup) for action in (Action("F", *place(warmup + k, True)),
+                                                         Action("B", *place(k, False)))]
+    return ([Action("F", *place(k, True)) for k in range(warmup)] + steady +
+            [Action("B", *place(k, False)) for k in range(total - warmup, total)])
+
+
+def schedule_zero_bubble(order, r):
+    """ZB-H1 (Qi et al. 2023) from a 1F1B (or interleaved) order: each backward split into B, the input gradient
+    the previous stage waits for, and W, the weight gradient nobody waits for. Rank r defers r of its W's through
+    the steady state and runs one after each B of the drain, where 1F1B's rank r would idle: the bubble falls from
+    (p - 1)(F + B + W) to (p - 1)(F + B - W), and rank r holds at most p - r micro-batches before B (1F1B's) plus
+    r waiting for W (a part of their activations: the inputs of the linears)."""
+    out, waiting = [], []
+    steady_ends = max(i for i, action in enumerate(order) if action.kind == "F")
+    for i, action in enumerate(order):
+        out.append(action)
+        if action.kind == "B":
+            waiting.append(Action("W", action.micro, action.chunk))
+            if len(waiting) > (r if i < steady_ends else 0):
+                out.append(waiting.pop(0))
+    return out + waiting
+
+
+_deferred = None  # while a zero-bubble B runs: the list its linears leave their weight-gradient GEMMs in
+
+
+class deferred_weight_grads:
+    """`with deferred_weight_grads() as w: loss.backward()` computes only the input gradients of the linears (and
+    every other gradient); `w.run()` later computes their weight gradients, each once (Qi et al. 2023's B and W)."""
+
+    def __enter__(self):
+        global _deferred
+        self.gemms, _deferred = [], []
+        return self
+
+    def __exit__(self, *exc):
+        global _deferred
+        self.gemms, _deferred = _deferred, None
+
+    def run(self):
+        for gemm in self.gemms:
+            gemm()
+        self.gemms = []
+
+
+def _weight_grad(weight, g2, x2, gemm=None):
+    """W of one linear: its weight gradient G^T x (16-bit, or `gemm`: the FP8 one), added where autograd and the
+    optimizer's hook would have put it: .grad (an FP32 weight's is the FP32 main grad that mixed_precision.py
+    keeps, a view of its flat buffer), or the main grad itself (16-bit weights, whose .grad the hook frees)."""
+    with torch.no_grad():
+        _add_weight_grad(weight, g2.t() @ x2 if gemm is None else gemm(g2, x2))
+
+
+def _add_weight_grad(weight, grad):
+    if weight.grad is not None:
+        weight.grad += grad
+    elif hasattr(weight, "main_grad"):
+        weight.main_grad.add_(grad)
+    else:
+        weight.grad = grad
+
+
+def in_flight_peak(order, split):
+    """The most (chunk, micro-batch) activations alive at once on a rank: from its F until its B (or, with a split
+    backward, until its W, which still needs the linears' inputs)."""
+    live = peak = 0
+    for action in order:
+        live += (action.kind == "F") - (action.kind == ("W" if split else "B"))
+        peak = max(peak, live)
+    return peak
+
+
+def schedule_formulas(kind, p, m, v=1):
+    """The published step time (in units of one chunk's forward, B = 2 F, or B = W = F when split) and in-flight
+    peaks (chunks, per rank): 1F1B 3 (m + p - 1), p - r; interleaved 3 (v m + p - 1), i.e. a bubble of (p - 1)/(v m)
+    of the ideal, (p - r - 1) 2 + (v - 1) p + 1; ZB-H1 3 v m + p - 1 for m >= p: the bubble (p - 1) units, one third
+    of 1F1B's, and 1F1B's or the interleaved peak plus the r deferred W's."""
+    if kind == "1f1b":
+        return 3 * (m + p - 1), [min(p - r, m) for r in range(p)]
+    peak = [min((p - r - 1) * 2 + (v - 1) * p + 1, m * v) if v > 1 else min(p - r, m) for r in range(p)]
+    if kind == "interleaved":
+        return 3 * (v * m + p - 1), peak
+    return 3 * v * m + p - 1, [min(k + r, m * v) for r, k in enumerate(peak)]
+
+
+def timeline(kind, p, m, v=1):
+    """The schedule as text: one row per rank, one column per time unit (F 1, B 2 or B 1 + W 1), each cell the
+    action and micro-batch (and chunk, with v > 1: F3.1 is micro-batch 3 on chunk 1); under it the step time and
+    bubble beside the formulas, and each rank's in-flight peak."""
+    split = kind == "zb-h1"
+    orders = pipeline_schedule(kind, p, m, v)
+    span, start = replay_pipeline(orders, backward=1 if split else 2, v=v, slots=True)
+    width = len(f"F{m - 1}" + (f".{v - 1}" if v > 1 else "")) + 1
+    rows = []
+    for r, order in enumerate(orders):
+        cells = ["."] * span
+        for action in order:
+            t = start[(r, action)]
+            for u in range(2 if action.kind == "B" and not split else 1):
+                cells[t + u] = f"{action.kind}{action.micro}" + (f".{action.chunk}" if v > 1 else "")
+        rows.append(f"rank {r}  " + "".join(c.ljust(width) for c in cells).rstrip())
+    formula, peaks = schedule_formulas(kind, p, m, v)
+    ideal = 3 * m * v
+    rows.append(f"{kind}, p={p} m={m} v={v}: {span} units (formula {formula}), bubble {(span - ideal) / span:.3f} of "
+                f"the step, {(span - ideal) / ideal:.3f} of the ideal {ideal}")
+    rows.append("in flight per rank (chunks): " + ", ".join(
+        f"{in_flight_peak(o, split)} ({f})" for o, f in zip(orders, peaks)))
+    return "\n".join(rows)
+
+
+
+# ----------------------------------------------------------------------------------------------------
+# ZeRO-2/3: each block a unit, gathered while it computes
+# ----------------------------------------------------------------------------------------------------
+
+def zero_unit_forward(block, x, aux):
+    """ZeRO-2/3 (`attach_zero_units` makes it the block's forward): the block's parameters gathered while it computes
+    (the next block's all-gather prefetched), its gradients reduce-scattered when its backward is done (after W
+    under zero bubble)."""
+    return mixed_precision.sharded_call(block.unit, partial(Block.forward, block), (x, aux), block.next_unit,
+                                        block.prev_unit, reduce_grads=not block.plan.split_backward)
+
+
+def attach_zero_units(stage, opt):
+    """Each block a ZeRO-2/3 unit; its neighbours within its chunk, for the prefetch."""
+    n = len(stage.blocks) // stage.plan.virtual_stages
+    for i, (block, unit) in enumerate(zip(stage.blocks, opt.units)):
+        block.unit = unit
+        block.next_unit = opt.units[i + 1] if (i + 1) % n else None
+        block.prev_unit = opt.units[i - 1] if i % n else None
+        block.forward = partial(zero_unit_forward, block)
+
+
+
+# ----------------------------------------------------------------------------------------------------
+# Formulas: a block's kept activations and communication, the model's FLOPs per token
+# ----------------------------------------------------------------------------------------------------
+
+def block_activation_bytes(b, s, h, a, t, sequence_parallel, e, acc_e):
+    """Bytes one dense block keeps for backward, term by term (b the micro-batch, s this rank's CP shard of
+    the sequence, t TP, e bytes of the activations, acc_e of the LayerNorm statistics and the attention's
+    row log-sum-exp, FP32 on CUDA). Without SP the LayerNorm inputs and outputs are whole on every TP rank; with
+    SP every term is split by t. Against Korthikanti et al.'s 16-bit layer:
+
+        no SP   s b h e (4 + 12/t) + the LN statistics + lse / t   his sbh (10 + 24/t + 5as/(ht))
+        SP      s b h e (16/t)     + (LN statistics + lse) / t     his sbh (34/t + 5as/(ht))
+
+    our 4 replicated terms are the two LayerNorm inputs and outputs, his 10 add dropout masks; his as/h terms are
+    the s x s softmax that a fused attention kernel never stores. Measured equal in tests/test_train_gpt.py and
+    benchmarks/report.py (CPU float32: acc_e = e)."""
+    sbh = s * b * h
+    sp = t if sequence_parallel else 1
+    return {
+        "LN1 input, LN1 output (QKV input), LN2 input, LN2 output (fc input)": 4 * sbh * e // sp,
+        "LayerNorm mean and 1/std (2 LNs)": 4 * s * b * acc_e // sp,
+        "q, k, v (views of the QKV output)": 3 * sbh * e // t,
+        "attention output (kept by the fused kernel; the projection's input is a view of it)": sbh * e // t,
+        "attention row log-sum-exp": a * s * b * acc_e // t,
+        "GELU input (fc output)": 4 * sbh * e // t,
+        "fc2 input (GELU output)": 4 * sbh * e // t,
+    }
+
+
+def block_forward_comm_bytes(b, s, h, t, sequence_parallel, moe, e, experts=0, stats_e=4):
+    """Bytes one TP rank sends in one block's forward (ring algorithms): a dense block 4 (t-1)/t b s h e, with
+    or without SP (2 all-reduces, or 2 all-gathers and 2 reduce-scatters); a MoE block the attention's half of that,
+    plus without SP one all-gather of the MoE outputs, (t-1)/t b s h e (the experts run on the token shard, so the
+    MLP's all-reduce is gone), plus the all-reduce of its router statistics over the ranks that share the
+    micro-batch (TP x CP): 2 (t-1)/t (2 E + 2) stats_e (token counts, probability sums, z-loss sum and count)."""
+    sbhe = s * b * h * e
+    if not moe:
+        return 4 * (t - 1) * sbhe // t
+    return (2 if sequence_parallel else 3) * (t - 1) * sbhe // t + 2 * (t - 1) * (2 * experts + 2) * stats_e // t
+
+
+def model_flops_per_token(cfg):
+    """Training FLOPs per token (PaLM appendix B, as nanoGPT's MFU): 6 N + 12 L h s, N the weights of every
+    matmul a token goes through, forward and backward (x 3): per dense block 12 h^2 (QKV 3, projection 1, MLP
+    8); per MoE block 4 h^2 + E h (the router) + k 8 h^2 (its top-k experts) + k h (the router-weighted sum of
+    the k expert outputs, a (1 x k)(k x h) product); and the LM head V h (tied to the embedding, whose lookup
+    is not a matmul). 12 L h s is attention's QK^T and AV over the whole sequence (a causal kernel skips half
+    of it; PaLM and FlopCounterMode count all of it). benchmarks/report.py measures the same number."""
+    h, k = cfg.n_embd, cfg.top_k
+    n = cfg.vocab_size * h
+    for layer in range(cfg.n_layer):
+        n += 4 * h * h + (cfg.n_experts * h + k * 8 * h * h + k * h if cfg.is_moe(layer) else 8 * h * h)
+    return 6 * n + 12 * cfg.n_layer * h * cfg.seq_len
+
+
+
+# ####################################################################################################
+# THE JOB: what a training program needs around the training itself. Data; checkpoints (atomic, verified,
+# loading no code, resharded to any layout); one writer per folder; checks of every input before any process group
+# exists; sampling; the command line and how a job ends.
+# ####################################################################################################
+
+# ----------------------------------------------------------------------------------------------------
+# How a run stops and what it logs: one line for a stall, a divergence or a full disk
+# ----------------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def stalls_in_one_line(train_cfg, when):
+    """A collective that failed (of the start-up, a step, the evaluation or a save) becomes Stalled: one line naming
+    the rank and `when()`, and the job ends at once instead of a traceback per rank."""
+    try:
+        yield
+    except RuntimeError as e:
+        if isinstance(e, (Diverged, Stalled, CannotSave)) or not _is_communication_failure(e):
+            raise
+        raise Stalled(f"rank {_global_rank()}, {when()}: a collective waited past --timeout-s "
+                      f"{train_cfg.timeout_s:g} or lost its peer: a rank stopped, hung or died "
+                      f"({str(e).splitlines()[0]})") from e
+
+
+def _is_communication_failure(error):
+    """gloo raises RuntimeError("... Timed out waiting ...") at the timeout, or a closed connection when a peer died;
+    NCCL's watchdog raises DistBackendError (or aborts the process itself)."""
+    return isinstance(error, dist.DistError) or any(
+        s in str(error) for s in ("Timed out", "Connection closed", "Connection reset", "Broken pipe", "gloo"))
 
 
 class Diverged(RuntimeError):
@@ -1471,11 +1522,19 @@ def check_progress(step, record, opt, train_cfg, skipped):
     return skipped
 
 
-def _is_communication_failure(error):
-    """gloo raises RuntimeError("... Timed out waiting ...") at the timeout, or a closed connection when a peer died;
-    NCCL's watchdog raises DistBackendError (or aborts the process itself)."""
-    return isinstance(error, dist.DistError) or any(
-        s in str(error) for s in ("Timed out", "Connection closed", "Connection reset", "Broken pipe", "gloo"))
+def write_metrics(metrics, record, path):
+    """Append the step's record; a write that fails (a full disk) is said in one line and the run goes on without
+    metrics (what was written stays): the training, not its log, is what a full disk must not lose."""
+    try:
+        metrics.write(json.dumps(record) + "\n")
+        metrics.flush()
+        return metrics
+    except OSError as e:
+        _warn(f"--metrics {path} could not be written at step {record['step']} ({e.strerror}): the run goes on "
+              "without recording metrics")
+        with contextlib.suppress(OSError):
+            metrics.close()
+        return None
 
 
 def step_line(record, skipped, moe):
@@ -1490,50 +1549,19 @@ def step_line(record, skipped, moe):
             + (f", mfu {r['mfu']:.1%}" if "mfu" in r else ""))
 
 
-def main(argv=None):
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    torchrun = "TORCHELASTIC_RUN_ID" in os.environ
-    if torchrun:
-        watch_launcher()
-    try:
-        cfg, train_cfg, flags = parse_args(argv)
-        if flags.show_schedule:
-            print(timeline(train_cfg.pp_schedule, train_cfg.pp, flags.micro_batches, train_cfg.virtual_stages))
-            return
-        if flags.sample:
-            path, state = sample_checkpoint(train_cfg.out_dir, world)
-            cfg = GPTConfig(**state["config"])
-        else:
-            data = check_inputs(cfg, train_cfg, world)
-    except ValueError as e:
-        _fail(rank, 2, e)
-    if os.environ.get("OMP_NUM_THREADS") is None and not torch.cuda.is_available():
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    try:
-        if flags.sample:
-            print(sample(cfg, path, flags.sample, flags.temperature, flags.sample_top_k, seed=flags.seed))
-        else:
-            records = train(cfg, train_cfg, data)
-            if dist.get_rank() == 0 and records:
-                print(f"loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} in {len(records)} steps; metrics "
-                      f"in {train_cfg.metrics}")
-    except BadCheckpoint as e:  # every rank found it (checksums are agreed)
-        _fail(rank, 2, e)
-    except (Diverged, CannotSave) as e:  # every rank holds the same loss and norm, or agreed not to save
-        _fail(rank, 1, e)
-    except Stalled as e:  # only the ranks that waited know: each says so, then the job ends now
-        if torchrun:
-            stop_local_peers()
-        _fail(rank, 1, e, everyone=True)
-    dist.barrier()
-    dist.destroy_process_group()
+GPU_PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "A100": 312.0,
+                   "L40S": 362.0}  # dense BF16 per GPU; the first name that the device's name contains
 
 
-# ####################################################################################################
-# THE JOB: what a training program needs around the training itself. Data; checkpoints (atomic, verified,
-# loading no code, resharded to any layout); one writer per folder; checks of every input before any process group
-# exists; sampling; the command line and how a job ends.
-# ####################################################################################################
+def peak_tflops(train_cfg, device):
+    if train_cfg.peak_tflops:
+        return train_cfg.peak_tflops
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name()
+        return next((v for k, v in GPU_PEAK_TFLOPS.items() if k in name), None)
+    return None  # no known peak on CPU: no MFU
+
+
 
 # ----------------------------------------------------------------------------------------------------
 # Data: bytes of text (CPython's own documentation by default), nanoGPT .bin token files, a synthetic language

@@ -10,7 +10,7 @@ value the layout implies: shard lengths, micro-batch count, this stage's layers)
     TP tensor     plan.tp               weights: heads, MLP columns and rows, the vocab  Column/RowParallelLinear
     SP sequence   plan.tp (same ranks)  LayerNorm and residual activations along s       _TPLinear, plan.reduce_tp
     CP context    plan.cp               the sequence, attention included                 plan.attention (long_seq)
-    PP pipeline   plan.pp               the layers (v chunks per rank when interleaved)  run_schedule, Pipeline
+    PP pipeline   plan.pp               the layers                                       run_schedule, Pipeline
     DP data       plan.dp_cp (with CP)  the batch, in sequences                          plan.micro_batches
     EP expert     plan.ep, plan.edp     the experts of MoE layers, folded over DP x CP   moe_ep.MoE
     recompute     -                     memory against FLOPs, per stage                  plan.run_blocks
@@ -29,10 +29,10 @@ SP (Korthikanti et al. 2022): between the TP regions each rank holds s/t of the 
 reduce-scatter and an all-gather (the same bytes), and every activation of a block is split by t
 (`block_activation_bytes`).
 
-PP: a schedule is a list of actions per rank (forward F, backward B, zero bubble's weight-gradient W), run by one
-executor and replayed by `replay_pipeline`. 1F1B (Narayanan et al. 2021): p - 1 - i warm-up forwards on stage i,
-then one forward and one backward at a time, a bubble of (p-1)/(m+p-1); interleaved (v chunks per rank): (p-1)/(v m)
-of the ideal time; ZB-H1 (Qi et al. 2023): B without W on the critical path, a third of 1F1B's bubble.
+PP: a schedule is a list of actions per rank (forward F, backward B), run by one executor. 1F1B (Narayanan et al.
+2021): p - 1 - i warm-up forwards on stage i, then one forward and one backward at a time, a bubble of
+(p-1)/(m+p-1) of the step, at most p - i micro-batches in flight on stage i. At PP = 1 the step runs each
+micro-batch's forward and backward directly.
 
 DP and CP: DP ranks take other sequences of the batch, CP ranks shards of the same ones (zigzag: causal work
 balanced); under one seed every layout holds the same global weights (each parameter drawn whole from a generator
@@ -42,13 +42,13 @@ EP: MoE layers run on the TP ranks' token shards with whole expert weights, expe
 the router losses come from statistics summed over TP x CP, as in Megatron-LM.
 
 Memory and precision: recomputation per stage (checkpointing.py); FP32 main grads and masters, FP16 loss scaling,
-FP8 block GEMMs, ZeRO-1/2/3 over DP x CP (each block a ZeRO-3 unit, gathered while it computes) and hybrid sharding
-(mixed_precision.py); the micro-batches are grad_accum.py's accumulation steps.
+per-tensor FP8 block GEMMs, ZeRO-1 over DP x CP (mixed_precision.py); the micro-batches are grad_accum.py's
+accumulation steps.
 
-Reading order is run order: the configs, the Plan, TP/SP, the model, the pipeline, the step, `build`, the loop and
-`main`; then, under one banner, the job around training (data, checkpoints, input checks, sampling, the command
-line). `benchmarks/report.py` measures the memory, communication and FLOP figures stated here beside their
-formulas.
+Reading order is run order: the configs, the Plan, TP/SP, the model, the 1F1B executor, the step, `build`, the loop
+and `main`. Below the BEYOND THE CHAPTER banner, what plugs into them: interleaved and zero-bubble schedules,
+all-gather and hybrid CP, fine-grained FP8 and FP8 backward GEMMs, ZeRO-2/3 units, the formulas; then, under THE
+JOB, what a training program needs around training (data, checkpoints, input checks, sampling, the command line).
 """
 import argparse
 import contextlib
@@ -163,11 +163,7 @@ class TrainConfig:
 CP_IMPLS = {  # the causal attention of this rank's CP groups, and the sequence shard it expects
     "ring": (lambda plan, q, k, v: long_seq.ring_attention(q, k, v, plan.cp), long_seq.zigzag_shard),
     "ulysses": (lambda plan, q, k, v: long_seq.ulysses_attention(q, k, v, plan.cp), long_seq.contiguous_shard),
-    "allgather": (lambda plan, q, k, v: long_seq.allgather_attention(q, k, v, plan.cp), long_seq.zigzag_shard),
-    # Ulysses over the inner cp_ulysses ranks, the ring across them (USP); its shards are the ring's zigzag ones
-    "hybrid": (lambda plan, q, k, v: long_seq.hybrid_attention(q, k, v, plan.cp_ulysses, plan.cp_ring),
-               long_seq.zigzag_shard),
-}
+}  # and, beyond the chapter, "allgather" and "hybrid"
 
 
 @dataclass(frozen=True)
@@ -555,17 +551,12 @@ class FP8(NamedTuple):
 
 def fp8_product(layer, fp8, split):
     """A block linear's forward product: F.linear, or with --dtype fp8 mixed_precision.fp8_linear in FP8 E4M3 under
-    --fp8-recipe. Tensorwise and delayed scales are agreed (MAX of the amax) over TP, since the shards of one weight,
-    and a row-parallel layer's input shards, are one tensor; rowwise, blockwise and MXFP8 scales are local in a
-    column-parallel layer (every block lies on one rank) and agreed over TP where a row-parallel layer cuts K.
-    The backward GEMMs are BF16, or with --fp8-backward fp8 FP8 with E5M2 gradients at the recipe's granularity
-    (mixed_precision.fp8_backward_gemms); in the backward it is the column-parallel dgrad that cuts its reduction
-    dimension (the layer's outputs) over TP, and those blocks are agreed there. Through _TPLinear (TP, or zero
-    bubble) both backward GEMMs take per-tensor scales from the current amaxes (delayed scaling included); the
-    LM head and the experts stay BF16. Under CP and DP each rank quantises its own tokens:
-    per-tensor activation scales then depend slightly on the split (Transformer Engine also reduces the activation
-    amax over CP), per-row and per-block ones do not. Delayed scaling keeps a history per layer (a buffer, not saved
-    in checkpoints) and cannot be recomputed: each recomputation would record its amaxes again."""
+    --fp8-recipe. Per-tensor scales (tensorwise, delayed) are agreed (MAX of the amax) over TP, since the shards of
+    one weight, and a row-parallel layer's input shards, are one tensor. The backward GEMMs are BF16; the LM head and
+    the experts stay BF16. Under CP and DP each rank quantises its own tokens: per-tensor activation scales then
+    depend slightly on the split (Transformer Engine also reduces the activation amax over CP). Delayed scaling keeps
+    a history per layer (a buffer, not saved in checkpoints) and cannot be recomputed: each recomputation would
+    record its amaxes again."""
     if fp8 is None:
         return F.linear
     if fp8.recipe == "delayed":
@@ -577,16 +568,8 @@ def fp8_product(layer, fp8, split):
                                           amax_history=getattr(layer, "amax_history", None),
                                           record_amax=torch.is_grad_enabled())
 
-    def backward_gemms(g2, x2, weight, needs, scales=None):
-        """_TPLinear's FP8 backward: ((grad_x, grad_w), scales), the per-tensor scales agreed on the first call."""
-        group = layer.plan.tp
-        if scales is None and fp8.recipe not in mixed_precision.FINE_GRAINED:  # per-tensor scales
-            scales = mixed_precision.fp8_backward_scales(g2, x2, weight, group)
-        return mixed_precision.fp8_backward_gemms(g2, x2, weight, fp8.recipe, group, split if group else None,
-                                                  needs=needs, scales=scales), scales
-
-    if fp8.backward == "fp8":
-        product.backward_gemms = backward_gemms
+    if fp8.backward == "fp8":  # beyond the chapter: FP8 backward GEMMs
+        product.backward_gemms = partial(fp8_backward_gemms, layer, fp8, split)
     return product
 
 
@@ -1151,23 +1134,6 @@ def train(cfg, train_cfg, data=None):
         release_out_dir(train_cfg.out_dir)
 
 
-def step_record(step, lr, loss, aux, grad_norm, stepped, dt, stage, opt, cfg, train_cfg):
-    """What a step logs (see `train`)."""
-    device = next(stage.parameters()).device
-    record = {"step": step, "loss": loss, "aux_loss": aux, "lr": lr,
-              "grad_norm": grad_norm if math.isfinite(grad_norm) else None,  # JSON has no inf (FP16 skips)
-              "tokens_per_s": train_cfg.batch * cfg.seq_len / dt, "step_time_s": dt}
-    peak = peak_tflops(train_cfg, device)
-    if peak:
-        world = stage.plan.parallel_state.world_size
-        record["mfu"] = model_flops_per_token(cfg) * record["tokens_per_s"] / (peak * 1e12 * world)
-    if opt.loss_scaler is not None:
-        record["loss_scale"] = opt.loss_scaler.scale
-    if not stepped:
-        record["skipped"] = True  # FP16 overflow: no update, the loss scale backed off
-    return record
-
-
 @torch.no_grad()
 def evaluate(stage, pipe, data, train_cfg, cfg):
     """Mean validation loss per token over `eval_batches` fixed batches: forwards only, every micro-batch of every
@@ -1237,10 +1203,42 @@ def main(argv=None):
     dist.destroy_process_group()
 
 
-# BEYOND THE CHAPTER: interleaved and zero-bubble schedules, all-gather and hybrid CP, ZeRO-2/3 units, formulas
+# BEYOND THE CHAPTER: interleaved and zero-bubble schedules, all-gather and hybrid CP, FP8 fine-grained, ZeRO-2/3
 # ====================================================================================================
 # Each form below plugs into the core above through a name the Plan or the executor looks up (a schedule's
 # action lists, an entry of CP_IMPLS, a block's forward), not through a branch of the step.
+
+# ----------------------------------------------------------------------------------------------------
+# Context parallelism: two more entries of the Plan's CP_IMPLS
+# ----------------------------------------------------------------------------------------------------
+
+# all-gather CP: each rank gathers the whole K and V and attends its zigzag query shard to them
+CP_IMPLS["allgather"] = (lambda plan, q, k, v: long_seq.allgather_attention(q, k, v, plan.cp), long_seq.zigzag_shard)
+# hybrid (USP): Ulysses over the inner cp_ulysses ranks, the ring across them; its shards are the ring's zigzag ones
+CP_IMPLS["hybrid"] = (lambda plan, q, k, v: long_seq.hybrid_attention(q, k, v, plan.cp_ulysses, plan.cp_ring),
+                      long_seq.zigzag_shard)
+
+
+# ----------------------------------------------------------------------------------------------------
+# FP8 beyond per-tensor scales: the fine-grained recipes, and FP8 backward GEMMs
+# ----------------------------------------------------------------------------------------------------
+# Rowwise, blockwise and MXFP8 scales (--fp8-recipe) are local in a column-parallel layer (every block lies on one
+# rank) and agreed over TP where a row-parallel layer cuts K; per-row and per-block activation scales do not depend
+# on the CP and DP split. `fp8_product` passes the recipe to mixed_precision.fp8_linear; with --fp8-backward fp8 it
+# adds the backward GEMMs below.
+
+def fp8_backward_gemms(layer, fp8, split, g2, x2, weight, needs, scales=None):
+    """_TPLinear's FP8 backward (--fp8-backward fp8): ((grad_x, grad_w), scales), FP8 with E5M2 gradients at the
+    recipe's granularity (mixed_precision.fp8_backward_gemms). In the backward it is the column-parallel dgrad that
+    cuts its reduction dimension (the layer's outputs) over TP, and those blocks are agreed there. Through _TPLinear
+    (TP, or zero bubble) both backward GEMMs take per-tensor scales from the current amaxes (delayed scaling
+    included), agreed on the first call."""
+    group = layer.plan.tp
+    if scales is None and fp8.recipe not in mixed_precision.FINE_GRAINED:  # per-tensor scales
+        scales = mixed_precision.fp8_backward_scales(g2, x2, weight, group)
+    return mixed_precision.fp8_backward_gemms(g2, x2, weight, fp8.recipe, group, split if group else None,
+                                              needs=needs, scales=scales), scales
+
 
 # ----------------------------------------------------------------------------------------------------
 # Interleaved and zero-bubble pipeline schedules: the action lists, the W split, the timeline
@@ -1535,6 +1533,23 @@ def write_metrics(metrics, record, path):
         with contextlib.suppress(OSError):
             metrics.close()
         return None
+
+
+def step_record(step, lr, loss, aux, grad_norm, stepped, dt, stage, opt, cfg, train_cfg):
+    """What a step logs (see `train`)."""
+    device = next(stage.parameters()).device
+    record = {"step": step, "loss": loss, "aux_loss": aux, "lr": lr,
+              "grad_norm": grad_norm if math.isfinite(grad_norm) else None,  # JSON has no inf (FP16 skips)
+              "tokens_per_s": train_cfg.batch * cfg.seq_len / dt, "step_time_s": dt}
+    peak = peak_tflops(train_cfg, device)
+    if peak:
+        world = stage.plan.parallel_state.world_size
+        record["mfu"] = model_flops_per_token(cfg) * record["tokens_per_s"] / (peak * 1e12 * world)
+    if opt.loss_scaler is not None:
+        record["loss_scale"] = opt.loss_scaler.scale
+    if not stepped:
+        record["skipped"] = True  # FP16 overflow: no update, the loss scale backed off
+    return record
 
 
 def step_line(record, skipped, moe):

@@ -463,13 +463,8 @@ class _TPLinear(torch.autograd.Function):
                again in backward; the input gradient is reduce-scattered, overlapped with the weight GEMM
         group None (a TP = 1 layer under a zero-bubble schedule, a row-parallel layer's local product): no communication
 
-    Under a zero-bubble schedule the backward is split (`deferred_weight_grads`): B returns the input gradient,
-    and the weight-gradient GEMM waits, with its operands, for the schedule's W (run once, and without any
-    communication: the gathered input is kept from B).
-
-    `gemm` runs the forward product: F.linear, or an FP8 GEMM (`fp8_product`). The backward GEMMs are 16-bit, or
-    with --fp8-backward fp8 the gemm's own FP8 ones (E5M2 gradients; their scales are agreed in B, so W stays free
-    of communication).
+    `gemm` runs the forward product: F.linear, or an FP8 GEMM (`fp8_product`). Beyond the chapter, the backward's
+    FP8 GEMMs (`fp8_backward_gemms`) and zero bubble's deferred weight GEMM (`deferred_weight_grads`).
     """
 
     @staticmethod
@@ -508,15 +503,8 @@ class _TPLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None
 
 
-# The layers below are the plan torch.distributed.tensor.parallel writes with DTensors, as production code
-# (torchtitan) does, here by hand so that every collective is in sight. For one block, with SP:
-#     parallelize_module(block, tp_mesh, {"ln1": SequenceParallel(), "ln2": SequenceParallel(),
-#         "q": ColwiseParallel(input_layouts=Shard(1)), "k": ..., "v": ...,  # ColwiseParallel splits one weight's
-#         "proj": RowwiseParallel(output_layouts=Shard(1)),                # rows contiguously: Q, K and V as
-#         "fc": ColwiseParallel(input_layouts=Shard(1)),                   # three linears (our QKV splits its
-#         "out": RowwiseParallel(output_layouts=Shard(1))})                # three blocks apart, tp_parts=3)
-# without SP, ColwiseParallel() and RowwiseParallel() and no SequenceParallel; the embedding RowwiseParallel
-# (vocabulary rows), the LM head ColwiseParallel(use_local_output=False) under loss_parallel().
+# The layers below are, by hand so that every collective is in sight, what torch.distributed.tensor.parallel
+# writes with DTensors (its plan for a block: below the banner).
 
 def column_parallel(plan, x, weight, bias=None, gemm=F.linear):
     """x W^T + b with W split by output rows over TP: through _TPLinear, or where it has nothing to add (TP = 1, no
@@ -961,12 +949,8 @@ def _run_action(stage, action, inbox, saved, waiting, micro_batches, tokens_per_
         if torch.is_grad_enabled():
             saved[key] = (x, out, aux, last)
         return None if last else out
-    if action.kind == "W":  # zero bubble: the weight gradients B left, then (ZeRO-2/3) their reduce-scatter
-        waiting.pop(key).run()
-        for block in stage.chunk_blocks(action.chunk):
-            if block.unit is not None:
-                block.unit.reduce_grads(async_op=True)
-        return None
+    if action.kind == "W":  # zero bubble (beyond the chapter)
+        return run_weight_grads(stage, action.chunk, waiting.pop(key))
     x, out, aux, _ = saved.pop(key)
     split = stage.plan.split_backward
     with deferred_weight_grads() if split else contextlib.nullcontext() as weight_grads:
@@ -1082,16 +1066,8 @@ def train(cfg, train_cfg, data=None):
         data = data or check_inputs(cfg, train_cfg, _world_size())
         with stalls_in_one_line(train_cfg, lambda: "while starting (process groups, the checkpoint)"):
             plan, stage, opt, pipe = build(cfg, train_cfg)
-            resumed = None
-            if train_cfg.resume and checkpoint_dirs(train_cfg.out_dir):
-                resumed = resume(train_cfg.out_dir, stage, opt)
+            start = resume_step(train_cfg, stage, opt)  # 0, or with --resume the step out_dir's checkpoint holds
         parallel_state, device = plan.parallel_state, next(stage.parameters()).device
-        start = resumed["step"] if resumed else 0
-        if resumed and parallel_state.rank == 0:
-            warn_what_changed(resumed, train_cfg)
-        if train_cfg.log and parallel_state.rank == 0 and start >= train_cfg.steps:
-            print(f"{checkpoint_dirs(train_cfg.out_dir)[-1]} already holds step {start} of --steps {train_cfg.steps}: "
-                  "nothing to train")
         metrics = open_metrics(train_cfg.metrics, start) if train_cfg.metrics and parallel_state.rank == 0 else None
         records, skipped, step = [], 0, start
         with stalls_in_one_line(train_cfg, lambda: f"step {step}"):
@@ -1142,13 +1118,7 @@ def evaluate(stage, pipe, data, train_cfg, cfg):
     micro = [mb for j in range(train_cfg.eval_batches)
              for mb in plan.micro_batches(data.batch("val", j, train_cfg.batch, cfg.seq_len, cfg.seed, device),
                                           train_cfg.micro_batch, device)]
-    if plan.pp is None:  # one stage: each micro-batch's forward
-        totals = torch.zeros(2, dtype=torch.float64, device=device)
-        for ids, positions, targets in micro:
-            forward_micro_batch(stage, ids, positions, targets, 0, 0, totals)
-        total = totals[0] * plan.logs_lm_loss
-    else:
-        total = run_schedule(stage, pipe, "forward", micro, 0)[0] * plan.logs_lm_loss
+    total = run_schedule(stage, pipe, "forward", micro, 0)[0] * plan.logs_lm_loss
     if plan.world is not None:
         dist.all_reduce(total)
     return total.item() / (train_cfg.eval_batches * train_cfg.batch * cfg.seq_len)
@@ -1169,7 +1139,7 @@ def main(argv=None):
     torchrun = "TORCHELASTIC_RUN_ID" in os.environ
     if torchrun:
         watch_launcher()
-    try:
+    with ends_in_one_line(rank, torchrun, starting=True):  # the flags and every input, before any process group
         cfg, train_cfg, flags = parse_args(argv)
         if flags.show_schedule:
             print(timeline(train_cfg.pp_schedule, train_cfg.pp, flags.micro_batches, train_cfg.virtual_stages))
@@ -1179,11 +1149,9 @@ def main(argv=None):
             cfg = GPTConfig(**state["config"])
         else:
             data = check_inputs(cfg, train_cfg, world)
-    except ValueError as e:
-        _fail(rank, 2, e)
     if os.environ.get("OMP_NUM_THREADS") is None and not torch.cuda.is_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    try:
+    with ends_in_one_line(rank, torchrun):
         if flags.sample:
             print(sample(cfg, path, flags.sample, flags.temperature, flags.sample_top_k, seed=flags.seed))
         else:
@@ -1191,14 +1159,6 @@ def main(argv=None):
             if dist.get_rank() == 0 and records:
                 print(f"loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} in {len(records)} steps; metrics "
                       f"in {train_cfg.metrics}")
-    except BadCheckpoint as e:  # every rank found it (checksums are agreed)
-        _fail(rank, 2, e)
-    except (Diverged, CannotSave) as e:  # every rank holds the same loss and norm, or agreed not to save
-        _fail(rank, 1, e)
-    except Stalled as e:  # only the ranks that waited know: each says so, then the job ends now
-        if torchrun:
-            stop_local_peers()
-        _fail(rank, 1, e, everyone=True)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -1217,6 +1177,20 @@ CP_IMPLS["allgather"] = (lambda plan, q, k, v: long_seq.allgather_attention(q, k
 # hybrid (USP): Ulysses over the inner cp_ulysses ranks, the ring across them; its shards are the ring's zigzag ones
 CP_IMPLS["hybrid"] = (lambda plan, q, k, v: long_seq.hybrid_attention(q, k, v, plan.cp_ulysses, plan.cp_ring),
                       long_seq.zigzag_shard)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tensor parallelism as torch.distributed.tensor.parallel writes it
+# ----------------------------------------------------------------------------------------------------
+# The TP/SP layers above are the plan torch.distributed.tensor.parallel writes with DTensors, as production code
+# (torchtitan) does, here by hand so that every collective is in sight. For one block, with SP:
+#     parallelize_module(block, tp_mesh, {"ln1": SequenceParallel(), "ln2": SequenceParallel(),
+#         "q": ColwiseParallel(input_layouts=Shard(1)), "k": ..., "v": ...,  # ColwiseParallel splits one weight's
+#         "proj": RowwiseParallel(output_layouts=Shard(1)),                # rows contiguously: Q, K and V as
+#         "fc": ColwiseParallel(input_layouts=Shard(1)),                   # three linears (our QKV splits its
+#         "out": RowwiseParallel(output_layouts=Shard(1))})                # three blocks apart, tp_parts=3)
+# without SP, ColwiseParallel() and RowwiseParallel() and no SequenceParallel; the embedding RowwiseParallel
+# (vocabulary rows), the LM head ColwiseParallel(use_local_output=False) under loss_parallel().
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1287,7 +1261,9 @@ _deferred = None  # while a zero-bubble B runs: the list its linears leave their
 
 class deferred_weight_grads:
     """`with deferred_weight_grads() as w: loss.backward()` computes only the input gradients of the linears (and
-    every other gradient); `w.run()` later computes their weight gradients, each once (Qi et al. 2023's B and W)."""
+    every other gradient); `w.run()` later computes their weight gradients, each once (Qi et al. 2023's B and W).
+    Each _TPLinear's weight-gradient GEMM so waits, with its operands, for the schedule's W, which runs it without
+    any communication: the gathered input is kept from B, and FP8 backward scales are agreed in B."""
 
     def __enter__(self):
         global _deferred
@@ -1319,6 +1295,14 @@ def _add_weight_grad(weight, grad):
         weight.main_grad.add_(grad)
     else:
         weight.grad = grad
+
+
+def run_weight_grads(stage, chunk, weight_grads):
+    """The executor's W: the weight gradients a zero-bubble B left, then (ZeRO-2/3) their reduce-scatter."""
+    weight_grads.run()
+    for block in stage.chunk_blocks(chunk):
+        if block.unit is not None:
+            block.unit.reduce_grads(async_op=True)
 
 
 def in_flight_peak(order, split):
@@ -2513,6 +2497,22 @@ def load_checkpoint(path, stage, opt=None):
     return train_state
 
 
+def resume_step(train_cfg, stage, opt):
+    """The step a run starts at: 0, or with --resume (and a checkpoint in out_dir) the step of the newest one that
+    passes its checks, whose weights and optimizer states are then loaded; what changed since is said once."""
+    resumed = None
+    if train_cfg.resume and checkpoint_dirs(train_cfg.out_dir):
+        resumed = resume(train_cfg.out_dir, stage, opt)
+    start = resumed["step"] if resumed else 0
+    rank = stage.plan.parallel_state.rank
+    if resumed and rank == 0:
+        warn_what_changed(resumed, train_cfg)
+    if train_cfg.log and rank == 0 and start >= train_cfg.steps:
+        print(f"{checkpoint_dirs(train_cfg.out_dir)[-1]} already holds step {start} of --steps {train_cfg.steps}: "
+              "nothing to train")
+    return start
+
+
 def resume(out_dir, stage, opt=None):
     """Load the newest checkpoint of out_dir that passes every check (check_checkpoint, then the checksums, which
     the ranks verify together), telling on rank 0 in one line each one skipped; returns its train_state."""
@@ -3054,6 +3054,26 @@ def parse_args(argv=None):
                     top_k=flags.top_k)
     train_cfg = TrainConfig(**{f.name: getattr(flags, f.name) for f in fields(TrainConfig) if hasattr(flags, f.name)})
     return cfg, train_cfg, flags
+
+
+@contextlib.contextmanager
+def ends_in_one_line(rank, torchrun, starting=False):
+    """How a job ends: one line and an exit code. While `starting` (the flags, the inputs), a ValueError is a bad
+    input: exit 2. Then a bad checkpoint exits 2 (every rank found it: checksums are agreed); a divergence or a save
+    that cannot be written 1 (every rank holds the same loss and norm, or agreed not to save); a stall 1 on each rank
+    that waited (only they know: each says so, then the job ends now)."""
+    try:
+        yield
+    except ValueError as e:
+        if not (starting or isinstance(e, BadCheckpoint)):
+            raise
+        _fail(rank, 2, e)
+    except (Diverged, CannotSave) as e:
+        _fail(rank, 1, e)
+    except Stalled as e:
+        if torchrun:
+            stop_local_peers()
+        _fail(rank, 1, e, everyone=True)
 
 
 def _fail(rank, code, message, everyone=False):

@@ -1165,8 +1165,9 @@ def main(argv=None):
 
 # BEYOND THE CHAPTER: interleaved and zero-bubble schedules, all-gather and hybrid CP, FP8 fine-grained, ZeRO-2/3
 # ====================================================================================================
-# Each form below plugs into the core above through a name the Plan or the executor looks up (a schedule's
-# action lists, an entry of CP_IMPLS, a block's forward), not through a branch of the step.
+# What follows extends the core above rather than copying it: two more entries of CP_IMPLS, schedules that the
+# executor runs from their action lists, a block forward for ZeRO-2/3 units, FP8 backward GEMMs. The core still
+# reads plan.split_backward (zero bubble's W split) in the executor's B, column_parallel and RowParallelLinear.
 
 # ----------------------------------------------------------------------------------------------------
 # Context parallelism: two more entries of the Plan's CP_IMPLS

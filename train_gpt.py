@@ -10,7 +10,7 @@ value the layout implies: shard lengths, micro-batch count, this stage's layers)
     TP tensor     plan.tp               weights: heads, MLP columns and rows, the vocab  Column/RowParallelLinear
     SP sequence   plan.tp (same ranks)  LayerNorm and residual activations along s       _TPLinear, plan.reduce_tp
     CP context    plan.cp               the sequence, attention included                 plan.attention (long_seq)
-    PP pipeline   plan.pp               the layers (v chunks per rank when interleaved)  run_schedule, Pipeline
+    PP pipeline   plan.pp               the layers                                       run_schedule, Pipeline
     DP data       plan.dp_cp (with CP)  the batch, in sequences                          plan.micro_batches
     EP expert     plan.ep, plan.edp     the experts of MoE layers, folded over DP x CP   moe_ep.MoE
     recompute     -                     memory against FLOPs, per stage                  plan.run_blocks
@@ -29,10 +29,10 @@ SP (Korthikanti et al. 2022): between the TP regions each rank holds s/t of the 
 reduce-scatter and an all-gather (the same bytes), and every activation of a block is split by t
 (`block_activation_bytes`).
 
-PP: a schedule is a list of actions per rank (forward F, backward B, zero bubble's weight-gradient W), run by one
-executor and replayed by `replay_pipeline`. 1F1B (Narayanan et al. 2021): p - 1 - i warm-up forwards on stage i,
-then one forward and one backward at a time, a bubble of (p-1)/(m+p-1); interleaved (v chunks per rank): (p-1)/(v m)
-of the ideal time; ZB-H1 (Qi et al. 2023): B without W on the critical path, a third of 1F1B's bubble.
+PP: a schedule is a list of actions per rank (forward F, backward B), run by one executor. 1F1B (Narayanan et al.
+2021): p - 1 - i warm-up forwards on stage i, then one forward and one backward at a time, a bubble of
+(p-1)/(m+p-1) of the step, at most p - i micro-batches in flight on stage i. At PP = 1 the step runs each
+micro-batch's forward and backward directly.
 
 DP and CP: DP ranks take other sequences of the batch, CP ranks shards of the same ones (zigzag: causal work
 balanced); under one seed every layout holds the same global weights (each parameter drawn whole from a generator
@@ -42,13 +42,13 @@ EP: MoE layers run on the TP ranks' token shards with whole expert weights, expe
 the router losses come from statistics summed over TP x CP, as in Megatron-LM.
 
 Memory and precision: recomputation per stage (checkpointing.py); FP32 main grads and masters, FP16 loss scaling,
-FP8 block GEMMs, ZeRO-1/2/3 over DP x CP (each block a ZeRO-3 unit, gathered while it computes) and hybrid sharding
-(mixed_precision.py); the micro-batches are grad_accum.py's accumulation steps.
+per-tensor FP8 block GEMMs, ZeRO-1 over DP x CP (mixed_precision.py); the micro-batches are grad_accum.py's
+accumulation steps.
 
-Reading order is run order: the configs, the Plan, TP/SP, the model, the pipeline, the step, `build`, the loop and
-`main`; then, under one banner, the job around training (data, checkpoints, input checks, sampling, the command
-line). `benchmarks/report.py` measures the memory, communication and FLOP figures stated here beside their
-formulas.
+Reading order is run order: the configs, the Plan, TP/SP, the model, the 1F1B executor, the step, `build`, the loop
+and `main`. Below the BEYOND THE CHAPTER banner, what plugs into them: interleaved and zero-bubble schedules,
+all-gather and hybrid CP, fine-grained FP8 and FP8 backward GEMMs, ZeRO-2/3 units, the formulas; then, under THE
+JOB, what a training program needs around training (data, checkpoints, input checks, sampling, the command line).
 """
 import argparse
 import contextlib
@@ -164,11 +164,7 @@ class TrainConfig:
 CP_IMPLS = {  # the causal attention of this rank's CP groups, and the sequence shard it expects
     "ring": (lambda plan, q, k, v: long_seq.ring_attention(q, k, v, plan.cp), long_seq.zigzag_shard),
     "ulysses": (lambda plan, q, k, v: long_seq.ulysses_attention(q, k, v, plan.cp), long_seq.contiguous_shard),
-    "allgather": (lambda plan, q, k, v: long_seq.allgather_attention(q, k, v, plan.cp), long_seq.zigzag_shard),
-    # Ulysses over the inner cp_ulysses ranks, the ring across them (USP); its shards are the ring's zigzag ones
-    "hybrid": (lambda plan, q, k, v: long_seq.hybrid_attention(q, k, v, plan.cp_ulysses, plan.cp_ring),
-               long_seq.zigzag_shard),
-}
+}  # and, beyond the chapter, "allgather" and "hybrid"
 
 
 @dataclass(frozen=True)
@@ -186,14 +182,15 @@ class Layout:
     split_backward: bool     # a zero-bubble schedule: each backward split into B (input grads) and W (weight grads)
 
 
-def layout_of(cfg, run, world):
-    tp, dp = run.tp, world // (run.tp * run.cp * run.pp)
-    sequence_parallel = run.sequence_parallel and tp > 1
-    seq_cp = cfg.seq_len // run.cp
+def layout_of(cfg, train_cfg, world):
+    tp, dp = train_cfg.tp, world // (train_cfg.tp * train_cfg.cp * train_cfg.pp)
+    sequence_parallel = train_cfg.sequence_parallel and tp > 1
+    seq_cp = cfg.seq_len // train_cfg.cp
     return Layout(dp=dp, seq_cp=seq_cp, seq_hidden=seq_cp // tp if sequence_parallel else seq_cp,
                   sequence_parallel=sequence_parallel, moe_token_split=tp > 1,
-                  micro_batch_count=run.batch // (dp * run.micro_batch), layers_per_stage=cfg.n_layer // run.pp,
-                  virtual_stages=run.virtual_stages, split_backward=run.pp_schedule == "zb-h1")
+                  micro_batch_count=train_cfg.batch // (dp * train_cfg.micro_batch),
+                  layers_per_stage=cfg.n_layer // train_cfg.pp,
+                  virtual_stages=train_cfg.virtual_stages, split_backward=train_cfg.pp_schedule == "zb-h1")
 
 
 # Parameter tags: how a parameter lies across the ranks. Set once, where the parameter is made (`tag`); read by the
@@ -234,9 +231,10 @@ class Reduction(NamedTuple):
 @dataclass(frozen=True)
 class Plan(Layout):
     """This rank's parallel decisions, made once (make_plan) and only read afterwards: the layout's values (Layout),
-    its coordinates (ps), its process groups (None where the dimension has size 1), this stage's layers, which
-    of the ranks holding the same loss count it in the log, and the functions that act on the layout."""
-    ps: topology.ParallelState
+    its coordinates (parallel_state), its process groups (None where the dimension has size 1), this stage's
+    layers, which of the ranks holding the same loss count it in the log, and the functions that act on the
+    layout."""
+    parallel_state: topology.ParallelState
     world: object                # the default group (None on one rank): the global norm and the logged losses
     tp: object
     cp: object
@@ -257,10 +255,12 @@ class Plan(Layout):
     logs_lm_loss: bool           # the LM loss from the last stage's TP rank 0 (the other TP ranks hold the same)
     logs_router_loss: bool       # the router loss from TP rank 0, CP rank 0 of every stage (likewise over tp_cp)
 
+    ps = property(lambda self: self.parallel_state)  # its former name
+
     @property
     def sizes(self):
         """The size of every dimension: the one way to ask one (plan.sizes["tp"])."""
-        return self.ps.sizes
+        return self.parallel_state.sizes
 
     def attention(self, q, k, v):
         """Causal attention of (b, heads, s_local, d) tensors over this rank's CP shard of the sequence."""
@@ -272,7 +272,7 @@ class Plan(Layout):
         """This rank's CP shard of a full-sequence tensor, in the layout `attention` expects."""
         if self.cp is None:
             return x
-        return CP_IMPLS[self.cp_impl][1](x, dim, self.ps.cp_rank, self.sizes["cp"])
+        return CP_IMPLS[self.cp_impl][1](x, dim, self.parallel_state.cp_rank, self.sizes["cp"])
 
     def run_blocks(self, blocks, state):
         return checkpointing.run_blocks(blocks, state, self.recompute)
@@ -291,24 +291,27 @@ class Plan(Layout):
     def micro_batches(self, tokens, micro_batch, device):
         """This rank's micro-batches of a global batch (B, s + 1): its DP slice of the sequences, cut into
         micro-batches, and its CP shard of the inputs, targets and (global) positions."""
-        mine = tokens.chunk(self.dp)[self.ps.dp_rank].to(device)
+        mine = tokens.chunk(self.dp)[self.parallel_state.dp_rank].to(device)
         positions = self.shard(torch.arange(tokens.shape[1] - 1, device=device), 0)
         return [(self.shard(mb[:, :-1], 1), positions, self.shard(mb[:, 1:], 1)) for mb in mine.split(micro_batch)]
 
 
-def make_plan(cfg, run, ps):
-    group = lambda kind: ps.groups[kind] if len(ps.ranks[kind]) > 1 else None
-    layout = layout_of(cfg, run, ps.world_size)
-    per_chunk, p = layout.layers_per_stage // layout.virtual_stages, ps.sizes["pp"]
-    chunks = [(c * p + ps.pp_rank) * per_chunk for c in range(layout.virtual_stages)]  # chunk c: virtual stage c p + r
-    return Plan(ps=ps, world=dist.group.WORLD if ps.world_size > 1 else None, tp=group("tp"), cp=group("cp"),
+def make_plan(cfg, train_cfg, parallel_state):
+    group = lambda kind: parallel_state.groups[kind] if len(parallel_state.ranks[kind]) > 1 else None
+    layout = layout_of(cfg, train_cfg, parallel_state.world_size)
+    per_chunk, p = layout.layers_per_stage // layout.virtual_stages, parallel_state.sizes["pp"]
+    # chunk c: virtual stage c p + r
+    chunks = [(c * p + parallel_state.pp_rank) * per_chunk for c in range(layout.virtual_stages)]
+    return Plan(parallel_state=parallel_state, world=dist.group.WORLD if parallel_state.world_size > 1 else None,
+                tp=group("tp"), cp=group("cp"),
                 cp_ulysses=group("cp_ulysses"), cp_ring=group("cp_ring"),
                 pp=group("pp"), dp_cp=group("dp_cp"), dp_cp_shard=group("dp_cp_shard"),
                 dp_cp_replicate=group("dp_cp_replicate"), ep=group("ep"), edp=group("edp"), tp_cp=group("tp_cp"),
-                embedding=group("embedding"), cp_impl=run.cp_impl, recompute=run.recompute, **vars(layout),
-                schedule=run.pp_schedule, layers=tuple(i for first in chunks for i in range(first, first + per_chunk)),
-                logs_lm_loss=ps.is_last_stage and ps.tp_rank == 0,
-                logs_router_loss=ps.tp_rank == 0 and ps.cp_rank == 0)
+                embedding=group("embedding"), cp_impl=train_cfg.cp_impl, recompute=train_cfg.recompute, **vars(layout),
+                schedule=train_cfg.pp_schedule,
+                layers=tuple(i for first in chunks for i in range(first, first + per_chunk)),
+                logs_lm_loss=parallel_state.is_last_stage and parallel_state.tp_rank == 0,
+                logs_router_loss=parallel_state.tp_rank == 0 and parallel_state.cp_rank == 0)
 
 
 def gradient_reductions(plan, stage):
@@ -336,7 +339,8 @@ def gradient_reductions(plan, stage):
         Reduction("experts over EDP", [p for p in params if p.expert], plan.edp, True),
     ) if r.params and (r.group is not None or r.data_parallel)]
     second_copy = {id(p) for p in tied if not stage.first}
-    norm_params = [p for p in params if id(p) not in second_copy and (plan.ps.tp_rank == 0 or p.tp_dim is not None)]
+    norm_params = [p for p in params
+                   if id(p) not in second_copy and (plan.parallel_state.tp_rank == 0 or p.tp_dim is not None)]
     return reductions, norm_params
 
 
@@ -460,13 +464,8 @@ class _TPLinear(torch.autograd.Function):
                again in backward; the input gradient is reduce-scattered, overlapped with the weight GEMM
         group None (a TP = 1 layer under a zero-bubble schedule, a row-parallel layer's local product): no communication
 
-    Under a zero-bubble schedule the backward is split (`deferred_weight_grads`): B returns the input gradient,
-    and the weight-gradient GEMM waits, with its operands, for the schedule's W (run once, and without any
-    communication: the gathered input is kept from B).
-
-    `gemm` runs the forward product: F.linear, or an FP8 GEMM (`fp8_product`). The backward GEMMs are 16-bit, or
-    with --fp8-backward fp8 the gemm's own FP8 ones (E5M2 gradients; their scales are agreed in B, so W stays free
-    of communication).
+    `gemm` runs the forward product: F.linear, or an FP8 GEMM (`fp8_product`). Beyond the chapter, the backward's
+    FP8 GEMMs (`fp8_backward_gemms`) and zero bubble's deferred weight GEMM (`deferred_weight_grads`).
     """
 
     @staticmethod
@@ -505,54 +504,8 @@ class _TPLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None
 
 
-_deferred = None  # while a zero-bubble B runs: the list its linears leave their weight-gradient GEMMs in
-
-
-class deferred_weight_grads:
-    """`with deferred_weight_grads() as w: loss.backward()` computes only the input gradients of the linears (and
-    every other gradient); `w.run()` later computes their weight gradients, each once (Qi et al. 2023's B and W)."""
-
-    def __enter__(self):
-        global _deferred
-        self.gemms, _deferred = [], []
-        return self
-
-    def __exit__(self, *exc):
-        global _deferred
-        self.gemms, _deferred = _deferred, None
-
-    def run(self):
-        for gemm in self.gemms:
-            gemm()
-        self.gemms = []
-
-
-def _weight_grad(weight, g2, x2, gemm=None):
-    """W of one linear: its weight gradient G^T x (16-bit, or `gemm`: the FP8 one), added where autograd and the
-    optimizer's hook would have put it: .grad (an FP32 weight's is the FP32 main grad that mixed_precision.py
-    keeps, a view of its flat buffer), or the main grad itself (16-bit weights, whose .grad the hook frees)."""
-    with torch.no_grad():
-        _add_weight_grad(weight, g2.t() @ x2 if gemm is None else gemm(g2, x2))
-
-
-def _add_weight_grad(weight, grad):
-    if weight.grad is not None:
-        weight.grad += grad
-    elif hasattr(weight, "main_grad"):
-        weight.main_grad.add_(grad)
-    else:
-        weight.grad = grad
-
-
-# The layers below are the plan torch.distributed.tensor.parallel writes with DTensors, as production code
-# (torchtitan) does, here by hand so that every collective is in sight. For one block, with SP:
-#     parallelize_module(block, tp_mesh, {"ln1": SequenceParallel(), "ln2": SequenceParallel(),
-#         "q": ColwiseParallel(input_layouts=Shard(1)), "k": ..., "v": ...,  # ColwiseParallel splits one weight's
-#         "proj": RowwiseParallel(output_layouts=Shard(1)),                # rows contiguously: Q, K and V as
-#         "fc": ColwiseParallel(input_layouts=Shard(1)),                   # three linears (our QKV splits its
-#         "out": RowwiseParallel(output_layouts=Shard(1))})                # three blocks apart, tp_parts=3)
-# without SP, ColwiseParallel() and RowwiseParallel() and no SequenceParallel; the embedding RowwiseParallel
-# (vocabulary rows), the LM head ColwiseParallel(use_local_output=False) under loss_parallel().
+# The layers below are, by hand so that every collective is in sight, what torch.distributed.tensor.parallel
+# writes with DTensors (its plan for a block: below the banner).
 
 def column_parallel(plan, x, weight, bias=None, gemm=F.linear):
     """x W^T + b with W split by output rows over TP: through _TPLinear, or where it has nothing to add (TP = 1, no
@@ -568,7 +521,7 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, name, d_in, d_out, plan, cfg, dtype, parts=1, std=0.02, fp8=None):
         super().__init__()
-        t, r = plan.sizes["tp"], plan.ps.tp_rank
+        t, r = plan.sizes["tp"], plan.parallel_state.tp_rank
         self.plan, self.gemm = plan, fp8_product(self, fp8, "column")
         w = full_init(name + ".weight", (d_out, d_in), std, cfg.seed, dtype)
         w = rearrange(w, "(parts t o) i -> parts t o i", parts=parts, t=t)[:, r]
@@ -587,17 +540,12 @@ class FP8(NamedTuple):
 
 def fp8_product(layer, fp8, split):
     """A block linear's forward product: F.linear, or with --dtype fp8 mixed_precision.fp8_linear in FP8 E4M3 under
-    --fp8-recipe. Tensorwise and delayed scales are agreed (MAX of the amax) over TP, since the shards of one weight,
-    and a row-parallel layer's input shards, are one tensor; rowwise, blockwise and MXFP8 scales are local in a
-    column-parallel layer (every block lies on one rank) and agreed over TP where a row-parallel layer cuts K.
-    The backward GEMMs are BF16, or with --fp8-backward fp8 FP8 with E5M2 gradients at the recipe's granularity
-    (mixed_precision.fp8_backward_gemms); in the backward it is the column-parallel dgrad that cuts its reduction
-    dimension (the layer's outputs) over TP, and those blocks are agreed there. Through _TPLinear (TP, or zero
-    bubble) both backward GEMMs take per-tensor scales from the current amaxes (delayed scaling included); the
-    LM head and the experts stay BF16. Under CP and DP each rank quantises its own tokens:
-    per-tensor activation scales then depend slightly on the split (Transformer Engine also reduces the activation
-    amax over CP), per-row and per-block ones do not. Delayed scaling keeps a history per layer (a buffer, not saved
-    in checkpoints) and cannot be recomputed: each recomputation would record its amaxes again."""
+    --fp8-recipe. Per-tensor scales (tensorwise, delayed) are agreed (MAX of the amax) over TP, since the shards of
+    one weight, and a row-parallel layer's input shards, are one tensor. The backward GEMMs are BF16; the LM head and
+    the experts stay BF16. Under CP and DP each rank quantises its own tokens: per-tensor activation scales then
+    depend slightly on the split (Transformer Engine also reduces the activation amax over CP). Delayed scaling keeps
+    a history per layer (a buffer, not saved in checkpoints) and cannot be recomputed: each recomputation would
+    record its amaxes again."""
     if fp8 is None:
         return F.linear
     if fp8.recipe == "delayed":
@@ -609,16 +557,8 @@ def fp8_product(layer, fp8, split):
                                           amax_history=getattr(layer, "amax_history", None),
                                           record_amax=torch.is_grad_enabled())
 
-    def backward_gemms(g2, x2, weight, needs, scales=None):
-        """_TPLinear's FP8 backward: ((grad_x, grad_w), scales), the per-tensor scales agreed on the first call."""
-        group = layer.plan.tp
-        if scales is None and fp8.recipe not in mixed_precision.FINE_GRAINED:  # per-tensor scales
-            scales = mixed_precision.fp8_backward_scales(g2, x2, weight, group)
-        return mixed_precision.fp8_backward_gemms(g2, x2, weight, fp8.recipe, group, split if group else None,
-                                                  needs=needs, scales=scales), scales
-
-    if fp8.backward == "fp8":
-        product.backward_gemms = backward_gemms
+    if fp8.backward == "fp8":  # beyond the chapter: FP8 backward GEMMs
+        product.backward_gemms = partial(fp8_backward_gemms, layer, fp8, split)
     return product
 
 
@@ -630,7 +570,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.plan, self.gemm = plan, fp8_product(self, fp8, "row")
         w = full_init(name + ".weight", (d_out, d_in), std, cfg.seed, dtype)
-        self.weight = nn.Parameter(w.chunk(plan.sizes["tp"], dim=1)[plan.ps.tp_rank].contiguous())
+        self.weight = nn.Parameter(w.chunk(plan.sizes["tp"], dim=1)[plan.parallel_state.tp_rank].contiguous())
         self.bias = nn.Parameter(torch.zeros(d_out, dtype=dtype))
         tag([self.weight], tp_dim=1)
         tag([self.bias], token_sharded=plan.sequence_parallel)
@@ -651,7 +591,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, name, vocab, dim, plan, cfg, dtype):
         super().__init__()
-        t, r = plan.sizes["tp"], plan.ps.tp_rank
+        t, r = plan.sizes["tp"], plan.parallel_state.tp_rank
         self.vocab, self.start, self.end = vocab, r * vocab // t, (r + 1) * vocab // t
         self.weight = nn.Parameter(full_init(name, (vocab, dim), 0.02, cfg.seed, dtype)[self.start:self.end].clone())
         tag([self.weight], tp_dim=0)
@@ -725,6 +665,7 @@ class LayerNorm(nn.Module):
 
 class Block(nn.Module):
     """Pre-LN transformer block; the state it passes on is (hidden, running router loss)."""
+    recompute_attention_core = False
 
     def __init__(self, i, cfg, plan, dtype, fp8=None):
         super().__init__()
@@ -752,7 +693,10 @@ class Block(nn.Module):
 
     def attention(self, x):
         q, k, v = rearrange(self.qkv(self.ln1(x)), "b s (three a d) -> three b a s d", three=3, a=self.heads)
-        y = checkpointing.attention_core(self, self.plan.attention, q, k, v)
+        if self.recompute_attention_core:  # selective recomputation (checkpointing.run_blocks marks the block)
+            y = checkpointing.attention_core(self, self.plan.attention, q, k, v)
+        else:
+            y = self.plan.attention(q, k, v)
         return self.proj(rearrange(y, "b a s d -> b s (a d)"))
 
     def mlp(self, x):
@@ -762,17 +706,9 @@ class Block(nn.Module):
         return self.plan.from_token_shard(y), aux.to(torch.float64)
 
     def forward(self, x, aux):
-        if self.unit is None:
-            return self.compute(x, aux)
-        # ZeRO-2/3: the block's parameters gathered while it computes (the next block's all-gather prefetched),
-        # its gradients reduce-scattered when its backward is done (after W under zero bubble)
-        return mixed_precision.sharded_call(self.unit, self.compute, (x, aux), self.next_unit, self.prev_unit,
-                                            reduce_grads=not self.plan.split_backward)
-
-    def compute(self, x, aux):
         x = x + self.attention(x)
-        y, a = self.mlp(self.ln2(x))
-        return x + y, aux if a is None else aux + a
+        y, router_loss = self.mlp(self.ln2(x))
+        return x + y, aux if router_loss is None else aux + router_loss
 
 
 class GPTStage(nn.Module):
@@ -783,8 +719,8 @@ class GPTStage(nn.Module):
     def __init__(self, cfg, plan, dtype=torch.float32, fp8=None):
         super().__init__()
         self.cfg, self.plan = cfg, plan
-        ps = plan.ps
-        self.first, self.last = ps.is_first_stage, ps.is_last_stage
+        parallel_state = plan.parallel_state
+        self.first, self.last = parallel_state.is_first_stage, parallel_state.is_last_stage
         self.blocks = nn.ModuleList(Block(i, cfg, plan, dtype, fp8) for i in plan.layers)
         if self.first:
             self.wte = VocabParallelEmbedding("wte", cfg.vocab_size, cfg.n_embd, plan, cfg, dtype)
@@ -803,7 +739,7 @@ class GPTStage(nn.Module):
         SP the sum is reduce-scattered and each rank adds the positions of its sequence shard."""
         x = self.plan.reduce_tp(self.wte(ids))
         if self.plan.sequence_parallel:
-            positions = positions.chunk(self.plan.sizes["tp"])[self.plan.ps.tp_rank]
+            positions = positions.chunk(self.plan.sizes["tp"])[self.plan.parallel_state.tp_rank]
         return x + F.embedding(positions, self.wpe)  # an embedding backward: no index_put
 
     def chunk_blocks(self, chunk):
@@ -822,8 +758,12 @@ class GPTStage(nn.Module):
         sum of the chunk's auxiliary (MoE router) losses."""
         if self.is_first_chunk(chunk):
             x = self.embed(x, positions)
-        x, aux = self.plan.run_blocks(self.chunk_blocks(chunk), (x, torch.zeros((), dtype=torch.float64,
-                                                                                  device=x.device)))
+        blocks, aux = self.chunk_blocks(chunk), torch.zeros((), dtype=torch.float64, device=x.device)
+        if self.plan.recompute == "none":
+            for block in blocks:
+                x, aux = block(x, aux)
+        else:  # a recomputation policy: checkpointing.py runs the blocks
+            x, aux = self.plan.run_blocks(blocks, (x, aux))
         if self.is_last_chunk(chunk):  # the LM head is column-parallel over the vocabulary: input gathered under SP
             x = column_parallel(self.plan, self.ln_f(x), self.lm_head.weight)
         return x, aux
@@ -833,6 +773,621 @@ class GPTStage(nn.Module):
                                                  self.plan.tp)
         return per_token.sum()
 
+
+# ----------------------------------------------------------------------------------------------------
+# Pipeline parallelism: a schedule is a list of actions per rank; one executor runs any of them
+# ----------------------------------------------------------------------------------------------------
+# A rank's schedule is the order of its actions: F (the forward of a micro-batch through a model chunk) and B (its
+# backward). `replay_pipeline` times the ranks' lists, each action waiting for its input, and the executor runs them
+# slot by slot, sending and receiving between the slots.
+
+class Action(NamedTuple):
+    kind: str        # "F", "B" or "W"
+    micro: int
+    chunk: int = 0
+
+
+def schedule_1f1b(p, m, r):
+    """1F1B (Narayanan et al. 2021): p - r - 1 warm-up forwards, then one forward and one backward, then the
+    remaining backwards: at most p - r micro-batches in flight on rank r."""
+    warmup = min(p - r - 1, m)
+    steady = [action for j in range(m - warmup) for action in (Action("F", warmup + j), Action("B", j))]
+    return [Action("F", i) for i in range(warmup)] + steady + [Action("B", j) for j in range(m - warmup, m)]
+
+
+SCHEDULES = ("1f1b", "interleaved", "zb-h1")
+
+
+def pipeline_schedule(kind, p, m, v=1):
+    """Every rank's list of actions: orders[r]."""
+    base = [schedule_1f1b(p, m, r) if v == 1 else schedule_interleaved(p, m, v, r) for r in range(p)]
+    return [schedule_zero_bubble(base[r], r) for r in range(p)] if kind == "zb-h1" else base
+
+
+def forward_schedule(p, m, v=1):
+    """Forwards only (validation): every micro-batch through every chunk, in order."""
+    return [[Action("F", i, c) for i in range(m) for c in range(v)] for _ in range(p)]
+
+
+def replay_pipeline(orders, forward=1, backward=2, weight=1, v=1, slots=False):
+    """The time the ranks' orders take when each action waits only for its input: F for the previous virtual
+    stage's F of its micro-batch, B for the next one's B (the last virtual stage for its own F), W for its own B;
+    F takes `forward` units, B `backward`, W `weight`; communication is free. orders[r] are rank r's actions
+    (Action, or (kind, micro) pairs for one chunk). With slots, also every action's start: {(r, action): t}."""
+    p = len(orders)
+    orders = [[Action(*action) for action in order] for order in orders]
+    last, done, start = p * v - 1, {}, {}
+    clock, pos = [0] * p, [0] * p
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            while pos[r] < len(orders[r]):
+                action = orders[r][pos[r]]
+                vs = action.chunk * p + r
+                needs = {"F": ("F", vs - 1), "B": ("B", vs + 1) if vs < last else ("F", vs),
+                         "W": ("B", vs)}[action.kind]
+                if needs[1] < 0:  # the first virtual stage's forwards
+                    ready = 0
+                elif (*needs, action.micro) in done:
+                    ready = done[(*needs, action.micro)]
+                else:
+                    break
+                start[(r, action)] = max(clock[r], ready)
+                clock[r] = start[(r, action)] + {"F": forward, "B": backward, "W": weight}[action.kind]
+                done[(action.kind, vs, action.micro)] = clock[r]
+                pos[r], progress = pos[r] + 1, True
+    if pos != [len(o) for o in orders]:
+        raise ValueError("the ranks' orders wait on each other forever")
+    return (max(clock), start) if slots else max(clock)
+
+
+class ScheduleStats(NamedTuple):
+    peak: int     # (chunk, micro-batch) activations alive at once on this rank
+    held: int     # bytes of their outputs still held (0: each output's storage is freed once sent)
+    order: list   # the actions this rank ran, in order
+
+
+class Pipeline:
+    """The transfers of one rank's stage: where each virtual stage's output goes, and one batch of sends and
+    receives per time slot. Shapes are fixed by the layout, so receives preallocate."""
+
+    def __init__(self, plan, shape, dtype, device):
+        self.plan, self.shape, self.dtype, self.device = plan, shape, dtype, device
+        self.ranks = plan.parallel_state.ranks["pp"]  # global ranks of this pipeline, by stage
+
+    def consumer(self, r, action):
+        """(rank, the action that reads it) of what rank r's `action` sends, or None (the loss, the embedding)."""
+        p, v = self.plan.sizes["pp"], self.plan.virtual_stages
+        stage = action.chunk * p + r  # the virtual stage
+        if action.kind == "F" and stage < p * v - 1:
+            return (stage + 1) % p, Action("F", action.micro, (stage + 1) // p)
+        if action.kind == "B" and stage > 0:
+            return (stage - 1) % p, Action("B", action.micro, (stage - 1) // p)
+        return None
+
+    def exchange(self, sends, recvs):
+        """Post every send (tensor, pipeline rank) and receive (pipeline rank) of one slot together, then wait:
+        every rank posts a slot's matching ops at the same slot, so no rank waits on one that waits on it."""
+        bufs = [torch.empty(self.shape, dtype=self.dtype, device=self.device) for _ in recvs]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), self.ranks[peer], self.plan.pp) for t, peer in sends]
+        ops += [dist.P2POp(dist.irecv, buf, self.ranks[peer], self.plan.pp) for buf, peer in zip(bufs, recvs)]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        return bufs
+
+
+def run_schedule(stage, pipe, kind, micro_batches, tokens_per_micro_batch, grad_scale=1.0):
+    """Run this rank's list of the schedule `kind` (or "forward": forwards only, for validation, under no_grad). The
+    ranks' lists are replayed with unit durations into time slots; at each slot a rank runs its action, then sends
+    what it produced and receives what its neighbours produced for it, in one batch. Returns this rank's summed LM
+    loss (last virtual stage), its summed router loss (each micro-batch's weighted by its token count) and
+    ScheduleStats. `grad_scale` multiplies the losses where each backward starts (1 / the global token count, times
+    the FP16 loss scale)."""
+    plan, rank = stage.plan, stage.plan.parallel_state.pp_rank
+    span, at = _slots(kind, plan.sizes["pp"], len(micro_batches), plan.virtual_stages)
+    device = next(stage.parameters()).device
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # LM loss, router loss
+    inbox, saved, waiting, ran, peak, held = {}, {}, {}, [], 0, 0
+    for t in range(span):
+        out, sends, recvs = None, [], []
+        for owner, action in at.get(t, ()):
+            if owner == rank:
+                out = _run_action(stage, action, inbox, saved, waiting, micro_batches, tokens_per_micro_batch,
+                                  grad_scale, totals)
+                ran.append(action)
+                peak = max(peak, len(saved) + len(waiting))
+        for owner, action in at.get(t, ()):
+            to = pipe.consumer(owner, action)
+            if to is not None and owner == rank:
+                sends.append((out, to[0]))
+            elif to is not None and to[0] == rank:
+                recvs.append((owner, to[1]))
+        for (_, key), buf in zip(recvs, pipe.exchange(sends, [owner for owner, _ in recvs])):
+            inbox[key] = buf.requires_grad_(key.kind == "F" and torch.is_grad_enabled())
+        if sends and out.grad_fn is not None:
+            # the output has left this stage: free its storage now (as Megatron-LM's deallocate_output_tensor), not
+            # at its backward, which needs only the graph behind it and its shape
+            out.untyped_storage().resize_(0)
+        held = max(held, sum(o.untyped_storage().nbytes() for _, o, _, last in saved.values() if not last))
+    return totals[0], totals[1], ScheduleStats(peak, held, ran)
+
+
+@functools.lru_cache(maxsize=64)
+def _slots(kind, p, m, v):
+    """The time slot of every rank's every action ({slot: [(rank, action)]}, each slot's in one order on every rank,
+    so that each pair of ranks posts its ops of a slot in the same order) and the number of slots."""
+    orders = forward_schedule(p, m, v) if kind == "forward" else pipeline_schedule(kind, p, m, v)
+    span, start = replay_pipeline(orders, 1, 1, 1, v=v, slots=True)
+    at = {}
+    for (owner, action), t in sorted(start.items(), key=lambda item: (item[1], item[0])):
+        at.setdefault(t, []).append((owner, action))
+    return span, at
+
+
+def forward_micro_batch(stage, x, positions, targets, chunk, tokens_per_micro_batch, totals):
+    """One micro-batch through one chunk: its output, or at the last virtual stage its summed LM loss; and its
+    router loss weighted by its token count. Both losses are added to `totals` (LM, router) for the log."""
+    out, aux = stage(x, positions, chunk=chunk)
+    if stage.is_last_chunk(chunk):
+        out = stage.loss_sum(out, targets)
+        totals[0] += out.detach().double()
+    aux = aux * tokens_per_micro_batch
+    totals[1] += aux.detach()
+    return out, aux
+
+
+def _run_action(stage, action, inbox, saved, waiting, micro_batches, tokens_per_micro_batch, grad_scale, totals):
+    """One action on this rank; returns what it sends on (an output, an input gradient), or None."""
+    first, last = stage.is_first_chunk(action.chunk), stage.is_last_chunk(action.chunk)
+    key = (action.chunk, action.micro)
+    if action.kind == "F":
+        ids, positions, targets = micro_batches[action.micro]
+        x = None if first else inbox.pop(action)
+        out, aux = forward_micro_batch(stage, ids if first else x, positions, targets, action.chunk,
+                                       tokens_per_micro_batch, totals)
+        if torch.is_grad_enabled():
+            saved[key] = (x, out, aux, last)
+        return None if last else out
+    if action.kind == "W":  # zero bubble (beyond the chapter)
+        return run_weight_grads(stage, action.chunk, waiting.pop(key))
+    x, out, aux, _ = saved.pop(key)
+    split = stage.plan.split_backward
+    with deferred_weight_grads() if split else contextlib.nullcontext() as weight_grads:
+        if last:
+            ((out + aux) * grad_scale).backward()
+        elif aux.requires_grad:  # a MoE chunk: its router loss starts its own backward here
+            torch.autograd.backward([out, aux], [inbox.pop(action), torch.full_like(aux, grad_scale)])
+        else:
+            torch.autograd.backward(out, inbox.pop(action))
+    if split:
+        waiting[key] = weight_grads
+    return None if x is None else x.grad
+
+
+# ----------------------------------------------------------------------------------------------------
+# One training step
+# ----------------------------------------------------------------------------------------------------
+
+def train_step(stage, pipe, optimizer, tokens, micro_batch, grad_clip=0.0):
+    """Forward and backward of the global batch (B, s + 1), the stage's gradient sums, one optimizer step.
+    Returns (LM loss, router loss, global gradient norm, whether the step was taken, the schedule's ScheduleStats)."""
+    plan = stage.plan
+    device = next(stage.parameters()).device
+    micro = plan.micro_batches(tokens, micro_batch, device)
+    # the one normalisation: the loss is a sum over tokens, divided by the global batch's token count where
+    # each backward starts (so 16-bit gradients have the magnitude of a mean loss's), times the FP16 loss scale
+    # that the optimizer divides out again
+    global_tokens = tokens.shape[0] * (tokens.shape[1] - 1)
+    loss_scale = optimizer.loss_scaler.scale if optimizer.loss_scaler is not None else 1.0
+    tokens_per_micro_batch, grad_scale = micro_batch * (tokens.shape[1] - 1), loss_scale / global_tokens
+    if plan.pp is None and not plan.split_backward:  # one stage: 1F1B is each micro-batch's forward, then backward
+        totals = torch.zeros(2, dtype=torch.float64, device=device)  # LM loss, router loss
+        for ids, positions, targets in micro:
+            loss, aux = forward_micro_batch(stage, ids, positions, targets, 0, tokens_per_micro_batch, totals)
+            ((loss + aux) * grad_scale).backward()
+        loss_sum, aux_sum, schedule = totals[0], totals[1], ScheduleStats(min(1, len(micro)), 0,
+                                                                          schedule_1f1b(1, len(micro), 0))
+    else:
+        loss_sum, aux_sum, schedule = run_schedule(stage, pipe, plan.schedule, micro, tokens_per_micro_batch,
+                                                   grad_scale)
+    for reduction in stage.reductions:
+        if not reduction.data_parallel:  # the optimizer runs the data-parallel sums (and ZeRO's reduce-scatter)
+            optimizer.all_reduce_grads(reduction.params, reduction.group)
+    stepped, grad_norm = optimizer.step(max_norm=grad_clip, norm_group=plan.world, norm_params=stage.norm_params)
+    # for the log: each loss from the ranks the plan names, summed over the rest of the world
+    report = torch.stack([loss_sum * plan.logs_lm_loss, aux_sum * plan.logs_router_loss])
+    if plan.world is not None:
+        dist.all_reduce(report)
+    loss, aux = (report / global_tokens).tolist()
+    return loss, aux, grad_norm, stepped, schedule
+
+
+# ----------------------------------------------------------------------------------------------------
+# Build: process groups -> plan -> this rank's stage (with its gradient reductions) -> optimizer -> pipeline
+# ----------------------------------------------------------------------------------------------------
+
+def build(cfg, train_cfg, optimizer=True):
+    """Process groups, the plan, this rank's stage of the model, its optimizer (None without `optimizer`: its FP32
+    gradient buffers are 4 bytes per parameter) and its pipeline transfers."""
+    validate(cfg, train_cfg, _world_size())
+    topology.init_distributed(train_cfg.timeout_s, say=_warn_on_rank_0)
+    parallel_state = topology.init_parallel(tp=train_cfg.tp, pp=train_cfg.pp, cp=train_cfg.cp, ep=train_cfg.ep,
+                                            cp_ulysses=train_cfg.cp_ulysses, with_mesh=False,
+                                            timeout_s=train_cfg.timeout_s, zero_shard=train_cfg.zero_shard_size)
+    plan = make_plan(cfg, train_cfg, parallel_state)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    fp8 = FP8(train_cfg.fp8_recipe, train_cfg.fp8_backward) if train_cfg.dtype == "fp8" else None
+    stage = GPTStage(cfg, plan, train_cfg.param_dtype, fp8=fp8).to(device)
+    opt = make_optimizer(stage, train_cfg) if optimizer else None
+    if opt is not None and train_cfg.zero >= 2:
+        attach_zero_units(stage, opt)
+    pipe = Pipeline(plan, (train_cfg.micro_batch, plan.seq_hidden, cfg.n_embd), train_cfg.param_dtype, device)
+    return plan, stage, opt, pipe
+
+
+def make_optimizer(stage, train_cfg):
+    """mixed_precision.py's optimizer for every dtype: gradients accumulate in FP32 (float64 in tests) from
+    the first micro-batch, the data-parallel sums are its shard groups (ZeRO-1 shards them: 6 + 12/d bytes per
+    parameter for BF16, 8 + 8/d for FP32, against 18 and 16), FP16 scales the loss. Weight decay applies to the 2-D
+    weights only (nanoGPT), with AdamW or SGD."""
+    params = [p for p in stage.parameters() if p.requires_grad]
+    if train_cfg.optimizer == "adamw":
+        opt_class, defaults = torch.optim.AdamW, dict(lr=train_cfg.lr, betas=(0.9, 0.95))
+    else:  # SGD's weight decay is L2 in the gradient, AdamW's decoupled: the flag decays the same weights
+        opt_class, defaults = torch.optim.SGD, dict(lr=train_cfg.lr)
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": train_cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    scaler = mixed_precision.DynamicLossScaler() if train_cfg.dtype == "float16" else None
+    return mixed_precision.MixedPrecisionOptimizer(
+        [g for g in groups if g["params"]], opt_class, zero=train_cfg.zero, loss_scaler=scaler,
+        fp8_param_gather=train_cfg.fp8_param_gather,
+        shard_groups=[(r.params, r.group) + ((r.replicate,) if r.replicate is not None else ())
+                      for r in stage.reductions if r.data_parallel],
+        **(dict(units=[[p for p in block.parameters() if p.requires_grad] for block in stage.blocks])
+           if train_cfg.zero >= 2 else {}),
+        master_dtype=train_cfg.master_dtype, **defaults)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The loop
+# ----------------------------------------------------------------------------------------------------
+
+def train(cfg, train_cfg, data=None):
+    """Train (resuming from out_dir's newest checkpoint that passes its checks, with train_cfg.resume); returns one
+    record per step run. Each step prints one line on rank 0 and appends its record to --metrics: step, loss,
+    aux_loss (the router loss), lr, grad_norm, tokens_per_s, step_time_s (the step itself: the batch is drawn
+    before the clock starts); mfu with --peak-tflops or a known GPU (its dense BF16 peak, whatever --dtype);
+    val_loss on eval steps; loss_scale and skipped under FP16; and on the first line this rank's param_bytes,
+    grad_bytes, optimizer_bytes (master_bytes: the masters' part), in_flight_peak and the batch's make-up:
+    micro_batches, dp, effective_batch."""
+    metrics = None
+    try:
+        data = data or check_inputs(cfg, train_cfg, _world_size())
+        with stalls_in_one_line(train_cfg, lambda: "while starting (process groups, the checkpoint)"):
+            plan, stage, opt, pipe = build(cfg, train_cfg)
+            start = resume_step(train_cfg, stage, opt)  # 0, or with --resume the step out_dir's checkpoint holds
+        parallel_state, device = plan.parallel_state, next(stage.parameters()).device
+        metrics = open_metrics(train_cfg.metrics, start) if train_cfg.metrics and parallel_state.rank == 0 else None
+        records, skipped, step = [], 0, start
+        with stalls_in_one_line(train_cfg, lambda: f"step {step}"):
+            for step in range(start, train_cfg.steps):
+                lr = lr_at(step, train_cfg)
+                for group in opt.param_groups:
+                    group["lr"] = lr
+                tokens = data.batch("train", step, train_cfg.batch, cfg.seq_len, cfg.seed, device)  # before the clock
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                loss, aux, grad_norm, stepped, schedule = train_step(stage, pipe, opt, tokens, train_cfg.micro_batch,
+                                                                     train_cfg.grad_clip)
+                # train_step ends with a host sync (the loss), so this is the whole step
+                record = step_record(step, lr, loss, aux, grad_norm, stepped, time.perf_counter() - t0, stage, opt,
+                                     cfg, train_cfg)
+                skipped = check_progress(step, record, opt, train_cfg, skipped)
+                if train_cfg.eval_every and ((step + 1) % train_cfg.eval_every == 0 or step == train_cfg.steps - 1):
+                    record["val_loss"] = evaluate(stage, pipe, data, train_cfg, cfg)
+                if step == start:  # this rank's memory, from the live tensors, and what makes the batch
+                    record.update(opt.memory_bytes(), in_flight_peak=schedule.peak,
+                                  micro_batches=plan.micro_batch_count, dp=plan.dp,
+                                  effective_batch=grad_accum.effective_batch_size(train_cfg.micro_batch, plan.dp, 1,
+                                                                                  plan.micro_batch_count))
+                records.append(record)
+                if metrics:
+                    metrics = write_metrics(metrics, record, train_cfg.metrics)
+                if train_cfg.log and parallel_state.rank == 0:
+                    print(step_line(record, skipped, moe=cfg.moe_every > 0), flush=True)
+                save_due = train_cfg.save_every and (step + 1) % train_cfg.save_every == 0
+                if train_cfg.out_dir and (save_due or step + 1 == train_cfg.steps):
+                    path = save_checkpoint(train_cfg.out_dir, step + 1, stage, opt, cfg, train_cfg, text=data.text)
+                    if train_cfg.log and parallel_state.rank == 0:
+                        print(f"saved {path}", flush=True)
+        return records
+    finally:
+        if metrics:
+            with contextlib.suppress(OSError):
+                metrics.close()
+        release_out_dir(train_cfg.out_dir)
+
+
+@torch.no_grad()
+def evaluate(stage, pipe, data, train_cfg, cfg):
+    """Mean validation loss per token over `eval_batches` fixed batches: forwards only, every micro-batch of every
+    batch through the pipeline (run_schedule's "forward" lists)."""
+    plan, device = stage.plan, next(stage.parameters()).device
+    micro = [mb for j in range(train_cfg.eval_batches)
+             for mb in plan.micro_batches(data.batch("val", j, train_cfg.batch, cfg.seq_len, cfg.seed, device),
+                                          train_cfg.micro_batch, device)]
+    total = run_schedule(stage, pipe, "forward", micro, 0)[0] * plan.logs_lm_loss
+    if plan.world is not None:
+        dist.all_reduce(total)
+    return total.item() / (train_cfg.eval_batches * train_cfg.batch * cfg.seq_len)
+
+
+def lr_at(step, train_cfg):
+    """nanoGPT's schedule: linear warm-up over `warmup` steps, then cosine decay to `min_lr` at the last step
+    (a warm-up as long as the run, warmup >= steps - 1, leaves no step to decay: the last one runs at `lr`)."""
+    min_lr = train_cfg.lr / 10 if train_cfg.min_lr is None else train_cfg.min_lr
+    if step < train_cfg.warmup:
+        return train_cfg.lr * (step + 1) / train_cfg.warmup
+    decay = (step - train_cfg.warmup) / max(1, train_cfg.steps - 1 - train_cfg.warmup)
+    return min_lr + 0.5 * (1 + math.cos(math.pi * min(decay, 1.0))) * (train_cfg.lr - min_lr)
+
+
+def main(argv=None):
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    if torchrun:
+        watch_launcher()
+    with ends_in_one_line(rank, torchrun, starting=True):  # the flags and every input, before any process group
+        cfg, train_cfg, flags = parse_args(argv)
+        if flags.show_schedule:
+            print(timeline(train_cfg.pp_schedule, train_cfg.pp, flags.micro_batches, train_cfg.virtual_stages))
+            return
+        if flags.sample:
+            path, state = sample_checkpoint(train_cfg.out_dir, world)
+            cfg = GPTConfig(**state["config"])
+        elif flags.export_hf or flags.export_nanogpt:
+            path, state = export_source(train_cfg.out_dir, flags.step, world, flags.export_hf, flags.export_nanogpt)
+        else:
+            if train_cfg.init_from_hf:
+                cfg = config_from_hf(train_cfg.init_from_hf, cfg, flags.shape_given)
+            data = check_inputs(cfg, train_cfg, world)
+    if os.environ.get("OMP_NUM_THREADS") is None and not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    with ends_in_one_line(rank, torchrun):
+        if flags.sample:
+            print(sample(cfg, path, flags.sample, flags.temperature, flags.sample_top_k, seed=flags.seed))
+        elif flags.export_hf or flags.export_nanogpt:
+            print("\n".join(export_weights(path, state, flags.export_hf, flags.export_nanogpt)))
+        else:
+            records = train(cfg, train_cfg, data)
+            if dist.get_rank() == 0 and records:
+                print(f"loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} in {len(records)} steps; metrics "
+                      f"in {train_cfg.metrics}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# BEYOND THE CHAPTER: interleaved and zero-bubble schedules, all-gather and hybrid CP, FP8 fine-grained, ZeRO-2/3
+# ====================================================================================================
+# What follows extends the core above rather than copying it: two more entries of CP_IMPLS, schedules that the
+# executor runs from their action lists, a block forward for ZeRO-2/3 units, FP8 backward GEMMs. The core still
+# reads plan.split_backward (zero bubble's W split) in the executor's B, column_parallel and RowParallelLinear.
+
+# ----------------------------------------------------------------------------------------------------
+# Context parallelism: two more entries of the Plan's CP_IMPLS
+# ----------------------------------------------------------------------------------------------------
+
+# all-gather CP: each rank gathers the whole K and V and attends its zigzag query shard to them
+CP_IMPLS["allgather"] = (lambda plan, q, k, v: long_seq.allgather_attention(q, k, v, plan.cp), long_seq.zigzag_shard)
+# hybrid (USP): Ulysses over the inner cp_ulysses ranks, the ring across them; its shards are the ring's zigzag ones
+CP_IMPLS["hybrid"] = (lambda plan, q, k, v: long_seq.hybrid_attention(q, k, v, plan.cp_ulysses, plan.cp_ring),
+                      long_seq.zigzag_shard)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tensor parallelism as torch.distributed.tensor.parallel writes it
+# ----------------------------------------------------------------------------------------------------
+# The TP/SP layers above are the plan torch.distributed.tensor.parallel writes with DTensors, as production code
+# (torchtitan) does, here by hand so that every collective is in sight. For one block, with SP:
+#     parallelize_module(block, tp_mesh, {"ln1": SequenceParallel(), "ln2": SequenceParallel(),
+#         "q": ColwiseParallel(input_layouts=Shard(1)), "k": ..., "v": ...,  # ColwiseParallel splits one weight's
+#         "proj": RowwiseParallel(output_layouts=Shard(1)),                # rows contiguously: Q, K and V as
+#         "fc": ColwiseParallel(input_layouts=Shard(1)),                   # three linears (our QKV splits its
+#         "out": RowwiseParallel(output_layouts=Shard(1))})                # three blocks apart, tp_parts=3)
+# without SP, ColwiseParallel() and RowwiseParallel() and no SequenceParallel; the embedding RowwiseParallel
+# (vocabulary rows), the LM head ColwiseParallel(use_local_output=False) under loss_parallel().
+
+
+# ----------------------------------------------------------------------------------------------------
+# FP8 beyond per-tensor scales: the fine-grained recipes, and FP8 backward GEMMs
+# ----------------------------------------------------------------------------------------------------
+# Rowwise, blockwise and MXFP8 scales (--fp8-recipe) are local in a column-parallel layer (every block lies on one
+# rank) and agreed over TP where a row-parallel layer cuts K; per-row and per-block activation scales do not depend
+# on the CP and DP split. `fp8_product` passes the recipe to mixed_precision.fp8_linear; with --fp8-backward fp8 it
+# adds the backward GEMMs below.
+
+def fp8_backward_gemms(layer, fp8, split, g2, x2, weight, needs, scales=None):
+    """_TPLinear's FP8 backward (--fp8-backward fp8): ((grad_x, grad_w), scales), FP8 with E5M2 gradients at the
+    recipe's granularity (mixed_precision.fp8_backward_gemms). In the backward it is the column-parallel dgrad that
+    cuts its reduction dimension (the layer's outputs) over TP, and those blocks are agreed there. Through _TPLinear
+    (TP, or zero bubble) both backward GEMMs take per-tensor scales from the current amaxes (delayed scaling
+    included), agreed on the first call."""
+    group = layer.plan.tp
+    if scales is None and fp8.recipe not in mixed_precision.FINE_GRAINED:  # per-tensor scales
+        scales = mixed_precision.fp8_backward_scales(g2, x2, weight, group)
+    return mixed_precision.fp8_backward_gemms(g2, x2, weight, fp8.recipe, group, split if group else None,
+                                              needs=needs, scales=scales), scales
+
+
+# ----------------------------------------------------------------------------------------------------
+# Interleaved and zero-bubble pipeline schedules: the action lists, the W split, the timeline
+# ----------------------------------------------------------------------------------------------------
+# With v virtual stages per rank (interleaving), rank r holds the model chunks c = 0..v-1, chunk c being virtual
+# stage c p + r of the p v (each L / (p v) layers): micro-batches pass rank 0, 1, ..., p-1, then rank 0 again with
+# its next chunk. Under zero bubble each backward is split into B (the input gradients, which the previous stage
+# waits for) and W (the weight gradients, which nobody waits for). Replayed with each action's duration (F 1 unit,
+# B 2 or B 1 + W 1), the lists give the step time, the bubble and what is in flight, checked against the
+# published formulas (`schedule_formulas`) and drawn by `timeline`.
+
+def schedule_interleaved(p, m, v, r):
+    """Megatron-LM's interleaved 1F1B: micro-batches advance through the chunks in groups of p; rank r runs
+    (p - r - 1) 2 + (v - 1) p warm-up forwards (of chunks), then alternates, then drains. Needs m a multiple of p."""
+    def place(k, forward):  # the k-th forward (or backward) of this rank: its micro-batch and chunk
+        group, within = divmod(k, p * v)
+        chunk = within // p
+        return group * p + within % p, chunk if forward else v - 1 - chunk
+
+    total, warmup = m * v, min((p - r - 1) * 2 + (v - 1) * p, m * v)
+    steady = [action for k in range(total - warmup) for action in (Action("F", *place(warmup + k, True)),
+                                                         Action("B", *place(k, False)))]
+    return ([Action("F", *place(k, True)) for k in range(warmup)] + steady +
+            [Action("B", *place(k, False)) for k in range(total - warmup, total)])
+
+
+def schedule_zero_bubble(order, r):
+    """ZB-H1 (Qi et al. 2023) from a 1F1B (or interleaved) order: each backward split into B, the input gradient
+    the previous stage waits for, and W, the weight gradient nobody waits for. Rank r defers r of its W's through
+    the steady state and runs one after each B of the drain, where 1F1B's rank r would idle: the bubble falls from
+    (p - 1)(F + B + W) to (p - 1)(F + B - W), and rank r holds at most p - r micro-batches before B (1F1B's) plus
+    r waiting for W (a part of their activations: the inputs of the linears)."""
+    out, waiting = [], []
+    steady_ends = max(i for i, action in enumerate(order) if action.kind == "F")
+    for i, action in enumerate(order):
+        out.append(action)
+        if action.kind == "B":
+            waiting.append(Action("W", action.micro, action.chunk))
+            if len(waiting) > (r if i < steady_ends else 0):
+                out.append(waiting.pop(0))
+    return out + waiting
+
+
+_deferred = None  # while a zero-bubble B runs: the list its linears leave their weight-gradient GEMMs in
+
+
+class deferred_weight_grads:
+    """`with deferred_weight_grads() as w: loss.backward()` computes only the input gradients of the linears (and
+    every other gradient); `w.run()` later computes their weight gradients, each once (Qi et al. 2023's B and W).
+    Each _TPLinear's weight-gradient GEMM so waits, with its operands, for the schedule's W, which runs it without
+    any communication: the gathered input is kept from B, and FP8 backward scales are agreed in B."""
+
+    def __enter__(self):
+        global _deferred
+        self.gemms, _deferred = [], []
+        return self
+
+    def __exit__(self, *exc):
+        global _deferred
+        self.gemms, _deferred = _deferred, None
+
+    def run(self):
+        for gemm in self.gemms:
+            gemm()
+        self.gemms = []
+
+
+def _weight_grad(weight, g2, x2, gemm=None):
+    """W of one linear: its weight gradient G^T x (16-bit, or `gemm`: the FP8 one), added where autograd and the
+    optimizer's hook would have put it: .grad (an FP32 weight's is the FP32 main grad that mixed_precision.py
+    keeps, a view of its flat buffer), or the main grad itself (16-bit weights, whose .grad the hook frees)."""
+    with torch.no_grad():
+        _add_weight_grad(weight, g2.t() @ x2 if gemm is None else gemm(g2, x2))
+
+
+def _add_weight_grad(weight, grad):
+    if weight.grad is not None:
+        weight.grad += grad
+    elif hasattr(weight, "main_grad"):
+        weight.main_grad.add_(grad)
+    else:
+        weight.grad = grad
+
+
+def run_weight_grads(stage, chunk, weight_grads):
+    """The executor's W: the weight gradients a zero-bubble B left, then (ZeRO-2/3) their reduce-scatter."""
+    weight_grads.run()
+    for block in stage.chunk_blocks(chunk):
+        if block.unit is not None:
+            block.unit.reduce_grads(async_op=True)
+
+
+def in_flight_peak(order, split):
+    """The most (chunk, micro-batch) activations alive at once on a rank: from its F until its B (or, with a split
+    backward, until its W, which still needs the linears' inputs)."""
+    live = peak = 0
+    for action in order:
+        live += (action.kind == "F") - (action.kind == ("W" if split else "B"))
+        peak = max(peak, live)
+    return peak
+
+
+def schedule_formulas(kind, p, m, v=1):
+    """The published step time (in units of one chunk's forward, B = 2 F, or B = W = F when split) and in-flight
+    peaks (chunks, per rank): 1F1B 3 (m + p - 1), p - r; interleaved 3 (v m + p - 1), i.e. a bubble of (p - 1)/(v m)
+    of the ideal, (p - r - 1) 2 + (v - 1) p + 1; ZB-H1 3 v m + p - 1 for m >= p: the bubble (p - 1) units, one third
+    of 1F1B's, and 1F1B's or the interleaved peak plus the r deferred W's."""
+    if kind == "1f1b":
+        return 3 * (m + p - 1), [min(p - r, m) for r in range(p)]
+    peak = [min((p - r - 1) * 2 + (v - 1) * p + 1, m * v) if v > 1 else min(p - r, m) for r in range(p)]
+    if kind == "interleaved":
+        return 3 * (v * m + p - 1), peak
+    return 3 * v * m + p - 1, [min(k + r, m * v) for r, k in enumerate(peak)]
+
+
+def timeline(kind, p, m, v=1):
+    """The schedule as text: one row per rank, one column per time unit (F 1, B 2 or B 1 + W 1), each cell the
+    action and micro-batch (and chunk, with v > 1: F3.1 is micro-batch 3 on chunk 1); under it the step time and
+    bubble beside the formulas, and each rank's in-flight peak."""
+    split = kind == "zb-h1"
+    orders = pipeline_schedule(kind, p, m, v)
+    span, start = replay_pipeline(orders, backward=1 if split else 2, v=v, slots=True)
+    width = len(f"F{m - 1}" + (f".{v - 1}" if v > 1 else "")) + 1
+    rows = []
+    for r, order in enumerate(orders):
+        cells = ["."] * span
+        for action in order:
+            t = start[(r, action)]
+            for u in range(2 if action.kind == "B" and not split else 1):
+                cells[t + u] = f"{action.kind}{action.micro}" + (f".{action.chunk}" if v > 1 else "")
+        rows.append(f"rank {r}  " + "".join(c.ljust(width) for c in cells).rstrip())
+    formula, peaks = schedule_formulas(kind, p, m, v)
+    ideal = 3 * m * v
+    rows.append(f"{kind}, p={p} m={m} v={v}: {span} units (formula {formula}), bubble {(span - ideal) / span:.3f} of "
+                f"the step, {(span - ideal) / ideal:.3f} of the ideal {ideal}")
+    rows.append("in flight per rank (chunks): " + ", ".join(
+        f"{in_flight_peak(o, split)} ({f})" for o, f in zip(orders, peaks)))
+    return "\n".join(rows)
+
+
+
+# ----------------------------------------------------------------------------------------------------
+# ZeRO-2/3: each block a unit, gathered while it computes
+# ----------------------------------------------------------------------------------------------------
+
+def zero_unit_forward(block, x, aux):
+    """ZeRO-2/3 (`attach_zero_units` makes it the block's forward): the block's parameters gathered while it computes
+    (the next block's all-gather prefetched), its gradients reduce-scattered when its backward is done (after W
+    under zero bubble)."""
+    return mixed_precision.sharded_call(block.unit, partial(Block.forward, block), (x, aux), block.next_unit,
+                                        block.prev_unit, reduce_grads=not block.plan.split_backward)
+
+
+def attach_zero_units(stage, opt):
+    """Each block a ZeRO-2/3 unit; its neighbours within its chunk, for the prefetch."""
+    n = len(stage.blocks) // stage.plan.virtual_stages
+    for i, (block, unit) in enumerate(zip(stage.blocks, opt.units)):
+        block.unit = unit
+        block.next_unit = opt.units[i + 1] if (i + 1) % n else None
+        block.prev_unit = opt.units[i - 1] if i % n else None
+        block.forward = partial(zero_unit_forward, block)
+
+
+
+# ----------------------------------------------------------------------------------------------------
+# Formulas: a block's kept activations and communication, the model's FLOPs per token
+# ----------------------------------------------------------------------------------------------------
 
 def block_activation_bytes(b, s, h, a, t, sequence_parallel, e, acc_e):
     """Bytes one dense block keeps for backward, term by term (b the micro-batch, s this rank's CP shard of
@@ -871,304 +1426,6 @@ def block_forward_comm_bytes(b, s, h, t, sequence_parallel, moe, e, experts=0, s
     return (2 if sequence_parallel else 3) * (t - 1) * sbhe // t + 2 * (t - 1) * (2 * experts + 2) * stats_e // t
 
 
-# ----------------------------------------------------------------------------------------------------
-# Pipeline parallelism: a schedule is a list of actions per rank; one executor runs any of them
-# ----------------------------------------------------------------------------------------------------
-# With v virtual stages per rank (interleaving), rank r holds the model chunks c = 0..v-1, chunk c being virtual
-# stage c p + r of the p v (each L / (p v) layers): micro-batches pass rank 0, 1, ..., p-1, then rank 0 again with
-# its next chunk. A rank's schedule is the order of its actions: F (forward of a chunk and a micro-batch), B (its
-# backward; under zero bubble only the input gradients) and W (zero bubble: the weight gradients). Replayed with
-# each action's duration (F 1 unit, B 2 or B 1 + W 1), the lists give the step time, the bubble and what is in
-# flight: `replay_pipeline`, checked against the published formulas (`schedule_formulas`) and drawn by `timeline`.
-
-class Action(NamedTuple):
-    kind: str        # "F", "B" or "W"
-    micro: int
-    chunk: int = 0
-
-
-def schedule_1f1b(p, m, r):
-    """1F1B (Narayanan et al. 2021): p - r - 1 warm-up forwards, then one forward and one backward, then the
-    remaining backwards: at most p - r micro-batches in flight on rank r."""
-    warmup = min(p - r - 1, m)
-    steady = [a for j in range(m - warmup) for a in (Action("F", warmup + j), Action("B", j))]
-    return [Action("F", i) for i in range(warmup)] + steady + [Action("B", j) for j in range(m - warmup, m)]
-
-
-def schedule_interleaved(p, m, v, r):
-    """Megatron-LM's interleaved 1F1B: micro-batches advance through the chunks in groups of p; rank r runs
-    (p - r - 1) 2 + (v - 1) p warm-up forwards (of chunks), then alternates, then drains. Needs m a multiple of p."""
-    def place(k, forward):  # the k-th forward (or backward) of this rank: its micro-batch and chunk
-        group, within = divmod(k, p * v)
-        chunk = within // p
-        return group * p + within % p, chunk if forward else v - 1 - chunk
-
-    total, warmup = m * v, min((p - r - 1) * 2 + (v - 1) * p, m * v)
-    steady = [a for k in range(total - warmup) for a in (Action("F", *place(warmup + k, True)),
-                                                         Action("B", *place(k, False)))]
-    return ([Action("F", *place(k, True)) for k in range(warmup)] + steady +
-            [Action("B", *place(k, False)) for k in range(total - warmup, total)])
-
-
-def schedule_zero_bubble(order, r):
-    """ZB-H1 (Qi et al. 2023) from a 1F1B (or interleaved) order: each backward split into B, the input gradient
-    the previous stage waits for, and W, the weight gradient nobody waits for. Rank r defers r of its W's through
-    the steady state and runs one after each B of the drain, where 1F1B's rank r would idle: the bubble falls from
-    (p - 1)(F + B + W) to (p - 1)(F + B - W), and rank r holds at most p - r micro-batches before B (1F1B's) plus
-    r waiting for W (a part of their activations: the inputs of the linears)."""
-    out, waiting = [], []
-    steady_ends = max(i for i, a in enumerate(order) if a.kind == "F")
-    for i, a in enumerate(order):
-        out.append(a)
-        if a.kind == "B":
-            waiting.append(Action("W", a.micro, a.chunk))
-            if len(waiting) > (r if i < steady_ends else 0):
-                out.append(waiting.pop(0))
-    return out + waiting
-
-
-SCHEDULES = ("1f1b", "interleaved", "zb-h1")
-
-
-def pipeline_schedule(kind, p, m, v=1):
-    """Every rank's list of actions: orders[r]."""
-    base = [schedule_1f1b(p, m, r) if v == 1 else schedule_interleaved(p, m, v, r) for r in range(p)]
-    return [schedule_zero_bubble(base[r], r) for r in range(p)] if kind == "zb-h1" else base
-
-
-def forward_schedule(p, m, v=1):
-    """Forwards only (validation): every micro-batch through every chunk, in order."""
-    return [[Action("F", i, c) for i in range(m) for c in range(v)] for _ in range(p)]
-
-
-def replay_pipeline(orders, forward=1, backward=2, weight=1, v=1, slots=False):
-    """The time the ranks' orders take when each action waits only for its input: F for the previous virtual
-    stage's F of its micro-batch, B for the next one's B (the last virtual stage for its own F), W for its own B;
-    F takes `forward` units, B `backward`, W `weight`; communication is free. orders[r] are rank r's actions
-    (Action, or (kind, micro) pairs for one chunk). With slots, also every action's start: {(r, action): t}."""
-    p = len(orders)
-    orders = [[Action(*a) for a in order] for order in orders]
-    last, done, start = p * v - 1, {}, {}
-    clock, pos = [0] * p, [0] * p
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            while pos[r] < len(orders[r]):
-                a = orders[r][pos[r]]
-                vs = a.chunk * p + r
-                needs = {"F": ("F", vs - 1), "B": ("B", vs + 1) if vs < last else ("F", vs), "W": ("B", vs)}[a.kind]
-                if needs[1] < 0:  # the first virtual stage's forwards
-                    ready = 0
-                elif (*needs, a.micro) in done:
-                    ready = done[(*needs, a.micro)]
-                else:
-                    break
-                start[(r, a)] = max(clock[r], ready)
-                clock[r] = start[(r, a)] + {"F": forward, "B": backward, "W": weight}[a.kind]
-                done[(a.kind, vs, a.micro)] = clock[r]
-                pos[r], progress = pos[r] + 1, True
-    if pos != [len(o) for o in orders]:
-        raise ValueError("the ranks' orders wait on each other forever")
-    return (max(clock), start) if slots else max(clock)
-
-
-def in_flight_peak(order, split):
-    """The most (chunk, micro-batch) activations alive at once on a rank: from its F until its B (or, with a split
-    backward, until its W, which still needs the linears' inputs)."""
-    live = peak = 0
-    for a in order:
-        live += (a.kind == "F") - (a.kind == ("W" if split else "B"))
-        peak = max(peak, live)
-    return peak
-
-
-def schedule_formulas(kind, p, m, v=1):
-    """The published step time (in units of one chunk's forward, B = 2 F, or B = W = F when split) and in-flight
-    peaks (chunks, per rank): 1F1B 3 (m + p - 1), p - r; interleaved 3 (v m + p - 1), i.e. a bubble of (p - 1)/(v m)
-    of the ideal, (p - r - 1) 2 + (v - 1) p + 1; ZB-H1 3 v m + p - 1 for m >= p: the bubble (p - 1) units, one third
-    of 1F1B's, and 1F1B's or the interleaved peak plus the r deferred W's."""
-    if kind == "1f1b":
-        return 3 * (m + p - 1), [min(p - r, m) for r in range(p)]
-    peak = [min((p - r - 1) * 2 + (v - 1) * p + 1, m * v) if v > 1 else min(p - r, m) for r in range(p)]
-    if kind == "interleaved":
-        return 3 * (v * m + p - 1), peak
-    return 3 * v * m + p - 1, [min(k + r, m * v) for r, k in enumerate(peak)]
-
-
-def timeline(kind, p, m, v=1):
-    """The schedule as text: one row per rank, one column per time unit (F 1, B 2 or B 1 + W 1), each cell the
-    action and micro-batch (and chunk, with v > 1: F3.1 is micro-batch 3 on chunk 1); under it the step time and
-    bubble beside the formulas, and each rank's in-flight peak."""
-    split = kind == "zb-h1"
-    orders = pipeline_schedule(kind, p, m, v)
-    span, start = replay_pipeline(orders, backward=1 if split else 2, v=v, slots=True)
-    width = len(f"F{m - 1}" + (f".{v - 1}" if v > 1 else "")) + 1
-    rows = []
-    for r, order in enumerate(orders):
-        cells = ["."] * span
-        for a in order:
-            t = start[(r, a)]
-            for u in range(2 if a.kind == "B" and not split else 1):
-                cells[t + u] = f"{a.kind}{a.micro}" + (f".{a.chunk}" if v > 1 else "")
-        rows.append(f"rank {r}  " + "".join(c.ljust(width) for c in cells).rstrip())
-    formula, peaks = schedule_formulas(kind, p, m, v)
-    ideal = 3 * m * v
-    rows.append(f"{kind}, p={p} m={m} v={v}: {span} units (formula {formula}), bubble {(span - ideal) / span:.3f} of "
-                f"the step, {(span - ideal) / ideal:.3f} of the ideal {ideal}")
-    rows.append("in flight per rank (chunks): " + ", ".join(
-        f"{in_flight_peak(o, split)} ({f})" for o, f in zip(orders, peaks)))
-    return "\n".join(rows)
-
-
-class ScheduleStats(NamedTuple):
-    peak: int     # (chunk, micro-batch) activations alive at once on this rank
-    held: int     # bytes of their outputs still held (0: each output's storage is freed once sent)
-    order: list   # the actions this rank ran, in order
-
-
-class Pipeline:
-    """The transfers of one rank's stage: where each virtual stage's output goes, and one batch of sends and
-    receives per time slot. Shapes are fixed by the layout, so receives preallocate."""
-
-    def __init__(self, plan, shape, dtype, device):
-        self.plan, self.shape, self.dtype, self.device = plan, shape, dtype, device
-        self.ranks = plan.ps.ranks["pp"]  # global ranks of this pipeline, by stage
-
-    def consumer(self, r, a):
-        """(rank, the action that reads it) of what rank r's action `a` sends, or None (the loss, the embedding)."""
-        p, v = self.plan.sizes["pp"], self.plan.virtual_stages
-        vs = a.chunk * p + r
-        if a.kind == "F" and vs < p * v - 1:
-            return (vs + 1) % p, Action("F", a.micro, (vs + 1) // p)
-        if a.kind == "B" and vs > 0:
-            return (vs - 1) % p, Action("B", a.micro, (vs - 1) // p)
-        return None
-
-    def exchange(self, sends, recvs):
-        """Post every send (tensor, pipeline rank) and receive (pipeline rank) of one slot together, then wait:
-        every rank posts a slot's matching ops at the same slot, so no rank waits on one that waits on it."""
-        bufs = [torch.empty(self.shape, dtype=self.dtype, device=self.device) for _ in recvs]
-        ops = [dist.P2POp(dist.isend, t.contiguous(), self.ranks[peer], self.plan.pp) for t, peer in sends]
-        ops += [dist.P2POp(dist.irecv, buf, self.ranks[peer], self.plan.pp) for buf, peer in zip(bufs, recvs)]
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        return bufs
-
-
-def run_schedule(stage, pipe, kind, micro_batches, tokens_per_micro_batch, grad_scale=1.0):
-    """Run this rank's list of the schedule `kind` (or "forward": forwards only, for validation, under no_grad). The
-    ranks' lists are replayed with unit durations into time slots; at each slot a rank runs its action, then sends
-    what it produced and receives what its neighbours produced for it, in one batch. Returns this rank's summed LM
-    loss (last virtual stage), its summed router loss (each micro-batch's weighted by its token count) and
-    ScheduleStats. `grad_scale` multiplies the losses where each backward starts (1 / the global token count, times
-    the FP16 loss scale)."""
-    plan, r = stage.plan, stage.plan.ps.pp_rank
-    span, at = _slots(kind, plan.sizes["pp"], len(micro_batches), plan.virtual_stages)
-    device = next(stage.parameters()).device
-    totals = torch.zeros(2, dtype=torch.float64, device=device)  # LM loss, router loss
-    inbox, saved, waiting, ran, peak, held = {}, {}, {}, [], 0, 0
-    for t in range(span):
-        out, sends, recvs = None, [], []
-        for q, a in at.get(t, ()):
-            if q == r:
-                out = _run_action(stage, a, inbox, saved, waiting, micro_batches, tokens_per_micro_batch, grad_scale,
-                                  totals)
-                ran.append(a)
-                peak = max(peak, len(saved) + len(waiting))
-        for q, a in at.get(t, ()):
-            to = pipe.consumer(q, a)
-            if to is not None and q == r:
-                sends.append((out, to[0]))
-            elif to is not None and to[0] == r:
-                recvs.append((q, to[1]))
-        for (_, key), buf in zip(recvs, pipe.exchange(sends, [q for q, _ in recvs])):
-            inbox[key] = buf.requires_grad_(key.kind == "F" and torch.is_grad_enabled())
-        if sends and out.grad_fn is not None:
-            # the output has left this stage: free its storage now (as Megatron-LM's deallocate_output_tensor), not
-            # at its backward, which needs only the graph behind it and its shape
-            out.untyped_storage().resize_(0)
-        held = max(held, sum(o.untyped_storage().nbytes() for _, o, _, last in saved.values() if not last))
-    return totals[0], totals[1], ScheduleStats(peak, held, ran)
-
-
-@functools.lru_cache(maxsize=64)
-def _slots(kind, p, m, v):
-    """The time slot of every rank's every action ({slot: [(rank, action)]}, each slot's in one order on every rank,
-    so that each pair of ranks posts its ops of a slot in the same order) and the number of slots."""
-    orders = forward_schedule(p, m, v) if kind == "forward" else pipeline_schedule(kind, p, m, v)
-    span, start = replay_pipeline(orders, 1, 1, 1, v=v, slots=True)
-    at = {}
-    for (q, a), t in sorted(start.items(), key=lambda item: (item[1], item[0])):
-        at.setdefault(t, []).append((q, a))
-    return span, at
-
-
-def _run_action(stage, a, inbox, saved, waiting, micro_batches, tokens_per_micro_batch, grad_scale, totals):
-    """One action on this rank; returns what it sends on (an output, an input gradient), or None."""
-    first, last, key = stage.is_first_chunk(a.chunk), stage.is_last_chunk(a.chunk), (a.chunk, a.micro)
-    if a.kind == "F":
-        ids, positions, targets = micro_batches[a.micro]
-        x = None if first else inbox.pop(a)
-        out, aux = stage(ids if first else x, positions, chunk=a.chunk)
-        if last:
-            out = stage.loss_sum(out, targets)
-            totals[0] += out.detach().double()
-        aux = aux * tokens_per_micro_batch
-        totals[1] += aux.detach()
-        if torch.is_grad_enabled():
-            saved[key] = (x, out, aux, last)
-        return None if last else out
-    if a.kind == "W":  # zero bubble: the weight gradients B left, then (ZeRO-2/3) their reduce-scatter
-        waiting.pop(key).run()
-        for block in stage.chunk_blocks(a.chunk):
-            if block.unit is not None:
-                block.unit.reduce_grads(async_op=True)
-        return None
-    x, out, aux, _ = saved.pop(key)
-    split = stage.plan.split_backward
-    with deferred_weight_grads() if split else contextlib.nullcontext() as weight_grads:
-        if last:
-            ((out + aux) * grad_scale).backward()
-        elif aux.requires_grad:  # a MoE chunk: its router loss starts its own backward here
-            torch.autograd.backward([out, aux], [inbox.pop(a), torch.full_like(aux, grad_scale)])
-        else:
-            torch.autograd.backward(out, inbox.pop(a))
-    if split:
-        waiting[key] = weight_grads
-    return None if x is None else x.grad
-
-
-# ----------------------------------------------------------------------------------------------------
-# One training step
-# ----------------------------------------------------------------------------------------------------
-
-def train_step(stage, pipe, optimizer, tokens, micro_batch, grad_clip=0.0):
-    """Forward and backward of the global batch (B, s + 1), the stage's gradient sums, one optimizer step.
-    Returns (LM loss, router loss, global gradient norm, whether the step was taken, the schedule's ScheduleStats)."""
-    plan = stage.plan
-    device = next(stage.parameters()).device
-    micro = plan.micro_batches(tokens, micro_batch, device)
-    # the one normalisation: the loss is a sum over tokens, divided by the global batch's token count where
-    # each backward starts (so 16-bit gradients have the magnitude of a mean loss's), times the FP16 loss scale
-    # that the optimizer divides out again
-    global_tokens = tokens.shape[0] * (tokens.shape[1] - 1)
-    loss_scale = optimizer.loss_scaler.scale if optimizer.loss_scaler is not None else 1.0
-    loss_sum, aux_sum, schedule = run_schedule(stage, pipe, plan.schedule, micro, micro_batch * (tokens.shape[1] - 1),
-                                               loss_scale / global_tokens)
-    for r in stage.reductions:
-        if not r.data_parallel:  # the optimizer runs the data-parallel sums (and ZeRO's reduce-scatter)
-            optimizer.all_reduce_grads(r.params, r.group)
-    stepped, grad_norm = optimizer.step(max_norm=grad_clip, norm_group=plan.world, norm_params=stage.norm_params)
-    # for the log: each loss from the ranks the plan names, summed over the rest of the world
-    report = torch.stack([loss_sum * plan.logs_lm_loss, aux_sum * plan.logs_router_loss])
-    if plan.world is not None:
-        dist.all_reduce(report)
-    loss, aux = (report / global_tokens).tolist()
-    return loss, aux, grad_norm, stepped, schedule
-
-
 def model_flops_per_token(cfg):
     """Training FLOPs per token (PaLM appendix B, as nanoGPT's MFU): 6 N + 12 L h s, N the weights of every
     matmul a token goes through, forward and backward (x 3): per dense block 12 h^2 (QKV 3, projection 1, MLP
@@ -1183,117 +1440,19 @@ def model_flops_per_token(cfg):
     return 6 * n + 12 * cfg.n_layer * h * cfg.seq_len
 
 
-# ----------------------------------------------------------------------------------------------------
-# Build: process groups -> plan -> this rank's stage (with its gradient reductions) -> optimizer -> pipeline
-# ----------------------------------------------------------------------------------------------------
 
-def build(cfg, run, optimizer=True):
-    """Process groups, the plan, this rank's stage of the model, its optimizer (None without `optimizer`: its FP32
-    gradient buffers are 4 bytes per parameter) and its pipeline transfers."""
-    validate(cfg, run, _world_size())
-    topology.init_distributed(run.timeout_s, say=_warn_on_rank_0)
-    ps = topology.init_parallel(tp=run.tp, pp=run.pp, cp=run.cp, ep=run.ep, cp_ulysses=run.cp_ulysses, with_mesh=False,
-                                timeout_s=run.timeout_s, zero_shard=run.zero_shard_size)
-    plan = make_plan(cfg, run, ps)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    fp8 = FP8(run.fp8_recipe, run.fp8_backward) if run.dtype == "fp8" else None
-    stage = GPTStage(cfg, plan, run.param_dtype, fp8=fp8).to(device)
-    opt = make_optimizer(stage, run) if optimizer else None
-    if opt is not None and run.zero >= 2:  # each block a unit; its neighbours within its chunk, for the prefetch
-        n = len(stage.blocks) // plan.virtual_stages
-        for i, (block, unit) in enumerate(zip(stage.blocks, opt.units)):
-            block.unit = unit
-            block.next_unit = opt.units[i + 1] if (i + 1) % n else None
-            block.prev_unit = opt.units[i - 1] if i % n else None
-    pipe = Pipeline(plan, (run.micro_batch, plan.seq_hidden, cfg.n_embd), run.param_dtype, device)
-    return plan, stage, opt, pipe
-
-
-def make_optimizer(stage, run):
-    """mixed_precision.py's optimizer for every dtype: gradients accumulate in FP32 (float64 in tests) from
-    the first micro-batch, the data-parallel sums are its shard groups (ZeRO-1 shards them: 6 + 12/d bytes per
-    parameter for BF16, 8 + 8/d for FP32, against 18 and 16), FP16 scales the loss. Weight decay applies to the 2-D
-    weights only (nanoGPT), with AdamW or SGD."""
-    params = [p for p in stage.parameters() if p.requires_grad]
-    if run.optimizer == "adamw":
-        opt_class, defaults = torch.optim.AdamW, dict(lr=run.lr, betas=(0.9, 0.95))
-    else:  # SGD's weight decay is L2 in the gradient, AdamW's decoupled: the flag decays the same weights
-        opt_class, defaults = torch.optim.SGD, dict(lr=run.lr)
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": run.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    scaler = mixed_precision.DynamicLossScaler() if run.dtype == "float16" else None
-    return mixed_precision.MixedPrecisionOptimizer(
-        [g for g in groups if g["params"]], opt_class, zero=run.zero, loss_scaler=scaler,
-        fp8_param_gather=run.fp8_param_gather,
-        shard_groups=[(r.params, r.group) + ((r.replicate,) if r.replicate is not None else ())
-                      for r in stage.reductions if r.data_parallel],
-        **(dict(units=[[p for p in block.parameters() if p.requires_grad] for block in stage.blocks])
-           if run.zero >= 2 else {}),
-        master_dtype=run.master_dtype, **defaults)
-
+# ####################################################################################################
+# THE JOB: what a training program needs around the training itself. Data; checkpoints (atomic, verified,
+# loading no code, resharded to any layout); one writer per folder; checks of every input before any process group
+# exists; sampling; the command line and how a job ends.
+# ####################################################################################################
 
 # ----------------------------------------------------------------------------------------------------
-# The loop
+# How a run stops and what it logs: one line for a stall, a divergence or a full disk
 # ----------------------------------------------------------------------------------------------------
-
-def train(cfg, run, data=None):
-    """Train (resuming from out_dir's newest checkpoint that passes its checks, with run.resume); returns one
-    record per step run. Each step prints one line on rank 0 and appends its record to --metrics: step, loss,
-    aux_loss (the router loss), lr, grad_norm, tokens_per_s, step_time_s (the step itself: the batch is drawn
-    before the clock starts); mfu with --peak-tflops or a known GPU (its dense BF16 peak, whatever --dtype);
-    val_loss on eval steps; loss_scale and skipped under FP16; and on the first line this rank's param_bytes,
-    grad_bytes, optimizer_bytes (master_bytes: the masters' part), in_flight_peak and the batch's make-up:
-    micro_batches, dp, effective_batch."""
-    try:
-        return _train(cfg, run, data or check_inputs(cfg, run, _world_size()))
-    finally:
-        release_out_dir(run.out_dir)
-
-
-def _train(cfg, run, data):
-    with stalls_in_one_line(run, lambda: "while starting (process groups, the checkpoint)"):
-        plan, stage, opt, pipe = build(cfg, run)
-        resumed = resume(run.out_dir, stage, opt) if run.resume and checkpoint_dirs(run.out_dir) else None
-        if run.init_from_hf and not resumed:  # a checkpoint to resume comes first: a restarted job goes on
-            load_hf_weights(run.init_from_hf, stage, opt)
-    ps, device = plan.ps, next(stage.parameters()).device
-    start = resumed["step"] if resumed else 0
-    if resumed and ps.rank == 0:
-        warn_what_changed(resumed, run)
-    if run.log and ps.rank == 0 and start >= run.steps:
-        print(f"{checkpoint_dirs(run.out_dir)[-1]} already holds step {start} of --steps {run.steps}: nothing to train")
-    metrics = open_metrics(run.metrics, start) if run.metrics and ps.rank == 0 else None
-    records, skipped, step = [], 0, start
-    try:
-        with stalls_in_one_line(run, lambda: f"step {step}"):
-            for step in range(start, run.steps):
-                record, schedule = train_one_step(step, stage, pipe, opt, data, cfg, run)
-                skipped = check_progress(step, record, opt, run, skipped)
-                if run.eval_every and ((step + 1) % run.eval_every == 0 or step == run.steps - 1):
-                    record["val_loss"] = evaluate(stage, pipe, data, run, cfg)
-                if step == start:  # this rank's memory, from the live tensors, and what makes the batch
-                    record.update(opt.memory_bytes(), in_flight_peak=schedule.peak,
-                                  micro_batches=plan.micro_batch_count, dp=plan.dp,
-                                  effective_batch=grad_accum.effective_batch_size(run.micro_batch, plan.dp, 1,
-                                                                                  plan.micro_batch_count))
-                records.append(record)
-                if metrics:
-                    metrics = write_metrics(metrics, record, run.metrics)
-                if run.log and ps.rank == 0:
-                    print(step_line(record, skipped, moe=cfg.moe_every > 0), flush=True)
-                if run.out_dir and ((run.save_every and (step + 1) % run.save_every == 0) or step + 1 == run.steps):
-                    path = save_checkpoint(run.out_dir, step + 1, stage, opt, cfg, run, text=data.text)
-                    if run.log and ps.rank == 0:
-                        print(f"saved {path}", flush=True)
-    finally:
-        if metrics:
-            with contextlib.suppress(OSError):
-                metrics.close()
-    return records
-
 
 @contextlib.contextmanager
-def stalls_in_one_line(run, when):
+def stalls_in_one_line(train_cfg, when):
     """A collective that failed (of the start-up, a step, the evaluation or a save) becomes Stalled: one line naming
     the rank and `when()`, and the job ends at once instead of a traceback per rank."""
     try:
@@ -1301,86 +1460,16 @@ def stalls_in_one_line(run, when):
     except RuntimeError as e:
         if isinstance(e, (Diverged, Stalled, CannotSave)) or not _is_communication_failure(e):
             raise
-        raise Stalled(f"rank {_global_rank()}, {when()}: a collective waited past --timeout-s {run.timeout_s:g} or "
-                      f"lost its peer: a rank stopped, hung or died ({str(e).splitlines()[0]})") from e
+        raise Stalled(f"rank {_global_rank()}, {when()}: a collective waited past --timeout-s "
+                      f"{train_cfg.timeout_s:g} or lost its peer: a rank stopped, hung or died "
+                      f"({str(e).splitlines()[0]})") from e
 
 
-def write_metrics(metrics, record, path):
-    """Append the step's record; a write that fails (a full disk) is said in one line and the run goes on without
-    metrics (what was written stays): the training, not its log, is what a full disk must not lose."""
-    try:
-        metrics.write(json.dumps(record) + "\n")
-        metrics.flush()
-        return metrics
-    except OSError as e:
-        _warn(f"--metrics {path} could not be written at step {record['step']} ({e.strerror}): the run goes on "
-              "without recording metrics")
-        with contextlib.suppress(OSError):
-            metrics.close()
-        return None
-
-
-def train_one_step(step, stage, pipe, opt, data, cfg, run):
-    """The learning rate of the step, its batch (drawn before the clock starts), train_step; its record and the
-    ScheduleStats."""
-    lr = lr_at(step, run)
-    for group in opt.param_groups:
-        group["lr"] = lr
-    device = next(stage.parameters()).device
-    tokens = data.batch("train", step, run.batch, cfg.seq_len, cfg.seed, device)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    loss, aux, grad_norm, stepped, schedule = train_step(stage, pipe, opt, tokens, run.micro_batch, run.grad_clip)
-    dt = time.perf_counter() - t0  # train_step ends with a host sync (the loss), so dt is the whole step
-    record = {"step": step, "loss": loss, "aux_loss": aux, "lr": lr,
-              "grad_norm": grad_norm if math.isfinite(grad_norm) else None,  # JSON has no inf (FP16 skips)
-              "tokens_per_s": run.batch * cfg.seq_len / dt, "step_time_s": dt}
-    peak = peak_tflops(run, device)
-    if peak:
-        record["mfu"] = model_flops_per_token(cfg) * record["tokens_per_s"] / (peak * 1e12 * stage.plan.ps.world_size)
-    if opt.loss_scaler is not None:
-        record["loss_scale"] = opt.loss_scaler.scale
-    if not stepped:
-        record["skipped"] = True  # FP16 overflow: no update, the loss scale backed off
-    return record, schedule
-
-
-@torch.no_grad()
-def evaluate(stage, pipe, data, run, cfg):
-    """Mean validation loss per token over `eval_batches` fixed batches: forwards only, every micro-batch of every
-    batch through the pipeline (run_schedule's "forward" lists)."""
-    plan, device = stage.plan, next(stage.parameters()).device
-    micro = [mb for j in range(run.eval_batches)
-             for mb in plan.micro_batches(data.batch("val", j, run.batch, cfg.seq_len, cfg.seed, device),
-                                          run.micro_batch, device)]
-    total = run_schedule(stage, pipe, "forward", micro, 0)[0] * plan.logs_lm_loss
-    if plan.world is not None:
-        dist.all_reduce(total)
-    return total.item() / (run.eval_batches * run.batch * cfg.seq_len)
-
-
-def lr_at(step, run):
-    """nanoGPT's schedule: linear warm-up over `warmup` steps, then cosine decay to `min_lr` at the last step
-    (a warm-up as long as the run, warmup >= steps - 1, leaves no step to decay: the last one runs at `lr`)."""
-    min_lr = run.lr / 10 if run.min_lr is None else run.min_lr
-    if step < run.warmup:
-        return run.lr * (step + 1) / run.warmup
-    decay = (step - run.warmup) / max(1, run.steps - 1 - run.warmup)
-    return min_lr + 0.5 * (1 + math.cos(math.pi * min(decay, 1.0))) * (run.lr - min_lr)
-
-
-GPU_PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "A100": 312.0,
-                   "L40S": 362.0}  # dense BF16 per GPU; the first name that the device's name contains
-
-
-def peak_tflops(run, device):
-    if run.peak_tflops:
-        return run.peak_tflops
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name()
-        return next((v for k, v in GPU_PEAK_TFLOPS.items() if k in name), None)
-    return None  # no known peak on CPU: no MFU
+def _is_communication_failure(error):
+    """gloo raises RuntimeError("... Timed out waiting ...") at the timeout, or a closed connection when a peer died;
+    NCCL's watchdog raises DistBackendError (or aborts the process itself)."""
+    return isinstance(error, dist.DistError) or any(
+        s in str(error) for s in ("Timed out", "Connection closed", "Connection reset", "Broken pipe", "gloo"))
 
 
 class Diverged(RuntimeError):
@@ -1401,13 +1490,14 @@ MIN_LOSS_SCALE = 1.0  # FP16: a scale below this (Megatron-LM's default --min-lo
 MAX_SKIPPED_STEPS = 20  # ... and so do this many overflowing steps in a row
 
 
-def check_progress(step, record, opt, run, skipped):
+def check_progress(step, record, opt, train_cfg, skipped):
     """Stop a diverging run with one line (the step, the value, the flag to look at); returns the count of FP16
     steps skipped in a row. A non-finite loss stops every dtype (the loss scale does not act on the forward); a
     non-finite gradient norm stops every dtype but FP16, whose loss scaler skips the step and backs off, unless it
     does so MAX_SKIPPED_STEPS times in a row or the scale falls below MIN_LOSS_SCALE: then no scale fits the
     gradients. Every rank holds the same all-reduced loss and norm, so all stop together."""
-    hint = f"lower --lr ({run.lr:g}), keep --grad-clip on ({run.grad_clip:g}), or try --dtype bfloat16 or float32"
+    hint = (f"lower --lr ({train_cfg.lr:g}), keep --grad-clip on ({train_cfg.grad_clip:g}), or try --dtype bfloat16 "
+            "or float32")
     if not math.isfinite(record["loss"]):
         raise Diverged(f"step {step}: the loss is {record['loss']}: training diverged; {hint}")
     if opt.loss_scaler is None:
@@ -1422,11 +1512,36 @@ def check_progress(step, record, opt, run, skipped):
     return skipped
 
 
-def _is_communication_failure(error):
-    """gloo raises RuntimeError("... Timed out waiting ...") at the timeout, or a closed connection when a peer died;
-    NCCL's watchdog raises DistBackendError (or aborts the process itself)."""
-    return isinstance(error, dist.DistError) or any(
-        s in str(error) for s in ("Timed out", "Connection closed", "Connection reset", "Broken pipe", "gloo"))
+def write_metrics(metrics, record, path):
+    """Append the step's record; a write that fails (a full disk) is said in one line and the run goes on without
+    metrics (what was written stays): the training, not its log, is what a full disk must not lose."""
+    try:
+        metrics.write(json.dumps(record) + "\n")
+        metrics.flush()
+        return metrics
+    except OSError as e:
+        _warn(f"--metrics {path} could not be written at step {record['step']} ({e.strerror}): the run goes on "
+              "without recording metrics")
+        with contextlib.suppress(OSError):
+            metrics.close()
+        return None
+
+
+def step_record(step, lr, loss, aux, grad_norm, stepped, dt, stage, opt, cfg, train_cfg):
+    """What a step logs (see `train`)."""
+    device = next(stage.parameters()).device
+    record = {"step": step, "loss": loss, "aux_loss": aux, "lr": lr,
+              "grad_norm": grad_norm if math.isfinite(grad_norm) else None,  # JSON has no inf (FP16 skips)
+              "tokens_per_s": train_cfg.batch * cfg.seq_len / dt, "step_time_s": dt}
+    peak = peak_tflops(train_cfg, device)
+    if peak:
+        world = stage.plan.parallel_state.world_size
+        record["mfu"] = model_flops_per_token(cfg) * record["tokens_per_s"] / (peak * 1e12 * world)
+    if opt.loss_scaler is not None:
+        record["loss_scale"] = opt.loss_scaler.scale
+    if not stepped:
+        record["skipped"] = True  # FP16 overflow: no update, the loss scale backed off
+    return record
 
 
 def step_line(record, skipped, moe):
@@ -1441,56 +1556,19 @@ def step_line(record, skipped, moe):
             + (f", mfu {r['mfu']:.1%}" if "mfu" in r else ""))
 
 
-def main(argv=None):
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    torchrun = "TORCHELASTIC_RUN_ID" in os.environ
-    if torchrun:
-        watch_launcher()
-    try:
-        cfg, run, a = parse_args(argv)
-        if a.show_schedule:
-            print(timeline(run.pp_schedule, run.pp, a.micro_batches, run.virtual_stages))
-            return
-        if a.sample:
-            path, state = sample_checkpoint(run.out_dir, world)
-            cfg = GPTConfig(**state["config"])
-        elif a.export_hf or a.export_nanogpt:
-            path, state = export_source(run.out_dir, a.step, world, a.export_hf, a.export_nanogpt)
-        else:
-            if run.init_from_hf:
-                cfg = config_from_hf(run.init_from_hf, cfg, a.shape_given)
-            data = check_inputs(cfg, run, world)
-    except ValueError as e:
-        _fail(rank, 2, e)
-    if os.environ.get("OMP_NUM_THREADS") is None and not torch.cuda.is_available():
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    try:
-        if a.sample:
-            print(sample(cfg, path, a.sample, a.temperature, a.sample_top_k, seed=a.seed))
-        elif a.export_hf or a.export_nanogpt:
-            print("\n".join(export_weights(path, state, a.export_hf, a.export_nanogpt)))
-        else:
-            records = train(cfg, run, data)
-            if dist.get_rank() == 0 and records:
-                print(f"loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} in {len(records)} steps; metrics "
-                      f"in {run.metrics}")
-    except BadCheckpoint as e:  # every rank found it (checksums are agreed)
-        _fail(rank, 2, e)
-    except (Diverged, CannotSave) as e:  # every rank holds the same loss and norm, or agreed not to save
-        _fail(rank, 1, e)
-    except Stalled as e:  # only the ranks that waited know: each says so, then the job ends now
-        if torchrun:
-            stop_local_peers()
-        _fail(rank, 1, e, everyone=True)
-    dist.barrier()
-    dist.destroy_process_group()
+GPU_PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "A100": 312.0,
+                   "L40S": 362.0}  # dense BF16 per GPU; the first name that the device's name contains
 
 
-# ####################################################################################################
-# THE JOB: what a training program needs around the training itself. Data; checkpoints (atomic, verified,
-# loading no code, resharded to any layout); one writer per folder; checks of every input before any process group
-# exists; sampling; the command line and how a job ends.
-# ####################################################################################################
+def peak_tflops(train_cfg, device):
+    if train_cfg.peak_tflops:
+        return train_cfg.peak_tflops
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name()
+        return next((v for k, v in GPU_PEAK_TFLOPS.items() if k in name), None)
+    return None  # no known peak on CPU: no MFU
+
+
 
 # ----------------------------------------------------------------------------------------------------
 # Data: bytes of text (CPython's own documentation by default), nanoGPT .bin token files, a synthetic language
@@ -1884,16 +1962,16 @@ def _global_name(stage, name):
     return name
 
 
-def _slice_geometry(p, ps):
+def _slice_geometry(p, parallel_state):
     """Where this rank's p lies in the whole parameter: (its shape, its offsets, the whole's shape), in the
     coordinates where it is one box (QKV, split over TP block by block, is viewed as (3, h, ...))."""
     shape, dim, rank, parts = list(p.shape), None, 0, 1
     if p.tp_dim is not None:
-        dim, rank, parts = p.tp_dim, ps.tp_rank, ps.sizes["tp"]
+        dim, rank, parts = p.tp_dim, parallel_state.tp_rank, parallel_state.sizes["tp"]
         if p.tp_parts > 1:
             shape, dim = [p.tp_parts, shape[0] // p.tp_parts, *shape[1:]], dim + 1
     elif p.expert:  # split over EP along dim 0
-        dim, rank, parts = 0, ps.ep_rank, ps.sizes["ep"]
+        dim, rank, parts = 0, parallel_state.ep_rank, parallel_state.sizes["ep"]
     offsets, whole = [0] * len(shape), list(shape)
     if dim is not None:
         offsets[dim], whole[dim] = rank * shape[dim], parts * shape[dim]
@@ -1980,9 +2058,9 @@ def checkpoint_tensors(stage, opt=None, like=None):
     made yet (before the first step), and reads a weight kept in the master dtype from the saved master (a weight
     in the master dtype is its own master: the saved master is exact where saved weights may be rounded, as a run
     saved in bfloat16 and resumed in float32 has them)."""
-    ps, out = stage.plan.ps, {}
+    parallel_state, out = stage.plan.parallel_state, {}
     for name, p, tied_copy in _saved_params(stage):
-        shape, offsets, whole = _slice_geometry(p, ps)
+        shape, offsets, whole = _slice_geometry(p, parallel_state)
         (a, b), values = opt.owned_param(p) if opt is not None else ((0, p.numel()), p.detach())
         boxes = lambda t: Boxes(whole, _parts(t, a, b, shape, offsets), t.dtype, t.device)
         own_master = like is not None and opt is not None and p.dtype == opt.master_dtype and \
@@ -1997,7 +2075,7 @@ def checkpoint_tensors(stage, opt=None, like=None):
     return out
 
 
-def save_checkpoint(out_dir, step, stage, opt, cfg, run, text=False):
+def save_checkpoint(out_dir, step, stage, opt, cfg, train_cfg, text=False):
     """Writes out_dir/step_NNNNNN atomically (the comment above); `text`: the data were bytes of text, which
     tells --sample to decode what it draws."""
     import torch.distributed.checkpoint as dcp
@@ -2007,16 +2085,16 @@ def save_checkpoint(out_dir, step, stage, opt, cfg, run, text=False):
         raise Diverged(f"after step {step} the weights hold non-finite values: no checkpoint is written (lower --lr, "
                        "or keep --grad-clip on)")
     device = next(stage.parameters()).device
-    if not _on_every_rank(plan.ps.rank != 0 or still_holds_out_dir(out_dir), device):
+    if not _on_every_rank(plan.parallel_state.rank != 0 or still_holds_out_dir(out_dir), device):
         raise CannotSave(f"before saving step {step}: {os.path.join(out_dir, '.lock')} is no longer the file this run "
                          f"locked (deleted or replaced), so another run may be writing into --out-dir {out_dir}: "
                          "stopping without writing")
     state = checkpoint_tensors(stage, opt)
-    state[f"rng/{plan.ps.rank}"] = torch.get_rng_state()  # restored when the world size is the same
+    state[f"rng/{plan.parallel_state.rank}"] = torch.get_rng_state()  # restored when the world size is the same
     final = os.path.join(out_dir, f"step_{step:06d}")
     tmp = final + ".tmp"
     try:
-        made = plan.ps.rank != 0 or _make_empty_folder(tmp)
+        made = plan.parallel_state.rank != 0 or _make_empty_folder(tmp)
     except OSError as e:
         made = e
     if not _on_every_rank(made is True, device):
@@ -2024,20 +2102,20 @@ def save_checkpoint(out_dir, step, stage, opt, cfg, run, text=False):
     try:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))  # a box saved by several ranks is written once
     except CheckpointException as e:  # a BaseException, raised on every rank alike (DCP gathers the failures)
-        if plan.ps.rank == 0:
+        if plan.parallel_state.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # what was written of it: the space it took is freed
         raise CannotSave(_save_error(tmp, next(iter(e.failures.values()), (e,))[0])) from None
     dist.barrier()  # every rank's files are written (and rank 0's metadata)
     # each rank checksums the files it wrote (DCP names them __RANK_N.distcp; rank 0 also writes .metadata)
-    rank = plan.ps.rank
+    rank = plan.parallel_state.rank
     mine = checksums(tmp, [n for n in os.listdir(tmp)
                            if n.startswith(f"__{rank}_") or (rank == 0 and n == ".metadata")])
-    every = [None] * plan.ps.world_size if rank == 0 else None
+    every = [None] * plan.parallel_state.world_size if rank == 0 else None
     dist.gather_object(mine, every, dst=0)
     written = True
     if rank == 0:
         try:
-            _seal_checkpoint(tmp, final, every, step, plan, cfg, run, opt, text)
+            _seal_checkpoint(tmp, final, every, step, plan, cfg, train_cfg, opt, text)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             written = e
@@ -2046,15 +2124,15 @@ def save_checkpoint(out_dir, step, stage, opt, cfg, run, text=False):
     return final
 
 
-def _seal_checkpoint(tmp, final, every, step, plan, cfg, run, opt, text):
+def _seal_checkpoint(tmp, final, every, step, plan, cfg, train_cfg, opt, text):
     """Rank 0: train_state.json, then MANIFEST (every file's size and CRC32), then the rename that makes it a
     checkpoint."""
     files = {name: entry for part in every for name, entry in part.items()}
     train_state = {"format": CHECKPOINT_FORMAT, "step": step, "config": asdict(cfg),
-                   "world_size": plan.ps.world_size,
-                   "layout": {k: getattr(run, k) for k in ("tp", "pp", "cp", "ep", "zero", "dtype")},
-                   "optimizer": run.optimizer, "data": run.data, "text": text,
-                   "schedule": _schedule(run),
+                   "world_size": plan.parallel_state.world_size,
+                   "layout": {k: getattr(train_cfg, k) for k in ("tp", "pp", "cp", "ep", "zero", "dtype")},
+                   "optimizer": train_cfg.optimizer, "data": train_cfg.data, "text": text,
+                   "schedule": _schedule(train_cfg),
                    "optimizer_state": opt.scalar_state()}
     _write_synced(os.path.join(tmp, "train_state.json"), json.dumps(train_state).encode())
     write_manifest(tmp, {**files, **checksums(tmp, ["train_state.json"])})
@@ -2174,7 +2252,7 @@ def model_geometry(cfg):
     plan = make_plan(cfg, TrainConfig(), topology.parallel_state(0, 1))
     with torch.device("meta"):
         stage = GPTStage(cfg, plan)
-    return {name: _slice_geometry(p, plan.ps)[0] for name, p, _ in _saved_params(stage)}
+    return {name: _slice_geometry(p, plan.parallel_state)[0] for name, p, _ in _saved_params(stage)}
 
 
 def _check_entry(where, key, md, geometry, states, world_size):
@@ -2403,7 +2481,7 @@ def load_checkpoint(path, stage, opt=None):
     hands DCP the Boxes it holds (checkpoint_tensors), and DCP reads into them the saved parts that overlap them,
     in place. The checks come first (check_checkpoint, then the checksums, which the ranks verify together); then
     the ranks agree that every one of them could read its part. Returns the checkpoint's train_state."""
-    ps = stage.plan.ps
+    parallel_state = stage.plan.parallel_state
     train_state, metadata, manifest = check_checkpoint(path, stage.cfg)  # before DCP reads a byte of it
     verify_checksums(path, manifest)
     saved = metadata.state_dict_metadata
@@ -2414,8 +2492,8 @@ def load_checkpoint(path, stage, opt=None):
             like.setdefault(name, {})[state] = (len(md.size), md.properties.dtype)
     mine = checkpoint_tensors(stage, opt, like)
     rng = None
-    if train_state["world_size"] == ps.world_size and f"rng/{ps.rank}" in saved:
-        mine[f"rng/{ps.rank}"] = rng = torch.empty_like(torch.get_rng_state())
+    if train_state["world_size"] == parallel_state.world_size and f"rng/{parallel_state.rank}" in saved:
+        mine[f"rng/{parallel_state.rank}"] = rng = torch.empty_like(torch.get_rng_state())
     error = None
     try:
         with torch.no_grad():
@@ -2423,7 +2501,8 @@ def load_checkpoint(path, stage, opt=None):
     except Exception as e:  # an unreadable file: every rank must hear of it
         why = ("a tensor file holds an object that is not tensor data: refused unread" if "Weights only load failed"
                in str(e) else str(e))  # torch's own message advises weights_only=False, which would run it
-        error = BadCheckpoint(f"checkpoint {path}: rank {ps.rank} could not read its part ({why})".splitlines()[0])
+        error = BadCheckpoint(f"checkpoint {path}: rank {parallel_state.rank} could not read its part "
+                              f"({why})".splitlines()[0])
     _all_agree(error, next(stage.parameters()).device)
     if opt is not None:
         opt.publish_params()  # ZeRO: the working weights from what was read
@@ -2432,6 +2511,24 @@ def load_checkpoint(path, stage, opt=None):
     if rng is not None:
         torch.set_rng_state(rng)
     return train_state
+
+
+def resume_step(train_cfg, stage, opt):
+    """The step a run starts at: 0, or with --resume (and a checkpoint in out_dir) the step of the newest one that
+    passes its checks, whose weights and optimizer states are then loaded; what changed since is said once."""
+    resumed = None
+    if train_cfg.resume and checkpoint_dirs(train_cfg.out_dir):
+        resumed = resume(train_cfg.out_dir, stage, opt)
+    if train_cfg.init_from_hf and not resumed:  # a checkpoint to resume comes first: a restarted job goes on
+        load_hf_weights(train_cfg.init_from_hf, stage, opt)
+    start = resumed["step"] if resumed else 0
+    rank = stage.plan.parallel_state.rank
+    if resumed and rank == 0:
+        warn_what_changed(resumed, train_cfg)
+    if train_cfg.log and rank == 0 and start >= train_cfg.steps:
+        print(f"{checkpoint_dirs(train_cfg.out_dir)[-1]} already holds step {start} of --steps {train_cfg.steps}: "
+              "nothing to train")
+    return start
 
 
 def resume(out_dir, stage, opt=None):
@@ -2514,48 +2611,54 @@ TIMEOUT_RANGE_S = (1, 7 * 24 * 3600)  # --timeout-s: below a second every collec
 RECOMPUTE = ("none", "full", "sqrt", "selective")
 
 
-def validate(cfg, run, world):
+def validate(cfg, train_cfg, world):
     """Every value and shape the run needs, checked on every rank before any process group is created: a
     ValueError that names the flag and a valid choice."""
-    positive = {"--tp": run.tp, "--pp": run.pp, "--cp": run.cp, "--ep": run.ep, "--layers": cfg.n_layer,
+    positive = {"--tp": train_cfg.tp, "--pp": train_cfg.pp, "--cp": train_cfg.cp, "--ep": train_cfg.ep,
+                "--layers": cfg.n_layer,
                 "--heads": cfg.n_head, "--hidden": cfg.n_embd, "--seq": cfg.seq_len, "--vocab": cfg.vocab_size,
-                "--batch": run.batch, "--micro-batch": run.micro_batch, "--steps": run.steps,
-                "--experts": cfg.n_experts, "--top-k": cfg.top_k, "--eval-batches": run.eval_batches,
-                "--virtual-stages": run.virtual_stages, "--cp-ulysses": run.cp_ulysses}
+                "--batch": train_cfg.batch, "--micro-batch": train_cfg.micro_batch, "--steps": train_cfg.steps,
+                "--experts": cfg.n_experts, "--top-k": cfg.top_k, "--eval-batches": train_cfg.eval_batches,
+                "--virtual-stages": train_cfg.virtual_stages, "--cp-ulysses": train_cfg.cp_ulysses}
     for flag, value in positive.items():
         if value < 1:
             raise ValueError(f"{flag} {value} must be a positive integer")
-    for flag, value in {"--moe-every": cfg.moe_every, "--warmup": run.warmup, "--eval-every": run.eval_every,
-                        "--save-every": run.save_every}.items():
+    for flag, value in {"--moe-every": cfg.moe_every, "--warmup": train_cfg.warmup,
+                        "--eval-every": train_cfg.eval_every, "--save-every": train_cfg.save_every}.items():
         if value < 0:
             raise ValueError(f"{flag} {value} must be 0 or more")
-    if not (math.isfinite(run.lr) and run.lr > 0):
-        raise ValueError(f"--lr {run.lr} must be a positive finite number (e.g. --lr 3e-3)")
-    if not TIMEOUT_RANGE_S[0] <= run.timeout_s <= TIMEOUT_RANGE_S[1]:  # NaN fails it too
-        raise ValueError(f"--timeout-s {run.timeout_s} must be between {TIMEOUT_RANGE_S[0]} and {TIMEOUT_RANGE_S[1]} "
-                         "seconds (a stopped rank ends the job after about this long)")
-    for flag, value in {"--min-lr": run.min_lr, "--weight-decay": run.weight_decay,
-                        "--grad-clip": run.grad_clip}.items():
+    if not (math.isfinite(train_cfg.lr) and train_cfg.lr > 0):
+        raise ValueError(f"--lr {train_cfg.lr} must be a positive finite number (e.g. --lr 3e-3)")
+    if not TIMEOUT_RANGE_S[0] <= train_cfg.timeout_s <= TIMEOUT_RANGE_S[1]:  # NaN fails it too
+        raise ValueError(f"--timeout-s {train_cfg.timeout_s} must be between {TIMEOUT_RANGE_S[0]} and "
+                         f"{TIMEOUT_RANGE_S[1]} seconds (a stopped rank ends the job after about this long)")
+    for flag, value in {"--min-lr": train_cfg.min_lr, "--weight-decay": train_cfg.weight_decay,
+                        "--grad-clip": train_cfg.grad_clip}.items():
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise ValueError(f"{flag} {value} must be a finite number >= 0")
-    if run.min_lr is not None and run.min_lr > run.lr:
-        raise ValueError(f"--min-lr {run.min_lr} exceeds --lr {run.lr}: the schedule decays from --lr to --min-lr")
-    if run.peak_tflops is not None and not (math.isfinite(run.peak_tflops) and run.peak_tflops > 0):
-        raise ValueError(f"--peak-tflops {run.peak_tflops} must be a positive number (per GPU, e.g. 989 for H100)")
+    if train_cfg.min_lr is not None and train_cfg.min_lr > train_cfg.lr:
+        raise ValueError(f"--min-lr {train_cfg.min_lr} exceeds --lr {train_cfg.lr}: the schedule decays from --lr to "
+                         "--min-lr")
+    if train_cfg.peak_tflops is not None and not (math.isfinite(train_cfg.peak_tflops) and train_cfg.peak_tflops > 0):
+        raise ValueError(f"--peak-tflops {train_cfg.peak_tflops} must be a positive number (per GPU, e.g. 989 for "
+                         "H100)")
     if not 0 <= cfg.seed < 2 ** 31:
         raise ValueError(f"--seed {cfg.seed} must be between 0 and 2**31 - 1")
-    tp, pp, cp, ep = run.tp, run.pp, run.cp, run.ep
+    tp, pp, cp, ep = train_cfg.tp, train_cfg.pp, train_cfg.cp, train_cfg.ep
     topology.validate_layout(world, tp, pp, cp, ep)
-    layout = layout_of(cfg, run, world)
+    layout = layout_of(cfg, train_cfg, world)
     dp, s_cp = layout.dp, layout.seq_cp
-    zigzag = cp > 1 and run.cp_impl in ("ring", "allgather", "hybrid")
-    u = run.cp_ulysses
+    zigzag = cp > 1 and train_cfg.cp_impl in ("ring", "allgather", "hybrid")
+    u = train_cfg.cp_ulysses
     token_split = layout.sequence_parallel or (layout.moe_token_split and cfg.moe_every > 0)
     checks = [
-        (run.cp_impl not in CP_IMPLS, f"--cp-impl {run.cp_impl!r} is unknown; choose one of {sorted(CP_IMPLS)}"),
-        (run.recompute not in RECOMPUTE, f"--recompute {run.recompute!r} is unknown; choose one of {RECOMPUTE}"),
-        (run.dtype not in DTYPES, f"--dtype {run.dtype!r} is unknown; choose one of {DTYPES}"),
-        (run.optimizer not in ("adamw", "sgd"), f"--optimizer {run.optimizer!r} is unknown; choose adamw or sgd"),
+        (train_cfg.cp_impl not in CP_IMPLS,
+         f"--cp-impl {train_cfg.cp_impl!r} is unknown; choose one of {sorted(CP_IMPLS)}"),
+        (train_cfg.recompute not in RECOMPUTE,
+         f"--recompute {train_cfg.recompute!r} is unknown; choose one of {RECOMPUTE}"),
+        (train_cfg.dtype not in DTYPES, f"--dtype {train_cfg.dtype!r} is unknown; choose one of {DTYPES}"),
+        (train_cfg.optimizer not in ("adamw", "sgd"),
+         f"--optimizer {train_cfg.optimizer!r} is unknown; choose adamw or sgd"),
         (ep > 1 and cfg.moe_every == 0, f"--ep {ep} needs MoE layers: set --moe-every > 0"),
         (cfg.moe_every > cfg.n_layer, f"--moe-every {cfg.moe_every} exceeds --layers {cfg.n_layer}: no layer "
                                       "would be MoE; choose --moe-every <= --layers, or 0 for a dense model"),
@@ -2564,57 +2667,61 @@ def validate(cfg, run, world):
          f"--top-k {cfg.top_k} must be between 1 and --experts {cfg.n_experts}"),
         (cfg.n_layer % pp, f"--layers {cfg.n_layer} must be divisible by --pp {pp}; choose --pp among "
                            f"{[d for d in range(1, cfg.n_layer + 1) if cfg.n_layer % d == 0]}"),
-        (cfg.n_layer % (pp * run.virtual_stages),
-         f"--layers {cfg.n_layer} must be divisible by --pp x --virtual-stages = {pp}x{run.virtual_stages} (each "
+        (cfg.n_layer % (pp * train_cfg.virtual_stages),
+         f"--layers {cfg.n_layer} must be divisible by --pp x --virtual-stages = {pp}x{train_cfg.virtual_stages} (each "
          f"model chunk holds L / (pp v) layers)"),
         (cfg.n_embd % cfg.n_head, f"--hidden {cfg.n_embd} must be divisible by --heads {cfg.n_head}; e.g. "
                                   f"--hidden {cfg.n_head * max(1, round(cfg.n_embd / cfg.n_head))}"),
         (cfg.n_head % tp, f"--heads {cfg.n_head} must be divisible by --tp {tp}"),
-        (cp > 1 and run.cp_impl == "ulysses" and (cfg.n_head // tp) % cp,
+        (cp > 1 and train_cfg.cp_impl == "ulysses" and (cfg.n_head // tp) % cp,
          f"--cp-impl ulysses splits each TP rank's {cfg.n_head // tp} heads over --cp {cp}: choose --cp "
          f"dividing --heads/--tp, or --cp-impl ring"),
         (cfg.vocab_size % tp, f"--vocab {cfg.vocab_size} must be divisible by --tp {tp}; pad the vocabulary to "
                               f"{-(-cfg.vocab_size // tp) * tp}"),
         (zigzag and cfg.seq_len % (2 * cp),
-         f"--seq {cfg.seq_len} must be divisible by 2*cp = {2 * cp} (zigzag shards of --cp-impl {run.cp_impl})"),
+         f"--seq {cfg.seq_len} must be divisible by 2*cp = {2 * cp} (zigzag shards of --cp-impl {train_cfg.cp_impl})"),
         (cp > 1 and cfg.seq_len % cp, f"--seq {cfg.seq_len} must be divisible by --cp {cp}"),
-        (u > 1 and run.cp_impl != "hybrid", f"--cp-ulysses {u} needs --cp-impl hybrid (Ulysses inside, ring across)"),
+        (u > 1 and train_cfg.cp_impl != "hybrid",
+         f"--cp-ulysses {u} needs --cp-impl hybrid (Ulysses inside, ring across)"),
         (cp % u, f"--cp-ulysses {u} must divide --cp {cp} (CP = u x the ring's size)"),
-        (run.cp_impl == "hybrid" and (cfg.n_head // tp) % u,
+        (train_cfg.cp_impl == "hybrid" and (cfg.n_head // tp) % u,
          f"--cp-impl hybrid splits each TP rank's {cfg.n_head // tp} heads over --cp-ulysses {u}: choose --cp-ulysses "
          f"dividing --heads/--tp"),
         (token_split and s_cp % tp,
          f"--seq/--cp = {s_cp} must be divisible by --tp {tp}: sequence parallelism (and MoE layers under TP) "
          f"split each rank's tokens over TP"),
-        (run.batch % (dp * run.micro_batch),
-         f"--batch {run.batch} must be divisible by dp*micro_batch = {dp}*{run.micro_batch} (dp = world / "
+        (train_cfg.batch % (dp * train_cfg.micro_batch),
+         f"--batch {train_cfg.batch} must be divisible by dp*micro_batch = {dp}*{train_cfg.micro_batch} (dp = world / "
          f"(tp*cp*pp) = {dp})"),
-        ((run.resume or run.save_every) and not run.out_dir, "--resume and --save-every need --out-dir"),
-        (run.fp8_recipe not in mixed_precision.FP8_RECIPES,
-         f"--fp8-recipe {run.fp8_recipe!r} is unknown; choose one of {mixed_precision.FP8_RECIPES}"),
-        (run.fp8_backward not in mixed_precision.FP8_BACKWARDS,
-         f"--fp8-backward {run.fp8_backward!r} is unknown; choose bf16 (16-bit backward GEMMs) or fp8 (E5M2 "
+        ((train_cfg.resume or train_cfg.save_every) and not train_cfg.out_dir,
+         "--resume and --save-every need --out-dir"),
+        (train_cfg.fp8_recipe not in mixed_precision.FP8_RECIPES,
+         f"--fp8-recipe {train_cfg.fp8_recipe!r} is unknown; choose one of {mixed_precision.FP8_RECIPES}"),
+        (train_cfg.fp8_backward not in mixed_precision.FP8_BACKWARDS,
+         f"--fp8-backward {train_cfg.fp8_backward!r} is unknown; choose bf16 (16-bit backward GEMMs) or fp8 (E5M2 "
          "gradients)"),
-        (run.fp8_backward == "fp8" and run.dtype != "fp8",
+        (train_cfg.fp8_backward == "fp8" and train_cfg.dtype != "fp8",
          "--fp8-backward fp8 runs the backward GEMMs of the FP8 layers in FP8: it needs --dtype fp8"),
-        (run.dtype == "fp8" and run.fp8_recipe == "delayed" and run.recompute != "none",
-         f"--fp8-recipe delayed records each GEMM's amax as it runs, and --recompute {run.recompute} would record it "
-         "again: use --recompute none or another --fp8-recipe"),
-        (run.zero not in (0, 1, 2, 3), f"--zero {run.zero} is unknown; choose 0 (replicated), 1 (optimizer states "
-                                       "sharded), 2 (and gradients) or 3 (and parameters)"),
-        (run.zero_shard_size is not None and run.zero == 0,
+        (train_cfg.dtype == "fp8" and train_cfg.fp8_recipe == "delayed" and train_cfg.recompute != "none",
+         f"--fp8-recipe delayed records each GEMM's amax as it runs, and --recompute {train_cfg.recompute} would "
+         "record it again: use --recompute none or another --fp8-recipe"),
+        (train_cfg.zero not in (0, 1, 2, 3),
+         f"--zero {train_cfg.zero} is unknown; choose 0 (replicated), 1 (optimizer states sharded), 2 (and gradients) "
+         "or 3 (and parameters)"),
+        (train_cfg.zero_shard_size is not None and train_cfg.zero == 0,
          "--zero-shard-size shards the ZeRO states over groups of DP x CP ranks: it needs --zero 1, 2 or 3"),
-        (run.zero_shard_size is not None and not (run.zero_shard_size >= 1 and (cp * dp) % run.zero_shard_size == 0),
-         f"--zero-shard-size {run.zero_shard_size} must divide dp*cp = {dp * cp} (hybrid sharding: shard over groups "
-         f"of that many ranks, replicate across them)"),
-        (run.fp8_param_gather and not (run.zero >= 1 and run.dtype in ("bfloat16", "fp8")),
+        (train_cfg.zero_shard_size is not None
+         and not (train_cfg.zero_shard_size >= 1 and (cp * dp) % train_cfg.zero_shard_size == 0),
+         f"--zero-shard-size {train_cfg.zero_shard_size} must divide dp*cp = {dp * cp} (hybrid sharding: shard over "
+         f"groups of that many ranks, replicate across them)"),
+        (train_cfg.fp8_param_gather and not (train_cfg.zero >= 1 and train_cfg.dtype in ("bfloat16", "fp8")),
          "--fp8-param-gather all-gathers the ZeRO shards of 16-bit weights: it needs --zero 1, 2 or 3 and --dtype "
          "bfloat16 or fp8"),
     ]
     for failed, message in checks:
         if failed:
             raise ValueError(message)
-    error = schedule_error(run.pp_schedule, pp, layout.micro_batch_count, run.virtual_stages)
+    error = schedule_error(train_cfg.pp_schedule, pp, layout.micro_batch_count, train_cfg.virtual_stages)
     if error:
         raise ValueError(error)
 
@@ -2635,42 +2742,43 @@ def schedule_error(kind, p, m, v):
     return None
 
 
-def check_inputs(cfg, run, world):
+def check_inputs(cfg, train_cfg, world):
     """validate(), the --out-dir lock (rank 0), then the data (present, long enough, ids below --vocab), the metrics
     file and the checkpoint to resume (the newest that passes its checks, of the same model shape): everything that
     can fail, before any process group exists. Returns the data."""
     try:
-        return _check_inputs(cfg, run, world)
+        return _check_inputs(cfg, train_cfg, world)
     except ValueError:
-        release_out_dir(run.out_dir)
+        release_out_dir(train_cfg.out_dir)
         raise
 
 
-def _check_inputs(cfg, run, world):
-    validate(cfg, run, world)
-    check_fits_in_memory(cfg, run)
-    if run.out_dir:
-        _check_folder_can_exist("--out-dir", run.out_dir)
+def _check_inputs(cfg, train_cfg, world):
+    validate(cfg, train_cfg, world)
+    check_fits_in_memory(cfg, train_cfg)
+    if train_cfg.out_dir:
+        _check_folder_can_exist("--out-dir", train_cfg.out_dir)
         if _global_rank() == 0:  # before anything is written, and before the folder is looked at
-            hold_out_dir(run.out_dir)
-    check_outputs_apart_from_inputs(run)
-    if run.metrics:
-        _check_metrics_file(run.metrics)
-    if run.out_dir and _global_rank() == 0 and os.path.isdir(run.out_dir):
-        clear_stale_writes(run.out_dir)
-    data = load_data(run.data, cfg.seq_len, cfg.vocab_size)
+            hold_out_dir(train_cfg.out_dir)
+    check_outputs_apart_from_inputs(train_cfg)
+    if train_cfg.metrics:
+        _check_metrics_file(train_cfg.metrics)
+    if train_cfg.out_dir and _global_rank() == 0 and os.path.isdir(train_cfg.out_dir):
+        clear_stale_writes(train_cfg.out_dir)
+    data = load_data(train_cfg.data, cfg.seq_len, cfg.vocab_size)
     if data.vocab > cfg.vocab_size:
         raise ValueError(f"--vocab {cfg.vocab_size} is smaller than the data's vocabulary ({data.source} uses ids "
-                         f"up to {data.vocab - 1}): pass --vocab {-(-data.vocab // run.tp) * run.tp} or more")
-    if not run.resume and checkpoint_dirs(run.out_dir):
-        raise ValueError(f"--out-dir {run.out_dir} holds checkpoints of an earlier run (latest "
-                         f"{os.path.basename(checkpoint_dirs(run.out_dir)[-1])}): pass --resume to continue it, or "
-                         "another --out-dir (a fresh run would mix its checkpoints with the old ones)")
-    latest, state = latest_checkpoint(run.out_dir, cfg) if run.resume else (None, None)
+                         f"up to {data.vocab - 1}): pass --vocab {-(-data.vocab // train_cfg.tp) * train_cfg.tp} or "
+                         "more")
+    if not train_cfg.resume and checkpoint_dirs(train_cfg.out_dir):
+        raise ValueError(f"--out-dir {train_cfg.out_dir} holds checkpoints of an earlier run (latest "
+                         f"{os.path.basename(checkpoint_dirs(train_cfg.out_dir)[-1])}): pass --resume to continue "
+                         "it, or another --out-dir (a fresh run would mix its checkpoints with the old ones)")
+    latest, state = latest_checkpoint(train_cfg.out_dir, cfg) if train_cfg.resume else (None, None)
     if latest:
-        if state["optimizer"] != run.optimizer:
+        if state["optimizer"] != train_cfg.optimizer:
             raise ValueError(f"checkpoint {latest} holds {state['optimizer']} state, this "
-                             f"run has --optimizer {run.optimizer}: pass --optimizer {state['optimizer']}")
+                             f"run has --optimizer {train_cfg.optimizer}: pass --optimizer {state['optimizer']}")
         if state["config"]["seed"] != cfg.seed:  # the seed draws the batches: another one is another run
             raise ValueError(f"checkpoint {latest} was trained with --seed "
                              f"{state['config']['seed']}, this run has --seed {cfg.seed}: pass --seed "
@@ -2678,42 +2786,43 @@ def _check_inputs(cfg, run, world):
     return data
 
 
-def warn_what_changed(state, run):
+def warn_what_changed(state, train_cfg):
     """Moved data is fine, and a longer run is a new schedule: said once the checkpoint is loaded (the checks before
     the process group may pass one that its checksums then skip)."""
-    if state["data"] != run.data:
-        _warn(f"resuming a run trained on --data {state['data']} with --data {run.data}")
-    if state["schedule"] != _schedule(run):
-        _warn(_schedule_change(state["schedule"], run, state["step"]))
+    if state["data"] != train_cfg.data:
+        _warn(f"resuming a run trained on --data {state['data']} with --data {train_cfg.data}")
+    if state["schedule"] != _schedule(train_cfg):
+        _warn(_schedule_change(state["schedule"], train_cfg, state["step"]))
 
 
 def _inside(path, folder):
     return os.path.commonpath([path, folder]) == folder
 
 
-def check_outputs_apart_from_inputs(run):
+def check_outputs_apart_from_inputs(train_cfg):
     """No output can overwrite an input or be read back as one: --metrics is not the --data file, nor inside the
     --data folder, a checkpoint or its lock; --out-dir is not inside the --data folder (whose text files are all
     read: the run would train on its own checkpoints)."""
-    data = os.path.realpath(run.data) if run.data not in ("embedded", "synthetic") and os.path.exists(run.data) \
-        else None
+    data = os.path.realpath(train_cfg.data) if train_cfg.data not in ("embedded", "synthetic") and \
+        os.path.exists(train_cfg.data) else None
     data_folder = data if data and os.path.isdir(data) else None
-    if run.out_dir and data_folder and _inside(os.path.realpath(run.out_dir), data_folder):
-        raise ValueError(f"--out-dir {run.out_dir} is inside the --data folder {run.data}, whose files are read as "
-                         "data: pass an --out-dir outside it")
-    if not run.metrics:
+    if train_cfg.out_dir and data_folder and _inside(os.path.realpath(train_cfg.out_dir), data_folder):
+        raise ValueError(f"--out-dir {train_cfg.out_dir} is inside the --data folder {train_cfg.data}, whose files "
+                         "are read as data: pass an --out-dir outside it")
+    if not train_cfg.metrics:
         return
-    metrics = os.path.realpath(run.metrics)
+    metrics = os.path.realpath(train_cfg.metrics)
     if data and (metrics == data or (data_folder and _inside(metrics, data_folder))):
-        raise ValueError(f"--metrics {run.metrics} would overwrite the --data {run.data}: pass a path outside it")
+        raise ValueError(f"--metrics {train_cfg.metrics} would overwrite the --data {train_cfg.data}: pass a path "
+                         "outside it")
     folder = os.path.dirname(metrics)
-    out = os.path.realpath(run.out_dir) if run.out_dir else None
+    out = os.path.realpath(train_cfg.out_dir) if train_cfg.out_dir else None
     in_checkpoint = any(os.path.lexists(os.path.join(folder, name)) for name in (MANIFEST, "train_state.json",
                                                                                   ".metadata"))
     if in_checkpoint or (out and metrics != out and _inside(metrics, out) and (
             os.path.basename(metrics) == ".lock" or STEP_FOLDER.match(os.path.relpath(metrics, out)))):
-        raise ValueError(f"--metrics {run.metrics} lies inside a checkpoint (or is the --out-dir lock): pass a path "
-                         "outside the checkpoint folders")
+        raise ValueError(f"--metrics {train_cfg.metrics} lies inside a checkpoint (or is the --out-dir lock): pass a "
+                         "path outside the checkpoint folders")
 
 
 def clear_stale_writes(out_dir):
@@ -2731,11 +2840,11 @@ def clear_stale_writes(out_dir):
             shutil.rmtree(path)
 
 
-def check_fits_in_memory(cfg, run):
+def check_fits_in_memory(cfg, train_cfg):
     """Refuse, before anything is allocated, a model whose weights, gradients and master weights alone (4 bytes of
     each per parameter at least, the parameters split over TP x PP x EP at best) exceed this rank's share of the
     machine's memory (the GPU's, or the host's over its local ranks): an allocator's traceback otherwise."""
-    per_rank = 3 * 4 * parameter_count(cfg) / (run.tp * run.pp * run.ep)
+    per_rank = 3 * 4 * parameter_count(cfg) / (train_cfg.tp * train_cfg.pp * train_cfg.ep)
     if torch.cuda.is_available():
         available = torch.cuda.get_device_properties(0).total_memory
     elif hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
@@ -2787,19 +2896,19 @@ def _check_folder_can_exist(flag, path):
         raise ValueError(f"{flag} {path}: {ancestor} is not writable; pass another path")
 
 
-def _schedule(run):
-    return {k: getattr(run, k) for k in SCHEDULE_FIELDS}
+def _schedule(train_cfg):
+    return {k: getattr(train_cfg, k) for k in SCHEDULE_FIELDS}
 
 
-def _schedule_change(saved, run, step):
+def _schedule_change(saved, train_cfg, step):
     """Megatron-LM refuses a resumed run whose learning-rate schedule differs from its checkpoint's (unless told
     to override); a longer --steps is a common wish, so here it is a warning that says what the learning rate
     does at the step where the run continues: the cosine now ends at the new last step."""
-    before = replace(run, **saved)
-    changed = ", ".join(f"--{k.replace('_', '-')} {saved[k]} -> {getattr(run, k)}" for k in SCHEDULE_FIELDS
-                        if saved[k] != getattr(run, k))
+    before = replace(train_cfg, **saved)
+    changed = ", ".join(f"--{k.replace('_', '-')} {saved[k]} -> {getattr(train_cfg, k)}" for k in SCHEDULE_FIELDS
+                        if saved[k] != getattr(train_cfg, k))
     return (f"resuming with another learning-rate schedule ({changed}): at step {step} the learning rate is "
-            f"{lr_at(step, run):.3g}, where the checkpoint's schedule gives {lr_at(step, before):.3g}")
+            f"{lr_at(step, train_cfg):.3g}, where the checkpoint's schedule gives {lr_at(step, before):.3g}")
 
 
 def _warn(message):
@@ -3169,8 +3278,8 @@ def sample(cfg, path, n, temperature=1.0, top_k=None, prompt="\n", seed=0):
     """Generate n tokens on one process from a checkpoint of any layout: a model trained on bytes of text
     draws bytes only (a vocabulary padded for TP, e.g. 258, has ids no text uses) and returns the text; any
     other model returns the token ids, drawn after token 0."""
-    run = TrainConfig(batch=1, micro_batch=1, log=False)
-    plan, stage, _, _ = build(cfg, run, optimizer=False)
+    train_cfg = TrainConfig(batch=1, micro_batch=1, log=False)
+    plan, stage, _, _ = build(cfg, train_cfg, optimizer=False)
     load_checkpoint(path, stage)  # checked, and its checksums verified, first
     text = read_train_state(path).get("text", cfg.vocab_size <= 256)  # saved before "text" was: the old rule
     device = next(stage.parameters()).device
@@ -3267,39 +3376,60 @@ def parse_args(argv=None):
     add("--peak-tflops", type=float, default=None, help="per GPU, for MFU (default on A100/H100/H200: "
         "the dense BF16 peak, whatever --dtype)")
     add("--seed", type=int, default=0)
-    a = ap.parse_args(argv)
-    if a.micro_batches is not None and not a.show_schedule:
+    flags = ap.parse_args(argv)
+    if flags.micro_batches is not None and not flags.show_schedule:
         raise ValueError("--micro-batches goes with --show-schedule; a run has batch / (dp micro_batch) micro-batches")
-    if a.show_schedule:
-        m = 8 if a.micro_batches is None else a.micro_batches
-        for flag, value in (("--pp", a.pp), ("--micro-batches", m), ("--virtual-stages", a.virtual_stages)):
+    if flags.show_schedule:
+        m = 8 if flags.micro_batches is None else flags.micro_batches
+        for flag, value in (("--pp", flags.pp), ("--micro-batches", m), ("--virtual-stages", flags.virtual_stages)):
             if value < 1:
                 raise ValueError(f"{flag} {value} must be a positive integer")
-        if a.pp * m * a.virtual_stages > SHOW_SCHEDULE_MAX_ACTIONS:  # the picture has a column per time slot
+        if flags.pp * m * flags.virtual_stages > SHOW_SCHEDULE_MAX_ACTIONS:  # the picture has a column per time slot
             raise ValueError(f"--show-schedule draws --pp x --micro-batches x --virtual-stages = "
-                             f"{a.pp * m * a.virtual_stages:,} forward actions, more than a screen can show "
+                             f"{flags.pp * m * flags.virtual_stages:,} forward actions, more than a screen can show "
                              f"({SHOW_SCHEDULE_MAX_ACTIONS:,}): pass smaller values")
-        error = schedule_error(a.pp_schedule, a.pp, m, a.virtual_stages)
+        error = schedule_error(flags.pp_schedule, flags.pp, m, flags.virtual_stages)
         if error:
             raise ValueError(error.replace("m = batch / (dp micro_batch)", "--micro-batches"))
-        a.micro_batches = m
-    if a.sample is not None and a.sample < 1:
-        raise ValueError(f"--sample {a.sample} must be >= 1: the number of tokens to draw (omit it to train)")
-    if not (math.isfinite(a.temperature) and a.temperature > 0) or a.sample_top_k < 0:
+        flags.micro_batches = m
+    if flags.sample is not None and flags.sample < 1:
+        raise ValueError(f"--sample {flags.sample} must be >= 1: the number of tokens to draw (omit it to train)")
+    if not (math.isfinite(flags.temperature) and flags.temperature > 0) or flags.sample_top_k < 0:
         raise ValueError("--sample-top-k must be >= 0 and --temperature finite and > 0 (e.g. --sample 300 "
                          "--temperature 0.8 --sample-top-k 50; --sample-top-k 0 samples from every token)")
-    if a.step is not None and not (a.export_hf or a.export_nanogpt):
+    if flags.step is not None and not (flags.export_hf or flags.export_nanogpt):
         raise ValueError("--step goes with --export-hf or --export-nanogpt (training runs --steps)")
-    a.shape_given = {}  # --init-from-hf: the shape flags passed, each to agree with config.json
-    if a.init_from_hf:
+    flags.shape_given = {}  # --init-from-hf: the shape flags passed, each to agree with config.json
+    if flags.init_from_hf:
         ap.set_defaults(**{flag[2:].replace("-", "_"): None for flag in SHAPE_FLAGS.values()})
         given = vars(ap.parse_args(argv))
-        a.shape_given = {field: given[flag[2:].replace("-", "_")] for field, flag in SHAPE_FLAGS.items()
-                         if given[flag[2:].replace("-", "_")] is not None}
-    cfg = GPTConfig(vocab_size=a.vocab, seq_len=a.seq, n_layer=a.layers, n_head=a.heads, n_embd=a.hidden,
-                    seed=a.seed, moe_every=a.moe_every, n_experts=a.experts, top_k=a.top_k)
-    run = TrainConfig(**{f.name: getattr(a, f.name) for f in fields(TrainConfig) if hasattr(a, f.name)})
-    return cfg, run, a
+        flags.shape_given = {field: given[flag[2:].replace("-", "_")] for field, flag in SHAPE_FLAGS.items()
+                             if given[flag[2:].replace("-", "_")] is not None}
+    cfg = GPTConfig(vocab_size=flags.vocab, seq_len=flags.seq, n_layer=flags.layers, n_head=flags.heads,
+                    n_embd=flags.hidden, seed=flags.seed, moe_every=flags.moe_every, n_experts=flags.experts,
+                    top_k=flags.top_k)
+    train_cfg = TrainConfig(**{f.name: getattr(flags, f.name) for f in fields(TrainConfig) if hasattr(flags, f.name)})
+    return cfg, train_cfg, flags
+
+
+@contextlib.contextmanager
+def ends_in_one_line(rank, torchrun, starting=False):
+    """How a job ends: one line and an exit code. While `starting` (the flags, the inputs), a ValueError is a bad
+    input: exit 2. Then a bad checkpoint exits 2 (every rank found it: checksums are agreed); a divergence or a save
+    that cannot be written 1 (every rank holds the same loss and norm, or agreed not to save); a stall 1 on each rank
+    that waited (only they know: each says so, then the job ends now)."""
+    try:
+        yield
+    except ValueError as e:
+        if not (starting or isinstance(e, BadCheckpoint)):
+            raise
+        _fail(rank, 2, e)
+    except (Diverged, CannotSave) as e:
+        _fail(rank, 1, e)
+    except Stalled as e:
+        if torchrun:
+            stop_local_peers()
+        _fail(rank, 1, e, everyone=True)
 
 
 def _fail(rank, code, message, everyone=False):

@@ -100,6 +100,48 @@ def test_one_rank_is_the_plain_gpt(reference_losses):
     assert abs(_plain_gpt_loss(CFG, tokens) - reference_losses[0][0]) < 1e-12
 
 
+def _frames_to_attention(cwd):
+    """The repository's frames on the stack when a default run of `main` at world size 1 first calls the attention
+    kernel (the test's own frames left out), from a forked process."""
+    import traceback
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the program
+        try:
+            torch.set_num_threads(1)
+            os.chdir(cwd)
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+
+            def kernel(*args, **kwargs):
+                names = [f.name for f in traceback.extract_stack()[:-1]
+                         if os.path.abspath(f.filename).startswith(root + os.sep)
+                         and not os.path.abspath(f.filename).startswith(os.path.join(root, "tests") + os.sep)]
+                os.write(write, " ".join(names).encode())
+                os._exit(0)
+            F.scaled_dot_product_attention = kernel
+            with open(os.devnull, "w") as quiet:
+                sys.stdout = sys.stderr = quiet
+                train_gpt.main([])
+        finally:
+            os._exit(1)
+    os.close(write)
+    with os.fdopen(read) as answer:
+        chain = answer.read().split()
+    os.waitpid(pid, 0)
+    return chain
+
+
+def test_a_world_1_step_reaches_the_attention_kernel_in_at_most_10_frames(tmp_path):
+    """nanoGPT's depth: from the program's entry (the module's `main()` line, one frame) to the kernel, at most 10
+    of the repository's frames with the default flags: no pipeline executor at PP = 1, no recomputation frame."""
+    chain = _frames_to_attention(str(tmp_path))
+    assert chain == ["main", "train", "train_step", "forward_micro_batch", "forward", "forward", "attention",
+                     "attention"], chain
+    assert 1 + len(chain) <= 10
+
+
 def _pipeline_peak(rank, world):
     torch.set_default_dtype(torch.float64)
     plan, stage, opt, pipe = train_gpt.build(CFG, _run(pp=world, micro_batch=1, batch=8))
@@ -2238,14 +2280,15 @@ def test_the_lock_never_follows_a_symbolic_link_and_refuses_what_is_not_a_file(t
 
 
 def _train_deleting_the_lock_after_the_first_step(rank, world, out_dir):
-    real = train_gpt.train_one_step
+    real, steps = train_gpt.train_step, []
 
-    def step_then_delete(step, *args):
-        result = real(step, *args)
-        if step == 0:
+    def step_then_delete(*args, **kwargs):
+        result = real(*args, **kwargs)
+        if not steps:  # after step 0
             os.unlink(os.path.join(out_dir, ".lock"))  # as a careless `rm` would
+        steps.append(result)
         return result
-    train_gpt.train_one_step = step_then_delete
+    train_gpt.train_step = step_then_delete
     try:
         train_gpt.train(CFG, _run(steps=3, save_every=1, out_dir=out_dir))
     except train_gpt.CannotSave as e:

@@ -53,6 +53,7 @@ JOB, what a training program needs around training (data, checkpoints, input che
 import argparse
 import contextlib
 import functools
+import itertools
 import json
 import math
 import os
@@ -141,6 +142,7 @@ class TrainConfig:
     grad_clip: float = 1.0            # global gradient-norm clipping; 0 disables
     out_dir: str = None               # checkpoints: out_dir/step_NNNNNN
     save_every: int = 0               # steps between checkpoints (0: only at the end, if out_dir is set)
+    keep_last: int = 0                # keep the newest N checkpoints (0: all)
     resume: bool = False              # continue from the latest complete checkpoint in out_dir, if any
     init_from_hf: str = None          # a GPT-2 folder (config.json, model.safetensors): the initial weights
     timeout_s: float = 300.0          # process-group timeout: a dead peer ends the job within it
@@ -1067,6 +1069,8 @@ def train(cfg, train_cfg, data=None):
         data = data or check_inputs(cfg, train_cfg, _world_size())
         with stalls_in_one_line(train_cfg, lambda: "while starting (process groups, the checkpoint)"):
             plan, stage, opt, pipe = build(cfg, train_cfg)
+            if train_cfg.log and plan.parallel_state.rank == 0:
+                print(what_runs(cfg, train_cfg, plan, stage, data), flush=True)
             start = resume_step(train_cfg, stage, opt)  # 0, or with --resume the step out_dir's checkpoint holds
         parallel_state, device = plan.parallel_state, next(stage.parameters()).device
         metrics = open_metrics(train_cfg.metrics, start) if train_cfg.metrics and parallel_state.rank == 0 else None
@@ -1148,6 +1152,7 @@ def main(argv=None):
         if flags.sample:
             path, state = sample_checkpoint(train_cfg.out_dir, world)
             cfg = GPTConfig(**state["config"])
+            prompt_ids("\n" if flags.prompt is None else flags.prompt, state["text"], cfg.vocab_size)  # one line now
         elif flags.export_hf or flags.export_nanogpt:
             path, state = export_source(train_cfg.out_dir, flags.step, world, flags.export_hf, flags.export_nanogpt)
         else:
@@ -1158,7 +1163,7 @@ def main(argv=None):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     with ends_in_one_line(rank, torchrun):
         if flags.sample:
-            print(sample(cfg, path, flags.sample, flags.temperature, flags.sample_top_k, seed=flags.seed))
+            print(sampled_text(cfg, path, flags))
         elif flags.export_hf or flags.export_nanogpt:
             print("\n".join(export_weights(path, state, flags.export_hf, flags.export_nanogpt)))
         else:
@@ -1358,6 +1363,9 @@ def timeline(kind, p, m, v=1):
                 f"the step, {(span - ideal) / ideal:.3f} of the ideal {ideal}")
     rows.append("in flight per rank (chunks): " + ", ".join(
         f"{in_flight_peak(o, split)} ({f})" for o, f in zip(orders, peaks)))
+    rows.append("legend: a column is one time unit, a forward's time; Fi: the forward of micro-batch i (Fi.c: on "
+                "model chunk c, with virtual stages), 1 unit;\n        Bi: its backward, 2 units (zb-h1: the input "
+                "gradients only, 1 unit); Wi: its weight gradients (zb-h1), 1 unit; '.': the rank waits (the bubble)")
     return "\n".join(rows)
 
 
@@ -1545,9 +1553,10 @@ def step_record(step, lr, loss, aux, grad_norm, stepped, dt, stage, opt, cfg, tr
 
 
 def step_line(record, skipped, moe):
-    """The one line a step prints on rank 0."""
+    """The one line a step prints on rank 0, numbered as the checkpoint of the state after it is (the metrics'
+    "step" counts from 0: its line of step 59 is logged as step 60, and saved as step_000060)."""
     r = record
-    return (f"step {r['step']}: loss {r['loss']:.4f}" + (f", val {r['val_loss']:.4f}" if "val_loss" in r else "")
+    return (f"step {r['step'] + 1}: loss {r['loss']:.4f}" + (f", val {r['val_loss']:.4f}" if "val_loss" in r else "")
             + (f", aux {r['aux_loss']:.4f}" if moe else "") + f", lr {r['lr']:.2e}, |g| "
             + (f"{r['grad_norm']:.3f}, " if r["grad_norm"] is not None else "inf, ")
             + (f"skipped (FP16 overflow, {skipped} in a row, loss scale now {r['loss_scale']:g}), "
@@ -1696,8 +1705,13 @@ def _split_text(name, tokens, seq_len):
 
 
 def open_metrics(path, start):
-    """The metrics file, opened for appending; a resumed run keeps the lines of the steps its checkpoint holds
-    (replaced at once: a crash now loses no line)."""
+    """The metrics file, opened for appending; a resumed run keeps the lines of the steps its checkpoint holds and
+    drops those past it (replaced at once: a crash now loses no line); a fresh run never appends to an earlier
+    run's file: that one is moved aside to PATH.N, said in one line."""
+    if not start and os.path.exists(path) and os.path.getsize(path):
+        kept = next(f"{path}.{n}" for n in itertools.count(1) if not os.path.lexists(f"{path}.{n}"))
+        os.rename(path, kept)
+        _warn(f"--metrics {path} held an earlier run's metrics: moved to {kept}")
     with open(path + ".tmp", "w") as f:
         f.writelines(_metrics_before(path, start) if start else [])
     os.replace(path + ".tmp", path)
@@ -2121,7 +2135,16 @@ def save_checkpoint(out_dir, step, stage, opt, cfg, train_cfg, text=False):
             written = e
     if not _on_every_rank(written is True, device):
         raise CannotSave(_save_error(tmp, written))
+    if train_cfg.keep_last and rank == 0:
+        drop_old_checkpoints(out_dir, train_cfg.keep_last)
     return final
+
+
+def drop_old_checkpoints(out_dir, keep):
+    """--keep-last: remove all but the newest `keep` checkpoints, the one just written (and verified as written)
+    among them, so the newest good one is never deleted."""
+    for path in checkpoint_dirs(out_dir)[:-keep]:
+        shutil.rmtree(path)
 
 
 def _seal_checkpoint(tmp, final, every, step, plan, cfg, train_cfg, opt, text):
@@ -2513,6 +2536,29 @@ def load_checkpoint(path, stage, opt=None):
     return train_state
 
 
+def what_runs(cfg, train_cfg, plan, stage, data):
+    """The start-up banner, rank 0: the model (parameters in all and on this rank), the layout, the batch's make-up,
+    the data and the precision."""
+    sizes, world = plan.parallel_state.sizes, plan.parallel_state.world_size
+    mine = sum(p.numel() for p in stage.parameters())
+    moe = f", MoE every {cfg.moe_every} ({cfg.n_experts} experts, top-{cfg.top_k})" if cfg.moe_every else ""
+    tokens = "" if data.train is None else f", {len(data.train):,} train / {len(data.val):,} validation tokens"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return "\n".join([
+        f"model: {parameter_count(cfg):,} parameters ({mine:,} on rank 0): {cfg.n_layer} layers, h {cfg.n_embd}, "
+        f"{cfg.n_head} heads, seq {cfg.seq_len}, vocab {cfg.vocab_size}{moe}",
+        f"layout: {world} ranks = TP {sizes['tp']} x CP {sizes['cp']} x DP {sizes['dp']} x PP {sizes['pp']}, EP "
+        f"{sizes['ep']} over DP x CP; TP groups {'inside' if sizes['tp'] <= local else 'ACROSS'} a node of {local}; "
+        f"{train_cfg.pp_schedule}" + (f", {train_cfg.virtual_stages} virtual stages" if train_cfg.virtual_stages > 1
+                                      else ""),
+        f"batch: {train_cfg.batch} sequences a step = {plan.micro_batch_count} micro-batches of "
+        f"{train_cfg.micro_batch} x DP {sizes['dp']}; data: {data.source}{tokens}",
+        f"precision: {train_cfg.dtype}" + (f" ({train_cfg.fp8_recipe})" if train_cfg.dtype == "fp8" else "")
+        + f", masters and main grads {str(train_cfg.master_dtype)[6:]}; ZeRO {train_cfg.zero}; recompute "
+        f"{train_cfg.recompute}; "
+        f"{train_cfg.steps} steps of {train_cfg.optimizer}, lr {train_cfg.lr:g}"])
+
+
 def resume_step(train_cfg, stage, opt):
     """The step a run starts at: 0, or with --resume (and a checkpoint in out_dir) the step of the newest one that
     passes its checks, whose weights and optimizer states are then loaded; what changed since is said once."""
@@ -2524,6 +2570,11 @@ def resume_step(train_cfg, stage, opt):
     start = resumed["step"] if resumed else 0
     rank = stage.plan.parallel_state.rank
     if resumed and rank == 0:
+        if train_cfg.log:
+            saved = resumed["layout"]
+            print(f"resumed from {resumed['path']} (step {start}; saved by {resumed['world_size']} rank{'s' * (resumed['world_size'] > 1)} at TP "
+                  f"{saved['tp']} x CP {saved['cp']} x PP {saved['pp']}, EP {saved['ep']}, ZeRO {saved['zero']}, "
+                  f"{saved['dtype']})", flush=True)
         warn_what_changed(resumed, train_cfg)
     if train_cfg.log and rank == 0 and start >= train_cfg.steps:
         print(f"{checkpoint_dirs(train_cfg.out_dir)[-1]} already holds step {start} of --steps {train_cfg.steps}: "
@@ -2533,8 +2584,10 @@ def resume_step(train_cfg, stage, opt):
 
 def resume(out_dir, stage, opt=None):
     """Load the newest checkpoint of out_dir that passes every check (check_checkpoint, then the checksums, which
-    the ranks verify together), telling on rank 0 in one line each one skipped; returns its train_state."""
-    return newest_passing(out_dir, lambda path: load_checkpoint(path, stage, opt), _warn_on_rank_0)[1]
+    the ranks verify together), telling on rank 0 in one line each one skipped; returns its train_state, with
+    its "path"."""
+    path, state = newest_passing(out_dir, lambda path: load_checkpoint(path, stage, opt), _warn_on_rank_0)
+    return {**state, "path": path}
 
 
 _OUT_DIR_LOCKS = {}  # absolute --out-dir -> the open lock file this process holds
@@ -2761,7 +2814,7 @@ def _check_inputs(cfg, train_cfg, world):
         if _global_rank() == 0:  # before anything is written, and before the folder is looked at
             hold_out_dir(train_cfg.out_dir)
     check_outputs_apart_from_inputs(train_cfg)
-    if train_cfg.metrics:
+    if train_cfg.metrics and _global_rank() == 0:  # the one writer (its folder may be --out-dir, made by rank 0)
         _check_metrics_file(train_cfg.metrics)
     if train_cfg.out_dir and _global_rank() == 0 and os.path.isdir(train_cfg.out_dir):
         clear_stale_writes(train_cfg.out_dir)
@@ -3277,14 +3330,14 @@ def sample_checkpoint(out_dir, world):
 def sample(cfg, path, n, temperature=1.0, top_k=None, prompt="\n", seed=0):
     """Generate n tokens on one process from a checkpoint of any layout: a model trained on bytes of text
     draws bytes only (a vocabulary padded for TP, e.g. 258, has ids no text uses) and returns the text; any
-    other model returns the token ids, drawn after token 0."""
+    other model returns the token ids, drawn after the prompt's ids (token 0 without one)."""
     train_cfg = TrainConfig(batch=1, micro_batch=1, log=False)
     plan, stage, _, _ = build(cfg, train_cfg, optimizer=False)
     load_checkpoint(path, stage)  # checked, and its checksums verified, first
     text = read_train_state(path).get("text", cfg.vocab_size <= 256)  # saved before "text" was: the old rule
     device = next(stage.parameters()).device
     gen = torch.Generator().manual_seed(seed)  # draws on the CPU: the same random draws on every device
-    ids = ([i for i in prompt.encode() if i < cfg.vocab_size] if text else []) or [0]
+    ids = prompt_ids(prompt, text, cfg.vocab_size)
     given = len(ids)
     for _ in range(n):
         context = torch.tensor([ids[-cfg.seq_len:]], device=device)
@@ -3299,9 +3352,33 @@ def sample(cfg, path, n, temperature=1.0, top_k=None, prompt="\n", seed=0):
     return bytes(generated).decode("utf-8", errors="replace") if text else generated
 
 
+def prompt_ids(prompt, text, vocab):
+    """The ids a sample continues: a text model's prompt as bytes, a token model's as space-separated ids (token 0
+    when there is none). A ValueError names what is wrong."""
+    if text:
+        return [i for i in prompt.encode() if i < vocab] or [0]
+    words = prompt.split()
+    if not all(w.isdigit() and int(w) < vocab for w in words):
+        raise ValueError(f"--prompt {prompt[:40]!r}: this checkpoint's model reads token ids, not text: pass ids "
+                         f"between 0 and {vocab - 1} separated by spaces")
+    return [int(w) for w in words] or [0]
+
+
+def sampled_text(cfg, path, flags):
+    """What --sample prints: a text model's prompt and its continuation, as text; a token model's ids on one line."""
+    text = read_train_state(path)["text"]
+    prompt = "\n" if flags.prompt is None else flags.prompt
+    drawn = sample(cfg, path, flags.sample, flags.temperature, flags.sample_top_k, prompt=prompt, seed=flags.seed)
+    return (flags.prompt or "") + drawn if text else " ".join(str(i) for i in drawn)
+
+
 # ----------------------------------------------------------------------------------------------------
 # The command line, and how a job ends
 # ----------------------------------------------------------------------------------------------------
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help: every flag with its sentence and its default, the choices once."""
+
 
 class _ArgumentParser(argparse.ArgumentParser):
     def error(self, message):  # one line on rank 0, exit code 2 (see main), not a usage block per rank
@@ -3312,70 +3389,90 @@ SHOW_SCHEDULE_MAX_ACTIONS = 4096
 
 
 def parse_args(argv=None):
-    ap = _ArgumentParser(description="Train a GPT with TP x CP x DP x PP (DP = world / (tp*cp*pp)) by torchrun.")
-    add = ap.add_argument
-    add("--tp", type=int, default=1, help="tensor parallel (inside a node)")
-    add("--pp", type=int, default=1, help="pipeline stages")
-    add("--cp", type=int, default=1, help="context parallel")
-    add("--ep", type=int, default=1, help="expert parallel, folded over DP x CP")
-    add("--sequence-parallel", action="store_true", help="split LayerNorm/residual activations over TP")
-    add("--cp-impl", default="ring", choices=sorted(CP_IMPLS))
-    add("--cp-ulysses", type=int, default=1, help="--cp-impl hybrid: the Ulysses ranks inside each CP group")
-    add("--pp-schedule", default="1f1b", choices=SCHEDULES, help="1f1b | interleaved (Megatron-LM) | zb-h1")
-    add("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (interleaved, zb-h1)")
-    add("--show-schedule", action="store_true", help="print the schedule's timeline for --pp, --micro-batches, "
-        "--pp-schedule and --virtual-stages, with its bubble and in-flight peaks, and exit (no process group)")
-    add("--micro-batches", type=int, default=None, help="with --show-schedule: m (a run's: batch / (dp micro_batch))")
-    add("--moe-every", type=int, default=0, help="every n-th block is MoE (0: dense)")
-    add("--experts", type=int, default=8)
-    add("--top-k", type=int, default=2)
-    add("--layers", type=int, default=4)
-    add("--heads", type=int, default=4)
-    add("--hidden", type=int, default=64)
-    add("--seq", type=int, default=64)
-    add("--vocab", type=int, default=256)
-    add("--batch", type=int, default=16, help="global batch in sequences")
-    add("--micro-batch", type=int, default=2)
-    add("--steps", type=int, default=30)
-    add("--data", default="embedded", help="embedded | synthetic | text file | folder (text, or train.bin/val.bin)")
-    add("--eval-every", type=int, default=0)
-    add("--eval-batches", type=int, default=4)
-    add("--optimizer", default="adamw", choices=["adamw", "sgd"])
-    add("--lr", type=float, default=3e-3)
-    add("--min-lr", type=float, default=None, help="cosine decay target (default lr/10)")
-    add("--warmup", type=int, default=0)
-    add("--weight-decay", type=float, default=0.1, help="of the 2-D weights (AdamW: decoupled; SGD: L2)")
-    add("--grad-clip", type=float, default=1.0, help="global gradient-norm clipping (0: off)")
-    add("--dtype", default="float32", choices=list(DTYPES))
-    add("--fp8-recipe", default="tensorwise", choices=mixed_precision.FP8_RECIPES, help="with --dtype fp8: the "
-        "scaling granularity (tensorwise, delayed, rowwise, blockwise: DeepSeek-V3's tiles, mxfp8)")
-    add("--fp8-backward", default="bf16", choices=mixed_precision.FP8_BACKWARDS, help="with --dtype fp8: the "
-        "backward GEMMs in BF16, or in FP8 with E5M2 gradients at the recipe's granularity")
-    add("--fp8-param-gather", action="store_true", help="with --zero 1, 2 or 3: all-gather the weights in FP8 "
-        "(MXFP8: E4M3 and one power-of-two scale per 32)")
-    add("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="1: shard the optimizer states over DP x CP; "
-        "2: and the gradients; 3: and the blocks' parameters (gathered for each use)")
-    add("--zero-shard-size", type=int, default=None, help="hybrid sharding: shard over groups of this many DP x CP "
-        "ranks (one node, say), replicate across them")
-    add("--recompute", default="none", choices=list(RECOMPUTE))
-    add("--out-dir", default=None)
-    add("--save-every", type=int, default=0)
-    add("--resume", action="store_true", help="continue from the latest complete checkpoint in --out-dir")
-    add("--timeout-s", type=float, default=300.0, help="process-group timeout")
-    add("--sample", type=int, default=None, help="print this many generated bytes (N >= 1) from --out-dir's newest "
-        "checkpoint that passes its checks")
-    add("--temperature", type=float, default=0.8)
-    add("--export-hf", default=None, metavar="DIR", help="write --out-dir's newest good checkpoint (or --step's) "
-        "as a Hugging Face GPT-2 folder (config.json, model.safetensors) and exit; dense models")
-    add("--export-nanogpt", default=None, metavar="FILE", help="the same as nanoGPT's ckpt.pt")
-    add("--step", type=int, default=None, help="with --export-hf/--export-nanogpt: the checkpoint of this step")
-    add("--init-from-hf", default=None, metavar="DIR", help="start from the weights of a GPT-2 folder, at any "
-        "layout; the model's shape comes from its config.json")
-    add("--sample-top-k", type=int, default=50)
-    add("--metrics", default="metrics.jsonl")
-    add("--peak-tflops", type=float, default=None, help="per GPU, for MFU (default on A100/H100/H200: "
-        "the dense BF16 peak, whatever --dtype)")
-    add("--seed", type=int, default=0)
+    ap = _ArgumentParser(description="Train a GPT with TP x CP x DP x PP (DP = world / (tp*cp*pp)) by torchrun; "
+                         "sample from, export or show what it trains.", formatter_class=_HelpFormatter)
+    group = ap.add_argument_group("model").add_argument
+    group("--layers", type=int, default=4, help="transformer blocks")
+    group("--heads", type=int, default=4, help="attention heads")
+    group("--hidden", type=int, default=64, help="model width h (the MLP is 4h)")
+    group("--seq", type=int, default=64, help="sequence length in tokens")
+    group("--vocab", type=int, default=256, help="vocabulary size (256: bytes of text; pad to a multiple of --tp)")
+    group("--moe-every", type=int, default=0, help="every n-th block's MLP is a mixture of experts (0: dense)")
+    group("--experts", type=int, default=8, help="experts per MoE block")
+    group("--top-k", type=int, default=2, help="experts each token is routed to")
+    group("--init-from-hf", default=None, metavar="DIR", help="start from the weights of a GPT-2 folder, at any "
+          "layout; the model's shape comes from its config.json")
+    group = ap.add_argument_group("parallelism (DP is the world over TP x CP x PP)").add_argument
+    group("--tp", type=int, default=1, help="tensor parallel ranks (inside a node)")
+    group("--pp", type=int, default=1, help="pipeline stages")
+    group("--cp", type=int, default=1, help="context parallel ranks (the sequence split over them)")
+    group("--ep", type=int, default=1, help="expert parallel ranks, folded over DP x CP")
+    group("--sequence-parallel", action="store_true", help="split the LayerNorm and residual activations over TP")
+    group("--cp-impl", default="ring", choices=sorted(CP_IMPLS), help="how CP attends across the ranks")
+    group("--cp-ulysses", type=int, default=1, help="--cp-impl hybrid: the Ulysses ranks inside each CP group")
+    group = ap.add_argument_group("pipeline schedule").add_argument
+    group("--pp-schedule", default="1f1b", choices=SCHEDULES, help="1f1b, interleaved (Megatron-LM) or zb-h1 "
+          "(zero bubble)")
+    group("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (interleaved, zb-h1)")
+    group("--show-schedule", action="store_true", help="print the schedule's timeline for --pp, --micro-batches, "
+          "--pp-schedule and --virtual-stages, with its bubble and in-flight peaks, and exit (no process group)")
+    group("--micro-batches", type=int, default=None, help="with --show-schedule: m (a run's is batch / (dp "
+          "micro_batch); default 8)")
+    group = ap.add_argument_group("precision").add_argument
+    group("--dtype", default="float32", choices=list(DTYPES), help="the weights' and activations' dtype; masters, "
+          "main grads and optimizer states stay FP32")
+    group("--fp8-recipe", default="tensorwise", choices=mixed_precision.FP8_RECIPES, help="with --dtype fp8: the "
+          "scaling granularity (tensorwise, delayed, rowwise, blockwise: DeepSeek-V3's tiles, mxfp8)")
+    group("--fp8-backward", default="bf16", choices=mixed_precision.FP8_BACKWARDS, help="with --dtype fp8: the "
+          "backward GEMMs in BF16, or in FP8 with E5M2 gradients at the recipe's granularity")
+    group("--fp8-param-gather", action="store_true", help="with --zero 1, 2 or 3: all-gather the weights in FP8 "
+          "(MXFP8: E4M3 and one power-of-two scale per 32)")
+    group = ap.add_argument_group("memory").add_argument
+    group("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="1: shard the optimizer states over DP x CP; "
+          "2: and the gradients; 3: and the blocks' parameters (gathered for each use)")
+    group("--zero-shard-size", type=int, default=None, help="hybrid sharding: shard over groups of this many DP x "
+          "CP ranks (one node, say), replicate across them (default: all of them)")
+    group("--recompute", default="none", choices=list(RECOMPUTE), help="activation recomputation policy")
+    group = ap.add_argument_group("data and optimisation").add_argument
+    group("--data", default="embedded", help="embedded (CPython's documentation), synthetic, a text file, a folder "
+          "of text, or a folder with nanoGPT's train.bin and val.bin")
+    group("--batch", type=int, default=16, help="global batch in sequences")
+    group("--micro-batch", type=int, default=2, help="sequences per micro-batch on one DP rank")
+    group("--steps", type=int, default=30, help="optimizer steps of the run (the cosine schedule ends there)")
+    group("--optimizer", default="adamw", choices=["adamw", "sgd"], help="the inner optimizer of the FP32 masters")
+    group("--lr", type=float, default=3e-3, help="peak learning rate")
+    group("--min-lr", type=float, default=None, help="cosine decay target (default: --lr / 10)")
+    group("--warmup", type=int, default=0, help="linear warm-up steps")
+    group("--weight-decay", type=float, default=0.1, help="of the 2-D weights (AdamW: decoupled; SGD: L2)")
+    group("--grad-clip", type=float, default=1.0, help="global gradient-norm clipping (0: off)")
+    group("--eval-every", type=int, default=0, help="steps between validation losses (0: none)")
+    group("--eval-batches", type=int, default=4, help="batches per validation loss")
+    group("--seed", type=int, default=0, help="the weights' and the batches' seed")
+    group = ap.add_argument_group("checkpoints and weights").add_argument
+    group("--out-dir", default=None, help="the folder of the checkpoints (and, by default, of the metrics)")
+    group("--save-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
+    group("--keep-last", type=int, default=0, help="keep only the newest N checkpoints (0: every one; the newest "
+          "that passes its checks is never deleted)")
+    group("--resume", action="store_true", help="continue from the newest checkpoint in --out-dir that passes its "
+          "checks")
+    group("--export-hf", default=None, metavar="DIR", help="write --out-dir's newest good checkpoint (or --step's) "
+          "as a Hugging Face GPT-2 folder (config.json, model.safetensors) and exit; dense models")
+    group("--export-nanogpt", default=None, metavar="FILE", help="the same as nanoGPT's ckpt.pt")
+    group("--step", type=int, default=None, help="with --export-hf/--export-nanogpt: the checkpoint of this step "
+          "(default: the newest good one)")
+    group = ap.add_argument_group("sampling").add_argument
+    group("--sample", type=int, default=None, help="draw this many tokens (bytes for a text model) from --out-dir's "
+          "newest checkpoint that passes its checks, print them and exit")
+    group("--prompt", default=None, help="the text the sample continues (default: a newline)")
+    group("--prompt-file", default=None, help="read the prompt from this file")
+    group("--temperature", type=float, default=0.8, help="divides the logits before sampling")
+    group("--sample-top-k", type=int, default=50, help="sample among the k likeliest tokens (0: all; 1: greedy)")
+    group = ap.add_argument_group("run").add_argument
+    group("--metrics", default=None, help="the metrics file, one JSON object per step (default: "
+          "--out-dir/metrics.jsonl, or metrics.jsonl without --out-dir)")
+    group("--timeout-s", type=float, default=300.0, help="how long any collective waits for a rank")
+    group("--peak-tflops", type=float, default=None, help="per GPU, for MFU (default on A100/H100/H200: "
+          "the dense BF16 peak, whatever --dtype)")
     flags = ap.parse_args(argv)
     if flags.micro_batches is not None and not flags.show_schedule:
         raise ValueError("--micro-batches goes with --show-schedule; a run has batch / (dp micro_batch) micro-batches")
@@ -3397,6 +3494,16 @@ def parse_args(argv=None):
     if not (math.isfinite(flags.temperature) and flags.temperature > 0) or flags.sample_top_k < 0:
         raise ValueError("--sample-top-k must be >= 0 and --temperature finite and > 0 (e.g. --sample 300 "
                          "--temperature 0.8 --sample-top-k 50; --sample-top-k 0 samples from every token)")
+    if flags.metrics is None:  # beside the checkpoints it describes
+        flags.metrics = os.path.join(flags.out_dir, "metrics.jsonl") if flags.out_dir else "metrics.jsonl"
+    if flags.keep_last < 0:
+        raise ValueError(f"--keep-last {flags.keep_last} must be >= 0 (0 keeps every checkpoint)")
+    if flags.prompt is not None and flags.prompt_file is not None:
+        raise ValueError("--prompt and --prompt-file both give the prompt: pass one")
+    if flags.prompt_file is not None:
+        flags.prompt = _read_bytes("--prompt-file", flags.prompt_file).decode("utf-8", errors="replace")
+    if (flags.prompt is not None or flags.prompt_file is not None) and not flags.sample:
+        raise ValueError("--prompt and --prompt-file go with --sample N")
     if flags.step is not None and not (flags.export_hf or flags.export_nanogpt):
         raise ValueError("--step goes with --export-hf or --export-nanogpt (training runs --steps)")
     flags.shape_given = {}  # --init-from-hf: the shape flags passed, each to agree with config.json

@@ -2637,3 +2637,97 @@ def test_a_crafted_hf_folder_is_refused_in_one_line_and_a_moe_export_too(exporte
         (code, out, initialised), = _main_on_forked_ranks(argv, 1, str(tmp_path))
         assert code == 2 and not initialised and len(out.strip().splitlines()) == 1 and says in out, (argv, out)
     assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "x.pt")
+
+
+# ---- the job its users expect: a complete --help, metrics that survive a resume, a banner, --keep-last, prompts --
+
+def test_help_gives_every_flag_a_sentence_and_its_default(capsys):
+    with pytest.raises(SystemExit):
+        train_gpt.parse_args(["--help"])
+    text = capsys.readouterr().out
+    blocks = {}  # option -> its help block
+    for line in text.split("options:", 1)[1].splitlines():
+        if line.startswith("  --"):
+            current = line.split()[0].rstrip(",")
+            blocks[current] = line
+        elif line.startswith("      ") and blocks:
+            blocks[current] += " " + line.strip()
+    flags = [a.option_strings[0] for a in train_gpt.argparse.ArgumentParser._get_optional_actions(
+        _parser_of_train_gpt()) if a.option_strings[0] != "-h"]
+    assert len(flags) >= 50 and set(flags) == set(blocks), set(flags) ^ set(blocks)
+    for flag in flags:
+        words = blocks[flag].split(None, 2)[-1]
+        assert "(default:" in blocks[flag] and len(words.split()) >= 4, blocks[flag]
+    for group in ("model", "parallelism", "pipeline schedule", "precision", "memory", "data and optimisation",
+                  "checkpoints and weights", "sampling", "run"):
+        assert f"\n{group}" in text, group
+
+
+def _parser_of_train_gpt():
+    captured = []
+    real = train_gpt._ArgumentParser.parse_args
+
+    def capture(self, *args, **kwargs):
+        captured.append(self)
+        raise SystemExit(0)
+    train_gpt._ArgumentParser.parse_args = capture
+    try:
+        with pytest.raises(SystemExit):
+            train_gpt.parse_args([])
+    finally:
+        train_gpt._ArgumentParser.parse_args = real
+    return captured[0]
+
+
+def test_metrics_survive_a_refused_run_and_a_resume_and_the_job_says_what_runs(tmp_path, monkeypatch):
+    import json
+    import shutil
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    job = JOB + ["--out-dir", "out", "--save-every", "2"]
+
+    def steps():
+        return [json.loads(line)["step"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    (code, out, _), = _main_on_forked_ranks(job + ["--steps", "4", "--keep-last", "1"], 1, str(tmp_path))
+    assert code == 0 and steps() == [0, 1, 2, 3], out  # the default metrics file lives in --out-dir
+    lines = out.splitlines()
+    assert lines[0].startswith("model: ") and lines[1].startswith("layout: 1 ranks = TP 1 x CP 1 x DP 1 x PP 1")
+    assert lines[2].startswith("batch: 8 sequences a step = 4 micro-batches of 2 x DP 1; data: synthetic")
+    assert lines[3].startswith("precision: float32") and "step 4: loss" in out and "saved out/step_000004" in out
+    assert sorted(os.listdir(tmp_path / "out")) == [".lock", "metrics.jsonl", "step_000004"]  # --keep-last 1
+    before = (tmp_path / "out" / "metrics.jsonl").read_bytes()
+    (code, out, _), = _main_on_forked_ranks(job + ["--steps", "4"], 1, str(tmp_path))  # refused: no --resume
+    assert code == 2 and (tmp_path / "out" / "metrics.jsonl").read_bytes() == before, out
+    (code, out, _), = _main_on_forked_ranks(job + ["--steps", "6", "--resume"], 1, str(tmp_path))
+    assert code == 0 and steps() == [0, 1, 2, 3, 4, 5] and "resumed from out/step_000004 (step 4" in out, out
+    assert (tmp_path / "out" / "metrics.jsonl").read_bytes().startswith(before)
+    shutil.rmtree(tmp_path / "out" / "step_000006")  # resumed from step 4 again: the lines past it are dropped
+    (code, out, _), = _main_on_forked_ranks(job + ["--steps", "5", "--resume"], 1, str(tmp_path))
+    assert code == 0 and steps() == [0, 1, 2, 3, 4], out
+    shutil.copy(tmp_path / "out" / "metrics.jsonl", tmp_path / "m.jsonl")  # a fresh run moves an old file aside
+    (code, out, _), = _main_on_forked_ranks(JOB + ["--steps", "1", "--metrics", "m.jsonl"], 1, str(tmp_path))
+    assert code == 0 and (tmp_path / "m.jsonl.1").read_bytes() == (tmp_path / "out" / "metrics.jsonl").read_bytes()
+    assert "moved to m.jsonl.1" in out and len((tmp_path / "m.jsonl").read_text().splitlines()) == 1
+
+
+def test_sample_continues_a_prompt_and_the_schedule_picture_has_a_legend(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    text_job = ["--layers", "2", "--hidden", "32", "--seq", "32", "--batch", "4", "--micro-batch", "2", "--steps", "1",
+                "--out-dir", "out"]
+    (code, out, _), = _main_on_forked_ranks(text_job, 1, str(tmp_path))
+    assert code == 0, out
+    (tmp_path / "p.txt").write_text("Python is")
+    for prompt in (["--prompt", "Python is"], ["--prompt-file", "p.txt"]):
+        (code, out, _), = _main_on_forked_ranks(["--sample", "20", "--out-dir", "out"] + prompt, 1, str(tmp_path))
+        assert code == 0 and out.startswith("Python is") and len(out.encode()) >= len("Python is") + 1, out
+    (code, out, _), = _main_on_forked_ranks(JOB + ["--steps", "1", "--out-dir", "tok"], 1, str(tmp_path))
+    assert code == 0, out
+    (code, out, _), = _main_on_forked_ranks(["--sample", "5", "--out-dir", "tok", "--prompt", "3 7",
+                                             "--sample-top-k", "1"], 1, str(tmp_path))
+    ids = out.split()
+    assert code == 0 and len(ids) == 5 and all(i.isdigit() and int(i) < 64 for i in ids), out  # ids, one line
+    (code, out, _), = _main_on_forked_ranks(["--sample", "5", "--out-dir", "tok", "--prompt", "hello"], 1,
+                                            str(tmp_path))
+    assert code == 2 and len(out.strip().splitlines()) == 1 and "reads token ids, not text" in out, out
+    (code, out, _), = _main_on_forked_ranks(["--show-schedule", "--pp", "2", "--micro-batches", "4", "--pp-schedule",
+                                             "zb-h1"], 1, str(tmp_path))
+    assert code == 0 and "legend: a column is one time unit" in out and "Wi: its weight gradients" in out, out

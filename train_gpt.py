@@ -2571,8 +2571,8 @@ def resume_step(train_cfg, stage, opt):
     rank = stage.plan.parallel_state.rank
     if resumed and rank == 0:
         if train_cfg.log:
-            saved = resumed["layout"]
-            print(f"resumed from {resumed['path']} (step {start}; saved by {resumed['world_size']} rank{'s' * (resumed['world_size'] > 1)} at TP "
+            saved, ranks = resumed["layout"], resumed["world_size"]
+            print(f"resumed from {resumed['path']} (step {start}; saved by {ranks} rank{'s' * (ranks > 1)} at TP "
                   f"{saved['tp']} x CP {saved['cp']} x PP {saved['pp']}, EP {saved['ep']}, ZeRO {saved['zero']}, "
                   f"{saved['dtype']})", flush=True)
         warn_what_changed(resumed, train_cfg)
@@ -2661,7 +2661,7 @@ def release_out_dir(out_dir):
 
 DTYPES = ("float32", "bfloat16", "float16", "fp8", "float64")
 TIMEOUT_RANGE_S = (1, 7 * 24 * 3600)  # --timeout-s: below a second every collective of a busy rank would fail
-RECOMPUTE = ("none", "full", "sqrt", "selective")
+RECOMPUTE = ("none", "full", "sqrt", "selective", "offload", "selective+offload")  # checkpointing.py's
 
 
 def validate(cfg, train_cfg, world):
@@ -3432,7 +3432,9 @@ def parse_args(argv=None):
           "2: and the gradients; 3: and the blocks' parameters (gathered for each use)")
     group("--zero-shard-size", type=int, default=None, help="hybrid sharding: shard over groups of this many DP x "
           "CP ranks (one node, say), replicate across them (default: all of them)")
-    group("--recompute", default="none", choices=list(RECOMPUTE), help="activation recomputation policy")
+    group("--recompute", default="none", choices=list(RECOMPUTE), help="activation recomputation policy; offload: "
+          "every block's saved activations wait in host memory (pinned, copied on a side stream on CUDA), "
+          "selective+offload: all but the attention core's, which is recomputed")
     group = ap.add_argument_group("data and optimisation").add_argument
     group("--data", default="embedded", help="embedded (CPython's documentation), synthetic, a text file, a folder "
           "of text, or a folder with nanoGPT's train.bin and val.bin")

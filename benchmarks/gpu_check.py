@@ -16,7 +16,9 @@
    reference and against F.scaled_dot_product_attention on the whole sequence, forward and backward.
 5. A checkpoint of that run saved and sampled from (the CUDA path of `--sample`).
 6. checkpointing.py's kept bytes per recomputation policy in bfloat16 on CUDA against its formula for CUDA
-   kernels (1-byte dropout masks, FP32 LayerNorm statistics), which CPU runs cannot check.
+   kernels (1-byte dropout masks, FP32 LayerNorm statistics), which CPU runs cannot check; activation offloading
+   (pinned host copies on a side stream, the next block prefetched): bytes resident and copied against the formula,
+   gradients equal to keeping the activations, and a step's time against none's (what the copies add).
 7. The pipeline schedules: zero bubble's split backward on the device against 1F1B; the interleaved schedule on four
    gloo CPU processes (PP2 x DP2 with ZeRO-3; one GPU holds one NCCL rank) against one process in float64.
 8. Sharding: ZeRO-3's gather, release and reduction around every block on the device against ZeRO-0 (and on
@@ -391,6 +393,29 @@ def recompute_memory(device, dry):
             raise AssertionError(f"recompute {policy}: measured {measured} != formula {formula}")
 
 
+def offload(device, dry):
+    """Activation offloading (checkpointing.py): the bytes kept on the device and copied each way equal the formula
+    and the gradients equal keeping the activations, both policies; on CUDA a step's time with the pinned copies on
+    a side stream beside none's and selective's: what the copies add where they do not hide behind the compute."""
+    layers, b, s, h, a = (2, 2, 64, 64, 4) if dry else (8, 4, 2048, 2048, 16)
+    dtype, e = (torch.float32, 4) if device.type == "cpu" else (torch.bfloat16, 2)
+    blocks = checkpointing.make_blocks(layers, h, a, s).to(device, dtype)
+    x = torch.randn(b, s, h, device=device, dtype=dtype)
+    kept = checkpointing.gradients(blocks, x, "none")
+    for policy in ("offload", "selective+offload"):
+        measured = checkpointing.measure_offload(blocks, x, policy)
+        formula = checkpointing.offload_bytes(policy, layers, b, s, h, a, e, device=device.type)
+        say(f"offload {policy} bytes", ", ".join(f"{k} {measured[k]:,d} ({formula[k]:,d})" for k in formula))
+        if measured != formula:
+            raise AssertionError(f"offload {policy}: measured {measured} != formula {formula}")
+        if not all(torch.equal(g, k) for g, k in zip(checkpointing.gradients(blocks, x, policy), kept)):
+            raise AssertionError(f"offload {policy}: gradients differ from keeping the activations")
+    times = {policy: _median_time(lambda: checkpointing.gradients(blocks, x, policy), device, 3 if dry else 5)
+             for policy in ("none", "selective", "offload", "selective+offload")}
+    say("offload step time", ", ".join(f"{p} {t * 1e3:.1f} ms" for p, t in times.items())
+        + f" (offload adds {times['offload'] / times['none'] - 1:+.1%} to none's step)")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budget-s", type=float, default=240.0)
@@ -411,6 +436,7 @@ def main():
                           ("fp8", lambda: fp8(device, a.dry_run)), ("nvfp4", lambda: nvfp4(device, a.dry_run)),
                           ("ring", lambda: ring(device, a.dry_run)),
                           ("recompute", lambda: recompute_memory(device, a.dry_run)),
+                          ("offload", lambda: offload(device, a.dry_run)),
                           ("schedules", lambda: schedules(device, a.dry_run)),
                           ("sharding", lambda: sharding(device, a.dry_run))):
         if time.monotonic() > deadline:

@@ -2731,3 +2731,31 @@ def test_sample_continues_a_prompt_and_the_schedule_picture_has_a_legend(tmp_pat
     (code, out, _), = _main_on_forked_ranks(["--show-schedule", "--pp", "2", "--micro-batches", "4", "--pp-schedule",
                                              "zb-h1"], 1, str(tmp_path))
     assert code == 0 and "legend: a column is one time unit" in out and "Wi: its weight gradients" in out, out
+
+
+# ---- activation offloading in the run: the same numbers as keeping the activations -----------------------------
+
+def _float32_curve(rank, world, **kwargs):
+    torch.set_default_dtype(torch.float32)
+    records = train_gpt.train(MOE_CFG_OFFLOAD, _run(dtype="float32", optimizer="adamw", lr=1e-2, **kwargs))
+    return [(r["step"], r["loss"], r["aux_loss"], r["grad_norm"]) for r in records]
+
+
+MOE_CFG_OFFLOAD = train_gpt.GPTConfig(vocab_size=32, seq_len=16, n_layer=4, n_head=4, n_embd=16, seed=0, moe_every=2,
+                                      n_experts=2, top_k=1)
+
+
+@pytest.mark.parametrize("world, layout", [(4, dict(tp=2, pp=2, sequence_parallel=True)), (2, dict(zero=3))])
+def test_offloading_trains_bit_identically_to_keeping_the_activations_and_resumes_across_policies(tmp_path, world,
+                                                                                                  layout):
+    kept = run_ranks(_float32_curve, world, recompute="none", **layout, timeout=120)[0]
+    for policy in ("offload", "selective+offload"):
+        assert run_ranks(_float32_curve, world, recompute=policy, **layout, timeout=120)[0] == kept, policy
+    if world == 2:  # saved under none at step 2, resumed under offload: the uninterrupted run's last step
+        import shutil
+        out = str(tmp_path / "out")
+        run_ranks(_float32_curve, world, recompute="none", save_every=2, out_dir=out, **layout, timeout=120)
+        shutil.rmtree(os.path.join(out, "step_000003"))
+        resumed = run_ranks(_float32_curve, world, recompute="offload", resume=True, out_dir=out, **layout,
+                            timeout=120)[0]
+        assert resumed == kept[2:]

@@ -109,10 +109,10 @@ def _frames_to_attention(cwd):
     pid = os.fork()
     if pid == 0:  # the program
         try:
-            torch.set_num_threads(1)
-            os.chdir(cwd)
+            torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP thread pool,
+            os.chdir(cwd)  # nor let main() raise the thread count (without OMP_NUM_THREADS it would): that hangs
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT="1", OMP_NUM_THREADS="1")
 
             def kernel(*args, **kwargs):
                 names = [f.name for f in traceback.extract_stack()[:-1]
@@ -127,8 +127,12 @@ def _frames_to_attention(cwd):
         finally:
             os._exit(1)
     os.close(write)
+    import select
+    ready, _, _ = select.select([read], [], [], 120)  # a hung child fails the test, never the suite
+    if not ready:
+        os.kill(pid, signal.SIGKILL)
     with os.fdopen(read) as answer:
-        chain = answer.read().split()
+        chain = answer.read().split() if ready else ["(no answer within 120 s)"]
     os.waitpid(pid, 0)
     return chain
 
@@ -722,7 +726,8 @@ def _main_on_forked_ranks(argv, world, cwd, timeout=60, ranks=None):
                 sys.stdout = sys.stderr = open(fd, "w", buffering=1)  # pytest replaced the Python objects
                 os.chdir(cwd)
                 os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                                  LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+                                  LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1",
+                                  OMP_NUM_THREADS="1")  # main() would raise the thread count: a fork must not
                 train_gpt.main(["--timeout-s", "5"] + argv)  # argv may set its own
                 code = 0
             except SystemExit as e:

@@ -2343,3 +2343,42 @@ def test_a_rank_missing_at_start_or_hung_reading_a_checkpoint_ends_the_job_in_on
     lines = out.strip().splitlines()
     assert code == 1 and len(lines) == 1 and "rank 0, while starting" in lines[0] and "Traceback" not in out, out
     assert code_1 == 1 and "Traceback" not in out_1, out_1
+
+
+
+
+
+# ---- the verifier's checks, each caught by a test of its own (a mutation sweep found these uncaught) ------------
+
+def _write_manifest(path, lines, header=None):
+    """MANIFEST holding `lines` under `header` (by default the one this program writes, with their CRC32)."""
+    import zlib
+    body = "".join(line + "\n" for line in lines).encode()
+    header = header or f"train_gpt.py checkpoint manifest; CRC32 of the lines below: {zlib.crc32(body):08x}"
+    (path / "MANIFEST").write_bytes(header.encode() + b"\n" + body)
+
+
+def test_a_manifest_of_other_names_duplicates_missing_files_or_a_changed_line_is_one_line(pristine_checkpoint,
+                                                                                            tmp_path):
+    import zlib
+    path = _copy(pristine_checkpoint, tmp_path)
+    header, *lines = (path / "MANIFEST").read_text().splitlines()
+    outside = tmp_path / "c" / "outside.bin"  # a file beside the checkpoint, listed with its true size and CRC32
+    outside.write_bytes(b"not a checkpoint file")
+    metadata_line = next(line for line in lines if line.startswith(".metadata "))
+    crc = int(metadata_line.split()[2], 16)
+    changed = metadata_line[:-8] + f"{crc ^ 1:08x}"  # one recorded CRC32 changed, MANIFEST's own left as it was
+    cases = [
+        (lines + [f"../outside.bin {len(outside.read_bytes())} {zlib.crc32(outside.read_bytes()):08x}"], None,
+         "holds b'../outside.bin"),
+        (lines + [metadata_line], None, "holds b'.metadata "),
+        ([line for line in lines if not line.startswith("train_state.json ")], None, "does not list train_state.json"),
+        (lines, header.replace("manifest;", "manifest v2;"), "does not begin as this program writes it"),
+        ([changed if line == metadata_line else line for line in lines], header, "does not match its own CRC32"),
+    ]
+    for body, head, says in cases:
+        _write_manifest(path, body, head)
+        with pytest.raises(train_gpt.BadCheckpoint) as refused:
+            train_gpt.check_checkpoint(str(path))
+        message = str(refused.value)
+        assert says in message and "MANIFEST" in message and "\n" not in message, (says, message)

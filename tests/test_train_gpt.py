@@ -2382,3 +2382,12 @@ def test_a_manifest_of_other_names_duplicates_missing_files_or_a_changed_line_is
             train_gpt.check_checkpoint(str(path))
         message = str(refused.value)
         assert says in message and "MANIFEST" in message and "\n" not in message, (says, message)
+
+
+
+def test_a_truncated_train_state_is_told_as_truncated(pristine_checkpoint, tmp_path):
+    path = _copy(pristine_checkpoint, tmp_path)
+    data = (path / "train_state.json").read_bytes()
+    (path / "train_state.json").write_bytes(data[:-10])  # its size is compared before its CRC32
+    with pytest.raises(train_gpt.BadCheckpoint, match=r"train_state\.json holds \d+ bytes, \d+ were written \(trunc"):
+        train_gpt.check_checkpoint(str(path))

@@ -2391,3 +2391,18 @@ def test_a_truncated_train_state_is_told_as_truncated(pristine_checkpoint, tmp_p
     (path / "train_state.json").write_bytes(data[:-10])  # its size is compared before its CRC32
     with pytest.raises(train_gpt.BadCheckpoint, match=r"train_state\.json holds \d+ bytes, \d+ were written \(trunc"):
         train_gpt.check_checkpoint(str(path))
+
+
+
+def test_a_dense_checkpoint_matches_any_experts_flag_and_an_moe_one_only_its_own(pristine_checkpoint, tmp_path):
+    import json
+    moe_state = train_gpt.read_train_state(str(pristine_checkpoint))
+    moe = train_gpt.GPTConfig(**moe_state["config"])
+    with pytest.raises(ValueError, match="--experts 2, this run has --experts 8"):
+        train_gpt.read_train_state(str(pristine_checkpoint), dataclasses.replace(moe, n_experts=8))
+    path = _copy(pristine_checkpoint, tmp_path)
+    _edit_state(path, _set("config.moe_every", 0))  # a dense model, saved with the defaults of --experts, --top-k
+    config = json.loads((path / "train_state.json").read_text())["config"]
+    for experts, top_k in ((8, 2), (2, 1), (4, 4)):
+        cfg = train_gpt.GPTConfig(**{**config, "n_experts": experts, "top_k": top_k})
+        assert train_gpt.read_train_state(str(path), cfg)["config"] == config

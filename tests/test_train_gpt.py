@@ -2406,3 +2406,13 @@ def test_a_dense_checkpoint_matches_any_experts_flag_and_an_moe_one_only_its_own
     for experts, top_k in ((8, 2), (2, 1), (4, 4)):
         cfg = train_gpt.GPTConfig(**{**config, "n_experts": experts, "top_k": top_k})
         assert train_gpt.read_train_state(str(path), cfg)["config"] == config
+
+
+
+def test_brackets_and_escaped_quotes_inside_json_strings_are_no_nesting(pristine_checkpoint, tmp_path):
+    import json
+    name = 'corpus "[[[[[[[[[[" \\ {{{{{{{{{{.txt'  # a --data path: its brackets are text, not JSON
+    assert train_gpt.json_depth(json.dumps([name, [[1]]]).encode()) == 3
+    path = _copy(pristine_checkpoint, tmp_path)
+    _edit_state(path, _set("data", name))
+    assert train_gpt.check_checkpoint(str(path))[0]["data"] == name

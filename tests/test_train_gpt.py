@@ -2416,3 +2416,43 @@ def test_brackets_and_escaped_quotes_inside_json_strings_are_no_nesting(pristine
     path = _copy(pristine_checkpoint, tmp_path)
     _edit_state(path, _set("data", name))
     assert train_gpt.check_checkpoint(str(path))[0]["data"] == name
+
+
+
+def _retype_entry(key, dtype):
+    from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
+    return _set_entry(key, lambda old: TensorStorageMetadata(TensorProperties(dtype=dtype), old.size, old.chunks))
+
+
+def _drop_storage(key):
+    def edit(metadata):
+        metadata.storage_data = {k: v for k, v in metadata.storage_data.items() if k.fqn != key}
+    return edit
+
+
+def _store_unknown(key):
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    def edit(metadata):
+        metadata.storage_data[MetadataIndex(key, torch.Size([0]))] = next(iter(metadata.storage_data.values()))
+    return edit
+
+
+MORE_CRAFTED_METADATA = [  # (what is crafted, the edit of DCP's metadata, what the one line must say)
+    ("a piece stored in .metadata", _storage(dict(relative_path=".metadata", offset=0, length=8)),
+     "is stored in '.metadata', which MANIFEST does not list"),
+    ("a chunk stored nowhere", _drop_storage("model/wpe"), "entry 'model/wpe' has a chunk stored nowhere"),
+    ("a stored piece of no entry", _store_unknown("evil"), "a stored piece of 'evil' is not described"),
+    ("an integer step counter", _retype_entry("optim/wpe/step", torch.int64),
+     "is a step counter of shape () and torch.int64"),
+]
+
+
+@pytest.mark.parametrize("what, edit, says", MORE_CRAFTED_METADATA, ids=[c[0] for c in MORE_CRAFTED_METADATA])
+def test_more_crafted_checkpoint_metadata_is_refused_in_one_line(pristine_checkpoint, tmp_path, what, edit, says):
+    path = _copy(pristine_checkpoint, tmp_path)
+    _edit_metadata(path, edit)
+    with pytest.raises(train_gpt.BadCheckpoint) as refused:
+        train_gpt.check_checkpoint(str(path))
+    message = str(refused.value)
+    assert says in message and str(path) in message and "\n" not in message, message

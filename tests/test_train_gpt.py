@@ -2456,3 +2456,13 @@ def test_more_crafted_checkpoint_metadata_is_refused_in_one_line(pristine_checkp
         train_gpt.check_checkpoint(str(path))
     message = str(refused.value)
     assert says in message and str(path) in message and "\n" not in message, message
+
+
+
+def test_metrics_on_the_out_dir_lock_is_refused(tmp_path):
+    out = tmp_path / "o"
+    try:
+        with pytest.raises(ValueError, match=r"lies inside a checkpoint \(or is the --out-dir lock\)"):
+            train_gpt.check_inputs(CFG, _run(metrics=str(out / ".lock"), out_dir=str(out)), 1)
+    finally:
+        train_gpt.release_out_dir(str(out))

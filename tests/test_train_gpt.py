@@ -2466,3 +2466,18 @@ def test_metrics_on_the_out_dir_lock_is_refused(tmp_path):
             train_gpt.check_inputs(CFG, _run(metrics=str(out / ".lock"), out_dir=str(out)), 1)
     finally:
         train_gpt.release_out_dir(str(out))
+
+
+
+def test_a_stale_tmp_that_is_a_link_is_refused_and_its_target_kept(tmp_path):
+    out, target = tmp_path / "out", tmp_path / "precious"
+    out.mkdir()
+    target.mkdir()
+    (target / "keep.txt").write_text("keep me")
+    (out / "step_000003.tmp").symlink_to(target)
+    try:
+        with pytest.raises(ValueError, match="holds step_000003.tmp, which is not a folder left by a save"):
+            train_gpt.check_inputs(CFG, _run(steps=3, out_dir=str(out)), 1)
+    finally:
+        train_gpt.release_out_dir(str(out))
+    assert (target / "keep.txt").read_text() == "keep me"

@@ -2481,3 +2481,13 @@ def test_a_stale_tmp_that_is_a_link_is_refused_and_its_target_kept(tmp_path):
     finally:
         train_gpt.release_out_dir(str(out))
     assert (target / "keep.txt").read_text() == "keep me"
+
+
+
+def test_a_step_folder_without_checkpoint_files_is_no_checkpoint(pristine_checkpoint, tmp_path):
+    path = _copy(pristine_checkpoint, tmp_path)
+    (tmp_path / "c" / "step_000009").mkdir()  # made by hand, or a copy that never began
+    (tmp_path / "c" / "step_000010").mkdir()
+    (tmp_path / "c" / "step_000010" / "notes.txt").write_text("")
+    assert train_gpt.checkpoint_dirs(str(tmp_path / "c")) == [str(path)]
+    assert train_gpt.latest_checkpoint(str(tmp_path / "c"))[0] == str(path)

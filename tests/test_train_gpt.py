@@ -2491,3 +2491,15 @@ def test_a_step_folder_without_checkpoint_files_is_no_checkpoint(pristine_checkp
     (tmp_path / "c" / "step_000010" / "notes.txt").write_text("")
     assert train_gpt.checkpoint_dirs(str(tmp_path / "c")) == [str(path)]
     assert train_gpt.latest_checkpoint(str(tmp_path / "c"))[0] == str(path)
+
+
+
+def test_checkpoint_metadata_that_names_a_torch_function_is_refused_and_a_dtype_loads():
+    import io
+    import pickle
+    for name in ("load", "save", "_C"):
+        payload = (pickle.PROTO + bytes([4]) + pickle.SHORT_BINUNICODE + bytes([5]) + b"torch" +
+                   pickle.SHORT_BINUNICODE + bytes([len(name)]) + name.encode() + pickle.STACK_GLOBAL + pickle.STOP)
+        with pytest.raises(pickle.UnpicklingError, match=f"refers to torch.{name}, which a DCP checkpoint never"):
+            train_gpt._SafeUnpickler(io.BytesIO(payload)).load()
+    assert train_gpt._SafeUnpickler(io.BytesIO(pickle.dumps(torch.float16))).load() is torch.float16

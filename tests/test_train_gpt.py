@@ -2503,3 +2503,13 @@ def test_checkpoint_metadata_that_names_a_torch_function_is_refused_and_a_dtype_
         with pytest.raises(pickle.UnpicklingError, match=f"refers to torch.{name}, which a DCP checkpoint never"):
             train_gpt._SafeUnpickler(io.BytesIO(payload)).load()
     assert train_gpt._SafeUnpickler(io.BytesIO(pickle.dumps(torch.float16))).load() is torch.float16
+
+
+
+def test_tensor_files_of_more_ranks_than_the_saved_world_are_refused(pristine_checkpoint, tmp_path):
+    import shutil
+    path = _copy(pristine_checkpoint, tmp_path)
+    shutil.copy(path / "__0_0.distcp", path / "__1_0.distcp")  # listed in MANIFEST: a rank 1 the world never had
+    _reseal(path)
+    with pytest.raises(train_gpt.BadCheckpoint, match="'world_size' is 1, but 2 ranks wrote its tensor files"):
+        train_gpt.check_checkpoint(str(path))

@@ -2513,3 +2513,12 @@ def test_tensor_files_of_more_ranks_than_the_saved_world_are_refused(pristine_ch
     _reseal(path)
     with pytest.raises(train_gpt.BadCheckpoint, match="'world_size' is 1, but 2 ranks wrote its tensor files"):
         train_gpt.check_checkpoint(str(path))
+
+
+
+def test_a_crafted_memo_index_is_refused_by_the_opcode_scan_itself(pristine_checkpoint, tmp_path):
+    path = _copy(pristine_checkpoint, tmp_path)
+    _flip_an_opcode_into_long_binput(path / ".metadata")
+    _reseal(path)  # not the unpickler's own failure, nor a memory limit: the scan names the opcode
+    with pytest.raises(train_gpt.BadCheckpoint, match=r"LONG_BINPUT \d+ points past the pickle's \d+ bytes"):
+        train_gpt.check_checkpoint(str(path))

@@ -2345,9 +2345,6 @@ def test_a_rank_missing_at_start_or_hung_reading_a_checkpoint_ends_the_job_in_on
     assert code_1 == 1 and "Traceback" not in out_1, out_1
 
 
-
-
-
 # ---- the verifier's checks, each caught by a test of its own (a mutation sweep found these uncaught) ------------
 
 def _write_manifest(path, lines, header=None):

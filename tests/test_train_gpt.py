@@ -2381,14 +2381,12 @@ def test_a_manifest_of_other_names_duplicates_missing_files_or_a_changed_line_is
         assert says in message and "MANIFEST" in message and "\n" not in message, (says, message)
 
 
-
 def test_a_truncated_train_state_is_told_as_truncated(pristine_checkpoint, tmp_path):
     path = _copy(pristine_checkpoint, tmp_path)
     data = (path / "train_state.json").read_bytes()
     (path / "train_state.json").write_bytes(data[:-10])  # its size is compared before its CRC32
     with pytest.raises(train_gpt.BadCheckpoint, match=r"train_state\.json holds \d+ bytes, \d+ were written \(trunc"):
         train_gpt.check_checkpoint(str(path))
-
 
 
 def test_a_dense_checkpoint_matches_any_experts_flag_and_an_moe_one_only_its_own(pristine_checkpoint, tmp_path):
@@ -2405,7 +2403,6 @@ def test_a_dense_checkpoint_matches_any_experts_flag_and_an_moe_one_only_its_own
         assert train_gpt.read_train_state(str(path), cfg)["config"] == config
 
 
-
 def test_brackets_and_escaped_quotes_inside_json_strings_are_no_nesting(pristine_checkpoint, tmp_path):
     import json
     name = 'corpus "[[[[[[[[[[" \\ {{{{{{{{{{.txt'  # a --data path: its brackets are text, not JSON
@@ -2413,7 +2410,6 @@ def test_brackets_and_escaped_quotes_inside_json_strings_are_no_nesting(pristine
     path = _copy(pristine_checkpoint, tmp_path)
     _edit_state(path, _set("data", name))
     assert train_gpt.check_checkpoint(str(path))[0]["data"] == name
-
 
 
 def _retype_entry(key, dtype):
@@ -2455,7 +2451,6 @@ def test_more_crafted_checkpoint_metadata_is_refused_in_one_line(pristine_checkp
     assert says in message and str(path) in message and "\n" not in message, message
 
 
-
 def test_metrics_on_the_out_dir_lock_is_refused(tmp_path):
     out = tmp_path / "o"
     try:
@@ -2463,7 +2458,6 @@ def test_metrics_on_the_out_dir_lock_is_refused(tmp_path):
             train_gpt.check_inputs(CFG, _run(metrics=str(out / ".lock"), out_dir=str(out)), 1)
     finally:
         train_gpt.release_out_dir(str(out))
-
 
 
 def test_a_stale_tmp_that_is_a_link_is_refused_and_its_target_kept(tmp_path):
@@ -2480,7 +2474,6 @@ def test_a_stale_tmp_that_is_a_link_is_refused_and_its_target_kept(tmp_path):
     assert (target / "keep.txt").read_text() == "keep me"
 
 
-
 def test_a_step_folder_without_checkpoint_files_is_no_checkpoint(pristine_checkpoint, tmp_path):
     path = _copy(pristine_checkpoint, tmp_path)
     (tmp_path / "c" / "step_000009").mkdir()  # made by hand, or a copy that never began
@@ -2488,7 +2481,6 @@ def test_a_step_folder_without_checkpoint_files_is_no_checkpoint(pristine_checkp
     (tmp_path / "c" / "step_000010" / "notes.txt").write_text("")
     assert train_gpt.checkpoint_dirs(str(tmp_path / "c")) == [str(path)]
     assert train_gpt.latest_checkpoint(str(tmp_path / "c"))[0] == str(path)
-
 
 
 def test_checkpoint_metadata_that_names_a_torch_function_is_refused_and_a_dtype_loads():
@@ -2502,7 +2494,6 @@ def test_checkpoint_metadata_that_names_a_torch_function_is_refused_and_a_dtype_
     assert train_gpt._SafeUnpickler(io.BytesIO(pickle.dumps(torch.float16))).load() is torch.float16
 
 
-
 def test_tensor_files_of_more_ranks_than_the_saved_world_are_refused(pristine_checkpoint, tmp_path):
     import shutil
     path = _copy(pristine_checkpoint, tmp_path)
@@ -2510,7 +2501,6 @@ def test_tensor_files_of_more_ranks_than_the_saved_world_are_refused(pristine_ch
     _reseal(path)
     with pytest.raises(train_gpt.BadCheckpoint, match="'world_size' is 1, but 2 ranks wrote its tensor files"):
         train_gpt.check_checkpoint(str(path))
-
 
 
 def test_a_crafted_memo_index_is_refused_by_the_opcode_scan_itself(pristine_checkpoint, tmp_path):

@@ -103,8 +103,12 @@ def test_one_rank_is_the_plain_gpt(reference_losses):
 def _frames_to_attention(cwd):
     """The repository's frames on the stack when a default run of `main` at world size 1 first calls the attention
     kernel (the test's own frames left out), from a forked process."""
+    import socket
     import traceback
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the program
@@ -112,7 +116,7 @@ def _frames_to_attention(cwd):
             torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP thread pool,
             os.chdir(cwd)  # nor let main() raise the thread count (without OMP_NUM_THREADS it would): that hangs
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT="1", OMP_NUM_THREADS="1")
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
 
             def kernel(*args, **kwargs):
                 names = [f.name for f in traceback.extract_stack()[:-1]
@@ -710,7 +714,11 @@ def _main_on_forked_ranks(argv, world, cwd, timeout=60, ranks=None):
     come). Returns [(exit code, output, initialised)]: a rank that created a process group reports
     initialised=True."""
     import signal
+    import socket
     import time
+    with socket.socket() as probe:  # a free port per call: a fixed one clashes with any other suite on the machine
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
     outs, pids = [], []
     for rank in range(world) if ranks is None else ranks:
         path = os.path.join(cwd, f"rank{rank}.out")
@@ -726,7 +734,7 @@ def _main_on_forked_ranks(argv, world, cwd, timeout=60, ranks=None):
                 sys.stdout = sys.stderr = open(fd, "w", buffering=1)  # pytest replaced the Python objects
                 os.chdir(cwd)
                 os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                                  LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1",
+                                  LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                                   OMP_NUM_THREADS="1")  # main() would raise the thread count: a fork must not
                 train_gpt.main(["--timeout-s", "5"] + argv)  # argv may set its own
                 code = 0
@@ -2764,3 +2772,169 @@ def test_offloading_trains_bit_identically_to_keeping_the_activations_and_resume
         resumed = run_ranks(_float32_curve, world, recompute="offload", resume=True, out_dir=out, **layout,
                             timeout=120)[0]
         assert resumed == kept[2:]
+
+
+# ---- the verifier's checks, each caught by a test of its own (a mutation sweep found these uncaught) ------------
+
+def _write_manifest(path, lines, header=None):
+    """MANIFEST holding `lines` under `header` (by default the one this program writes, with their CRC32)."""
+    import zlib
+    body = "".join(line + "\n" for line in lines).encode()
+    header = header or f"train_gpt.py checkpoint manifest; CRC32 of the lines below: {zlib.crc32(body):08x}"
+    (path / "MANIFEST").write_bytes(header.encode() + b"\n" + body)
+
+
+def test_a_manifest_of_other_names_duplicates_missing_files_or_a_changed_line_is_one_line(pristine_checkpoint,
+                                                                                            tmp_path):
+    import zlib
+    path = _copy(pristine_checkpoint, tmp_path)
+    header, *lines = (path / "MANIFEST").read_text().splitlines()
+    outside = tmp_path / "c" / "outside.bin"  # a file beside the checkpoint, listed with its true size and CRC32
+    outside.write_bytes(b"not a checkpoint file")
+    metadata_line = next(line for line in lines if line.startswith(".metadata "))
+    crc = int(metadata_line.split()[2], 16)
+    changed = metadata_line[:-8] + f"{crc ^ 1:08x}"  # one recorded CRC32 changed, MANIFEST's own left as it was
+    cases = [
+        (lines + [f"../outside.bin {len(outside.read_bytes())} {zlib.crc32(outside.read_bytes()):08x}"], None,
+         "holds b'../outside.bin"),
+        (lines + [metadata_line], None, "holds b'.metadata "),
+        ([line for line in lines if not line.startswith("train_state.json ")], None, "does not list train_state.json"),
+        (lines, header.replace("manifest;", "manifest v2;"), "does not begin as this program writes it"),
+        ([changed if line == metadata_line else line for line in lines], header, "does not match its own CRC32"),
+    ]
+    for body, head, says in cases:
+        _write_manifest(path, body, head)
+        with pytest.raises(train_gpt.BadCheckpoint) as refused:
+            train_gpt.check_checkpoint(str(path))
+        message = str(refused.value)
+        assert says in message and "MANIFEST" in message and "\n" not in message, (says, message)
+
+
+def test_a_truncated_train_state_is_told_as_truncated(pristine_checkpoint, tmp_path):
+    path = _copy(pristine_checkpoint, tmp_path)
+    data = (path / "train_state.json").read_bytes()
+    (path / "train_state.json").write_bytes(data[:-10])  # its size is compared before its CRC32
+    with pytest.raises(train_gpt.BadCheckpoint, match=r"train_state\.json holds \d+ bytes, \d+ were written \(trunc"):
+        train_gpt.check_checkpoint(str(path))
+
+
+def test_a_dense_checkpoint_matches_any_experts_flag_and_an_moe_one_only_its_own(pristine_checkpoint, tmp_path):
+    import json
+    moe_state = train_gpt.read_train_state(str(pristine_checkpoint))
+    moe = train_gpt.GPTConfig(**moe_state["config"])
+    with pytest.raises(ValueError, match="--experts 2, this run has --experts 8"):
+        train_gpt.read_train_state(str(pristine_checkpoint), dataclasses.replace(moe, n_experts=8))
+    path = _copy(pristine_checkpoint, tmp_path)
+    _edit_state(path, _set("config.moe_every", 0))  # a dense model, saved with the defaults of --experts, --top-k
+    config = json.loads((path / "train_state.json").read_text())["config"]
+    for experts, top_k in ((8, 2), (2, 1), (4, 4)):
+        cfg = train_gpt.GPTConfig(**{**config, "n_experts": experts, "top_k": top_k})
+        assert train_gpt.read_train_state(str(path), cfg)["config"] == config
+
+
+def test_brackets_and_escaped_quotes_inside_json_strings_are_no_nesting(pristine_checkpoint, tmp_path):
+    import json
+    name = 'corpus "[[[[[[[[[[" \\ {{{{{{{{{{.txt'  # a --data path: its brackets are text, not JSON
+    assert train_gpt.json_depth(json.dumps([name, [[1]]]).encode()) == 3
+    path = _copy(pristine_checkpoint, tmp_path)
+    _edit_state(path, _set("data", name))
+    assert train_gpt.check_checkpoint(str(path))[0]["data"] == name
+
+
+def _retype_entry(key, dtype):
+    from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
+    return _set_entry(key, lambda old: TensorStorageMetadata(TensorProperties(dtype=dtype), old.size, old.chunks))
+
+
+def _drop_storage(key):
+    def edit(metadata):
+        metadata.storage_data = {k: v for k, v in metadata.storage_data.items() if k.fqn != key}
+    return edit
+
+
+def _store_unknown(key):
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    def edit(metadata):
+        metadata.storage_data[MetadataIndex(key, torch.Size([0]))] = next(iter(metadata.storage_data.values()))
+    return edit
+
+
+MORE_CRAFTED_METADATA = [  # (what is crafted, the edit of DCP's metadata, what the one line must say)
+    ("a piece stored in .metadata", _storage(dict(relative_path=".metadata", offset=0, length=8)),
+     "is stored in '.metadata', which MANIFEST does not list"),
+    ("a chunk stored nowhere", _drop_storage("model/wpe"), "entry 'model/wpe' has a chunk stored nowhere"),
+    ("a stored piece of no entry", _store_unknown("evil"), "a stored piece of 'evil' is not described"),
+    ("an integer step counter", _retype_entry("optim/wpe/step", torch.int64),
+     "is a step counter of shape () and torch.int64"),
+]
+
+
+@pytest.mark.parametrize("what, edit, says", MORE_CRAFTED_METADATA, ids=[c[0] for c in MORE_CRAFTED_METADATA])
+def test_more_crafted_checkpoint_metadata_is_refused_in_one_line(pristine_checkpoint, tmp_path, what, edit, says):
+    path = _copy(pristine_checkpoint, tmp_path)
+    _edit_metadata(path, edit)
+    with pytest.raises(train_gpt.BadCheckpoint) as refused:
+        train_gpt.check_checkpoint(str(path))
+    message = str(refused.value)
+    assert says in message and str(path) in message and "\n" not in message, message
+
+
+def test_metrics_on_the_out_dir_lock_is_refused(tmp_path):
+    out = tmp_path / "o"
+    try:
+        with pytest.raises(ValueError, match=r"lies inside a checkpoint \(or is the --out-dir lock\)"):
+            train_gpt.check_inputs(CFG, _run(metrics=str(out / ".lock"), out_dir=str(out)), 1)
+    finally:
+        train_gpt.release_out_dir(str(out))
+
+
+def test_a_stale_tmp_that_is_a_link_is_refused_and_its_target_kept(tmp_path):
+    out, target = tmp_path / "out", tmp_path / "precious"
+    out.mkdir()
+    target.mkdir()
+    (target / "keep.txt").write_text("keep me")
+    (out / "step_000003.tmp").symlink_to(target)
+    try:
+        with pytest.raises(ValueError, match="holds step_000003.tmp, which is not a folder left by a save"):
+            train_gpt.check_inputs(CFG, _run(steps=3, out_dir=str(out)), 1)
+    finally:
+        train_gpt.release_out_dir(str(out))
+    assert (target / "keep.txt").read_text() == "keep me"
+
+
+def test_a_step_folder_without_checkpoint_files_is_no_checkpoint(pristine_checkpoint, tmp_path):
+    path = _copy(pristine_checkpoint, tmp_path)
+    (tmp_path / "c" / "step_000009").mkdir()  # made by hand, or a copy that never began
+    (tmp_path / "c" / "step_000010").mkdir()
+    (tmp_path / "c" / "step_000010" / "notes.txt").write_text("")
+    assert train_gpt.checkpoint_dirs(str(tmp_path / "c")) == [str(path)]
+    assert train_gpt.latest_checkpoint(str(tmp_path / "c"))[0] == str(path)
+
+
+def test_checkpoint_metadata_that_names_a_torch_function_is_refused_and_a_dtype_loads():
+    import io
+    import pickle
+    for name in ("load", "save", "_C"):
+        payload = (pickle.PROTO + bytes([4]) + pickle.SHORT_BINUNICODE + bytes([5]) + b"torch" +
+                   pickle.SHORT_BINUNICODE + bytes([len(name)]) + name.encode() + pickle.STACK_GLOBAL + pickle.STOP)
+        with pytest.raises(pickle.UnpicklingError, match=f"refers to torch.{name}, which a DCP checkpoint never"):
+            train_gpt._SafeUnpickler(io.BytesIO(payload)).load()
+    assert train_gpt._SafeUnpickler(io.BytesIO(pickle.dumps(torch.float16))).load() is torch.float16
+
+
+def test_tensor_files_of_more_ranks_than_the_saved_world_are_refused(pristine_checkpoint, tmp_path):
+    import shutil
+    path = _copy(pristine_checkpoint, tmp_path)
+    shutil.copy(path / "__0_0.distcp", path / "__1_0.distcp")  # listed in MANIFEST: a rank 1 the world never had
+    _reseal(path)
+    with pytest.raises(train_gpt.BadCheckpoint, match="'world_size' is 1, but 2 ranks wrote its tensor files"):
+        train_gpt.check_checkpoint(str(path))
+
+
+def test_a_crafted_memo_index_is_refused_by_the_opcode_scan_itself(pristine_checkpoint, tmp_path):
+    path = _copy(pristine_checkpoint, tmp_path)
+    _flip_an_opcode_into_long_binput(path / ".metadata")
+    _reseal(path)  # not the unpickler's own failure, nor a memory limit: the scan names the opcode
+    with pytest.raises(train_gpt.BadCheckpoint, match=r"LONG_BINPUT \d+ points past the pickle's \d+ bytes"):
+        train_gpt.check_checkpoint(str(path))

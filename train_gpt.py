@@ -2814,8 +2814,8 @@ def _check_inputs(cfg, train_cfg, world):
         if _global_rank() == 0:  # before anything is written, and before the folder is looked at
             hold_out_dir(train_cfg.out_dir)
     check_outputs_apart_from_inputs(train_cfg)
-    if train_cfg.metrics and _global_rank() == 0:  # the one writer (its folder may be --out-dir, made by rank 0)
-        _check_metrics_file(train_cfg.metrics)
+    if train_cfg.metrics:  # every rank checks (every rank must stop on a bad one); rank 0 alone writes
+        _check_metrics_file(train_cfg.metrics, train_cfg.out_dir)
     if train_cfg.out_dir and _global_rank() == 0 and os.path.isdir(train_cfg.out_dir):
         clear_stale_writes(train_cfg.out_dir)
     data = load_data(train_cfg.data, cfg.seq_len, cfg.vocab_size)
@@ -2911,8 +2911,9 @@ def check_fits_in_memory(cfg, train_cfg):
                          f"{available / 2 ** 30:,.1f} GiB: pass a smaller --hidden or --layers, or more --tp or --pp")
 
 
-def _check_metrics_file(path):
-    """--metrics names a regular file (or none yet) in a folder this process can write."""
+def _check_metrics_file(path, out_dir=None):
+    """--metrics names a regular file (or none yet) in a folder this process can write (or in --out-dir, which
+    rank 0 creates: checked as --out-dir)."""
     if os.path.isdir(path):
         raise ValueError(f"--metrics {path} is a folder: pass a file path, e.g. {path}/metrics.jsonl")
     if os.path.exists(path):
@@ -2922,6 +2923,8 @@ def _check_metrics_file(path):
         if not os.access(path, os.R_OK | os.W_OK):
             raise ValueError(f"--metrics {path} is not readable and writable (its permissions): pass another path")
     folder = os.path.dirname(os.path.abspath(path))
+    if out_dir and folder == os.path.abspath(out_dir) and not os.path.exists(folder):
+        return  # the --out-dir that rank 0 makes (its ancestors checked by _check_folder_can_exist)
     if not os.path.isdir(folder):
         what = ("is a file; pass another path" if os.path.exists(folder)
                 else "does not exist; create it or pass another path")

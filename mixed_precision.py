@@ -311,17 +311,8 @@ class _Bucket:
     def zero_main_grads(self):
         self.grad_buffer().zero_()
 
-    def param_buffers(self):  # the parameter storage at rest (memory_bytes)
-        return [self.param_flat]
-
     def grad_buffer(self):
         return self.grad_flat
-
-    def full_tensor(self, local, piece_range, p):  # p's whole master or state from this rank's piece
-        return local.detach().reshape(p.shape).clone()
-
-    def load_param(self, p, piece, master):  # the working parameter: the loaded master, rounded
-        p.copy_(master)
 
 
 def _param_groups(params_or_param_groups):
@@ -636,108 +627,6 @@ class MixedPrecisionOptimizer:
         for p in self.params:
             p.grad = p.main_grad if hasattr(p, "main_grad") and p.dtype == self.master_dtype else None
 
-    def memory_bytes(self):
-        """This rank's bytes at rest, from the live tensors: parameters, main grads, and the separate masters plus
-        the optimizer states with dim > 0 (Adam's moments); master_bytes is the masters' part of optimizer_bytes."""
-        size = lambda ts: sum(t.numel() * t.element_size() for t in ts)
-        masters = size(b.master_flat for b in self._buckets if b.separate_master)
-        states = size(t for s in self.optimizer.state.values() for t in s.values()
-                      if torch.is_tensor(t) and t.dim() > 0)
-        return {"param_bytes": size(t for b in self._buckets for t in b.param_buffers()),
-                "grad_bytes": size(b.grad_buffer() for b in self._buckets),
-                "optimizer_bytes": masters + states, "master_bytes": masters, "peak_gathered_bytes": 0}
-
-    # ---- save and load: this rank's pieces where they lie, or one parameter's full state ----
-
-    def owned_state(self, p, like=None):
-        """((a, b), {"master": ..., "exp_avg": ..., "step": ...}): this rank's live piece of p's master and states,
-        elements [a, b) of p.view(-1), for a checkpoint that writes and loads them where they lie. `like`, {name:
-        (ndim, dtype)}, creates the states missing before the first step, zero-filled (0-dim ones on the CPU)."""
-        _, piece = self._managed(p, "owned_state")
-        state = self.optimizer.state[piece]
-        for key, (ndim, dtype) in (like or {}).items():
-            if key not in state and key != "master":
-                state[key] = torch.zeros((), dtype=dtype) if ndim == 0 else torch.zeros_like(piece)
-        owned = {"master": piece}
-        owned.update((key, state[key]) for key in sorted(state) if torch.is_tensor(state[key]))
-        return piece.range, owned
-
-    def owned_param(self, p):
-        """((a, b), the live tensor holding the elements [a, b) of p.view(-1) at rest): here all of p."""
-        self._managed(p, "owned_param")
-        return (0, p.numel()), p.detach().view(-1)
-
-    def full_state(self, p):
-        """{"master": p's master, then every optimizer state}, each a FULL tensor of p's shape (0-dim as it is)."""
-        bucket, piece = self._managed(p, "full_state")
-        full = {"master": bucket.full_tensor(piece, piece.range, p)}
-        state = self.optimizer.state.get(piece, {})
-        for key in sorted(state):  # the same keys in the same order on every rank: the pieces step alike
-            value = state[key]
-            if torch.is_tensor(value):
-                full[key] = value.detach().clone() if value.dim() == 0 else \
-                    bucket.full_tensor(value, piece.range, p)
-        return full
-
-    def load_full_state(self, p, state):
-        """Inverse of full_state, whatever the layout that saved it; no communication."""
-        bucket, piece = self._managed(p, "load_full_state")
-        a, b = piece.range
-        cut = lambda t: t.detach().reshape(-1)[a:b].reshape(piece.shape).to(piece.device, piece.dtype, copy=True)
-        with torch.no_grad():
-            bucket.load_param(p, piece, state["master"].reshape(p.shape).to(p.device))
-            piece.copy_(cut(state["master"]))
-        # 0-dim states (Adam's step) stay where they were saved (torch keeps them on the CPU)
-        self.optimizer.state[piece] = {k: (v.detach().clone() if v.dim() == 0 else cut(v))
-                                       for k, v in state.items() if k != "master"}
-
-    def scalar_state(self):
-        """The non-tensor part: hyperparameters of each group, the loss scaler (the tensors: full_state)."""
-        return {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
-                "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict()}
-
-    def state_dict(self):
-        """Everything, unsharded: the scalar state and every parameter's full_state, in parameter order."""
-        return {"scalars": self.scalar_state(), "params": [self.full_state(p) for p in self.params]}
-
-    def load_state_dict(self, state):
-        """Inverse of state_dict; everything is checked before anything is overwritten."""
-        if len(state["params"]) != len(self.params):
-            raise ValueError(f"state_dict holds {len(state['params'])} parameters, this optimizer "
-                             f"{len(self.params)}: build it over the same parameters")
-        for i, (p, full) in enumerate(zip(self.params, state["params"])):
-            # the states may differ between param groups: only the master is required
-            if "master" not in full:
-                raise ValueError(f"state_dict's parameter {i} holds {sorted(full)} but no 'master': pass a "
-                                 "state_dict written by MixedPrecisionOptimizer.state_dict")
-            for key, value in full.items():
-                if value.dim() > 0 and value.numel() != p.numel():
-                    raise ValueError(f"state_dict's parameter {i} has {value.numel()} elements in {key!r}, this "
-                                     f"optimizer's {p.numel()} (shape {tuple(p.shape)}): build it over the same "
-                                     "parameters")
-        self._check_param_groups(state["scalars"])
-        if self.loss_scaler is not None and state["scalars"]["loss_scaler"] is not None:
-            DynamicLossScaler().load_state_dict(state["scalars"]["loss_scaler"])  # checked on a throwaway
-        for p, full in zip(self.params, state["params"]):
-            self.load_full_state(p, full)
-        self._after_load()
-        self.load_scalar_state(state["scalars"])
-
-    def _after_load(self):  # the sharded form remakes its FP8 shards here
-        pass
-
-    def _check_param_groups(self, state):
-        if len(state["param_groups"]) != len(self.param_groups):
-            raise ValueError(f"state_dict has {len(state['param_groups'])} param groups, this optimizer "
-                             f"{len(self.param_groups)}: build it with the same groups")
-
-    def load_scalar_state(self, state):
-        self._check_param_groups(state)
-        for group, saved in zip(self.param_groups, state["param_groups"]):
-            group.update(saved)
-        if self.loss_scaler is not None and state["loss_scaler"] is not None:
-            self.loss_scaler.load_state_dict(state["loss_scaler"])
-
 
 # ----------------------------------------------------------------------------------------------------
 # FP8, per-tensor scaling: the tensorwise (current) and delayed recipes, a BF16 backward
@@ -997,6 +886,130 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
+
+# ----------------------------------------------------------------------------------------------------
+# Checkpoints and memory: the optimizer's state, saved and loaded by piece or by whole parameter
+# ----------------------------------------------------------------------------------------------------
+
+class _Bucket(_Bucket):
+    """The chapter's bucket with what a checkpoint and memory_bytes read."""
+
+    def param_buffers(self):  # the parameter storage at rest (memory_bytes)
+        return [self.param_flat]
+
+    def full_tensor(self, local, piece_range, p):  # p's whole master or state from this rank's piece
+        return local.detach().reshape(p.shape).clone()
+
+    def load_param(self, p, piece, master):  # the working parameter: the loaded master, rounded
+        p.copy_(master)
+
+
+class MixedPrecisionOptimizer(MixedPrecisionOptimizer):
+    """The chapter's optimizer (the same name: what this file exports) with its checkpoint state and
+    memory_bytes: this rank's pieces where they lie (owned_state, owned_param), or one parameter's full state
+    (full_state, load_full_state), or everything unsharded (state_dict, load_state_dict)."""
+
+    def memory_bytes(self):
+        """This rank's bytes at rest, from the live tensors: parameters, main grads, and the separate masters plus
+        the optimizer states with dim > 0 (Adam's moments); master_bytes is the masters' part of optimizer_bytes."""
+        size = lambda ts: sum(t.numel() * t.element_size() for t in ts)
+        masters = size(b.master_flat for b in self._buckets if b.separate_master)
+        states = size(t for s in self.optimizer.state.values() for t in s.values()
+                      if torch.is_tensor(t) and t.dim() > 0)
+        return {"param_bytes": size(t for b in self._buckets for t in b.param_buffers()),
+                "grad_bytes": size(b.grad_buffer() for b in self._buckets),
+                "optimizer_bytes": masters + states, "master_bytes": masters, "peak_gathered_bytes": 0}
+
+    # ---- save and load: this rank's pieces where they lie, or one parameter's full state ----
+
+    def owned_state(self, p, like=None):
+        """((a, b), {"master": ..., "exp_avg": ..., "step": ...}): this rank's live piece of p's master and states,
+        elements [a, b) of p.view(-1), for a checkpoint that writes and loads them where they lie. `like`, {name:
+        (ndim, dtype)}, creates the states missing before the first step, zero-filled (0-dim ones on the CPU)."""
+        _, piece = self._managed(p, "owned_state")
+        state = self.optimizer.state[piece]
+        for key, (ndim, dtype) in (like or {}).items():
+            if key not in state and key != "master":
+                state[key] = torch.zeros((), dtype=dtype) if ndim == 0 else torch.zeros_like(piece)
+        owned = {"master": piece}
+        owned.update((key, state[key]) for key in sorted(state) if torch.is_tensor(state[key]))
+        return piece.range, owned
+
+    def owned_param(self, p):
+        """((a, b), the live tensor holding the elements [a, b) of p.view(-1) at rest): here all of p."""
+        self._managed(p, "owned_param")
+        return (0, p.numel()), p.detach().view(-1)
+
+    def full_state(self, p):
+        """{"master": p's master, then every optimizer state}, each a FULL tensor of p's shape (0-dim as it is)."""
+        bucket, piece = self._managed(p, "full_state")
+        full = {"master": bucket.full_tensor(piece, piece.range, p)}
+        state = self.optimizer.state.get(piece, {})
+        for key in sorted(state):  # the same keys in the same order on every rank: the pieces step alike
+            value = state[key]
+            if torch.is_tensor(value):
+                full[key] = value.detach().clone() if value.dim() == 0 else \
+                    bucket.full_tensor(value, piece.range, p)
+        return full
+
+    def load_full_state(self, p, state):
+        """Inverse of full_state, whatever the layout that saved it; no communication."""
+        bucket, piece = self._managed(p, "load_full_state")
+        a, b = piece.range
+        cut = lambda t: t.detach().reshape(-1)[a:b].reshape(piece.shape).to(piece.device, piece.dtype, copy=True)
+        with torch.no_grad():
+            bucket.load_param(p, piece, state["master"].reshape(p.shape).to(p.device))
+            piece.copy_(cut(state["master"]))
+        # 0-dim states (Adam's step) stay where they were saved (torch keeps them on the CPU)
+        self.optimizer.state[piece] = {k: (v.detach().clone() if v.dim() == 0 else cut(v))
+                                       for k, v in state.items() if k != "master"}
+
+    def scalar_state(self):
+        """The non-tensor part: hyperparameters of each group, the loss scaler (the tensors: full_state)."""
+        return {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+                "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict()}
+
+    def state_dict(self):
+        """Everything, unsharded: the scalar state and every parameter's full_state, in parameter order."""
+        return {"scalars": self.scalar_state(), "params": [self.full_state(p) for p in self.params]}
+
+    def load_state_dict(self, state):
+        """Inverse of state_dict; everything is checked before anything is overwritten."""
+        if len(state["params"]) != len(self.params):
+            raise ValueError(f"state_dict holds {len(state['params'])} parameters, this optimizer "
+                             f"{len(self.params)}: build it over the same parameters")
+        for i, (p, full) in enumerate(zip(self.params, state["params"])):
+            # the states may differ between param groups: only the master is required
+            if "master" not in full:
+                raise ValueError(f"state_dict's parameter {i} holds {sorted(full)} but no 'master': pass a "
+                                 "state_dict written by MixedPrecisionOptimizer.state_dict")
+            for key, value in full.items():
+                if value.dim() > 0 and value.numel() != p.numel():
+                    raise ValueError(f"state_dict's parameter {i} has {value.numel()} elements in {key!r}, this "
+                                     f"optimizer's {p.numel()} (shape {tuple(p.shape)}): build it over the same "
+                                     "parameters")
+        self._check_param_groups(state["scalars"])
+        if self.loss_scaler is not None and state["scalars"]["loss_scaler"] is not None:
+            DynamicLossScaler().load_state_dict(state["scalars"]["loss_scaler"])  # checked on a throwaway
+        for p, full in zip(self.params, state["params"]):
+            self.load_full_state(p, full)
+        self._after_load()
+        self.load_scalar_state(state["scalars"])
+
+    def _after_load(self):  # the sharded form remakes its FP8 shards here
+        pass
+
+    def _check_param_groups(self, state):
+        if len(state["param_groups"]) != len(self.param_groups):
+            raise ValueError(f"state_dict has {len(state['param_groups'])} param groups, this optimizer "
+                             f"{len(self.param_groups)}: build it with the same groups")
+
+    def load_scalar_state(self, state):
+        self._check_param_groups(state)
+        for group, saved in zip(self.param_groups, state["param_groups"]):
+            group.update(saved)
+        if self.loss_scaler is not None and state["loss_scaler"] is not None:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
 
 # ----------------------------------------------------------------------------------------------------
 # Sharded data parallelism: ZeRO-1, -2, -3 and HSDP, built on the flat buffers above

@@ -511,26 +511,6 @@ class MixedPrecisionOptimizer:
             elif p.grad is not None:
                 _accumulate_main_grad(p)
 
-    def _grad_holder(self, p):
-        return p.main_grad
-
-    def all_reduce_grads(self, params, group):
-        """SUM the main grads of `params` over `group` in one flat all-reduce (None or size 1: nothing). For
-        gradients that need a sum outside the shard groups: the tied embedding over the embedding group, the
-        parameters replicated across TP under sequence parallelism over the TP group. Call before step()."""
-        params = list(params)
-        for p in params:
-            self._managed(p, "all_reduce_grads")
-        group_size = _group_size(group, "all_reduce_grads' group")
-        self._fold_stray_grads()
-        if group_size == 1 or not params:
-            return
-        holders = [self._grad_holder(p) for p in params]
-        flat = torch.cat([h.reshape(-1) for h in holders])
-        dist.all_reduce(flat, group=group)
-        for h, g in zip(holders, flat.split([h.numel() for h in holders])):
-            h.copy_(g.view(h.shape))
-
     def step(self, grad_scale=1.0, max_norm=0.0, norm_group=None, norm_params=None):
         """Reduce, scale, measure, clip, update, copy back. Returns StepResult(stepped, grad_norm).
 
@@ -888,7 +868,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 # ----------------------------------------------------------------------------------------------------
-# Checkpoints and memory: the optimizer's state, saved and loaded by piece or by whole parameter
+# The optimizer's extra sums (tied embedding, TP replicas), its checkpoint state and its memory
 # ----------------------------------------------------------------------------------------------------
 
 class _Bucket(_Bucket):
@@ -905,9 +885,30 @@ class _Bucket(_Bucket):
 
 
 class MixedPrecisionOptimizer(MixedPrecisionOptimizer):
-    """The chapter's optimizer (the same name: what this file exports) with its checkpoint state and
-    memory_bytes: this rank's pieces where they lie (owned_state, owned_param), or one parameter's full state
-    (full_state, load_full_state), or everything unsharded (state_dict, load_state_dict)."""
+    """The chapter's optimizer (the same name: what this file exports) with all_reduce_grads, the sums outside
+    the shard groups; memory_bytes; and its checkpoint state: this rank's pieces where they lie (owned_state,
+    owned_param), one parameter's full state (full_state, load_full_state), or everything unsharded (state_dict,
+    load_state_dict)."""
+
+    def _grad_holder(self, p):
+        return p.main_grad
+
+    def all_reduce_grads(self, params, group):
+        """SUM the main grads of `params` over `group` in one flat all-reduce (None or size 1: nothing). For
+        gradients that need a sum outside the shard groups: the tied embedding over the embedding group, the
+        parameters replicated across TP under sequence parallelism over the TP group. Call before step()."""
+        params = list(params)
+        for p in params:
+            self._managed(p, "all_reduce_grads")
+        group_size = _group_size(group, "all_reduce_grads' group")
+        self._fold_stray_grads()
+        if group_size == 1 or not params:
+            return
+        holders = [self._grad_holder(p) for p in params]
+        flat = torch.cat([h.reshape(-1) for h in holders])
+        dist.all_reduce(flat, group=group)
+        for h, g in zip(holders, flat.split([h.numel() for h in holders])):
+            h.copy_(g.view(h.shape))
 
     def memory_bytes(self):
         """This rank's bytes at rest, from the live tensors: parameters, main grads, and the separate masters plus

@@ -178,16 +178,6 @@ class DynamicLossScaler:
                 self._scale = grown
             self._growth_tracker = 0
 
-    def state_dict(self):
-        return {"scale": self.scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
-                "growth_interval": self.growth_interval, "_growth_tracker": self._growth_tracker}
-
-    def load_state_dict(self, state):
-        """Checked as the constructor checks, so a corrupt checkpoint (a scale of 0 or inf) stops here instead of
-        stepping on NaN or skipping every step."""
-        self._set(state["scale"], state["growth_factor"], state["backoff_factor"], state["growth_interval"],
-                  state["_growth_tracker"])
-
 
 # ----------------------------------------------------------------------------------------------------
 # The optimizer: FP32 main grads in flat buffers, one reduction, the norm, clipping, the step, the copy back
@@ -870,6 +860,20 @@ from torch.utils.checkpoint import checkpoint
 # ----------------------------------------------------------------------------------------------------
 # The optimizer's extra sums (tied embedding, TP replicas), its checkpoint state and its memory
 # ----------------------------------------------------------------------------------------------------
+
+class DynamicLossScaler(DynamicLossScaler):
+    """The chapter's loss scaler with its checkpoint state."""
+
+    def state_dict(self):
+        return {"scale": self.scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+                "growth_interval": self.growth_interval, "_growth_tracker": self._growth_tracker}
+
+    def load_state_dict(self, state):
+        """Checked as the constructor checks, so a corrupt checkpoint (a scale of 0 or inf) stops here instead of
+        stepping on NaN or skipping every step."""
+        self._set(state["scale"], state["growth_factor"], state["backoff_factor"], state["growth_interval"],
+                  state["_growth_tracker"])
+
 
 class _Bucket(_Bucket):
     """The chapter's bucket with what a checkpoint and memory_bytes read."""

@@ -604,7 +604,6 @@ class MixedPrecisionOptimizer:
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 AMAX_EPS = 1e-12  # an all-zero tensor gets a finite scale (fp8_max / 1e-12 is far below FP32's max)
-PER_TENSOR = ("tensorwise", "delayed")
 
 fp8_log = Counter()  # "gemm:count" FP8 forward GEMMs, "gemm:backward" FP8 backward GEMMs, "gemm:scaled_mm" and
 #                      "gemm:emulated" the path each took, "amax:all_reduce" amax agreements (the tests read it)
@@ -747,10 +746,6 @@ def _check_fp8_options(recipe, backward, split, amax_group):
     if split not in (None, "column", "row"):
         raise ValueError(f"split={split!r}: use None, 'column' (the group splits the output rows of W) or 'row' "
                          "(it splits K, the input columns of W and the last dimension of x)")
-    if recipe not in PER_TENSOR and split is None and _group_size(amax_group, "amax_group") > 1:
-        raise ValueError(f"split=None with an amax_group of several ranks: for the {recipe} recipe say how the "
-                         "group splits this layer, split='column' (blocks along K are local) or split='row' "
-                         "(blocks along K are cut between ranks and agreed)")
 
 
 class _FP8LinearFunction(torch.autograd.Function):
@@ -1984,6 +1979,18 @@ def _fp8_backward(g, x2, weight, spec, needs):
 FORWARD_PRODUCTS.update(dict.fromkeys(FINE_GRAINED, _block_product))
 BACKWARD_PRODUCTS["fp8"] = _fp8_backward
 FP8_RECIPES, FP8_BACKWARDS = tuple(FORWARD_PRODUCTS), tuple(BACKWARD_PRODUCTS)
+
+PER_TENSOR = ("tensorwise", "delayed")
+_check_per_tensor_options = _check_fp8_options
+
+
+def _check_fp8_options(recipe, backward, split, amax_group):
+    """The chapter's checks, and a block recipe's amax_group must say how it splits the layer."""
+    _check_per_tensor_options(recipe, backward, split, amax_group)
+    if recipe not in PER_TENSOR and split is None and _group_size(amax_group, "amax_group") > 1:
+        raise ValueError(f"split=None with an amax_group of several ranks: for the {recipe} recipe say how the "
+                         "group splits this layer, split='column' (blocks along K are local) or split='row' "
+                         "(blocks along K are cut between ranks and agreed)")
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -39,20 +39,19 @@ FP8 with per-tensor scaling. E4M3 reaches only 448, so each tensor is scaled int
 
     scale = fp8_max / max(amax, eps),  amax = max |x|,  x_fp8 = clamp(x scale, +-fp8_max),  x ~= x_fp8 / scale
 
-and a GEMM y = x W^T multiplies the FP8 operands exactly, accumulates in FP32 (Hopper's tensor cores keep
-fewer bits and promote: measured below the banner) and divides by both scales,
+and a GEMM y = x W^T multiplies the FP8 operands exactly, accumulates in FP32 and divides by both scales,
 y = (x_fp8 W_fp8^T) / (s_x s_W) (torch._scaled_mm, or an emulation with the same arithmetic). Current scaling
 ("tensorwise") takes amax from the tensor itself, one extra pass over it. Delayed scaling (Transformer Engine)
 takes the largest amax of the last L steps from an amax history: the scale is known before the tensor is seen
-(a fused kernel records this step's amax while it casts; this file's emulation still measures it in a pass of its
-own before the GEMM), but an outlier beyond the history saturates at +-fp8_max, and a recomputed forward
-(activation checkpointing) would record its amax a second time and quantise differently, so it does not combine
-with recomputation. Under tensor parallelism the
-amaxes of x and W are MAX-reduced over the TP group (one 2-element all-reduce), so every shard is rounded on
-the full tensor's grid. `FP8Linear` computes its backward in BF16 from the saved high-precision tensors.
+(a fused kernel records this step's amax as it casts; the emulation here measures it first), but an outlier
+beyond the history saturates at +-fp8_max, and a recomputed forward would record its amax twice, so it does
+not combine with activation checkpointing. Under tensor parallelism the amaxes of x and W are MAX-reduced over
+the TP group (one 2-element all-reduce), so every shard is rounded on the full tensor's grid. `FP8Linear`
+computes its backward in BF16 from the saved high-precision tensors.
 
 Beyond the chapter (below its banner): ZeRO-1/2/3 and HSDP, the FP8 parameter all-gather, the fine-grained FP8
-recipes (rowwise, blockwise, MXFP8), the FP8 backward with E5M2 gradients, NVFP4, the byte formulas, the demo.
+recipes (rowwise, blockwise, MXFP8), the FP8 backward with E5M2 gradients, NVFP4, the checkpoint state, the byte
+formulas, the demo.
 """
 import math
 import numbers

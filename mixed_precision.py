@@ -100,13 +100,6 @@ def _group_size(group, name="group"):
     return size
 
 
-def _collective_device(group):
-    """Where a tensor must live to take part in `group`'s collectives: this process's GPU under NCCL, else CPU."""
-    if group is not None and "nccl" in str(dist.get_backend(group)):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 # ----------------------------------------------------------------------------------------------------
 # FP16 dynamic loss scaling (the torch.amp.GradScaler algorithm)
 # ----------------------------------------------------------------------------------------------------
@@ -145,26 +138,6 @@ class DynamicLossScaler:
     def scale_loss(self, loss):
         return loss * self._scale.to(loss.device)
 
-    def unscale_and_check(self, params, group=None):
-        """Divide every gradient by the scale in place; True if any gradient anywhere in `group` is inf/NaN."""
-        group_size = _group_size(group, "unscale_and_check's group")
-        grads = [p.grad for p in params if p.grad is not None]
-        if any(g.dtype == torch.float16 for g in grads):  # on every rank alike, before the all-reduce
-            # divided in FP16, the small gradients that the scale lifted above FP16's smallest value fall back
-            # to 0 (GradScaler refuses them likewise)
-            raise ValueError("params: an FP16 gradient cannot be unscaled in FP16; keep FP32 gradients (e.g. the "
-                             "FP32 main grads of MixedPrecisionOptimizer, which unscales them itself)")
-        device = grads[0].device if grads else _collective_device(group if group_size > 1 else None)
-        inv_scale = self._scale.double().reciprocal().float().to(device)  # as GradScaler: one rounding of 1/S
-        found = torch.zeros(1, device=device)
-        for g in grads:  # no host sync per tensor: the flag stays on the device until the end
-            found = torch.maximum(found, (~torch.isfinite(g)).any().float())
-            g.mul_(inv_scale)
-        if group_size > 1:
-            # every rank must skip together, or their weights diverge
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
-        return bool(found.item())
-
     def update(self, found_inf):
         if found_inf:
             self._scale = torch.tensor(self.scale * self.backoff_factor, dtype=torch.float32)
@@ -182,15 +155,6 @@ class DynamicLossScaler:
 # The optimizer: FP32 main grads in flat buffers, one reduction, the norm, clipping, the step, the copy back
 # ----------------------------------------------------------------------------------------------------
 
-# Bytes this rank sends in the buckets' collectives, as a ring sends them: an all-reduce 2 (d-1)/d of its buffer,
-# a reduce-scatter (d-1)/d of its input, an all-gather (d-1)/d of its output (the demo reads it)
-comm_bytes = Counter()
-
-
-def _count_sent(kind, tensor, d, factor):
-    comm_bytes[kind] += factor * (d - 1) / d * tensor.numel() * tensor.element_size()
-
-
 def _accumulate_main_grad(p):
     """Gradient hook, after autograd has written p.grad: add it into the FP32 main grad, free p.grad. (None where
     the backward left this weight's gradient for later: a zero-bubble W adds it into main_grad itself.)"""
@@ -201,16 +165,11 @@ def _accumulate_main_grad(p):
     p.grad = None
 
 
-def _grad_is_main_grad(p):
-    """p.grad is the main_grad view: autograd accumulates in place (DDP's gradient_as_bucket_view)."""
-    return p.grad is not None and p.grad.data_ptr() == p.main_grad.data_ptr()
-
-
 def _adopt_grad(p):
     """A parameter in the master dtype, before its main grad is read: a p.grad that replaced the main_grad view
     (create_graph=True accumulates out of place; a user writes p.grad = g) is the whole gradient, so it is COPIED
     into main_grad (adding would count main_grad twice), and p.grad points at main_grad again."""
-    if p.grad is None or _grad_is_main_grad(p):
+    if p.grad is None or p.grad.data_ptr() == p.main_grad.data_ptr():  # None, or already the view
         return
     with torch.no_grad():
         p.main_grad.copy_(p.grad.detach())
@@ -288,7 +247,6 @@ class _Bucket:
     def reduce_grads(self):
         """At step: SUM the whole main-grad buffer over the group, one all-reduce."""
         if self.group_size > 1:
-            _count_sent("all_reduce", self.grad_flat, self.group_size, 2)
             dist.all_reduce(self.grad_flat, group=self.group)
 
     def publish_params(self):
@@ -394,9 +352,6 @@ class MixedPrecisionOptimizer:
         """Every impossible argument raises here, on every rank, before any buffer or collective. Returns the
         entries as (params, group, replicate_group); parameters in no entry form one with group None."""
         params, master_dtype = self.params, self.master_dtype
-        if "dp_group" in optimizer_defaults:
-            raise ValueError("dp_group was replaced by shard_groups=[(params, group)]; gradients are now "
-                             "SUMMED over the group (pass grad_scale to step() to normalise)")
         if not master_dtype.is_floating_point:
             raise ValueError(f"master_dtype={master_dtype} must be a floating-point dtype (float32 or float64)")
         seen = set()
@@ -470,15 +425,6 @@ class MixedPrecisionOptimizer:
     def _piece(self, p):
         bucket, i = self._where[id(p)]
         return bucket.pieces[i]
-
-    def _managed(self, p, caller):
-        """(bucket, piece) of one of this optimizer's parameters; any other tensor is refused here, before any
-        collective (a KeyError on one rank would leave the others waiting in it)."""
-        if id(p) not in self._where:
-            raise ValueError(f"{caller}: a parameter (shape {tuple(p.shape)}) is not managed by this optimizer; "
-                             "pass one of the parameters it was built over")
-        bucket, i = self._where[id(p)]
-        return bucket, bucket.pieces[i]
 
     @property
     def param_groups(self):
@@ -703,7 +649,6 @@ def fp8_matmul(a_fp8, a_scale, b_fp8, b_scale, out_dtype, use_scaled_mm=True):
     return ((a_fp8.float() @ b_fp8.float().t()) * (inv_a * inv_b)).to(out_dtype)
 
 
-
 class _GemmSpec(NamedTuple):
     recipe: str
     x_scale: torch.Tensor  # per-tensor scales (tensorwise, delayed); None for the fine-grained recipes
@@ -742,9 +687,6 @@ def _check_fp8_options(recipe, backward, split, amax_group):
     if backward not in FP8_BACKWARDS:
         raise ValueError(f"backward={backward!r}: use one of {FP8_BACKWARDS} ('bf16': BF16 GEMMs on the saved "
                          "tensors; 'fp8': E5M2 gradients)")
-    if split not in (None, "column", "row"):
-        raise ValueError(f"split={split!r}: use None, 'column' (the group splits the output rows of W) or 'row' "
-                         "(it splits K, the input columns of W and the last dimension of x)")
 
 
 class _FP8LinearFunction(torch.autograd.Function):
@@ -835,7 +777,6 @@ class FP8Linear(nn.Module):
                           record_amax=self.training)
 
 
-
 # BEYOND THE CHAPTER: ZeRO-1/2/3 and HSDP, FP8 parameter all-gathers, fine-grained FP8 recipes, the FP8 backward, NVFP4
 import io
 import multiprocessing
@@ -852,11 +793,40 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 # ----------------------------------------------------------------------------------------------------
-# The optimizer's extra sums (tied embedding, TP replicas), its checkpoint state and its memory
+# The chapter's classes in full: the loss scaler with a torch.optim optimizer and its state; the optimizer's
+# sums outside the shard groups (tied embedding, TP replicas), its checkpoint state and its memory; sent bytes
 # ----------------------------------------------------------------------------------------------------
 
+def _collective_device(group):
+    """Where a tensor must live to take part in `group`'s collectives: this process's GPU under NCCL, else CPU."""
+    if group is not None and "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class DynamicLossScaler(DynamicLossScaler):
-    """The chapter's loss scaler with its checkpoint state."""
+    """The chapter's loss scaler with unscale_and_check, its use with a torch.optim optimizer (the chapter's
+    optimizer unscales its main grads itself), and its checkpoint state."""
+
+    def unscale_and_check(self, params, group=None):
+        """Divide every gradient by the scale in place; True if any gradient anywhere in `group` is inf/NaN."""
+        group_size = _group_size(group, "unscale_and_check's group")
+        grads = [p.grad for p in params if p.grad is not None]
+        if any(g.dtype == torch.float16 for g in grads):  # on every rank alike, before the all-reduce
+            # divided in FP16, the small gradients that the scale lifted above FP16's smallest value fall back
+            # to 0 (GradScaler refuses them likewise)
+            raise ValueError("params: an FP16 gradient cannot be unscaled in FP16; keep FP32 gradients (e.g. the "
+                             "FP32 main grads of MixedPrecisionOptimizer, which unscales them itself)")
+        device = grads[0].device if grads else _collective_device(group if group_size > 1 else None)
+        inv_scale = self._scale.double().reciprocal().float().to(device)  # as GradScaler: one rounding of 1/S
+        found = torch.zeros(1, device=device)
+        for g in grads:  # no host sync per tensor: the flag stays on the device until the end
+            found = torch.maximum(found, (~torch.isfinite(g)).any().float())
+            g.mul_(inv_scale)
+        if group_size > 1:
+            # every rank must skip together, or their weights diverge
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        return bool(found.item())
 
     def state_dict(self):
         return {"scale": self.scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
@@ -869,8 +839,22 @@ class DynamicLossScaler(DynamicLossScaler):
                   state["_growth_tracker"])
 
 
+# Bytes this rank sends in the buckets' collectives, as a ring sends them: an all-reduce 2 (d-1)/d of its buffer,
+# a reduce-scatter (d-1)/d of its input, an all-gather (d-1)/d of its output (the demo reads it)
+comm_bytes = Counter()
+
+
+def _count_sent(kind, tensor, d, factor):
+    comm_bytes[kind] += factor * (d - 1) / d * tensor.numel() * tensor.element_size()
+
+
 class _Bucket(_Bucket):
-    """The chapter's bucket with what a checkpoint and memory_bytes read."""
+    """The chapter's bucket with its sent bytes counted, and what a checkpoint and memory_bytes read."""
+
+    def reduce_grads(self):
+        if self.group_size > 1:
+            _count_sent("all_reduce", self.grad_flat, self.group_size, 2)
+        super().reduce_grads()
 
     def param_buffers(self):  # the parameter storage at rest (memory_bytes)
         return [self.param_flat]
@@ -887,6 +871,21 @@ class MixedPrecisionOptimizer(MixedPrecisionOptimizer):
     the shard groups; memory_bytes; and its checkpoint state: this rank's pieces where they lie (owned_state,
     owned_param), one parameter's full state (full_state, load_full_state), or everything unsharded (state_dict,
     load_state_dict)."""
+
+    def _check_arguments(self, shard_groups, optimizer_defaults):
+        if "dp_group" in optimizer_defaults:
+            raise ValueError("dp_group was replaced by shard_groups=[(params, group)]; gradients are now "
+                             "SUMMED over the group (pass grad_scale to step() to normalise)")
+        return super()._check_arguments(shard_groups, optimizer_defaults)
+
+    def _managed(self, p, caller):
+        """(bucket, piece) of one of this optimizer's parameters; any other tensor is refused here, before any
+        collective (a KeyError on one rank would leave the others waiting in it)."""
+        if id(p) not in self._where:
+            raise ValueError(f"{caller}: a parameter (shape {tuple(p.shape)}) is not managed by this optimizer; "
+                             "pass one of the parameters it was built over")
+        bucket, i = self._where[id(p)]
+        return bucket, bucket.pieces[i]
 
     def _grad_holder(self, p):
         return p.main_grad
@@ -1984,8 +1983,11 @@ _check_per_tensor_options = _check_fp8_options
 
 
 def _check_fp8_options(recipe, backward, split, amax_group):
-    """The chapter's checks, and a block recipe's amax_group must say how it splits the layer."""
+    """The chapter's checks; `split` (what amax_group cuts), which a block recipe under a group needs."""
     _check_per_tensor_options(recipe, backward, split, amax_group)
+    if split not in (None, "column", "row"):
+        raise ValueError(f"split={split!r}: use None, 'column' (the group splits the output rows of W) or 'row' "
+                         "(it splits K, the input columns of W and the last dimension of x)")
     if recipe not in PER_TENSOR and split is None and _group_size(amax_group, "amax_group") > 1:
         raise ValueError(f"split=None with an amax_group of several ranks: for the {recipe} recipe say how the "
                          "group splits this layer, split='column' (blocks along K are local) or split='row' "

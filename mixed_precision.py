@@ -89,8 +89,7 @@ def dtype_table():
 
 
 def _group_size(group, name="group"):
-    """1 for None (no communication). A group without this rank is refused (torch answers -1 for its size, and
-    this rank would silently leave the sum)."""
+    """1 for None (no communication); a group without this rank (size -1: it would leave the sum) is refused."""
     if group is None:
         return 1
     size = dist.get_world_size(group)
@@ -112,9 +111,7 @@ class DynamicLossScaler:
 
     def _set(self, init_scale, growth_factor, backoff_factor, growth_interval, growth_tracker):
         """Check everything, then assign: a bad value (a constructor's or a checkpoint's) changes nothing."""
-        # GradScaler checks only growth_factor > 1 and backoff_factor < 1; the rest would fail silently: a
-        # scale of 0 turns every gradient into NaN after unscaling (0 * 1/0) and steps on it, an infinite or NaN
-        # scale overflows every step and skips them all forever, a fractional interval never grows
+        # beyond GradScaler's checks: a scale of 0 steps on NaN (0 * 1/0), an inf/NaN one skips every step
         scale = torch.tensor(init_scale, dtype=torch.float32)  # FP32, as GradScaler keeps it
         if not (torch.isfinite(scale) and scale > 0):
             raise ValueError(f"init_scale={init_scale!r} must be finite and > 0 in FP32 (2.0 ** 16 is usual)")
@@ -156,8 +153,7 @@ class DynamicLossScaler:
 # ----------------------------------------------------------------------------------------------------
 
 def _accumulate_main_grad(p):
-    """Gradient hook, after autograd has written p.grad: add it into the FP32 main grad, free p.grad. (None where
-    the backward left this weight's gradient for later: a zero-bubble W adds it into main_grad itself.)"""
+    """Gradient hook after autograd wrote p.grad: add it into the FP32 main grad, free p.grad (None: nothing)."""
     if p.grad is None:
         return
     with torch.no_grad():  # a gradient with a graph (create_graph=True) joins as a value
@@ -166,9 +162,8 @@ def _accumulate_main_grad(p):
 
 
 def _adopt_grad(p):
-    """A parameter in the master dtype, before its main grad is read: a p.grad that replaced the main_grad view
-    (create_graph=True accumulates out of place; a user writes p.grad = g) is the whole gradient, so it is COPIED
-    into main_grad (adding would count main_grad twice), and p.grad points at main_grad again."""
+    """A master-dtype parameter whose p.grad replaced the main_grad view (create_graph=True, p.grad = g): that is
+    the whole gradient, COPIED into main_grad (adding would count it twice); p.grad is the view again."""
     if p.grad is None or p.grad.data_ptr() == p.main_grad.data_ptr():  # None, or already the view
         return
     with torch.no_grad():
@@ -177,13 +172,10 @@ def _adopt_grad(p):
 
 
 class _Bucket:
-    """The parameters of one shard-group entry that share a dtype and a device, laid out in flat buffers of N
-    elements: every parameter's .data a view of `param_flat`, its .main_grad a view of `grad_flat` (master dtype),
-    and the master `master_flat` (master dtype; the parameter buffer itself when the dtypes agree). [lo, hi) is
-    the range of the buffers this rank optimises, its shard: at ZeRO-0 all of it. A parameter's "piece" is its part
-    of the master that this rank steps (its intersection with the shard: at ZeRO-0 the whole master of the
-    parameter, of its shape); the inner optimizer steps the pieces, and a piece's .grad is the same range of the
-    main grads, read in place."""
+    """One entry's parameters of one dtype and device in flat buffers: p.data views `param_flat`, p.main_grad
+    views `grad_flat`, the master is `master_flat` (param_flat itself when the dtypes agree). [lo, hi) is this
+    rank's shard (ZeRO-0: all); a "piece" is a parameter's part of the shard's master, stepped by the inner
+    optimizer, its .grad the same range of the main grads, read in place."""
     level = 0  # the ZeRO level (the sharded buckets below the banner set theirs)
 
     def __init__(self, params, group, master_dtype):
@@ -225,7 +217,7 @@ class _Bucket:
         pass
 
     def _piece(self, p, start):
-        a = min(max(start, self.lo), self.hi)  # the intersection of [start, start + numel) with the shard
+        a = min(max(start, self.lo), self.hi)  # [start, start + numel) within the shard
         b = min(max(start + p.numel(), self.lo), self.hi)
         piece, grad = self.master_flat[a - self.lo:b - self.lo], self.grad_shard[a - self.lo:b - self.lo]
         if self.level == 0:  # whole parameters: keep their shapes (shape-aware optimizers work unsharded)
@@ -266,9 +258,9 @@ def _param_groups(params_or_param_groups):
     """The torch.optim param groups: a plain iterable of parameters is one group; frozen ones are left out."""
     items = list(params_or_param_groups)
     if not (items and isinstance(items[0], dict)):
-        items = [{"params": items}]  # a plain iterable of parameters: one group
+        items = [{"params": items}]
     groups = []
-    for g in items:  # as torch.optim: a group's params may be one tensor; frozen ones are left out
+    for g in items:  # as torch.optim: a group's params may be one tensor
         params = [g["params"]] if torch.is_tensor(g["params"]) else list(g["params"])
         groups.append({**g, "params": [p for p in params if p.requires_grad]})
     if not any(g["params"] for g in groups):
@@ -290,8 +282,7 @@ def _beyond_zero0(zero, fp8_param_gather, units, shard_groups):
 
 
 class StepResult(NamedTuple):
-    """What step() did: `stepped` (False when the loss scaler skipped an overflowing step) and the global
-    gradient norm. True as a boolean exactly when the step was taken."""
+    """What step() did: stepped (False: skipped on overflow; also the truth value) and the global grad norm."""
     stepped: bool
     grad_norm: float
 
@@ -300,23 +291,19 @@ class StepResult(NamedTuple):
 
 
 class MixedPrecisionOptimizer:
-    """Any torch.optim optimizer stepping FP32 master weights of the parameters, with FP32 gradient accumulation
-    (main grads), data-parallel gradient reduction (SUM), global-norm clipping and loss scaling.
+    """Any torch.optim optimizer stepping FP32 masters, with FP32 main grads, the data-parallel SUM, clipping and
+    loss scaling (the step in the module docstring):
 
-        opt = MixedPrecisionOptimizer(
-            [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
-            torch.optim.AdamW, shard_groups=[(dense, dp_cp_group), (experts, edp_group)], lr=3e-4,
-            loss_scaler=DynamicLossScaler())         # FP16 weights; None for BF16
+        opt = MixedPrecisionOptimizer([{"params": matrices, "weight_decay": 0.1}, {"params": vectors}],
+                                      torch.optim.AdamW, shard_groups=[(params, dp_group)], lr=3e-4,
+                                      loss_scaler=DynamicLossScaler())         # FP16 weights; None for BF16
         for micro_batch in ...: opt.loss_scaler.scale_loss(loss).backward()   # hooks add p.grad into p.main_grad
-        opt.all_reduce_grads([tied_embedding], embedding_group)   # extra sums the caller needs, if any
         stepped, grad_norm = opt.step(grad_scale=1 / tokens, max_norm=1.0, norm_group=world)
 
-    shard_groups: (params, group) entries; a parameter's main grad is SUMMED over its entry's group (none: no
-    communication). Nothing averages: the caller normalises (grad_scale). master_dtype: the dtype of main grads,
-    masters and optimizer states. The parameters become views of flat buffers (one per entry, dtype and device):
-    build the optimizer once the model has its final dtype and device, one optimizer per parameter. zero > 0,
-    fp8_param_gather, units or a replicate group build ShardedMixedPrecisionOptimizer (below the banner).
-    """
+    shard_groups: (params, group) entries, main grads SUMMED over the entry's group (none: no communication); the
+    caller normalises (grad_scale). master_dtype: of main grads, masters and states. Build it once the model has
+    its final dtype and device (parameters become views of flat buffers), one optimizer per parameter. zero > 0,
+    fp8_param_gather, units or a replicate group build ShardedMixedPrecisionOptimizer (below the banner)."""
     units, fp8_param_gather = (), False  # the sharded form's; none here
 
     def __new__(cls, *args, zero=0, fp8_param_gather=False, units=None, shard_groups=None, **kwargs):
@@ -345,8 +332,6 @@ class MixedPrecisionOptimizer:
         self.optimizer = optimizer_class(
             [{**{k: v for k, v in g.items() if k != "params"}, "params": [self._piece(p) for p in g["params"]]}
              for g in groups], **optimizer_defaults)
-
-    # ---- construction ----
 
     def _check_arguments(self, shard_groups, optimizer_defaults):
         """Every impossible argument raises here, on every rank, before any buffer or collective. Returns the
@@ -399,8 +384,7 @@ class MixedPrecisionOptimizer:
         pass
 
     def _add_buckets(self, params, make_bucket):
-        """One bucket per (dtype, device) of `params`, in order of first appearance: a flat buffer holds one
-        dtype."""
+        """One bucket per (dtype, device) of `params`, in order of first appearance (a flat buffer has one dtype)."""
         by_kind = {}
         for p in params:
             by_kind.setdefault((p.dtype, p.device), []).append(p)
@@ -431,13 +415,9 @@ class MixedPrecisionOptimizer:
         """The inner optimizer's groups (same order and options as given): set the learning rate here."""
         return self.optimizer.param_groups
 
-    # ---- the step ----
-
     def _fold_stray_grads(self):
-        """Before the main grads are read: a gradient written to p.grad directly, not by backward (which the hooks
-        of narrower parameters catch), joins the sum: added to the main grad of a narrower parameter (whose p.grad
-        holds only what came since the last hook), copied into that of a parameter in the master dtype (whose
-        p.grad, the main_grad view or what replaced it, is the whole gradient)."""
+        """A p.grad written directly, not by backward, joins the main grad: added for a narrower parameter (it holds
+        what came since the last hook), copied for one in the master dtype (it is the whole gradient)."""
         for p in self.params:
             if not hasattr(p, "main_grad"):  # a sharded unit's parameter: reduce_grads takes its p.grad
                 continue
@@ -447,12 +427,10 @@ class MixedPrecisionOptimizer:
                 _accumulate_main_grad(p)
 
     def step(self, grad_scale=1.0, max_norm=0.0, norm_group=None, norm_params=None):
-        """Reduce, scale, measure, clip, update, copy back. Returns StepResult(stepped, grad_norm).
-
-        norm_params: the parameters the norm counts (None: all; leave out copies another rank counts: TP
-        replicas, a tied embedding's second copy). The overflow probe is the sum of squares of every gradient this
-        rank owns, counted or not (a norm above 1.8e19 in FP32 counts as an overflow too). norm_group must contain
-        every shard group when clipping or a loss scaler acts on the norm, or ranks would disagree."""
+        """Reduce, scale, measure, clip, update, copy back; returns StepResult. norm_params: what the norm counts
+        (None: all; leave out copies another rank counts). The overflow probe sums the squares of every gradient
+        owned (above 1.8e19 in FP32 counts too). norm_group must contain every shard group when clipping or a
+        loss scaler acts on the norm."""
         counted = None if norm_params is None else {id(p) for p in norm_params}
         if counted is not None and not counted <= set(self._where):
             raise ValueError("norm_params holds a parameter that this optimizer does not manage")
@@ -500,8 +478,7 @@ class MixedPrecisionOptimizer:
             bucket.publish_params()
 
     def _check_norm_group_covers_shards(self, norm_group):
-        """Every shard group's ranks in norm_group (rank lists, no communication), else its ranks clip or skip
-        differently. Groups never change: a norm_group found to cover them is not checked again."""
+        """Every shard group's ranks in norm_group (rank lists, no communication; checked once per norm_group)."""
         if norm_group is getattr(self, "_covering_norm_group", None):
             return
         covered = set(dist.get_process_group_ranks(norm_group))
@@ -550,29 +527,22 @@ class MixedPrecisionOptimizer:
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 AMAX_EPS = 1e-12  # an all-zero tensor gets a finite scale (fp8_max / 1e-12 is far below FP32's max)
 
-fp8_log = Counter()  # "gemm:count" FP8 forward GEMMs, "gemm:backward" FP8 backward GEMMs, "gemm:scaled_mm" and
-#                      "gemm:emulated" the path each took, "amax:all_reduce" amax agreements (the tests read it)
+fp8_log = Counter()  # gemm:count, gemm:backward, gemm:scaled_mm, gemm:emulated, amax:all_reduce (tests read it)
 
 
 def fp8_scale(amax, dtype=E4M3):
-    """The tensorwise recipe (current scaling): s = fp8_max / max(amax, eps), x_fp8 = clamp(x s), x ~= x_fp8 / s.
-    (One correctly rounded FP32 division: `number / tensor` would take the reciprocal first, rounding twice.)"""
+    """Current scaling, fp8_max / max(amax, eps), one rounded division (`number / tensor` would round twice)."""
     amax = torch.clamp(amax.float(), min=AMAX_EPS)
     return torch.full_like(amax, torch.finfo(dtype).max) / amax
 
 
 def quantize_fp8(x, dtype=E4M3, scale=None):
-    """Per-tensor scaling: returns (x_fp8, scale) with x ~= x_fp8.float() / scale.
-
-    scale defaults to the dynamic fp8_max / amax(x); a given scale (delayed scaling) may push values past
-    the format's range, and they saturate at +-max rather than becoming inf or NaN (the clamp is explicit:
-    torch saturates E4M3 casts but turns E5M2 overflow into inf).
-    """
+    """(x_fp8, scale), x ~= x_fp8.float() / scale; scale defaults to fp8_scale(amax(x)). Values a given scale pushes
+    past the range saturate at +-max (explicitly: torch turns E5M2 overflow into inf)."""
     if scale is None:
         scale = fp8_scale(amax_of(x), dtype)
     fp8_max = torch.finfo(dtype).max
-    # one FP32 staging copy, scaled and clamped in place: 4 + 1 bytes per element alive at once, not 4 + 4
-    # (an explicit copy, since .float() of an FP32 tensor is the tensor itself)
+    # one FP32 staging copy (explicit: .float() of FP32 is x itself), scaled and clamped in place: 4 + 1 bytes
     x_fp8 = x.to(torch.float32, copy=True).mul_(scale).clamp_(-fp8_max, fp8_max).to(dtype)
     return x_fp8, scale
 
@@ -582,10 +552,7 @@ def dequantize_fp8(x_fp8, scale):
 
 
 def delayed_scale(amax_history, amax, dtype=E4M3):
-    """The delayed recipe (Transformer Engine): s = fp8_max / max(the amaxes of the last L steps), from a (..., L)
-    history of agreed amaxes; where the history is still empty (zeros: the first step) the current amax. The scale
-    is known before the tensor is seen (a fused cast records this step's amax for the history as it goes; the
-    emulation here measures it first), but an outlier beyond the history saturates at +-fp8_max."""
+    """fp8_max / the largest amax of a (..., L) history; the current amax where the history is still zeros."""
     history = amax_history.max(dim=-1).values
     return fp8_scale(torch.where(history > 0, history, amax), dtype)  # torch.where: no host sync
 
@@ -603,9 +570,7 @@ def amax_of(t):
 
 
 def agreed_amax(x, weight, amax_group=None):
-    """[amax(x), amax(weight)], MAX-reduced over amax_group in one all-reduce of 2 elements: a TP shard must be
-    quantised with the full tensor's scale, or the shards are rounded on different grids and the layer is no
-    longer the function it is on one GPU; the MAX of the shards' amaxes is the full tensor's amax."""
+    """[amax(x), amax(weight)], MAX-reduced over amax_group (the TP group): the full tensors' amaxes."""
     group_size = _group_size(amax_group, "amax_group")
     amax = torch.stack([amax_of(x), amax_of(weight)])
     if group_size > 1:
@@ -618,8 +583,7 @@ _SCALED_MM_ON_CPU = {}  # recipe -> bool, probed once
 
 
 def scaled_mm_available(device):
-    """torch._scaled_mm with per-tensor scales: FP8 tensor cores (compute capability 8.9+) on CUDA; on CPU, probed
-    once by a small call."""
+    """Per-tensor torch._scaled_mm: compute capability 8.9+ on CUDA; on CPU, probed once by a small call."""
     if device.type == "cuda":
         return torch.cuda.get_device_capability(device) >= (8, 9)
     if device.type != "cpu":
@@ -636,10 +600,8 @@ def scaled_mm_available(device):
 
 
 def fp8_matmul(a_fp8, a_scale, b_fp8, b_scale, out_dtype, use_scaled_mm=True):
-    """(a / a_scale) @ (b / b_scale)^T with per-tensor scales and FP32 accumulation. b is (out, in) row-major, so
-    b.t() is the column-major operand that _scaled_mm wants (which also needs every dimension a multiple of 16).
-    The emulation is the same arithmetic: FP8 values are exact in FP32, products are accumulated in FP32 and
-    scaled once."""
+    """(a / a_scale) @ (b / b_scale)^T accumulated in FP32: _scaled_mm (b.t() column-major, dimensions multiples of
+    16) or its emulation, the same arithmetic (FP8 values are exact in FP32)."""
     inv_a, inv_b = a_scale.reciprocal().float(), b_scale.reciprocal().float()
     shapes_ok = a_fp8.shape[0] % 16 == 0 and a_fp8.shape[1] % 16 == 0 and b_fp8.shape[0] % 16 == 0
     if use_scaled_mm and shapes_ok and scaled_mm_available(a_fp8.device):
@@ -674,8 +636,7 @@ def _bf16_backward(g, x2, weight, spec, needs):
     return grad_x, grad_w
 
 
-# recipe -> forward product, backward name -> backward products; the fine-grained recipes and the FP8 backward
-# join these tables below the banner
+# recipe -> forward product, backward -> backward products (the block recipes and FP8 backward join below)
 FORWARD_PRODUCTS = {"tensorwise": _per_tensor_product, "delayed": _per_tensor_product}
 BACKWARD_PRODUCTS = {"bf16": _bf16_backward}
 FP8_RECIPES, FP8_BACKWARDS = tuple(FORWARD_PRODUCTS), tuple(BACKWARD_PRODUCTS)
@@ -710,14 +671,9 @@ class _FP8LinearFunction(torch.autograd.Function):
 
 def fp8_linear(x, weight, bias=None, amax_group=None, use_scaled_mm=True, *, recipe="tensorwise", backward="bf16",
                split=None, amax_history=None, record_amax=True):
-    """y = x @ weight^T + bias with the forward GEMM in FP8 E4M3 under `recipe`; x has any leading shape.
-
-    tensorwise (default): current per-tensor scales; the amaxes of x and weight are MAX-reduced over amax_group
-      first (agreed_amax): pass the TP group for a TP-sharded weight or input.
-    delayed: the same with scales from amax_history (a (2, L) buffer of past agreed amaxes, input and weight),
-      into which this call records its amaxes when record_amax (FP8Linear passes self.training).
-    Below the banner: the fine-grained recipes, `split` (what amax_group cuts: "row", K, or "column", W's rows)
-    and backward="fp8"; backward="bf16" computes BF16 GEMMs on the saved high-precision tensors."""
+    """y = x @ weight^T + bias, the forward GEMM in FP8 E4M3. tensorwise: current scales of the amaxes agreed over
+    amax_group (the TP group); delayed: scales from amax_history ((2, L): input, weight), which records this
+    call's amaxes when record_amax. backward="bf16": BF16 GEMMs on the saved tensors (the rest: below)."""
     _check_fp8_options(recipe, backward, split, amax_group)
     if recipe == "delayed" and (amax_history is None or amax_history.dim() != 2 or amax_history.shape[0] != 2):
         raise ValueError("amax_history: the delayed recipe needs a (2, L) tensor of past amaxes (input, weight), "
@@ -737,12 +693,8 @@ def fp8_linear(x, weight, bias=None, amax_group=None, use_scaled_mm=True, *, rec
 
 
 class FP8Linear(nn.Module):
-    """nn.Linear whose forward GEMM runs in FP8 E4M3 under one of FP8_RECIPES; backward in BF16 or FP8.
-
-    amax_group, split: as fp8_linear's. recipe="delayed" (or the older delayed_scaling=True) takes each scale
-    from the largest agreed amax of the last `amax_history_len` steps; every training forward records one entry,
-    so do not use it under activation checkpointing (the recomputed forward records a second one). The other
-    recipes are functions of the tensors alone and recompute identically."""
+    """nn.Linear through fp8_linear. recipe="delayed" (or delayed_scaling=True) keeps `amax_history_len` steps of
+    amaxes, one per training forward: not under activation checkpointing (a recomputation records twice)."""
 
     def __init__(self, in_features, out_features, bias=True, delayed_scaling=False, amax_history_len=16,
                  use_scaled_mm=True, amax_group=None, device=None, dtype=None, *, recipe=None, backward="bf16",

@@ -12,46 +12,41 @@ at most eps/2 of a normal value):
     E5M2    8     5    2     57344    6.1e-5      0.25    FP8 gradients (range over precision)
 
 BF16 compute, FP32 master weights. Forward and backward run on BF16 parameters (half the bytes, tensor-core
-speed), but the optimizer steps an FP32 copy of each. Near 1.0 BF16 values lie 2^-7 apart: an update of 1e-3
-is below half that spacing and rounds away, every step, forever. The FP32 master accumulates the updates, and
-the BF16 weight is rounded from it again after each step (the copy back).
+speed); the optimizer steps an FP32 copy of each. Near 1.0 BF16 values lie 2^-7 apart: an update of 1e-3 is
+below half that spacing and rounds away, every step. The FP32 master accumulates the updates; the BF16 weight
+is rounded from it after each step (the copy back).
 
 FP32 main grads. Over m micro-batches a BF16 .grad would round the running sum m times to 8 bits. Each
-parameter gets a persistent `main_grad` in FP32, a view of one flat buffer per dtype and device; a hook adds
-each backward's p.grad into it and frees p.grad: one FP32 rounding per micro-batch. The data-parallel SUM is
-one all-reduce of each flat buffer, in FP32. A parameter already in the master dtype is its own master and its
-.grad IS its main_grad view (autograd accumulates in place). Bytes per parameter with Adam:
+parameter gets a persistent FP32 `main_grad`, a view of one flat buffer per dtype and device; a hook adds each
+backward's p.grad into it and frees p.grad. The data-parallel SUM is one FP32 all-reduce per flat buffer. A
+parameter in the master dtype is its own master; its .grad IS the main_grad view. Bytes per parameter, Adam:
 
     2 (BF16 weight) + 4 (FP32 main grad) + 4 (FP32 master) + 8 (two FP32 moments) = 18    (FP32 weights: 16)
 
-One step of `MixedPrecisionOptimizer`, in order: all-reduce (SUM) each flat main-grad buffer over its group;
-g *= grad_scale / loss_scale; the global norm ||g|| = sqrt(sum g^2) over the gradients this rank counts, summed
-over the ranks in one 2-element all-reduce that also carries the overflow probe; skip the step on overflow;
-clip, g *= min(1, max_norm / (||g|| + 1e-6)) (clip_grad_norm_'s rule); the inner optimizer steps the FP32
-masters; the masters are rounded into the BF16 parameters; the main grads are zeroed.
+One step of `MixedPrecisionOptimizer`: all-reduce (SUM) each main-grad buffer; g *= grad_scale / loss_scale;
+||g|| = sqrt(sum g^2) in one 2-element all-reduce that also carries the overflow probe; skip on overflow; clip,
+g *= min(1, max_norm / (||g|| + 1e-6)); the inner optimizer steps the masters; the copy back; zero main grads.
 
 FP16 loss scaling. FP16's smallest subnormal is 2^-24 = 6e-8: smaller gradients flush to zero. The loss is
-multiplied by S (2^16 to start), which lifts every gradient by S, and the FP32 main grads are multiplied by 1/S
-before the step. An inf or NaN anywhere means S was too large: the step is skipped on every rank and S *= 1/2;
-after growth_interval (2000) clean steps in a row S *= 2. `DynamicLossScaler` is torch.amp.GradScaler's rule.
+multiplied by S (2^16 to start), lifting every gradient by S; the FP32 main grads are multiplied by 1/S. An inf
+or NaN means S was too large: every rank skips the step and S *= 1/2; after growth_interval (2000) clean steps
+S *= 2 (`DynamicLossScaler`, torch.amp.GradScaler's rule).
 
 FP8 with per-tensor scaling. E4M3 reaches only 448, so each tensor is scaled into range before the cast:
 
     scale = fp8_max / max(amax, eps),  amax = max |x|,  x_fp8 = clamp(x scale, +-fp8_max),  x ~= x_fp8 / scale
 
-and a GEMM y = x W^T multiplies the FP8 operands exactly, accumulates in FP32 and divides by both scales,
-y = (x_fp8 W_fp8^T) / (s_x s_W) (torch._scaled_mm, or an emulation with the same arithmetic). Current scaling
-("tensorwise") takes amax from the tensor itself, one extra pass over it. Delayed scaling (Transformer Engine)
-takes the largest amax of the last L steps from an amax history: the scale is known before the tensor is seen
-(a fused kernel records this step's amax as it casts; the emulation here measures it first), but an outlier
-beyond the history saturates at +-fp8_max, and a recomputed forward would record its amax twice, so it does
-not combine with activation checkpointing. Under tensor parallelism the amaxes of x and W are MAX-reduced over
-the TP group (one 2-element all-reduce), so every shard is rounded on the full tensor's grid. `FP8Linear`
+and a GEMM multiplies the FP8 operands exactly, accumulates in FP32 and divides by both scales, y = x W^T =
+(x_fp8 W_fp8^T) / (s_x s_W) (torch._scaled_mm, or an emulation with the same arithmetic). Current scaling
+("tensorwise") takes amax from the tensor itself, one extra pass. Delayed scaling (Transformer Engine) takes the
+largest amax of the last L steps: the scale is known before the tensor is seen (a fused kernel records this
+step's amax as it casts; the emulation measures it first), but an outlier beyond the history saturates, and a
+recomputed forward records its amax twice (not with activation checkpointing). Under tensor parallelism the
+amaxes are MAX-reduced over the TP group, so every shard is rounded on the full tensor's grid. `FP8Linear`
 computes its backward in BF16 from the saved high-precision tensors.
 
-Beyond the chapter (below its banner): ZeRO-1/2/3 and HSDP, the FP8 parameter all-gather, the fine-grained FP8
-recipes (rowwise, blockwise, MXFP8), the FP8 backward with E5M2 gradients, NVFP4, the checkpoint state, the byte
-formulas, the demo.
+Beyond the chapter (below its banner): ZeRO-1/2/3 and HSDP, the FP8 parameter all-gather, fine-grained FP8
+(rowwise, blockwise, MXFP8), the FP8 backward (E5M2), NVFP4, checkpoint state, byte formulas, the demo.
 """
 import math
 import numbers
@@ -293,7 +288,6 @@ class StepResult(NamedTuple):
 class MixedPrecisionOptimizer:
     """Any torch.optim optimizer stepping FP32 masters, with FP32 main grads, the data-parallel SUM, clipping and
     loss scaling (the step in the module docstring):
-
         opt = MixedPrecisionOptimizer([{"params": matrices, "weight_decay": 0.1}, {"params": vectors}],
                                       torch.optim.AdamW, shard_groups=[(params, dp_group)], lr=3e-4,
                                       loss_scaler=DynamicLossScaler())         # FP16 weights; None for BF16
@@ -304,7 +298,6 @@ class MixedPrecisionOptimizer:
     caller normalises (grad_scale). master_dtype: of main grads, masters and states. Build it once the model has
     its final dtype and device (parameters become views of flat buffers), one optimizer per parameter. zero > 0,
     fp8_param_gather, units or a replicate group build ShardedMixedPrecisionOptimizer (below the banner)."""
-    units, fp8_param_gather = (), False  # the sharded form's; none here
 
     def __new__(cls, *args, zero=0, fp8_param_gather=False, units=None, shard_groups=None, **kwargs):
         if cls is MixedPrecisionOptimizer and _beyond_zero0(zero, fp8_param_gather, units, shard_groups):
@@ -584,10 +577,8 @@ _SCALED_MM_ON_CPU = {}  # recipe -> bool, probed once
 
 def scaled_mm_available(device):
     """Per-tensor torch._scaled_mm: compute capability 8.9+ on CUDA; on CPU, probed once by a small call."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_capability(device) >= (8, 9)
     if device.type != "cpu":
-        return False
+        return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
     if "tensorwise" not in _SCALED_MM_ON_CPU:
         try:
             a = torch.ones(128, 128).to(E4M3)
@@ -662,10 +653,9 @@ class _FP8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        spec = ctx.spec
-        grad_x, grad_w = BACKWARD_PRODUCTS[spec.backward](grad_out.reshape(-1, weight.shape[0]),
-                                                          x.reshape(-1, x.shape[-1]), weight, spec,
-                                                          ctx.needs_input_grad[:2])
+        grad_x, grad_w = BACKWARD_PRODUCTS[ctx.spec.backward](grad_out.reshape(-1, weight.shape[0]),
+                                                              x.reshape(-1, x.shape[-1]), weight, ctx.spec,
+                                                              ctx.needs_input_grad[:2])
         return None if grad_x is None else grad_x.reshape(x.shape), grad_w, None
 
 
@@ -823,6 +813,8 @@ class MixedPrecisionOptimizer(MixedPrecisionOptimizer):
     the shard groups; memory_bytes; and its checkpoint state: this rank's pieces where they lie (owned_state,
     owned_param), one parameter's full state (full_state, load_full_state), or everything unsharded (state_dict,
     load_state_dict)."""
+
+    units, fp8_param_gather = (), False  # the sharded form's; none here
 
     def _check_arguments(self, shard_groups, optimizer_defaults):
         if "dp_group" in optimizer_defaults:

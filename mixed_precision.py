@@ -105,8 +105,7 @@ class DynamicLossScaler:
         self._set(init_scale, growth_factor, backoff_factor, growth_interval, growth_tracker=0)
 
     def _set(self, init_scale, growth_factor, backoff_factor, growth_interval, growth_tracker):
-        """Check everything, then assign: a bad value (a constructor's or a checkpoint's) changes nothing."""
-        # beyond GradScaler's checks: a scale of 0 steps on NaN (0 * 1/0), an inf/NaN one skips every step
+        """Check, then assign (a bad value changes nothing); a scale of 0 would step on NaN, an inf one skip all."""
         scale = torch.tensor(init_scale, dtype=torch.float32)  # FP32, as GradScaler keeps it
         if not (torch.isfinite(scale) and scale > 0):
             raise ValueError(f"init_scale={init_scale!r} must be finite and > 0 in FP32 (2.0 ** 16 is usual)")
@@ -178,7 +177,6 @@ class _Bucket:
         self.group_size = _group_size(group)
         self.group_rank = 0 if group is None else dist.get_rank(group)
         self.starts, self.padded, self.lo, self.hi = self._layout()
-        self.padding = self.padded - sum(p.numel() for p in params)
         dtype, device = params[0].dtype, params[0].device
         self.param_flat = torch.zeros(self.padded, dtype=dtype, device=device)
         with torch.no_grad():
@@ -366,15 +364,11 @@ class MixedPrecisionOptimizer:
             if group is not None and dist.get_rank(group) < 0:
                 raise ValueError(f"shard_groups[{k}]: this rank is not a member of the group; pass the group "
                                  "that contains this rank (or None)")
-            self._check_replicate_group(k, group, replicate_group)
             entries.append((entry_params, group, replicate_group))
         unassigned = [p for p in params if id(p) not in owner]
         if unassigned:
             entries.append((unassigned, None, None))  # no data-parallel communication
         return entries
-
-    def _check_replicate_group(self, k, group, replicate_group):  # None here: HSDP is the sharded form's
-        pass
 
     def _add_buckets(self, params, make_bucket):
         """One bucket per (dtype, device) of `params`, in order of first appearance (a flat buffer has one dtype)."""
@@ -431,13 +425,8 @@ class MixedPrecisionOptimizer:
             raise ValueError(f"need max_norm >= 0 (0 disables clipping) and a finite grad_scale, got "
                              f"max_norm={max_norm}, grad_scale={grad_scale}")
         norm_group_size = _group_size(norm_group, "norm_group")
-        if (max_norm > 0 or self.loss_scaler is not None) and norm_group_size == 1 and any(
-                _group_size(g) > 1 for b in self._buckets for g in b.groups()):
-            raise ValueError("norm_group is None but gradients are reduced over groups of more than one rank: "
-                             "each rank then holds only part of the norm, and clipping or skipping would differ "
-                             "between ranks; pass a norm_group that contains every shard group (the world)")
-        if (max_norm > 0 or self.loss_scaler is not None) and norm_group_size > 1:
-            self._check_norm_group_covers_shards(norm_group)
+        if max_norm > 0 or self.loss_scaler is not None:  # every rank must clip and skip alike
+            self._check_norm_group_covers_shards(norm_group, norm_group_size)
         self._before_step()
         self._fold_stray_grads()
         for bucket in self._buckets:  # 1. SUM over the data-parallel group
@@ -470,9 +459,13 @@ class MixedPrecisionOptimizer:
         for bucket in self._buckets:
             bucket.publish_params()
 
-    def _check_norm_group_covers_shards(self, norm_group):
+    def _check_norm_group_covers_shards(self, norm_group, norm_group_size):
         """Every shard group's ranks in norm_group (rank lists, no communication; checked once per norm_group)."""
-        if norm_group is getattr(self, "_covering_norm_group", None):
+        if norm_group_size == 1 and any(_group_size(g) > 1 for b in self._buckets for g in b.groups()):
+            raise ValueError("norm_group is None but gradients are reduced over groups of more than one rank: "
+                             "each rank then holds only part of the norm, and clipping or skipping would differ "
+                             "between ranks; pass a norm_group that contains every shard group (the world)")
+        if norm_group_size == 1 or norm_group is getattr(self, "_covering_norm_group", None):
             return
         covered = set(dist.get_process_group_ranks(norm_group))
         for bucket in self._buckets:
@@ -797,6 +790,10 @@ class _Bucket(_Bucket):
         if self.group_size > 1:
             _count_sent("all_reduce", self.grad_flat, self.group_size, 2)
         super().reduce_grads()
+
+    @property
+    def padding(self):  # elements that round the buffers up (the demo reads it)
+        return self.padded - sum(p.numel() for p in self.params)
 
     def param_buffers(self):  # the parameter storage at rest (memory_bytes)
         return [self.param_flat]
@@ -1441,6 +1438,8 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             raise ValueError(f"fp8_param_gather=True with zero={zero}: ZeRO-0 gathers no parameters; pass zero=1, "
                              "2 or 3")
         entries = super()._check_arguments(shard_groups, optimizer_defaults)
+        for k, (_, group, replicate_group) in enumerate(entries):
+            _check_replicate_group(k, group, replicate_group)
         name = lambda p: _param_name(self.params, p)
         for p in self.params:
             if fp8_param_gather and p.dtype == self.master_dtype:
@@ -1449,9 +1448,6 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                                  "master_dtype (BF16 with FP32 masters) or pass fp8_param_gather=False")
         self._unit_lists = _check_units(self._units_given, {id(p) for p in self.params}, name)
         return entries
-
-    def _check_replicate_group(self, k, group, replicate_group):
-        _check_replicate_group(k, group, replicate_group)
 
     def _build_buckets(self, entries):
         """One _ShardedBucket per (entry, dtype, device). At zero 2 and 3 each unit gets its own buckets per

@@ -44,9 +44,6 @@ step's amax as it casts; the emulation measures it first), but an outlier beyond
 recomputed forward records its amax twice (not with activation checkpointing). Under tensor parallelism the
 amaxes are MAX-reduced over the TP group, so every shard is rounded on the full tensor's grid. `FP8Linear`
 computes its backward in BF16 from the saved high-precision tensors.
-
-Beyond the chapter (below its banner): ZeRO-1/2/3 and HSDP, the FP8 parameter all-gather, fine-grained FP8
-(rowwise, blockwise, MXFP8), the FP8 backward (E5M2), NVFP4, checkpoint state, byte formulas, the demo.
 """
 import math
 import numbers
@@ -76,10 +73,9 @@ def dtype_table():
     for name, dtype, use in FORMATS:
         fi = torch.finfo(dtype)
         mantissa = round(-math.log2(fi.eps))
-        rows.append({"name": name, "dtype": str(dtype).replace("torch.", ""), "bits": fi.bits,
-                     "exponent_bits": fi.bits - 1 - mantissa, "mantissa_bits": mantissa, "max": fi.max,
-                     "min_normal": fi.smallest_normal, "min_subnormal": fi.smallest_normal * fi.eps,
-                     "eps": fi.eps, "use": use})
+        rows.append({"name": name, "dtype": str(dtype).replace("torch.", ""), "bits": fi.bits, "exponent_bits":
+                     fi.bits - 1 - mantissa, "mantissa_bits": mantissa, "max": fi.max, "min_normal": fi.smallest_normal,
+                     "min_subnormal": fi.smallest_normal * fi.eps, "eps": fi.eps, "use": use})
     return rows
 
 
@@ -167,9 +163,8 @@ def _adopt_grad(p):
 
 class _Bucket:
     """One entry's parameters of one dtype and device in flat buffers: p.data views `param_flat`, p.main_grad
-    views `grad_flat`, the master is `master_flat` (param_flat itself when the dtypes agree). [lo, hi) is this
-    rank's shard (ZeRO-0: all); a "piece" is a parameter's part of the shard's master, stepped by the inner
-    optimizer, its .grad the same range of the main grads, read in place."""
+    `grad_flat`, the master is `master_flat` (param_flat when the dtypes agree). [lo, hi): this rank's shard (all);
+    a "piece", a parameter's part of it, is what the inner optimizer steps, its .grad read in place."""
     level = 0  # the ZeRO level (the sharded buckets below the banner set theirs)
 
     def __init__(self, params, group, master_dtype):
@@ -188,7 +183,6 @@ class _Bucket:
             self.param_shard = self._owned_params()
             self.separate_master = dtype != master_dtype
             self.master_flat = self.param_shard.to(master_dtype) if self.separate_master else self.param_shard
-        self._finish_init()
         self.pieces = [self._piece(p, start) for p, start in zip(params, self.starts)]
 
     def _layout(self):
@@ -205,9 +199,6 @@ class _Bucket:
 
     def _owned_params(self):
         return self.param_flat[self.lo:self.hi]
-
-    def _finish_init(self):  # the sharded buckets round or free their parameters here
-        pass
 
     def _piece(self, p, start):
         a = min(max(start, self.lo), self.hi)  # [start, start + numel) within the shard
@@ -252,10 +243,8 @@ def _param_groups(params_or_param_groups):
     items = list(params_or_param_groups)
     if not (items and isinstance(items[0], dict)):
         items = [{"params": items}]
-    groups = []
-    for g in items:  # as torch.optim: a group's params may be one tensor
-        params = [g["params"]] if torch.is_tensor(g["params"]) else list(g["params"])
-        groups.append({**g, "params": [p for p in params if p.requires_grad]})
+    groups = [{**g, "params": [p for p in ([g["params"]] if torch.is_tensor(g["params"]) else g["params"])
+                               if p.requires_grad]} for g in items]  # as torch.optim: params may be one tensor
     if not any(g["params"] for g in groups):
         raise ValueError("params_or_param_groups holds no parameter that requires grad: pass the model's "
                          "parameters (or a list of dicts with a 'params' key)")
@@ -286,16 +275,14 @@ class StepResult(NamedTuple):
 class MixedPrecisionOptimizer:
     """Any torch.optim optimizer stepping FP32 masters, with FP32 main grads, the data-parallel SUM, clipping and
     loss scaling (the step in the module docstring):
-        opt = MixedPrecisionOptimizer([{"params": matrices, "weight_decay": 0.1}, {"params": vectors}],
-                                      torch.optim.AdamW, shard_groups=[(params, dp_group)], lr=3e-4,
-                                      loss_scaler=DynamicLossScaler())         # FP16 weights; None for BF16
+        opt = MixedPrecisionOptimizer(params_or_param_groups, torch.optim.AdamW, shard_groups=[(params, dp_group)],
+                                      lr=3e-4, loss_scaler=DynamicLossScaler())    # FP16 weights; None for BF16
         for micro_batch in ...: opt.loss_scaler.scale_loss(loss).backward()   # hooks add p.grad into p.main_grad
         stepped, grad_norm = opt.step(grad_scale=1 / tokens, max_norm=1.0, norm_group=world)
 
-    shard_groups: (params, group) entries, main grads SUMMED over the entry's group (none: no communication); the
-    caller normalises (grad_scale). master_dtype: of main grads, masters and states. Build it once the model has
-    its final dtype and device (parameters become views of flat buffers), one optimizer per parameter. zero > 0,
-    fp8_param_gather, units or a replicate group build ShardedMixedPrecisionOptimizer (below the banner)."""
+    shard_groups: (params, group) entries, main grads SUMMED over the group (none: no communication; the caller
+    normalises: grad_scale). Build it once the model has its final dtype and device (parameters become views of
+    flat buffers), one per parameter. zero > 0, fp8_param_gather, units, replicate groups: below the banner."""
 
     def __new__(cls, *args, zero=0, fp8_param_gather=False, units=None, shard_groups=None, **kwargs):
         if cls is MixedPrecisionOptimizer and _beyond_zero0(zero, fp8_param_gather, units, shard_groups):
@@ -325,8 +312,7 @@ class MixedPrecisionOptimizer:
              for g in groups], **optimizer_defaults)
 
     def _check_arguments(self, shard_groups, optimizer_defaults):
-        """Every impossible argument raises here, on every rank, before any buffer or collective. Returns the
-        entries as (params, group, replicate_group); parameters in no entry form one with group None."""
+        """Refuses any impossible argument before any buffer or collective; returns (params, group, replicate)."""
         params, master_dtype = self.params, self.master_dtype
         if not master_dtype.is_floating_point:
             raise ValueError(f"master_dtype={master_dtype} must be a floating-point dtype (float32 or float64)")
@@ -393,7 +379,7 @@ class MixedPrecisionOptimizer:
         else:
             p.register_post_accumulate_grad_hook(_accumulate_main_grad)
 
-    def _piece(self, p):
+    def _piece(self, p):  # what the inner optimizer steps for p
         bucket, i = self._where[id(p)]
         return bucket.pieces[i]
 
@@ -403,8 +389,7 @@ class MixedPrecisionOptimizer:
         return self.optimizer.param_groups
 
     def _fold_stray_grads(self):
-        """A p.grad written directly, not by backward, joins the main grad: added for a narrower parameter (it holds
-        what came since the last hook), copied for one in the master dtype (it is the whole gradient)."""
+        """A p.grad written directly joins the main grad: added (narrower dtype), copied (the master dtype)."""
         for p in self.params:
             if not hasattr(p, "main_grad"):  # a sharded unit's parameter: reduce_grads takes its p.grad
                 continue
@@ -415,9 +400,8 @@ class MixedPrecisionOptimizer:
 
     def step(self, grad_scale=1.0, max_norm=0.0, norm_group=None, norm_params=None):
         """Reduce, scale, measure, clip, update, copy back; returns StepResult. norm_params: what the norm counts
-        (None: all; leave out copies another rank counts). The overflow probe sums the squares of every gradient
-        owned (above 1.8e19 in FP32 counts too). norm_group must contain every shard group when clipping or a
-        loss scaler acts on the norm."""
+        (None: all; leave out copies another rank counts). The overflow probe sums the squares of every owned
+        gradient (above 1.8e19 in FP32 counts too). norm_group: every shard group, when clipping or scaling."""
         counted = None if norm_params is None else {id(p) for p in norm_params}
         if counted is not None and not counted <= set(self._where):
             raise ValueError("norm_params holds a parameter that this optimizer does not manage")
@@ -1063,6 +1047,7 @@ class _ShardedBucket(_Bucket):
         self.replicate_rank = 0 if self.replicate_group is None else dist.get_rank(self.replicate_group)
         self.gathered = level < 3
         super().__init__(params, group, master_dtype)
+        self._finish_init()
 
     def _layout(self):
         shards = self.group_size if self.level >= 1 else 1
@@ -1085,7 +1070,7 @@ class _ShardedBucket(_Bucket):
         owned = super()._owned_params()
         return owned.clone() if self.level == 3 else owned
 
-    def _finish_init(self):
+    def _finish_init(self):  # the working weights rounded (fp8_param_gather) or freed (level 3)
         with torch.no_grad():
             if self.fp8_param_gather:  # the working weights are FP8-rounded from the start (the same on every rank)
                 self.param_flat.copy_(fp8_param_round(self.param_flat))

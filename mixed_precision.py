@@ -12,47 +12,38 @@ at most eps/2 of a normal value):
     E5M2    8     5    2     57344    6.1e-5      0.25    FP8 gradients (range over precision)
 
 BF16 compute, FP32 master weights. Forward and backward run on BF16 parameters (half the bytes, tensor-core
-speed), but the optimizer steps an FP32 copy of each. Near 1.0 BF16 values lie 2^-7 apart: an update of 1e-3
-is below half that spacing and rounds away, every step, forever. The FP32 master accumulates the updates, and
-the BF16 weight is rounded from it again after each step (the copy back).
+speed); the optimizer steps an FP32 copy of each. Near 1.0 BF16 values lie 2^-7 apart: an update of 1e-3 is
+below half that spacing and rounds away, every step. The FP32 master accumulates the updates; the BF16 weight
+is rounded from it after each step (the copy back).
 
 FP32 main grads. Over m micro-batches a BF16 .grad would round the running sum m times to 8 bits. Each
-parameter gets a persistent `main_grad` in FP32, a view of one flat buffer per dtype and device; a hook adds
-each backward's p.grad into it and frees p.grad: one FP32 rounding per micro-batch. The data-parallel SUM is
-one all-reduce of each flat buffer, in FP32. A parameter already in the master dtype is its own master and its
-.grad IS its main_grad view (autograd accumulates in place). Bytes per parameter with Adam:
+parameter gets a persistent FP32 `main_grad`, a view of one flat buffer per dtype and device; a hook adds each
+backward's p.grad into it and frees p.grad. The data-parallel SUM is one FP32 all-reduce per flat buffer. A
+parameter in the master dtype is its own master; its .grad IS the main_grad view. Bytes per parameter, Adam:
 
     2 (BF16 weight) + 4 (FP32 main grad) + 4 (FP32 master) + 8 (two FP32 moments) = 18    (FP32 weights: 16)
 
-One step of `MixedPrecisionOptimizer`, in order: all-reduce (SUM) each flat main-grad buffer over its group;
-g *= grad_scale / loss_scale; the global norm ||g|| = sqrt(sum g^2) over the gradients this rank counts, summed
-over the ranks in one 2-element all-reduce that also carries the overflow probe; skip the step on overflow;
-clip, g *= min(1, max_norm / (||g|| + 1e-6)) (clip_grad_norm_'s rule); the inner optimizer steps the FP32
-masters; the masters are rounded into the BF16 parameters; the main grads are zeroed.
+One step of `MixedPrecisionOptimizer`: all-reduce (SUM) each main-grad buffer; g *= grad_scale / loss_scale;
+||g|| = sqrt(sum g^2) in one 2-element all-reduce that also carries the overflow probe; skip on overflow; clip,
+g *= min(1, max_norm / (||g|| + 1e-6)); the inner optimizer steps the masters; the copy back; zero main grads.
 
 FP16 loss scaling. FP16's smallest subnormal is 2^-24 = 6e-8: smaller gradients flush to zero. The loss is
-multiplied by S (2^16 to start), which lifts every gradient by S, and the FP32 main grads are multiplied by 1/S
-before the step. An inf or NaN anywhere means S was too large: the step is skipped on every rank and S *= 1/2;
-after growth_interval (2000) clean steps in a row S *= 2. `DynamicLossScaler` is torch.amp.GradScaler's rule.
+multiplied by S (2^16 to start), lifting every gradient by S; the FP32 main grads are multiplied by 1/S. An inf
+or NaN means S was too large: every rank skips the step and S *= 1/2; after growth_interval (2000) clean steps
+S *= 2 (`DynamicLossScaler`, torch.amp.GradScaler's rule).
 
 FP8 with per-tensor scaling. E4M3 reaches only 448, so each tensor is scaled into range before the cast:
 
     scale = fp8_max / max(amax, eps),  amax = max |x|,  x_fp8 = clamp(x scale, +-fp8_max),  x ~= x_fp8 / scale
 
-and a GEMM y = x W^T multiplies the FP8 operands exactly, accumulates in FP32 (Hopper's tensor cores keep
-fewer bits and promote: measured below the banner) and divides by both scales,
-y = (x_fp8 W_fp8^T) / (s_x s_W) (torch._scaled_mm, or an emulation with the same arithmetic). Current scaling
-("tensorwise") takes amax from the tensor itself, one extra pass over it. Delayed scaling (Transformer Engine)
-takes the largest amax of the last L steps from an amax history: the scale is known before the tensor is seen
-(a fused kernel records this step's amax while it casts; this file's emulation still measures it in a pass of its
-own before the GEMM), but an outlier beyond the history saturates at +-fp8_max, and a recomputed forward
-(activation checkpointing) would record its amax a second time and quantise differently, so it does not combine
-with recomputation. Under tensor parallelism the
-amaxes of x and W are MAX-reduced over the TP group (one 2-element all-reduce), so every shard is rounded on
-the full tensor's grid. `FP8Linear` computes its backward in BF16 from the saved high-precision tensors.
-
-Beyond the chapter (below its banner): ZeRO-1/2/3 and HSDP, the FP8 parameter all-gather, the fine-grained FP8
-recipes (rowwise, blockwise, MXFP8), the FP8 backward with E5M2 gradients, NVFP4, the byte formulas, the demo.
+and a GEMM multiplies the FP8 operands exactly, accumulates in FP32 and divides by both scales, y = x W^T =
+(x_fp8 W_fp8^T) / (s_x s_W) (torch._scaled_mm, or an emulation with the same arithmetic). Current scaling
+("tensorwise") takes amax from the tensor itself, one extra pass. Delayed scaling (Transformer Engine) takes the
+largest amax of the last L steps: the scale is known before the tensor is seen (a fused kernel records this
+step's amax as it casts; the emulation measures it first), but an outlier beyond the history saturates, and a
+recomputed forward records its amax twice (not with activation checkpointing). Under tensor parallelism the
+amaxes are MAX-reduced over the TP group, so every shard is rounded on the full tensor's grid. `FP8Linear`
+computes its backward in BF16 from the saved high-precision tensors.
 """
 import math
 import numbers
@@ -82,16 +73,14 @@ def dtype_table():
     for name, dtype, use in FORMATS:
         fi = torch.finfo(dtype)
         mantissa = round(-math.log2(fi.eps))
-        rows.append({"name": name, "dtype": str(dtype).replace("torch.", ""), "bits": fi.bits,
-                     "exponent_bits": fi.bits - 1 - mantissa, "mantissa_bits": mantissa, "max": fi.max,
-                     "min_normal": fi.smallest_normal, "min_subnormal": fi.smallest_normal * fi.eps,
-                     "eps": fi.eps, "use": use})
+        rows.append({"name": name, "dtype": str(dtype).replace("torch.", ""), "bits": fi.bits, "exponent_bits":
+                     fi.bits - 1 - mantissa, "mantissa_bits": mantissa, "max": fi.max, "min_normal": fi.smallest_normal,
+                     "min_subnormal": fi.smallest_normal * fi.eps, "eps": fi.eps, "use": use})
     return rows
 
 
 def _group_size(group, name="group"):
-    """1 for None (no communication). A group without this rank is refused (torch answers -1 for its size, and
-    this rank would silently leave the sum)."""
+    """1 for None (no communication); a group without this rank (size -1: it would leave the sum) is refused."""
     if group is None:
         return 1
     size = dist.get_world_size(group)
@@ -99,13 +88,6 @@ def _group_size(group, name="group"):
         raise ValueError(f"{name}: this rank is not a member of the group; pass a group that contains this rank "
                          "(or None for no communication)")
     return size
-
-
-def _collective_device(group):
-    """Where a tensor must live to take part in `group`'s collectives: this process's GPU under NCCL, else CPU."""
-    if group is not None and "nccl" in str(dist.get_backend(group)):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -119,10 +101,7 @@ class DynamicLossScaler:
         self._set(init_scale, growth_factor, backoff_factor, growth_interval, growth_tracker=0)
 
     def _set(self, init_scale, growth_factor, backoff_factor, growth_interval, growth_tracker):
-        """Check everything, then assign: a bad value (a constructor's or a checkpoint's) changes nothing."""
-        # GradScaler checks only growth_factor > 1 and backoff_factor < 1; the rest would fail silently: a
-        # scale of 0 turns every gradient into NaN after unscaling (0 * 1/0) and steps on it, an infinite or NaN
-        # scale overflows every step and skips them all forever, a fractional interval never grows
+        """Check, then assign (a bad value changes nothing); a scale of 0 would step on NaN, an inf one skip all."""
         scale = torch.tensor(init_scale, dtype=torch.float32)  # FP32, as GradScaler keeps it
         if not (torch.isfinite(scale) and scale > 0):
             raise ValueError(f"init_scale={init_scale!r} must be finite and > 0 in FP32 (2.0 ** 16 is usual)")
@@ -146,26 +125,6 @@ class DynamicLossScaler:
     def scale_loss(self, loss):
         return loss * self._scale.to(loss.device)
 
-    def unscale_and_check(self, params, group=None):
-        """Divide every gradient by the scale in place; True if any gradient anywhere in `group` is inf/NaN."""
-        group_size = _group_size(group, "unscale_and_check's group")
-        grads = [p.grad for p in params if p.grad is not None]
-        if any(g.dtype == torch.float16 for g in grads):  # on every rank alike, before the all-reduce
-            # divided in FP16, the small gradients that the scale lifted above FP16's smallest value fall back
-            # to 0 (GradScaler refuses them likewise)
-            raise ValueError("params: an FP16 gradient cannot be unscaled in FP16; keep FP32 gradients (e.g. the "
-                             "FP32 main grads of MixedPrecisionOptimizer, which unscales them itself)")
-        device = grads[0].device if grads else _collective_device(group if group_size > 1 else None)
-        inv_scale = self._scale.double().reciprocal().float().to(device)  # as GradScaler: one rounding of 1/S
-        found = torch.zeros(1, device=device)
-        for g in grads:  # no host sync per tensor: the flag stays on the device until the end
-            found = torch.maximum(found, (~torch.isfinite(g)).any().float())
-            g.mul_(inv_scale)
-        if group_size > 1:
-            # every rank must skip together, or their weights diverge
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
-        return bool(found.item())
-
     def update(self, found_inf):
         if found_inf:
             self._scale = torch.tensor(self.scale * self.backoff_factor, dtype=torch.float32)
@@ -178,33 +137,13 @@ class DynamicLossScaler:
                 self._scale = grown
             self._growth_tracker = 0
 
-    def state_dict(self):
-        return {"scale": self.scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
-                "growth_interval": self.growth_interval, "_growth_tracker": self._growth_tracker}
-
-    def load_state_dict(self, state):
-        """Checked as the constructor checks, so a corrupt checkpoint (a scale of 0 or inf) stops here instead of
-        stepping on NaN or skipping every step."""
-        self._set(state["scale"], state["growth_factor"], state["backoff_factor"], state["growth_interval"],
-                  state["_growth_tracker"])
-
 
 # ----------------------------------------------------------------------------------------------------
 # The optimizer: FP32 main grads in flat buffers, one reduction, the norm, clipping, the step, the copy back
 # ----------------------------------------------------------------------------------------------------
 
-# Bytes this rank sends in the buckets' collectives, as a ring sends them: an all-reduce 2 (d-1)/d of its buffer,
-# a reduce-scatter (d-1)/d of its input, an all-gather (d-1)/d of its output (the demo reads it)
-comm_bytes = Counter()
-
-
-def _count_sent(kind, tensor, d, factor):
-    comm_bytes[kind] += factor * (d - 1) / d * tensor.numel() * tensor.element_size()
-
-
 def _accumulate_main_grad(p):
-    """Gradient hook, after autograd has written p.grad: add it into the FP32 main grad, free p.grad. (None where
-    the backward left this weight's gradient for later: a zero-bubble W adds it into main_grad itself.)"""
+    """Gradient hook after autograd wrote p.grad: add it into the FP32 main grad, free p.grad (None: nothing)."""
     if p.grad is None:
         return
     with torch.no_grad():  # a gradient with a graph (create_graph=True) joins as a value
@@ -212,16 +151,10 @@ def _accumulate_main_grad(p):
     p.grad = None
 
 
-def _grad_is_main_grad(p):
-    """p.grad is the main_grad view: autograd accumulates in place (DDP's gradient_as_bucket_view)."""
-    return p.grad is not None and p.grad.data_ptr() == p.main_grad.data_ptr()
-
-
 def _adopt_grad(p):
-    """A parameter in the master dtype, before its main grad is read: a p.grad that replaced the main_grad view
-    (create_graph=True accumulates out of place; a user writes p.grad = g) is the whole gradient, so it is COPIED
-    into main_grad (adding would count main_grad twice), and p.grad points at main_grad again."""
-    if p.grad is None or _grad_is_main_grad(p):
+    """A master-dtype parameter whose p.grad replaced the main_grad view (create_graph=True, p.grad = g): that is
+    the whole gradient, COPIED into main_grad (adding would count it twice); p.grad is the view again."""
+    if p.grad is None or p.grad.data_ptr() == p.main_grad.data_ptr():  # None, or already the view
         return
     with torch.no_grad():
         p.main_grad.copy_(p.grad.detach())
@@ -229,13 +162,9 @@ def _adopt_grad(p):
 
 
 class _Bucket:
-    """The parameters of one shard-group entry that share a dtype and a device, laid out in flat buffers of N
-    elements: every parameter's .data a view of `param_flat`, its .main_grad a view of `grad_flat` (master dtype),
-    and the master `master_flat` (master dtype; the parameter buffer itself when the dtypes agree). [lo, hi) is
-    the range of the buffers this rank optimises, its shard: at ZeRO-0 all of it. A parameter's "piece" is its part
-    of the master that this rank steps (its intersection with the shard: at ZeRO-0 the whole master of the
-    parameter, of its shape); the inner optimizer steps the pieces, and a piece's .grad is the same range of the
-    main grads, read in place."""
+    """One entry's parameters of one dtype and device in flat buffers: p.data views `param_flat`, p.main_grad
+    `grad_flat`, the master is `master_flat` (param_flat when the dtypes agree). [lo, hi): this rank's shard (all);
+    a "piece", a parameter's part of it, is what the inner optimizer steps, its .grad read in place."""
     level = 0  # the ZeRO level (the sharded buckets below the banner set theirs)
 
     def __init__(self, params, group, master_dtype):
@@ -243,7 +172,6 @@ class _Bucket:
         self.group_size = _group_size(group)
         self.group_rank = 0 if group is None else dist.get_rank(group)
         self.starts, self.padded, self.lo, self.hi = self._layout()
-        self.padding = self.padded - sum(p.numel() for p in params)
         dtype, device = params[0].dtype, params[0].device
         self.param_flat = torch.zeros(self.padded, dtype=dtype, device=device)
         with torch.no_grad():
@@ -255,7 +183,6 @@ class _Bucket:
             self.param_shard = self._owned_params()
             self.separate_master = dtype != master_dtype
             self.master_flat = self.param_shard.to(master_dtype) if self.separate_master else self.param_shard
-        self._finish_init()
         self.pieces = [self._piece(p, start) for p, start in zip(params, self.starts)]
 
     def _layout(self):
@@ -273,11 +200,8 @@ class _Bucket:
     def _owned_params(self):
         return self.param_flat[self.lo:self.hi]
 
-    def _finish_init(self):  # the sharded buckets round or free their parameters here
-        pass
-
     def _piece(self, p, start):
-        a = min(max(start, self.lo), self.hi)  # the intersection of [start, start + numel) with the shard
+        a = min(max(start, self.lo), self.hi)  # [start, start + numel) within the shard
         b = min(max(start + p.numel(), self.lo), self.hi)
         piece, grad = self.master_flat[a - self.lo:b - self.lo], self.grad_shard[a - self.lo:b - self.lo]
         if self.level == 0:  # whole parameters: keep their shapes (shape-aware optimizers work unsharded)
@@ -299,7 +223,6 @@ class _Bucket:
     def reduce_grads(self):
         """At step: SUM the whole main-grad buffer over the group, one all-reduce."""
         if self.group_size > 1:
-            _count_sent("all_reduce", self.grad_flat, self.group_size, 2)
             dist.all_reduce(self.grad_flat, group=self.group)
 
     def publish_params(self):
@@ -311,28 +234,17 @@ class _Bucket:
     def zero_main_grads(self):
         self.grad_buffer().zero_()
 
-    def param_buffers(self):  # the parameter storage at rest (memory_bytes)
-        return [self.param_flat]
-
     def grad_buffer(self):
         return self.grad_flat
-
-    def full_tensor(self, local, piece_range, p):  # p's whole master or state from this rank's piece
-        return local.detach().reshape(p.shape).clone()
-
-    def load_param(self, p, piece, master):  # the working parameter: the loaded master, rounded
-        p.copy_(master)
 
 
 def _param_groups(params_or_param_groups):
     """The torch.optim param groups: a plain iterable of parameters is one group; frozen ones are left out."""
     items = list(params_or_param_groups)
     if not (items and isinstance(items[0], dict)):
-        items = [{"params": items}]  # a plain iterable of parameters: one group
-    groups = []
-    for g in items:  # as torch.optim: a group's params may be one tensor; frozen ones are left out
-        params = [g["params"]] if torch.is_tensor(g["params"]) else list(g["params"])
-        groups.append({**g, "params": [p for p in params if p.requires_grad]})
+        items = [{"params": items}]
+    groups = [{**g, "params": [p for p in ([g["params"]] if torch.is_tensor(g["params"]) else g["params"])
+                               if p.requires_grad]} for g in items]  # as torch.optim: params may be one tensor
     if not any(g["params"] for g in groups):
         raise ValueError("params_or_param_groups holds no parameter that requires grad: pass the model's "
                          "parameters (or a list of dicts with a 'params' key)")
@@ -352,8 +264,7 @@ def _beyond_zero0(zero, fp8_param_gather, units, shard_groups):
 
 
 class StepResult(NamedTuple):
-    """What step() did: `stepped` (False when the loss scaler skipped an overflowing step) and the global
-    gradient norm. True as a boolean exactly when the step was taken."""
+    """What step() did: stepped (False: skipped on overflow; also the truth value) and the global grad norm."""
     stepped: bool
     grad_norm: float
 
@@ -362,24 +273,16 @@ class StepResult(NamedTuple):
 
 
 class MixedPrecisionOptimizer:
-    """Any torch.optim optimizer stepping FP32 master weights of the parameters, with FP32 gradient accumulation
-    (main grads), data-parallel gradient reduction (SUM), global-norm clipping and loss scaling.
-
-        opt = MixedPrecisionOptimizer(
-            [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
-            torch.optim.AdamW, shard_groups=[(dense, dp_cp_group), (experts, edp_group)], lr=3e-4,
-            loss_scaler=DynamicLossScaler())         # FP16 weights; None for BF16
+    """Any torch.optim optimizer stepping FP32 masters, with FP32 main grads, the data-parallel SUM, clipping and
+    loss scaling (the step in the module docstring):
+        opt = MixedPrecisionOptimizer(params_or_param_groups, torch.optim.AdamW, shard_groups=[(params, dp_group)],
+                                      lr=3e-4, loss_scaler=DynamicLossScaler())    # FP16 weights; None for BF16
         for micro_batch in ...: opt.loss_scaler.scale_loss(loss).backward()   # hooks add p.grad into p.main_grad
-        opt.all_reduce_grads([tied_embedding], embedding_group)   # extra sums the caller needs, if any
         stepped, grad_norm = opt.step(grad_scale=1 / tokens, max_norm=1.0, norm_group=world)
 
-    shard_groups: (params, group) entries; a parameter's main grad is SUMMED over its entry's group (none: no
-    communication). Nothing averages: the caller normalises (grad_scale). master_dtype: the dtype of main grads,
-    masters and optimizer states. The parameters become views of flat buffers (one per entry, dtype and device):
-    build the optimizer once the model has its final dtype and device, one optimizer per parameter. zero > 0,
-    fp8_param_gather, units or a replicate group build ShardedMixedPrecisionOptimizer (below the banner).
-    """
-    units, fp8_param_gather = (), False  # the sharded form's; none here
+    shard_groups: (params, group) entries, main grads SUMMED over the group (none: no communication; the caller
+    normalises: grad_scale). Build it once the model has its final dtype and device (parameters become views of
+    flat buffers), one per parameter. zero > 0, fp8_param_gather, units, replicate groups: below the banner."""
 
     def __new__(cls, *args, zero=0, fp8_param_gather=False, units=None, shard_groups=None, **kwargs):
         if cls is MixedPrecisionOptimizer and _beyond_zero0(zero, fp8_param_gather, units, shard_groups):
@@ -408,15 +311,9 @@ class MixedPrecisionOptimizer:
             [{**{k: v for k, v in g.items() if k != "params"}, "params": [self._piece(p) for p in g["params"]]}
              for g in groups], **optimizer_defaults)
 
-    # ---- construction ----
-
     def _check_arguments(self, shard_groups, optimizer_defaults):
-        """Every impossible argument raises here, on every rank, before any buffer or collective. Returns the
-        entries as (params, group, replicate_group); parameters in no entry form one with group None."""
+        """Refuses any impossible argument before any buffer or collective; returns (params, group, replicate)."""
         params, master_dtype = self.params, self.master_dtype
-        if "dp_group" in optimizer_defaults:
-            raise ValueError("dp_group was replaced by shard_groups=[(params, group)]; gradients are now "
-                             "SUMMED over the group (pass grad_scale to step() to normalise)")
         if not master_dtype.is_floating_point:
             raise ValueError(f"master_dtype={master_dtype} must be a floating-point dtype (float32 or float64)")
         seen = set()
@@ -453,19 +350,14 @@ class MixedPrecisionOptimizer:
             if group is not None and dist.get_rank(group) < 0:
                 raise ValueError(f"shard_groups[{k}]: this rank is not a member of the group; pass the group "
                                  "that contains this rank (or None)")
-            self._check_replicate_group(k, group, replicate_group)
             entries.append((entry_params, group, replicate_group))
         unassigned = [p for p in params if id(p) not in owner]
         if unassigned:
             entries.append((unassigned, None, None))  # no data-parallel communication
         return entries
 
-    def _check_replicate_group(self, k, group, replicate_group):  # None here: HSDP is the sharded form's
-        pass
-
     def _add_buckets(self, params, make_bucket):
-        """One bucket per (dtype, device) of `params`, in order of first appearance: a flat buffer holds one
-        dtype."""
+        """One bucket per (dtype, device) of `params`, in order of first appearance (a flat buffer has one dtype)."""
         by_kind = {}
         for p in params:
             by_kind.setdefault((p.dtype, p.device), []).append(p)
@@ -487,31 +379,17 @@ class MixedPrecisionOptimizer:
         else:
             p.register_post_accumulate_grad_hook(_accumulate_main_grad)
 
-    def _piece(self, p):
+    def _piece(self, p):  # what the inner optimizer steps for p
         bucket, i = self._where[id(p)]
         return bucket.pieces[i]
-
-    def _managed(self, p, caller):
-        """(bucket, piece) of one of this optimizer's parameters; any other tensor is refused here, before any
-        collective (a KeyError on one rank would leave the others waiting in it)."""
-        if id(p) not in self._where:
-            raise ValueError(f"{caller}: a parameter (shape {tuple(p.shape)}) is not managed by this optimizer; "
-                             "pass one of the parameters it was built over")
-        bucket, i = self._where[id(p)]
-        return bucket, bucket.pieces[i]
 
     @property
     def param_groups(self):
         """The inner optimizer's groups (same order and options as given): set the learning rate here."""
         return self.optimizer.param_groups
 
-    # ---- the step ----
-
     def _fold_stray_grads(self):
-        """Before the main grads are read: a gradient written to p.grad directly, not by backward (which the hooks
-        of narrower parameters catch), joins the sum: added to the main grad of a narrower parameter (whose p.grad
-        holds only what came since the last hook), copied into that of a parameter in the master dtype (whose
-        p.grad, the main_grad view or what replaced it, is the whole gradient)."""
+        """A p.grad written directly joins the main grad: added (narrower dtype), copied (the master dtype)."""
         for p in self.params:
             if not hasattr(p, "main_grad"):  # a sharded unit's parameter: reduce_grads takes its p.grad
                 continue
@@ -520,33 +398,10 @@ class MixedPrecisionOptimizer:
             elif p.grad is not None:
                 _accumulate_main_grad(p)
 
-    def _grad_holder(self, p):
-        return p.main_grad
-
-    def all_reduce_grads(self, params, group):
-        """SUM the main grads of `params` over `group` in one flat all-reduce (None or size 1: nothing). For
-        gradients that need a sum outside the shard groups: the tied embedding over the embedding group, the
-        parameters replicated across TP under sequence parallelism over the TP group. Call before step()."""
-        params = list(params)
-        for p in params:
-            self._managed(p, "all_reduce_grads")
-        group_size = _group_size(group, "all_reduce_grads' group")
-        self._fold_stray_grads()
-        if group_size == 1 or not params:
-            return
-        holders = [self._grad_holder(p) for p in params]
-        flat = torch.cat([h.reshape(-1) for h in holders])
-        dist.all_reduce(flat, group=group)
-        for h, g in zip(holders, flat.split([h.numel() for h in holders])):
-            h.copy_(g.view(h.shape))
-
     def step(self, grad_scale=1.0, max_norm=0.0, norm_group=None, norm_params=None):
-        """Reduce, scale, measure, clip, update, copy back. Returns StepResult(stepped, grad_norm).
-
-        norm_params: the parameters the norm counts (None: all; leave out copies another rank counts: TP
-        replicas, a tied embedding's second copy). The overflow probe is the sum of squares of every gradient this
-        rank owns, counted or not (a norm above 1.8e19 in FP32 counts as an overflow too). norm_group must contain
-        every shard group when clipping or a loss scaler acts on the norm, or ranks would disagree."""
+        """Reduce, scale, measure, clip, update, copy back; returns StepResult. norm_params: what the norm counts
+        (None: all; leave out copies another rank counts). The overflow probe sums the squares of every owned
+        gradient (above 1.8e19 in FP32 counts too). norm_group: every shard group, when clipping or scaling."""
         counted = None if norm_params is None else {id(p) for p in norm_params}
         if counted is not None and not counted <= set(self._where):
             raise ValueError("norm_params holds a parameter that this optimizer does not manage")
@@ -554,13 +409,8 @@ class MixedPrecisionOptimizer:
             raise ValueError(f"need max_norm >= 0 (0 disables clipping) and a finite grad_scale, got "
                              f"max_norm={max_norm}, grad_scale={grad_scale}")
         norm_group_size = _group_size(norm_group, "norm_group")
-        if (max_norm > 0 or self.loss_scaler is not None) and norm_group_size == 1 and any(
-                _group_size(g) > 1 for b in self._buckets for g in b.groups()):
-            raise ValueError("norm_group is None but gradients are reduced over groups of more than one rank: "
-                             "each rank then holds only part of the norm, and clipping or skipping would differ "
-                             "between ranks; pass a norm_group that contains every shard group (the world)")
-        if (max_norm > 0 or self.loss_scaler is not None) and norm_group_size > 1:
-            self._check_norm_group_covers_shards(norm_group)
+        if max_norm > 0 or self.loss_scaler is not None:  # every rank must clip and skip alike
+            self._check_norm_group_covers_shards(norm_group, norm_group_size)
         self._before_step()
         self._fold_stray_grads()
         for bucket in self._buckets:  # 1. SUM over the data-parallel group
@@ -593,10 +443,13 @@ class MixedPrecisionOptimizer:
         for bucket in self._buckets:
             bucket.publish_params()
 
-    def _check_norm_group_covers_shards(self, norm_group):
-        """Every shard group's ranks in norm_group (rank lists, no communication), else its ranks clip or skip
-        differently. Groups never change: a norm_group found to cover them is not checked again."""
-        if norm_group is getattr(self, "_covering_norm_group", None):
+    def _check_norm_group_covers_shards(self, norm_group, norm_group_size):
+        """Every shard group's ranks in norm_group (rank lists, no communication; checked once per norm_group)."""
+        if norm_group_size == 1 and any(_group_size(g) > 1 for b in self._buckets for g in b.groups()):
+            raise ValueError("norm_group is None but gradients are reduced over groups of more than one rank: "
+                             "each rank then holds only part of the norm, and clipping or skipping would differ "
+                             "between ranks; pass a norm_group that contains every shard group (the world)")
+        if norm_group_size == 1 or norm_group is getattr(self, "_covering_norm_group", None):
             return
         covered = set(dist.get_process_group_ranks(norm_group))
         for bucket in self._buckets:
@@ -635,6 +488,349 @@ class MixedPrecisionOptimizer:
             bucket.zero_main_grads()
         for p in self.params:
             p.grad = p.main_grad if hasattr(p, "main_grad") and p.dtype == self.master_dtype else None
+
+
+# ----------------------------------------------------------------------------------------------------
+# FP8, per-tensor scaling: the tensorwise (current) and delayed recipes, a BF16 backward
+# ----------------------------------------------------------------------------------------------------
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+AMAX_EPS = 1e-12  # an all-zero tensor gets a finite scale (fp8_max / 1e-12 is far below FP32's max)
+
+fp8_log = Counter()  # gemm:count, gemm:backward, gemm:scaled_mm, gemm:emulated, amax:all_reduce (tests read it)
+
+
+def fp8_scale(amax, dtype=E4M3):
+    """Current scaling, fp8_max / max(amax, eps), one rounded division (`number / tensor` would round twice)."""
+    amax = torch.clamp(amax.float(), min=AMAX_EPS)
+    return torch.full_like(amax, torch.finfo(dtype).max) / amax
+
+
+def quantize_fp8(x, dtype=E4M3, scale=None):
+    """(x_fp8, scale), x ~= x_fp8.float() / scale; scale defaults to fp8_scale(amax(x)). Values a given scale pushes
+    past the range saturate at +-max (explicitly: torch turns E5M2 overflow into inf)."""
+    if scale is None:
+        scale = fp8_scale(amax_of(x), dtype)
+    fp8_max = torch.finfo(dtype).max
+    # one FP32 staging copy (explicit: .float() of FP32 is x itself), scaled and clamped in place: 4 + 1 bytes
+    x_fp8 = x.to(torch.float32, copy=True).mul_(scale).clamp_(-fp8_max, fp8_max).to(dtype)
+    return x_fp8, scale
+
+
+def dequantize_fp8(x_fp8, scale):
+    return x_fp8.float() / scale
+
+
+def delayed_scale(amax_history, amax, dtype=E4M3):
+    """fp8_max / the largest amax of a (..., L) history; the current amax where the history is still zeros."""
+    history = amax_history.max(dim=-1).values
+    return fp8_scale(torch.where(history > 0, history, amax), dtype)  # torch.where: no host sync
+
+
+def push_amax(amax_history, amax):
+    """Shift the (..., L) history by one step and write this step's amax in front."""
+    amax_history.copy_(torch.roll(amax_history, 1, dims=-1))
+    amax_history[..., 0] = amax
+
+
+def amax_of(t):
+    """max |t| in FP32; 0 for an empty tensor (an expert that received no token still joins the all-reduce)."""
+    t = t.detach()
+    return t.abs().max().float() if t.numel() else torch.zeros((), device=t.device)
+
+
+def agreed_amax(x, weight, amax_group=None):
+    """[amax(x), amax(weight)], MAX-reduced over amax_group (the TP group): the full tensors' amaxes."""
+    group_size = _group_size(amax_group, "amax_group")
+    amax = torch.stack([amax_of(x), amax_of(weight)])
+    if group_size > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_group)
+        fp8_log["amax:all_reduce"] += 1
+    return amax
+
+
+_SCALED_MM_ON_CPU = {}  # recipe -> bool, probed once
+
+
+def scaled_mm_available(device):
+    """Per-tensor torch._scaled_mm: compute capability 8.9+ on CUDA; on CPU, probed once by a small call."""
+    if device.type != "cpu":
+        return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    if "tensorwise" not in _SCALED_MM_ON_CPU:
+        try:
+            a = torch.ones(128, 128).to(E4M3)
+            torch._scaled_mm(a, a.t(), scale_a=torch.tensor(1.0), scale_b=torch.tensor(1.0),
+                             out_dtype=torch.bfloat16)
+            _SCALED_MM_ON_CPU["tensorwise"] = True
+        except (RuntimeError, NotImplementedError, ValueError):
+            _SCALED_MM_ON_CPU["tensorwise"] = False
+    return _SCALED_MM_ON_CPU["tensorwise"]
+
+
+def fp8_matmul(a_fp8, a_scale, b_fp8, b_scale, out_dtype, use_scaled_mm=True):
+    """(a / a_scale) @ (b / b_scale)^T accumulated in FP32: _scaled_mm (b.t() column-major, dimensions multiples of
+    16) or its emulation, the same arithmetic (FP8 values are exact in FP32)."""
+    inv_a, inv_b = a_scale.reciprocal().float(), b_scale.reciprocal().float()
+    shapes_ok = a_fp8.shape[0] % 16 == 0 and a_fp8.shape[1] % 16 == 0 and b_fp8.shape[0] % 16 == 0
+    if use_scaled_mm and shapes_ok and scaled_mm_available(a_fp8.device):
+        fp8_log["gemm:scaled_mm"] += 1
+        return torch._scaled_mm(a_fp8, b_fp8.t(), scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype)
+    fp8_log["gemm:emulated"] += 1
+    return ((a_fp8.float() @ b_fp8.float().t()) * (inv_a * inv_b)).to(out_dtype)
+
+
+class _GemmSpec(NamedTuple):
+    recipe: str
+    x_scale: torch.Tensor  # per-tensor scales (tensorwise, delayed); None for the fine-grained recipes
+    w_scale: torch.Tensor
+    use_scaled_mm: bool
+    backward: str
+    group: object          # the TP group (amax_group)
+    split: str             # None, "column" or "row": which dimension of this layer the group splits
+
+
+def _per_tensor_product(x2, weight, spec):
+    """The forward GEMM under a per-tensor recipe: both operands quantised with the scales fp8_linear agreed."""
+    x_fp8, _ = quantize_fp8(x2, scale=spec.x_scale)
+    w_fp8, _ = quantize_fp8(weight, scale=spec.w_scale)
+    return fp8_matmul(x_fp8, spec.x_scale, w_fp8, spec.w_scale, x2.dtype, spec.use_scaled_mm)
+
+
+def _bf16_backward(g, x2, weight, spec, needs):
+    """The backward GEMMs in BF16 from the saved high-precision tensors: grad_x = g W, grad_W = g^T x."""
+    g = g.to(torch.bfloat16)
+    grad_x = (g @ weight.to(torch.bfloat16)).to(x2.dtype) if needs[0] else None
+    grad_w = (g.t() @ x2.to(torch.bfloat16)).to(weight.dtype) if needs[1] else None
+    return grad_x, grad_w
+
+
+# recipe -> forward product, backward -> backward products (the block recipes and FP8 backward join below)
+FORWARD_PRODUCTS = {"tensorwise": _per_tensor_product, "delayed": _per_tensor_product}
+BACKWARD_PRODUCTS = {"bf16": _bf16_backward}
+FP8_RECIPES, FP8_BACKWARDS = tuple(FORWARD_PRODUCTS), tuple(BACKWARD_PRODUCTS)
+
+
+def _check_fp8_options(recipe, backward, split, amax_group):
+    if recipe not in FP8_RECIPES:
+        raise ValueError(f"recipe={recipe!r}: use one of {FP8_RECIPES}")
+    if backward not in FP8_BACKWARDS:
+        raise ValueError(f"backward={backward!r}: use one of {FP8_BACKWARDS} ('bf16': BF16 GEMMs on the saved "
+                         "tensors; 'fp8': E5M2 gradients)")
+
+
+class _FP8LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, spec):
+        ctx.save_for_backward(x, weight)  # high precision: the backward re-quantises (fp8) or not (bf16)
+        ctx.spec = spec
+        y = FORWARD_PRODUCTS[spec.recipe](x.reshape(-1, x.shape[-1]), weight, spec)
+        fp8_log["gemm:count"] += 1
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x, grad_w = BACKWARD_PRODUCTS[ctx.spec.backward](grad_out.reshape(-1, weight.shape[0]),
+                                                              x.reshape(-1, x.shape[-1]), weight, ctx.spec,
+                                                              ctx.needs_input_grad[:2])
+        return None if grad_x is None else grad_x.reshape(x.shape), grad_w, None
+
+
+def fp8_linear(x, weight, bias=None, amax_group=None, use_scaled_mm=True, *, recipe="tensorwise", backward="bf16",
+               split=None, amax_history=None, record_amax=True):
+    """y = x @ weight^T + bias, the forward GEMM in FP8 E4M3. tensorwise: current scales of the amaxes agreed over
+    amax_group (the TP group); delayed: scales from amax_history ((2, L): input, weight), which records this
+    call's amaxes when record_amax. backward="bf16": BF16 GEMMs on the saved tensors (the rest: below)."""
+    _check_fp8_options(recipe, backward, split, amax_group)
+    if recipe == "delayed" and (amax_history is None or amax_history.dim() != 2 or amax_history.shape[0] != 2):
+        raise ValueError("amax_history: the delayed recipe needs a (2, L) tensor of past amaxes (input, weight), "
+                         "e.g. FP8Linear's buffer; or use the tensorwise recipe")
+    x_scale = w_scale = None
+    if recipe in ("tensorwise", "delayed"):
+        amax = agreed_amax(x, weight, amax_group)
+        if recipe == "delayed":
+            x_scale, w_scale = delayed_scale(amax_history, amax)
+            if record_amax:
+                push_amax(amax_history, amax)
+        else:
+            x_scale, w_scale = fp8_scale(amax[0]), fp8_scale(amax[1])
+    spec = _GemmSpec(recipe, x_scale, w_scale, use_scaled_mm, backward, amax_group, split)
+    y = _FP8LinearFunction.apply(x, weight, spec)
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+class FP8Linear(nn.Module):
+    """nn.Linear through fp8_linear. recipe="delayed" (or delayed_scaling=True) keeps `amax_history_len` steps of
+    amaxes, one per training forward: not under activation checkpointing (a recomputation records twice)."""
+
+    def __init__(self, in_features, out_features, bias=True, delayed_scaling=False, amax_history_len=16,
+                 use_scaled_mm=True, amax_group=None, device=None, dtype=None, *, recipe=None, backward="bf16",
+                 split=None):
+        super().__init__()
+        if not isinstance(amax_history_len, numbers.Integral) or amax_history_len < 1:
+            raise ValueError(f"amax_history_len={amax_history_len!r} must be an int >= 1 (the steps whose amaxes "
+                             "delayed scaling takes the max of; 16 is usual)")
+        if delayed_scaling and recipe not in (None, "delayed"):
+            raise ValueError(f"delayed_scaling=True with recipe={recipe!r}: delayed_scaling is recipe='delayed'; "
+                             "pass one of them")
+        recipe = recipe or ("delayed" if delayed_scaling else "tensorwise")
+        _check_fp8_options(recipe, backward, split, amax_group)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        self.recipe, self.backward, self.split = recipe, backward, split
+        self.delayed_scaling, self.use_scaled_mm, self.amax_group = recipe == "delayed", use_scaled_mm, amax_group
+        self.register_buffer("amax_history", torch.zeros(2, amax_history_len, device=device))  # input, weight
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        ref = nn.Linear(self.weight.shape[1], self.weight.shape[0], bias=self.bias is not None)
+        with torch.no_grad():  # the same initialisation as nn.Linear
+            self.weight.copy_(ref.weight)
+            if self.bias is not None:
+                self.bias.copy_(ref.bias)
+
+    def forward(self, x):
+        return fp8_linear(x, self.weight, self.bias, self.amax_group, self.use_scaled_mm, recipe=self.recipe,
+                          backward=self.backward, split=self.split,
+                          amax_history=self.amax_history if self.delayed_scaling else None,
+                          record_amax=self.training)
+
+
+# BEYOND THE CHAPTER: ZeRO-1/2/3 and HSDP, FP8 parameter all-gathers, fine-grained FP8 recipes, the FP8 backward, NVFP4
+import io
+import multiprocessing
+import os
+import tempfile
+from datetime import timedelta
+
+import numpy as np
+import torch.nn.functional as F
+from einops import rearrange
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import checkpoint
+
+# ----------------------------------------------------------------------------------------------------
+# The chapter's classes in full: the loss scaler with a torch.optim optimizer and its state; the optimizer's
+# sums outside the shard groups (tied embedding, TP replicas), its checkpoint state and its memory; sent bytes
+# ----------------------------------------------------------------------------------------------------
+
+def _collective_device(group):
+    """Where a tensor must live to take part in `group`'s collectives: this process's GPU under NCCL, else CPU."""
+    if group is not None and "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class DynamicLossScaler(DynamicLossScaler):
+    """The chapter's loss scaler with unscale_and_check, its use with a torch.optim optimizer (the chapter's
+    optimizer unscales its main grads itself), and its checkpoint state."""
+
+    def unscale_and_check(self, params, group=None):
+        """Divide every gradient by the scale in place; True if any gradient anywhere in `group` is inf/NaN."""
+        group_size = _group_size(group, "unscale_and_check's group")
+        grads = [p.grad for p in params if p.grad is not None]
+        if any(g.dtype == torch.float16 for g in grads):  # on every rank alike, before the all-reduce
+            # divided in FP16, the small gradients that the scale lifted above FP16's smallest value fall back
+            # to 0 (GradScaler refuses them likewise)
+            raise ValueError("params: an FP16 gradient cannot be unscaled in FP16; keep FP32 gradients (e.g. the "
+                             "FP32 main grads of MixedPrecisionOptimizer, which unscales them itself)")
+        device = grads[0].device if grads else _collective_device(group if group_size > 1 else None)
+        inv_scale = self._scale.double().reciprocal().float().to(device)  # as GradScaler: one rounding of 1/S
+        found = torch.zeros(1, device=device)
+        for g in grads:  # no host sync per tensor: the flag stays on the device until the end
+            found = torch.maximum(found, (~torch.isfinite(g)).any().float())
+            g.mul_(inv_scale)
+        if group_size > 1:
+            # every rank must skip together, or their weights diverge
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        return bool(found.item())
+
+    def state_dict(self):
+        return {"scale": self.scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+                "growth_interval": self.growth_interval, "_growth_tracker": self._growth_tracker}
+
+    def load_state_dict(self, state):
+        """Checked as the constructor checks, so a corrupt checkpoint (a scale of 0 or inf) stops here instead of
+        stepping on NaN or skipping every step."""
+        self._set(state["scale"], state["growth_factor"], state["backoff_factor"], state["growth_interval"],
+                  state["_growth_tracker"])
+
+
+# Bytes this rank sends in the buckets' collectives, as a ring sends them: an all-reduce 2 (d-1)/d of its buffer,
+# a reduce-scatter (d-1)/d of its input, an all-gather (d-1)/d of its output (the demo reads it)
+comm_bytes = Counter()
+
+
+def _count_sent(kind, tensor, d, factor):
+    comm_bytes[kind] += factor * (d - 1) / d * tensor.numel() * tensor.element_size()
+
+
+class _Bucket(_Bucket):
+    """The chapter's bucket with its sent bytes counted, and what a checkpoint and memory_bytes read."""
+
+    def reduce_grads(self):
+        if self.group_size > 1:
+            _count_sent("all_reduce", self.grad_flat, self.group_size, 2)
+        super().reduce_grads()
+
+    @property
+    def padding(self):  # elements that round the buffers up (the demo reads it)
+        return self.padded - sum(p.numel() for p in self.params)
+
+    def param_buffers(self):  # the parameter storage at rest (memory_bytes)
+        return [self.param_flat]
+
+    def full_tensor(self, local, piece_range, p):  # p's whole master or state from this rank's piece
+        return local.detach().reshape(p.shape).clone()
+
+    def load_param(self, p, piece, master):  # the working parameter: the loaded master, rounded
+        p.copy_(master)
+
+
+class MixedPrecisionOptimizer(MixedPrecisionOptimizer):
+    """The chapter's optimizer (the same name: what this file exports) with all_reduce_grads, the sums outside
+    the shard groups; memory_bytes; and its checkpoint state: this rank's pieces where they lie (owned_state,
+    owned_param), one parameter's full state (full_state, load_full_state), or everything unsharded (state_dict,
+    load_state_dict)."""
+
+    units, fp8_param_gather = (), False  # the sharded form's; none here
+
+    def _check_arguments(self, shard_groups, optimizer_defaults):
+        if "dp_group" in optimizer_defaults:
+            raise ValueError("dp_group was replaced by shard_groups=[(params, group)]; gradients are now "
+                             "SUMMED over the group (pass grad_scale to step() to normalise)")
+        return super()._check_arguments(shard_groups, optimizer_defaults)
+
+    def _managed(self, p, caller):
+        """(bucket, piece) of one of this optimizer's parameters; any other tensor is refused here, before any
+        collective (a KeyError on one rank would leave the others waiting in it)."""
+        if id(p) not in self._where:
+            raise ValueError(f"{caller}: a parameter (shape {tuple(p.shape)}) is not managed by this optimizer; "
+                             "pass one of the parameters it was built over")
+        bucket, i = self._where[id(p)]
+        return bucket, bucket.pieces[i]
+
+    def _grad_holder(self, p):
+        return p.main_grad
+
+    def all_reduce_grads(self, params, group):
+        """SUM the main grads of `params` over `group` in one flat all-reduce (None or size 1: nothing). For
+        gradients that need a sum outside the shard groups: the tied embedding over the embedding group, the
+        parameters replicated across TP under sequence parallelism over the TP group. Call before step()."""
+        params = list(params)
+        for p in params:
+            self._managed(p, "all_reduce_grads")
+        group_size = _group_size(group, "all_reduce_grads' group")
+        self._fold_stray_grads()
+        if group_size == 1 or not params:
+            return
+        holders = [self._grad_holder(p) for p in params]
+        flat = torch.cat([h.reshape(-1) for h in holders])
+        dist.all_reduce(flat, group=group)
+        for h, g in zip(holders, flat.split([h.numel() for h in holders])):
+            h.copy_(g.view(h.shape))
 
     def memory_bytes(self):
         """This rank's bytes at rest, from the live tensors: parameters, main grads, and the separate masters plus
@@ -737,266 +933,6 @@ class MixedPrecisionOptimizer:
             group.update(saved)
         if self.loss_scaler is not None and state["loss_scaler"] is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
-
-
-# ----------------------------------------------------------------------------------------------------
-# FP8, per-tensor scaling: the tensorwise (current) and delayed recipes, a BF16 backward
-# ----------------------------------------------------------------------------------------------------
-
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-AMAX_EPS = 1e-12  # an all-zero tensor gets a finite scale (fp8_max / 1e-12 is far below FP32's max)
-PER_TENSOR = ("tensorwise", "delayed")
-
-fp8_log = Counter()  # "gemm:count" FP8 forward GEMMs, "gemm:backward" FP8 backward GEMMs, "gemm:scaled_mm" and
-#                      "gemm:emulated" the path each took, "amax:all_reduce" amax agreements (the tests read it)
-
-
-def fp8_scale(amax, dtype=E4M3):
-    """The tensorwise recipe (current scaling): s = fp8_max / max(amax, eps), x_fp8 = clamp(x s), x ~= x_fp8 / s.
-    (One correctly rounded FP32 division: `number / tensor` would take the reciprocal first, rounding twice.)"""
-    amax = torch.clamp(amax.float(), min=AMAX_EPS)
-    return torch.full_like(amax, torch.finfo(dtype).max) / amax
-
-
-def quantize_fp8(x, dtype=E4M3, scale=None):
-    """Per-tensor scaling: returns (x_fp8, scale) with x ~= x_fp8.float() / scale.
-
-    scale defaults to the dynamic fp8_max / amax(x); a given scale (delayed scaling) may push values past
-    the format's range, and they saturate at +-max rather than becoming inf or NaN (the clamp is explicit:
-    torch saturates E4M3 casts but turns E5M2 overflow into inf).
-    """
-    if scale is None:
-        scale = fp8_scale(amax_of(x), dtype)
-    fp8_max = torch.finfo(dtype).max
-    # one FP32 staging copy, scaled and clamped in place: 4 + 1 bytes per element alive at once, not 4 + 4
-    # (an explicit copy, since .float() of an FP32 tensor is the tensor itself)
-    x_fp8 = x.to(torch.float32, copy=True).mul_(scale).clamp_(-fp8_max, fp8_max).to(dtype)
-    return x_fp8, scale
-
-
-def dequantize_fp8(x_fp8, scale):
-    return x_fp8.float() / scale
-
-
-def delayed_scale(amax_history, amax, dtype=E4M3):
-    """The delayed recipe (Transformer Engine): s = fp8_max / max(the amaxes of the last L steps), from a (..., L)
-    history of agreed amaxes; where the history is still empty (zeros: the first step) the current amax. The scale
-    is known before the tensor is seen (a fused cast records this step's amax for the history as it goes; the
-    emulation here measures it first), but an outlier beyond the history saturates at +-fp8_max."""
-    history = amax_history.max(dim=-1).values
-    return fp8_scale(torch.where(history > 0, history, amax), dtype)  # torch.where: no host sync
-
-
-def push_amax(amax_history, amax):
-    """Shift the (..., L) history by one step and write this step's amax in front."""
-    amax_history.copy_(torch.roll(amax_history, 1, dims=-1))
-    amax_history[..., 0] = amax
-
-
-def amax_of(t):
-    """max |t| in FP32; 0 for an empty tensor (an expert that received no token still joins the all-reduce)."""
-    t = t.detach()
-    return t.abs().max().float() if t.numel() else torch.zeros((), device=t.device)
-
-
-def agreed_amax(x, weight, amax_group=None):
-    """[amax(x), amax(weight)], MAX-reduced over amax_group in one all-reduce of 2 elements: a TP shard must be
-    quantised with the full tensor's scale, or the shards are rounded on different grids and the layer is no
-    longer the function it is on one GPU; the MAX of the shards' amaxes is the full tensor's amax."""
-    group_size = _group_size(amax_group, "amax_group")
-    amax = torch.stack([amax_of(x), amax_of(weight)])
-    if group_size > 1:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=amax_group)
-        fp8_log["amax:all_reduce"] += 1
-    return amax
-
-
-_SCALED_MM_ON_CPU = {}  # recipe -> bool, probed once
-
-
-def scaled_mm_available(device):
-    """torch._scaled_mm with per-tensor scales: FP8 tensor cores (compute capability 8.9+) on CUDA; on CPU, probed
-    once by a small call."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_capability(device) >= (8, 9)
-    if device.type != "cpu":
-        return False
-    if "tensorwise" not in _SCALED_MM_ON_CPU:
-        try:
-            a = torch.ones(128, 128).to(E4M3)
-            torch._scaled_mm(a, a.t(), scale_a=torch.tensor(1.0), scale_b=torch.tensor(1.0),
-                             out_dtype=torch.bfloat16)
-            _SCALED_MM_ON_CPU["tensorwise"] = True
-        except (RuntimeError, NotImplementedError, ValueError):
-            _SCALED_MM_ON_CPU["tensorwise"] = False
-    return _SCALED_MM_ON_CPU["tensorwise"]
-
-
-def fp8_matmul(a_fp8, a_scale, b_fp8, b_scale, out_dtype, use_scaled_mm=True):
-    """(a / a_scale) @ (b / b_scale)^T with per-tensor scales and FP32 accumulation. b is (out, in) row-major, so
-    b.t() is the column-major operand that _scaled_mm wants (which also needs every dimension a multiple of 16).
-    The emulation is the same arithmetic: FP8 values are exact in FP32, products are accumulated in FP32 and
-    scaled once."""
-    inv_a, inv_b = a_scale.reciprocal().float(), b_scale.reciprocal().float()
-    shapes_ok = a_fp8.shape[0] % 16 == 0 and a_fp8.shape[1] % 16 == 0 and b_fp8.shape[0] % 16 == 0
-    if use_scaled_mm and shapes_ok and scaled_mm_available(a_fp8.device):
-        fp8_log["gemm:scaled_mm"] += 1
-        return torch._scaled_mm(a_fp8, b_fp8.t(), scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype)
-    fp8_log["gemm:emulated"] += 1
-    return ((a_fp8.float() @ b_fp8.float().t()) * (inv_a * inv_b)).to(out_dtype)
-
-
-
-class _GemmSpec(NamedTuple):
-    recipe: str
-    x_scale: torch.Tensor  # per-tensor scales (tensorwise, delayed); None for the fine-grained recipes
-    w_scale: torch.Tensor
-    use_scaled_mm: bool
-    backward: str
-    group: object          # the TP group (amax_group)
-    split: str             # None, "column" or "row": which dimension of this layer the group splits
-
-
-def _per_tensor_product(x2, weight, spec):
-    """The forward GEMM under a per-tensor recipe: both operands quantised with the scales fp8_linear agreed."""
-    x_fp8, _ = quantize_fp8(x2, scale=spec.x_scale)
-    w_fp8, _ = quantize_fp8(weight, scale=spec.w_scale)
-    return fp8_matmul(x_fp8, spec.x_scale, w_fp8, spec.w_scale, x2.dtype, spec.use_scaled_mm)
-
-
-def _bf16_backward(g, x2, weight, spec, needs):
-    """The backward GEMMs in BF16 from the saved high-precision tensors: grad_x = g W, grad_W = g^T x."""
-    g = g.to(torch.bfloat16)
-    grad_x = (g @ weight.to(torch.bfloat16)).to(x2.dtype) if needs[0] else None
-    grad_w = (g.t() @ x2.to(torch.bfloat16)).to(weight.dtype) if needs[1] else None
-    return grad_x, grad_w
-
-
-# recipe -> forward product, backward name -> backward products; the fine-grained recipes and the FP8 backward
-# join these tables below the banner
-FORWARD_PRODUCTS = {"tensorwise": _per_tensor_product, "delayed": _per_tensor_product}
-BACKWARD_PRODUCTS = {"bf16": _bf16_backward}
-FP8_RECIPES, FP8_BACKWARDS = tuple(FORWARD_PRODUCTS), tuple(BACKWARD_PRODUCTS)
-
-
-def _check_fp8_options(recipe, backward, split, amax_group):
-    if recipe not in FP8_RECIPES:
-        raise ValueError(f"recipe={recipe!r}: use one of {FP8_RECIPES}")
-    if backward not in FP8_BACKWARDS:
-        raise ValueError(f"backward={backward!r}: use one of {FP8_BACKWARDS} ('bf16': BF16 GEMMs on the saved "
-                         "tensors; 'fp8': E5M2 gradients)")
-    if split not in (None, "column", "row"):
-        raise ValueError(f"split={split!r}: use None, 'column' (the group splits the output rows of W) or 'row' "
-                         "(it splits K, the input columns of W and the last dimension of x)")
-    if recipe not in PER_TENSOR and split is None and _group_size(amax_group, "amax_group") > 1:
-        raise ValueError(f"split=None with an amax_group of several ranks: for the {recipe} recipe say how the "
-                         "group splits this layer, split='column' (blocks along K are local) or split='row' "
-                         "(blocks along K are cut between ranks and agreed)")
-
-
-class _FP8LinearFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, spec):
-        ctx.save_for_backward(x, weight)  # high precision: the backward re-quantises (fp8) or not (bf16)
-        ctx.spec = spec
-        y = FORWARD_PRODUCTS[spec.recipe](x.reshape(-1, x.shape[-1]), weight, spec)
-        fp8_log["gemm:count"] += 1
-        return y.reshape(*x.shape[:-1], weight.shape[0])
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-        spec = ctx.spec
-        grad_x, grad_w = BACKWARD_PRODUCTS[spec.backward](grad_out.reshape(-1, weight.shape[0]),
-                                                          x.reshape(-1, x.shape[-1]), weight, spec,
-                                                          ctx.needs_input_grad[:2])
-        return None if grad_x is None else grad_x.reshape(x.shape), grad_w, None
-
-
-def fp8_linear(x, weight, bias=None, amax_group=None, use_scaled_mm=True, *, recipe="tensorwise", backward="bf16",
-               split=None, amax_history=None, record_amax=True):
-    """y = x @ weight^T + bias with the forward GEMM in FP8 E4M3 under `recipe`; x has any leading shape.
-
-    tensorwise (default): current per-tensor scales; the amaxes of x and weight are MAX-reduced over amax_group
-      first (agreed_amax): pass the TP group for a TP-sharded weight or input.
-    delayed: the same with scales from amax_history (a (2, L) buffer of past agreed amaxes, input and weight),
-      into which this call records its amaxes when record_amax (FP8Linear passes self.training).
-    Below the banner: the fine-grained recipes, `split` (what amax_group cuts: "row", K, or "column", W's rows)
-    and backward="fp8"; backward="bf16" computes BF16 GEMMs on the saved high-precision tensors."""
-    _check_fp8_options(recipe, backward, split, amax_group)
-    if recipe == "delayed" and (amax_history is None or amax_history.dim() != 2 or amax_history.shape[0] != 2):
-        raise ValueError("amax_history: the delayed recipe needs a (2, L) tensor of past amaxes (input, weight), "
-                         "e.g. FP8Linear's buffer; or use the tensorwise recipe")
-    x_scale = w_scale = None
-    if recipe in ("tensorwise", "delayed"):
-        amax = agreed_amax(x, weight, amax_group)
-        if recipe == "delayed":
-            x_scale, w_scale = delayed_scale(amax_history, amax)
-            if record_amax:
-                push_amax(amax_history, amax)
-        else:
-            x_scale, w_scale = fp8_scale(amax[0]), fp8_scale(amax[1])
-    spec = _GemmSpec(recipe, x_scale, w_scale, use_scaled_mm, backward, amax_group, split)
-    y = _FP8LinearFunction.apply(x, weight, spec)
-    return y if bias is None else y + bias.to(y.dtype)
-
-
-class FP8Linear(nn.Module):
-    """nn.Linear whose forward GEMM runs in FP8 E4M3 under one of FP8_RECIPES; backward in BF16 or FP8.
-
-    amax_group, split: as fp8_linear's. recipe="delayed" (or the older delayed_scaling=True) takes each scale
-    from the largest agreed amax of the last `amax_history_len` steps; every training forward records one entry,
-    so do not use it under activation checkpointing (the recomputed forward records a second one). The other
-    recipes are functions of the tensors alone and recompute identically."""
-
-    def __init__(self, in_features, out_features, bias=True, delayed_scaling=False, amax_history_len=16,
-                 use_scaled_mm=True, amax_group=None, device=None, dtype=None, *, recipe=None, backward="bf16",
-                 split=None):
-        super().__init__()
-        if not isinstance(amax_history_len, numbers.Integral) or amax_history_len < 1:
-            raise ValueError(f"amax_history_len={amax_history_len!r} must be an int >= 1 (the steps whose amaxes "
-                             "delayed scaling takes the max of; 16 is usual)")
-        if delayed_scaling and recipe not in (None, "delayed"):
-            raise ValueError(f"delayed_scaling=True with recipe={recipe!r}: delayed_scaling is recipe='delayed'; "
-                             "pass one of them")
-        recipe = recipe or ("delayed" if delayed_scaling else "tensorwise")
-        _check_fp8_options(recipe, backward, split, amax_group)
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
-        self.recipe, self.backward, self.split = recipe, backward, split
-        self.delayed_scaling, self.use_scaled_mm, self.amax_group = recipe == "delayed", use_scaled_mm, amax_group
-        self.register_buffer("amax_history", torch.zeros(2, amax_history_len, device=device))  # input, weight
-        self.reset_parameters()
-
-    def reset_parameters(self):
-        ref = nn.Linear(self.weight.shape[1], self.weight.shape[0], bias=self.bias is not None)
-        with torch.no_grad():  # the same initialisation as nn.Linear
-            self.weight.copy_(ref.weight)
-            if self.bias is not None:
-                self.bias.copy_(ref.bias)
-
-    def forward(self, x):
-        return fp8_linear(x, self.weight, self.bias, self.amax_group, self.use_scaled_mm, recipe=self.recipe,
-                          backward=self.backward, split=self.split,
-                          amax_history=self.amax_history if self.delayed_scaling else None,
-                          record_amax=self.training)
-
-
-
-# BEYOND THE CHAPTER: ZeRO-1/2/3 and HSDP, FP8 parameter all-gathers, fine-grained FP8 recipes, the FP8 backward, NVFP4
-import io
-import multiprocessing
-import os
-import tempfile
-from datetime import timedelta
-
-import numpy as np
-import torch.nn.functional as F
-from einops import rearrange
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import checkpoint
 
 # ----------------------------------------------------------------------------------------------------
 # Sharded data parallelism: ZeRO-1, -2, -3 and HSDP, built on the flat buffers above
@@ -1111,6 +1047,7 @@ class _ShardedBucket(_Bucket):
         self.replicate_rank = 0 if self.replicate_group is None else dist.get_rank(self.replicate_group)
         self.gathered = level < 3
         super().__init__(params, group, master_dtype)
+        self._finish_init()
 
     def _layout(self):
         shards = self.group_size if self.level >= 1 else 1
@@ -1133,7 +1070,7 @@ class _ShardedBucket(_Bucket):
         owned = super()._owned_params()
         return owned.clone() if self.level == 3 else owned
 
-    def _finish_init(self):
+    def _finish_init(self):  # the working weights rounded (fp8_param_gather) or freed (level 3)
         with torch.no_grad():
             if self.fp8_param_gather:  # the working weights are FP8-rounded from the start (the same on every rank)
                 self.param_flat.copy_(fp8_param_round(self.param_flat))
@@ -1486,6 +1423,8 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
             raise ValueError(f"fp8_param_gather=True with zero={zero}: ZeRO-0 gathers no parameters; pass zero=1, "
                              "2 or 3")
         entries = super()._check_arguments(shard_groups, optimizer_defaults)
+        for k, (_, group, replicate_group) in enumerate(entries):
+            _check_replicate_group(k, group, replicate_group)
         name = lambda p: _param_name(self.params, p)
         for p in self.params:
             if fp8_param_gather and p.dtype == self.master_dtype:
@@ -1494,9 +1433,6 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
                                  "master_dtype (BF16 with FP32 masters) or pass fp8_param_gather=False")
         self._unit_lists = _check_units(self._units_given, {id(p) for p in self.params}, name)
         return entries
-
-    def _check_replicate_group(self, k, group, replicate_group):
-        _check_replicate_group(k, group, replicate_group)
 
     def _build_buckets(self, entries):
         """One _ShardedBucket per (entry, dtype, device). At zero 2 and 3 each unit gets its own buckets per
@@ -1966,6 +1902,21 @@ def _fp8_backward(g, x2, weight, spec, needs):
 FORWARD_PRODUCTS.update(dict.fromkeys(FINE_GRAINED, _block_product))
 BACKWARD_PRODUCTS["fp8"] = _fp8_backward
 FP8_RECIPES, FP8_BACKWARDS = tuple(FORWARD_PRODUCTS), tuple(BACKWARD_PRODUCTS)
+
+PER_TENSOR = ("tensorwise", "delayed")
+_check_per_tensor_options = _check_fp8_options
+
+
+def _check_fp8_options(recipe, backward, split, amax_group):
+    """The chapter's checks; `split` (what amax_group cuts), which a block recipe under a group needs."""
+    _check_per_tensor_options(recipe, backward, split, amax_group)
+    if split not in (None, "column", "row"):
+        raise ValueError(f"split={split!r}: use None, 'column' (the group splits the output rows of W) or 'row' "
+                         "(it splits K, the input columns of W and the last dimension of x)")
+    if recipe not in PER_TENSOR and split is None and _group_size(amax_group, "amax_group") > 1:
+        raise ValueError(f"split=None with an amax_group of several ranks: for the {recipe} recipe say how the "
+                         "group splits this layer, split='column' (blocks along K are local) or split='row' "
+                         "(blocks along K are cut between ranks and agreed)")
 
 
 # ----------------------------------------------------------------------------------------------------

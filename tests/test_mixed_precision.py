@@ -91,9 +91,13 @@ def test_the_core_alone_trains_bf16_with_fp32_masters_scales_fp16_losses_and_qua
     ours, ref = _bf16_steps(chapter(core), micro_batches=1), _bf16_steps(_reference_masters, micro_batches=1)
     assert all(torch.equal(a, b) for step_a, step_b in zip(ours[0], ref[0]) for a, b in zip(step_a, step_b))
     assert ours[1] == pytest.approx(ref[1], rel=1e-6)
-    # the loss scaler is GradScaler's rule, and step() skips an overflowing step and backs off
+    # the loss scaler is GradScaler's rule (back off on inf/NaN, grow after growth_interval clean steps), and
+    # step() skips an overflowing step and backs off
     injections = {2: float("inf"), 3: float("nan"), 9: float("-inf")}
-    assert _run_scaler(False, injections, module=core)[:2] == _run_scaler(True, injections)[:2]
+    scales, skipped, _ = _run_scaler(True, injections)
+    scaler = core.DynamicLossScaler(growth_interval=3)
+    assert [scaler.update(step in injections) or scaler.scale for step in range(len(scales))] == scales
+    assert skipped == [step in injections for step in range(len(scales))]
     layer = torch.nn.Linear(4, 2).half()
     opt = core.MixedPrecisionOptimizer(layer.parameters(), torch.optim.SGD, lr=0.1,
                                        loss_scaler=core.DynamicLossScaler(growth_interval=2))

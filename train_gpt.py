@@ -780,8 +780,8 @@ class GPTStage(nn.Module):
 # Pipeline parallelism: a schedule is a list of actions per rank; one executor runs any of them
 # ----------------------------------------------------------------------------------------------------
 # A rank's schedule is the order of its actions: F (the forward of a micro-batch through a model chunk) and B (its
-# backward). `replay_pipeline` times the ranks' lists, each action waiting for its input, and the executor runs them
-# slot by slot, sending and receiving between the slots.
+# backward). `replay_pipeline` times the ranks' lists, each action waiting for its input, and the executor runs each
+# rank's list in its order, each action waiting only for its own input, as the replay assumes.
 
 class Action(NamedTuple):
     kind: str        # "F", "B" or "W"
@@ -846,13 +846,15 @@ def replay_pipeline(orders, forward=1, backward=2, weight=1, v=1, slots=False):
 
 class ScheduleStats(NamedTuple):
     peak: int     # (chunk, micro-batch) activations alive at once on this rank
-    held: int     # bytes of their outputs still held (0: each output's storage is freed once sent)
+    held: int     # bytes of their outputs still held once sent (0: each output's storage is freed then)
     order: list   # the actions this rank ran, in order
 
 
 class Pipeline:
-    """The transfers of one rank's stage: where each virtual stage's output goes, and one batch of sends and
-    receives per time slot. Shapes are fixed by the layout, so receives preallocate."""
+    """The transfers of one rank's stage: where each virtual stage's output goes, and each send and receive posted
+    on its own, waited for only when its tensor is needed. Shapes are fixed by the layout, so receives preallocate.
+    A pair of ranks matches its point-to-point messages in posting order: a rank posts the receives from a peer in
+    the order that peer sends them (its own list's order), whatever order it needs them in."""
 
     def __init__(self, plan, shape, dtype, device):
         self.plan, self.shape, self.dtype, self.device = plan, shape, dtype, device
@@ -868,64 +870,95 @@ class Pipeline:
             return (stage - 1) % p, Action("B", action.micro, (stage - 1) // p)
         return None
 
-    def exchange(self, sends, recvs):
-        """Post every send (tensor, pipeline rank) and receive (pipeline rank) of one slot together, then wait:
-        every rank posts a slot's matching ops at the same slot, so no rank waits on one that waits on it."""
-        bufs = [torch.empty(self.shape, dtype=self.dtype, device=self.device) for _ in recvs]
-        ops = [dist.P2POp(dist.isend, t.contiguous(), self.ranks[peer], self.plan.pp) for t, peer in sends]
-        ops += [dist.P2POp(dist.irecv, buf, self.ranks[peer], self.plan.pp) for buf, peer in zip(bufs, recvs)]
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
+    def start(self, orders, rank):
+        """Before a step: what this rank will receive, from which peer, in the order each peer sends it."""
+        self.incoming = {}  # peer: the actions of this rank that read its messages, in the peer's sending order
+        self.source = {}    # action: the peer it receives from
+        for peer, order in enumerate(orders):
+            for action in order:
+                to = self.consumer(peer, action)
+                if to is not None and to[0] == rank:
+                    self.incoming.setdefault(peer, []).append(to[1])
+                    self.source[to[1]] = peer
+        self.posted, self.sending = {}, []  # action: (buffer, work); (work, tensor, whether to free it once sent)
+
+    def post_receive(self, action):
+        """Post the receive `action` reads (and those its peer sends before it), if not posted yet."""
+        peer = self.source.get(action)
+        while peer is not None and action not in self.posted:
+            key = self.incoming[peer].pop(0)
+            buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            self.posted[key] = buf, dist.irecv(buf, self.ranks[peer], self.plan.pp)
+
+    def receive(self, action):
+        """The tensor `action` reads, once it has arrived (posting its receive if not done yet)."""
+        self.post_receive(action)
+        buf, work = self.posted.pop(action)
+        work.wait()
+        return buf
+
+    def send(self, tensor, peer, free=False):
+        """Post the send; with `free`, the tensor's storage is released once the send completes (its backward
+        needs only the graph behind it and its shape)."""
+        self.sending.append((dist.isend(tensor.contiguous(), self.ranks[peer], self.plan.pp), tensor, free))
+
+    def reap(self, wait=False):
+        """Forget the sends that completed (all of them with `wait`), freeing the storage of those marked so."""
+        still = []
+        for work, tensor, free in self.sending:
+            if wait:
                 work.wait()
-        return bufs
+            if work.is_completed():
+                if free:
+                    tensor.untyped_storage().resize_(0)
+            else:
+                still.append((work, tensor, free))
+        self.sending = still
 
 
 def run_schedule(stage, pipe, kind, micro_batches, tokens_per_micro_batch, grad_scale=1.0):
-    """Run this rank's list of the schedule `kind` (or "forward": forwards only, for validation, under no_grad). The
-    ranks' lists are replayed with unit durations into time slots; at each slot a rank runs its action, then sends
-    what it produced and receives what its neighbours produced for it, in one batch. Returns this rank's summed LM
-    loss (last virtual stage), its summed router loss (each micro-batch's weighted by its token count) and
+    """Run this rank's list of the schedule `kind` (or "forward": forwards only, for validation, under no_grad), in
+    its order. Each action waits only for its own input; the receive of the next one is posted before it runs, so
+    the transfer overlaps the compute; each send completes in the background. Returns this rank's summed LM loss
+    (last virtual stage), its summed router loss (each micro-batch's weighted by its token count) and
     ScheduleStats. `grad_scale` multiplies the losses where each backward starts (1 / the global token count, times
     the FP16 loss scale)."""
     plan, rank = stage.plan, stage.plan.parallel_state.pp_rank
-    span, at = _slots(kind, plan.sizes["pp"], len(micro_batches), plan.virtual_stages)
+    orders = _orders(kind, plan.sizes["pp"], len(micro_batches), plan.virtual_stages)
     device = next(stage.parameters()).device
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # LM loss, router loss
-    inbox, saved, waiting, ran, peak, held = {}, {}, {}, [], 0, 0
-    for t in range(span):
-        out, sends, recvs = None, [], []
-        for owner, action in at.get(t, ()):
-            if owner == rank:
-                out = _run_action(stage, action, inbox, saved, waiting, micro_batches, tokens_per_micro_batch,
-                                  grad_scale, totals)
-                ran.append(action)
-                peak = max(peak, len(saved) + len(waiting))
-        for owner, action in at.get(t, ()):
-            to = pipe.consumer(owner, action)
-            if to is not None and owner == rank:
-                sends.append((out, to[0]))
-            elif to is not None and to[0] == rank:
-                recvs.append((owner, to[1]))
-        for (_, key), buf in zip(recvs, pipe.exchange(sends, [owner for owner, _ in recvs])):
-            inbox[key] = buf.requires_grad_(key.kind == "F" and torch.is_grad_enabled())
-        if sends and out.grad_fn is not None:
-            # the output has left this stage: free its storage now (as Megatron-LM's deallocate_output_tensor), not
-            # at its backward, which needs only the graph behind it and its shape
-            out.untyped_storage().resize_(0)
-        held = max(held, sum(o.untyped_storage().nbytes() for _, o, _, last in saved.values() if not last))
+    saved, waiting, ran, peak, held = {}, {}, [], 0, 0
+    pipe.start(orders, rank)
+    order = orders[rank]
+    for i, action in enumerate(order):
+        if i + 1 < len(order):
+            pipe.post_receive(order[i + 1])
+        inbox = {}
+        if action in pipe.source:
+            inbox[action] = pipe.receive(action).requires_grad_(action.kind == "F" and torch.is_grad_enabled())
+        out = _run_action(stage, action, inbox, saved, waiting, micro_batches, tokens_per_micro_batch, grad_scale,
+                          totals)
+        ran.append(action)
+        peak = max(peak, len(saved) + len(waiting))
+        to = pipe.consumer(rank, action)
+        if to is not None:
+            # an output leaves this stage: its storage is freed once sent (as Megatron-LM's deallocate_output_tensor),
+            # not at its backward, which needs only the graph behind it and its shape
+            pipe.send(out, to[0], free=out.grad_fn is not None)
+        pipe.reap()
+        sending = {id(tensor) for _, tensor, _ in pipe.sending}
+        held = max(held, sum(o.untyped_storage().nbytes() for _, o, _, last in saved.values()
+                             if not last and id(o) not in sending))
+    pipe.reap(wait=True)
     return totals[0], totals[1], ScheduleStats(peak, held, ran)
 
 
 @functools.lru_cache(maxsize=64)
-def _slots(kind, p, m, v):
-    """The time slot of every rank's every action ({slot: [(rank, action)]}, each slot's in one order on every rank,
-    so that each pair of ranks posts its ops of a slot in the same order) and the number of slots."""
+def _orders(kind, p, m, v):
+    """Every rank's list of actions, checked by a replay to finish when each action waits only for its input."""
     orders = forward_schedule(p, m, v) if kind == "forward" else pipeline_schedule(kind, p, m, v)
-    span, start = replay_pipeline(orders, 1, 1, 1, v=v, slots=True)
-    at = {}
-    for (owner, action), t in sorted(start.items(), key=lambda item: (item[1], item[0])):
-        at.setdefault(t, []).append((owner, action))
-    return span, at
+    replay_pipeline(orders, v=v)
+    return orders
 
 
 def forward_micro_batch(stage, x, positions, targets, chunk, tokens_per_micro_batch, totals):

@@ -1815,6 +1815,74 @@ def test_the_lists_the_executor_ran_replay_to_their_formulas(kind, v):
         assert formula - 24 == (train_gpt.schedule_formulas("1f1b", 4, 8)[0] - 24) / 3
 
 
+class _Done:
+    def wait(self):
+        pass
+
+    def is_completed(self):
+        return True
+
+
+def _executor_transfers(kind, p, m, v, monkeypatch):
+    """Every rank's run_schedule in this process, twice, its actions replaced by tensors naming them and the
+    transport by a recorder that matches as gloo does: the k-th receive a rank posts from a peer gets that peer's
+    k-th send to it (recorded by the first pass). Returns, per rank, (the action, what it read) of each action with
+    an input, and the most receive buffers the rank had posted at once."""
+    from types import SimpleNamespace
+    name = lambda rank, action: float(hash((rank, action)) % 2 ** 50)  # noqa: E731
+    first, reads, most = None, {}, {}
+    for _ in range(2):
+        sent = {}
+        for rank in range(p):
+            ps = SimpleNamespace(pp_rank=rank, ranks={"pp": list(range(p))})
+            plan = SimpleNamespace(sizes={"pp": p}, virtual_stages=v, parallel_state=ps, pp=None)
+            stage, pipe = torch.nn.Linear(1, 1), train_gpt.Pipeline(plan, (1,), torch.float64, torch.device("cpu"))
+            stage.plan, taken, reads[rank] = plan, {}, []
+
+            def run_action(stage, action, inbox, *_, rank=rank):
+                reads[rank] += [(action, inbox[action].item())] if inbox else []
+                return torch.tensor([name(rank, action)], dtype=torch.float64).requires_grad_()
+
+            def isend(tensor, dst, group, rank=rank):
+                sent.setdefault((rank, dst), []).append(tensor.item())
+                return _Done()
+
+            def irecv(buf, src, group, rank=rank, pipe=pipe, taken=taken):
+                k = taken[src] = taken.get(src, -1) + 1
+                arrived = (first or {}).get((src, rank), [])
+                buf.fill_(arrived[k] if k < len(arrived) else -1.0)
+                most[rank] = max(most.get(rank, 0), len(pipe.posted) + 1)
+                return _Done()
+            monkeypatch.setattr(train_gpt, "_run_action", run_action)
+            monkeypatch.setattr(train_gpt.dist, "isend", isend)
+            monkeypatch.setattr(train_gpt.dist, "irecv", irecv)
+            train_gpt.run_schedule(stage, pipe, kind, [None] * m, 1)
+        assert first is None or first == sent  # the second pass sent what the first did
+        first = sent
+    return reads, most, name
+
+
+@pytest.mark.parametrize("kind, p, m, v", [("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2),
+                                           ("zb-h1", 2, 4, 2), ("zb-h1", 4, 8, 1)])
+def test_the_executor_receives_each_input_from_the_action_that_produced_it(kind, p, m, v, monkeypatch):
+    # a pair of ranks matches point-to-point messages in posting order, so each rank posts the receives from a peer
+    # in the order the peer sends, whatever order it reads them in: every read must be its producer's output
+    reads, most, name = _executor_transfers(kind, p, m, v, monkeypatch)
+    stage = lambda rank, action: action.chunk * p + rank  # noqa: E731
+    for rank, pairs in reads.items():
+        for action, value in pairs:
+            if action.kind == "F":  # the previous virtual stage's forward of this micro-batch
+                producer = stage(rank, action) - 1
+            else:  # the next virtual stage's backward
+                producer = stage(rank, action) + 1
+            src = producer % p
+            assert value == name(src, train_gpt.Action(action.kind, action.micro, producer // p)), (kind, rank, action)
+        assert len(pairs) == sum(stage(rank, a) > 0 if a.kind == "F" else stage(rank, a) < p * v - 1
+                                 for a in train_gpt.pipeline_schedule(kind, p, m, v)[rank] if a.kind != "W")
+    # each receive is posted just ahead of its use: a few buffers posted at a time on a rank, not all its inputs
+    assert max(most.values()) <= 3 and max(len(pairs) for pairs in reads.values()) > 3, most
+
+
 def _step_gemms(rank, world, kind, v, **layout):
     """This rank's FLOPs of one step (FlopCounterMode) and, under zero bubble, the collectives its W's issued."""
     torch.set_default_dtype(torch.float64)

@@ -1,0 +1,228 @@
+"""Is train_gpt.py's pipeline executor as fast as torch.distributed.pipelining's schedules on the same model?
+
+    python3 benchmarks/pipeline_vs_torch.py [--layers 4 --hidden 256 --heads 8 --seq 256 --batch 8 --micro-batch 2
+                                             --pp 2 --virtual-stages 2 --schedules 1f1b,interleaved,zb-h1
+                                             --rounds 10 --steps-per-round 3 --breakdown]
+
+--pp gloo processes of this machine, one thread each. Every rank builds train_gpt.py's stage twice (the same
+weights: every tensor is initialised from the seed): one runs train_gpt.py's executor (`train_step`), the other is
+cut into its chunks, each a torch PipelineStage, run by the schedule torch names for ours (1f1b: Schedule1F1B,
+interleaved: ScheduleInterleaved1F1B, zb-h1: ScheduleInterleavedZeroBubble) with the same loss (the summed cross
+entropy over the global token count) and then the same gradient reductions and optimizer step (AdamW, FP32). Both
+run the same order of actions; what differs is how each waits for its transfers. Parity first: the two copies'
+losses over the first steps must agree, else the script stops. Then the two alternate in rounds of
+--steps-per-round steps (the first round not counted); for each schedule the ratio torch / ours of the median step
+times is printed (> 1: ours faster) with a 95% interval (the rounds resampled together) and the spread of the
+per-round ratios. --breakdown adds, per rank, where our step's time goes: compute (the actions), waiting on
+receives, waiting on sends, and the rest (bookkeeping, the reductions and the optimizer).
+"""
+import argparse
+import collections
+import functools
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import train_gpt  # noqa: E402
+
+TORCH_SCHEDULES = {"1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+                   "zb-h1": "ScheduleInterleavedZeroBubble"}
+
+
+class Chunk(nn.Module):
+    """One model chunk of train_gpt.py's stage as a module of its own: its parameters only (torch's zero bubble
+    takes the weight gradients of the submodule's parameters), its forward the stage's for that chunk."""
+
+    def __init__(self, stage, chunk, positions):
+        super().__init__()
+        self.blocks = nn.ModuleList(stage.chunk_blocks(chunk))
+        if stage.is_first_chunk(chunk):
+            self.wte, self.wpe = stage.wte, stage.wpe
+        if stage.is_last_chunk(chunk):
+            self.ln_f, self.lm_head = stage.ln_f, stage.lm_head
+        self.run, self.positions = functools.partial(stage.forward, chunk=chunk), positions
+
+    def forward(self, x):
+        return self.run(x, self.positions)[0]  # the router loss is 0 for this dense GPT
+
+
+def layout(a, kind):
+    v = 1 if kind == "1f1b" else a.virtual_stages
+    return train_gpt.TrainConfig(pp=a.pp, batch=a.batch, micro_batch=a.micro_batch, dtype="float32", lr=1e-3,
+                                 log=False, data="synthetic", pp_schedule=kind, virtual_stages=v)
+
+
+def ours(cfg, run):
+    """train_gpt.py's step: (step(tokens) -> loss, the stage)."""
+    _, stage, opt, pipe = train_gpt.build(cfg, run)
+    return (lambda tokens: train_gpt.train_step(stage, pipe, opt, tokens, run.micro_batch, run.grad_clip)[0]), stage
+
+
+def torchs(cfg, run, kind):
+    """The same stage under torch.distributed.pipelining's schedule for `kind`: step(tokens) -> loss."""
+    from torch.distributed import pipelining
+    plan, stage, opt, _ = train_gpt.build(cfg, run)
+    p, v, rank = run.pp, run.virtual_stages, plan.parallel_state.pp_rank
+    m = run.batch // run.micro_batch
+    positions = torch.arange(cfg.seq_len)
+    stages = [pipelining.PipelineStage(Chunk(stage, c, positions), c * p + rank, p * v, torch.device("cpu"),
+                                       group=plan.pp) for c in range(v)]
+    global_tokens = run.batch * cfg.seq_len
+    loss_fn = lambda logits, targets: stage.loss_sum(logits, targets) / global_tokens  # noqa: E731
+    schedule_class = getattr(pipelining, TORCH_SCHEDULES[kind])
+    schedule = schedule_class(stages[0] if kind == "1f1b" else stages, m, loss_fn=loss_fn, scale_grads=False)
+
+    def step(tokens):
+        losses = []
+        inputs = (tokens[:, :-1],) if rank == 0 else ()
+        schedule.step(*inputs, target=tokens[:, 1:] if rank == p - 1 else None, losses=losses)
+        for reduction in stage.reductions:  # train_step's tail: the same reductions and optimizer step
+            if not reduction.data_parallel:
+                opt.all_reduce_grads(reduction.params, reduction.group)
+        opt.step(max_norm=run.grad_clip, norm_group=plan.world, norm_params=stage.norm_params)
+        loss = torch.stack(losses).sum().double() if losses else torch.zeros((), dtype=torch.float64)
+        dist.all_reduce(loss)
+        return loss.item()
+    return step
+
+
+class Breakdown:
+    """Time per step in our executor's parts, by wrapping them: compute (the actions), waiting on receives,
+    waiting on sends (the final wait for those still in flight), the slot exchanges of an executor that has them."""
+    PARTS = (("_run_action", None, "compute"), ("receive", "Pipeline", "waiting on receives"),
+             ("reap", "Pipeline", "waiting on sends"), ("exchange", "Pipeline", "slot exchanges (send + receive)"))
+
+    def __init__(self):
+        self.seconds, self.on = collections.Counter(), False
+        for name, owner, label in self.PARTS:
+            where = getattr(train_gpt, owner) if owner else train_gpt
+            if hasattr(where, name):
+                setattr(where, name, self.timed(getattr(where, name), label))
+
+    def timed(self, fn, label):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if self.on:
+                    self.seconds[label] += time.perf_counter() - t0
+        return wrapper
+
+
+def race(programs, a, cfg, breakdown=None):
+    """Alternating rounds (ABBA); per program each counted round's step times, and ours' breakdown per step."""
+    times, k, total = {name: [] for name in programs}, 0, 0.0
+    for r in range(a.rounds + 1):  # round 0 warms up both and is not counted
+        for name, step in (list(programs.items()) if r % 2 else list(programs.items())[::-1]):
+            round_times = []
+            for _ in range(a.steps_per_round):
+                tokens = train_gpt.synthetic_batch(k, a.batch, cfg.seq_len, cfg.vocab_size)
+                k += 1
+                dist.barrier()  # both ranks start each step together
+                if breakdown is not None:
+                    breakdown.on = r > 0 and name == "ours"
+                t0 = time.perf_counter()
+                step(tokens)  # each ends with an all-reduce of the loss: the clock sees the whole step
+                round_times.append(time.perf_counter() - t0)
+                if breakdown is not None and breakdown.on:
+                    total += round_times[-1]
+                    breakdown.on = False
+            if r:
+                times[name].append(round_times)
+    return times, total
+
+
+def pooled_median(rounds, which):
+    return statistics.median(t for i in which for t in rounds[i])
+
+
+def ratio_interval(times, resamples=1000, seed=0):
+    """A 95% percentile-bootstrap interval of torch / ours: the rounds drawn again with replacement, both programs'
+    rounds of one draw together (they ran side by side), the ratio of the pooled medians of each draw."""
+    rng, n = random.Random(seed), len(times["ours"])
+    draws = ([rng.randrange(n) for _ in range(n)] for _ in range(resamples))
+    ratios = sorted(pooled_median(times["torch"], d) / pooled_median(times["ours"], d) for d in draws)
+    return ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]
+
+
+def compare(a, kind):
+    """On every rank: parity, then the race. Rank 0's lines to print."""
+    cfg = train_gpt.GPTConfig(vocab_size=256, seq_len=a.seq, n_layer=a.layers, n_head=a.heads, n_embd=a.hidden)
+    run = layout(a, kind)
+    breakdown = Breakdown() if a.breakdown else None
+    step_ours, _ = ours(cfg, run)
+    programs = {"ours": step_ours, "torch": torchs(cfg, run, kind)}
+    lines = []
+    for k in range(a.parity_steps):  # parity first: the same losses from the same weights and data
+        tokens = train_gpt.synthetic_batch(1000 + k, a.batch, cfg.seq_len, cfg.vocab_size)
+        mine, theirs = programs["ours"](tokens), programs["torch"](tokens)
+        if abs(mine - theirs) > 1e-5 * abs(mine):
+            raise SystemExit(f"{kind}: step {k} losses differ: ours {mine!r}, torch {theirs!r}")
+        lines.append(f"    parity step {k}: loss ours {mine:.6f}, torch {theirs:.6f}")
+    times, ours_total = race(programs, a, cfg, breakdown)
+    med = {name: pooled_median(t, range(len(t))) for name, t in times.items()}
+    lo, hi = ratio_interval(times)
+    per_round = [statistics.median(t) / statistics.median(o) for t, o in zip(times["torch"], times["ours"])]
+    lines += [f"    {name:6s} median step {t * 1000:7.1f} ms" for name, t in med.items()]
+    lines.append(f"    ratio torch / ours = {med['torch'] / med['ours']:.3f} (95% interval {lo:.3f} to {hi:.3f}; "
+                 f"rounds {min(per_round):.3f} to {max(per_round):.3f}; >= 1: ours as fast)")
+    if breakdown is not None:
+        shares = [None] * dist.get_world_size()
+        dist.all_gather_object(shares, (ours_total, dict(breakdown.seconds)))
+        for rank, (total, seconds) in enumerate(shares):
+            parts = ", ".join(f"{label} {s / total:.0%}" for label, s in sorted(seconds.items()))
+            rest = 1 - sum(seconds.values()) / total
+            lines.append(f"    ours rank {rank}: {parts}, the rest (bookkeeping, reductions, optimizer) {rest:.0%}")
+    return lines
+
+
+def _rank(rank, world, store_path, queue, a):
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                            timeout=timedelta(seconds=a.timeout))  # a transfer that never comes fails, not hangs
+    out = []
+    for kind in a.schedules.split(","):
+        out += [f"  {kind} against torch's {TORCH_SCHEDULES[kind]}:"] + compare(a, kind)
+    if rank == 0:
+        queue.put(out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for flag, default in (("--layers", 4), ("--hidden", 256), ("--heads", 8), ("--seq", 256), ("--batch", 8),
+                          ("--micro-batch", 2), ("--pp", 2), ("--virtual-stages", 2), ("--rounds", 10),
+                          ("--steps-per-round", 3), ("--parity-steps", 2), ("--timeout", 300)):
+        ap.add_argument(flag, type=int, default=default)
+    ap.add_argument("--schedules", default="1f1b,interleaved,zb-h1")
+    ap.add_argument("--breakdown", action="store_true", help="also where our step's time goes, per rank")
+    a = ap.parse_args()
+    unknown = set(a.schedules.split(",")) - set(TORCH_SCHEDULES)
+    if unknown or a.rounds < 1 or a.steps_per_round < 1:
+        print(f"pipeline_vs_torch.py: error: schedules {sorted(unknown)} unknown or rounds < 1", file=sys.stderr)
+        sys.exit(2)
+    print(f"GPT L={a.layers} h={a.hidden} heads={a.heads} s={a.seq} batch={a.batch} in micro-batches of "
+          f"{a.micro_batch}, PP {a.pp} (interleaved and zb-h1: {a.virtual_stages} virtual stages per rank), one "
+          f"thread per rank, FP32 AdamW; {a.rounds} alternating rounds of {a.steps_per_round} steps")
+    queue = mp.get_context("fork").SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_rank, (a.pp, os.path.join(tmp, "store"), queue, a), nprocs=a.pp, start_method="fork")
+    print("\n".join(queue.get()))
+
+
+if __name__ == "__main__":
+    main()

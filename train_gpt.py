@@ -3373,7 +3373,10 @@ def sample(cfg, path, n, temperature=1.0, top_k=None, prompt="\n", seed=0):
     text = read_train_state(path).get("text", cfg.vocab_size <= 256)  # saved before "text" was: the old rule
     device = next(stage.parameters()).device
     gen = torch.Generator().manual_seed(seed)  # draws on the CPU: the same random draws on every device
-    ids = prompt_ids(prompt, text, cfg.vocab_size)
+    try:
+        ids = prompt_ids(prompt, text, cfg.vocab_size)
+    except ValueError:  # text given to a token model (the command line refuses it before): drawn after token 0
+        ids = [0]
     given = len(ids)
     for _ in range(n):
         context = torch.tensor([ids[-cfg.seq_len:]], device=device)

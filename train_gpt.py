@@ -2215,7 +2215,7 @@ def _save_error(tmp, error):
 
 def _on_every_rank(ok, device):
     """Whether `ok` holds on every rank (one MIN all-reduce of a flag), so that all stop or none does."""
-    flag = torch.tensor([int(bool(ok))], dtype=torch.int32, device=device)
+    flag = torch.as_tensor(ok, device=device).to(torch.int32).view(1)  # a tensor stays on the device: no sync
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
@@ -2239,10 +2239,7 @@ def weights_are_finite(stage, opt=None):
     """Whether every weight of every rank is finite (one MIN all-reduce of a flag over the world); under ZeRO-3
     each rank looks at the parameter values it holds (opt.owned_param)."""
     values = [opt.owned_param(p)[1] if opt is not None else p for p in stage.parameters()]
-    finite = torch.stack([torch.isfinite(v).all() for v in values]).all().to(torch.int32).view(1)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-    return bool(finite.item())
+    return _on_every_rank(torch.stack([torch.isfinite(v).all() for v in values]).all(), values[0].device)
 
 
 _DCP_METADATA_NAMES = {  # everything DCP's metadata pickle refers to (torch 2.13), and nothing else
@@ -2885,6 +2882,16 @@ def _inside(path, folder):
     return os.path.commonpath([path, folder]) == folder
 
 
+def _inside_checkpoint(path):
+    """Whether path or a folder above it is a checkpoint (holds a MANIFEST, a train_state.json or DCP's .metadata)."""
+    path, above = os.path.realpath(path), None
+    while path != above:
+        if any(os.path.lexists(os.path.join(path, name)) for name in (MANIFEST, "train_state.json", ".metadata")):
+            return True
+        path, above = os.path.dirname(path), path
+    return False
+
+
 def check_outputs_apart_from_inputs(train_cfg):
     """No output can overwrite an input or be read back as one: --metrics is not the --data file, nor inside the
     --data folder, a checkpoint or its lock; --out-dir is not inside the --data folder (whose text files are all
@@ -2901,11 +2908,8 @@ def check_outputs_apart_from_inputs(train_cfg):
     if data and (metrics == data or (data_folder and _inside(metrics, data_folder))):
         raise ValueError(f"--metrics {train_cfg.metrics} would overwrite the --data {train_cfg.data}: pass a path "
                          "outside it")
-    folder = os.path.dirname(metrics)
     out = os.path.realpath(train_cfg.out_dir) if train_cfg.out_dir else None
-    in_checkpoint = any(os.path.lexists(os.path.join(folder, name)) for name in (MANIFEST, "train_state.json",
-                                                                                  ".metadata"))
-    if in_checkpoint or (out and metrics != out and _inside(metrics, out) and (
+    if _inside_checkpoint(os.path.dirname(metrics)) or (out and metrics != out and _inside(metrics, out) and (
             os.path.basename(metrics) == ".lock" or STEP_FOLDER.match(os.path.relpath(metrics, out)))):
         raise ValueError(f"--metrics {train_cfg.metrics} lies inside a checkpoint (or is the --out-dir lock): pass a "
                          "path outside the checkpoint folders")
@@ -3266,16 +3270,6 @@ def load_hf_weights(folder, stage, opt=None):
                 opt.load_full_state(p, {"master": local})
         if opt is not None:
             opt.publish_params()
-
-
-def _inside_checkpoint(path):
-    """Whether path or a folder above it is a checkpoint (holds a MANIFEST or a train_state.json)."""
-    path, above = os.path.realpath(path), None
-    while path != above:
-        if any(os.path.lexists(os.path.join(path, name)) for name in (MANIFEST, "train_state.json")):
-            return True
-        path, above = os.path.dirname(path), path
-    return False
 
 
 def export_source(out_dir, step, world, hf_dir=None, nanogpt_file=None):

@@ -237,7 +237,9 @@ def kept_bytes_per_layer(policy, b, s, h, a, e, device="cpu"):
     its statistics in x's dtype."""
     kept = POLICY_TABLE[policy].kept if policy in POLICY_TABLE else None
     if kept is None:
-        raise ValueError(f"per-layer bytes are not defined for policy {policy!r}; use kept_bytes()")
+        raise ValueError(f"per-layer kept bytes are not defined for policy {policy!r}: a recomputation policy "
+                         f"({', '.join(n for n, r in POLICY_TABLE.items() if r.kept)}) has them; an offload policy's "
+                         "bytes are offload_bytes()")
     mask = 1 if device == "cuda" else e
     e_ln = 4 if device == "cuda" else e
     return kept(b, s, h, a, e, mask, e_ln)
@@ -663,7 +665,7 @@ def offload_or_recompute(b, s, h, a, e=2, pcie_bytes_per_s=25e9, flops_per_s=400
     """Per layer and offload policy: the copy's time K_layer / B_pcie against the forward's F_layer / rate that
     it hides behind, the wait if it does not, the bus bandwidth from which it would, and the verdict: offloading
     is free, or cheaper than recomputing a forward, or recomputation wins."""
-    forward = (24 * b * s * h * h + 4 * b * s * s * h) / flops_per_s
+    forward = training_flops("none", 1, b, s, h) / 3 / flops_per_s  # a step is 3 forwards (backward = 2)
     rows = []
     for policy, recompute in OFFLOADED.items():
         layer = sum(kept_bytes_per_layer(recompute, b, s, h, a, e, device).values())

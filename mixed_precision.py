@@ -284,13 +284,14 @@ class MixedPrecisionOptimizer:
     normalises: grad_scale). Build it once the model has its final dtype and device (parameters become views of
     flat buffers), one per parameter. zero > 0, fp8_param_gather, units, replicate groups: below the banner."""
 
+    sharded_form = None  # ShardedMixedPrecisionOptimizer, set below the banner where it is defined
+
     def __new__(cls, *args, zero=0, fp8_param_gather=False, units=None, shard_groups=None, **kwargs):
         if cls is MixedPrecisionOptimizer and _beyond_zero0(zero, fp8_param_gather, units, shard_groups):
-            forms = cls.__subclasses__()  # the sharded form, where it is defined
-            if not forms:
+            if cls.sharded_form is None:
                 raise ValueError(f"zero={zero!r}, fp8_param_gather, units or a replicate group: the sharded "
                                  "optimizer is beyond the chapter; take the whole file")
-            cls = forms[0]
+            cls = cls.sharded_form
         return super().__new__(cls)
 
     def __init__(self, params_or_param_groups, optimizer_class, *, shard_groups=None, zero=0, loss_scaler=None,
@@ -1516,6 +1517,9 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         for bucket in self._buckets:  # zero 3 under fp8_param_gather: its FP8 shard, made from the loaded masters
             if bucket.level == 3 and bucket.fp8_param_gather:
                 bucket.publish_params()  # at level 3 local: no communication
+
+
+MixedPrecisionOptimizer.sharded_form = ShardedMixedPrecisionOptimizer
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ JOB, what a training program needs around training (data, checkpoints, input che
 import argparse
 import contextlib
 import functools
+import io
 import itertools
 import json
 import math
@@ -859,6 +860,7 @@ class Pipeline:
     def __init__(self, plan, shape, dtype, device):
         self.plan, self.shape, self.dtype, self.device = plan, shape, dtype, device
         self.ranks = plan.parallel_state.ranks["pp"]  # global ranks of this pipeline, by stage
+        self.tables = {}  # (id of _orders' cached lists, rank): what that rank receives, made once per schedule
 
     def consumer(self, r, action):
         """(rank, the action that reads it) of what rank r's `action` sends, or None (the loss, the embedding)."""
@@ -872,14 +874,19 @@ class Pipeline:
 
     def start(self, orders, rank):
         """Before a step: what this rank will receive, from which peer, in the order each peer sends it."""
-        self.incoming = {}  # peer: the actions of this rank that read its messages, in the peer's sending order
-        self.source = {}    # action: the peer it receives from
-        for peer, order in enumerate(orders):
-            for action in order:
-                to = self.consumer(peer, action)
-                if to is not None and to[0] == rank:
-                    self.incoming.setdefault(peer, []).append(to[1])
-                    self.source[to[1]] = peer
+        key = (id(orders), rank)
+        if key not in self.tables:
+            incoming = {}  # peer: the actions of this rank that read its messages, in the peer's sending order
+            source = {}    # action: the peer it receives from
+            for peer, order in enumerate(orders):
+                for action in order:
+                    to = self.consumer(peer, action)
+                    if to is not None and to[0] == rank:
+                        incoming.setdefault(peer, []).append(to[1])
+                        source[to[1]] = peer
+            self.tables[key] = orders, incoming, source  # the lists kept: their id stays theirs
+        _, incoming, self.source = self.tables[key]
+        self.incoming = {peer: list(actions) for peer, actions in incoming.items()}  # post_receive pops them
         self.posted, self.sending = {}, []  # action: (buffer, work); (work, tensor, whether to free it once sent)
 
     def post_receive(self, action):
@@ -2279,7 +2286,6 @@ def _check_pickle(data):
 def _safe_reader(path, manifest=None):
     """DCP's file reader whose metadata is verified (size and CRC32 from `manifest`; without one the caller has
     verified it), scanned (_check_pickle) and unpickled with DCP's own classes only (_SafeUnpickler)."""
-    import io
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -3235,12 +3241,19 @@ def config_from_hf(folder, cfg, given):
             raise ValueError(f"--init-from-hf {folder} holds a GPT-2 with {flag} {shape[field]}, and this run has "
                              f"{flag} {value}: omit {flag} (the shape comes from config.json)")
     cfg = replace(cfg, **shape)
+    hf_entries(folder, cfg)
+    return cfg
+
+
+def hf_entries(folder, cfg):
+    """(the safetensors file, its entries) checked against cfg's GPT-2 shapes; a lm_head.weight, if the file holds
+    one, must equal wte (this model ties them)."""
     path = os.path.join(folder, "model.safetensors")
     entries = read_safetensors_header(path, gpt2_shapes(cfg))
     if "lm_head.weight" in entries and not torch.equal(_read_tensor(path, entries["lm_head.weight"]),
                                                        _read_tensor(path, entries["wte.weight"])):
         raise BadCheckpoint(f"--init-from-hf: {path}: lm_head.weight differs from wte.weight; this model ties them")
-    return cfg
+    return path, entries
 
 
 def load_hf_weights(folder, stage, opt=None):
@@ -3249,19 +3262,18 @@ def load_hf_weights(folder, stage, opt=None):
     slice of it (_slice_geometry) is handed to the optimizer as the parameter's master (load_full_state: the working
     weight and the master, ZeRO shards included, written as a checkpoint load writes them), then published. Only the
     tensors of this stage are read. Call it before the first step, on every rank."""
-    cfg, ps = stage.cfg, stage.plan.ps
+    cfg, parallel_state = stage.cfg, stage.plan.parallel_state
     shape = read_hf_config(folder)  # checked again: train() may be called without main's checks
     if any(getattr(cfg, field) != value for field, value in shape.items()) or cfg.moe_every:
         raise ValueError(f"--init-from-hf {folder} holds a GPT-2 of shape {shape}; this model is another: build it "
                          "from config_from_hf")
-    path = os.path.join(folder, "model.safetensors")
-    entries = read_safetensors_header(path, gpt2_shapes(cfg))
+    path, entries = hf_entries(folder, cfg)
     theirs = {ours: (name, conv) for name, ours, conv in gpt2_names(cfg)}
     with torch.no_grad():
         for name, p, _ in _saved_params(stage):
             hf_name, conv = theirs[name]
             whole = _read_tensor(path, entries[hf_name])
-            shape_now, offsets, whole_shape = _slice_geometry(p, ps)
+            shape_now, offsets, whole_shape = _slice_geometry(p, parallel_state)
             whole = (whole.t() if conv else whole).reshape(whole_shape)
             local = whole[tuple(slice(o, o + n) for o, n in zip(offsets, shape_now))].reshape(p.shape)
             if opt is None:
@@ -3277,28 +3289,23 @@ def export_source(out_dir, step, world, hf_dir=None, nanogpt_file=None):
     (its checksums included; each newer one skipped is told in one line, as --resume and --sample do). The outputs
     are checked first: a folder for --export-hf, a file for --export-nanogpt, neither inside a checkpoint."""
     flag = "--export-hf" if hf_dir else "--export-nanogpt"
+    if nanogpt_file and os.path.isdir(nanogpt_file):
+        raise ValueError(f"--export-nanogpt {nanogpt_file} is a folder: pass a file name")
     for what, path, folder in (("--export-hf", hf_dir, hf_dir), ("--export-nanogpt", nanogpt_file,
                                                                   os.path.dirname(nanogpt_file or "") or ".")):
-        if path and (os.path.isdir(path) if what == "--export-nanogpt" else os.path.lexists(path) and
-                     not os.path.isdir(path)):
-            raise ValueError(f"{what} {path} is {'a folder' if os.path.isdir(path) else 'a file'}: pass a "
-                             f"{'file' if what == '--export-nanogpt' else 'folder'} name")
-        if path and _inside_checkpoint(folder):
-            raise ValueError(f"{what} {path} lies inside a checkpoint: pass a path outside the checkpoint folders")
-    if world != 1:
-        raise ValueError(f"{flag} runs on one process: use python, not torchrun")
-    if not out_dir:
-        raise ValueError(f"{flag} needs --out-dir, the folder of the checkpoints to export")
-
-    if step is not None:
+        if path:
+            _check_folder_can_exist(what, folder)  # a folder, or one that can be made: before anything is read
+            if _inside_checkpoint(folder):
+                raise ValueError(f"{what} {path} lies inside a checkpoint: pass a path outside the checkpoint "
+                                 "folders")
+    if step is None:
+        path, state = sample_checkpoint(out_dir, world, flag)
+    else:
+        _one_process_reader(out_dir, world, flag)
         paths = [p for p in checkpoint_dirs(out_dir) if int(os.path.basename(p)[5:]) == step]
         if not paths:
             raise ValueError(f"{flag}: --out-dir {out_dir} holds no checkpoint of --step {step}")
         path, state = paths[0], verified_checkpoint(paths[0])
-    else:
-        path, state = newest_passing(out_dir, verified_checkpoint, say=_warn)
-    if path is None:
-        raise ValueError(f"{flag} needs a checkpoint: --out-dir {out_dir} holds none")
     if state["config"]["moe_every"]:
         raise ValueError(f"{flag}: checkpoint {path} holds a mixture-of-experts model (--moe-every "
                          f"{state['config']['moe_every']}), which has no {'GPT-2' if hf_dir else 'nanoGPT'} form: "
@@ -3316,7 +3323,7 @@ def export_weights(path, state, hf_dir=None, nanogpt_file=None):
     if hf_dir:
         tensors = {}
         for theirs, name, conv in gpt2_names(cfg):
-            tensors["transformer." + theirs] = (ours[name].t() if conv else ours[name]).contiguous()
+            tensors["transformer." + theirs] = ours[name].t() if conv else ours[name]  # safetensors_bytes: contiguous
         os.makedirs(hf_dir, exist_ok=True)
         _write_file(os.path.join(hf_dir, "model.safetensors"), safetensors_bytes(tensors, {"format": "pt"}))
         _write_file(os.path.join(hf_dir, "config.json"), (json.dumps(hf_config(cfg), indent=2) + "\n").encode())
@@ -3329,7 +3336,6 @@ def export_weights(path, state, hf_dir=None, nanogpt_file=None):
                           bias=True, vocab_size=cfg.vocab_size, dropout=0.0)
         if os.path.dirname(nanogpt_file):
             os.makedirs(os.path.dirname(nanogpt_file), exist_ok=True)
-        import io
         buffer = io.BytesIO()
         torch.save({"model_args": model_args, "model": model, "iter_num": state["step"], "best_val_loss": None,
                     "config": {}}, buffer)
@@ -3342,17 +3348,22 @@ def export_weights(path, state, hf_dir=None, nanogpt_file=None):
 # Sampling
 # ----------------------------------------------------------------------------------------------------
 
-def sample_checkpoint(out_dir, world):
-    """The checkpoint --sample draws from, and its train_state: the newest that passes every check, its tensor
-    files' checksums included (the fallback of --resume: each newer one skipped is told in one line)."""
+def _one_process_reader(out_dir, world, flag):
     if world != 1:
-        raise ValueError("--sample runs on one process: use python, not torchrun")
+        raise ValueError(f"{flag} runs on one process: use python, not torchrun")
     if not out_dir:
-        raise ValueError("--sample needs --out-dir, the folder of the checkpoints to sample from")
+        raise ValueError(f"{flag} needs --out-dir, the folder of the checkpoints to "
+                         f"{'sample from' if flag == '--sample' else 'export'}")
 
+
+def sample_checkpoint(out_dir, world, flag="--sample"):
+    """The checkpoint --sample (or an export, `flag`) reads, and its train_state: the newest that passes every
+    check, its tensor files' checksums included (the fallback of --resume: each newer one skipped is told in one
+    line)."""
+    _one_process_reader(out_dir, world, flag)
     path, state = newest_passing(out_dir, verified_checkpoint, say=_warn)
     if path is None:
-        raise ValueError(f"--sample needs a checkpoint: --out-dir {out_dir} holds none")
+        raise ValueError(f"{flag} needs a checkpoint: --out-dir {out_dir} holds none")
     return path, state
 
 

@@ -73,7 +73,7 @@ def torchs(cfg, run, kind):
     from torch.distributed import pipelining
     plan, stage, opt, _ = train_gpt.build(cfg, run)
     p, v, rank = run.pp, run.virtual_stages, plan.parallel_state.pp_rank
-    m = run.batch // run.micro_batch
+    m = plan.micro_batch_count
     positions = torch.arange(cfg.seq_len)
     stages = [pipelining.PipelineStage(Chunk(stage, c, positions), c * p + rank, p * v, torch.device("cpu"),
                                        group=plan.pp) for c in range(v)]
@@ -98,16 +98,21 @@ def torchs(cfg, run, kind):
 
 class Breakdown:
     """Time per step in our executor's parts, by wrapping them: compute (the actions), waiting on receives,
-    waiting on sends (the final wait for those still in flight), the slot exchanges of an executor that has them."""
+    waiting on sends (the final wait for those still in flight). `restore()` puts the originals back, so that one
+    schedule's wrappers never time the next one's."""
     PARTS = (("_run_action", None, "compute"), ("receive", "Pipeline", "waiting on receives"),
-             ("reap", "Pipeline", "waiting on sends"), ("exchange", "Pipeline", "slot exchanges (send + receive)"))
+             ("reap", "Pipeline", "waiting on sends"))
 
     def __init__(self):
-        self.seconds, self.on = collections.Counter(), False
+        self.seconds, self.on, self.originals = collections.Counter(), False, []
         for name, owner, label in self.PARTS:
             where = getattr(train_gpt, owner) if owner else train_gpt
-            if hasattr(where, name):
-                setattr(where, name, self.timed(getattr(where, name), label))
+            self.originals.append((where, name, getattr(where, name)))
+            setattr(where, name, self.timed(getattr(where, name), label))
+
+    def restore(self):
+        for where, name, original in self.originals:
+            setattr(where, name, original)
 
     def timed(self, fn, label):
         @functools.wraps(fn)
@@ -162,6 +167,14 @@ def compare(a, kind):
     cfg = train_gpt.GPTConfig(vocab_size=256, seq_len=a.seq, n_layer=a.layers, n_head=a.heads, n_embd=a.hidden)
     run = layout(a, kind)
     breakdown = Breakdown() if a.breakdown else None
+    try:
+        return _compare(a, kind, cfg, run, breakdown)
+    finally:
+        if breakdown is not None:
+            breakdown.restore()
+
+
+def _compare(a, kind, cfg, run, breakdown):
     step_ours, _ = ours(cfg, run)
     programs = {"ours": step_ours, "torch": torchs(cfg, run, kind)}
     lines = []

@@ -2588,8 +2588,8 @@ def test_a_tp2_pp2_checkpoint_exported_to_hf_and_nanogpt_computes_the_runs_logit
     conv1d = lambda x, name: x @ hf[name + ".weight"] + hf[name + ".bias"]  # GPT-2's Conv1D: weight (in, out)
     hf_logits = _plain_gpt_logits(hf, ids, CFG.n_layer, CFG.n_head, conv1d, hf["wte.weight"])
     saved = torch.load(exported["ckpt"], weights_only=True)  # plain tensors and numbers: nothing to unpickle
-    assert saved["model_args"] == dict(n_layer=4, n_head=4, n_embd=16, block_size=16, bias=True, vocab_size=32,
-                                       dropout=0.0)
+    assert saved["model_args"] == dict(n_layer=CFG.n_layer, n_head=CFG.n_head, n_embd=CFG.n_embd,
+                                       block_size=CFG.seq_len, bias=True, vocab_size=CFG.vocab_size, dropout=0.0)
     nano = {name.removeprefix("transformer."): t.double() for name, t in saved["model"].items()}
     linear = lambda x, name: F.linear(x, nano[name + ".weight"], nano[name + ".bias"])  # nn.Linear: (out, in)
     nano_logits = _plain_gpt_logits(nano, ids, CFG.n_layer, CFG.n_head, linear, nano["lm_head.weight"])
@@ -2606,8 +2606,9 @@ def test_a_tp2_pp2_checkpoint_exported_to_hf_and_nanogpt_computes_the_runs_logit
 def test_the_hf_folder_holds_gpt2s_config_and_a_safetensors_file_field_by_field(exported):
     import json
     config = json.loads((exported["hf"] / "config.json").read_text())
-    assert config == {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 32,
-                      "n_positions": 16, "n_embd": 16, "n_layer": 4, "n_head": 4, "n_inner": None,
+    assert config == {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": CFG.vocab_size,
+                      "n_positions": CFG.seq_len, "n_embd": CFG.n_embd, "n_layer": CFG.n_layer,
+                      "n_head": CFG.n_head, "n_inner": None,
                       "activation_function": "gelu", "layer_norm_epsilon": 1e-5, "resid_pdrop": 0.0,
                       "embd_pdrop": 0.0, "attn_pdrop": 0.0, "initializer_range": 0.02, "scale_attn_weights": True,
                       "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
@@ -2616,9 +2617,10 @@ def test_the_hf_folder_holds_gpt2s_config_and_a_safetensors_file_field_by_field(
     path = exported["hf"] / "model.safetensors"
     length, header, _ = _read_safetensors_independently(path)
     assert length % 8 == 0 and header.pop("__metadata__") == {"format": "pt"}
-    h = 16
-    expected = {"wte.weight": [32, h], "wpe.weight": [16, h], "ln_f.weight": [h], "ln_f.bias": [h]}
-    for i in range(4):
+    h = CFG.n_embd
+    expected = {"wte.weight": [CFG.vocab_size, h], "wpe.weight": [CFG.seq_len, h], "ln_f.weight": [h],
+                "ln_f.bias": [h]}
+    for i in range(CFG.n_layer):
         for name, shape in (("ln_1", [h]), ("attn.c_attn", [h, 3 * h]), ("attn.c_proj", [h, h]), ("ln_2", [h]),
                             ("mlp.c_fc", [h, 4 * h]), ("mlp.c_proj", [4 * h, h])):
             expected[f"h.{i}.{name}.weight"] = shape
@@ -2714,6 +2716,19 @@ def test_a_crafted_hf_folder_is_refused_in_one_line_and_a_moe_export_too(exporte
                "which has no nanoGPT form"),
               (["--out-dir", os.path.dirname(pristine_checkpoint), "--export-hf", pristine_checkpoint],
                "lies inside a checkpoint"), (["--step", "2"], "--step goes with --export-hf or --export-nanogpt")]
+    (tmp_path / "a_file").write_text("")
+    (tmp_path / "a_folder").mkdir()
+    _, _, tensors = _read_safetensors_independently(exported["hf"] / "model.safetensors")
+    tensors = {name: torch.as_tensor(t).float() for name, t in tensors.items()}
+    untied = {**tensors, "lm_head.weight": tensors["transformer.wte.weight"] + 1}
+    (tmp_path / "untied").mkdir()
+    (tmp_path / "untied" / "config.json").write_bytes((exported["hf"] / "config.json").read_bytes())
+    (tmp_path / "untied" / "model.safetensors").write_bytes(train_gpt.safetensors_bytes(untied, {"format": "pt"}))
+    argvs += [(["--out-dir", os.path.dirname(pristine_checkpoint), "--export-hf", str(tmp_path / "a_file")],
+               "is a file: pass a folder"),
+              (["--out-dir", os.path.dirname(pristine_checkpoint), "--export-nanogpt", str(tmp_path / "a_folder")],
+               "is a folder: pass a file name"),
+              (["--init-from-hf", str(tmp_path / "untied")], "lm_head.weight differs from wte.weight")]
     for argv, says in argvs:
         (code, out, initialised), = _main_on_forked_ranks(argv, 1, str(tmp_path))
         assert code == 2 and not initialised and len(out.strip().splitlines()) == 1 and says in out, (argv, out)

@@ -15,40 +15,32 @@ value the layout implies: shard lengths, micro-batch count, this stage's layers)
     EP expert     plan.ep, plan.edp     the experts of MoE layers, folded over DP x CP   moe_ep.MoE
     recompute     -                     memory against FLOPs, per stage                  plan.run_blocks
 
-The gradient reductions (`gradient_reductions`), each a SUM over a group, then ONE normalisation by the global
-token count, applied where each backward starts: the tied embedding over the embedding group (its copies on the
-first and last stage); the parameters replicated over TP that act on a token shard (LayerNorms, row-parallel
-biases and positions under SP; the MoE layers under TP) over TP; dense weights over DP x CP and experts over EDP,
-both in the optimizer (all-reduce, or ZeRO-1's reduce-scatter).
+Gradients (`gradient_reductions`): each reduction a SUM over a group, then ONE normalisation by the global token
+count where each backward starts. The tied embedding is summed over its two copies (first and last stage); what
+acts on a token shard while replicated over TP (LayerNorms, row-parallel biases, positions under SP, MoE layers
+under TP) over TP; dense weights over DP x CP and experts over EDP, in the optimizer (all-reduce, or ZeRO-1).
 
-TP (Shoeybi et al. 2019): an MLP's first weight is split by output columns and its second by input rows, so the
-pair needs one all-reduce forward and one backward; attention splits the heads alike; the tied embedding is split
-over the vocabulary and the loss assembled from vocabulary-sharded logits (one MAX and one SUM of (N,) values).
-
+TP (Shoeybi et al. 2019): an MLP's first weight split by output columns and its second by input rows need one
+all-reduce forward and one backward; attention splits the heads alike; the tied embedding is split over the
+vocabulary and the loss assembled from vocabulary-sharded logits (one MAX and one SUM of (N,) values).
 SP (Korthikanti et al. 2022): between the TP regions each rank holds s/t of the tokens; each all-reduce becomes a
-reduce-scatter and an all-gather (the same bytes), and every activation of a block is split by t
-(`block_activation_bytes`).
-
+reduce-scatter and an all-gather (the same bytes), and every activation of a block is split by t.
 PP: a schedule is a list of actions per rank (forward F, backward B), run by one executor. 1F1B (Narayanan et al.
-2021): p - 1 - i warm-up forwards on stage i, then one forward and one backward at a time, a bubble of
+2021): p - 1 - i warm-up forwards on stage i, then one forward and one backward at a time: a bubble of
 (p-1)/(m+p-1) of the step, at most p - i micro-batches in flight on stage i. At PP = 1 the step runs each
 micro-batch's forward and backward directly.
-
 DP and CP: DP ranks take other sequences of the batch, CP ranks shards of the same ones (zigzag: causal work
-balanced); under one seed every layout holds the same global weights (each parameter drawn whole from a generator
-named after it), so every layout trains the same model (tested to 1e-12 in float64).
-
+balanced). Each parameter is drawn whole from a generator named after it, so every layout trains the same model
+(tested to 1e-12 in float64).
 EP: MoE layers run on the TP ranks' token shards with whole expert weights, experts spread over EP by all-to-all;
 the router losses come from statistics summed over TP x CP, as in Megatron-LM.
-
 Memory and precision: recomputation per stage (checkpointing.py); FP32 main grads and masters, FP16 loss scaling,
-per-tensor FP8 block GEMMs, ZeRO-1 over DP x CP (mixed_precision.py); the micro-batches are grad_accum.py's
-accumulation steps.
+per-tensor FP8 block GEMMs, ZeRO-1 over DP x CP (mixed_precision.py); micro-batches are grad_accum.py's steps.
 
 Reading order is run order: the configs, the Plan, TP/SP, the model, the 1F1B executor, the step, `build`, the loop
-and `main`. Below the BEYOND THE CHAPTER banner, what plugs into them: interleaved and zero-bubble schedules,
-all-gather and hybrid CP, fine-grained FP8 and FP8 backward GEMMs, ZeRO-2/3 units, the formulas; then, under THE
-JOB, what a training program needs around training (data, checkpoints, input checks, sampling, the command line).
+and `main`. Below the BEYOND THE CHAPTER banner, what plugs into them (interleaved and zero-bubble schedules,
+all-gather and hybrid CP, fine-grained FP8, ZeRO-2/3, the formulas); then THE JOB: data, checkpoints, input
+checks, sampling, exports, the command line.
 """
 import argparse
 import contextlib
@@ -87,9 +79,7 @@ import moe_ep
 import topology
 
 
-# ----------------------------------------------------------------------------------------------------
-# Configs: the model, and everything about a run that is not the model
-# ----------------------------------------------------------------------------------------------------
+# ---- Configs: the model, and everything about a run that is not the model ----------------------------------
 
 @dataclass
 class GPTConfig:
@@ -160,9 +150,7 @@ class TrainConfig:
         return torch.float64 if self.dtype == "float64" else torch.float32
 
 
-# ----------------------------------------------------------------------------------------------------
-# The plan: every group, every layout-derived value, the attention and sharding functions, the recomputation
-# ----------------------------------------------------------------------------------------------------
+# ---- The plan: every group, every layout-derived value, the attention and sharding functions, the recomputation ----
 
 CP_IMPLS = {  # the causal attention of this rank's CP groups, and the sequence shard it expects
     "ring": (lambda plan, q, k, v: long_seq.ring_attention(q, k, v, plan.cp), long_seq.zigzag_shard),
@@ -173,7 +161,7 @@ CP_IMPLS = {  # the causal attention of this rank's CP groups, and the sequence 
 @dataclass(frozen=True)
 class Layout:
     """What a layout makes of the model and the batch: derived once (`layout_of`), checked by `validate` before any
-    process group exists, and the first part of every Plan."""
+    process group exists; the first part of every Plan."""
     dp: int                  # world / (tp cp pp)
     seq_cp: int              # tokens of one sequence on a CP rank: s / cp
     seq_hidden: int          # tokens of the hidden state between the TP regions: s / cp, and / tp under SP
@@ -196,19 +184,14 @@ def layout_of(cfg, train_cfg, world):
                   virtual_stages=train_cfg.virtual_stages, split_backward=train_cfg.pp_schedule == "zb-h1")
 
 
-# Parameter tags: how a parameter lies across the ranks. Set once, where the parameter is made (`tag`); read by the
-# gradient reductions and the checkpoints. The whole contract between the model and the rest:
-#
-#     tag            set by                                        read by
-#     tp_dim         Column/RowParallelLinear (0 / 1), Vocab-      _slice_geometry: where a checkpoint box lies;
-#                    ParallelEmbedding (0): split over TP along    gradient_reductions: None (the same on every
-#                    that dim; None: whole on every TP rank        TP rank) counts in the norm on TP rank 0 only
-#     tp_parts       ColumnParallelLinear(parts=3): Q, K and V     _slice_geometry
-#                    each split over TP on its own
-#     token_sharded  LayerNorm, row-parallel bias, wpe (under      gradient_reductions: its gradient is partial
-#                    SP); the MoE layer (TP > 1)                   over TP, summed there
-#     expert         moe_ep.MoE's expert weights (split over EP    gradient_reductions: summed over EDP, not
-#                    along dim 0)                                  DP x CP; _slice_geometry
+# Parameter tags: how a parameter lies across the ranks, set once where it is made (`tag`), read by the gradient
+# reductions and the checkpoints (_slice_geometry): the whole contract between the model and the rest.
+#   tp_dim         split over TP along this dim (Column/RowParallelLinear 0 / 1, the embedding 0); None: whole on
+#                  every TP rank, so counted in the gradient norm on TP rank 0 only
+#   tp_parts       ColumnParallelLinear(parts=3): Q, K and V each split over TP on its own
+#   token_sharded  LayerNorms, row-parallel biases, wpe under SP; the MoE layer under TP: its gradient is partial
+#                  over TP, summed there
+#   expert         moe_ep.MoE's expert weights, split over EP along dim 0: summed over EDP, not DP x CP
 TAGS = {"tp_dim": None, "tp_parts": 1, "token_sharded": False, "expert": False}
 
 
@@ -221,9 +204,8 @@ def tag(params, **tags):
 
 
 class Reduction(NamedTuple):
-    """One SUM of gradients over a group. `data_parallel`: the optimizer's own reduction (all-reduce, or the
-    reduce-scatter of its ZeRO shards, over `group`, then over `replicate`: hybrid sharding's replicas); the others
-    are all-reduces done before it."""
+    """One SUM of gradients over a group. `data_parallel`: the optimizer's own (all-reduce, or its ZeRO shards'
+    reduce-scatter, over `group`, then over `replicate`: hybrid sharding); the others: all-reduces before it."""
     name: str
     params: list
     group: object
@@ -233,10 +215,9 @@ class Reduction(NamedTuple):
 
 @dataclass(frozen=True)
 class Plan(Layout):
-    """This rank's parallel decisions, made once (make_plan) and only read afterwards: the layout's values (Layout),
-    its coordinates (parallel_state), its process groups (None where the dimension has size 1), this stage's
-    layers, which of the ranks holding the same loss count it in the log, and the functions that act on the
-    layout."""
+    """This rank's parallel decisions, made once (make_plan), only read afterwards: the layout's values, its
+    coordinates, its process groups (None where a dimension has size 1), this stage's layers, which ranks log the
+    losses, and the functions that act on the layout."""
     parallel_state: topology.ParallelState
     world: object                # the default group (None on one rank): the global norm and the logged losses
     tp: object
@@ -318,13 +299,10 @@ def make_plan(cfg, train_cfg, parallel_state):
 
 
 def gradient_reductions(plan, stage):
-    """Every gradient SUM of a step, and the parameters this rank counts in the gradient norm (the stage makes
-    both once, when its parameters exist).
-
-    A parameter's gradient is complete once it has been summed over every group that saw other tokens
-    through the same weights. The norm counts every distinct parameter once in the world: a parameter
-    replicated over TP only on TP rank 0, the tied embedding only on the first stage (the optimizer leaves
-    out the DP x CP and EDP replicas itself)."""
+    """Every gradient SUM of a step, and the parameters this rank counts in the gradient norm (made once, with the
+    stage's parameters). A gradient is complete once summed over every group that saw other tokens through the same
+    weights. The norm counts each distinct parameter once in the world: one replicated over TP on TP rank 0 only,
+    the tied embedding on the first stage only (the optimizer leaves out the DP x CP and EDP replicas itself)."""
     params = [p for p in stage.parameters() if p.requires_grad]
     tied = []
     if plan.embedding is not None:  # the first stage's wte and the last stage's copy: the sum of both uses
@@ -347,9 +325,7 @@ def gradient_reductions(plan, stage):
     return reductions, norm_params
 
 
-# ----------------------------------------------------------------------------------------------------
-# Tensor and sequence parallelism: the communication, then the layers
-# ----------------------------------------------------------------------------------------------------
+# ---- Tensor and sequence parallelism: the communication, then the layers -----------------------------------
 
 # torch 2.13 renames the flat collectives (the old names still work, with a deprecation warning)
 _all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -460,16 +436,11 @@ def gather_from_sp(x, group):
 
 class _TPLinear(torch.autograd.Function):
     """y = x W^T + b with a column-parallel GEMM's communication folded in (Megatron-LM's
-    LinearWithGradAccumulationAndAsyncCommunication):
-
-        no SP  forward as is; backward all-reduces the input gradient, overlapped with the weight gradient GEMM
-        SP     forward all-gathers the input's sequence shards; only the local shard is saved and gathered
-               again in backward; the input gradient is reduce-scattered, overlapped with the weight GEMM
-        group None (a TP = 1 layer under a zero-bubble schedule, a row-parallel layer's local product): no communication
-
-    `gemm` runs the forward product: F.linear, or an FP8 GEMM (`fp8_product`). Beyond the chapter, the backward's
-    FP8 GEMMs (`fp8_backward_gemms`) and zero bubble's deferred weight GEMM (`deferred_weight_grads`).
-    """
+    LinearWithGradAccumulationAndAsyncCommunication). No SP: backward all-reduces the input gradient, overlapped
+    with the weight-gradient GEMM. SP: forward all-gathers the input's sequence shards (only the local shard is
+    saved, gathered again in backward); the input gradient is reduce-scattered, overlapped with the weight GEMM.
+    `gemm`: F.linear, or an FP8 GEMM (`fp8_product`). Beyond the chapter: FP8 backward GEMMs (`fp8_backward_gemms`),
+    zero bubble's deferred weight GEMM (`deferred_weight_grads`), with group None where TP = 1."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, sequence_parallel, gemm=F.linear):
@@ -543,12 +514,10 @@ class FP8(NamedTuple):
 
 def fp8_product(layer, fp8, split):
     """A block linear's forward product: F.linear, or with --dtype fp8 mixed_precision.fp8_linear in FP8 E4M3 under
-    --fp8-recipe. Per-tensor scales (tensorwise, delayed) are agreed (MAX of the amax) over TP, since the shards of
-    one weight, and a row-parallel layer's input shards, are one tensor. The backward GEMMs are BF16; the LM head and
-    the experts stay BF16. Under CP and DP each rank quantises its own tokens: per-tensor activation scales then
-    depend slightly on the split (Transformer Engine also reduces the activation amax over CP). Delayed scaling keeps
-    a history per layer (a buffer, not saved in checkpoints) and cannot be recomputed: each recomputation would
-    record its amaxes again."""
+    --fp8-recipe; backward GEMMs, the LM head and the experts in BF16. Per-tensor scales are agreed (MAX of the amax)
+    over TP: the shards of one weight, and a row-parallel layer's input shards, are one tensor. Under CP and DP each
+    rank quantises its own tokens (Transformer Engine also reduces the activation amax over CP). Delayed scaling
+    keeps an amax history per layer (not checkpointed; a recomputation would record its amaxes again)."""
     if fp8 is None:
         return F.linear
     if fp8.recipe == "delayed":
@@ -645,9 +614,7 @@ def vocab_parallel_cross_entropy(logits, targets, start, group):
     return _VocabParallelCrossEntropy.apply(logits, targets, start, group)
 
 
-# ----------------------------------------------------------------------------------------------------
-# The model: one pipeline stage of a GPT
-# ----------------------------------------------------------------------------------------------------
+# ---- The model: one pipeline stage of a GPT ----------------------------------------------------------------
 
 def full_init(name, shape, std, seed, dtype):
     """N(0, std^2) weights of the WHOLE parameter `name`, from a generator seeded by that name."""
@@ -777,12 +744,9 @@ class GPTStage(nn.Module):
         return per_token.sum()
 
 
-# ----------------------------------------------------------------------------------------------------
-# Pipeline parallelism: a schedule is a list of actions per rank; one executor runs any of them
-# ----------------------------------------------------------------------------------------------------
+# ---- Pipeline parallelism: a schedule is a list of actions per rank; one executor runs any of them ---------
 # A rank's schedule is the order of its actions: F (the forward of a micro-batch through a model chunk) and B (its
-# backward). `replay_pipeline` times the ranks' lists, each action waiting for its input, and the executor runs each
-# rank's list in its order, each action waiting only for its own input, as the replay assumes.
+# backward). The executor runs each rank's list in its order, each action waiting only for its own input.
 
 class Action(NamedTuple):
     kind: str        # "F", "B" or "W"
@@ -798,51 +762,18 @@ def schedule_1f1b(p, m, r):
     return [Action("F", i) for i in range(warmup)] + steady + [Action("B", j) for j in range(m - warmup, m)]
 
 
-SCHEDULES = ("1f1b", "interleaved", "zb-h1")
+# --pp-schedule: every rank's list of actions, orders[r], for p ranks, m micro-batches and v chunks per rank
+SCHEDULES = {"1f1b": lambda p, m, v: [schedule_1f1b(p, m, r) for r in range(p)]}  # and below the banner, two more
 
 
 def pipeline_schedule(kind, p, m, v=1):
     """Every rank's list of actions: orders[r]."""
-    base = [schedule_1f1b(p, m, r) if v == 1 else schedule_interleaved(p, m, v, r) for r in range(p)]
-    return [schedule_zero_bubble(base[r], r) for r in range(p)] if kind == "zb-h1" else base
+    return SCHEDULES[kind](p, m, v)
 
 
 def forward_schedule(p, m, v=1):
     """Forwards only (validation): every micro-batch through every chunk, in order."""
     return [[Action("F", i, c) for i in range(m) for c in range(v)] for _ in range(p)]
-
-
-def replay_pipeline(orders, forward=1, backward=2, weight=1, v=1, slots=False):
-    """The time the ranks' orders take when each action waits only for its input: F for the previous virtual
-    stage's F of its micro-batch, B for the next one's B (the last virtual stage for its own F), W for its own B;
-    F takes `forward` units, B `backward`, W `weight`; communication is free. orders[r] are rank r's actions
-    (Action, or (kind, micro) pairs for one chunk). With slots, also every action's start: {(r, action): t}."""
-    p = len(orders)
-    orders = [[Action(*action) for action in order] for order in orders]
-    last, done, start = p * v - 1, {}, {}
-    clock, pos = [0] * p, [0] * p
-    progress = True
-    while progress:
-        progress = False
-        for r in range(p):
-            while pos[r] < len(orders[r]):
-                action = orders[r][pos[r]]
-                vs = action.chunk * p + r
-                needs = {"F": ("F", vs - 1), "B": ("B", vs + 1) if vs < last else ("F", vs),
-                         "W": ("B", vs)}[action.kind]
-                if needs[1] < 0:  # the first virtual stage's forwards
-                    ready = 0
-                elif (*needs, action.micro) in done:
-                    ready = done[(*needs, action.micro)]
-                else:
-                    break
-                start[(r, action)] = max(clock[r], ready)
-                clock[r] = start[(r, action)] + {"F": forward, "B": backward, "W": weight}[action.kind]
-                done[(action.kind, vs, action.micro)] = clock[r]
-                pos[r], progress = pos[r] + 1, True
-    if pos != [len(o) for o in orders]:
-        raise ValueError("the ranks' orders wait on each other forever")
-    return (max(clock), start) if slots else max(clock)
 
 
 class ScheduleStats(NamedTuple):
@@ -924,12 +855,10 @@ class Pipeline:
 
 
 def run_schedule(stage, pipe, kind, micro_batches, tokens_per_micro_batch, grad_scale=1.0):
-    """Run this rank's list of the schedule `kind` (or "forward": forwards only, for validation, under no_grad), in
-    its order. Each action waits only for its own input; the receive of the next one is posted before it runs, so
-    the transfer overlaps the compute; each send completes in the background. Returns this rank's summed LM loss
-    (last virtual stage), its summed router loss (each micro-batch's weighted by its token count) and
-    ScheduleStats. `grad_scale` multiplies the losses where each backward starts (1 / the global token count, times
-    the FP16 loss scale)."""
+    """Run this rank's list of the schedule `kind` (or "forward", for validation, under no_grad) in its order, each
+    action waiting only for its own input: the next one's receive is posted before it runs, each send completes in
+    the background. Returns this rank's summed LM loss, its router loss (each micro-batch's weighted by its token
+    count) and ScheduleStats. `grad_scale` multiplies the losses where each backward starts."""
     plan, rank = stage.plan, stage.plan.parallel_state.pp_rank
     orders = _orders(kind, plan.sizes["pp"], len(micro_batches), plan.virtual_stages)
     device = next(stage.parameters()).device
@@ -962,7 +891,8 @@ def run_schedule(stage, pipe, kind, micro_batches, tokens_per_micro_batch, grad_
 
 @functools.lru_cache(maxsize=64)
 def _orders(kind, p, m, v):
-    """Every rank's list of actions, checked by a replay to finish when each action waits only for its input."""
+    """Every rank's list of actions, checked to finish when each action waits only for its input (the replay, below
+    the banner, with the timeline it draws)."""
     orders = forward_schedule(p, m, v) if kind == "forward" else pipeline_schedule(kind, p, m, v)
     replay_pipeline(orders, v=v)
     return orders
@@ -1008,9 +938,7 @@ def _run_action(stage, action, inbox, saved, waiting, micro_batches, tokens_per_
     return None if x is None else x.grad
 
 
-# ----------------------------------------------------------------------------------------------------
-# One training step
-# ----------------------------------------------------------------------------------------------------
+# ---- One training step -------------------------------------------------------------------------------------
 
 def train_step(stage, pipe, optimizer, tokens, micro_batch, grad_clip=0.0):
     """Forward and backward of the global batch (B, s + 1), the stage's gradient sums, one optimizer step.
@@ -1046,9 +974,7 @@ def train_step(stage, pipe, optimizer, tokens, micro_batch, grad_clip=0.0):
     return loss, aux, grad_norm, stepped, schedule
 
 
-# ----------------------------------------------------------------------------------------------------
-# Build: process groups -> plan -> this rank's stage (with its gradient reductions) -> optimizer -> pipeline
-# ----------------------------------------------------------------------------------------------------
+# ---- Build: process groups -> plan -> this rank's stage (with its gradient reductions) -> optimizer -> pipeline ----
 
 def build(cfg, train_cfg, optimizer=True):
     """Process groups, the plan, this rank's stage of the model, its optimizer (None without `optimizer`: its FP32
@@ -1092,25 +1018,17 @@ def make_optimizer(stage, train_cfg):
         master_dtype=train_cfg.master_dtype, **defaults)
 
 
-# ----------------------------------------------------------------------------------------------------
-# The loop
-# ----------------------------------------------------------------------------------------------------
+# ---- The loop ----------------------------------------------------------------------------------------------
 
 def train(cfg, train_cfg, data=None):
     """Train (resuming from out_dir's newest checkpoint that passes its checks, with train_cfg.resume); returns one
-    record per step run. Each step prints one line on rank 0 and appends its record to --metrics: step, loss,
-    aux_loss (the router loss), lr, grad_norm, tokens_per_s, step_time_s (the step itself: the batch is drawn
-    before the clock starts); mfu with --peak-tflops or a known GPU (its dense BF16 peak, whatever --dtype);
-    val_loss on eval steps; loss_scale and skipped under FP16; and on the first line this rank's param_bytes,
-    grad_bytes, optimizer_bytes (master_bytes: the masters' part), in_flight_peak and the batch's make-up:
-    micro_batches, dp, effective_batch."""
+    record per step run (`step_record`), each printed in one line on rank 0 and appended to --metrics."""
     metrics = None
     try:
         data = data or check_inputs(cfg, train_cfg, _world_size())
         with stalls_in_one_line(train_cfg, lambda: "while starting (process groups, the checkpoint)"):
             plan, stage, opt, pipe = build(cfg, train_cfg)
-            if train_cfg.log and plan.parallel_state.rank == 0:
-                print(what_runs(cfg, train_cfg, plan, stage, data), flush=True)
+            say_on_rank_0(train_cfg, plan.parallel_state.rank, what_runs(cfg, train_cfg, plan, stage, data))
             start = resume_step(train_cfg, stage, opt)  # 0, or with --resume the step out_dir's checkpoint holds
         parallel_state, device = plan.parallel_state, next(stage.parameters()).device
         metrics = open_metrics(train_cfg.metrics, start) if train_cfg.metrics and parallel_state.rank == 0 else None
@@ -1133,50 +1051,19 @@ def train(cfg, train_cfg, data=None):
                 if train_cfg.eval_every and ((step + 1) % train_cfg.eval_every == 0 or step == train_cfg.steps - 1):
                     record["val_loss"] = evaluate(stage, pipe, data, train_cfg, cfg)
                 if step == start:  # this rank's memory, from the live tensors, and what makes the batch
-                    record.update(opt.memory_bytes(), in_flight_peak=schedule.peak,
-                                  micro_batches=plan.micro_batch_count, dp=plan.dp,
-                                  effective_batch=grad_accum.effective_batch_size(train_cfg.micro_batch, plan.dp, 1,
-                                                                                  plan.micro_batch_count))
+                    record.update(first_step_figures(opt, schedule, plan, train_cfg))
                 records.append(record)
-                if metrics:
-                    metrics = write_metrics(metrics, record, train_cfg.metrics)
-                if train_cfg.log and parallel_state.rank == 0:
-                    print(step_line(record, skipped, moe=cfg.moe_every > 0), flush=True)
+                metrics = log_step(metrics, record, skipped, cfg, train_cfg, parallel_state.rank)
                 save_due = train_cfg.save_every and (step + 1) % train_cfg.save_every == 0
                 if train_cfg.out_dir and (save_due or step + 1 == train_cfg.steps):
                     path = save_checkpoint(train_cfg.out_dir, step + 1, stage, opt, cfg, train_cfg, text=data.text)
-                    if train_cfg.log and parallel_state.rank == 0:
-                        print(f"saved {path}", flush=True)
+                    say_on_rank_0(train_cfg, parallel_state.rank, f"saved {path}")
         return records
     finally:
         if metrics:
             with contextlib.suppress(OSError):
                 metrics.close()
         release_out_dir(train_cfg.out_dir)
-
-
-@torch.no_grad()
-def evaluate(stage, pipe, data, train_cfg, cfg):
-    """Mean validation loss per token over `eval_batches` fixed batches: forwards only, every micro-batch of every
-    batch through the pipeline (run_schedule's "forward" lists)."""
-    plan, device = stage.plan, next(stage.parameters()).device
-    micro = [mb for j in range(train_cfg.eval_batches)
-             for mb in plan.micro_batches(data.batch("val", j, train_cfg.batch, cfg.seq_len, cfg.seed, device),
-                                          train_cfg.micro_batch, device)]
-    total = run_schedule(stage, pipe, "forward", micro, 0)[0] * plan.logs_lm_loss
-    if plan.world is not None:
-        dist.all_reduce(total)
-    return total.item() / (train_cfg.eval_batches * train_cfg.batch * cfg.seq_len)
-
-
-def lr_at(step, train_cfg):
-    """nanoGPT's schedule: linear warm-up over `warmup` steps, then cosine decay to `min_lr` at the last step
-    (a warm-up as long as the run, warmup >= steps - 1, leaves no step to decay: the last one runs at `lr`)."""
-    min_lr = train_cfg.lr / 10 if train_cfg.min_lr is None else train_cfg.min_lr
-    if step < train_cfg.warmup:
-        return train_cfg.lr * (step + 1) / train_cfg.warmup
-    decay = (step - train_cfg.warmup) / max(1, train_cfg.steps - 1 - train_cfg.warmup)
-    return min_lr + 0.5 * (1 + math.cos(math.pi * min(decay, 1.0))) * (train_cfg.lr - min_lr)
 
 
 def main(argv=None):
@@ -1189,23 +1076,16 @@ def main(argv=None):
         if flags.show_schedule:
             print(timeline(train_cfg.pp_schedule, train_cfg.pp, flags.micro_batches, train_cfg.virtual_stages))
             return
-        if flags.sample:
-            path, state = sample_checkpoint(train_cfg.out_dir, world)
-            cfg = GPTConfig(**state["config"])
-            prompt_ids("\n" if flags.prompt is None else flags.prompt, state["text"], cfg.vocab_size)  # one line now
-        elif flags.export_hf or flags.export_nanogpt:
-            path, state = export_source(train_cfg.out_dir, flags.step, world, flags.export_hf, flags.export_nanogpt)
-        else:
+        other_job = job_without_training(train_cfg, flags, world)  # --sample or an export: its checkpoint checked
+        if other_job is None:
             if train_cfg.init_from_hf:
                 cfg = config_from_hf(train_cfg.init_from_hf, cfg, flags.shape_given)
             data = check_inputs(cfg, train_cfg, world)
     if os.environ.get("OMP_NUM_THREADS") is None and not torch.cuda.is_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     with ends_in_one_line(rank, torchrun):
-        if flags.sample:
-            print(sampled_text(cfg, path, flags))
-        elif flags.export_hf or flags.export_nanogpt:
-            print("\n".join(export_weights(path, state, flags.export_hf, flags.export_nanogpt)))
+        if other_job is not None:
+            print(other_job())
         else:
             records = train(cfg, train_cfg, data)
             if dist.get_rank() == 0 and records:
@@ -1217,13 +1097,11 @@ def main(argv=None):
 
 # BEYOND THE CHAPTER: interleaved and zero-bubble schedules, all-gather and hybrid CP, FP8 fine-grained, ZeRO-2/3
 # ====================================================================================================
-# What follows extends the core above rather than copying it: two more entries of CP_IMPLS, schedules that the
-# executor runs from their action lists, a block forward for ZeRO-2/3 units, FP8 backward GEMMs. The core still
-# reads plan.split_backward (zero bubble's W split) in the executor's B, column_parallel and RowParallelLinear.
+# What follows extends the core above rather than copying it: two more entries of CP_IMPLS and two of SCHEDULES
+# (action lists the executor runs), a block forward for ZeRO-2/3 units, FP8 backward GEMMs. The core still reads
+# plan.split_backward (zero bubble's W split) in the executor's B, column_parallel and RowParallelLinear.
 
-# ----------------------------------------------------------------------------------------------------
-# Context parallelism: two more entries of the Plan's CP_IMPLS
-# ----------------------------------------------------------------------------------------------------
+# ---- Context parallelism: two more entries of the Plan's CP_IMPLS ------------------------------------------
 
 # all-gather CP: each rank gathers the whole K and V and attends its zigzag query shard to them
 CP_IMPLS["allgather"] = (lambda plan, q, k, v: long_seq.allgather_attention(q, k, v, plan.cp), long_seq.zigzag_shard)
@@ -1232,9 +1110,7 @@ CP_IMPLS["hybrid"] = (lambda plan, q, k, v: long_seq.hybrid_attention(q, k, v, p
                       long_seq.zigzag_shard)
 
 
-# ----------------------------------------------------------------------------------------------------
-# Tensor parallelism as torch.distributed.tensor.parallel writes it
-# ----------------------------------------------------------------------------------------------------
+# ---- Tensor parallelism as torch.distributed.tensor.parallel writes it -------------------------------------
 # The TP/SP layers above are the plan torch.distributed.tensor.parallel writes with DTensors, as production code
 # (torchtitan) does, here by hand so that every collective is in sight. For one block, with SP:
 #     parallelize_module(block, tp_mesh, {"ln1": SequenceParallel(), "ln2": SequenceParallel(),
@@ -1246,9 +1122,7 @@ CP_IMPLS["hybrid"] = (lambda plan, q, k, v: long_seq.hybrid_attention(q, k, v, p
 # (vocabulary rows), the LM head ColwiseParallel(use_local_output=False) under loss_parallel().
 
 
-# ----------------------------------------------------------------------------------------------------
-# FP8 beyond per-tensor scales: the fine-grained recipes, and FP8 backward GEMMs
-# ----------------------------------------------------------------------------------------------------
+# ---- FP8 beyond per-tensor scales: the fine-grained recipes, and FP8 backward GEMMs ------------------------
 # Rowwise, blockwise and MXFP8 scales (--fp8-recipe) are local in a column-parallel layer (every block lies on one
 # rank) and agreed over TP where a row-parallel layer cuts K; per-row and per-block activation scales do not depend
 # on the CP and DP split. `fp8_product` passes the recipe to mixed_precision.fp8_linear; with --fp8-backward fp8 it
@@ -1267,9 +1141,7 @@ def fp8_backward_gemms(layer, fp8, split, g2, x2, weight, needs, scales=None):
                                               needs=needs, scales=scales), scales
 
 
-# ----------------------------------------------------------------------------------------------------
-# Interleaved and zero-bubble pipeline schedules: the action lists, the W split, the timeline
-# ----------------------------------------------------------------------------------------------------
+# ---- Interleaved and zero-bubble pipeline schedules: the action lists, the W split, the timeline -----------
 # With v virtual stages per rank (interleaving), rank r holds the model chunks c = 0..v-1, chunk c being virtual
 # stage c p + r of the p v (each L / (p v) layers): micro-batches pass rank 0, 1, ..., p-1, then rank 0 again with
 # its next chunk. Under zero bubble each backward is split into B (the input gradients, which the previous stage
@@ -1307,6 +1179,13 @@ def schedule_zero_bubble(order, r):
             if len(waiting) > (r if i < steady_ends else 0):
                 out.append(waiting.pop(0))
     return out + waiting
+
+
+# the two schedules beyond the chapter, as entries of SCHEDULES (1F1B's lists where v = 1)
+SCHEDULES["interleaved"] = lambda p, m, v: [schedule_interleaved(p, m, v, r) if v > 1 else schedule_1f1b(p, m, r)
+                                            for r in range(p)]
+SCHEDULES["zb-h1"] = lambda p, m, v: [schedule_zero_bubble(order, r)
+                                      for r, order in enumerate(SCHEDULES["interleaved"](p, m, v))]
 
 
 _deferred = None  # while a zero-bubble B runs: the list its linears leave their weight-gradient GEMMs in
@@ -1356,6 +1235,39 @@ def run_weight_grads(stage, chunk, weight_grads):
     for block in stage.chunk_blocks(chunk):
         if block.unit is not None:
             block.unit.reduce_grads(async_op=True)
+
+
+def replay_pipeline(orders, forward=1, backward=2, weight=1, v=1, slots=False):
+    """The time the ranks' orders take when each action waits only for its input: F for the previous virtual
+    stage's F of its micro-batch, B for the next one's B (the last virtual stage for its own F), W for its own B;
+    F takes `forward` units, B `backward`, W `weight`; communication is free. orders[r] are rank r's actions
+    (Action, or (kind, micro) pairs for one chunk). With slots, also every action's start: {(r, action): t}."""
+    p = len(orders)
+    orders = [[Action(*action) for action in order] for order in orders]
+    last, done, start = p * v - 1, {}, {}
+    clock, pos = [0] * p, [0] * p
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            while pos[r] < len(orders[r]):
+                action = orders[r][pos[r]]
+                vs = action.chunk * p + r
+                needs = {"F": ("F", vs - 1), "B": ("B", vs + 1) if vs < last else ("F", vs),
+                         "W": ("B", vs)}[action.kind]
+                if needs[1] < 0:  # the first virtual stage's forwards
+                    ready = 0
+                elif (*needs, action.micro) in done:
+                    ready = done[(*needs, action.micro)]
+                else:
+                    break
+                start[(r, action)] = max(clock[r], ready)
+                clock[r] = start[(r, action)] + {"F": forward, "B": backward, "W": weight}[action.kind]
+                done[(action.kind, vs, action.micro)] = clock[r]
+                pos[r], progress = pos[r] + 1, True
+    if pos != [len(o) for o in orders]:
+        raise ValueError("the ranks' orders wait on each other forever")
+    return (max(clock), start) if slots else max(clock)
 
 
 def in_flight_peak(order, split):
@@ -1410,9 +1322,7 @@ def timeline(kind, p, m, v=1):
 
 
 
-# ----------------------------------------------------------------------------------------------------
-# ZeRO-2/3: each block a unit, gathered while it computes
-# ----------------------------------------------------------------------------------------------------
+# ---- ZeRO-2/3: each block a unit, gathered while it computes -----------------------------------------------
 
 def zero_unit_forward(block, x, aux):
     """ZeRO-2/3 (`attach_zero_units` makes it the block's forward): the block's parameters gathered while it computes
@@ -1433,9 +1343,7 @@ def attach_zero_units(stage, opt):
 
 
 
-# ----------------------------------------------------------------------------------------------------
-# Formulas: a block's kept activations and communication, the model's FLOPs per token
-# ----------------------------------------------------------------------------------------------------
+# ---- Formulas: a block's kept activations and communication, the model's FLOPs per token -------------------
 
 def block_activation_bytes(b, s, h, a, t, sequence_parallel, e, acc_e):
     """Bytes one dense block keeps for backward, term by term (b the micro-batch, s this rank's CP shard of
@@ -1495,9 +1403,33 @@ def model_flops_per_token(cfg):
 # exists; sampling; the command line and how a job ends.
 # ####################################################################################################
 
-# ----------------------------------------------------------------------------------------------------
-# How a run stops and what it logs: one line for a stall, a divergence or a full disk
-# ----------------------------------------------------------------------------------------------------
+# ---- Around the step: the learning-rate schedule, the validation loss --------------------------------------
+
+def lr_at(step, train_cfg):
+    """nanoGPT's schedule: linear warm-up over `warmup` steps, then cosine decay to `min_lr` at the last step
+    (a warm-up as long as the run, warmup >= steps - 1, leaves no step to decay: the last one runs at `lr`)."""
+    min_lr = train_cfg.lr / 10 if train_cfg.min_lr is None else train_cfg.min_lr
+    if step < train_cfg.warmup:
+        return train_cfg.lr * (step + 1) / train_cfg.warmup
+    decay = (step - train_cfg.warmup) / max(1, train_cfg.steps - 1 - train_cfg.warmup)
+    return min_lr + 0.5 * (1 + math.cos(math.pi * min(decay, 1.0))) * (train_cfg.lr - min_lr)
+
+
+@torch.no_grad()
+def evaluate(stage, pipe, data, train_cfg, cfg):
+    """Mean validation loss per token over `eval_batches` fixed batches: forwards only, every micro-batch of every
+    batch through the pipeline (run_schedule's "forward" lists)."""
+    plan, device = stage.plan, next(stage.parameters()).device
+    micro = [mb for j in range(train_cfg.eval_batches)
+             for mb in plan.micro_batches(data.batch("val", j, train_cfg.batch, cfg.seq_len, cfg.seed, device),
+                                          train_cfg.micro_batch, device)]
+    total = run_schedule(stage, pipe, "forward", micro, 0)[0] * plan.logs_lm_loss
+    if plan.world is not None:
+        dist.all_reduce(total)
+    return total.item() / (train_cfg.eval_batches * train_cfg.batch * cfg.seq_len)
+
+
+# ---- How a run stops and what it logs: one line for a stall, a divergence or a full disk -------------------
 
 @contextlib.contextmanager
 def stalls_in_one_line(train_cfg, when):
@@ -1576,7 +1508,11 @@ def write_metrics(metrics, record, path):
 
 
 def step_record(step, lr, loss, aux, grad_norm, stepped, dt, stage, opt, cfg, train_cfg):
-    """What a step logs (see `train`)."""
+    """What a step logs: step, loss, aux_loss (the router loss), lr, grad_norm, tokens_per_s, step_time_s (the step
+    itself: the batch is drawn before the clock starts); mfu with --peak-tflops or a known GPU (its dense BF16 peak,
+    whatever --dtype); val_loss on eval steps; loss_scale and skipped under FP16; and on the first line
+    (`first_step_figures`) this rank's param_bytes, grad_bytes, optimizer_bytes (master_bytes: the masters' part),
+    in_flight_peak and the batch's make-up: micro_batches, dp, effective_batch."""
     device = next(stage.parameters()).device
     record = {"step": step, "loss": loss, "aux_loss": aux, "lr": lr,
               "grad_norm": grad_norm if math.isfinite(grad_norm) else None,  # JSON has no inf (FP16 skips)
@@ -1590,6 +1526,26 @@ def step_record(step, lr, loss, aux, grad_norm, stepped, dt, stage, opt, cfg, tr
     if not stepped:
         record["skipped"] = True  # FP16 overflow: no update, the loss scale backed off
     return record
+
+
+def first_step_figures(opt, schedule, plan, train_cfg):
+    """What the first step's record adds: this rank's memory, from the live tensors, and what makes the batch."""
+    return dict(opt.memory_bytes(), in_flight_peak=schedule.peak, micro_batches=plan.micro_batch_count, dp=plan.dp,
+                effective_batch=grad_accum.effective_batch_size(train_cfg.micro_batch, plan.dp, 1,
+                                                                plan.micro_batch_count))
+
+
+def log_step(metrics, record, skipped, cfg, train_cfg, rank):
+    """A step's record appended to the metrics file (returns it, or None once it cannot be written) and its line."""
+    if metrics:
+        metrics = write_metrics(metrics, record, train_cfg.metrics)
+    say_on_rank_0(train_cfg, rank, step_line(record, skipped, moe=cfg.moe_every > 0))
+    return metrics
+
+
+def say_on_rank_0(train_cfg, rank, line):
+    if train_cfg.log and rank == 0:
+        print(line, flush=True)
 
 
 def step_line(record, skipped, moe):
@@ -1619,9 +1575,7 @@ def peak_tflops(train_cfg, device):
 
 
 
-# ----------------------------------------------------------------------------------------------------
-# Data: bytes of text (CPython's own documentation by default), nanoGPT .bin token files, a synthetic language
-# ----------------------------------------------------------------------------------------------------
+# ---- Data: bytes of text (CPython's own documentation by default), nanoGPT .bin token files, a synthetic language ----
 
 VAL_FRACTION = 0.1  # of a text corpus, held out at its end
 
@@ -1773,9 +1727,7 @@ def _metrics_before(path, step):
     return kept
 
 
-# ----------------------------------------------------------------------------------------------------
-# Checkpoints: torch.distributed.checkpoint, sharded as the run holds it, resharded to any layout on load
-# ----------------------------------------------------------------------------------------------------
+# ---- Checkpoints: torch.distributed.checkpoint, sharded as the run holds it, resharded to any layout on load ----
 # Every tensor is saved as one entry of the WHOLE parameter, under its global name ("model/h.5.mlp.fc.weight",
 # whatever stage holds layer 5; "optim/NAME/exp_avg" for its optimizer states), and each rank hands DCP the parts
 # of it that it holds (`Boxes`: each rank's TP or EP slice is one box; a ZeRO flat range of it is at most 2 ndim - 1
@@ -2691,9 +2643,7 @@ def release_out_dir(out_dir):
         os.close(fd)  # closing the file releases the lock
 
 
-# ----------------------------------------------------------------------------------------------------
-# Input checks: every flag, file and checkpoint, before any process group exists
-# ----------------------------------------------------------------------------------------------------
+# ---- Input checks: every flag, file and checkpoint, before any process group exists ------------------------
 
 DTYPES = ("float32", "bfloat16", "float16", "fp8", "float64")
 TIMEOUT_RANGE_S = (1, 7 * 24 * 3600)  # --timeout-s: below a second every collective of a busy rank would fail
@@ -2818,7 +2768,7 @@ def validate(cfg, train_cfg, world):
 def schedule_error(kind, p, m, v):
     """What makes a pipeline schedule impossible (the message names the flag), or None."""
     if kind not in SCHEDULES:
-        return f"--pp-schedule {kind!r} is unknown; choose one of {SCHEDULES}"
+        return f"--pp-schedule {kind!r} is unknown; choose one of {tuple(SCHEDULES)}"
     if kind == "interleaved" and v == 1:
         return "--pp-schedule interleaved needs --virtual-stages >= 2 (model chunks per pipeline rank)"
     if v > 1 and kind == "1f1b":
@@ -3027,9 +2977,7 @@ def _world_size():
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
 
 
-# ----------------------------------------------------------------------------------------------------
-# Weights out and in: Hugging Face GPT-2 and nanoGPT
-# ----------------------------------------------------------------------------------------------------
+# ---- Weights out and in: Hugging Face GPT-2 and nanoGPT ----------------------------------------------------
 # An export reads the newest checkpoint that passes every check (or --step N) into a one-process model, as --sample
 # does, and writes its weights only; an import (--init-from-hf) fills each rank's slice of every parameter, and its
 # FP32 master, from a GPT-2 folder. Our model is GPT-2's computation (pre-LN blocks, LayerNorm eps 1e-5, scale
@@ -3344,9 +3292,7 @@ def export_weights(path, state, hf_dir=None, nanogpt_file=None):
     return done
 
 
-# ----------------------------------------------------------------------------------------------------
-# Sampling
-# ----------------------------------------------------------------------------------------------------
+# ---- Sampling ----------------------------------------------------------------------------------------------
 
 def _one_process_reader(out_dir, world, flag):
     if world != 1:
@@ -3416,9 +3362,7 @@ def sampled_text(cfg, path, flags):
     return (flags.prompt or "") + drawn if text else " ".join(str(i) for i in drawn)
 
 
-# ----------------------------------------------------------------------------------------------------
-# The command line, and how a job ends
-# ----------------------------------------------------------------------------------------------------
+# ---- The command line, and how a job ends ------------------------------------------------------------------
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """--help: every flag with its sentence and its default, the choices once."""
@@ -3430,6 +3374,20 @@ class _ArgumentParser(argparse.ArgumentParser):
 
 
 SHOW_SCHEDULE_MAX_ACTIONS = 4096
+
+
+def job_without_training(train_cfg, flags, world):
+    """--sample, --export-hf or --export-nanogpt: its checkpoint found and checked now, before any process group (one
+    line if none passes), and the function that runs it and returns what to print; None for a training run."""
+    if flags.sample:
+        path, state = sample_checkpoint(train_cfg.out_dir, world)
+        cfg = GPTConfig(**state["config"])
+        prompt_ids("\n" if flags.prompt is None else flags.prompt, state["text"], cfg.vocab_size)  # one line now
+        return lambda: sampled_text(cfg, path, flags)
+    if flags.export_hf or flags.export_nanogpt:
+        path, state = export_source(train_cfg.out_dir, flags.step, world, flags.export_hf, flags.export_nanogpt)
+        return lambda: "\n".join(export_weights(path, state, flags.export_hf, flags.export_nanogpt))
+    return None
 
 
 def parse_args(argv=None):

@@ -869,10 +869,10 @@ def run_schedule(stage, pipe, kind, micro_batches, tokens_per_micro_batch, grad_
     for i, action in enumerate(order):
         if i + 1 < len(order):
             pipe.post_receive(order[i + 1])
-        inbox = {}
+        received = None  # its input: the previous stage's output (F), the next stage's input gradient (B)
         if action in pipe.source:
-            inbox[action] = pipe.receive(action).requires_grad_(action.kind == "F" and torch.is_grad_enabled())
-        out = _run_action(stage, action, inbox, saved, waiting, micro_batches, tokens_per_micro_batch, grad_scale,
+            received = pipe.receive(action).requires_grad_(action.kind == "F" and torch.is_grad_enabled())
+        out = _run_action(stage, action, received, saved, waiting, micro_batches, tokens_per_micro_batch, grad_scale,
                           totals)
         ran.append(action)
         peak = max(peak, len(saved) + len(waiting))
@@ -910,13 +910,13 @@ def forward_micro_batch(stage, x, positions, targets, chunk, tokens_per_micro_ba
     return out, aux
 
 
-def _run_action(stage, action, inbox, saved, waiting, micro_batches, tokens_per_micro_batch, grad_scale, totals):
+def _run_action(stage, action, received, saved, waiting, micro_batches, tokens_per_micro_batch, grad_scale, totals):
     """One action on this rank; returns what it sends on (an output, an input gradient), or None."""
     first, last = stage.is_first_chunk(action.chunk), stage.is_last_chunk(action.chunk)
     key = (action.chunk, action.micro)
     if action.kind == "F":
         ids, positions, targets = micro_batches[action.micro]
-        x = None if first else inbox.pop(action)
+        x = None if first else received
         out, aux = forward_micro_batch(stage, ids if first else x, positions, targets, action.chunk,
                                        tokens_per_micro_batch, totals)
         if torch.is_grad_enabled():
@@ -930,9 +930,9 @@ def _run_action(stage, action, inbox, saved, waiting, micro_batches, tokens_per_
         if last:
             ((out + aux) * grad_scale).backward()
         elif aux.requires_grad:  # a MoE chunk: its router loss starts its own backward here
-            torch.autograd.backward([out, aux], [inbox.pop(action), torch.full_like(aux, grad_scale)])
+            torch.autograd.backward([out, aux], [received, torch.full_like(aux, grad_scale)])
         else:
-            torch.autograd.backward(out, inbox.pop(action))
+            torch.autograd.backward(out, received)
     if split:
         waiting[key] = weight_grads
     return None if x is None else x.grad

@@ -1839,8 +1839,8 @@ def _executor_transfers(kind, p, m, v, monkeypatch):
             stage, pipe = torch.nn.Linear(1, 1), train_gpt.Pipeline(plan, (1,), torch.float64, torch.device("cpu"))
             stage.plan, taken, reads[rank] = plan, {}, []
 
-            def run_action(stage, action, inbox, *_, rank=rank):
-                reads[rank] += [(action, inbox[action].item())] if inbox else []
+            def run_action(stage, action, received, *_, rank=rank):
+                reads[rank] += [(action, received.item())] if received is not None else []
                 return torch.tensor([name(rank, action)], dtype=torch.float64).requires_grad_()
 
             def isend(tensor, dst, group, rank=rank):

@@ -13,7 +13,8 @@ run the same order of actions; what differs is how each waits for its transfers.
 losses over the first steps must agree, else the script stops. Then the two alternate in rounds of
 --steps-per-round steps (the first round not counted); for each schedule the ratio torch / ours of the median step
 times is printed (> 1: ours faster) with a 95% interval (the rounds resampled together) and the spread of the
-per-round ratios. --breakdown adds, per rank, where our step's time goes: compute (the actions), waiting on
+per-round ratios, and each rank's median CPU seconds per step (the work each executor does, which a loaded machine's
+waits do not inflate). --breakdown adds, per rank, where our step's time goes: compute (the actions), waiting on
 receives, waiting on sends, and the rest (bookkeeping, the reductions and the optimizer).
 """
 import argparse
@@ -127,8 +128,9 @@ class Breakdown:
 
 
 def race(programs, a, cfg, breakdown=None):
-    """Alternating rounds (ABBA); per program each counted round's step times, and ours' breakdown per step."""
-    times, k, total = {name: [] for name in programs}, 0, 0.0
+    """Alternating rounds (ABBA); per program each counted round's step times, the CPU seconds of each counted step
+    on this rank (all its threads: the work, whatever the machine's load adds to the waits), and ours' breakdown."""
+    times, cpu, k, total = {name: [] for name in programs}, {name: [] for name in programs}, 0, 0.0
     for r in range(a.rounds + 1):  # round 0 warms up both and is not counted
         for name, step in (list(programs.items()) if r % 2 else list(programs.items())[::-1]):
             round_times = []
@@ -138,15 +140,17 @@ def race(programs, a, cfg, breakdown=None):
                 dist.barrier()  # both ranks start each step together
                 if breakdown is not None:
                     breakdown.on = r > 0 and name == "ours"
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 step(tokens)  # each ends with an all-reduce of the loss: the clock sees the whole step
                 round_times.append(time.perf_counter() - t0)
+                if r:
+                    cpu[name].append(time.process_time() - c0)
                 if breakdown is not None and breakdown.on:
                     total += round_times[-1]
                     breakdown.on = False
             if r:
                 times[name].append(round_times)
-    return times, total
+    return times, cpu, total
 
 
 def pooled_median(rounds, which):
@@ -184,13 +188,17 @@ def _compare(a, kind, cfg, run, breakdown):
         if abs(mine - theirs) > 1e-5 * abs(mine):
             raise SystemExit(f"{kind}: step {k} losses differ: ours {mine!r}, torch {theirs!r}")
         lines.append(f"    parity step {k}: loss ours {mine:.6f}, torch {theirs:.6f}")
-    times, ours_total = race(programs, a, cfg, breakdown)
+    times, cpu, ours_total = race(programs, a, cfg, breakdown)
     med = {name: pooled_median(t, range(len(t))) for name, t in times.items()}
     lo, hi = ratio_interval(times)
     per_round = [statistics.median(t) / statistics.median(o) for t, o in zip(times["torch"], times["ours"])]
     lines += [f"    {name:6s} median step {t * 1000:7.1f} ms" for name, t in med.items()]
     lines.append(f"    ratio torch / ours = {med['torch'] / med['ours']:.3f} (95% interval {lo:.3f} to {hi:.3f}; "
                  f"rounds {min(per_round):.3f} to {max(per_round):.3f}; >= 1: ours as fast)")
+    cpu_per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(cpu_per_rank, {name: statistics.median(s) for name, s in cpu.items()})
+    lines += [f"    rank {rank} CPU per step: ours {c['ours'] * 1000:.1f} ms, torch {c['torch'] * 1000:.1f} ms, "
+              f"torch / ours = {c['torch'] / c['ours']:.3f}" for rank, c in enumerate(cpu_per_rank)]
     if breakdown is not None:
         shares = [None] * dist.get_world_size()
         dist.all_gather_object(shares, (ours_total, dict(breakdown.seconds)))

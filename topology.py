@@ -534,6 +534,11 @@ Memory of the most loaded GPU (fits when <= 0.9 x GPU memory: CUDA context, allo
                  attention (`deferred_w_bytes`); rank r holds (k_r A + d_r A_w) / v + max(0, A_w - A)/v (right
                  after a B, before the next F) with A a stage's kept activations: the most loaded rank is stage
                  0 while A_w <= A, a later one under full recomputation (A = 2 s b h/t).
+                 offload, selective+offload (train_gpt.py's --recompute; tried with Cluster.offload, --offload): the
+                 layers' saved tensors wait in host memory, K a layer (none's or selective's bytes above) copied
+                 each way; the GPU keeps X = 2 s b h/t (no SP: 2 s b h) per model chunk and micro-batch in flight,
+                 the chunk's input, and once 2 K (+ selective's core): the layer in its backward and the one
+                 prefetched (`offload_bytes_per_layer`, the comment above it).
 
 Time of one layer's forward for one micro-batch on one GPU (measured constants below):
     GEMMs        QKV (M, h, 3h/t), projection (M, h/t, h), MLP (M, h, 4h/t), (M, 4h/t, h):
@@ -560,15 +565,18 @@ Time of one layer's forward for one micro-batch on one GPU (measured constants b
                  elements per step, r-1 steps). u divides c and the (KV) heads per TP rank; u = 1 is the ring,
                  u = c Ulysses; the search takes the u with the least CP seconds (nothing else depends on it)
     backward = 2 x the forward's work with the same TP collectives; full recomputation adds the forward,
-    selective the attention core; the output layer (last stage): 3 GEMMs (M, h, V/t) and a 48-byte fp32
+    selective the attention core (offload: none's, selective+offload: selective's, and the step waits for the copies:
+    per layer and micro-batch max(0, C - F) + max(0, C - B), C = K / B_pcie, F and B the layer's forward and
+    backward compute, `offload_layer_seconds`); the output layer (last stage): 3 GEMMs (M, h, V/t) and a 48-byte fp32
     cross-entropy per logit; a stage = its L/p layers, the output layer (the last stage is the slowest) and
     2v pipeline exchanges of M h / t values (scatter-gather: each TP rank sends 1/t, then without SP an
     all-gather over NVLink) plus p2p latency each. ZB-H1 splits each backward into B (input gradients, the
     attention core, the elementwise work, the communication, the recomputation) and W (one weight-gradient GEMM
     per forward GEMM, of its shape: W = the forward's GEMM time, the output layer's one of its three), so that
     W <= F and W <= B always, about half of the backward's work where GEMMs dominate.
-Step time = m x stage (compute + TP + CP + p2p) + bubble + gradient reduction + the tied embedding's all-reduce
-between first and last stage + the optimizer step (48 bytes of HBM traffic per parameter updated, / k with ZeRO).
+Step time = m x stage (compute + TP + CP + offload wait + p2p) + bubble + gradient reduction + the tied embedding's
+all-reduce between first and last stage + the optimizer step (48 bytes of HBM traffic per parameter updated, / k
+with ZeRO).
     bubble       1F1B (p-1) stage, interleaved (p-1)/v stage (Narayanan et al. 2021); ZB-H1 (Qi et al. 2023)
                  per chunk (p-1)(F + B) - (min(m, p) - 1) W, i.e. (p-1)(F + B - W) for m >= p: (p-1)/v (stage -
                  2 W_stage), a third of 1F1B's when F = B = W (`pipeline_bubble`, exact for W <= min(F, B))
@@ -614,7 +622,8 @@ GB/s achieved (85% of 2039), NVLink all-reduce bus bandwidth 230 GB/s (nccl-test
 (`fit_efficiency` repeats the choice; `python topology.py calibrate`); worst error -5.3% (the 1T run), all rows
 within 5.3%. H100 / H200: peak 989, HBM 2850 / 4080 (85% of 3350 / 4800), NVLink 360 (of 450), NDR 45 GB/s (of
 50), memory 80 / 141 GB; e_max and x0 carried over from A100, not calibrated (no published table with its
-configurations).
+configurations). PCIe host link per GPU and direction (activation offloading): 25 GB/s on A100, 50 on H100 / H200
+(about 78% of Gen4 x16's 32, Gen5 x16's 64: a typical pinned-copy figure, assumed, not measured here).
 
 Against Table 1 (`python topology.py calibrate`): every published run fits in 80 GB (full recomputation, at most
 62 GB); the predicted TFLOP/s per GPU are within 5.3% of the measured ones on all ten rows. With the authors'
@@ -713,9 +722,10 @@ DualPipe's overlapped all-to-alls and node-limited routing are outside this cost
 `python topology.py` prints the chapter (the groups, the rank maps of plans A and B, the closed form); `python
 topology.py --nodes 8 --gpus-per-node 8 --tp 8 --pp 4` draws a rank map (`--help`); `python topology.py plan ...`
 plans (`--moe-every --experts --top-k --ep ...` for MoE; `--pp-schedule --zero --zero-shard-size --cp-ulysses` fix
-the new knobs; `--command` prints the torchrun line of the top row); `python topology.py calibrate` prints Table 1
-and the MoE runs beside the planner; `python topology.py example` prints the chapter's closed form, then the
-planner's rows for the two 64-GPU plans on two model shapes, then EP inside a node against EP across nodes.
+the new knobs; `--offload` lets it try activation offloading, `--pcie-gbps` its bus; `--command` prints the torchrun
+line of the top row); `python topology.py calibrate` prints Table 1 and the MoE runs beside the planner; `python
+topology.py example` prints the chapter's closed form, then the planner's rows for the two 64-GPU plans on two model
+shapes, then EP inside a node against EP across nodes.
 """
 import argparse
 import json

@@ -1485,14 +1485,20 @@ def _offload_terms(cluster, model, layout, b, sp, recompute, forwards):
             for kind, f in forwards.items()}
 
 
+def _stage_offload_bytes(cluster, model, tp, pp, cp, ep, b, recompute, sp):
+    """(a chunk's input, the most one of its layers copies each way) on stage 0, per micro-batch."""
+    kinds = [moe for moe, n in zip((False, True), stage_layer_counts(model, pp, 0)) if n]
+    moved = [_offload_bytes(model, tp, cp, ep, recompute, b, sp, cluster.flash_attention, moe) for moe in kinds]
+    return moved[0]["device_resident"], max(m["to_host"] for m in moved)
+
+
 def _offload_parts(cluster, model, tp, pp, cp, ep, b, recompute, sp, v):
     """(kept per micro-batch in flight, working set) of stage 0 under an offload policy: its v chunks' inputs, and
     two of its layers' copied bytes (the larger kind's) with the recomputed attention core's scores."""
+    chunk_input, moved = _stage_offload_bytes(cluster, model, tp, pp, cp, ep, b, recompute, sp)
     flash = cluster.flash_attention
-    kinds = [moe for moe, n in zip((False, True), stage_layer_counts(model, pp, 0)) if n]
-    moved = [_offload_bytes(model, tp, cp, ep, recompute, b, sp, flash, moe) for moe in kinds]
     core = 0.0 if flash or recompute == "offload" else 5 * model.heads * (model.seq // cp) * model.seq * b / tp
-    return v * moved[0]["device_resident"], 2 * max(m["to_host"] for m in moved) + core
+    return v * chunk_input, 2 * moved + core
 
 
 # ---- memory of the most loaded GPU -------------------------------------------------------------------
@@ -2013,16 +2019,14 @@ def evaluate(cluster, model, layout, knobs):
 
 def _offload_row(cluster, model, layout, knobs, offload, counts, micro_batches):
     """What a row shows of offloading (0 where nothing is): the PCIe seconds of one step on the slowest stage (both
-    ways, hidden or not; offload_s is their exposed part), and stage 0's bytes per layer and micro-batch: copied each
-    way, and kept on the GPU per chunk (its input)."""
+    ways, hidden or not; offload_s is their exposed part), and on stage 0 per micro-batch the most a layer copies each
+    way and what a chunk keeps on the GPU (its input)."""
     pcie_s = sum(micro_batches * n * offload[kind][0] for n, kind in zip(counts, ("dense", "moe")) if n)
     if knobs.recompute not in OFFLOAD_POLICIES:
         return {"pcie_s": pcie_s, "offload_copied_bytes": 0.0, "offload_kept_bytes": 0.0}
-    moe = stage_layer_counts(model, layout.pp, 0)[0] == 0  # stage 0's layers: dense unless it has MoE layers only
-    bytes_ = _offload_bytes(model, layout.tp, layout.cp, layout.ep, knobs.recompute, knobs.micro_batch,
-                            knobs.sequence_parallel, cluster.flash_attention, moe)
-    return {"pcie_s": pcie_s, "offload_copied_bytes": bytes_["to_host"],
-            "offload_kept_bytes": bytes_["device_resident"]}
+    kept, copied = _stage_offload_bytes(cluster, model, layout.tp, layout.pp, layout.cp, layout.ep, knobs.micro_batch,
+                                        knobs.recompute, knobs.sequence_parallel)
+    return {"pcie_s": pcie_s, "offload_copied_bytes": copied, "offload_kept_bytes": kept}
 
 
 def _schedule_choices(cluster, model, layout, vs):
@@ -2334,7 +2338,7 @@ def explain_ep(best, plans, cluster):
 
 def explain_offload(best, cluster):
     """What offloading moves, keeps and costs in the plan `best`, in numbers."""
-    return (f"  Offload ({best['recompute']}): each layer copies {best['offload_copied_bytes'] / 1e6:.1f} MB per "
+    return (f"  Offload ({best['recompute']}): a layer copies up to {best['offload_copied_bytes'] / 1e6:.1f} MB per "
             f"micro-batch to the host in its forward and back in its backward, {best['pcie_s']:.3f} s of PCIe per "
             f"step at {cluster.pcie_gbps:g} GB/s, {best['offload_s']:.3f} s of it exposed (not hidden behind the "
             f"layers' compute); kept on the GPU: {best['offload_kept_bytes'] / 1e6:.1f} MB per chunk and micro-batch "

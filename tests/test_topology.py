@@ -2110,7 +2110,7 @@ def test_plan_cli_prints_what_offloading_costs(capsys):
     assert header[-2:] == ["PCIe", "exposed"] and "recomp" in header
     first = dict(zip(header, row))
     assert first["recomp"] == "offload" and first["fits"] == "True"
-    assert "recompute offload" in text and "Offload (offload): each layer copies 0.4 MB per micro-batch" in text, text
+    assert "recompute offload" in text and "Offload (offload): a layer copies up to 0.4 MB per micro-batch" in text, text
     assert "s of it exposed" in text and "two layers' copies" in text
     # less memory still: selective+offload (the table's short name), full where offloading is not allowed
     topology.main(_SMALL + ["--offload", "--gpu-mem-gb", "0.00385", "--zero", "1", "--command"])
@@ -2127,3 +2127,20 @@ def test_plan_cli_prints_what_offloading_costs(capsys):
         topology.main(_SMALL + ["--offload", "--pcie-gbps", "0"])
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 2 and err == ["topology.py: error: pcie_gbps=0.0 must be > 0 (--pcie-gbps)"], err
+
+
+def test_a_moe_stage_offloads_its_larger_layers_copies():
+    # every second layer MoE: stage 0 (TP2 PP2 EP2, SP) holds dense and MoE layers; what each copies is what it would
+    # keep without offloading, and the working set is two of the larger (the MoE layer's)
+    c = topology.Cluster(gpus=8, **A100)
+    m = topology.ModelShape(layers=4, hidden=1024, heads=8, seq=1024, vocab=1024, global_batch=8, moe_every=2,
+                            experts=4, top_k=2)
+    r = topology.estimate(c, m, 2, 2, 1, ep=2, micro_batch=1, recompute="offload", sequence_parallel=True, zero=0,
+                          virtual_stages=1)
+    dense, moe = (topology.offload_bytes_per_layer(m, 2, 1, "offload", ep=2, moe=x) for x in (False, True))
+    assert dense["to_host"] == topology.activation_bytes_per_layer(m, 2, 1, "none")
+    assert moe["to_host"] == topology.moe_activation_bytes_per_layer(m, 2, 1, 2, "none") > dense["to_host"]
+    s, h, p = 1024, 1024, 2
+    assert r["offload_copied_bytes"] == moe["to_host"] and r["offload_kept_bytes"] == 2 * s * h / 2
+    assert r["activations_gb"] == pytest.approx((p * 2 * s * h / 2 + 2 * moe["to_host"] + p * s * h / 2) / GB,
+                                                rel=1e-12)

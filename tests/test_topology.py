@@ -2080,7 +2080,8 @@ def test_offload_memory_and_wait_by_hand_and_at_the_crossover():
         # kept: p micro-batches in flight, each the chunk's input and the embedding's dropout mask; once two layers'
         # copies (+ the attention core recomputed under selective+offload)
         core = 5 * a * s * s * b / t if policy == "selective+offload" else 0
-        assert r["activations_gb"] == pytest.approx((p * 2 * sbh / t + 2 * copied + core + p * sbh / t) / GB, rel=1e-12)
+        kept = p * 2 * sbh / t + 2 * copied + core + p * sbh / t
+        assert r["activations_gb"] == pytest.approx(kept / GB, rel=1e-12)
         # the wait: the copy out against the forward, the copy back against the backward (2 F, + the recomputed core)
         back = 2 * f + (forward["attention"] if policy == "selective+offload" else 0)
         copy = copied / 25e9

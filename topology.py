@@ -2139,9 +2139,10 @@ def estimate(cluster, model, tp, pp, cp, micro_batch=None, recompute=None, seque
 def _best_for_layout(cluster, model, layout):
     """The search on one layout. For each (b, sp, v, schedule) and recomputation, cheapest first: the fastest
     (ZeRO level, shard) that fits, with the hybrid CP's Ulysses size that makes the stage fastest (it changes nothing
-    else); a costlier recomputation is tried only while a faster ZeRO choice does not fit. Memory is checked first
-    and the step time computed only for what fits or holds no more than the least memory so far, from cached parts
-    added in step_time_terms' order; the full row (evaluate) is built once, for the winner."""
+    else); a costlier recomputation is tried only while a faster ZeRO choice does not fit (`NEVER_FASTER_THAN`: an
+    offload policy against selective or full depends on the bus, so both are tried). Memory is checked first and the
+    step time computed only for what fits or holds no more than the least memory so far, from cached parts added in
+    step_time_terms' order; the full row (evaluate) is built once, for the winner."""
     limit = cluster.gpu_mem_gb * MEMORY_HEADROOM
     best, best_time, least, least_key, refused = None, math.inf, None, (math.inf, math.inf), None
     split = _first_stage_parameters(model, layout.tp, layout.pp, layout.ep)

@@ -534,6 +534,11 @@ Memory of the most loaded GPU (fits when <= 0.9 x GPU memory: CUDA context, allo
                  attention (`deferred_w_bytes`); rank r holds (k_r A + d_r A_w) / v + max(0, A_w - A)/v (right
                  after a B, before the next F) with A a stage's kept activations: the most loaded rank is stage
                  0 while A_w <= A, a later one under full recomputation (A = 2 s b h/t).
+                 offload, selective+offload (train_gpt.py's --recompute; tried with Cluster.offload, --offload): the
+                 layers' saved tensors wait in host memory, K a layer (none's or selective's bytes above) copied
+                 each way; the GPU keeps X = 2 s b h/t (no SP: 2 s b h) per model chunk and micro-batch in flight,
+                 the chunk's input, and once 2 K (+ selective's core): the layer in its backward and the one
+                 prefetched (`offload_bytes_per_layer`, the comment above it).
 
 Time of one layer's forward for one micro-batch on one GPU (measured constants below):
     GEMMs        QKV (M, h, 3h/t), projection (M, h/t, h), MLP (M, h, 4h/t), (M, 4h/t, h):
@@ -560,15 +565,18 @@ Time of one layer's forward for one micro-batch on one GPU (measured constants b
                  elements per step, r-1 steps). u divides c and the (KV) heads per TP rank; u = 1 is the ring,
                  u = c Ulysses; the search takes the u with the least CP seconds (nothing else depends on it)
     backward = 2 x the forward's work with the same TP collectives; full recomputation adds the forward,
-    selective the attention core; the output layer (last stage): 3 GEMMs (M, h, V/t) and a 48-byte fp32
+    selective the attention core (offload: none's, selective+offload: selective's, and the step waits for the copies:
+    per layer and micro-batch max(0, C - F) + max(0, C - B), C = K / B_pcie, F and B the layer's forward and
+    backward compute, `offload_layer_seconds`); the output layer (last stage): 3 GEMMs (M, h, V/t) and a 48-byte fp32
     cross-entropy per logit; a stage = its L/p layers, the output layer (the last stage is the slowest) and
     2v pipeline exchanges of M h / t values (scatter-gather: each TP rank sends 1/t, then without SP an
     all-gather over NVLink) plus p2p latency each. ZB-H1 splits each backward into B (input gradients, the
     attention core, the elementwise work, the communication, the recomputation) and W (one weight-gradient GEMM
     per forward GEMM, of its shape: W = the forward's GEMM time, the output layer's one of its three), so that
     W <= F and W <= B always, about half of the backward's work where GEMMs dominate.
-Step time = m x stage (compute + TP + CP + p2p) + bubble + gradient reduction + the tied embedding's all-reduce
-between first and last stage + the optimizer step (48 bytes of HBM traffic per parameter updated, / k with ZeRO).
+Step time = m x stage (compute + TP + CP + offload wait + p2p) + bubble + gradient reduction + the tied embedding's
+all-reduce between first and last stage + the optimizer step (48 bytes of HBM traffic per parameter updated, / k
+with ZeRO).
     bubble       1F1B (p-1) stage, interleaved (p-1)/v stage (Narayanan et al. 2021); ZB-H1 (Qi et al. 2023)
                  per chunk (p-1)(F + B) - (min(m, p) - 1) W, i.e. (p-1)(F + B - W) for m >= p: (p-1)/v (stage -
                  2 W_stage), a third of 1F1B's when F = B = W (`pipeline_bubble`, exact for W <= min(F, B))
@@ -614,7 +622,8 @@ GB/s achieved (85% of 2039), NVLink all-reduce bus bandwidth 230 GB/s (nccl-test
 (`fit_efficiency` repeats the choice; `python topology.py calibrate`); worst error -5.3% (the 1T run), all rows
 within 5.3%. H100 / H200: peak 989, HBM 2850 / 4080 (85% of 3350 / 4800), NVLink 360 (of 450), NDR 45 GB/s (of
 50), memory 80 / 141 GB; e_max and x0 carried over from A100, not calibrated (no published table with its
-configurations).
+configurations). PCIe host link per GPU and direction (activation offloading): 25 GB/s on A100, 50 on H100 / H200
+(about 78% of Gen4 x16's 32, Gen5 x16's 64: a typical pinned-copy figure, assumed, not measured here).
 
 Against Table 1 (`python topology.py calibrate`): every published run fits in 80 GB (full recomputation, at most
 62 GB); the predicted TFLOP/s per GPU are within 5.3% of the measured ones on all ten rows. With the authors'
@@ -713,9 +722,10 @@ DualPipe's overlapped all-to-alls and node-limited routing are outside this cost
 `python topology.py` prints the chapter (the groups, the rank maps of plans A and B, the closed form); `python
 topology.py --nodes 8 --gpus-per-node 8 --tp 8 --pp 4` draws a rank map (`--help`); `python topology.py plan ...`
 plans (`--moe-every --experts --top-k --ep ...` for MoE; `--pp-schedule --zero --zero-shard-size --cp-ulysses` fix
-the new knobs; `--command` prints the torchrun line of the top row); `python topology.py calibrate` prints Table 1
-and the MoE runs beside the planner; `python topology.py example` prints the chapter's closed form, then the
-planner's rows for the two 64-GPU plans on two model shapes, then EP inside a node against EP across nodes.
+the new knobs; `--offload` lets it try activation offloading, `--pcie-gbps` its bus; `--command` prints the torchrun
+line of the top row); `python topology.py calibrate` prints Table 1 and the MoE runs beside the planner; `python
+topology.py example` prints the chapter's closed form, then the planner's rows for the two 64-GPU plans on two model
+shapes, then EP inside a node against EP across nodes.
 """
 import argparse
 import json
@@ -767,11 +777,13 @@ ZERO_LEVELS = (0, 1, 2, 3)    # train_gpt.py's --zero: replicated, sharded optim
 # was chosen: the prose under the banner. H100 and H200 carry the A100's e_max and x0 over (not calibrated). The A100's
 # are the chapter's (A100) and its HBM bandwidth, GEMM tile edge and launch cost.
 GPU_PRESETS = {
-    "a100": dict(A100, hbm_gbps=1730, gemm_half_dim=128, launch_us=4),
+    "a100": dict(A100, hbm_gbps=1730, gemm_half_dim=128, launch_us=4, pcie_gbps=25),
     "h100": dict(gpu_mem_gb=80, peak_tflops=989, hbm_gbps=2850, nvlink_gbps=360, ib_gbps=45,
-                 efficiency=0.71, gemm_half_dim=128, launch_us=4, collective_latency_us=10, p2p_latency_us=50),
+                 efficiency=0.71, gemm_half_dim=128, launch_us=4, collective_latency_us=10, p2p_latency_us=50,
+                 pcie_gbps=50),
     "h200": dict(gpu_mem_gb=141, peak_tflops=989, hbm_gbps=4080, nvlink_gbps=360, ib_gbps=45,
-                 efficiency=0.71, gemm_half_dim=128, launch_us=4, collective_latency_us=10, p2p_latency_us=50),
+                 efficiency=0.71, gemm_half_dim=128, launch_us=4, collective_latency_us=10, p2p_latency_us=50,
+                 pcie_gbps=50),
 }
 _A100 = GPU_PRESETS["a100"]
 DEFAULT_GPU_MEM_GB = _A100["gpu_mem_gb"]
@@ -819,11 +831,17 @@ class Cluster:
     # (CLUSTER_2021), Megatron-Core's MoE runs of 2025 those and its distributed optimizer, ZeRO-1 (MEGATRON_CORE_2025)
     schedules: tuple = SCHEDULES
     zero_levels: tuple = ZERO_LEVELS
+    # activation offloading (train_gpt.py's --recompute offload and selective+offload): True lets the search try both
+    # (a recompute knob fixed to one is taken either way); each GPU copies over its own host link at `pcie_gbps` GB/s
+    # per direction (the presets: about 78% of PCIe Gen4 x16's 32 GB/s on A100, of Gen5 x16's 64 on H100 / H200, a
+    # typical pinned-copy figure, assumed, not measured here)
+    offload: bool = False
+    pcie_gbps: float = _A100["pcie_gbps"]
 
     def __post_init__(self):
         # `not value > 0` rather than `value <= 0`: NaN fails it too; and no rate is infinite
         for name in ("gpus", "gpus_per_node", "gpu_mem_gb", "nvlink_gbps", "ib_gbps", "peak_tflops", "efficiency",
-                     "hbm_gbps", "p2p_gbps"):
+                     "hbm_gbps", "p2p_gbps", "pcie_gbps"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name}={value!r} must be > 0 ({_flag(name)})")
@@ -846,6 +864,8 @@ class Cluster:
             raise ValueError(f"schedules={self.schedules!r} must hold '1f1b' and only {', '.join(SCHEDULES)}")
         if 0 not in self.zero_levels or any(z not in ZERO_LEVELS for z in self.zero_levels):
             raise ValueError(f"zero_levels={self.zero_levels!r} must hold 0 and only levels of {ZERO_LEVELS}")
+        if not isinstance(self.offload, bool):
+            raise ValueError(f"offload={self.offload!r} must be True or False (--offload)")
 
     @classmethod
     def for_gpu(cls, gpu, gpus, **overrides):
@@ -855,6 +875,14 @@ class Cluster:
 
 
 RECOMPUTE_POLICIES = ("none", "selective", "full")  # cheapest first
+# activation offloading, train_gpt.py's --recompute spellings: the policy -> the recomputation it runs underneath
+OFFLOAD_POLICIES = {"offload": "none", "selective+offload": "selective"}
+RECOMPUTE_KNOBS = RECOMPUTE_POLICIES + tuple(OFFLOAD_POLICIES)  # every value of the recompute knob
+# the search's order with Cluster.offload, and what a policy that fits with the fastest ZeRO choice rules out: the
+# policies never faster than it (each adds time to it: recomputation, or an exposed copy); offload against selective
+# or full depends on the bus, so each is tried
+SEARCH_ORDER_WITH_OFFLOAD = ("none", "offload", "selective", "selective+offload", "full")
+NEVER_FASTER_THAN = {"none": RECOMPUTE_KNOBS[1:], "selective": ("selective+offload", "full")}
 EXPERT_FOLDINGS = ("dp_cp", "tp_dp_cp")
 
 
@@ -883,7 +911,7 @@ class ModelShape:
     vocab: int
     global_batch: int  # sequences per optimizer step
     micro_batch: int = None
-    recompute: str = None          # none | selective | full
+    recompute: str = None          # none | selective | full | offload | selective+offload
     sequence_parallel: bool = None
     zero: int = None               # ZeRO level over the DP x CP ranks: 0 replicated, 1 optimizer, 2 + grads, 3 + params
     virtual_stages: int = None     # model chunks per GPU (1: one; interleaved or zero-bubble schedules: more)
@@ -1077,18 +1105,23 @@ def _knob_value(name, given, from_model, default):
     """A knob given to the call, else the model's, else the default. None means "not given": a 0 or an empty
     string is a value, and a wrong one."""
     value = given if given is not None else from_model if from_model is not None else default
-    if name == "recompute" and value not in RECOMPUTE_POLICIES:
-        raise ValueError(f"recompute={value!r}; choose one of {', '.join(RECOMPUTE_POLICIES)}")
+    if name == "recompute" and value not in RECOMPUTE_KNOBS:
+        raise ValueError(f"recompute={value!r}; choose one of {', '.join(RECOMPUTE_KNOBS)}")
     if name == "micro_batch":
         _check_count(name, value, "give the sequences per micro-batch, or omit it for 1")
     return value
 
 
+def recomputation(policy):
+    """What the backward recomputes under `policy`: an offload policy's recomputation underneath, else itself."""
+    return OFFLOAD_POLICIES.get(policy, policy)
+
+
 def training_flops(model, recompute=None):
     """Hardware FLOPs of one step: model FLOPs plus what the recomputation redoes: full redoes each layer's
     forward, 24 B s L h^2 (1 + s/6h) (giving the 96 formula; MoE: B s (2 N + 4 L h s)); selective redoes the
-    attention core, 4 B s^2 h L."""
-    recompute = _knob_value("recompute", recompute, model.recompute, "none")
+    attention core, 4 B s^2 h L. Offloading redoes nothing: an offload policy counts its recomputation's."""
+    recompute = recomputation(_knob_value("recompute", recompute, model.recompute, "none"))
     B, s, L, h = model.global_batch, model.seq, model.layers, model.hidden
     full = (24 * B * s * L * h * h * (1 + s / (6 * h)) if _is_plain(model)
             else B * s * (2 * _matmul_weights_per_token(model) + 4 * L * h * s))
@@ -1099,12 +1132,19 @@ def training_flops(model, recompute=None):
 def activation_bytes_per_layer(model, tp, cp, recompute=None, micro_batch=None, sequence_parallel=None,
                                flash_attention=False):
     """The chapter's `layer_activation_bytes` (Korthikanti et al. 2022) of a ModelShape. Knobs not given come from
-    `model` (then: no recomputation, micro-batch 1, SP on)."""
+    `model` (then: no recomputation, micro-batch 1, SP on). An offload policy's are `offload_bytes_per_layer`."""
     recompute = _knob_value("recompute", recompute, model.recompute, "none")
+    _not_offloaded(recompute)
     b = _knob_value("micro_batch", micro_batch, model.micro_batch, 1)
     if sequence_parallel is None:
         sequence_parallel = model.sequence_parallel is not False
     return _dense_layer_bytes(model, tp, cp, recompute, b, sequence_parallel, flash_attention)
+
+
+def _not_offloaded(recompute, moe=""):
+    if recompute in OFFLOAD_POLICIES:  # its layers keep nothing on the GPU: a layer's bytes would mislead
+        raise ValueError(f"recompute={recompute!r} keeps a chunk's input on the GPU, not a layer's activations: its "
+                         f"bytes are offload_bytes_per_layer(...{moe})")
 
 
 def _dense_layer_bytes(model, tp, cp, recompute, b, sequence_parallel, flash_attention):
@@ -1126,8 +1166,9 @@ def moe_activation_bytes_per_layer(model, tp, cp, ep, recompute=None, micro_batc
     copies of which reach its experts: the router input 2 T h and its fp32 probabilities 4 T E, the dropout mask
     T h, each copy's expert input and output 2 + 2 bytes per element of R h, the expert activation's input and
     output 2 R f (2 + 1) with SwiGLU, 2 R f (1 + 1) with GeLU, and the shared expert's likewise on T x f_s. Full
-    recomputation keeps the layer input, 2 s b h/t."""
+    recomputation keeps the layer input, 2 s b h/t. An offload policy's are `offload_bytes_per_layer(..., moe=True)`."""
     recompute = _knob_value("recompute", recompute, model.recompute, "none")
+    _not_offloaded(recompute, ", moe=True")
     b = _knob_value("micro_batch", micro_batch, model.micro_batch, 1)
     return _moe_layer_bytes(model, tp, cp, ep, recompute, b, flash_attention)
 
@@ -1351,7 +1392,9 @@ def _cp_seconds(cluster, model, t, cp, b, layout, attention, ulysses):
 def layer_step(forward, recompute):
     """One layer, one micro-batch: forward, backward (2x the forward's work, the same TP collectives; a flash
     attention core's backward is 2.5x its forward: it recomputes the scores), and what the recomputation redoes
-    (full: the whole forward; selective: the attention core)."""
+    (full: the whole forward; selective: the attention core; an offload policy: its recomputation's, the copies'
+    wait is `offload_layer_seconds`)."""
+    recompute = recomputation(recompute)
     work = forward["gemm"] + forward["attention"] + forward["elementwise"]
     compute = 3 * work + {"none": 0.0, "selective": forward["attention"], "full": work}[recompute]
     if forward.get("flash"):
@@ -1363,7 +1406,8 @@ def layer_step(forward, recompute):
 
 def ep_step(forward, recompute):
     """EP all-to-alls of one MoE layer and micro-batch: dispatch and combine forward, both again backward, and
-    forward once more under full recomputation; none are overlapped (Megatron-Core's alltoall dispatcher)."""
+    forward once more under full recomputation (never under an offload policy); none are overlapped (Megatron-Core's
+    alltoall dispatcher)."""
     return (3 if recompute == "full" else 2) * forward.get("ep_fwd", 0.0)
 
 
@@ -1383,6 +1427,78 @@ def p2p_exchange_seconds(cluster, model, tp, cp, b, sp, pp_local):
     if not sp and tp > 1:
         seconds += (tp - 1) / tp * elements * ACT_BYTES / (cluster.nvlink_gbps * GB)
     return seconds
+
+
+# ---- activation offloading: what stays on the GPU, what crosses PCIe, what the step waits for ---------------
+# Under `offload` and `selective+offload` (checkpointing.py's ActivationOffload, train_gpt.py's --recompute) every
+# tensor a layer's autograd saves is copied to host memory in its forward and back before its backward. Per layer and
+# micro-batch on one GPU, with K the bytes the policy underneath keeps (none or selective: `layer_activation_bytes`, a
+# MoE layer's `_moe_layer_bytes`) and X = 2 s b h/t a chunk's input (2 s b h without SP: what full keeps a layer):
+#     copied     K to the host in the forward, K back in the backward (`offload_bytes_per_layer`)
+#     kept       X per model chunk and micro-batch in flight, the input the pipeline holds to send its gradient back;
+#                the layers keep nothing else; once, the working set 2 K, the layer running its backward and the
+#                next one prefetched behind it (+ the attention core being recomputed under selective+offload)
+#     time       C = K / B_pcie each way (B_pcie = Cluster.pcie_gbps); the copy out hides behind the layer's forward
+#                compute F, the copy back behind its backward's B (2 F, + the recomputed core): the step waits
+#                max(0, C - F) + max(0, C - B) (`offload_layer_seconds`; checkpointing's offload_or_recompute)
+# The memory is counted for copies that keep pace: one that falls behind costs its wait and, in train_gpt.py, holds
+# its layer's tensors on the GPU until it is done. Offloading redoes no FLOPs, and pays no TP or CP communication
+# again: it beats full recomputation while the wait is less than the recomputed forward and its collectives.
+
+def offload_bytes_per_layer(model, tp, cp, recompute, micro_batch=None, sequence_parallel=None, flash_attention=False,
+                            ep=1, moe=False):
+    """Under an offload policy, one layer (a MoE layer with `moe`) and micro-batch on one GPU, in bytes:
+    device_resident X (per model chunk: its input, the layers' nothing), to_host K and to_device K (the comment
+    above). Knobs not given come from `model` (then: micro-batch 1, SP on)."""
+    if recompute not in OFFLOAD_POLICIES:
+        raise ValueError(f"recompute={recompute!r}; offloading is one of {', '.join(OFFLOAD_POLICIES)}")
+    b = _knob_value("micro_batch", micro_batch, model.micro_batch, 1)
+    if sequence_parallel is None:
+        sequence_parallel = model.sequence_parallel is not False
+    return _offload_bytes(model, tp, cp, ep, recompute, b, sequence_parallel, flash_attention, moe)
+
+
+def _offload_bytes(model, tp, cp, ep, recompute, b, sp, flash, moe):
+    underneath = OFFLOAD_POLICIES[recompute]
+    moved = (_moe_layer_bytes(model, tp, cp, ep, underneath, b, flash) if moe
+             else _dense_layer_bytes(model, tp, cp, underneath, b, sp, flash))
+    return {"device_resident": _dense_layer_bytes(model, tp, cp, "full", b, sp, flash), "to_host": moved,
+            "to_device": moved}
+
+
+def offload_layer_seconds(cluster, forward, recompute, moved):
+    """(PCIe seconds, exposed seconds) of one layer and micro-batch copying `moved` bytes each way under the offload
+    policy `recompute`: 2 C with C = K / B_pcie, and max(0, C - F) + max(0, C - B), F the forward's compute
+    (`layer_forward`'s GEMMs, attention core and elementwise work) and B the backward's (`layer_step`'s rest)."""
+    copy = moved / (cluster.pcie_gbps * GB)
+    forward_s = forward["gemm"] + forward["attention"] + forward["elementwise"]
+    backward_s = layer_step(forward, recompute)[0] - forward_s
+    return 2 * copy, max(0.0, copy - forward_s) + max(0.0, copy - backward_s)
+
+
+def _offload_terms(cluster, model, layout, b, sp, recompute, forwards):
+    """offload_layer_seconds of each kind of layer of `forwards` (`_layer_forwards`), (0, 0) unless offloaded."""
+    if recompute not in OFFLOAD_POLICIES:
+        return {kind: (0.0, 0.0) for kind in forwards}
+    return {kind: f and offload_layer_seconds(cluster, f, recompute, _offload_bytes(
+        model, layout.tp, layout.cp, layout.ep, recompute, b, sp, cluster.flash_attention, kind == "moe")["to_host"])
+            for kind, f in forwards.items()}
+
+
+def _stage_offload_bytes(cluster, model, tp, pp, cp, ep, b, recompute, sp):
+    """(a chunk's input, the most one of its layers copies each way) on stage 0, per micro-batch."""
+    kinds = [moe for moe, n in zip((False, True), stage_layer_counts(model, pp, 0)) if n]
+    moved = [_offload_bytes(model, tp, cp, ep, recompute, b, sp, cluster.flash_attention, moe) for moe in kinds]
+    return moved[0]["device_resident"], max(m["to_host"] for m in moved)
+
+
+def _offload_parts(cluster, model, tp, pp, cp, ep, b, recompute, sp, v):
+    """(kept per micro-batch in flight, working set) of stage 0 under an offload policy: its v chunks' inputs, and
+    two of its layers' copied bytes (the larger kind's) with the recomputed attention core's scores."""
+    chunk_input, moved = _stage_offload_bytes(cluster, model, tp, pp, cp, ep, b, recompute, sp)
+    flash = cluster.flash_attention
+    core = 0.0 if flash or recompute == "offload" else 5 * model.heads * (model.seq // cp) * model.seq * b / tp
+    return v * chunk_input, 2 * moved + core
 
 
 # ---- memory of the most loaded GPU -------------------------------------------------------------------
@@ -1482,15 +1598,20 @@ def _unit_parameters(model, tp, ep):
     return max(units)
 
 
-def _activation_parts(cluster, model, tp, pp, cp, ep, b, recompute, sp):
+def _activation_parts(cluster, model, tp, pp, cp, ep, b, recompute, sp, v=1):
     """Bytes of one first-stage GPU's activations: (its layers' per micro-batch in flight, the working set of the
-    layer being recomputed, the embedding's dropout mask per micro-batch in flight, the fp32 logits)."""
+    layer being recomputed, the embedding's dropout mask per micro-batch in flight, the fp32 logits). An offload
+    policy's first two are `_offload_parts` (of `v` chunks per stage)."""
     flash = cluster.flash_attention
+    s_local = model.seq // cp
+    embedding = s_local * b * model.hidden / (tp if sp else 1)  # embedding dropout mask (Korthikanti)
+    logits = 4 * s_local * b * model.vocab / tp if pp == 1 else 0.0  # fp32 logits: stage 0 is also the last
+    if recompute in OFFLOAD_POLICIES:
+        return _offload_parts(cluster, model, tp, pp, cp, ep, b, recompute, sp, v) + (embedding, logits)
     dense_layers, moe_layers = stage_layer_counts(model, pp, 0)
     kept = dense_layers * _dense_layer_bytes(model, tp, cp, recompute, b, sp, flash) if dense_layers else 0.0
     if moe_layers:
         kept += moe_layers * _moe_layer_bytes(model, tp, cp, ep, recompute, b, flash)
-    s_local = model.seq // cp
     # the layer being recomputed in the backward holds its activations in full for one micro-batch
     if recompute == "full":
         working = (_moe_layer_bytes(model, tp, cp, ep, "none", b, flash) if moe_layers
@@ -1498,8 +1619,6 @@ def _activation_parts(cluster, model, tp, pp, cp, ep, b, recompute, sp):
     else:
         working = {"none": 0.0,
                    "selective": 0.0 if flash else 5 * model.heads * s_local * model.seq * b / tp}[recompute]
-    embedding = s_local * b * model.hidden / (tp if sp else 1)  # embedding dropout mask (Korthikanti)
-    logits = 4 * s_local * b * model.vocab / tp if pp == 1 else 0.0  # fp32 logits: stage 0 is also the last
     return kept, working, embedding, logits
 
 
@@ -1516,7 +1635,7 @@ def first_stage_memory(cluster, model, tp, pp, cp, dp, b, v, recompute, sp, zero
     stage, or under ZB-H1 the rank whose deferred W's hold the most (`_activations_gb`). `parts` and `split`:
     `_activation_parts` and `_first_stage_parameters` when the caller has them already (the search)."""
     split = split or _first_stage_parameters(model, tp, pp, ep)
-    parts = parts or _activation_parts(cluster, model, tp, pp, cp, ep, b, recompute, sp)
+    parts = parts or _activation_parts(cluster, model, tp, pp, cp, ep, b, recompute, sp, v)
     in_flight = in_flight_microbatches(pp, v, micro_batches)
     deferred = _stage_deferred_bytes(model, tp, pp, cp, ep, b) if schedule == "zb-h1" else 0.0
     states = _states_gb(cluster, split, tp, cp, dp, ep, zero, shard, _unit_parameters(model, tp, ep))
@@ -1672,9 +1791,9 @@ def _busiest_moe_stage(layers, pp, moe_every):
     return max(((j,) + stage_layer_counts(shape, pp, j) for j in range(pp)), key=lambda x: (x[2], -x[0]))
 
 
-def _stage_counts(model, pp, forwards, recompute, output):
+def _stage_counts(model, pp, forwards, recompute, output, offload=None):
     """(dense layers, MoE layers, holds the output layer) of the slowest stage: the last one, which carries the
-    output layer, or one with more MoE layers when that is slower."""
+    output layer, or one with more MoE layers when that is slower. `offload`: `_offload_terms` (None: nothing)."""
     last = stage_layer_counts(model, pp, pp - 1) + (True,)
     if not model.moe_every:
         return last
@@ -1683,19 +1802,21 @@ def _stage_counts(model, pp, forwards, recompute, output):
         return last
 
     def seconds(counts, extra):
-        return extra + sum(n * (sum(layer_step(forwards[kind], recompute)) + ep_step(forwards[kind], recompute))
+        return extra + sum(n * (sum(layer_step(forwards[kind], recompute)) + ep_step(forwards[kind], recompute)
+                                + (offload[kind][1] if offload else 0.0))
                            for n, kind in zip(counts, ("dense", "moe")) if n)
     return (dense, moe, False) if seconds((dense, moe), 0.0) > seconds(last[:2], output) else last
 
 
 def _stage_parts(cluster, model, layout, b, sp, recompute, forwards, counts=None):
     """What one (b, sp, recompute) fixes of the step's terms, whatever v and ZeRO: the output layer's seconds (0
-    when the slowest stage is not the last), the slowest stage's `_stage_counts`, each kind's layer_step and
-    ep_step on it, one pipeline exchange, and the weight-gradient GEMMs of one micro-batch on it (ZB-H1's W: one
-    per forward GEMM, of its shape; the output layer's one of its three)."""
+    when the slowest stage is not the last), the slowest stage's `_stage_counts`, each kind's layer_step, ep_step
+    and `offload_layer_seconds` on it, one pipeline exchange, and the weight-gradient GEMMs of one micro-batch on it
+    (ZB-H1's W: one per forward GEMM, of its shape; the output layer's one of its three)."""
     output = output_layer_seconds(cluster, model, layout.tp, layout.cp, b)  # on the last stage, the slowest one
-    counts = counts or _stage_counts(model, layout.pp, forwards, recompute, output)
-    per_kind = [(n, layer_step(forwards[kind], recompute), ep_step(forwards[kind], recompute))
+    offload = _offload_terms(cluster, model, layout, b, sp, recompute, forwards)
+    counts = counts or _stage_counts(model, layout.pp, forwards, recompute, output, offload)
+    per_kind = [(n, layer_step(forwards[kind], recompute), ep_step(forwards[kind], recompute), offload[kind])
                 for n, kind in zip(counts, ("dense", "moe")) if n]
     exchange = (p2p_exchange_seconds(cluster, model, layout.tp, layout.cp, b, sp, layout.local["pp"]) if layout.pp > 1
                 else 0.0)
@@ -1801,15 +1922,17 @@ def step_time_terms(cluster, model, layout, knobs, forwards, params, counts=None
 
 
 def _layer_terms(micro_batches, parts):
-    """What the slowest stage's layers cost, whatever v and the schedule: ({compute_s, tp_s, cp_s, ep_s} per step,
-    one micro-batch through its layers and output layer); `parts`: `_stage_parts`."""
+    """What the slowest stage's layers cost, whatever v and the schedule: ({compute_s, tp_s, cp_s, ep_s, offload_s}
+    per step, offload_s the copies' exposed wait; one micro-batch through its layers and output layer); `parts`:
+    `_stage_parts`."""
     output, _, per_kind, _, _ = parts
-    busy = sum(n * (compute + tp_layer + cp_layer + ep_layer) for n, (compute, tp_layer, cp_layer), ep_layer
-               in per_kind) + output
-    return {"compute_s": micro_batches * (sum(n * step[0] for n, step, _ in per_kind) + output),
-            "tp_s": sum(micro_batches * n * step[1] for n, step, _ in per_kind),
-            "cp_s": sum(micro_batches * n * step[2] for n, step, _ in per_kind),
-            "ep_s": sum(micro_batches * n * ep_layer for n, _, ep_layer in per_kind)}, busy
+    busy = sum(n * (compute + tp_layer + cp_layer + ep_layer + exposed) for n, (compute, tp_layer, cp_layer),
+               ep_layer, (_, exposed) in per_kind) + output
+    return {"compute_s": micro_batches * (sum(n * step[0] for n, step, _, _ in per_kind) + output),
+            "tp_s": sum(micro_batches * n * step[1] for n, step, _, _ in per_kind),
+            "cp_s": sum(micro_batches * n * step[2] for n, step, _, _ in per_kind),
+            "ep_s": sum(micro_batches * n * ep_layer for n, _, ep_layer, _ in per_kind),
+            "offload_s": sum(micro_batches * n * exposed for n, _, _, (_, exposed) in per_kind)}, busy
 
 
 def _pipeline_terms(model, layout, knobs, parts, layers=None):
@@ -1838,7 +1961,8 @@ def compute_by_kind(cluster, model, layout, b, recompute, forwards, counts):
     layer's permutations and expert activation), each 3 x its forward (a flash attention core 3.5 x) plus what the
     recomputation redoes, and the output layer when that stage is the last."""
     micro_batches = model.global_batch // (layout.dp * b)
-    redone = {"none": (), "selective": ("attention",), "full": ("gemm", "attention", "elementwise")}[recompute]
+    redone = {"none": (), "selective": ("attention",),
+              "full": ("gemm", "attention", "elementwise")}[recomputation(recompute)]
     parts = {}
     for kind in ("gemm", "attention", "elementwise"):
         flash = 0.5 if kind == "attention" and cluster.flash_attention else 0
@@ -1860,11 +1984,12 @@ def evaluate(cluster, model, layout, knobs):
     memory_gb = sum(mem.values())
     forwards = _layer_forwards(cluster, model, layout, b, sp, knobs.cp_ulysses)
     split = _first_stage_parameters(model, layout.tp, layout.pp, layout.ep)
+    offload = _offload_terms(cluster, model, layout, b, sp, recompute, forwards)
     counts = _stage_counts(model, layout.pp, forwards, recompute,
-                           output_layer_seconds(cluster, model, layout.tp, layout.cp, b))
+                           output_layer_seconds(cluster, model, layout.tp, layout.cp, b), offload)
     t = step_time_terms(cluster, model, layout, knobs, forwards, split, counts)
     step_time_s = sum(t.values())
-    busy = t["compute_s"] + t["tp_s"] + t["cp_s"] + t["ep_s"] + t["pp_p2p_s"]
+    busy = t["compute_s"] + t["tp_s"] + t["cp_s"] + t["ep_s"] + t["offload_s"] + t["pp_p2p_s"]
     row = {
         "tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "cp": layout.cp, "ep": layout.ep, "micro_batch": b,
         "virtual_stages": v,
@@ -1873,6 +1998,7 @@ def evaluate(cluster, model, layout, knobs):
         "in_flight": in_flight, "params_per_gpu": params, "memory_gb": memory_gb, **mem,
         "fits": memory_gb <= cluster.gpu_mem_gb * MEMORY_HEADROOM,
         "step_time_s": step_time_s, **t, **compute_by_kind(cluster, model, layout, b, recompute, forwards, counts),
+        **_offload_row(cluster, model, layout, knobs, offload, counts, micro_batches),
         "bubble_fraction": ((layout.pp - 1) / v / (micro_batches + (layout.pp - 1) / v) if knobs.pp_schedule != "zb-h1"
                             else t["bubble_s"] / (busy + t["bubble_s"])),
         "tflops_per_gpu": paper_flops(model) / step_time_s / cluster.gpus / 1e12,
@@ -1889,6 +2015,18 @@ def evaluate(cluster, model, layout, knobs):
         row["a2a_s"] = a2a_seconds(cluster, sent["dispatch_fwd"], layout.ep, layout.per_node["ep"])
         row["ep_members_per_node"] = layout.per_node["ep"]
     return row
+
+
+def _offload_row(cluster, model, layout, knobs, offload, counts, micro_batches):
+    """What a row shows of offloading (0 where nothing is): the PCIe seconds of one step on the slowest stage (both
+    ways, hidden or not; offload_s is their exposed part), and on stage 0 per micro-batch the most a layer copies each
+    way and what a chunk keeps on the GPU (its input)."""
+    pcie_s = sum(micro_batches * n * offload[kind][0] for n, kind in zip(counts, ("dense", "moe")) if n)
+    if knobs.recompute not in OFFLOAD_POLICIES:
+        return {"pcie_s": pcie_s, "offload_copied_bytes": 0.0, "offload_kept_bytes": 0.0}
+    kept, copied = _stage_offload_bytes(cluster, model, layout.tp, layout.pp, layout.cp, layout.ep, knobs.micro_batch,
+                                        knobs.recompute, knobs.sequence_parallel)
+    return {"pcie_s": pcie_s, "offload_copied_bytes": copied, "offload_kept_bytes": kept}
 
 
 def _schedule_choices(cluster, model, layout, vs):
@@ -1936,7 +2074,8 @@ def _knob_choices(cluster, model, layout):
                              "over TP; use sequence_parallel=True (--sequence-parallel on) or tp=1")
         sps = [True]
     zeros = _zero_choices(cluster, model, layout)
-    recomputes = [model.recompute] if model.recompute is not None else list(RECOMPUTE_POLICIES)  # cheapest first
+    recomputes = ([model.recompute] if model.recompute is not None  # else the cheapest first
+                  else list(SEARCH_ORDER_WITH_OFFLOAD if cluster.offload else RECOMPUTE_POLICIES))
     ulysses = [model.cp_ulysses] if model.cp_ulysses is not None else _ulysses_sizes(model, layout.tp, layout.cp)
     can_interleave = [x for x in ("interleaved", "zb-h1") if x in cluster.schedules]
     for b in bs:
@@ -1982,8 +2121,8 @@ def estimate(cluster, model, tp, pp, cp, micro_batch=None, recompute=None, seque
     fixed = {k: v for k, v in fixed.items() if v is not None}
     if fixed:
         model = replace(model, **fixed)
-    if model.recompute is not None and model.recompute not in RECOMPUTE_POLICIES:
-        raise ValueError(f"recompute={model.recompute!r}; choose none, selective or full")
+    if model.recompute is not None and model.recompute not in RECOMPUTE_KNOBS:
+        raise ValueError(f"recompute={model.recompute!r}; choose one of {', '.join(RECOMPUTE_KNOBS)}")
     if ep is not None:
         return _best_for_layout(cluster, model, _Layout(cluster, model, tp, pp, cp, ep, memo))
     best, refused = None, None
@@ -2000,9 +2139,10 @@ def estimate(cluster, model, tp, pp, cp, micro_batch=None, recompute=None, seque
 def _best_for_layout(cluster, model, layout):
     """The search on one layout. For each (b, sp, v, schedule) and recomputation, cheapest first: the fastest
     (ZeRO level, shard) that fits, with the hybrid CP's Ulysses size that makes the stage fastest (it changes nothing
-    else); a costlier recomputation is tried only while a faster ZeRO choice does not fit. Memory is checked first
-    and the step time computed only for what fits or holds no more than the least memory so far, from cached parts
-    added in step_time_terms' order; the full row (evaluate) is built once, for the winner."""
+    else); a costlier recomputation is tried only while a faster ZeRO choice does not fit (`NEVER_FASTER_THAN`: an
+    offload policy against selective or full depends on the bus, so both are tried). Memory is checked first and the
+    step time computed only for what fits or holds no more than the least memory so far, from cached parts added in
+    step_time_terms' order; the full row (evaluate) is built once, for the winner."""
     limit = cluster.gpu_mem_gb * MEMORY_HEADROOM
     best, best_time, least, least_key, refused = None, math.inf, None, (math.inf, math.inf), None
     split = _first_stage_parameters(model, layout.tp, layout.pp, layout.ep)
@@ -2038,7 +2178,7 @@ def _best_for_layout(cluster, model, layout):
                                 cp_pairs[x] = layout.memo[key_cp]
                     # every layer, dense or MoE, has the same CP terms, and every stage L/p layers: the Ulysses size
                     # with the least CP seconds per layer (layer_step's) makes every stage fastest
-                    again = 1 if recompute == "none" else 2
+                    again = 1 if recomputation(recompute) == "none" else 2
                     u = ulysses[0] if len(ulysses) == 1 else min(
                         ulysses, key=lambda x: again * cp_pairs[x][0] + cp_pairs[x][1])
                     if u not in forwards:
@@ -2066,13 +2206,16 @@ def _best_for_layout(cluster, model, layout):
                 in_flight = in_flight_microbatches(layout.pp, v, micro_batches)
                 if schedule == "zb-h1" and b not in deferred:
                     deferred[b] = _stage_deferred_bytes(model, layout.tp, layout.pp, layout.cp, layout.ep, b)
+                ruled_out = set()  # policies never faster than one that fitted with the fastest ZeRO choice
                 for recompute in recomputes:
+                    if recompute in ruled_out:
+                        continue
                     if schedule == "zb-h1" and best is not None and (v, recompute) in too_big:
                         continue  # zero bubble holds at least what its base order holds, which fitted nowhere
-                    key = (b, sp, recompute)
+                    key = (b, sp, recompute, v if recompute in OFFLOAD_POLICIES else 1)  # offload keeps chunk inputs
                     if key not in parts:
                         parts[key] = _activation_parts(cluster, model, layout.tp, layout.pp, layout.cp, layout.ep, b,
-                                                       recompute, sp)
+                                                       recompute, sp, key[3])
                     activations = _activations_gb(parts[key], in_flight, schedule, layout.pp, micro_batches, v,
                                                   deferred.get(b, 0.0))
                     fitting = [z for z in zeros if states[z] + activations <= limit]
@@ -2099,7 +2242,8 @@ def _best_for_layout(cluster, model, layout):
                     if step < best_time:
                         best, best_time = Knobs(b, v, recompute, sp, z[0], schedule, z[1], u), step
                     if z == fastest[0] or pipeline + dp_s[fastest[0]] + optimizer_s[fastest[0]] >= best_time:
-                        break  # a costlier recomputation only adds time: it cannot win even with the fastest ZeRO
+                        # a costlier recomputation only adds time: it cannot win even with the fastest ZeRO
+                        ruled_out.update(NEVER_FASTER_THAN.get(recompute, ()))
     if best is None and least is None:
         raise refused
     return evaluate(cluster, model, layout, best or least)
@@ -2143,8 +2287,8 @@ def candidate_layouts(cluster, model, tp=None, pp=None, cp=None, ep=None):
 
 def plan(cluster, model, tp=None, pp=None, cp=None, ep=None):
     """The planner's choice for every candidate layout, the ones that fit first, fastest first."""
-    if model.recompute is not None and model.recompute not in RECOMPUTE_POLICIES:
-        raise ValueError(f"recompute={model.recompute!r}; choose none, selective or full")
+    if model.recompute is not None and model.recompute not in RECOMPUTE_KNOBS:
+        raise ValueError(f"recompute={model.recompute!r}; choose one of {', '.join(RECOMPUTE_KNOBS)}")
     plans = candidate_layouts(cluster, model, tp, pp, cp, ep)
     if not plans:
         raise ValueError("no layout divides this cluster and model: check gpus, layers (pp), heads (tp), "
@@ -2165,7 +2309,7 @@ def _knobs_name(r):
             f"ZeRO-{r['zero']}{shard}{ulysses}")
 
 
-OVERHEADS = ("tp_s", "cp_s", "pp_p2p_s", "bubble_s", "dp_s", "optimizer_s", "ep_s")
+OVERHEADS = ("tp_s", "cp_s", "pp_p2p_s", "bubble_s", "dp_s", "optimizer_s", "ep_s", "offload_s")
 
 
 def explain_ep(best, plans, cluster):
@@ -2191,6 +2335,16 @@ def explain_ep(best, plans, cluster):
                      f"node), {o['ep_s']:.3f} s per step; memory {o['memory_gb']:.1f} GB against "
                      f"{best['memory_gb']:.1f} GB.")
     return lines
+
+
+def explain_offload(best, cluster):
+    """What offloading moves, keeps and costs in the plan `best`, in numbers."""
+    return (f"  Offload ({best['recompute']}): a layer copies up to {best['offload_copied_bytes'] / 1e6:.1f} MB per "
+            f"micro-batch to the host in its forward and back in its backward, {best['pcie_s']:.3f} s of PCIe per "
+            f"step at {cluster.pcie_gbps:g} GB/s, {best['offload_s']:.3f} s of it exposed (not hidden behind the "
+            f"layers' compute); kept on the GPU: {best['offload_kept_bytes'] / 1e6:.1f} MB per chunk and micro-batch "
+            f"in flight (its input) and two layers' copies (one computing its backward, one prefetched): activations "
+            f"{best['activations_gb']:.1f} GB.")
 
 
 def explain(plans, cluster, recompute=None):
@@ -2219,6 +2373,8 @@ def explain(plans, cluster, recompute=None):
                  f"{where[best['intra_node']['dp_cp']]}{pp_sends}.")
     if "a2a_bytes" in best:
         lines.extend(explain_ep(best, plans, cluster))
+    if best["recompute"] in OFFLOAD_POLICIES:
+        lines.append(explain_offload(best, cluster))
     overheads = {k: best[k] for k in OVERHEADS}
     worst = max(overheads, key=overheads.get)
     lines.append(f"  Compute is {best['compute_s'] / best['step_time_s']:.0%} of the step; the largest overhead "
@@ -2248,6 +2404,8 @@ def format_table(plans, limit=12):
     if any("a2a_bytes" in r for r in plans[:limit]):  # MoE: the EP size and its all-to-alls
         cols[5:5] = [("ep", "ep")]
         cols.append(("EP a2a", "ep_s"))
+    if any(r["recompute"] in OFFLOAD_POLICIES for r in plans[:limit]):  # the copies' bus time and its exposed part
+        cols += [("PCIe", "pcie_s"), ("exposed", "offload_s")]
     rows = [" ".join(f"{h:>8s}" for h, _ in cols)]
     for r in plans[:limit]:
         cells = []
@@ -2257,6 +2415,8 @@ def format_table(plans, limit=12):
                 v = f"{v}" + (f"/{r['zero_shard_size']}" if r["zero_shard_size"] else "")
             elif c == "pp_schedule":
                 v = {"interleaved": "interlvd"}.get(v, v)
+            elif c == "recompute":
+                v = {"selective+offload": "sel+offl"}.get(v, v)
             cells.append(f"{v:>8.3f}" if isinstance(v, float) else f"{str(v):>8s}")
         rows.append(" ".join(cells))
     if len(plans) > limit:
@@ -2794,6 +2954,7 @@ _CONSTANT_FLAGS = {  # flag -> (Cluster field, help)
     "--p2p-latency-us": ("p2p_latency_us", "latency of one pipeline exchange, microseconds"),
     "--p2p-gbps": ("p2p_gbps", "bandwidth of one pipeline exchange per GPU, GB/s; the presets leave it to the "
                    "link, NVLink or InfiniBand"),
+    "--pcie-gbps": ("pcie_gbps", "host-device copy bandwidth per GPU and direction, GB/s (activation offloading)"),
 }
 
 
@@ -2802,7 +2963,7 @@ def _cluster_from_args(a):
     overrides = {k: v for k, v in overrides.items() if v is not None}
     return Cluster.for_gpu(a.gpu, a.gpus, gpus_per_node=a.gpus_per_node, overlap_grad_reduce=a.overlap_grad_reduce,
                            interleave_min_pp=a.interleave_min_pp, flash_attention=a.flash_attention,
-                           grad_bytes=a.grad_bytes, expert_folding=a.expert_folding, **overrides)
+                           grad_bytes=a.grad_bytes, expert_folding=a.expert_folding, offload=a.offload, **overrides)
 
 
 def _add_cluster_flags(ap):
@@ -2818,6 +2979,9 @@ def _add_cluster_flags(ap):
                     help="the attention core is a flash kernel (Megatron-Core), not Megatron-LM 2021's unfused one")
     ap.add_argument("--grad-bytes", type=int, choices=[2, 4], default=GRAD_BYTES,
                     help="bytes per gradient element: 2 (fp16 buffers, 2021) or 4 (fp32 main grads, Megatron-Core)")
+    ap.add_argument("--offload", action="store_true",
+                    help="the search also tries activation offloading to host memory (--recompute offload, "
+                         "selective+offload) over PCIe at --pcie-gbps")
     ap.add_argument("--expert-folding", choices=EXPERT_FOLDINGS, default="dp_cp",
                     help="EP drawn from the dp x cp ranks of one TP rank (topology.rank_groups, train_gpt.py) or from "
                          "all tp x dp x cp ranks of a stage (Megatron-Core's MoE parallel folding, expert TP 1)")
@@ -2840,8 +3004,9 @@ def _plan_main(argv):
     ap.add_argument("--pp", type=int)
     ap.add_argument("--cp", type=int)
     ap.add_argument("--micro-batch", type=int, help="default: chosen by the planner")
-    ap.add_argument("--recompute", choices=RECOMPUTE_POLICIES,
-                    help="default: the cheapest that fits")
+    ap.add_argument("--recompute", choices=RECOMPUTE_KNOBS,
+                    help="default: the cheapest that fits (of none, selective and full; with --offload also of "
+                         "offload and selective+offload)")
     ap.add_argument("--sequence-parallel", choices=["on", "off"], help="default: chosen by the planner")
     ap.add_argument("--zero", type=int, choices=list(ZERO_LEVELS), help="ZeRO level: 0 replicated, 1 optimizer "
                     "states, 2 + gradients, 3 + parameters sharded; default: chosen by the planner")

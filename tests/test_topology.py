@@ -1895,6 +1895,9 @@ _COMMANDS = {
     "MoE EP2 PP2 interleaved ZeRO-1": (_MOE_SMALL + ["--pp", "2", "--virtual-stages", "2", "--zero", "1"], ()),
     "dense PP2 zb-h1 ZeRO-1 CP2 Ulysses": (["--pp", "2", "--pp-schedule", "zb-h1", "--zero", "1", "--cp", "2",
                                            "--cp-ulysses", "2"], ()),
+    # GPUs too small for none and selective: the planner offloads (`test_plan_cli_prints_what_offloading_costs`)
+    "dense offload chosen": (["--offload", "--gpu-mem-gb", "0.004", "--zero", "1"], ()),
+    "dense selective+offload chosen": (["--offload", "--gpu-mem-gb", "0.00385", "--zero", "1"], ()),
     # pending in train_gpt.py (issues 24 and 27):
     "dense ZeRO-3 hybrid CP 2 x 2": (["--zero", "3", "--cp", "4", "--cp-ulysses", "2"],
                                      ("--zero", "--cp-impl", "--cp-ulysses")),
@@ -1948,6 +1951,7 @@ def test_the_plan_command_round_trips_through_train_gpts_parser_and_validation(c
     assert row["pp"] == 2 or "--pp" not in extra
     assert (row["virtual_stages"] == 2) == ("--virtual-stages" in extra)
     assert row["zero"] == int(extra[extra.index("--zero") + 1])
+    assert (row["recompute"] in topology.OFFLOAD_POLICIES) == ("--offload" in extra)
 
 
 def test_the_plan_command_names_what_train_gpt_cannot_run_and_new_knobs_fail_in_one_line(capsys):
@@ -1991,3 +1995,154 @@ def test_calibrate_prints_the_new_knobs_where_they_win(capsys, calibration, moe_
     top_all = {r["name"]: r["top_all"] for r in moe_calibration}
     assert top_all["Mixtral 8x22B"]["pp_schedule"] == "zb-h1" and top_all["Qwen2-57B-A14B"]["zero"] == 3
     assert "With every schedule and ZeRO level the planner knows" in moe and "ZeRO=3" in moe
+
+
+# ---- activation offloading in the planner ------------------------------------------------------------
+
+def test_offloaded_bytes_per_layer_are_checkpointings_formula():
+    # One layer without TP or CP, 16-bit on CUDA (1-byte masks), where the planner's Korthikanti count and
+    # checkpointing.py's describe the same block. What stays on the GPU is the input, s b h e, the same; what is
+    # copied each way differs by the two LayerNorms' fp32 mean and 1/std, 4 s b x 4 bytes, which checkpointing.py
+    # counts and Korthikanti (the planner) leaves out. Shapes with 5 a s / h whole: the planner's float is exact.
+    import checkpointing
+    for b, s, h, a in ((1, 2048, 4096, 32), (2, 64, 64, 4), (3, 128, 96, 6)):
+        m = topology.ModelShape(layers=4, hidden=h, heads=a, seq=s, vocab=256, global_batch=b)
+        for policy in topology.OFFLOAD_POLICIES:
+            for sp in (True, False):  # t = 1: the same count with or without SP
+                mine = topology.offload_bytes_per_layer(m, 1, 1, policy, micro_batch=b, sequence_parallel=sp)
+                theirs = checkpointing.offload_bytes(policy, 1, b, s, h, a, 2, "cuda")
+                assert mine["device_resident"] == theirs["device_resident"] == 2 * s * b * h
+                assert mine["to_host"] + 16 * s * b == theirs["to_host"], (policy, b, s, h, a)
+                assert mine["to_device"] + 16 * s * b == theirs["to_device"]
+    # checkpointing.py's verdict and the planner's wait are one formula: a cluster whose GEMMs run at the peak, with
+    # no launch cost and a memory-bound part made negligible, gives a layer's forward the FLOPs / rate checkpointing.py
+    # divides; fed checkpointing's bytes, the planner waits as long (offload; under selective+offload the planner's
+    # backward also holds the recomputed core, so it waits no longer)
+    b, s, h, a = 1, 2048, 4096, 32
+    c = topology.Cluster(gpus=1, peak_tflops=400, efficiency=1.0, gemm_half_dim=0, launch_us=0, hbm_gbps=1e12)
+    m = topology.ModelShape(layers=1, hidden=h, heads=a, seq=s, vocab=256, global_batch=b)
+    forward = topology._layer_forwards(c, m, topology._Layout(c, m, 1, 1, 1), b, False)["dense"]
+    waits = []
+    for gbps in (10, 25, 64, 200):
+        rows = {r["policy"]: r for r in checkpointing.offload_or_recompute(b, s, h, a, 2, gbps * 1e9, 400e12)}
+        cluster = dataclasses.replace(c, pcie_gbps=gbps)
+        for policy, row in rows.items():
+            pcie, waited = topology.offload_layer_seconds(cluster, forward, policy, row["layer_bytes"])
+            waits.append(waited)
+            assert pcie == pytest.approx(2 * row["copy_s"], rel=1e-12)
+            if policy == "offload":
+                assert waited == pytest.approx(row["wait_s"], rel=1e-9, abs=1e-15), gbps
+            else:
+                assert waited <= row["wait_s"]
+    assert min(waits) == 0 < max(waits)  # hidden copies and exposed ones both checked
+    with pytest.raises(ValueError, match="offload_bytes_per_layer"):
+        topology.activation_bytes_per_layer(m, 1, 1, recompute="offload")
+
+
+def _offload_case(**cluster):
+    """The chapter's model on plan B's layout (TP4 PP8 DP2, b 1, SP, 1F1B, ZeRO-0) on 13 GB GPUs: neither none nor
+    selective fits, full, offload and selective+offload do."""
+    c = topology.Cluster(gpus=64, gpu_mem_gb=13, **{**A100, **cluster})
+    m = topology.ModelShape(**_CH)
+    fixed = dict(micro_batch=1, sequence_parallel=True, zero=0, virtual_stages=1)
+    rows = {rc: topology.estimate(c, m, 4, 8, 1, recompute=rc, **fixed) for rc in topology.RECOMPUTE_KNOBS}
+    return c, m, topology.estimate(c, m, 4, 8, 1, **fixed), rows
+
+
+def test_the_planner_offloads_where_none_and_selective_do_not_fit_and_the_bus_keeps_up():
+    c, m, chosen, rows = _offload_case(offload=True)  # A100's 25 GB/s
+    assert not rows["none"]["fits"] and not rows["selective"]["fits"]
+    assert all(rows[rc]["fits"] for rc in ("full", "offload", "selective+offload"))
+    # the fastest that fits: selective+offload, 0.55 s faster than full (plain offload moves the s^2 scores too)
+    assert chosen["recompute"] == "selective+offload"
+    assert chosen["step_time_s"] == min(r["step_time_s"] for r in rows.values() if r["fits"])
+    assert chosen["step_time_s"] < rows["full"]["step_time_s"] < rows["offload"]["step_time_s"]
+    # opt-in: without Cluster.offload the search keeps to none / selective / full, as before
+    assert _offload_case()[2]["recompute"] == "full"
+    # a slow bus: full recomputation wins
+    assert _offload_case(offload=True, pcie_gbps=1)[2]["recompute"] == "full"
+    # with a flash attention core no scores are kept: offload is none's memory traffic, and at 100 GB/s it is free
+    _, _, flash, flash_rows = _offload_case(offload=True, flash_attention=True, pcie_gbps=100)
+    assert flash["recompute"] == "offload" and flash["offload_s"] == 0 and flash["pcie_s"] > 0
+    assert flash["step_time_s"] == flash_rows["none"]["step_time_s"] and not flash_rows["none"]["fits"]
+
+
+def test_offload_memory_and_wait_by_hand_and_at_the_crossover():
+    c, m, _, rows = _offload_case(offload=True)
+    h, a, s, b, t, p, n, micro = 5120, 40, 2048, 1, 4, 8, 5, 256
+    sbh = s * b * h
+    forward = topology._layer_forwards(c, m, topology._Layout(c, m, 4, 8, 1), 1, True)["dense"]
+    f = forward["gemm"] + forward["attention"] + forward["elementwise"]
+    for policy, copied in (("offload", sbh / t * (34 + 5 * a * s / h)), ("selective+offload", 34 * sbh / t)):
+        r = rows[policy]
+        assert r["offload_copied_bytes"] == pytest.approx(copied, rel=1e-12)
+        assert r["offload_kept_bytes"] == 2 * sbh / t
+        # kept: p micro-batches in flight, each the chunk's input and the embedding's dropout mask; once two layers'
+        # copies (+ the attention core recomputed under selective+offload)
+        core = 5 * a * s * s * b / t if policy == "selective+offload" else 0
+        kept = p * 2 * sbh / t + 2 * copied + core + p * sbh / t
+        assert r["activations_gb"] == pytest.approx(kept / GB, rel=1e-12)
+        # the wait: the copy out against the forward, the copy back against the backward (2 F, + the recomputed core)
+        back = 2 * f + (forward["attention"] if policy == "selective+offload" else 0)
+        copy = copied / 25e9
+        assert r["pcie_s"] == pytest.approx(micro * n * 2 * copy, rel=1e-12)
+        assert r["offload_s"] == pytest.approx(micro * n * (max(0, copy - f) + max(0, copy - back)), rel=1e-12)
+        # ... and nothing else: the step is its recomputation's step plus the wait (and the bubble's share of it)
+        base = rows["none" if policy == "offload" else "selective"]
+        for k in ("compute_s", "tp_s", "cp_s", "dp_s", "pp_p2p_s"):
+            assert r[k] == base[k], k
+        assert r["bubble_s"] == pytest.approx(base["bubble_s"] + (p - 1) * r["offload_s"] / micro, rel=1e-12)
+    # the crossover: the copy out takes exactly the forward (B_pcie = K / F): nothing is exposed and offloading costs
+    # none's step; 10% slower, the copy out waits C - F per layer while the copy back still hides behind 2 F
+    copied = rows["offload"]["offload_copied_bytes"]
+    at = _offload_case(pcie_gbps=copied / f / GB)[3]["offload"]
+    assert at["offload_s"] == pytest.approx(0, abs=1e-12)
+    assert at["step_time_s"] == pytest.approx(rows["none"]["step_time_s"], rel=1e-12)
+    below = _offload_case(pcie_gbps=0.9 * copied / f / GB)[3]["offload"]
+    assert below["offload_s"] == pytest.approx(micro * n * (f / 0.9 - f), rel=1e-9) and below["offload_s"] > 0
+
+
+def test_plan_cli_prints_what_offloading_costs(capsys):
+    # _SMALL on GPUs of 4 MB: neither none nor selective fits the layouts the planner prefers; offloading does, its
+    # copies hidden behind the layers' compute (launch-bound at this size), so it beats full recomputation
+    topology.main(_SMALL + ["--offload", "--gpu-mem-gb", "0.004", "--zero", "1", "--limit", "3"])
+    table, text = capsys.readouterr().out.split("\n\n", 1)
+    header, row = ([line[i:i + 9].strip() for i in range(0, len(line), 9)] for line in table.splitlines()[1:3])
+    assert header[-2:] == ["PCIe", "exposed"] and "recomp" in header
+    first = dict(zip(header, row))
+    assert first["recomp"] == "offload" and first["fits"] == "True"
+    assert "recompute offload" in text, text
+    assert "Offload (offload): a layer copies up to 0.4 MB per micro-batch" in text, text
+    assert "s of it exposed" in text and "two layers' copies" in text
+    # less memory still: selective+offload (the table's short name), full where offloading is not allowed
+    topology.main(_SMALL + ["--offload", "--gpu-mem-gb", "0.00385", "--zero", "1", "--command"])
+    assert " --recompute selective+offload " in capsys.readouterr().out
+    topology.main(_SMALL + ["--gpu-mem-gb", "0.004", "--zero", "1", "--command"])
+    assert " --recompute full " in capsys.readouterr().out
+    topology.main(_SMALL + ["--offload", "--gpu-mem-gb", "0.00385", "--zero", "1", "--limit", "1"])
+    assert " sel+offl " in capsys.readouterr().out
+    # fixed without --offload, and on a bus given by its flag; a bad bus is one line
+    topology.main(_SMALL + ["--recompute", "offload", "--pcie-gbps", "12.5", "--tp", "1", "--pp", "1", "--json"])
+    import json
+    assert {r["recompute"] for r in json.loads(capsys.readouterr().out)} == {"offload"}
+    with pytest.raises(SystemExit) as exit_:
+        topology.main(_SMALL + ["--offload", "--pcie-gbps", "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and err == ["topology.py: error: pcie_gbps=0.0 must be > 0 (--pcie-gbps)"], err
+
+
+def test_a_moe_stage_offloads_its_larger_layers_copies():
+    # every second layer MoE: stage 0 (TP2 PP2 EP2, SP) holds dense and MoE layers; what each copies is what it would
+    # keep without offloading, and the working set is two of the larger (the MoE layer's)
+    c = topology.Cluster(gpus=8, **A100)
+    m = topology.ModelShape(layers=4, hidden=1024, heads=8, seq=1024, vocab=1024, global_batch=8, moe_every=2,
+                            experts=4, top_k=2)
+    r = topology.estimate(c, m, 2, 2, 1, ep=2, micro_batch=1, recompute="offload", sequence_parallel=True, zero=0,
+                          virtual_stages=1)
+    dense, moe = (topology.offload_bytes_per_layer(m, 2, 1, "offload", ep=2, moe=x) for x in (False, True))
+    assert dense["to_host"] == topology.activation_bytes_per_layer(m, 2, 1, "none")
+    assert moe["to_host"] == topology.moe_activation_bytes_per_layer(m, 2, 1, 2, "none") > dense["to_host"]
+    s, h, p = 1024, 1024, 2
+    assert r["offload_copied_bytes"] == moe["to_host"] and r["offload_kept_bytes"] == 2 * s * h / 2
+    assert r["activations_gb"] == pytest.approx((p * 2 * s * h / 2 + 2 * moe["to_host"] + p * s * h / 2) / GB,
+                                                rel=1e-12)

@@ -11,7 +11,7 @@ value the layout implies: shard lengths, micro-batch count, this stage's layers)
     SP sequence   plan.tp (same ranks)  LayerNorm and residual activations along s       _TPLinear, plan.reduce_tp
     CP context    plan.cp               the sequence, attention included                 plan.attention (long_seq)
     PP pipeline   plan.pp               the layers                                       run_schedule, Pipeline
-    DP data       plan.dp_cp (with CP)  the batch, in sequences                          plan.micro_batches
+    DP data       plan.dp_cp_shard      the batch, in sequences (the group spans CP too)  plan.micro_batches
     EP expert     plan.ep, plan.edp     the experts of MoE layers, folded over DP x CP   moe_ep.MoE
     recompute     -                     memory against FLOPs, per stage                  plan.run_blocks
 
@@ -22,7 +22,7 @@ under TP) over TP; dense weights over DP x CP and experts over EDP, in the optim
 
 TP (Shoeybi et al. 2019): an MLP's first weight split by output columns and its second by input rows need one
 all-reduce forward and one backward; attention splits the heads alike; the tied embedding is split over the
-vocabulary and the loss assembled from vocabulary-sharded logits (one MAX and one SUM of (N,) values).
+vocabulary and the loss assembled from vocabulary-sharded logits (one MAX of (N,), one SUM of (2, N) values).
 SP (Korthikanti et al. 2022): between the TP regions each rank holds s/t of the tokens; each all-reduce becomes a
 reduce-scatter and an all-gather (the same bytes), and every activation of a block is split by t.
 PP: a schedule is a list of actions per rank (forward F, backward B), run by one executor. 1F1B (Narayanan et al.
@@ -39,8 +39,9 @@ per-tensor FP8 block GEMMs, ZeRO-1 over DP x CP (mixed_precision.py); micro-batc
 
 Reading order is run order: the configs, the Plan, TP/SP, the model, the 1F1B executor, the step, `build`, the loop
 and `main`. Below the BEYOND THE CHAPTER banner, what plugs into them (interleaved and zero-bubble schedules,
-all-gather and hybrid CP, fine-grained FP8, ZeRO-2/3, the formulas); then THE JOB: data, checkpoints, input
-checks, sampling, exports, the command line.
+all-gather and hybrid CP, fine-grained FP8, ZeRO-2/3, the formulas); then THE JOB, whose functions the loop and
+`main` call: the learning-rate schedule and validation, the log, data, checkpoints, input checks, the exports,
+sampling, the command line.
 """
 import argparse
 import contextlib
@@ -160,8 +161,8 @@ CP_IMPLS = {  # the causal attention of this rank's CP groups, and the sequence 
 
 @dataclass(frozen=True)
 class Layout:
-    """What a layout makes of the model and the batch: derived once (`layout_of`), checked by `validate` before any
-    process group exists; the first part of every Plan."""
+    """What a layout makes of the model and the batch (`layout_of`): checked by `validate` before any process group
+    exists, then the first part of every Plan."""
     dp: int                  # world / (tp cp pp)
     seq_cp: int              # tokens of one sequence on a CP rank: s / cp
     seq_hidden: int          # tokens of the hidden state between the TP regions: s / cp, and / tp under SP
@@ -226,20 +227,18 @@ class Plan(Layout):
     cp_ring: object
     pp: object
     dp_cp: object
-    dp_cp_shard: object          # hybrid sharding: the ZeRO shards over these DP x CP ranks (dp_cp without it) ...
-    dp_cp_replicate: object      # ... replicated over these (None without it)
+    dp_cp_shard: object          # the data-parallel sums' group: dp_cp, or with hybrid sharding its shards ...
+    dp_cp_replicate: object      # ... replicated over these (None without hybrid sharding)
     ep: object
     edp: object
     tp_cp: object
-    embedding: object
+    embedding: object            # the group of the tied embedding's two copies (first and last stage)
     cp_impl: str
     recompute: str
     schedule: str                # the pipeline schedule (SCHEDULES)
     layers: tuple                # the global indices of this rank's layers, chunk after chunk
     logs_lm_loss: bool           # the LM loss from the last stage's TP rank 0 (the other TP ranks hold the same)
     logs_router_loss: bool       # the router loss from TP rank 0, CP rank 0 of every stage (likewise over tp_cp)
-
-    ps = property(lambda self: self.parallel_state)  # its former name
 
     @property
     def sizes(self):
@@ -296,33 +295,6 @@ def make_plan(cfg, train_cfg, parallel_state):
                 layers=tuple(i for first in chunks for i in range(first, first + per_chunk)),
                 logs_lm_loss=parallel_state.is_last_stage and parallel_state.tp_rank == 0,
                 logs_router_loss=parallel_state.tp_rank == 0 and parallel_state.cp_rank == 0)
-
-
-def gradient_reductions(plan, stage):
-    """Every gradient SUM of a step, and the parameters this rank counts in the gradient norm (made once, with the
-    stage's parameters). A gradient is complete once summed over every group that saw other tokens through the same
-    weights. The norm counts each distinct parameter once in the world: one replicated over TP on TP rank 0 only,
-    the tied embedding on the first stage only (the optimizer leaves out the DP x CP and EDP replicas itself)."""
-    params = [p for p in stage.parameters() if p.requires_grad]
-    tied = []
-    if plan.embedding is not None:  # the first stage's wte and the last stage's copy: the sum of both uses
-        tied = [stage.wte.weight if stage.first else stage.lm_head.weight]
-    tied_ids = {id(p) for p in tied}
-    # the two copies of the tied embedding take their DP x CP sum in a buffer of their own, laid out alike on
-    # both stages: summed in the same order, they stay equal to the bit (inside the other dense weights' buffer
-    # an element's place, so the order of its sum, would differ between the stages)
-    reductions = [r for r in (
-        Reduction("tied embedding", tied, plan.embedding, False),
-        Reduction("token-sharded, replicated over TP", [p for p in params if p.token_sharded], plan.tp, False),
-        Reduction("tied embedding over DP x CP", tied, plan.dp_cp_shard, True, plan.dp_cp_replicate),
-        Reduction("dense over DP x CP", [p for p in params if not p.expert and id(p) not in tied_ids],
-                  plan.dp_cp_shard, True, plan.dp_cp_replicate),
-        Reduction("experts over EDP", [p for p in params if p.expert], plan.edp, True),
-    ) if r.params and (r.group is not None or r.data_parallel)]
-    second_copy = {id(p) for p in tied if not stage.first}
-    norm_params = [p for p in params
-                   if id(p) not in second_copy and (plan.parallel_state.tp_rank == 0 or p.tp_dim is not None)]
-    return reductions, norm_params
 
 
 # ---- Tensor and sequence parallelism: the communication, then the layers -----------------------------------
@@ -455,7 +427,7 @@ class _TPLinear(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         x_full = _all_gather_seq(x, ctx.group) if ctx.sp else x
-        g2, x2 = grad_out.reshape(-1, grad_out.shape[-1]), x_full.reshape(-1, x_full.shape[-1])
+        g2, x2 = grad_out.reshape(-1, grad_out.shape[-1]), x_full.reshape(-1, x_full.shape[-1])  # 2-D views
         fp8_wgrad = None
         if ctx.fp8_backward is None:
             grad_x = grad_out @ weight
@@ -476,6 +448,12 @@ class _TPLinear(torch.autograd.Function):
         grad_w = g2.t() @ x2 if fp8_wgrad is None else fp8_wgrad(g2, x2)  # while the input gradient travels
         wait()
         return grad_x, grad_w, grad_b, None, None, None
+
+
+def full_init(name, shape, std, seed, dtype):
+    """N(0, std^2) weights of the WHOLE parameter `name`, from a generator seeded by that name."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return (torch.randn(shape, generator=gen, dtype=torch.float64) * std).to(dtype)
 
 
 # The layers below are, by hand so that every collective is in sight, what torch.distributed.tensor.parallel
@@ -507,33 +485,6 @@ class ColumnParallelLinear(nn.Module):
         return column_parallel(self.plan, x, self.weight, self.bias, self.gemm)
 
 
-class FP8(NamedTuple):
-    recipe: str      # --fp8-recipe
-    backward: str    # --fp8-backward: "bf16" or "fp8"
-
-
-def fp8_product(layer, fp8, split):
-    """A block linear's forward product: F.linear, or with --dtype fp8 mixed_precision.fp8_linear in FP8 E4M3 under
-    --fp8-recipe; backward GEMMs, the LM head and the experts in BF16. Per-tensor scales are agreed (MAX of the amax)
-    over TP: the shards of one weight, and a row-parallel layer's input shards, are one tensor. Under CP and DP each
-    rank quantises its own tokens (Transformer Engine also reduces the activation amax over CP). Delayed scaling
-    keeps an amax history per layer (not checkpointed; a recomputation would record its amaxes again)."""
-    if fp8 is None:
-        return F.linear
-    if fp8.recipe == "delayed":
-        layer.register_buffer("amax_history", torch.zeros(2, 16), persistent=False)
-
-    def product(x, weight, bias=None):
-        return mixed_precision.fp8_linear(x, weight, bias, amax_group=layer.plan.tp, recipe=fp8.recipe,
-                                          backward=fp8.backward, split=split if layer.plan.tp is not None else None,
-                                          amax_history=getattr(layer, "amax_history", None),
-                                          record_amax=torch.is_grad_enabled())
-
-    if fp8.backward == "fp8":  # beyond the chapter: FP8 backward GEMMs
-        product.backward_gemms = partial(fp8_backward_gemms, layer, fp8, split)
-    return product
-
-
 class RowParallelLinear(nn.Module):
     """y = reduce(x_local W_local^T) + b, W split by input columns; the bias is added once, after the sum
     (under SP to the sequence shard: its gradient is then partial over TP)."""
@@ -555,6 +506,34 @@ class RowParallelLinear(nn.Module):
         else:
             y = self.gemm(x, self.weight)
         return y if self.plan.tp is None else self.plan.reduce_tp(y) + self.bias
+
+
+class FP8(NamedTuple):
+    recipe: str      # --fp8-recipe
+    backward: str    # --fp8-backward: "bf16" or "fp8"
+
+
+def fp8_product(layer, fp8, split):
+    """A block linear's forward product: F.linear, or with --dtype fp8 mixed_precision.fp8_linear in FP8 E4M3 under
+    --fp8-recipe; the backward GEMMs (but with --fp8-backward fp8, below the banner), the LM head and the experts
+    in BF16. Per-tensor scales are agreed (MAX of the amax)
+    over TP: the shards of one weight, and a row-parallel layer's input shards, are one tensor. Under CP and DP each
+    rank quantises its own tokens (Transformer Engine also reduces the activation amax over CP). Delayed scaling
+    keeps an amax history per layer (not checkpointed; a recomputation would record its amaxes again)."""
+    if fp8 is None:
+        return F.linear
+    if fp8.recipe == "delayed":
+        layer.register_buffer("amax_history", torch.zeros(2, 16), persistent=False)
+
+    def product(x, weight, bias=None):
+        return mixed_precision.fp8_linear(x, weight, bias, amax_group=layer.plan.tp, recipe=fp8.recipe,
+                                          backward=fp8.backward, split=split if layer.plan.tp is not None else None,
+                                          amax_history=getattr(layer, "amax_history", None),
+                                          record_amax=torch.is_grad_enabled())
+
+    if fp8.backward == "fp8":  # beyond the chapter: FP8 backward GEMMs
+        product.backward_gemms = partial(fp8_backward_gemms, layer, fp8, split)
+    return product
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -614,13 +593,7 @@ def vocab_parallel_cross_entropy(logits, targets, start, group):
     return _VocabParallelCrossEntropy.apply(logits, targets, start, group)
 
 
-# ---- The model: one pipeline stage of a GPT ----------------------------------------------------------------
-
-def full_init(name, shape, std, seed, dtype):
-    """N(0, std^2) weights of the WHOLE parameter `name`, from a generator seeded by that name."""
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    return (torch.randn(shape, generator=gen, dtype=torch.float64) * std).to(dtype)
-
+# ---- The model: one pipeline stage of a GPT, and its gradient sums -------------------------------------
 
 class LayerNorm(nn.Module):
     def __init__(self, dim, plan, dtype):
@@ -641,7 +614,6 @@ class Block(nn.Module):
         super().__init__()
         h = cfg.n_embd
         self.plan, self.heads, self.layer = plan, cfg.n_head // plan.sizes["tp"], i
-        self.unit = self.next_unit = self.prev_unit = None  # ZeRO-2/3: set by build, with the optimizer
         std_out = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2: scale the residual projections
         self.ln1 = LayerNorm(h, plan, dtype)
         self.qkv = ColumnParallelLinear(f"h.{i}.attn.qkv", h, 3 * h, plan, cfg, dtype, parts=3, fp8=fp8)
@@ -742,6 +714,33 @@ class GPTStage(nn.Module):
         per_token = vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), self.lm_head.start,
                                                  self.plan.tp)
         return per_token.sum()
+
+
+def gradient_reductions(plan, stage):
+    """Every gradient SUM of a step, and the parameters this rank counts in the gradient norm (made once, with the
+    stage's parameters). A gradient is complete once summed over every group that saw other tokens through the same
+    weights. The norm counts each distinct parameter once in the world: one replicated over TP on TP rank 0 only,
+    the tied embedding on the first stage only (the optimizer leaves out the DP x CP and EDP replicas itself)."""
+    params = [p for p in stage.parameters() if p.requires_grad]
+    tied = []
+    if plan.embedding is not None:  # the first stage's wte and the last stage's copy: the sum of both uses
+        tied = [stage.wte.weight if stage.first else stage.lm_head.weight]
+    tied_ids = {id(p) for p in tied}
+    # the two copies of the tied embedding take their DP x CP sum in a buffer of their own, laid out alike on
+    # both stages: summed in the same order, they stay equal to the bit (inside the other dense weights' buffer
+    # an element's place, so the order of its sum, would differ between the stages)
+    reductions = [r for r in (
+        Reduction("tied embedding", tied, plan.embedding, False),
+        Reduction("token-sharded, replicated over TP", [p for p in params if p.token_sharded], plan.tp, False),
+        Reduction("tied embedding over DP x CP", tied, plan.dp_cp_shard, True, plan.dp_cp_replicate),
+        Reduction("dense over DP x CP", [p for p in params if not p.expert and id(p) not in tied_ids],
+                  plan.dp_cp_shard, True, plan.dp_cp_replicate),
+        Reduction("experts over EDP", [p for p in params if p.expert], plan.edp, True),
+    ) if r.params and (r.group is not None or r.data_parallel)]
+    second_copy = {id(p) for p in tied if not stage.first}
+    norm_params = [p for p in params
+                   if id(p) not in second_copy and (plan.parallel_state.tp_rank == 0 or p.tp_dim is not None)]
+    return reductions, norm_params
 
 
 # ---- Pipeline parallelism: a schedule is a list of actions per rank; one executor runs any of them ---------
@@ -876,11 +875,11 @@ def run_schedule(stage, pipe, kind, micro_batches, tokens_per_micro_batch, grad_
                           totals)
         ran.append(action)
         peak = max(peak, len(saved) + len(waiting))
-        to = pipe.consumer(rank, action)
-        if to is not None:
+        destination = pipe.consumer(rank, action)  # (rank, the action that reads this one's output), or None
+        if destination is not None:
             # an output leaves this stage: its storage is freed once sent (as Megatron-LM's deallocate_output_tensor),
             # not at its backward, which needs only the graph behind it and its shape
-            pipe.send(out, to[0], free=out.grad_fn is not None)
+            pipe.send(out, destination[0], free=out.grad_fn is not None)
         pipe.reap()
         sending = {id(tensor) for _, tensor, _ in pipe.sending}
         held = max(held, sum(o.untyped_storage().nbytes() for _, o, _, last in saved.values()
@@ -945,7 +944,7 @@ def train_step(stage, pipe, optimizer, tokens, micro_batch, grad_clip=0.0):
     Returns (LM loss, router loss, global gradient norm, whether the step was taken, the schedule's ScheduleStats)."""
     plan = stage.plan
     device = next(stage.parameters()).device
-    micro = plan.micro_batches(tokens, micro_batch, device)
+    micro_batches = plan.micro_batches(tokens, micro_batch, device)
     # the one normalisation: the loss is a sum over tokens, divided by the global batch's token count where
     # each backward starts (so 16-bit gradients have the magnitude of a mean loss's), times the FP16 loss scale
     # that the optimizer divides out again
@@ -954,13 +953,13 @@ def train_step(stage, pipe, optimizer, tokens, micro_batch, grad_clip=0.0):
     tokens_per_micro_batch, grad_scale = micro_batch * (tokens.shape[1] - 1), loss_scale / global_tokens
     if plan.pp is None and not plan.split_backward:  # one stage: 1F1B is each micro-batch's forward, then backward
         totals = torch.zeros(2, dtype=torch.float64, device=device)  # LM loss, router loss
-        for ids, positions, targets in micro:
+        for ids, positions, targets in micro_batches:
             loss, aux = forward_micro_batch(stage, ids, positions, targets, 0, tokens_per_micro_batch, totals)
             ((loss + aux) * grad_scale).backward()
-        loss_sum, aux_sum, schedule = totals[0], totals[1], ScheduleStats(min(1, len(micro)), 0,
-                                                                          schedule_1f1b(1, len(micro), 0))
+        loss_sum, aux_sum, schedule = totals[0], totals[1], ScheduleStats(min(1, len(micro_batches)), 0,
+                                                                          schedule_1f1b(1, len(micro_batches), 0))
     else:
-        loss_sum, aux_sum, schedule = run_schedule(stage, pipe, plan.schedule, micro, tokens_per_micro_batch,
+        loss_sum, aux_sum, schedule = run_schedule(stage, pipe, plan.schedule, micro_batches, tokens_per_micro_batch,
                                                    grad_scale)
     for reduction in stage.reductions:
         if not reduction.data_parallel:  # the optimizer runs the data-parallel sums (and ZeRO's reduce-scatter)
@@ -1099,7 +1098,8 @@ def main(argv=None):
 # ====================================================================================================
 # What follows extends the core above rather than copying it: two more entries of CP_IMPLS and two of SCHEDULES
 # (action lists the executor runs), a block forward for ZeRO-2/3 units, FP8 backward GEMMs. The core still reads
-# plan.split_backward (zero bubble's W split) in the executor's B, column_parallel and RowParallelLinear.
+# plan.split_backward (zero bubble's W split) in train_step, the executor's B, column_parallel and
+# RowParallelLinear, and _TPLinear's backward leaves its weight GEMM in `_deferred` while a zero-bubble B runs.
 
 # ---- Context parallelism: two more entries of the Plan's CP_IMPLS ------------------------------------------
 
@@ -1332,8 +1332,12 @@ def zero_unit_forward(block, x, aux):
                                         block.prev_unit, reduce_grads=not block.plan.split_backward)
 
 
+Block.unit = Block.next_unit = Block.prev_unit = None  # a block's ZeRO-2/3 unit and its neighbours: none below ZeRO-2
+
+
 def attach_zero_units(stage, opt):
-    """Each block a ZeRO-2/3 unit; its neighbours within its chunk, for the prefetch."""
+    """Each block a ZeRO-2/3 unit (its forward then `zero_unit_forward`); its neighbours within its chunk, for the
+    prefetch."""
     n = len(stage.blocks) // stage.plan.virtual_stages
     for i, (block, unit) in enumerate(zip(stage.blocks, opt.units)):
         block.unit = unit

@@ -159,7 +159,7 @@ def measure_schedule(cfg, batch, kind="1f1b", v=1, peaks=False):
     tokens = train_gpt.synthetic_batch(0, batch, cfg.seq_len, cfg.vocab_size)
     stats = train_gpt.train_step(stage, pipe, opt, tokens, 1)[-1]
     ranks = [None] * dist.get_world_size()
-    dist.all_gather_object(ranks, (plan.ps.pp_rank, stats.order, stats.peak))
+    dist.all_gather_object(ranks, (plan.parallel_state.pp_rank, stats.order, stats.peak))
     ranks = sorted(ranks)
     return ([o for _, o, _ in ranks], [k for _, _, k in ranks]) if peaks else [o for _, o, _ in ranks]
 

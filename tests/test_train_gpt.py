@@ -155,7 +155,7 @@ def _pipeline_peak(rank, world):
     plan, stage, opt, pipe = train_gpt.build(CFG, _run(pp=world, micro_batch=1, batch=8))
     tokens = train_gpt.synthetic_batch(0, 8, CFG.seq_len, CFG.vocab_size)
     *_, (peak, held, _) = train_gpt.train_step(stage, pipe, opt, tokens, micro_batch=1)
-    return plan.ps.pp_rank, peak, held
+    return plan.parallel_state.pp_rank, peak, held
 
 
 def test_1f1b_keeps_at_most_p_micro_batches_in_flight_and_frees_sent_outputs():
@@ -1244,7 +1244,7 @@ def _tied_copies(rank, world):
         train_gpt.train_step(stage, pipe, opt, train_gpt.synthetic_batch(step, 6, 16, 512), 1)
     mine = (stage.wte if stage.first else stage.lm_head).weight.detach().clone()
     other = torch.empty_like(mine)
-    peer = plan.ps.pp_next if stage.first else plan.ps.pp_prev
+    peer = plan.parallel_state.pp_next if stage.first else plan.parallel_state.pp_prev
     import torch.distributed as dist
     ops = [dist.P2POp(dist.isend, mine, peer), dist.P2POp(dist.irecv, other, peer)]
     for w in dist.batch_isend_irecv(ops):

@@ -951,7 +951,7 @@ def train_step(stage, pipe, optimizer, tokens, micro_batch, grad_clip=0.0):
     global_tokens = tokens.shape[0] * (tokens.shape[1] - 1)
     loss_scale = optimizer.loss_scaler.scale if optimizer.loss_scaler is not None else 1.0
     tokens_per_micro_batch, grad_scale = micro_batch * (tokens.shape[1] - 1), loss_scale / global_tokens
-    if plan.pp is None and not plan.split_backward:  # one stage: 1F1B is each micro-batch's forward, then backward
+    if plan.pp is None and plan.schedule == "1f1b":  # one stage of 1F1B: each micro-batch's forward, then backward
         totals = torch.zeros(2, dtype=torch.float64, device=device)  # LM loss, router loss
         for ids, positions, targets in micro_batches:
             loss, aux = forward_micro_batch(stage, ids, positions, targets, 0, tokens_per_micro_batch, totals)
@@ -1098,8 +1098,8 @@ def main(argv=None):
 # ====================================================================================================
 # What follows extends the core above rather than copying it: two more entries of CP_IMPLS and two of SCHEDULES
 # (action lists the executor runs), a block forward for ZeRO-2/3 units, FP8 backward GEMMs. The core still reads
-# plan.split_backward (zero bubble's W split) in train_step, the executor's B, column_parallel and
-# RowParallelLinear, and _TPLinear's backward leaves its weight GEMM in `_deferred` while a zero-bubble B runs.
+# plan.split_backward (zero bubble's W split) in the executor's B, column_parallel and RowParallelLinear, and
+# _TPLinear's backward leaves its weight GEMM in `_deferred` while a zero-bubble B runs.
 
 # ---- Context parallelism: two more entries of the Plan's CP_IMPLS ------------------------------------------
 

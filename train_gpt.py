@@ -1279,10 +1279,11 @@ def fp8_backward_gemms(layer, fp8, split, g2, x2, weight, needs, scales=None):
 # stochastically) in the block linears before the last --nvfp4-bf16-last blocks; those, the LM head and the experts
 # stay BF16 (NVIDIA's recipe keeps the last ~15 % of the blocks in BF16: the default). Weights BF16 with FP32
 # masters, as under FP8, at every ZeRO level. Under TP the shards of x, W and G are one tensor each: their FP32
-# tensor scales are MAX-agreed over TP (one all-reduce per quantisation point: the forward's x and W, the
-# backward's W, G, G^T R and x^T R), and each 16-block must lie on one rank: a row-parallel layer cuts K, a
-# column-parallel one its outputs (the dgrad's K), into n_embd / TP (x 4 for the MLP) per rank, so validate asks
-# n_embd / TP to be a multiple of 16. The Hadamard signs come from --seed, the same on every rank.
+# tensor scales are MAX-agreed over TP (one all-reduce in the forward for x and W, one in the backward for G,
+# G^T R and x^T R, and W where _TPLinear quantises it again), and each 16-block must lie on one rank: a
+# row-parallel layer cuts K, a column-parallel one its outputs (the dgrad's K), into n_embd / TP (x 4 for the
+# MLP) per rank, so validate asks n_embd / TP to be a multiple of 16. The Hadamard signs come from --seed: the
+# same on every rank.
 #
 # The stochastic rounding does not depend on the layout: the draws of micro-batch j (its index in the global
 # batch: DP rank x m + its index on this rank, so the same sequences) of a step come from a generator seeded by
@@ -1290,8 +1291,9 @@ def fp8_backward_gemms(layer, fp8, split, g2, x2, weight, needs, scales=None):
 # draws the whole parameter). The step is the loop's, so a resumed run draws what the uninterrupted one drew; only
 # backward GEMMs draw, so a recomputed forward changes nothing. Under CP each rank holds other tokens of the
 # micro-batch (seeded by its CP rank too) and quantises its own: amaxes over its tokens, Hadamard blocks of its 16
-# tokens, so CP layouts agree statistically, not to the bit. TP, PP and DP layouts agree to FP32 summation order
-# (the blocks' sums are added in another order), whose changes can flip a rounding: tests/ states the tolerance.
+# tokens, so CP layouts agree statistically, not to the bit. DP layouts (ZeRO's included) round as one rank does,
+# to the bit; TP and PP layouts to the FP32 order of the sums that they split (one layer's outputs and gradients:
+# 4e-8 relative), whose last bits, carried into BF16 activations, can flip a later rounding (tests/ measures both).
 
 NVFP4_LAYERS = (("qkv", "attn.qkv", "column"), ("proj", "attn.proj", "row"), ("fc", "mlp.fc", "column"),
                 ("out", "mlp.proj", "row"))  # attribute, name, TP split; a MoE block has no fc/out (experts: BF16)
@@ -1322,6 +1324,7 @@ class NVFP4Rounding:
         return self.count[role] - 1
 
     def uniforms(self, role, shape, micro):
+        """U[0, 1) of `shape` (this rank's shard of G for "dgrad", of G^T R for "wgrad") for micro-batch `micro`."""
         ps, t = self.plan.parallel_state, self.plan.sizes["tp"]
         j = ps.dp_rank * self.plan.micro_batch_count + micro  # the micro-batch's index in the global batch
         key = f"{self.seed} {self.step} {self.name} {role} {j} {ps.cp_rank}"
@@ -1335,7 +1338,7 @@ class NVFP4Rounding:
         u = rearrange(u, "(parts t o) ... -> parts t o ...", parts=self.parts, t=t)[:, ps.tp_rank]
         return u.flatten(0, 1).movedim(0, dim).contiguous()
 
-    def counted(self, role, shape):
+    def counted(self, role, shape):  # nvfp4_linear's own backward asks once per GEMM and micro-batch
         return self.uniforms(role, shape, self.next_micro(role))
 
 

@@ -3096,7 +3096,8 @@ def _nvfp4_curve(rank, world, **kwargs):
     torch.set_default_dtype(torch.float32)
     mixed_precision.fp8_log.clear()
     records = train_gpt.train(CFG_NV, _run(**{"dtype": "nvfp4", **kwargs}))
-    return [(r["loss"], r["grad_norm"]) for r in records], mixed_precision.fp8_log["nvfp4:emulated"]
+    return ([(r["loss"], r["grad_norm"]) for r in records], mixed_precision.fp8_log["nvfp4:emulated"],
+            mixed_precision.fp8_log["nvfp4:all_reduce"])
 
 
 @pytest.fixture(scope="module")
@@ -3105,30 +3106,32 @@ def nvfp4_one_rank():
 
 
 def test_nvfp4_runs_every_block_gemm_in_nvfp4_and_dp_zero_and_recomputation_change_nothing(nvfp4_one_rank):
-    one, calls = nvfp4_one_rank
+    one, calls, _ = nvfp4_one_rank
     # the default keeps the last 15 % of the 4 blocks (one) in BF16: 3 NVFP4 GEMMs (forward, dgrad, wgrad) x 4
     # linears x 3 blocks x 6 micro-batches x 3 steps; recomputation runs the forward GEMMs again (+ 1/3)
     gemms = 4 * 3 * (BATCH // MICRO) * STEPS
     assert calls == 3 * gemms
-    recomputed, calls = run_ranks(_nvfp4_curve, 1, recompute="full", timeout=60)[0]
+    recomputed, calls, _ = run_ranks(_nvfp4_curve, 1, recompute="full", timeout=60)[0]
     assert recomputed == one and calls == 4 * gemms  # bit for bit: only the backward draws, from the step
     # DP2 at ZeRO-1, 2, 3: each micro-batch draws from its index in the global batch, so the same sequences round
     # alike: the losses to the bit, the gradient norm to the FP32 order of the reduce-scatter (measured 1.1e-7)
     for zero in (1, 2, 3):
-        dp2, calls = run_ranks(_nvfp4_curve, 2, zero=zero, timeout=60)[0]
+        dp2, calls, _ = run_ranks(_nvfp4_curve, 2, zero=zero, timeout=60)[0]
         assert [l for l, _ in dp2] == [l for l, _ in one] and calls == 3 * gemms // 2, zero
         assert max(abs(a[1] - b[1]) / b[1] for a, b in zip(dp2, one)) < 1e-6, zero
     # --nvfp4-bf16-last 4 keeps every block in BF16: the BF16 run to the bit, no NVFP4 GEMM; the NVFP4 run is not it
-    bf16, _ = run_ranks(_nvfp4_curve, 1, dtype="bfloat16", timeout=60)[0]
-    assert run_ranks(_nvfp4_curve, 1, nvfp4_bf16_last=4, timeout=60)[0] == (bf16, 0)
+    bf16, _, _ = run_ranks(_nvfp4_curve, 1, dtype="bfloat16", timeout=60)[0]
+    assert run_ranks(_nvfp4_curve, 1, nvfp4_bf16_last=4, timeout=60)[0] == (bf16, 0, 0)
     assert bf16 != one
 
 
 def test_nvfp4_tp2_pp2_follows_one_rank_with_the_last_block_bf16(nvfp4_one_rank):
-    one, _ = nvfp4_one_rank
+    one, _, _ = nvfp4_one_rank
     out = run_ranks(_nvfp4_curve, 4, tp=2, pp=2, timeout=120)
-    # stage 0 holds blocks 0 and 1, stage 1 blocks 2 and 3, of which the last (15 % of 4, rounded) stays BF16
-    assert [calls for _, calls in out] == [3 * 4 * n * (BATCH // MICRO) * STEPS for n in (2, 2, 1, 1)]
+    # stage 0 holds blocks 0 and 1, stage 1 blocks 2 and 3, of which the last (15 % of 4, rounded) stays BF16;
+    # each NVFP4 linear agrees its tensor scales over TP in one all-reduce in the forward and one in the backward
+    linears = [4 * n * (BATCH // MICRO) * STEPS for n in (2, 2, 1, 1)]
+    assert [(calls, agreed) for _, calls, agreed in out] == [(3 * n, 2 * n) for n in linears]
     # Each NVFP4 layer agrees with one rank to the FP32 order of its sums (the layer test above). Over a run those
     # orders move BF16 activations by an ulp now and then (BF16 alone: 1.4e-4 on the gradient norm between these
     # layouts), and an E2M1 rounding whose input sits near a boundary moves by a whole spacing: measured 1.1e-4

@@ -1287,14 +1287,17 @@ def fp8_backward_gemms(layer, fp8, split, g2, x2, weight, needs, scales=None):
 #
 # The stochastic rounding does not depend on the layout: the draws of micro-batch j (its index in the global
 # batch: DP rank x m + its index on this rank, so the same sequences) of a step come from a generator seeded by
-# (--seed, step, layer name, GEMM, j), drawn for the whole tensor and cut to this rank's TP shard (as full_init
-# draws the whole parameter). The step is the loop's, so a resumed run draws what the uninterrupted one drew; only
-# backward GEMMs draw, so a recomputed forward changes nothing. Under CP each rank holds other tokens of the
-# micro-batch (seeded by its CP rank too) and quantises its own: amaxes over its tokens, Hadamard blocks of its 16
-# tokens, so CP layouts agree statistically, not to the bit. DP layouts (ZeRO's included) round as one rank does,
-# to the bit; TP and PP layouts to the FP32 order of the sums that they split (one layer's outputs and gradients:
-# 4e-8 relative), whose last bits, carried into BF16 activations, can flip a later rounding (tests/ measures both).
+# (--seed, step, layer name, GEMM, j), drawn for the whole tensor, all outputs and all tokens of the micro-batch,
+# and cut to this rank's TP and CP shards (as full_init draws the whole parameter). The step is the loop's, so a
+# resumed run draws what the uninterrupted one drew; only backward GEMMs draw, so a recomputed forward changes
+# nothing. The tensor scales are agreed over TP x CP, since CP ranks hold the other tokens of one micro-batch. The
+# wgrad's Hadamard transform mixes blocks of 16 tokens: where a CP shard keeps them whole (zigzag chunks, s / 2cp
+# tokens, a multiple of 16) they are the one-rank blocks; otherwise each CP rank transforms its own 16 and draws
+# its own (seeded by its CP rank too), and CP layouts agree statistically, not to the bit. Layouts then agree with
+# one rank to the FP32 order of the sums that they split (one layer's outputs and gradients: 4e-8 relative; DP:
+# none, to the bit), whose last bits, carried into BF16 activations, can flip a later rounding (tests/ measures).
 
+NVFP4_TOKENS = mixed_precision.NVFP4_BLOCK  # the wgrad's Hadamard transform mixes blocks of 16 tokens
 NVFP4_LAYERS = (("qkv", "attn.qkv", "column"), ("proj", "attn.proj", "row"), ("fc", "mlp.fc", "column"),
                 ("out", "mlp.proj", "row"))  # attribute, name, TP split; a MoE block has no fc/out (experts: BF16)
 
@@ -1305,14 +1308,27 @@ def nvfp4_bf16_last(cfg, train_cfg):
     return round(0.15 * cfg.n_layer) if k is None else k
 
 
+def whole_token_blocks(positions):
+    """Whether a CP shard's token positions keep the wgrad's Hadamard blocks (16 tokens from a multiple of 16)
+    whole: then they are the one-rank blocks."""
+    if len(positions) % NVFP4_TOKENS:
+        return False
+    blocks = positions.reshape(-1, NVFP4_TOKENS)
+    starts = blocks[:, :1]
+    return bool((starts % NVFP4_TOKENS == 0).all() and (blocks == starts + torch.arange(NVFP4_TOKENS)).all())
+
+
 class NVFP4Rounding:
     """One layer's stochastic-rounding draws: U[0, 1) for micro-batch `micro` of the stage's current step, drawn for
-    the whole tensor and cut to this rank's TP shard."""
+    the whole tensor (the layer's whole outputs, the micro-batch's whole sequences) and cut to this rank's TP and CP
+    shards."""
 
     def __init__(self, name, layer, stage, seed, split):
         self.name, self.stage, self.seed, self.plan = name, stage, seed, layer.plan
         self.parts = getattr(layer.weight, "tp_parts", 1) if split == "column" else None  # None: not cut
         self.device, self.step, self.count = layer.weight.device, None, {}
+        sequence = torch.arange(self.plan.seq_cp * self.plan.sizes["cp"])
+        self.cp_blocks_whole = whole_token_blocks(self.plan.shard(sequence, 0))
 
     def next_micro(self, role):
         """This rank's index of the micro-batch whose `role` backward runs now (each runs once per micro-batch, in
@@ -1325,18 +1341,26 @@ class NVFP4Rounding:
 
     def uniforms(self, role, shape, micro):
         """U[0, 1) of `shape` (this rank's shard of G for "dgrad", of G^T R for "wgrad") for micro-batch `micro`."""
-        ps, t = self.plan.parallel_state, self.plan.sizes["tp"]
-        j = ps.dp_rank * self.plan.micro_batch_count + micro  # the micro-batch's index in the global batch
-        key = f"{self.seed} {self.step} {self.name} {role} {j} {ps.cp_rank}"
+        plan, ps = self.plan, self.plan.parallel_state
+        t, cp = plan.sizes["tp"], plan.sizes["cp"]
+        j = ps.dp_rank * plan.micro_batch_count + micro  # the micro-batch's index in the global batch
+        tokens, outputs = (0, 1) if role == "dgrad" else (1, 0)  # G (tokens, N), G^T R (N, tokens)
+        cut_tp = self.parts is not None and t > 1
+        cut_cp = cp > 1 and (role == "dgrad" or self.cp_blocks_whole)
+        key = f"{self.seed} {self.step} {self.name} {role} {j}" + (f" cp {ps.cp_rank}" if cp > 1 and not cut_cp
+                                                                   else "")
         gen = torch.Generator(device=self.device).manual_seed(zlib.crc32(key.encode()))
-        dim = 1 if role == "dgrad" else 0  # G (tokens, N), G^T R (N, tokens): where the outputs N lie
-        if self.parts is None or t == 1:
-            return torch.rand(shape, generator=gen, device=self.device)
         whole = list(shape)
-        whole[dim] *= t
-        u = torch.rand(whole, generator=gen, device=self.device).movedim(dim, 0)
-        u = rearrange(u, "(parts t o) ... -> parts t o ...", parts=self.parts, t=t)[:, ps.tp_rank]
-        return u.flatten(0, 1).movedim(0, dim).contiguous()
+        whole[outputs] *= t if cut_tp else 1
+        whole[tokens] *= cp if cut_cp else 1
+        u = torch.rand(whole, generator=gen, device=self.device)
+        if cut_tp:  # this rank's 1/t of each of the layer's `parts` output blocks (as its weight rows)
+            u = rearrange(u.movedim(outputs, 0), "(parts t o) ... -> parts t o ...", parts=self.parts, t=t)
+            u = u[:, ps.tp_rank].flatten(0, 1).movedim(0, outputs)
+        if cut_cp:  # this rank's CP shard of each sequence's tokens
+            u = u.movedim(tokens, 0).unflatten(0, (-1, plan.seq_cp * cp))
+            u = plan.shard(u, 1).flatten(0, 1).movedim(0, tokens)
+        return u.contiguous()
 
     def counted(self, role, shape):  # nvfp4_linear's own backward asks once per GEMM and micro-batch
         return self.uniforms(role, shape, self.next_micro(role))
@@ -1355,8 +1379,9 @@ def use_nvfp4(stage, cfg, train_cfg):
 
 def nvfp4_product(layer, rounding, hadamard_seed):
     """The layer's product: mixed_precision.nvfp4_linear (called directly: TP = 1, or a row-parallel layer's local
-    product), with `backward_gemms` for _TPLinear (TP, zero bubble) running the same backward arithmetic."""
-    group = layer.plan.tp
+    product), with `backward_gemms` for _TPLinear (TP, zero bubble) running the same backward arithmetic. The tensor
+    scales are agreed over TP x CP: the CP ranks hold the other tokens of the same micro-batch."""
+    group = layer.plan.tp_cp
     hadamard = mixed_precision.random_hadamard(mixed_precision.NVFP4_BLOCK, hadamard_seed, device=layer.weight.device)
 
     def product(x, weight, bias=None):

@@ -3034,24 +3034,27 @@ def test_a_crafted_memo_index_is_refused_by_the_opcode_scan_itself(pristine_chec
 CFG_NV = dataclasses.replace(CFG, n_embd=32)  # TP2 keeps 16 of each 16-block's columns per rank: n_embd / 2 = 16
 
 
-def _nvfp4_layers(rank, world, x, g):
+def _nvfp4_layers(rank, world, x, g, split_over="tp"):
     """Block 0's QKV (column-parallel, Q, K, V split apart) and MLP output (row-parallel) in FP32 with NVFP4 products
-    on TP = world: each one's (output, input gradient, weight gradient, NVFP4 GEMMs run, weight, input), this rank's
-    shards, for the whole input x and output gradient g."""
+    on TP = world (or CP = world): each one's (output, input gradient, weight gradient, NVFP4 GEMMs run, weight,
+    input), this rank's shards, for the whole input x and output gradient g (batch, sequence, features)."""
     import mixed_precision
     torch.set_default_dtype(torch.float32)
-    plan, stage, _, _ = train_gpt.build(CFG_NV, _run(dtype="nvfp4", tp=world), optimizer=False)
-    stage.step, out, h = 5, [], CFG_NV.n_embd
-    for layer, name, split in ((train_gpt.ColumnParallelLinear("h.0.attn.qkv", h, 3 * h, plan, CFG_NV, torch.float32,
+    cfg, h = dataclasses.replace(CFG_NV, seq_len=x.shape[1]), CFG_NV.n_embd
+    plan, stage, _, _ = train_gpt.build(cfg, _run(dtype="nvfp4", batch=x.shape[0], micro_batch=x.shape[0],
+                                                  **{split_over: world}), optimizer=False)
+    stage.step, out, t = 5, [], plan.sizes["tp"]
+    x, g = plan.shard(x, 1), plan.shard(g, 1)  # this rank's tokens (all of them without CP)
+    for layer, name, split in ((train_gpt.ColumnParallelLinear("h.0.attn.qkv", h, 3 * h, plan, cfg, torch.float32,
                                                                parts=3), "h.0.attn.qkv", "column"),
-                               (train_gpt.RowParallelLinear("h.0.mlp.proj", 4 * h, h, plan, CFG_NV, torch.float32),
+                               (train_gpt.RowParallelLinear("h.0.mlp.proj", 4 * h, h, plan, cfg, torch.float32),
                                 "h.0.mlp.proj", "row")):
-        layer.gemm = train_gpt.nvfp4_product(layer, train_gpt.NVFP4Rounding(name, layer, stage, CFG_NV.seed, split),
-                                             CFG_NV.seed)
-        xi = (x[..., :h] if split == "column" else x.chunk(world, -1)[rank]).clone().requires_grad_()
-        gi = _qkv_shard(g, world, rank) if split == "column" else g[..., :h]
+        layer.gemm = train_gpt.nvfp4_product(layer, train_gpt.NVFP4Rounding(name, layer, stage, cfg.seed, split),
+                                             cfg.seed)
+        xi = (x[..., :h] if split == "column" else x.chunk(t, -1)[plan.parallel_state.tp_rank]).clone()
+        gi = _qkv_shard(g, t, plan.parallel_state.tp_rank) if split == "column" else g[..., :h]
         calls = mixed_precision.fp8_log["nvfp4:emulated"]
-        y = layer(xi)
+        y = layer(xi.requires_grad_())
         y.backward(gi)
         out.append((y.detach(), xi.grad, layer.weight.grad, mixed_precision.fp8_log["nvfp4:emulated"] - calls,
                     layer.weight.detach(), xi.detach()))
@@ -3063,12 +3066,12 @@ def _qkv_shard(t, world, rank, dim=-1):
     return torch.cat([part.chunk(world, dim)[rank] for part in t.chunk(3, dim)], dim)
 
 
-def test_nvfp4_layers_run_the_emulated_formula_and_their_tp2_shards_agree_with_one_rank():
+def test_nvfp4_layers_run_the_emulated_formula_and_their_tp2_and_cp2_shards_agree_with_one_rank():
+    import long_seq
     import mixed_precision as mp
     gen = torch.Generator().manual_seed(0)
-    x, g = torch.randn(2, 16, 4 * CFG_NV.n_embd, generator=gen), torch.randn(2, 16, 96, generator=gen) * 1e-3
+    x, g = torch.randn(2, 64, 4 * CFG_NV.n_embd, generator=gen), torch.randn(2, 64, 96, generator=gen) * 1e-3
     one = run_ranks(_nvfp4_layers, 1, x, g, timeout=60)[0]
-    two = run_ranks(_nvfp4_layers, 2, x, g, timeout=60)
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()
     for y, _, _, calls, w, xi in one:
         assert calls == 3  # the forward, the dgrad and the wgrad: each an NVFP4 GEMM
@@ -3078,16 +3081,23 @@ def test_nvfp4_layers_run_the_emulated_formula_and_their_tp2_shards_agree_with_o
         exact = mp.dequantize_nvfp4(qx).double() @ mp.dequantize_nvfp4(qw).double().t()
         assert rel(y.reshape(exact.shape).double(), exact) < 1e-6
         assert rel(y, xi @ w.t()) > 0.02  # and it is 4-bit: NVFP4 errs by ~0.1 per operand (FP32 by 1e-7)
-    # TP2: the shards of the outputs and of the gradients (the column-parallel input gradient summed over TP). The
-    # tensor scales are agreed and the draws cut from the whole tensor's, so only the FP32 order of sums differs
-    # (the row-parallel output's K blocks summed in two halves, the column-parallel dgrad over TP): measured 4.4e-8
-    # relative there and 0 elsewhere, asserted at 1e-5; a draw or a scale other than the whole tensor's moves
-    # elements by an E2M1 spacing (at least 1/12 of its block's largest): > 1e-2 over these tensors.
+    # TP2 and CP2: the shards of the outputs and of the gradients. The tensor scales are agreed over TP x CP and the
+    # draws cut from the whole tensor's, so only the FP32 order of the sums that a layout splits differs (TP: the
+    # row-parallel output's K blocks summed in two halves, the column-parallel dgrad summed over TP; CP: the weight
+    # gradient's tokens): measured 4.4e-8 relative there and 0 elsewhere, asserted at 1e-5. A draw or a scale
+    # other than the whole tensor's moves elements by an E2M1 spacing (at least 1/12 of its block's largest):
+    # measured 0.05 to 0.2 over these tensors.
     (y, gx, gw, *_), (y_row, gx_row, gw_row, *_) = one
-    for r, ((y2, gx2, gw2, *_), (y2_row, gx2_row, gw2_row, *_)) in enumerate(two):
+    tp2 = run_ranks(_nvfp4_layers, 2, x, g, timeout=60)
+    for r, ((y2, gx2, gw2, *_), (y2_row, gx2_row, gw2_row, *_)) in enumerate(tp2):
         assert rel(y2, _qkv_shard(y, 2, r)) < 1e-5 and rel(gw2, _qkv_shard(gw, 2, r, 0)) < 1e-5, r
         assert rel(y2_row, y_row) < 1e-5 and rel(gx2_row, gx_row.chunk(2, -1)[r]) < 1e-5, r
         assert rel(gw2_row, gw_row.chunk(2, -1)[r]) < 1e-5 and rel(gx2, gx) < 1e-5, r  # gx2: summed over TP
+    cp2 = run_ranks(_nvfp4_layers, 2, x, g, "cp", timeout=60)  # zigzag shards of 16 tokens: whole Hadamard blocks
+    for i, (y, gx, gw, *_) in enumerate(one):
+        assert rel(long_seq.zigzag_unshard([cp2[r][i][0] for r in range(2)], 1), y) < 1e-5, i
+        assert rel(long_seq.zigzag_unshard([cp2[r][i][1] for r in range(2)], 1), gx) < 1e-5, i
+        assert rel(cp2[0][i][2] + cp2[1][i][2], gw) < 1e-5, i  # each CP rank's tokens' part of the weight gradient
 
 
 def _nvfp4_curve(rank, world, **kwargs):

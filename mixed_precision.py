@@ -2049,6 +2049,11 @@ def sqnr_db(x, x_hat):
 # (reproducible; a run seeds one per step so that the steps differ). Everything else rounds to nearest.
 # Practitioners keep the last few blocks and the LM head in BF16 (the loss is most sensitive there).
 #
+# Under tensor parallelism the shards of x, W and G are one tensor each: `amax_group` MAX-agrees each FP32 tensor
+# scale (nvfp4_amaxes: one all-reduce in the forward, one in the backward), and where the 16-blocks lie whole on
+# each rank the shards then quantise as the whole tensor does. `uniforms` hands the stochastic rounding draws made
+# by the caller, who can draw them for the whole tensor and keep its shard: the rounding then ignores the layout.
+#
 # quantize_nvfp4 returns the E2M1 values as an FP32 tensor holding only E2M1 values (the emulation computes
 # with them exactly); pack_e2m1 packs them two to a byte for the FP4 tensor cores (Blackwell, compute capability
 # 10.0+), which torch._scaled_mm drives there; everywhere else, the CPU included, nvfp4_matmul emulates the

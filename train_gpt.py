@@ -2730,7 +2730,8 @@ def what_runs(cfg, train_cfg, plan, stage, data):
         f"batch: {train_cfg.batch} sequences a step = {plan.micro_batch_count} micro-batches of "
         f"{train_cfg.micro_batch} x DP {sizes['dp']}; data: {data.source}{tokens}",
         f"precision: {train_cfg.dtype}" + (f" ({train_cfg.fp8_recipe})" if train_cfg.dtype == "fp8" else "")
-        + (f" (the last {nvfp4_bf16_last(cfg, train_cfg)} of the blocks BF16)" if train_cfg.dtype == "nvfp4" else "")
+        + (f" ({cfg.n_layer - nvfp4_bf16_last(cfg, train_cfg)} of {cfg.n_layer} blocks; the rest, the LM head and "
+           "the experts BF16)" if train_cfg.dtype == "nvfp4" else "")
         + f", masters and main grads {str(train_cfg.master_dtype)[6:]}; ZeRO {train_cfg.zero}; recompute "
         f"{train_cfg.recompute}; "
         f"{train_cfg.steps} steps of {train_cfg.optimizer}, lr {train_cfg.lr:g}"])

@@ -1394,7 +1394,7 @@ def nvfp4_product(layer, rounding, hadamard_seed):
 
 def nvfp4_backward_gemms(rounding, group, hadamard, g2, x2, weight, needs, prepared=None):
     """_TPLinear's NVFP4 backward: ((grad_x, grad_w), prepared). The first call (B) quantises W again (as the
-    forward did) and agrees the tensor scales of W and of the gradient operands over TP in one all-reduce, and
+    forward did) and agrees the tensor scales of W and of the gradient operands over TP x CP in one all-reduce, and
     fixes the micro-batch of the draws; a later call (W, under zero bubble) reuses them, communicating nothing."""
     if prepared is None:
         amax = mixed_precision.nvfp4_amaxes([weight, *mixed_precision.nvfp4_gradient_operands(g2, x2, hadamard)],

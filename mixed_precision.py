@@ -2049,6 +2049,11 @@ def sqnr_db(x, x_hat):
 # (reproducible; a run seeds one per step so that the steps differ). Everything else rounds to nearest.
 # Practitioners keep the last few blocks and the LM head in BF16 (the loss is most sensitive there).
 #
+# Under tensor parallelism the shards of x, W and G are one tensor each: `amax_group` MAX-agrees each FP32 tensor
+# scale (nvfp4_amaxes: one all-reduce in the forward, one in the backward), and where the 16-blocks lie whole on
+# each rank the shards then quantise as the whole tensor does. `uniforms` hands the stochastic rounding draws made
+# by the caller, who can draw them for the whole tensor and keep its shard: the rounding then ignores the layout.
+#
 # quantize_nvfp4 returns the E2M1 values as an FP32 tensor holding only E2M1 values (the emulation computes
 # with them exactly); pack_e2m1 packs them two to a byte for the FP4 tensor cores (Blackwell, compute capability
 # 10.0+), which torch._scaled_mm drives there; everywhere else, the CPU included, nvfp4_matmul emulates the
@@ -2073,27 +2078,32 @@ class NVFP4(NamedTuple):
     tensor_scale: torch.Tensor
 
 
-def round_to_e2m1(x, stochastic=False, generator=None):
+def round_to_e2m1(x, stochastic=False, generator=None, uniforms=None):
     """x rounded to E2M1 (FP32 result), saturating at +-6: to nearest with ties to the even code (0, 1, 2, 4),
     or stochastically, up to the upper neighbour with probability (|x| - lo) / (hi - lo) from `generator` (torch's
-    default generator when None). Both are exact: |x| - lo is exact in FP32 (Sterbenz: lo <= |x| <= 2 lo, or
-    lo = 0) and hi - lo is a power of two."""
+    default generator when None), or, given `uniforms` (x's shape, U[0, 1)), where uniforms < that fraction. Both
+    are exact: |x| - lo is exact in FP32 (Sterbenz: lo <= |x| <= 2 lo, or lo = 0) and hi - lo is a power of two."""
     grid = torch.tensor(E2M1_VALUES, device=x.device)
     magnitude = x.float().abs().clamp(max=E2M1_MAX).contiguous()  # searchsorted reads it contiguous
     lower = (torch.searchsorted(grid, magnitude, right=True) - 1).clamp(max=len(grid) - 2)
     lo, hi = grid[lower], grid[lower + 1]
     fraction = (magnitude - lo) / (hi - lo)
     if stochastic:
-        up = torch.rand(magnitude.shape, generator=generator, device=x.device) < fraction
+        if uniforms is None:
+            uniforms = torch.rand(magnitude.shape, generator=generator, device=x.device)
+        up = uniforms < fraction
     else:
         up = (fraction > 0.5) | ((fraction == 0.5) & (lower % 2 == 1))  # a tie goes to the even code, lower + 1
     return torch.where(up, hi, lo).copysign(x.float())
 
 
-def quantize_nvfp4(t, block=(1, NVFP4_BLOCK), stochastic=False, generator=None):
+def quantize_nvfp4(t, block=(1, NVFP4_BLOCK), stochastic=False, generator=None, *, tensor_amax=None,
+                   uniforms=None):
     """t (rows, K) to NVFP4 with blocks of `block` = (1, 16) (activations, gradients) or (16, 16) (weights),
     anchored at (0, 0); a partial block at the end holds what is left (as if zero-padded, as quantize_blocks).
-    stochastic: round the E2M1 values stochastically (gradients), from `generator`."""
+    stochastic: round the E2M1 values stochastically (gradients), from `generator`, or from `uniforms` (t's shape,
+    U[0, 1): drawn by the caller, e.g. for a whole tensor of which t is a shard). tensor_amax: the amax that sets
+    the FP32 tensor scale (nvfp4_amaxes: agreed over the ranks holding shards of one tensor); None: t's own."""
     if t.dim() != 2:
         raise ValueError(f"t has shape {tuple(t.shape)}: quantize_nvfp4 takes a 2-D (rows, K) tensor")
     if tuple(block) not in ((1, NVFP4_BLOCK), (NVFP4_BLOCK, NVFP4_BLOCK)):
@@ -2102,12 +2112,15 @@ def quantize_nvfp4(t, block=(1, NVFP4_BLOCK), stochastic=False, generator=None):
     tb = _row_and_k_blocks(t.contiguous(), block[0], NVFP4_BLOCK)  # a transpose (W^T, G^T) copied once
     amax = tb.abs().amax(dim=(1, 3))  # (row blocks, K blocks)
     e4m3_max = torch.finfo(E4M3).max
-    tensor_amax = amax.max() if amax.numel() else torch.zeros((), device=t.device)
+    if tensor_amax is None:
+        tensor_amax = amax.max() if amax.numel() else torch.zeros((), device=t.device)
     tensor_scale = tensor_amax.clamp(min=AMAX_EPS) / (E2M1_MAX * e4m3_max)
     scale = (amax / E2M1_MAX / tensor_scale).clamp(max=e4m3_max).to(E4M3)
     decode = (scale.float() * tensor_scale)[:, None, :, None]
     scaled = torch.where(decode > 0, tb / decode, 0.0)  # a block whose scale is 0 in E4M3 holds zeros
-    q = round_to_e2m1(scaled, stochastic, generator)
+    if uniforms is not None:
+        uniforms = _row_and_k_blocks(uniforms, block[0], NVFP4_BLOCK)
+    q = round_to_e2m1(scaled, stochastic, generator, uniforms)
     return NVFP4(_from_row_and_k_blocks(q, rows, k).contiguous(), scale, tuple(block), 0, tensor_scale)
 
 
@@ -2191,18 +2204,66 @@ def nvfp4_matmul(a, b, out_dtype=torch.float32, use_scaled_mm=True):
     return (y * (a.tensor_scale * b.tensor_scale)).to(out_dtype)
 
 
-class _NVFP4Options(NamedTuple):
+class NVFP4Options(NamedTuple):
     generator: object  # torch.Generator for the gradients' stochastic rounding (None: torch's default)
     hadamard: torch.Tensor
     use_scaled_mm: bool
+    amax_group: object = None  # the ranks holding shards of one tensor (TP): its tensor scales are MAX-agreed
+    uniforms: object = None    # (role, shape) -> U[0, 1) draws of the stochastic rounding; None: `generator`
+
+
+def nvfp4_amaxes(tensors, group=None):
+    """max |t| of each tensor (FP32, stacked), MAX-reduced over `group` in one all-reduce: the ranks of a TP group
+    hold shards of one tensor, which takes one FP32 tensor scale (as agreed_amax for FP8)."""
+    amax = torch.stack([amax_of(t) for t in tensors])
+    if _group_size(group, "amax_group") > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        fp8_log["nvfp4:all_reduce"] += 1
+    return amax
+
+
+def nvfp4_gradient_operands(g, x2, hadamard):
+    """The backward's operands before quantisation, FP32: G (rows, N) for the dgrad, and for the wgrad G^T and
+    x^T (N or K, tokens) Hadamard-transformed along the tokens."""
+    g, x2 = g.float(), x2.float()
+    return g, hadamard_along_k(g.t(), hadamard), hadamard_along_k(x2.t(), hadamard)
+
+
+def nvfp4_backward_gemms(g, x2, qw, options, needs, amaxes=None):
+    """(grad_x, grad_W) of y = x W^T in NVFP4, each None where `needs` (dgrad, wgrad) says so: G stochastically
+    rounded, x^T to nearest, qw the forward's 16 x 16-blocked W. amaxes: the tensor amaxes of
+    nvfp4_gradient_operands (None: computed and agreed over options.amax_group here). options.uniforms, when set,
+    gives the stochastic rounding's draws: uniforms("dgrad", G's shape), uniforms("wgrad", G^T R's shape)."""
+    g, g_t, x_t = nvfp4_gradient_operands(g, x2, options.hadamard)
+    if amaxes is None:
+        amaxes = nvfp4_amaxes([g, g_t, x_t], options.amax_group) if options.amax_group is not None else [None] * 3
+    draw = lambda role, t: None if options.uniforms is None else options.uniforms(role, tuple(t.shape))
+    grad_x = grad_w = None
+    if needs[0]:  # dgrad G W: reduces over N; W^T is W's blocks transposed
+        qg = quantize_nvfp4(g, stochastic=True, generator=options.generator, tensor_amax=amaxes[0],
+                            uniforms=draw("dgrad", g))
+        grad_x = nvfp4_matmul(qg, transpose_nvfp4(qw), x2.dtype, options.use_scaled_mm)
+    if needs[1]:  # wgrad G^T x: reduces over the tokens, both operands Hadamard-transformed
+        qg_t = quantize_nvfp4(g_t, stochastic=True, generator=options.generator, tensor_amax=amaxes[1],
+                              uniforms=draw("wgrad", g_t))
+        grad_w = nvfp4_matmul(qg_t, quantize_nvfp4(x_t, tensor_amax=amaxes[2]), torch.float32, options.use_scaled_mm)
+    return grad_x, grad_w
+
+
+def quantize_nvfp4_pair(x2, weight, group=None):
+    """The forward's operands: x (rows, K) in 1 x 16 blocks and W in 16 x 16, their tensor scales agreed over
+    `group` (one all-reduce; None: each its own)."""
+    amax = nvfp4_amaxes([x2, weight], group) if group is not None else [None, None]
+    return quantize_nvfp4(x2, tensor_amax=amax[0]), quantize_nvfp4(weight, (NVFP4_BLOCK, NVFP4_BLOCK),
+                                                                  tensor_amax=amax[1])
 
 
 class _NVFP4LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, options):
         x2 = x.reshape(-1, x.shape[-1])
-        qw = quantize_nvfp4(weight, (NVFP4_BLOCK, NVFP4_BLOCK))
-        y = nvfp4_matmul(quantize_nvfp4(x2), qw, x.dtype, options.use_scaled_mm)
+        qx, qw = quantize_nvfp4_pair(x2, weight, options.amax_group)
+        y = nvfp4_matmul(qx, qw, x.dtype, options.use_scaled_mm)
         ctx.save_for_backward(x, qw.data, qw.scale, qw.tensor_scale)  # x in high precision, W as quantised
         ctx.options, ctx.weight_dtype = options, weight.dtype
         return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -2210,32 +2271,28 @@ class _NVFP4LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, *w_fields = ctx.saved_tensors
-        options = ctx.options
         qw = NVFP4(w_fields[0], w_fields[1], (NVFP4_BLOCK, NVFP4_BLOCK), 0, w_fields[2])
-        g = grad_out.reshape(-1, qw.data.shape[0]).float()
-        x2 = x.reshape(-1, x.shape[-1]).float()
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:  # dgrad G W: reduces over N; W^T is W's blocks transposed
-            qg = quantize_nvfp4(g, stochastic=True, generator=options.generator)
-            grad_x = nvfp4_matmul(qg, transpose_nvfp4(qw), x.dtype, options.use_scaled_mm).reshape(x.shape)
-        if ctx.needs_input_grad[1]:  # wgrad G^T x: reduces over the tokens, both operands Hadamard-transformed
-            g_t = hadamard_along_k(g.t(), options.hadamard)
-            x_t = hadamard_along_k(x2.t(), options.hadamard)
-            grad_w = nvfp4_matmul(quantize_nvfp4(g_t, stochastic=True, generator=options.generator),
-                                  quantize_nvfp4(x_t), ctx.weight_dtype, options.use_scaled_mm)
-        return grad_x, grad_w, None
+        grad_x, grad_w = nvfp4_backward_gemms(grad_out.reshape(-1, qw.data.shape[0]), x.reshape(-1, x.shape[-1]),
+                                              qw, ctx.options, ctx.needs_input_grad[:2])
+        return (None if grad_x is None else grad_x.reshape(x.shape),
+                None if grad_w is None else grad_w.to(ctx.weight_dtype), None)
 
 
-def nvfp4_linear(x, weight, bias=None, generator=None, hadamard_seed=0, use_scaled_mm=True):
+def nvfp4_linear(x, weight, bias=None, generator=None, hadamard_seed=0, use_scaled_mm=True, *, amax_group=None,
+                 uniforms=None):
     """y = x @ weight^T + bias with all three GEMMs in NVFP4 (x has any leading shape):
         forward  y = x W^T      x in 1 x 16 blocks, W in 16 x 16 blocks, both rounded to nearest
         dgrad    grad_x = G W   G in 1 x 16 blocks along N, rounded stochastically; W^T is W's blocks transposed
         wgrad    grad_W = G^T x G^T and x^T Hadamard-transformed along the tokens (random_hadamard(16,
                                 hadamard_seed)), in 1 x 16 blocks; G^T stochastically, x^T to nearest
     generator: the torch.Generator of the stochastic rounding (on the gradient's device), seeded per step by the
-    caller for reproducible, varying draws; None takes torch's default generator."""
+    caller for reproducible, varying draws; None takes torch's default generator. Under TP, amax_group (the TP
+    group) MAX-agrees every tensor scale, since the shards of x, W and G are one tensor each; uniforms(role,
+    shape) -> U[0, 1) replaces the generator's draws (role "dgrad" or "wgrad"), so that a caller can draw them
+    for the whole tensor and keep its shard (the rounding then does not depend on the layout)."""
     hadamard = random_hadamard(NVFP4_BLOCK, hadamard_seed, device=x.device)
-    y = _NVFP4LinearFunction.apply(x, weight, _NVFP4Options(generator, hadamard, use_scaled_mm))
+    options = NVFP4Options(generator, hadamard, use_scaled_mm, amax_group, uniforms)
+    y = _NVFP4LinearFunction.apply(x, weight, options)
     return y if bias is None else y + bias.to(y.dtype)
 
 

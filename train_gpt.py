@@ -39,7 +39,7 @@ per-tensor FP8 block GEMMs, ZeRO-1 over DP x CP (mixed_precision.py); micro-batc
 
 Reading order is run order: the configs, the Plan, TP/SP, the model, the 1F1B executor, the step, `build`, the loop
 and `main`. Below the BEYOND THE CHAPTER banner, what plugs into them (interleaved and zero-bubble schedules,
-all-gather and hybrid CP, fine-grained FP8, ZeRO-2/3, the formulas); then THE JOB, whose functions the loop and
+all-gather and hybrid CP, fine-grained FP8, NVFP4, ZeRO-2/3, the formulas); then THE JOB, whose functions the loop and
 `main` call: the learning-rate schedule and validation, the log, data, checkpoints, input checks, the exports,
 sampling, the command line.
 """
@@ -112,13 +112,13 @@ class TrainConfig:
     cp_ulysses: int = 1               # hybrid: the Ulysses ranks inside each CP group (CP = u x ring)
     pp_schedule: str = "1f1b"         # 1f1b | interleaved | zb-h1
     virtual_stages: int = 1           # model chunks per pipeline rank (interleaving)
-    recompute: str = "none"           # none | full | sqrt | selective
-    dtype: str = "float32"            # float32 | bfloat16 | float16 | fp8 | float64
+    recompute: str = "none"           # none | full | sqrt | selective | offload | selective+offload
+    dtype: str = "float32"            # float32 | bfloat16 | float16 | fp8 | nvfp4 | float64
+    nvfp4_bf16_last: int = None       # with --dtype nvfp4: the last K blocks stay BF16 (None: the last 15 %)
     fp8_recipe: str = "tensorwise"    # with --dtype fp8: tensorwise | delayed | rowwise | blockwise | mxfp8
     fp8_backward: str = "bf16"        # with --dtype fp8: bf16 (16-bit backward GEMMs) | fp8 (E5M2 gradients)
     fp8_param_gather: bool = False    # ZeRO 1-3: all-gather the weights in MXFP8 + scales instead of BF16
-    zero: int = 0                     # 1: optimizer states sharded over DP x CP (experts: EDP); 2: + gradients;
-    #                                   3: + parameters (the blocks': gathered for each use)
+    zero: int = 0                     # ZeRO, over DP x CP (experts: EDP): 1 optimizer states, 2 + grads, 3 + weights
     zero_shard_size: int = None       # hybrid sharding: shard over groups of this many DP x CP ranks, replicate across
     batch: int = 16                   # global batch, in sequences
     micro_batch: int = 2
@@ -138,13 +138,13 @@ class TrainConfig:
     resume: bool = False              # continue from the latest complete checkpoint in out_dir, if any
     init_from_hf: str = None          # a GPT-2 folder (config.json, model.safetensors): the initial weights
     timeout_s: float = 300.0          # process-group timeout: a dead peer ends the job within it
-    metrics: str = None
-    peak_tflops: float = None
-    log: bool = True
+    metrics: str = None               # a JSON-lines file (None: none; the command line's default: OUT/metrics.jsonl)
+    peak_tflops: float = None         # for the MFU (None: a known GPU's dense BF16 peak)
+    log: bool = True                  # a line per step on rank 0
 
     @property
     def param_dtype(self):
-        return {"fp8": torch.bfloat16}.get(self.dtype) or getattr(torch, self.dtype)
+        return {"fp8": torch.bfloat16, "nvfp4": torch.bfloat16}.get(self.dtype) or getattr(torch, self.dtype)
 
     @property
     def master_dtype(self):
@@ -987,6 +987,8 @@ def build(cfg, train_cfg, optimizer=True):
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     fp8 = FP8(train_cfg.fp8_recipe, train_cfg.fp8_backward) if train_cfg.dtype == "fp8" else None
     stage = GPTStage(cfg, plan, train_cfg.param_dtype, fp8=fp8).to(device)
+    if train_cfg.dtype == "nvfp4":  # beyond the chapter: the block linears in NVFP4
+        use_nvfp4(stage, cfg, train_cfg)
     opt = make_optimizer(stage, train_cfg) if optimizer else None
     if opt is not None and train_cfg.zero >= 2:
         attach_zero_units(stage, opt)
@@ -1041,6 +1043,7 @@ def train(cfg, train_cfg, data=None):
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
+                stage.step = step  # what NVFP4's stochastic rounding draws from (beyond the chapter)
                 loss, aux, grad_norm, stepped, schedule = train_step(stage, pipe, opt, tokens, train_cfg.micro_batch,
                                                                      train_cfg.grad_clip)
                 # train_step ends with a host sync (the loss), so this is the whole step
@@ -1094,12 +1097,12 @@ def main(argv=None):
     dist.destroy_process_group()
 
 
-# BEYOND THE CHAPTER: interleaved and zero-bubble schedules, all-gather and hybrid CP, FP8 fine-grained, ZeRO-2/3
+# BEYOND THE CHAPTER: interleaved and zero-bubble schedules, all-gather and hybrid CP, finer FP8, NVFP4, ZeRO-2/3
 # ====================================================================================================
 # What follows extends the core above rather than copying it: two more entries of CP_IMPLS and two of SCHEDULES
-# (action lists the executor runs), a block forward for ZeRO-2/3 units, FP8 backward GEMMs. The core still reads
-# plan.split_backward (zero bubble's W split) in the executor's B, column_parallel and RowParallelLinear, and
-# _TPLinear's backward leaves its weight GEMM in `_deferred` while a zero-bubble B runs.
+# (action lists the executor runs), a block forward for ZeRO-2/3 units, FP8 backward GEMMs, NVFP4 products. The
+# core still reads plan.split_backward (zero bubble's W split) in the executor's B, column_parallel and
+# RowParallelLinear, and _TPLinear's backward leaves its weight GEMM in `_deferred` while a zero-bubble B runs.
 
 # ---- Context parallelism: two more entries of the Plan's CP_IMPLS ------------------------------------------
 
@@ -1139,6 +1142,140 @@ def fp8_backward_gemms(layer, fp8, split, g2, x2, weight, needs, scales=None):
         scales = mixed_precision.fp8_backward_scales(g2, x2, weight, group)
     return mixed_precision.fp8_backward_gemms(g2, x2, weight, fp8.recipe, group, split if group else None,
                                               needs=needs, scales=scales), scales
+
+
+# ---- NVFP4 block linears (--dtype nvfp4): all three GEMMs in 4 bits, the last blocks and the LM head in BF16 ----
+# mixed_precision.nvfp4_linear's recipe (E2M1 values, one E4M3 scale per 16 along K, an FP32 scale per tensor;
+# 16 x 16 weight blocks; the wgrad's operands Hadamard-transformed along the tokens; the gradients rounded
+# stochastically) in the block linears before the last --nvfp4-bf16-last blocks; those, the LM head and the experts
+# stay BF16 (NVIDIA's recipe keeps the last ~15 % of the blocks in BF16: the default). Weights BF16 with FP32
+# masters, as under FP8, at every ZeRO level. Under TP the shards of x, W and G are one tensor each: their FP32
+# tensor scales are MAX-agreed over TP (one all-reduce in the forward for x and W, one in the backward for G,
+# G^T R and x^T R, and W where _TPLinear quantises it again), and each 16-block must lie on one rank: a
+# row-parallel layer cuts K, a column-parallel one its outputs (the dgrad's K), into n_embd / TP (x 4 for the
+# MLP) per rank, so validate asks n_embd / TP to be a multiple of 16. The Hadamard signs come from --seed: the
+# same on every rank.
+#
+# The stochastic rounding does not depend on the layout: the draws of micro-batch j (its index in the global
+# batch: DP rank x m + its index on this rank, so the same sequences) of a step come from a generator seeded by
+# (--seed, step, layer name, GEMM, j), drawn for the whole tensor, all outputs and all tokens of the micro-batch,
+# and cut to this rank's TP and CP shards (as full_init draws the whole parameter). The step is the loop's, so a
+# resumed run draws what the uninterrupted one drew; only backward GEMMs draw, so a recomputed forward changes
+# nothing. The tensor scales are agreed over TP x CP, since CP ranks hold the other tokens of one micro-batch. The
+# wgrad's Hadamard transform mixes blocks of 16 tokens: where a CP shard keeps them whole (zigzag chunks, s / 2cp
+# tokens, a multiple of 16) they are the one-rank blocks; otherwise each CP rank transforms its own 16 and draws
+# its own (seeded by its CP rank too), and CP layouts agree statistically, not to the bit. Layouts then agree with
+# one rank to the FP32 order of the sums that they split (one layer's outputs and gradients: 4e-8 relative; DP:
+# none, to the bit), whose last bits, carried into BF16 activations, can flip a later rounding (tests/ measures).
+
+NVFP4_TOKENS = mixed_precision.NVFP4_BLOCK  # the wgrad's Hadamard transform mixes blocks of 16 tokens
+NVFP4_LAYERS = (("qkv", "attn.qkv", "column"), ("proj", "attn.proj", "row"), ("fc", "mlp.fc", "column"),
+                ("out", "mlp.proj", "row"))  # attribute, name, TP split; a MoE block has no fc/out (experts: BF16)
+
+
+def nvfp4_bf16_last(cfg, train_cfg):
+    """K: the last K blocks stay BF16 (--nvfp4-bf16-last; default the last 15 %, rounded: 1 of 4, 2 of 12)."""
+    k = train_cfg.nvfp4_bf16_last
+    return round(0.15 * cfg.n_layer) if k is None else k
+
+
+def whole_token_blocks(positions):
+    """Whether a CP shard's token positions keep the wgrad's Hadamard blocks (16 tokens from a multiple of 16)
+    whole: then they are the one-rank blocks."""
+    if len(positions) % NVFP4_TOKENS:
+        return False
+    blocks = positions.reshape(-1, NVFP4_TOKENS)
+    starts = blocks[:, :1]
+    return bool((starts % NVFP4_TOKENS == 0).all() and (blocks == starts + torch.arange(NVFP4_TOKENS)).all())
+
+
+class NVFP4Rounding:
+    """One layer's stochastic-rounding draws: U[0, 1) for micro-batch `micro` of the stage's current step, drawn for
+    the whole tensor (the layer's whole outputs, the micro-batch's whole sequences) and cut to this rank's TP and CP
+    shards."""
+
+    def __init__(self, name, layer, stage, seed, split):
+        self.name, self.stage, self.seed, self.plan = name, stage, seed, layer.plan
+        self.parts = getattr(layer.weight, "tp_parts", 1) if split == "column" else None  # None: not cut
+        self.device, self.step, self.count = layer.weight.device, None, {}
+        sequence = torch.arange(self.plan.seq_cp * self.plan.sizes["cp"])
+        self.cp_blocks_whole = whole_token_blocks(self.plan.shard(sequence, 0))
+
+    def next_micro(self, role):
+        """This rank's index of the micro-batch whose `role` backward runs now (each runs once per micro-batch, in
+        order, whatever the schedule and the recomputation)."""
+        step = getattr(self.stage, "step", 0)
+        if step != self.step:
+            self.step, self.count = step, {}
+        self.count[role] = self.count.get(role, 0) + 1
+        return self.count[role] - 1
+
+    def uniforms(self, role, shape, micro):
+        """U[0, 1) of `shape` (this rank's shard of G for "dgrad", of G^T R for "wgrad") for micro-batch `micro`."""
+        plan, ps = self.plan, self.plan.parallel_state
+        t, cp = plan.sizes["tp"], plan.sizes["cp"]
+        j = ps.dp_rank * plan.micro_batch_count + micro  # the micro-batch's index in the global batch
+        tokens, outputs = (0, 1) if role == "dgrad" else (1, 0)  # G (tokens, N), G^T R (N, tokens)
+        cut_tp = self.parts is not None and t > 1
+        cut_cp = cp > 1 and (role == "dgrad" or self.cp_blocks_whole)
+        key = f"{self.seed} {self.step} {self.name} {role} {j}" + (f" cp {ps.cp_rank}" if cp > 1 and not cut_cp
+                                                                   else "")
+        gen = torch.Generator(device=self.device).manual_seed(zlib.crc32(key.encode()))
+        whole = list(shape)
+        whole[outputs] *= t if cut_tp else 1
+        whole[tokens] *= cp if cut_cp else 1
+        u = torch.rand(whole, generator=gen, device=self.device)
+        if cut_tp:  # this rank's 1/t of each of the layer's `parts` output blocks (as its weight rows)
+            u = rearrange(u.movedim(outputs, 0), "(parts t o) ... -> parts t o ...", parts=self.parts, t=t)
+            u = u[:, ps.tp_rank].flatten(0, 1).movedim(0, outputs)
+        if cut_cp:  # this rank's CP shard of each sequence's tokens
+            u = u.movedim(tokens, 0).unflatten(0, (-1, plan.seq_cp * cp))
+            u = plan.shard(u, 1).flatten(0, 1).movedim(0, tokens)
+        return u.contiguous()
+
+    def counted(self, role, shape):  # nvfp4_linear's own backward asks once per GEMM and micro-batch
+        return self.uniforms(role, shape, self.next_micro(role))
+
+
+def use_nvfp4(stage, cfg, train_cfg):
+    """Give the block linears before the last K blocks NVFP4 products (build calls it under --dtype nvfp4)."""
+    hadamard_seed, last = cfg.seed, cfg.n_layer - nvfp4_bf16_last(cfg, train_cfg)
+    for block in stage.blocks:
+        for attr, name, split in NVFP4_LAYERS:
+            layer = getattr(block, attr, None)
+            if block.layer < last and layer is not None:
+                rounding = NVFP4Rounding(f"h.{block.layer}.{name}", layer, stage, cfg.seed, split)
+                layer.gemm = nvfp4_product(layer, rounding, hadamard_seed)
+
+
+def nvfp4_product(layer, rounding, hadamard_seed):
+    """The layer's product: mixed_precision.nvfp4_linear (called directly: TP = 1, or a row-parallel layer's local
+    product), with `backward_gemms` for _TPLinear (TP, zero bubble) running the same backward arithmetic. The tensor
+    scales are agreed over TP x CP: the CP ranks hold the other tokens of the same micro-batch."""
+    group = layer.plan.tp_cp
+    hadamard = mixed_precision.random_hadamard(mixed_precision.NVFP4_BLOCK, hadamard_seed, device=layer.weight.device)
+
+    def product(x, weight, bias=None):
+        return mixed_precision.nvfp4_linear(x, weight, bias, hadamard_seed=hadamard_seed, amax_group=group,
+                                            uniforms=rounding.counted)
+
+    product.backward_gemms = partial(nvfp4_backward_gemms, rounding, group, hadamard)
+    return product
+
+
+def nvfp4_backward_gemms(rounding, group, hadamard, g2, x2, weight, needs, prepared=None):
+    """_TPLinear's NVFP4 backward: ((grad_x, grad_w), prepared). The first call (B) quantises W again (as the
+    forward did) and agrees the tensor scales of W and of the gradient operands over TP x CP in one all-reduce, and
+    fixes the micro-batch of the draws; a later call (W, under zero bubble) reuses them, communicating nothing."""
+    if prepared is None:
+        amax = mixed_precision.nvfp4_amaxes([weight, *mixed_precision.nvfp4_gradient_operands(g2, x2, hadamard)],
+                                            group)
+        qw = mixed_precision.quantize_nvfp4(weight, (mixed_precision.NVFP4_BLOCK,) * 2, tensor_amax=amax[0])
+        prepared = (qw, amax[1:], rounding.next_micro("backward"))
+    qw, amaxes, micro = prepared
+    options = mixed_precision.NVFP4Options(None, hadamard, True, group, partial(rounding.uniforms, micro=micro))
+    grad_x, grad_w = mixed_precision.nvfp4_backward_gemms(g2, x2, qw, options, needs, amaxes)
+    return (grad_x, None if grad_w is None else grad_w.to(weight.dtype)), prepared
 
 
 # ---- Interleaved and zero-bubble pipeline schedules: the action lists, the W split, the timeline -----------
@@ -1802,7 +1939,7 @@ CONFIG_FIELDS = {  # bounds far past any model trained today, so that nothing re
     **{k: _int(1, 1 << 16) for k in ("n_layer", "n_head", "n_experts", "top_k")},
     "moe_every": _int(0, 1 << 16), "seed": _int(0, 2 ** 31 - 1), "aux_loss_coeff": _real(), "z_loss_coeff": _real()}
 LAYOUT_FIELDS = {**{k: _int(1, 1 << 20) for k in ("tp", "pp", "cp", "ep")}, "zero": _int(0, 3),
-                 "dtype": _one_of(("float32", "bfloat16", "float16", "fp8", "float64"))}
+                 "dtype": _one_of(("float32", "bfloat16", "float16", "fp8", "nvfp4", "float64"))}
 SCHEDULE_CHECKS = {"lr": _real(above=True), "min_lr": _real(none=True), "warmup": _int(0), "steps": _int(1)}
 OPTIMIZER_STATE_FIELDS = {"param_groups": ((lambda v: isinstance(v, list) and len(v) <= 16 and
                                             all(isinstance(g, dict) for g in v)), "a list of objects"),
@@ -2546,6 +2683,8 @@ def what_runs(cfg, train_cfg, plan, stage, data):
         f"batch: {train_cfg.batch} sequences a step = {plan.micro_batch_count} micro-batches of "
         f"{train_cfg.micro_batch} x DP {sizes['dp']}; data: {data.source}{tokens}",
         f"precision: {train_cfg.dtype}" + (f" ({train_cfg.fp8_recipe})" if train_cfg.dtype == "fp8" else "")
+        + (f" ({cfg.n_layer - nvfp4_bf16_last(cfg, train_cfg)} of {cfg.n_layer} blocks; the rest, the LM head and "
+           "the experts BF16)" if train_cfg.dtype == "nvfp4" else "")
         + f", masters and main grads {str(train_cfg.master_dtype)[6:]}; ZeRO {train_cfg.zero}; recompute "
         f"{train_cfg.recompute}; "
         f"{train_cfg.steps} steps of {train_cfg.optimizer}, lr {train_cfg.lr:g}"])
@@ -2649,7 +2788,7 @@ def release_out_dir(out_dir):
 
 # ---- Input checks: every flag, file and checkpoint, before any process group exists ------------------------
 
-DTYPES = ("float32", "bfloat16", "float16", "fp8", "float64")
+DTYPES = ("float32", "bfloat16", "float16", "fp8", "nvfp4", "float64")
 TIMEOUT_RANGE_S = (1, 7 * 24 * 3600)  # --timeout-s: below a second every collective of a busy rank would fail
 RECOMPUTE = ("none", "full", "sqrt", "selective", "offload", "selective+offload")  # checkpointing.py's
 
@@ -2748,6 +2887,7 @@ def validate(cfg, train_cfg, world):
         (train_cfg.dtype == "fp8" and train_cfg.fp8_recipe == "delayed" and train_cfg.recompute != "none",
          f"--fp8-recipe delayed records each GEMM's amax as it runs, and --recompute {train_cfg.recompute} would "
          "record it again: use --recompute none or another --fp8-recipe"),
+        *nvfp4_checks(cfg, train_cfg),
         (train_cfg.zero not in (0, 1, 2, 3),
          f"--zero {train_cfg.zero} is unknown; choose 0 (replicated), 1 (optimizer states sharded), 2 (and gradients) "
          "or 3 (and parameters)"),
@@ -2767,6 +2907,20 @@ def validate(cfg, train_cfg, world):
     error = schedule_error(train_cfg.pp_schedule, pp, layout.micro_batch_count, train_cfg.virtual_stages)
     if error:
         raise ValueError(error)
+
+
+def nvfp4_checks(cfg, train_cfg):
+    """--dtype nvfp4's (failed, message) pairs: K blocks in BF16 among the model's, 16-blocks whole on each TP rank."""
+    k, tp, nvfp4 = train_cfg.nvfp4_bf16_last, train_cfg.tp, train_cfg.dtype == "nvfp4"
+    return [
+        (k is not None and not nvfp4, f"--nvfp4-bf16-last {k} keeps blocks of an NVFP4 run in BF16: it needs "
+                                      "--dtype nvfp4"),
+        (nvfp4 and k is not None and not 0 <= k <= cfg.n_layer,
+         f"--nvfp4-bf16-last {k} must be between 0 and --layers {cfg.n_layer} (the last K blocks stay BF16)"),
+        (nvfp4 and tp > 1 and nvfp4_bf16_last(cfg, train_cfg) < cfg.n_layer and (cfg.n_embd // tp) % 16,
+         f"--dtype nvfp4 scales 16 consecutive elements together, and --tp {tp} cuts --hidden {cfg.n_embd} into "
+         f"{cfg.n_embd / tp:g} per rank: choose --hidden and --tp with --hidden/--tp a multiple of 16"),
+    ]
 
 
 def schedule_error(kind, p, m, v):
@@ -3433,6 +3587,8 @@ def parse_args(argv=None):
           "backward GEMMs in BF16, or in FP8 with E5M2 gradients at the recipe's granularity")
     group("--fp8-param-gather", action="store_true", help="with --zero 1, 2 or 3: all-gather the weights in FP8 "
           "(MXFP8: E4M3 and one power-of-two scale per 32)")
+    group("--nvfp4-bf16-last", type=int, default=None, metavar="K", help="with --dtype nvfp4: the last K blocks "
+          "stay BF16, as the LM head and the experts do (default: the last 15 %%, rounded)")
     group = ap.add_argument_group("memory").add_argument
     group("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="1: shard the optimizer states over DP x CP; "
           "2: and the gradients; 3: and the blocks' parameters (gathered for each use)")

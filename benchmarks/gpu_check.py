@@ -11,7 +11,8 @@
    FP8 GEMM as K grows (1K-64K) beside the emulated 14-bit accumulator.
 3. NVFP4: mixed_precision.py's emulated NVFP4 GEMM (1 x 16-blocked activations, 16 x 16-blocked weights) against
    float64 beside BF16's error, and through torch._scaled_mm where the device has FP4 tensor cores (Blackwell),
-   against the emulation; elsewhere the emulation timed; nvfp4_linear's forward and backward timed, its errors.
+   against the emulation; elsewhere the emulation timed; nvfp4_linear's forward and backward timed, its errors;
+   train_gpt.py --dtype nvfp4 on the device (its draws there), 1F1B against zero bubble and against BF16.
 4. long_seq.py's fused ring attention on CUDA (world size 1: every ring step's kernel path) against the einsum
    reference and against F.scaled_dot_product_attention on the whole sequence, forward and backward.
 5. A checkpoint of that run saved and sampled from (the CUDA path of `--sample`).
@@ -283,6 +284,28 @@ def nvfp4(device, dry):
         + " (bound 0.25)")
     if not max(errors) < 0.25:
         raise AssertionError(f"nvfp4_linear: a relative error {max(errors):.3f} is not below 0.25")
+    nvfp4_in_the_run(device, steps=2 if dry else 4)
+
+
+def nvfp4_in_the_run(device, steps):
+    """train_gpt.py --dtype nvfp4 on this device: the stochastic rounding's draws made on it (a generator per layer,
+    micro-batch and step), 1F1B (nvfp4_linear's own backward) against zero bubble (the trainer's backward GEMMs, the
+    weight GEMM deferred to W), and against BF16."""
+    before = mixed_precision.fp8_log["nvfp4:emulated"] + mixed_precision.fp8_log["nvfp4:scaled_mm"]
+    bf16, one_f_one_b, zero_bubble = _device_curves(device, [dict(dtype="bfloat16"), dict(dtype="nvfp4"),
+                                                             dict(dtype="nvfp4", pp_schedule="zb-h1")], steps)
+    gemms = mixed_precision.fp8_log["nvfp4:emulated"] + mixed_precision.fp8_log["nvfp4:scaled_mm"] - before
+    # 3 GEMMs x 4 linears x 3 NVFP4 blocks (the last of 4 stays BF16) x 4 micro-batches x the steps, in two runs
+    expected = 2 * 3 * 4 * 3 * 4 * steps
+    say("nvfp4 run GEMMs", f"{gemms} (expected {expected})")
+    if gemms != expected:
+        raise AssertionError(f"nvfp4 run: {gemms} NVFP4 GEMMs, not one per GEMM of every NVFP4 block linear")
+    # the same draws and roundings; the weight gradients accumulate in another order, whose last-bit changes can
+    # flip a rounding downstream
+    check("nvfp4 run zb-h1 vs 1f1b on the device", _largest_difference(one_f_one_b, zero_bubble) / one_f_one_b[0],
+          1e-3, f"largest relative loss difference over {steps} steps")
+    check("nvfp4 run vs bf16 on the device", _largest_difference(bf16, one_f_one_b) / bf16[0], 2e-2,
+          f"largest relative loss difference over {steps} steps")
 
 
 def ring(device, dry):
@@ -309,9 +332,9 @@ def ring(device, dry):
         check(f"ring {str(dtype)[6:]} fused vs SDPA", err("fused", "sdpa"), bound, "max relative error")
 
 
-def _device_curves(device, runs):
-    """The losses of 4 steps of a small model on this device (one process; float32 unless a change says otherwise),
-    for each TrainConfig change."""
+def _device_curves(device, runs, steps=4):
+    """The losses of `steps` steps of a small model on this device (one process; float32 unless a change says
+    otherwise), for each TrainConfig change."""
     cfg = train_gpt.GPTConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, n_embd=64)
     curves = []
     for changes in runs:
@@ -319,7 +342,7 @@ def _device_curves(device, runs):
                                     **{"dtype": "float32", **changes})
         _, stage, opt, pipe = train_gpt.build(cfg, run)
         curves.append([train_gpt.train_step(stage, pipe, opt, train_gpt.synthetic_batch(k, 8, 64, 256).to(device),
-                                            2, run.grad_clip)[0] for k in range(4)])
+                                            2, run.grad_clip)[0] for k in range(steps)])
     return curves
 
 

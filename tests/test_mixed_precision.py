@@ -1842,6 +1842,39 @@ def test_nvfp4_linear_runs_its_three_gemms_as_stated_with_gradients_near_float64
     assert empty.grad.shape == (0, 64) and torch.all(weight.grad == 0)
 
 
+
+def _row_split_nvfp4_linear(rank, world, x, w, g):
+    """nvfp4_linear with K cut over the ranks (a row-parallel layer): y's partial sum and this rank's gradients, the
+    tensor scales agreed over the world, the draws of G (whole on every rank: the same seed) from `uniforms`."""
+    draws = lambda role, shape: torch.rand(shape, generator=torch.Generator().manual_seed(len(role)))
+    xi, wi = (t.chunk(world, -1)[rank].clone().requires_grad_(True) for t in (x, w))
+    mp.fp8_log.clear()
+    y = mp.nvfp4_linear(xi, wi, hadamard_seed=1, amax_group=dist.group.WORLD if world > 1 else None,
+                        uniforms=draws)
+    y.backward(g)
+    return y.detach(), xi.grad, wi.grad, mp.fp8_log["nvfp4:all_reduce"]
+
+
+def test_nvfp4_scales_agreed_over_a_split_k_and_given_draws_make_the_shards_those_of_one_rank():
+    gen = torch.Generator().manual_seed(0)
+    t = torch.randn(40, 64, generator=gen)
+    # given draws round as the generator's own (the blocks of 1 x 16 lie in t's order): the same values
+    by_generator = mp.quantize_nvfp4(t, stochastic=True, generator=torch.Generator().manual_seed(3))
+    u = torch.rand(t.shape, generator=torch.Generator().manual_seed(3))
+    given = mp.quantize_nvfp4(t, stochastic=True, uniforms=u)
+    assert torch.equal(by_generator.data, given.data) and torch.equal(by_generator.scale.float(), given.scale.float())
+    assert mp.quantize_nvfp4(t, tensor_amax=2 * t.abs().max()).tensor_scale == 2 * given.tensor_scale
+    x, w, g = (torch.randn(*shape, generator=gen) for shape in ((2, 40, 64), (48, 64), (2, 40, 48)))
+    one = run_ranks(_row_split_nvfp4_linear, 1, x, w, g, timeout=60)[0]
+    two = run_ranks(_row_split_nvfp4_linear, 2, x, w, g, timeout=60)
+    # K = 64 cut into 32 per rank keeps every 16-block on one rank; with the agreed tensor scales each rank's
+    # operands are the one-rank ones, cut: the gradients to the bit, y's two partial sums to FP32 order (1e-6)
+    assert _relative(two[0][0] + two[1][0], one[0]) <= 1e-6
+    for r, (_, gx, gw, agreed) in enumerate(two):
+        assert torch.equal(gx, one[1].chunk(2, -1)[r]) and torch.equal(gw, one[2].chunk(2, -1)[r]), r
+        assert agreed == 2  # one all-reduce in the forward (x, W), one in the backward (G, G^T R, x^T R)
+
+
 # ---- ZeRO-2, ZeRO-3 (units) and hybrid sharding --------------------------------------------------------
 
 ROWS, SHARDED_LR, SHARDED_MAX_NORM = 36, 0.02, 20.0  # 36 rows: 3 micro-batches on 2, 3 and 4 ranks; clips steps 0, 1

@@ -2264,14 +2264,16 @@ class _NVFP4LinearFunction(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         qx, qw = quantize_nvfp4_pair(x2, weight, options.amax_group)
         y = nvfp4_matmul(qx, qw, x.dtype, options.use_scaled_mm)
-        ctx.save_for_backward(x, qw.data, qw.scale, qw.tensor_scale)  # x in high precision, W as quantised
+        # x in high precision; W as quantised, its E2M1 elements held in one byte each (exact in E4M3, signed zero
+        # included), not in their FP32 emulation, which would keep 4 bytes per parameter for every micro-batch
+        ctx.save_for_backward(x, qw.data.to(torch.float8_e4m3fn), qw.scale, qw.tensor_scale)
         ctx.options, ctx.weight_dtype = options, weight.dtype
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
         x, *w_fields = ctx.saved_tensors
-        qw = NVFP4(w_fields[0], w_fields[1], (NVFP4_BLOCK, NVFP4_BLOCK), 0, w_fields[2])
+        qw = NVFP4(w_fields[0].float(), w_fields[1], (NVFP4_BLOCK, NVFP4_BLOCK), 0, w_fields[2])
         grad_x, grad_w = nvfp4_backward_gemms(grad_out.reshape(-1, qw.data.shape[0]), x.reshape(-1, x.shape[-1]),
                                               qw, ctx.options, ctx.needs_input_grad[:2])
         return (None if grad_x is None else grad_x.reshape(x.shape),

@@ -1220,7 +1220,10 @@ class NVFP4Rounding:
         cut_cp = cp > 1 and (role == "dgrad" or self.cp_blocks_whole)
         key = f"{self.seed} {self.step} {self.name} {role} {j}" + (f" cp {ps.cp_rank}" if cp > 1 and not cut_cp
                                                                    else "")
-        gen = torch.Generator(device=self.device).manual_seed(zlib.crc32(key.encode()))
+        # a 64-bit seed (CRC32 and Adler-32 of the key): a long run has more keys than 2^32, and two GEMMs that
+        # shared a 32-bit seed would round alike
+        seed = zlib.crc32(key.encode()) << 32 | zlib.adler32(key.encode())
+        gen = torch.Generator(device=self.device).manual_seed(seed)
         whole = list(shape)
         whole[outputs] *= t if cut_tp else 1
         whole[tokens] *= cp if cut_cp else 1

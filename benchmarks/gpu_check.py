@@ -341,8 +341,12 @@ def _device_curves(device, runs, steps=4):
         run = train_gpt.TrainConfig(batch=8, micro_batch=2, lr=1e-3, log=False, data="synthetic", timeout_s=120,
                                     **{"dtype": "float32", **changes})
         _, stage, opt, pipe = train_gpt.build(cfg, run)
-        curves.append([train_gpt.train_step(stage, pipe, opt, train_gpt.synthetic_batch(k, 8, 64, 256).to(device),
-                                            2, run.grad_clip)[0] for k in range(steps)])
+        curve = []
+        for k in range(steps):
+            stage.step = k  # as train() sets it: NVFP4's stochastic rounding draws from the step
+            curve.append(train_gpt.train_step(stage, pipe, opt, train_gpt.synthetic_batch(k, 8, 64, 256).to(device),
+                                              2, run.grad_clip)[0])
+        curves.append(curve)
     return curves
 
 

@@ -2014,27 +2014,40 @@ def test_offloaded_bytes_per_layer_are_checkpointings_formula():
                 assert mine["device_resident"] == theirs["device_resident"] == 2 * s * b * h
                 assert mine["to_host"] + 16 * s * b == theirs["to_host"], (policy, b, s, h, a)
                 assert mine["to_device"] + 16 * s * b == theirs["to_device"]
-    # checkpointing.py's verdict and the planner's wait are one formula: a cluster whose GEMMs run at the peak, with
-    # no launch cost and a memory-bound part made negligible, gives a layer's forward the FLOPs / rate checkpointing.py
-    # divides; fed checkpointing's bytes, the planner waits as long (offload; under selective+offload the planner's
-    # backward also holds the recomputed core, so it waits no longer)
+    # checkpointing.py's verdict is the planner's per-layer wait with the backward window B = 2 F: a cluster whose
+    # GEMMs run at the peak, with no launch cost and a memory-bound part made negligible, gives a layer's forward
+    # the FLOPs / rate checkpointing.py divides; fed checkpointing's bytes, the planner waits as long under offload
+    # (1F1B), and under selective+offload as long as with B = 2 F + the recomputed core A (so no longer); zb-h1's B
+    # lacks the weight-gradient GEMMs W (so no shorter under offload); the chunk's top layer waits min(C, B) more
     b, s, h, a = 1, 2048, 4096, 32
     c = topology.Cluster(gpus=1, peak_tflops=400, efficiency=1.0, gemm_half_dim=0, launch_us=0, hbm_gbps=1e12)
     m = topology.ModelShape(layers=1, hidden=h, heads=a, seq=s, vocab=256, global_batch=b)
     forward = topology._layer_forwards(c, m, topology._Layout(c, m, 1, 1, 1), b, False)["dense"]
-    waits = []
+    core, weight = forward["attention"], forward["gemm"]
+    waits, zb_longer = [], []
     for gbps in (10, 25, 64, 200):
         rows = {r["policy"]: r for r in checkpointing.offload_or_recompute(b, s, h, a, 2, gbps * 1e9, 400e12)}
         cluster = dataclasses.replace(c, pcie_gbps=gbps)
         for policy, row in rows.items():
-            pcie, waited = topology.offload_layer_seconds(cluster, forward, policy, row["layer_bytes"])
+            copy, f = row["copy_s"], row["forward_s"]
+            pcie, waited, top = topology.offload_layer_seconds(cluster, forward, policy, row["layer_bytes"])
             waits.append(waited)
             assert pcie == pytest.approx(2 * row["copy_s"], rel=1e-12)
+            back = 2 * f + (core if policy == "selective+offload" else 0)
+            assert waited == pytest.approx(max(0, copy - f) + max(0, copy - back), rel=1e-9, abs=1e-15), gbps
+            assert top == pytest.approx(min(copy, back), rel=1e-9)
             if policy == "offload":
                 assert waited == pytest.approx(row["wait_s"], rel=1e-9, abs=1e-15), gbps
             else:
                 assert waited <= row["wait_s"]
-    assert min(waits) == 0 < max(waits)  # hidden copies and exposed ones both checked
+            _, zb_waited, zb_top = topology.offload_layer_seconds(cluster, forward, policy, row["layer_bytes"],
+                                                                  "zb-h1")
+            assert zb_waited == pytest.approx(max(0, copy - f) + max(0, copy - (back - weight)), rel=1e-9, abs=1e-15)
+            assert zb_top == pytest.approx(min(copy, back - weight), rel=1e-9)
+            if policy == "offload":
+                assert zb_waited >= row["wait_s"]
+            zb_longer.append(zb_waited > waited)
+    assert min(waits) == 0 < max(waits) and any(zb_longer)  # hidden copies and exposed ones both checked
     with pytest.raises(ValueError, match="offload_bytes_per_layer"):
         topology.activation_bytes_per_layer(m, 1, 1, recompute="offload")
 

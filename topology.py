@@ -1449,13 +1449,14 @@ def p2p_exchange_seconds(cluster, model, tp, cp, b, sp, pp_local):
 #                C + (n - 1) max(0, C - B) for the copies back, i.e. per layer max(0, C - F) + max(0, C - B) and per
 #                chunk min(C, B) more (`offload_layer_seconds`; a stage of both kinds counts the larger min(C, B))
 # The memory is counted for copies that keep pace: one that falls behind costs its wait and, in train_gpt.py, holds
-# its layer's tensors on the GPU until it is done. Offloading redoes no FLOPs, and pays no TP or CP communication
-# again: `offload` beats full recomputation while its wait is less than the recomputed forward and its collectives,
-# `selective+offload` while its wait and the recomputed attention core (and that core's CP exchanges) are.
-# checkpointing.py's offload_or_recompute gives one layer's steady wait, max(0, C - F) + max(0, C - 2 F) with F its
-# forward's FLOPs at one rate: the planner's per-layer term with B = 2 F. Equal for `offload` without flash under
-# 1F1B or interleaving; no longer where B holds more (selective+offload's core, flash), no shorter where it holds
-# less (zb-h1's B = 2 F - W when W exceeds those); the top layer's min(C, B) per chunk is the planner's alone.
+# its layer's tensors on the GPU until it is done. Against full recomputation, which redoes each layer's forward R
+# (its compute, TP collectives, CP exchanges, EP all-to-alls): `offload` redoes nothing and wins while its wait is
+# less than R; `selective+offload` redoes the attention core and its CP exchanges, and wins while its wait is less
+# than R less those. checkpointing.py's offload_or_recompute gives one layer's steady wait, max(0, C - F) +
+# max(0, C - 2 F), F its forward's FLOPs at one rate: the planner's per-layer term with B = 2 F. Equal for `offload`
+# without flash under 1F1B or interleaving; no longer where B holds more (selective+offload's core, flash), no
+# shorter where it holds less (zb-h1 takes W off: below 2 F when W exceeds those); the top layer's min(C, B) per
+# chunk is the planner's alone.
 
 def offload_bytes_per_layer(model, tp, cp, recompute, micro_batch=None, sequence_parallel=None, flash_attention=False,
                             ep=1, moe=False):

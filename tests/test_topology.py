@@ -2122,6 +2122,11 @@ def test_offload_memory_and_wait_by_hand_and_at_the_crossover():
     at, at_none = (_offload_case(pcie_gbps=copied / f / GB)[3][rc] for rc in ("offload", "none"))
     assert at["offload_s"] == pytest.approx(micro * f, rel=1e-12)
     assert at["step_time_s"] == pytest.approx(at_none["step_time_s"] + micro * f + (p - 1) * f, rel=1e-12)
+    # interleaved over v = 5 chunks of one layer each: every layer is its chunk's top layer, so each waits C
+    at_c = dataclasses.replace(c, pcie_gbps=copied / f / GB)
+    five = topology.estimate(at_c, m, 4, 8, 1, recompute="offload", micro_batch=1, sequence_parallel=True, zero=0,
+                             virtual_stages=5, pp_schedule="interleaved")
+    assert five["offload_s"] == pytest.approx(micro * 5 * f, rel=1e-12)
     below = _offload_case(pcie_gbps=0.9 * copied / f / GB)[3]["offload"]
     assert below["offload_s"] == pytest.approx(micro * (n * (f / 0.9 - f) + f / 0.9), rel=1e-9)
     # zero bubble: the copies back hide behind the input-gradient part B only, its weight-gradient GEMMs W deferred

@@ -566,10 +566,11 @@ Time of one layer's forward for one micro-batch on one GPU (measured constants b
                  u = c Ulysses; the search takes the u with the least CP seconds (nothing else depends on it)
     backward = 2 x the forward's work with the same TP collectives; full recomputation adds the forward,
     selective the attention core (offload: none's, selective+offload: selective's, and the step waits for the copies:
-    per layer and micro-batch max(0, C - F) + max(0, C - B), C = K / B_pcie, F and B the layer's forward and
-    backward compute, `offload_layer_seconds`); the output layer (last stage): 3 GEMMs (M, h, V/t) and a 48-byte fp32
-    cross-entropy per logit; a stage = its L/p layers, the output layer (the last stage is the slowest) and
-    2v pipeline exchanges of M h / t values (scatter-gather: each TP rank sends 1/t, then without SP an
+    per layer and micro-batch max(0, C - F) + max(0, C - B), C = K / B_pcie, F the layer's forward compute, B its
+    backward's (zb-h1: less W), and per model chunk and micro-batch min(C, B) more: its top layer's copy back has
+    nothing to hide behind, `offload_layer_seconds`); the output layer (last stage): 3 GEMMs (M, h, V/t) and a
+    48-byte fp32 cross-entropy per logit; a stage = its L/p layers, the output layer (the last stage is the slowest)
+    and 2v pipeline exchanges of M h / t values (scatter-gather: each TP rank sends 1/t, then without SP an
     all-gather over NVLink) plus p2p latency each. ZB-H1 splits each backward into B (input gradients, the
     attention core, the elementwise work, the communication, the recomputation) and W (one weight-gradient GEMM
     per forward GEMM, of its shape: W = the forward's GEMM time, the output layer's one of its three), so that
@@ -1438,12 +1439,24 @@ def p2p_exchange_seconds(cluster, model, tp, cp, b, sp, pp_local):
 #     kept       X per model chunk and micro-batch in flight, the input the pipeline holds to send its gradient back;
 #                the layers keep nothing else; once, the working set 2 K, the layer running its backward and the
 #                next one prefetched behind it (+ the attention core being recomputed under selective+offload)
-#     time       C = K / B_pcie each way (B_pcie = Cluster.pcie_gbps); the copy out hides behind the layer's forward
-#                compute F, the copy back behind its backward's B (2 F, + the recomputed core): the step waits
-#                max(0, C - F) + max(0, C - B) (`offload_layer_seconds`; checkpointing's offload_or_recompute)
+#     time       C = K / B_pcie each way (B_pcie = Cluster.pcie_gbps). The copy out hides behind the layer's forward
+#                compute F. Each model chunk and micro-batch runs its layers' backwards top down, and a layer's first
+#                unpack starts the copy back of the layer below, so that copy hides behind this layer's backward
+#                window B: its compute (2 F; + the recomputed core under selective+offload, + flash's recomputed
+#                scores), under zb-h1 less its weight-gradient GEMMs W (deferred: B holds the input gradients only,
+#                `_stage_parts`' split). The chunk's top layer has nothing in front of it: it waits its whole C.
+#                Per chunk of n layers and micro-batch the step waits n max(0, C - F) for the copies out and
+#                C + (n - 1) max(0, C - B) for the copies back, i.e. per layer max(0, C - F) + max(0, C - B) and per
+#                chunk min(C, B) more (`offload_layer_seconds`; a stage of both kinds counts the larger min(C, B))
 # The memory is counted for copies that keep pace: one that falls behind costs its wait and, in train_gpt.py, holds
-# its layer's tensors on the GPU until it is done. Offloading redoes no FLOPs, and pays no TP or CP communication
-# again: it beats full recomputation while the wait is less than the recomputed forward and its collectives.
+# its layer's tensors on the GPU until it is done. Against full recomputation, which redoes each layer's forward R
+# (its compute, TP collectives, CP exchanges, EP all-to-alls): `offload` redoes nothing and wins while its wait is
+# less than R; `selective+offload` redoes the attention core and its CP exchanges, and wins while its wait is less
+# than R less those. checkpointing.py's offload_or_recompute gives one layer's steady wait, max(0, C - F) +
+# max(0, C - 2 F), F its forward's FLOPs at one rate: the planner's per-layer term with B = 2 F. Equal for `offload`
+# without flash under 1F1B or interleaving; no longer where B holds more (selective+offload's core, flash), no
+# shorter where it holds less (zb-h1 takes W off: below 2 F when W exceeds those); the top layer's min(C, B) per
+# chunk is the planner's alone.
 
 def offload_bytes_per_layer(model, tp, cp, recompute, micro_batch=None, sequence_parallel=None, flash_attention=False,
                             ep=1, moe=False):
@@ -1460,45 +1473,48 @@ def offload_bytes_per_layer(model, tp, cp, recompute, micro_batch=None, sequence
 
 def _offload_bytes(model, tp, cp, ep, recompute, b, sp, flash, moe):
     underneath = OFFLOAD_POLICIES[recompute]
-    moved = (_moe_layer_bytes(model, tp, cp, ep, underneath, b, flash) if moe
-             else _dense_layer_bytes(model, tp, cp, underneath, b, sp, flash))
-    return {"device_resident": _dense_layer_bytes(model, tp, cp, "full", b, sp, flash), "to_host": moved,
-            "to_device": moved}
+    copied = (_moe_layer_bytes(model, tp, cp, ep, underneath, b, flash) if moe
+              else _dense_layer_bytes(model, tp, cp, underneath, b, sp, flash))
+    return {"device_resident": _dense_layer_bytes(model, tp, cp, "full", b, sp, flash), "to_host": copied,
+            "to_device": copied}
 
 
-def offload_layer_seconds(cluster, forward, recompute, moved):
-    """(PCIe seconds, exposed seconds) of one layer and micro-batch copying `moved` bytes each way under the offload
-    policy `recompute`: 2 C with C = K / B_pcie, and max(0, C - F) + max(0, C - B), F the forward's compute
-    (`layer_forward`'s GEMMs, attention core and elementwise work) and B the backward's (`layer_step`'s rest)."""
-    copy = moved / (cluster.pcie_gbps * GB)
+def offload_layer_seconds(cluster, forward, recompute, copied_bytes, schedule="1f1b"):
+    """(PCIe seconds, exposed seconds, top-block seconds) of one layer and micro-batch copying `copied_bytes` each way
+    under the offload policy `recompute` (the comment above): 2 C with C = K / B_pcie; max(0, C - F) + max(0, C - B)
+    when its copy back was prefetched, F the forward's compute (`layer_forward`'s GEMMs, attention core and
+    elementwise work), B the backward window (`layer_step`'s rest; under zb-h1 less W, the forward's GEMM time:
+    `_stage_parts`' split); and min(C, B), what it waits more as its chunk's top block (C instead of max(0, C - B))."""
+    copy = copied_bytes / (cluster.pcie_gbps * GB)
     forward_s = forward["gemm"] + forward["attention"] + forward["elementwise"]
-    backward_s = layer_step(forward, recompute)[0] - forward_s
-    return 2 * copy, max(0.0, copy - forward_s) + max(0.0, copy - backward_s)
+    window = layer_step(forward, recompute)[0] - forward_s - (forward["gemm"] if schedule == "zb-h1" else 0.0)
+    return 2 * copy, max(0.0, copy - forward_s) + max(0.0, copy - window), min(copy, window)
 
 
-def _offload_terms(cluster, model, layout, b, sp, recompute, forwards):
-    """offload_layer_seconds of each kind of layer of `forwards` (`_layer_forwards`), (0, 0) unless offloaded."""
+def _offload_terms(cluster, model, layout, b, sp, recompute, forwards, schedule="1f1b"):
+    """offload_layer_seconds of each kind of layer of `forwards` (`_layer_forwards`), (0, 0, 0) unless offloaded."""
     if recompute not in OFFLOAD_POLICIES:
-        return {kind: (0.0, 0.0) for kind in forwards}
+        return {kind: (0.0, 0.0, 0.0) for kind in forwards}
     return {kind: f and offload_layer_seconds(cluster, f, recompute, _offload_bytes(
-        model, layout.tp, layout.cp, layout.ep, recompute, b, sp, cluster.flash_attention, kind == "moe")["to_host"])
+        model, layout.tp, layout.cp, layout.ep, recompute, b, sp, cluster.flash_attention, kind == "moe")["to_host"],
+                                              schedule)
             for kind, f in forwards.items()}
 
 
 def _stage_offload_bytes(cluster, model, tp, pp, cp, ep, b, recompute, sp):
     """(a chunk's input, the most one of its layers copies each way) on stage 0, per micro-batch."""
     kinds = [moe for moe, n in zip((False, True), stage_layer_counts(model, pp, 0)) if n]
-    moved = [_offload_bytes(model, tp, cp, ep, recompute, b, sp, cluster.flash_attention, moe) for moe in kinds]
-    return moved[0]["device_resident"], max(m["to_host"] for m in moved)
+    layer_bytes = [_offload_bytes(model, tp, cp, ep, recompute, b, sp, cluster.flash_attention, moe) for moe in kinds]
+    return layer_bytes[0]["device_resident"], max(m["to_host"] for m in layer_bytes)
 
 
 def _offload_parts(cluster, model, tp, pp, cp, ep, b, recompute, sp, v):
     """(kept per micro-batch in flight, working set) of stage 0 under an offload policy: its v chunks' inputs, and
     two of its layers' copied bytes (the larger kind's) with the recomputed attention core's scores."""
-    chunk_input, moved = _stage_offload_bytes(cluster, model, tp, pp, cp, ep, b, recompute, sp)
+    chunk_input, copied_bytes = _stage_offload_bytes(cluster, model, tp, pp, cp, ep, b, recompute, sp)
     flash = cluster.flash_attention
     core = 0.0 if flash or recompute == "offload" else 5 * model.heads * (model.seq // cp) * model.seq * b / tp
-    return v * chunk_input, 2 * moved + core
+    return v * chunk_input, 2 * copied_bytes + core
 
 
 # ---- memory of the most loaded GPU -------------------------------------------------------------------
@@ -1791,9 +1807,10 @@ def _busiest_moe_stage(layers, pp, moe_every):
     return max(((j,) + stage_layer_counts(shape, pp, j) for j in range(pp)), key=lambda x: (x[2], -x[0]))
 
 
-def _stage_counts(model, pp, forwards, recompute, output, offload=None):
+def _stage_counts(model, pp, forwards, recompute, output, offload_seconds=None):
     """(dense layers, MoE layers, holds the output layer) of the slowest stage: the last one, which carries the
-    output layer, or one with more MoE layers when that is slower. `offload`: `_offload_terms` (None: nothing)."""
+    output layer, or one with more MoE layers when that is slower. `offload_seconds`: `_offload_terms` (None:
+    nothing)."""
     last = stage_layer_counts(model, pp, pp - 1) + (True,)
     if not model.moe_every:
         return last
@@ -1803,20 +1820,21 @@ def _stage_counts(model, pp, forwards, recompute, output, offload=None):
 
     def seconds(counts, extra):
         return extra + sum(n * (sum(layer_step(forwards[kind], recompute)) + ep_step(forwards[kind], recompute)
-                                + (offload[kind][1] if offload else 0.0))
+                                + (offload_seconds[kind][1] if offload_seconds else 0.0))
                            for n, kind in zip(counts, ("dense", "moe")) if n)
     return (dense, moe, False) if seconds((dense, moe), 0.0) > seconds(last[:2], output) else last
 
 
-def _stage_parts(cluster, model, layout, b, sp, recompute, forwards, counts=None):
-    """What one (b, sp, recompute) fixes of the step's terms, whatever v and ZeRO: the output layer's seconds (0
-    when the slowest stage is not the last), the slowest stage's `_stage_counts`, each kind's layer_step, ep_step
-    and `offload_layer_seconds` on it, one pipeline exchange, and the weight-gradient GEMMs of one micro-batch on it
-    (ZB-H1's W: one per forward GEMM, of its shape; the output layer's one of its three)."""
+def _stage_parts(cluster, model, layout, b, sp, recompute, forwards, counts=None, schedule="1f1b"):
+    """What one (b, sp, recompute) fixes of the step's terms, whatever v and ZeRO (and the schedule, but for an
+    offload policy's window): the output layer's seconds (0 when the slowest stage is not the last), the slowest
+    stage's `_stage_counts`, each kind's layer_step, ep_step and `offload_layer_seconds` on it, one pipeline
+    exchange, and the weight-gradient GEMMs of one micro-batch on it (ZB-H1's W: one per forward GEMM, of its shape;
+    the output layer's one of its three)."""
     output = output_layer_seconds(cluster, model, layout.tp, layout.cp, b)  # on the last stage, the slowest one
-    offload = _offload_terms(cluster, model, layout, b, sp, recompute, forwards)
-    counts = counts or _stage_counts(model, layout.pp, forwards, recompute, output, offload)
-    per_kind = [(n, layer_step(forwards[kind], recompute), ep_step(forwards[kind], recompute), offload[kind])
+    offload_seconds = _offload_terms(cluster, model, layout, b, sp, recompute, forwards, schedule)
+    counts = counts or _stage_counts(model, layout.pp, forwards, recompute, output, offload_seconds)
+    per_kind = [(n, layer_step(forwards[kind], recompute), ep_step(forwards[kind], recompute), offload_seconds[kind])
                 for n, kind in zip(counts, ("dense", "moe")) if n]
     exchange = (p2p_exchange_seconds(cluster, model, layout.tp, layout.cp, b, sp, layout.local["pp"]) if layout.pp > 1
                 else 0.0)
@@ -1912,7 +1930,7 @@ def step_time_terms(cluster, model, layout, knobs, forwards, params, counts=None
     `forwards` is _layer_forwards' answer for (b, sp, u), `params` the (dense, expert) parameters this GPU holds,
     `counts` the slowest stage's `_stage_counts`, `parts` `_stage_parts` when the caller has it (the search)."""
     b, sp, recompute = knobs.micro_batch, knobs.sequence_parallel, knobs.recompute
-    parts = parts or _stage_parts(cluster, model, layout, b, sp, recompute, forwards, counts)
+    parts = parts or _stage_parts(cluster, model, layout, b, sp, recompute, forwards, counts, knobs.pp_schedule)
     t = _pipeline_terms(model, layout, knobs, parts)
     micro_batches = model.global_batch // (layout.dp * b)
     t["dp_s"] = _dp_seconds(cluster, model, layout, knobs.zero, knobs.zero_shard_size, micro_batches, params,
@@ -1921,18 +1939,19 @@ def step_time_terms(cluster, model, layout, knobs, forwards, params, counts=None
     return t
 
 
-def _layer_terms(micro_batches, parts):
-    """What the slowest stage's layers cost, whatever v and the schedule: ({compute_s, tp_s, cp_s, ep_s, offload_s}
-    per step, offload_s the copies' exposed wait; one micro-batch through its layers and output layer); `parts`:
-    `_stage_parts`."""
+def _layer_terms(micro_batches, parts, v=1):
+    """What the slowest stage's layers cost, whatever the schedule: ({compute_s, tp_s, cp_s, ep_s, offload_s} per
+    step, offload_s the copies' exposed wait, each of the v chunks' top layer's included; one micro-batch through
+    its layers and output layer); `parts`: `_stage_parts`."""
     output, _, per_kind, _, _ = parts
+    top = v * max(top_layer for _, _, _, (_, _, top_layer) in per_kind)  # 0 unless offloaded
     busy = sum(n * (compute + tp_layer + cp_layer + ep_layer + exposed) for n, (compute, tp_layer, cp_layer),
-               ep_layer, (_, exposed) in per_kind) + output
+               ep_layer, (_, exposed, _) in per_kind) + output + top
     return {"compute_s": micro_batches * (sum(n * step[0] for n, step, _, _ in per_kind) + output),
             "tp_s": sum(micro_batches * n * step[1] for n, step, _, _ in per_kind),
             "cp_s": sum(micro_batches * n * step[2] for n, step, _, _ in per_kind),
             "ep_s": sum(micro_batches * n * ep_layer for n, _, ep_layer, _ in per_kind),
-            "offload_s": sum(micro_batches * n * exposed for n, _, _, (_, exposed) in per_kind)}, busy
+            "offload_s": micro_batches * (sum(n * exposed for n, _, _, (_, exposed, _) in per_kind) + top)}, busy
 
 
 def _pipeline_terms(model, layout, knobs, parts, layers=None):
@@ -1941,7 +1960,7 @@ def _pipeline_terms(model, layout, knobs, parts, layers=None):
     `_layer_terms` when the caller has them)."""
     v, pp = knobs.virtual_stages, layout.pp
     micro_batches = model.global_batch // (layout.dp * knobs.micro_batch)  # per pipeline per step
-    terms, busy = layers or _layer_terms(micro_batches, parts)
+    terms, busy = layers or _layer_terms(micro_batches, parts, v)
     t = dict(terms)
     t["pp_p2p_s"], t["bubble_s"] = _pipeline_tail(knobs.pp_schedule, pp, v, micro_batches, busy, parts[3], parts[4])
     return t
@@ -1984,9 +2003,9 @@ def evaluate(cluster, model, layout, knobs):
     memory_gb = sum(mem.values())
     forwards = _layer_forwards(cluster, model, layout, b, sp, knobs.cp_ulysses)
     split = _first_stage_parameters(model, layout.tp, layout.pp, layout.ep)
-    offload = _offload_terms(cluster, model, layout, b, sp, recompute, forwards)
+    offload_seconds = _offload_terms(cluster, model, layout, b, sp, recompute, forwards, knobs.pp_schedule)
     counts = _stage_counts(model, layout.pp, forwards, recompute,
-                           output_layer_seconds(cluster, model, layout.tp, layout.cp, b), offload)
+                           output_layer_seconds(cluster, model, layout.tp, layout.cp, b), offload_seconds)
     t = step_time_terms(cluster, model, layout, knobs, forwards, split, counts)
     step_time_s = sum(t.values())
     busy = t["compute_s"] + t["tp_s"] + t["cp_s"] + t["ep_s"] + t["offload_s"] + t["pp_p2p_s"]
@@ -1998,7 +2017,7 @@ def evaluate(cluster, model, layout, knobs):
         "in_flight": in_flight, "params_per_gpu": params, "memory_gb": memory_gb, **mem,
         "fits": memory_gb <= cluster.gpu_mem_gb * MEMORY_HEADROOM,
         "step_time_s": step_time_s, **t, **compute_by_kind(cluster, model, layout, b, recompute, forwards, counts),
-        **_offload_row(cluster, model, layout, knobs, offload, counts, micro_batches),
+        **_offload_row(cluster, model, layout, knobs, offload_seconds, counts, micro_batches),
         "bubble_fraction": ((layout.pp - 1) / v / (micro_batches + (layout.pp - 1) / v) if knobs.pp_schedule != "zb-h1"
                             else t["bubble_s"] / (busy + t["bubble_s"])),
         "tflops_per_gpu": paper_flops(model) / step_time_s / cluster.gpus / 1e12,
@@ -2017,11 +2036,11 @@ def evaluate(cluster, model, layout, knobs):
     return row
 
 
-def _offload_row(cluster, model, layout, knobs, offload, counts, micro_batches):
+def _offload_row(cluster, model, layout, knobs, offload_seconds, counts, micro_batches):
     """What a row shows of offloading (0 where nothing is): the PCIe seconds of one step on the slowest stage (both
     ways, hidden or not; offload_s is their exposed part), and on stage 0 per micro-batch the most a layer copies each
     way and what a chunk keeps on the GPU (its input)."""
-    pcie_s = sum(micro_batches * n * offload[kind][0] for n, kind in zip(counts, ("dense", "moe")) if n)
+    pcie_s = sum(micro_batches * n * offload_seconds[kind][0] for n, kind in zip(counts, ("dense", "moe")) if n)
     if knobs.recompute not in OFFLOAD_POLICIES:
         return {"pcie_s": pcie_s, "offload_copied_bytes": 0.0, "offload_kept_bytes": 0.0}
     kept, copied = _stage_offload_bytes(cluster, model, layout.tp, layout.pp, layout.cp, layout.ep, knobs.micro_batch,
@@ -2158,10 +2177,10 @@ def _best_for_layout(cluster, model, layout):
         for sp in sps:
             forwards, cp_pairs, too_big = {}, {}, set()  # by Ulysses size, computed once something needs a step time
 
-            def stage(recompute):
+            def stage(recompute, schedule, v):
                 """(_stage_parts with the fastest Ulysses size, that size, the ZeRO choices fastest first with
-                their gradient-reduction seconds)."""
-                key = (b, sp, recompute)
+                their gradient-reduction seconds). An offload policy's wait depends on zb-h1 (its window) and v."""
+                key = (b, sp, recompute) + ((schedule == "zb-h1", v) if recompute in OFFLOAD_POLICIES else ())
                 if key not in stage_parts:
                     if not forwards:
                         base = ("fs", layout.tp, layout.cp, layout.ep, b, sp)
@@ -2186,13 +2205,13 @@ def _best_for_layout(cluster, model, layout):
                         if key_u not in layout.memo:
                             layout.memo[key_u] = _layer_forwards(cluster, model, layout, b, sp, u, ring=forwards[1])
                         forwards[u] = layout.memo[key_u]
-                    sp_parts = _stage_parts(cluster, model, layout, b, sp, recompute, forwards[u])
+                    sp_parts = _stage_parts(cluster, model, layout, b, sp, recompute, forwards[u], schedule=schedule)
                     backward = _overlap_backward(cluster, layout, forwards[u], sp_parts[1])
                     if (micro_batches, backward) not in zero_s:
                         zero_s[(micro_batches, backward)] = {
                             z: _dp_seconds(cluster, model, layout, *z, micro_batches, split, backward) for z in zeros}
                     dp_s = zero_s[(micro_batches, backward)]
-                    terms, busy = _layer_terms(micro_batches, sp_parts)
+                    terms, busy = _layer_terms(micro_batches, sp_parts, v)
                     stage_parts[key] = (sp_parts, u, sorted(zeros, key=lambda z: dp_s[z] + optimizer_s[z]), dp_s,
                                         sum(terms.values()), busy)
                 return stage_parts[key]
@@ -2223,7 +2242,7 @@ def _best_for_layout(cluster, model, layout):
                         too_big.add((v, recompute))
                     if not fitting and (best is not None or least_states + activations > least_key[0]):
                         continue  # the least memory matters only while nothing fits
-                    sp_parts, u, fastest, dp_s, layers_s, busy = stage(recompute)
+                    sp_parts, u, fastest, dp_s, layers_s, busy = stage(recompute, schedule, v)
                     # step_time_terms' sum, in its order, from the cached parts
                     p2p_s, bubble_s = _pipeline_tail(schedule, layout.pp, v, micro_batches, busy, *sp_parts[3:])
                     pipeline = layers_s + p2p_s + bubble_s

@@ -2014,27 +2014,40 @@ def test_offloaded_bytes_per_layer_are_checkpointings_formula():
                 assert mine["device_resident"] == theirs["device_resident"] == 2 * s * b * h
                 assert mine["to_host"] + 16 * s * b == theirs["to_host"], (policy, b, s, h, a)
                 assert mine["to_device"] + 16 * s * b == theirs["to_device"]
-    # checkpointing.py's verdict and the planner's wait are one formula: a cluster whose GEMMs run at the peak, with
-    # no launch cost and a memory-bound part made negligible, gives a layer's forward the FLOPs / rate checkpointing.py
-    # divides; fed checkpointing's bytes, the planner waits as long (offload; under selective+offload the planner's
-    # backward also holds the recomputed core, so it waits no longer)
+    # checkpointing.py's verdict is the planner's per-layer wait with the backward window B = 2 F: a cluster whose
+    # GEMMs run at the peak, with no launch cost and a memory-bound part made negligible, gives a layer's forward
+    # the FLOPs / rate checkpointing.py divides; fed checkpointing's bytes, the planner waits as long under offload
+    # (1F1B), and under selective+offload as long as with B = 2 F + the recomputed core A (so no longer); zb-h1's B
+    # lacks the weight-gradient GEMMs W (so no shorter under offload); the chunk's top layer waits min(C, B) more
     b, s, h, a = 1, 2048, 4096, 32
     c = topology.Cluster(gpus=1, peak_tflops=400, efficiency=1.0, gemm_half_dim=0, launch_us=0, hbm_gbps=1e12)
     m = topology.ModelShape(layers=1, hidden=h, heads=a, seq=s, vocab=256, global_batch=b)
     forward = topology._layer_forwards(c, m, topology._Layout(c, m, 1, 1, 1), b, False)["dense"]
-    waits = []
+    core, weight = forward["attention"], forward["gemm"]
+    waits, zb_longer = [], []
     for gbps in (10, 25, 64, 200):
         rows = {r["policy"]: r for r in checkpointing.offload_or_recompute(b, s, h, a, 2, gbps * 1e9, 400e12)}
         cluster = dataclasses.replace(c, pcie_gbps=gbps)
         for policy, row in rows.items():
-            pcie, waited = topology.offload_layer_seconds(cluster, forward, policy, row["layer_bytes"])
+            copy, f = row["copy_s"], row["forward_s"]
+            pcie, waited, top = topology.offload_layer_seconds(cluster, forward, policy, row["layer_bytes"])
             waits.append(waited)
             assert pcie == pytest.approx(2 * row["copy_s"], rel=1e-12)
+            back = 2 * f + (core if policy == "selective+offload" else 0)
+            assert waited == pytest.approx(max(0, copy - f) + max(0, copy - back), rel=1e-9, abs=1e-15), gbps
+            assert top == pytest.approx(min(copy, back), rel=1e-9)
             if policy == "offload":
                 assert waited == pytest.approx(row["wait_s"], rel=1e-9, abs=1e-15), gbps
             else:
                 assert waited <= row["wait_s"]
-    assert min(waits) == 0 < max(waits)  # hidden copies and exposed ones both checked
+            _, zb_waited, zb_top = topology.offload_layer_seconds(cluster, forward, policy, row["layer_bytes"],
+                                                                  "zb-h1")
+            assert zb_waited == pytest.approx(max(0, copy - f) + max(0, copy - (back - weight)), rel=1e-9, abs=1e-15)
+            assert zb_top == pytest.approx(min(copy, back - weight), rel=1e-9)
+            if policy == "offload":
+                assert zb_waited >= row["wait_s"]
+            zb_longer.append(zb_waited > waited)
+    assert min(waits) == 0 < max(waits) and any(zb_longer)  # hidden copies and exposed ones both checked
     with pytest.raises(ValueError, match="offload_bytes_per_layer"):
         topology.activation_bytes_per_layer(m, 1, 1, recompute="offload")
 
@@ -2050,21 +2063,29 @@ def _offload_case(**cluster):
 
 
 def test_the_planner_offloads_where_none_and_selective_do_not_fit_and_the_bus_keeps_up():
-    c, m, chosen, rows = _offload_case(offload=True)  # A100's 25 GB/s
+    c, m, chosen, rows = _offload_case(offload=True, pcie_gbps=32)
     assert not rows["none"]["fits"] and not rows["selective"]["fits"]
     assert all(rows[rc]["fits"] for rc in ("full", "offload", "selective+offload"))
-    # the fastest that fits: selective+offload, 0.55 s faster than full (plain offload moves the s^2 scores too)
+    # the fastest that fits at 32 GB/s: selective+offload, 0.84 s faster than full (plain offload moves the s^2
+    # scores too)
     assert chosen["recompute"] == "selective+offload"
     assert chosen["step_time_s"] == min(r["step_time_s"] for r in rows.values() if r["fits"])
     assert chosen["step_time_s"] < rows["full"]["step_time_s"] < rows["offload"]["step_time_s"]
     # opt-in: without Cluster.offload the search keeps to none / selective / full, as before
     assert _offload_case()[2]["recompute"] == "full"
-    # a slow bus: full recomputation wins
+    # A100's 25 GB/s: the copies out wait, each chunk's top layer waits its whole copy back, and full recomputation
+    # wins (selective+offload 13.45 s a step against 13.07 s); on a slow bus by far
+    at_25 = _offload_case(offload=True)
+    assert at_25[2]["recompute"] == "full" and at_25[3]["selective+offload"]["fits"]
     assert _offload_case(offload=True, pcie_gbps=1)[2]["recompute"] == "full"
-    # with a flash attention core no scores are kept: offload is none's memory traffic, and at 100 GB/s it is free
+    # with a flash attention core no scores are kept: offload is none's memory traffic, and at 100 GB/s every copy
+    # hides but the copy back of each micro-batch's top layer (one chunk per stage), which nothing prefetched
     _, _, flash, flash_rows = _offload_case(offload=True, flash_attention=True, pcie_gbps=100)
-    assert flash["recompute"] == "offload" and flash["offload_s"] == 0 and flash["pcie_s"] > 0
-    assert flash["step_time_s"] == flash_rows["none"]["step_time_s"] and not flash_rows["none"]["fits"]
+    assert flash["recompute"] == "offload" and flash["pcie_s"] > 0 and not flash_rows["none"]["fits"]
+    micro, p = 256, 8
+    assert flash["offload_s"] == pytest.approx(micro * flash["offload_copied_bytes"] / 100e9, rel=1e-12)
+    assert flash["step_time_s"] == pytest.approx(flash_rows["none"]["step_time_s"]
+                                                 + flash["offload_s"] * (1 + (p - 1) / micro), rel=1e-12)
 
 
 def test_offload_memory_and_wait_by_hand_and_at_the_crossover():
@@ -2082,30 +2103,66 @@ def test_offload_memory_and_wait_by_hand_and_at_the_crossover():
         core = 5 * a * s * s * b / t if policy == "selective+offload" else 0
         kept = p * 2 * sbh / t + 2 * copied + core + p * sbh / t
         assert r["activations_gb"] == pytest.approx(kept / GB, rel=1e-12)
-        # the wait: the copy out against the forward, the copy back against the backward (2 F, + the recomputed core)
+        # the wait: the copy out against the forward, the copies back as ActivationOffload runs them against the
+        # backward (2 F, + the recomputed core)
         back = 2 * f + (forward["attention"] if policy == "selective+offload" else 0)
         copy = copied / 25e9
         assert r["pcie_s"] == pytest.approx(micro * n * 2 * copy, rel=1e-12)
-        assert r["offload_s"] == pytest.approx(micro * n * (max(0, copy - f) + max(0, copy - back)), rel=1e-12)
+        waited = n * max(0, copy - f) + _replay_copies_back(n, copy, back)
+        assert r["offload_s"] == pytest.approx(micro * waited, rel=1e-12)
         # ... and nothing else: the step is its recomputation's step plus the wait (and the bubble's share of it)
         base = rows["none" if policy == "offload" else "selective"]
         for k in ("compute_s", "tp_s", "cp_s", "dp_s", "pp_p2p_s"):
             assert r[k] == base[k], k
         assert r["bubble_s"] == pytest.approx(base["bubble_s"] + (p - 1) * r["offload_s"] / micro, rel=1e-12)
-    # the crossover: the copy out takes exactly the forward (B_pcie = K / F): nothing is exposed and offloading costs
-    # none's step; 10% slower, the copy out waits C - F per layer while the copy back still hides behind 2 F
+    # the crossover: the copy out takes exactly the forward (B_pcie = K / F): the copies out and the prefetched
+    # copies back hide, and each micro-batch waits only for its top layer's copy back, C = F; 10% slower, the copy
+    # out waits C - F per layer while the prefetched copies back still hide behind 2 F
     copied = rows["offload"]["offload_copied_bytes"]
-    at = _offload_case(pcie_gbps=copied / f / GB)[3]["offload"]
-    assert at["offload_s"] == pytest.approx(0, abs=1e-12)
-    assert at["step_time_s"] == pytest.approx(rows["none"]["step_time_s"], rel=1e-12)
+    at, at_none = (_offload_case(pcie_gbps=copied / f / GB)[3][rc] for rc in ("offload", "none"))
+    assert at["offload_s"] == pytest.approx(micro * f, rel=1e-12)
+    assert at["step_time_s"] == pytest.approx(at_none["step_time_s"] + micro * f + (p - 1) * f, rel=1e-12)
+    # interleaved over v = 5 chunks of one layer each: every layer is its chunk's top layer, so each waits C
+    at_c = dataclasses.replace(c, pcie_gbps=copied / f / GB)
+    five = topology.estimate(at_c, m, 4, 8, 1, recompute="offload", micro_batch=1, sequence_parallel=True, zero=0,
+                             virtual_stages=5, pp_schedule="interleaved")
+    assert five["offload_s"] == pytest.approx(micro * 5 * f, rel=1e-12)
     below = _offload_case(pcie_gbps=0.9 * copied / f / GB)[3]["offload"]
-    assert below["offload_s"] == pytest.approx(micro * n * (f / 0.9 - f), rel=1e-9) and below["offload_s"] > 0
+    assert below["offload_s"] == pytest.approx(micro * (n * (f / 0.9 - f) + f / 0.9), rel=1e-9)
+    # zero bubble: the copies back hide behind the input-gradient part B only, its weight-gradient GEMMs W deferred
+    # (W = the forward's GEMM time): with C = 1.5 F, between 2 F - W and 2 F, 1F1B hides the prefetched copies
+    # back, zb-h1 waits for them
+    copy, window = 1.5 * f, 2 * f - forward["gemm"]
+    assert window < copy < 2 * f
+    bus = dataclasses.replace(c, pcie_gbps=copied / copy / GB)
+    one, zb = (topology.estimate(bus, m, 4, 8, 1, recompute="offload", micro_batch=1, sequence_parallel=True, zero=0,
+                                 virtual_stages=1, pp_schedule=schedule) for schedule in ("1f1b", "zb-h1"))
+    assert one["offload_s"] == pytest.approx(micro * (n * (copy - f) + copy), rel=1e-9)
+    assert zb["offload_s"] == pytest.approx(micro * (n * (copy - f) + _replay_copies_back(n, copy, window)), rel=1e-9)
+    assert zb["offload_s"] > one["offload_s"]
+
+
+def _replay_copies_back(layers, copy, window):
+    """The seconds one chunk's backward waits for its copies back, as checkpointing.py's ActivationOffload runs
+    them: the layers' backwards top down, each `window` long, each starting when its layer's copy is back; a
+    layer's backward starts (its first unpack) the copy of the layer below, and the top layer its own first; one
+    copy at a time on the side stream, `copy` each."""
+    clock, ready = 0.0, copy  # the top layer's copy, started at its own first unpack
+    stream = ready
+    for layer in range(layers):
+        start = max(clock, ready)
+        if layer < layers - 1:  # prefetch the layer below behind this one's backward
+            ready = stream = max(stream, start) + copy
+        clock = start + window
+    return clock - layers * window
 
 
 def test_plan_cli_prints_what_offloading_costs(capsys):
-    # _SMALL on GPUs of 4 MB: neither none nor selective fits the layouts the planner prefers; offloading does, its
-    # copies hidden behind the layers' compute (launch-bound at this size), so it beats full recomputation
-    topology.main(_SMALL + ["--offload", "--gpu-mem-gb", "0.004", "--zero", "1", "--limit", "3"])
+    # _SMALL on GPUs of 4 MB: neither none nor selective fits the layouts the planner prefers; offloading does, at
+    # 100 GB/s its copies hidden behind the layers' compute (launch-bound at this size) but each micro-batch's top
+    # layer's copy back (at 25 GB/s that one costs more than selective+offload's recomputed core), so it beats full
+    # recomputation
+    topology.main(_SMALL + ["--offload", "--gpu-mem-gb", "0.004", "--zero", "1", "--limit", "3", "--pcie-gbps", "100"])
     table, text = capsys.readouterr().out.split("\n\n", 1)
     header, row = ([line[i:i + 9].strip() for i in range(0, len(line), 9)] for line in table.splitlines()[1:3])
     assert header[-2:] == ["PCIe", "exposed"] and "recomp" in header
@@ -2113,7 +2170,7 @@ def test_plan_cli_prints_what_offloading_costs(capsys):
     assert first["recomp"] == "offload" and first["fits"] == "True"
     assert "recompute offload" in text, text
     assert "Offload (offload): a layer copies up to 0.4 MB per micro-batch" in text, text
-    assert "s of it exposed" in text and "two layers' copies" in text
+    assert "s of it exposed" in text and "two layers' copies" in text and "per step at 100 GB/s" in text
     # less memory still: selective+offload (the table's short name), full where offloading is not allowed
     topology.main(_SMALL + ["--offload", "--gpu-mem-gb", "0.00385", "--zero", "1", "--command"])
     assert " --recompute selective+offload " in capsys.readouterr().out
@@ -2124,7 +2181,10 @@ def test_plan_cli_prints_what_offloading_costs(capsys):
     # fixed without --offload, and on a bus given by its flag; a bad bus is one line
     topology.main(_SMALL + ["--recompute", "offload", "--pcie-gbps", "12.5", "--tp", "1", "--pp", "1", "--json"])
     import json
-    assert {r["recompute"] for r in json.loads(capsys.readouterr().out)} == {"offload"}
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["recompute"] for r in rows} == {"offload"}
+    for r in rows:  # the bus taken: each of the 8 layers copies its bytes out and back per micro-batch at 12.5 GB/s
+        assert r["pcie_s"] == pytest.approx(r["micro_batches"] * 8 * 2 * r["offload_copied_bytes"] / 12.5e9, rel=1e-12)
     with pytest.raises(SystemExit) as exit_:
         topology.main(_SMALL + ["--offload", "--pcie-gbps", "0"])
     err = capsys.readouterr().err.strip().splitlines()

@@ -2229,12 +2229,13 @@ def nvfp4_gradient_operands(g, x2, hadamard):
     return g, hadamard_along_k(g.t(), hadamard), hadamard_along_k(x2.t(), hadamard)
 
 
-def nvfp4_backward_gemms(g, x2, qw, options, needs, amaxes=None):
+def nvfp4_backward_gemms(g, x2, qw, options, needs, amaxes=None, operands=None):
     """(grad_x, grad_W) of y = x W^T in NVFP4, each None where `needs` (dgrad, wgrad) says so: G stochastically
     rounded, x^T to nearest, qw the forward's 16 x 16-blocked W. amaxes: the tensor amaxes of
-    nvfp4_gradient_operands (None: computed and agreed over options.amax_group here). options.uniforms, when set,
-    gives the stochastic rounding's draws: uniforms("dgrad", G's shape), uniforms("wgrad", G^T R's shape)."""
-    g, g_t, x_t = nvfp4_gradient_operands(g, x2, options.hadamard)
+    nvfp4_gradient_operands (None: computed and agreed over options.amax_group here); operands: those operands, if
+    the caller has them already. options.uniforms, when set, gives the stochastic rounding's draws:
+    uniforms("dgrad", G's shape), uniforms("wgrad", G^T R's shape)."""
+    g, g_t, x_t = operands or nvfp4_gradient_operands(g, x2, options.hadamard)
     if amaxes is None:
         amaxes = nvfp4_amaxes([g, g_t, x_t], options.amax_group) if options.amax_group is not None else [None] * 3
     draw = lambda role, t: None if options.uniforms is None else options.uniforms(role, tuple(t.shape))
@@ -2281,7 +2282,7 @@ class _NVFP4LinearFunction(torch.autograd.Function):
 
 
 def nvfp4_linear(x, weight, bias=None, generator=None, hadamard_seed=0, use_scaled_mm=True, *, amax_group=None,
-                 uniforms=None):
+                 uniforms=None, hadamard=None):
     """y = x @ weight^T + bias with all three GEMMs in NVFP4 (x has any leading shape):
         forward  y = x W^T      x in 1 x 16 blocks, W in 16 x 16 blocks, both rounded to nearest
         dgrad    grad_x = G W   G in 1 x 16 blocks along N, rounded stochastically; W^T is W's blocks transposed
@@ -2291,8 +2292,10 @@ def nvfp4_linear(x, weight, bias=None, generator=None, hadamard_seed=0, use_scal
     caller for reproducible, varying draws; None takes torch's default generator. Under TP, amax_group (the TP
     group) MAX-agrees every tensor scale, since the shards of x, W and G are one tensor each; uniforms(role,
     shape) -> U[0, 1) replaces the generator's draws (role "dgrad" or "wgrad"), so that a caller can draw them
-    for the whole tensor and keep its shard (the rounding then does not depend on the layout)."""
-    hadamard = random_hadamard(NVFP4_BLOCK, hadamard_seed, device=x.device)
+    for the whole tensor and keep its shard (the rounding then does not depend on the layout). hadamard: the
+    random_hadamard(16, hadamard_seed) matrix, if the caller made it once (None: made here)."""
+    if hadamard is None:
+        hadamard = random_hadamard(NVFP4_BLOCK, hadamard_seed, device=x.device)
     options = NVFP4Options(generator, hadamard, use_scaled_mm, amax_group, uniforms)
     y = _NVFP4LinearFunction.apply(x, weight, options)
     return y if bias is None else y + bias.to(y.dtype)

@@ -1260,7 +1260,7 @@ def nvfp4_product(layer, rounding, hadamard_seed):
 
     def product(x, weight, bias=None):
         return mixed_precision.nvfp4_linear(x, weight, bias, hadamard_seed=hadamard_seed, amax_group=group,
-                                            uniforms=rounding.counted)
+                                            uniforms=rounding.counted, hadamard=hadamard)
 
     product.backward_gemms = partial(nvfp4_backward_gemms, rounding, group, hadamard)
     return product
@@ -1270,14 +1270,15 @@ def nvfp4_backward_gemms(rounding, group, hadamard, g2, x2, weight, needs, prepa
     """_TPLinear's NVFP4 backward: ((grad_x, grad_w), prepared). The first call (B) quantises W again (as the
     forward did) and agrees the tensor scales of W and of the gradient operands over TP x CP in one all-reduce, and
     fixes the micro-batch of the draws; a later call (W, under zero bubble) reuses them, communicating nothing."""
+    operands = None  # the gradient operands, made once per call (B's agreement reads them too)
     if prepared is None:
-        amax = mixed_precision.nvfp4_amaxes([weight, *mixed_precision.nvfp4_gradient_operands(g2, x2, hadamard)],
-                                            group)
+        operands = mixed_precision.nvfp4_gradient_operands(g2, x2, hadamard)
+        amax = mixed_precision.nvfp4_amaxes([weight, *operands], group)
         qw = mixed_precision.quantize_nvfp4(weight, (mixed_precision.NVFP4_BLOCK,) * 2, tensor_amax=amax[0])
         prepared = (qw, amax[1:], rounding.next_micro("backward"))
     qw, amaxes, micro = prepared
     options = mixed_precision.NVFP4Options(None, hadamard, True, group, partial(rounding.uniforms, micro=micro))
-    grad_x, grad_w = mixed_precision.nvfp4_backward_gemms(g2, x2, qw, options, needs, amaxes)
+    grad_x, grad_w = mixed_precision.nvfp4_backward_gemms(g2, x2, qw, options, needs, amaxes, operands)
     return (grad_x, None if grad_w is None else grad_w.to(weight.dtype)), prepared
 
 
@@ -2703,16 +2704,16 @@ def resume_step(train_cfg, stage, opt):
         load_hf_weights(train_cfg.init_from_hf, stage, opt)
     start = resumed["step"] if resumed else 0
     rank = stage.plan.parallel_state.rank
-    if resumed and rank == 0:
-        if train_cfg.log:
-            saved, ranks = resumed["layout"], resumed["world_size"]
-            print(f"resumed from {resumed['path']} (step {start}; saved by {ranks} rank{'s' * (ranks > 1)} at TP "
-                  f"{saved['tp']} x CP {saved['cp']} x PP {saved['pp']}, EP {saved['ep']}, ZeRO {saved['zero']}, "
-                  f"{saved['dtype']})", flush=True)
-        warn_what_changed(resumed, train_cfg)
-    if train_cfg.log and rank == 0 and start >= train_cfg.steps:
-        print(f"{checkpoint_dirs(train_cfg.out_dir)[-1]} already holds step {start} of --steps {train_cfg.steps}: "
-              "nothing to train")
+    if resumed:
+        saved, ranks = resumed["layout"], resumed["world_size"]
+        say_on_rank_0(train_cfg, rank, f"resumed from {resumed['path']} (step {start}; saved by {ranks} "
+                      f"rank{'s' * (ranks > 1)} at TP {saved['tp']} x CP {saved['cp']} x PP {saved['pp']}, EP "
+                      f"{saved['ep']}, ZeRO {saved['zero']}, {saved['dtype']})")
+        if rank == 0:
+            warn_what_changed(resumed, train_cfg)
+    if start >= train_cfg.steps:
+        say_on_rank_0(train_cfg, rank, f"{checkpoint_dirs(train_cfg.out_dir)[-1]} already holds step {start} of "
+                      f"--steps {train_cfg.steps}: nothing to train")
     return start
 
 

@@ -14,8 +14,9 @@ losses over the first steps must agree, else the script stops. Then the two alte
 --steps-per-round steps (the first round not counted); for each schedule the ratio torch / ours of the median step
 times is printed (> 1: ours faster) with a 95% interval (the rounds resampled together) and the spread of the
 per-round ratios, and each rank's median CPU seconds per step (the work each executor does, which a loaded machine's
-waits do not inflate). --breakdown adds, per rank, where our step's time goes: compute (the actions), waiting on
-receives, waiting on sends, and the rest (bookkeeping, the reductions and the optimizer).
+waits do not inflate). --breakdown adds, per rank, where our step's time goes, in milliseconds per step: compute (the
+actions), waiting on receives, waiting on sends, the executor's own bookkeeping (the rest of `run_schedule`: posting,
+the tables, the in-flight counts) and the step's tail (the gradient reductions, the optimizer, the loss's all-reduce).
 """
 import argparse
 import collections
@@ -99,13 +100,17 @@ def torchs(cfg, run, kind):
 
 class Breakdown:
     """Time per step in our executor's parts, by wrapping them: compute (the actions), waiting on receives,
-    waiting on sends (the final wait for those still in flight). `restore()` puts the originals back, so that one
-    schedule's wrappers never time the next one's."""
+    waiting on sends (the polls and the final wait for those still in flight), posting receives and sends (the
+    buffers, the irecv and isend calls), and the whole schedule (`run_schedule`), whence the bookkeeping (the schedule
+    less its parts) and the tail (the step less the schedule). A part called inside another (a receive posting
+    itself) counts in the outer one only. `restore()` puts the originals back, so that one schedule's wrappers
+    never time the next one's."""
     PARTS = (("_run_action", None, "compute"), ("receive", "Pipeline", "waiting on receives"),
-             ("reap", "Pipeline", "waiting on sends"))
+             ("reap", "Pipeline", "waiting on sends"), ("post_receive", "Pipeline", "posting receives"),
+             ("send", "Pipeline", "posting sends"), ("run_schedule", None, "schedule"))
 
     def __init__(self):
-        self.seconds, self.on, self.originals = collections.Counter(), False, []
+        self.seconds, self.on, self.inside, self.originals = collections.Counter(), False, 0, []
         for name, owner, label in self.PARTS:
             where = getattr(train_gpt, owner) if owner else train_gpt
             self.originals.append((where, name, getattr(where, name)))
@@ -116,13 +121,18 @@ class Breakdown:
             setattr(where, name, original)
 
     def timed(self, fn, label):
+        part = label != "schedule"
+
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
+            outermost = not (part and self.inside)
+            self.inside += part
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                if self.on:
+                self.inside -= part
+                if self.on and outermost:
                     self.seconds[label] += time.perf_counter() - t0
         return wrapper
 
@@ -200,12 +210,22 @@ def _compare(a, kind, cfg, run, breakdown):
     lines += [f"    rank {rank} CPU per step: ours {c['ours'] * 1000:.1f} ms, torch {c['torch'] * 1000:.1f} ms, "
               f"torch / ours = {c['torch'] / c['ours']:.3f}" for rank, c in enumerate(cpu_per_rank)]
     if breakdown is not None:
-        shares = [None] * dist.get_world_size()
-        dist.all_gather_object(shares, (ours_total, dict(breakdown.seconds)))
-        for rank, (total, seconds) in enumerate(shares):
-            parts = ", ".join(f"{label} {s / total:.0%}" for label, s in sorted(seconds.items()))
-            rest = 1 - sum(seconds.values()) / total
-            lines.append(f"    ours rank {rank}: {parts}, the rest (bookkeeping, reductions, optimizer) {rest:.0%}")
+        lines += breakdown_lines(breakdown, ours_total, a.rounds * a.steps_per_round)
+    return lines
+
+
+def breakdown_lines(breakdown, total, steps):
+    """Per rank, ms per step of ours in each part, and its share of the step."""
+    shares = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, (total, dict(breakdown.seconds)))
+    lines = []
+    for rank, (total, seconds) in enumerate(shares):
+        schedule = seconds.pop("schedule")
+        parts = [(label, seconds[label]) for label in ("compute", "waiting on receives", "waiting on sends",
+                                                       "posting receives", "posting sends")]
+        parts += [("bookkeeping", schedule - sum(seconds.values())), ("tail", total - schedule)]
+        said = ", ".join(f"{label} {s / steps * 1000:.1f} ms ({s / total:.1%})" for label, s in parts)
+        lines.append(f"    ours rank {rank}, per step: {said}")
     return lines
 
 

@@ -1157,9 +1157,10 @@ def fp8_backward_gemms(layer, fp8, split, g2, x2, weight, needs, scales=None):
 # same on every rank.
 #
 # The stochastic rounding does not depend on the layout: the draws of micro-batch j (its index in the global
-# batch: DP rank x m + its index on this rank, so the same sequences) of a step come from a generator seeded by
-# (--seed, step, layer name, GEMM, j), drawn for the whole tensor, all outputs and all tokens of the micro-batch,
-# and cut to this rank's TP and CP shards (as full_init draws the whole parameter). The step is the loop's, so a
+# batch: DP rank x m + its index on this rank, so the same sequences) of a step are a hash of (--seed, step, layer
+# name, GEMM, j) and of each element's row and column in the whole tensor (all outputs and all tokens of the
+# micro-batch): a rank makes only its TP and CP shard's draws, the values one draw over the whole tensor gives there
+# (`counter_uniforms`; drawing the whole and cutting it costs TP x CP times the shard). The step is the loop's, so a
 # resumed run draws what the uninterrupted one drew; only backward GEMMs draw, so a recomputed forward changes
 # nothing. The tensor scales are agreed over TP x CP, since CP ranks hold the other tokens of one micro-batch. The
 # wgrad's Hadamard transform mixes blocks of 16 tokens: where a CP shard keeps them whole (zigzag chunks, s / 2cp
@@ -1189,10 +1190,33 @@ def whole_token_blocks(positions):
     return bool((starts % NVFP4_TOKENS == 0).all() and (blocks == starts + torch.arange(NVFP4_TOKENS)).all())
 
 
+def _mix32(x):
+    """lowbias32, a 32-bit integer hash (a bijection of [0, 2^32)), in place on an int64 tensor of values below 2^32.
+    Every product stays below 2^63, so int64 holds it exactly on every device: a multiplier c >= 2^31 is applied as
+    x (c - 2^31) + (x mod 2) 2^31, which is x c mod 2^32."""
+    for shift, multiplier in ((16, 0x7FEB352D), (15, 0x846CA68B)):
+        x ^= x >> shift
+        x.mul_(multiplier & 0x7FFFFFFF).add_((x & 1) << 31 if multiplier >> 31 else 0).bitwise_and_(0xFFFFFFFF)
+    x ^= x >> 16
+    return x
+
+
+def counter_uniforms(seed, rows, cols):
+    """U[0, 1) at the elements (rows[i], cols[j]) of a tensor, given their indices in the whole tensor (each below
+    2^32): a hash of (64-bit seed, row, column), so that a rank makes its shard's draws alone and they are the values
+    the whole tensor's would be there (a counter-based generator, as Philox is on a GPU, in integer ops that every
+    device computes alike). Distinct rows (columns) get distinct keys; 24 bits each, as torch.rand's float32."""
+    low, high = seed & 0xFFFFFFFF, seed >> 32 & 0xFFFFFFFF
+    row_keys, col_keys = _mix32(_mix32(rows ^ low) ^ high), _mix32(_mix32(cols ^ high) ^ low)
+    bits = _mix32(row_keys[:, None] ^ col_keys[None, :])
+    bits >>= 8
+    return bits.float().mul_(2.0 ** -24)
+
+
 class NVFP4Rounding:
-    """One layer's stochastic-rounding draws: U[0, 1) for micro-batch `micro` of the stage's current step, drawn for
-    the whole tensor (the layer's whole outputs, the micro-batch's whole sequences) and cut to this rank's TP and CP
-    shards."""
+    """One layer's stochastic-rounding draws: U[0, 1) for micro-batch `micro` of the stage's current step, the
+    values of one draw over the whole tensor (the layer's whole outputs, the micro-batch's whole sequences) at this
+    rank's TP and CP shard, made for the shard alone (`counter_uniforms`)."""
 
     def __init__(self, name, layer, stage, seed, split):
         self.name, self.stage, self.seed, self.plan = name, stage, seed, layer.plan
@@ -1223,18 +1247,15 @@ class NVFP4Rounding:
         # a 64-bit seed (CRC32 and Adler-32 of the key): a long run has more keys than 2^32, and two GEMMs that
         # shared a 32-bit seed would round alike
         seed = zlib.crc32(key.encode()) << 32 | zlib.adler32(key.encode())
-        gen = torch.Generator(device=self.device).manual_seed(seed)
-        whole = list(shape)
-        whole[outputs] *= t if cut_tp else 1
-        whole[tokens] *= cp if cut_cp else 1
-        u = torch.rand(whole, generator=gen, device=self.device)
+        # the indices of this rank's outputs and tokens in the whole tensor, cut as the tensor is
+        output_index = torch.arange(shape[outputs] * (t if cut_tp else 1), device=self.device)
         if cut_tp:  # this rank's 1/t of each of the layer's `parts` output blocks (as its weight rows)
-            u = rearrange(u.movedim(outputs, 0), "(parts t o) ... -> parts t o ...", parts=self.parts, t=t)
-            u = u[:, ps.tp_rank].flatten(0, 1).movedim(0, outputs)
+            output_index = rearrange(output_index, "(parts t o) -> parts t o", parts=self.parts, t=t)[:, ps.tp_rank]
+        token_index = torch.arange(shape[tokens] * (cp if cut_cp else 1), device=self.device)
         if cut_cp:  # this rank's CP shard of each sequence's tokens
-            u = u.movedim(tokens, 0).unflatten(0, (-1, plan.seq_cp * cp))
-            u = plan.shard(u, 1).flatten(0, 1).movedim(0, tokens)
-        return u.contiguous()
+            token_index = plan.shard(token_index.unflatten(0, (-1, plan.seq_cp * cp)), 1)
+        u = counter_uniforms(seed, token_index.flatten(), output_index.flatten())
+        return u if role == "dgrad" else u.t().contiguous()
 
     def counted(self, role, shape):  # nvfp4_linear's own backward asks once per GEMM and micro-batch
         return self.uniforms(role, shape, self.next_micro(role))

@@ -3066,6 +3066,38 @@ def _qkv_shard(t, world, rank, dim=-1):
     return torch.cat([part.chunk(world, dim)[rank] for part in t.chunk(3, dim)], dim)
 
 
+def test_counter_uniforms_are_the_whole_tensors_draws_at_any_shard_and_round_without_bias():
+    import mixed_precision as mp
+    mask = 0xFFFFFFFF
+
+    def lowbias32(x):  # the hash with Python's exact integers: the int64 form (products below 2^63) is this function
+        x ^= x >> 16
+        x = x * 0x7FEB352D & mask
+        x ^= x >> 15
+        x = x * 0x846CA68B & mask
+        return x ^ x >> 16
+    keys = [0, 1, 2 ** 31 - 1, 2 ** 31, mask] + torch.randint(0, 2 ** 32, (2000,), generator=torch.Generator()
+                                                                  .manual_seed(0)).tolist()
+    assert train_gpt._mix32(torch.tensor(keys)).tolist() == [lowbias32(k) for k in keys]
+    seed = 0x0123456789ABCDEF
+    whole = train_gpt.counter_uniforms(seed, torch.arange(512), torch.arange(256))
+    rows, cols = torch.randperm(512, generator=torch.Generator().manual_seed(1))[:37], torch.tensor([255, 0, 128])
+    assert torch.equal(train_gpt.counter_uniforms(seed, rows, cols), whole[rows][:, cols])  # a shard draws alone
+    # U[0, 1) in 24 bits; over these 131,072 draws a mean's standard error is 0.0008 and 12 x a covariance's 0.0028:
+    # mean 1/2, variance 1/12 and no correlation with the next row, the next column or another seed, each within
+    # 5 standard errors (a hash that ignored the column, the row or the seed would give a correlation of 1)
+    assert 0 <= whole.min() and whole.max() < 1 and torch.equal(whole * 2 ** 24, (whole * 2 ** 24).floor())
+    centred = whole.double() - 0.5
+    other = train_gpt.counter_uniforms(seed ^ 1 << 40, torch.arange(512), torch.arange(256)).double() - 0.5
+    assert abs(centred.mean()) < 0.004 and abs(12 * centred.pow(2).mean() - 1) < 0.015
+    for a, b in ((centred[1:], centred[:-1]), (centred[:, 1:], centred[:, :-1]), (centred, other)):
+        assert abs(12 * (a * b).mean()) < 0.015
+    # stochastic rounding with these draws is unbiased: 0.3 of the way from 1 to 1.5 averages 1.15 over 131,072
+    # roundings (standard error 0.5 x sqrt(0.3 x 0.7) / 362 = 0.0006; asserted at 5 of them)
+    rounded = mp.round_to_e2m1(torch.full_like(whole, 1.15), stochastic=True, uniforms=whole)
+    assert abs(rounded.double().mean() - 1.15) < 0.003
+
+
 def test_nvfp4_layers_run_the_emulated_formula_and_their_tp2_and_cp2_shards_agree_with_one_rank():
     import long_seq
     import mixed_precision as mp
@@ -3082,10 +3114,10 @@ def test_nvfp4_layers_run_the_emulated_formula_and_their_tp2_and_cp2_shards_agre
         assert rel(y.reshape(exact.shape).double(), exact) < 1e-6
         assert rel(y, xi @ w.t()) > 0.02  # and it is 4-bit: NVFP4 errs by ~0.1 per operand (FP32 by 1e-7)
     # TP2 and CP2: the shards of the outputs and of the gradients. The tensor scales are agreed over TP x CP and the
-    # draws cut from the whole tensor's, so only the FP32 order of the sums that a layout splits differs (TP: the
-    # row-parallel output's K blocks summed in two halves, the column-parallel dgrad summed over TP; CP: the weight
-    # gradient's tokens): measured 4.4e-8 relative there and 0 elsewhere, asserted at 1e-5. A draw or a scale
-    # other than the whole tensor's moves elements by an E2M1 spacing (at least 1/12 of its block's largest):
+    # draws are the whole tensor's at each element, so only the FP32 order of the sums that a layout splits differs
+    # (TP: the row-parallel output's K blocks summed in two halves, the column-parallel dgrad summed over TP; CP:
+    # the weight gradient's tokens): measured 4.4e-8 relative there and 0 elsewhere, asserted at 1e-5. A draw or a
+    # scale other than the whole tensor's moves elements by an E2M1 spacing (at least 1/12 of its block's largest):
     # measured 0.05 to 0.2 over these tensors.
     (y, gx, gw, *_), (y_row, gx_row, gw_row, *_) = one
     tp2 = run_ranks(_nvfp4_layers, 2, x, g, timeout=60)

@@ -1201,16 +1201,25 @@ def _mix32(x):
     return x
 
 
+HASHED_AT_ONCE = 2 ** 22  # counter_uniforms' elements per pass: ~100 MB of int64 working set
+
+
 def counter_uniforms(seed, rows, cols):
     """U[0, 1) at the elements (rows[i], cols[j]) of a tensor, given their indices in the whole tensor (each below
     2^32): a hash of (64-bit seed, row, column), so that a rank makes its shard's draws alone and they are the values
     the whole tensor's would be there (a counter-based generator, as Philox is on a GPU, in integer ops that every
-    device computes alike). Distinct rows (columns) get distinct keys; 24 bits each, as torch.rand's float32."""
+    device computes alike). Distinct rows (columns) get distinct keys; 24 bits each, as torch.rand's float32. The
+    int64 working set (24 bytes an element) is bounded by hashing HASHED_AT_ONCE elements at a time into the float32
+    result."""
     low, high = seed & 0xFFFFFFFF, seed >> 32 & 0xFFFFFFFF
     row_keys, col_keys = _mix32(_mix32(rows ^ low) ^ high), _mix32(_mix32(cols ^ high) ^ low)
-    bits = _mix32(row_keys[:, None] ^ col_keys[None, :])
-    bits >>= 8
-    return bits.float().mul_(2.0 ** -24)
+    out = torch.empty(len(rows), len(cols), device=rows.device)
+    rows_at_once = max(1, HASHED_AT_ONCE // max(1, len(cols)))
+    for part, keys in zip(out.split(rows_at_once), row_keys.split(rows_at_once)):
+        bits = _mix32(keys[:, None] ^ col_keys[None, :])
+        bits >>= 8
+        part.copy_(bits).mul_(2.0 ** -24)
+    return out
 
 
 class NVFP4Rounding:

@@ -3066,7 +3066,7 @@ def _qkv_shard(t, world, rank, dim=-1):
     return torch.cat([part.chunk(world, dim)[rank] for part in t.chunk(3, dim)], dim)
 
 
-def test_counter_uniforms_are_the_whole_tensors_draws_at_any_shard_and_round_without_bias():
+def test_counter_uniforms_are_the_whole_tensors_draws_at_any_shard_and_round_without_bias(monkeypatch):
     import mixed_precision as mp
     mask = 0xFFFFFFFF
 
@@ -3083,6 +3083,9 @@ def test_counter_uniforms_are_the_whole_tensors_draws_at_any_shard_and_round_wit
     whole = train_gpt.counter_uniforms(seed, torch.arange(512), torch.arange(256))
     rows, cols = torch.randperm(512, generator=torch.Generator().manual_seed(1))[:37], torch.tensor([255, 0, 128])
     assert torch.equal(train_gpt.counter_uniforms(seed, rows, cols), whole[rows][:, cols])  # a shard draws alone
+    monkeypatch.setattr(train_gpt, "HASHED_AT_ONCE", 1000)  # 3 rows at a time: the same values
+    assert torch.equal(train_gpt.counter_uniforms(seed, torch.arange(512), torch.arange(256)), whole)
+    monkeypatch.undo()
     # U[0, 1) in 24 bits; over these 131,072 draws a mean's standard error is 0.0008 and 12 x a covariance's 0.0028:
     # mean 1/2, variance 1/12 and no correlation with the next row, the next column or another seed, each within
     # 5 standard errors (a hash that ignored the column, the row or the seed would give a correlation of 1)

@@ -14,9 +14,11 @@ losses over the first steps must agree, else the script stops. Then the two alte
 --steps-per-round steps (the first round not counted); for each schedule the ratio torch / ours of the median step
 times is printed (> 1: ours faster) with a 95% interval (the rounds resampled together) and the spread of the
 per-round ratios, and each rank's median CPU seconds per step (the work each executor does, which a loaded machine's
-waits do not inflate). --breakdown adds, per rank, where our step's time goes, in milliseconds per step: compute (the
-actions), waiting on receives, waiting on sends, the executor's own bookkeeping (the rest of `run_schedule`: posting,
-the tables, the in-flight counts) and the step's tail (the gradient reductions, the optimizer, the loss's all-reduce).
+waits do not inflate). --breakdown adds, per rank and program, where the step's time goes, in milliseconds per step:
+compute (the actions: F forwards with the loss, B backwards, W weight gradients), waiting on transfers (ours: on
+receives, on sends), posting transfers (the buffers, the irecv and isend calls), the executor's own bookkeeping (the
+rest of its schedule: ours `run_schedule`, torch's `_step_microbatches`) and the step's tail (the gradient
+reductions, the optimizer, the loss's all-reduce; torch's also splits the batch).
 """
 import argparse
 import collections
@@ -99,26 +101,21 @@ def torchs(cfg, run, kind):
 
 
 class Breakdown:
-    """Time per step in our executor's parts, by wrapping them: compute (the actions), waiting on receives,
-    waiting on sends (the polls and the final wait for those still in flight), posting receives and sends (the
-    buffers, the irecv and isend calls), and the whole schedule (`run_schedule`), whence the bookkeeping (the schedule
-    less its parts) and the tail (the step less the schedule). A part called inside another (a receive posting
-    itself) counts in the outer one only. `restore()` puts the originals back, so that one schedule's wrappers
-    never time the next one's."""
-    PARTS = (("_run_action", None, "compute"), ("receive", "Pipeline", "waiting on receives"),
-             ("reap", "Pipeline", "waiting on sends"), ("post_receive", "Pipeline", "posting receives"),
-             ("send", "Pipeline", "posting sends"), ("run_schedule", None, "schedule"))
+    """Time per step in one program's parts, by wrapping them: each part is (owner, attribute, label), the label a
+    string or a function of the call's arguments (ours names the action's kind), "schedule" for the whole
+    schedule, whence the bookkeeping (the schedule less its parts) and the tail (the step less the schedule). A part
+    called inside another (a receive posting itself) counts in the outer one only. `restore()` puts the originals
+    back, so that one schedule's wrappers never time the next one's."""
 
-    def __init__(self):
-        self.seconds, self.on, self.inside, self.originals = collections.Counter(), False, 0, []
-        for name, owner, label in self.PARTS:
-            where = getattr(train_gpt, owner) if owner else train_gpt
-            self.originals.append((where, name, getattr(where, name)))
-            setattr(where, name, self.timed(getattr(where, name), label))
+    def __init__(self, parts):
+        self.seconds, self.total, self.on, self.inside, self.originals = collections.Counter(), 0.0, False, 0, []
+        for owner, name, label in parts:
+            self.originals.append((owner, name, owner.__dict__[name]))
+            setattr(owner, name, self.timed(owner.__dict__[name], label))
 
     def restore(self):
-        for where, name, original in self.originals:
-            setattr(where, name, original)
+        for owner, name, original in self.originals:
+            setattr(owner, name, original)
 
     def timed(self, fn, label):
         part = label != "schedule"
@@ -133,14 +130,33 @@ class Breakdown:
             finally:
                 self.inside -= part
                 if self.on and outermost:
-                    self.seconds[label] += time.perf_counter() - t0
+                    self.seconds[label(args) if callable(label) else label] += time.perf_counter() - t0
         return wrapper
 
 
-def race(programs, a, cfg, breakdown=None):
-    """Alternating rounds (ABBA); per program each counted round's step times, the CPU seconds of each counted step
-    on this rank (all its threads: the work, whatever the machine's load adds to the waits), and ours' breakdown."""
-    times, cpu, k, total = {name: [] for name in programs}, {name: [] for name in programs}, 0, 0.0
+def breakdowns(kind):
+    """A Breakdown of each program: ours (train_gpt.py's executor) and torch's schedule for `kind`."""
+    from torch.distributed.pipelining import schedules, stage
+    pipe, base = train_gpt.Pipeline, stage._PipelineStageBase
+    runner = getattr(schedules, TORCH_SCHEDULES[kind])
+    runner = next(c for c in runner.__mro__ if "_step_microbatches" in c.__dict__)
+    kind_of_action = lambda args: f"compute {args[1].kind}"  # noqa: E731 (_run_action(stage, action, ...))
+    return {"ours": Breakdown(((train_gpt, "_run_action", kind_of_action), (pipe, "receive", "waiting on receives"),
+                               (pipe, "reap", "waiting on sends"), (pipe, "post_receive", "posting receives"),
+                               (pipe, "send", "posting sends"), (train_gpt, "run_schedule", "schedule"))),
+            "torch": Breakdown(((base, "forward_one_chunk", "compute F"), (base, "backward_one_chunk", "compute B"),
+                                (base, "backward_weight_one_chunk", "compute W"),
+                                (schedules._PipelineSchedule, "_maybe_compute_loss", "compute F"),
+                                (schedules, "_wait_batch_p2p", "waiting on transfers"),
+                                (schedules, "_batch_p2p", "posting transfers"),
+                                (runner, "_step_microbatches", "schedule")))}
+
+
+def race(programs, a, cfg, timed=None):
+    """Alternating rounds (ABBA); per program each counted round's step times and the CPU seconds of each counted
+    step on this rank (all its threads: the work, whatever the machine's load adds to the waits). `timed`: each
+    program's Breakdown, on during its counted steps."""
+    times, cpu, k = {name: [] for name in programs}, {name: [] for name in programs}, 0
     for r in range(a.rounds + 1):  # round 0 warms up both and is not counted
         for name, step in (list(programs.items()) if r % 2 else list(programs.items())[::-1]):
             round_times = []
@@ -148,19 +164,19 @@ def race(programs, a, cfg, breakdown=None):
                 tokens = train_gpt.synthetic_batch(k, a.batch, cfg.seq_len, cfg.vocab_size)
                 k += 1
                 dist.barrier()  # both ranks start each step together
-                if breakdown is not None:
-                    breakdown.on = r > 0 and name == "ours"
+                if timed:
+                    timed[name].on = r > 0
                 t0, c0 = time.perf_counter(), time.process_time()
                 step(tokens)  # each ends with an all-reduce of the loss: the clock sees the whole step
                 round_times.append(time.perf_counter() - t0)
                 if r:
                     cpu[name].append(time.process_time() - c0)
-                if breakdown is not None and breakdown.on:
-                    total += round_times[-1]
-                    breakdown.on = False
+                if timed and timed[name].on:
+                    timed[name].total += round_times[-1]
+                    timed[name].on = False
             if r:
                 times[name].append(round_times)
-    return times, cpu, total
+    return times, cpu
 
 
 def pooled_median(rounds, which):
@@ -180,15 +196,15 @@ def compare(a, kind):
     """On every rank: parity, then the race. Rank 0's lines to print."""
     cfg = train_gpt.GPTConfig(vocab_size=256, seq_len=a.seq, n_layer=a.layers, n_head=a.heads, n_embd=a.hidden)
     run = layout(a, kind)
-    breakdown = Breakdown() if a.breakdown else None
+    timed = breakdowns(kind) if a.breakdown else {}
     try:
-        return _compare(a, kind, cfg, run, breakdown)
+        return _compare(a, kind, cfg, run, timed)
     finally:
-        if breakdown is not None:
+        for breakdown in timed.values():
             breakdown.restore()
 
 
-def _compare(a, kind, cfg, run, breakdown):
+def _compare(a, kind, cfg, run, timed):
     step_ours, _ = ours(cfg, run)
     programs = {"ours": step_ours, "torch": torchs(cfg, run, kind)}
     lines = []
@@ -198,7 +214,7 @@ def _compare(a, kind, cfg, run, breakdown):
         if abs(mine - theirs) > 1e-5 * abs(mine):
             raise SystemExit(f"{kind}: step {k} losses differ: ours {mine!r}, torch {theirs!r}")
         lines.append(f"    parity step {k}: loss ours {mine:.6f}, torch {theirs:.6f}")
-    times, cpu, ours_total = race(programs, a, cfg, breakdown)
+    times, cpu = race(programs, a, cfg, timed)
     med = {name: pooled_median(t, range(len(t))) for name, t in times.items()}
     lo, hi = ratio_interval(times)
     per_round = [statistics.median(t) / statistics.median(o) for t, o in zip(times["torch"], times["ours"])]
@@ -209,23 +225,22 @@ def _compare(a, kind, cfg, run, breakdown):
     dist.all_gather_object(cpu_per_rank, {name: statistics.median(s) for name, s in cpu.items()})
     lines += [f"    rank {rank} CPU per step: ours {c['ours'] * 1000:.1f} ms, torch {c['torch'] * 1000:.1f} ms, "
               f"torch / ours = {c['torch'] / c['ours']:.3f}" for rank, c in enumerate(cpu_per_rank)]
-    if breakdown is not None:
-        lines += breakdown_lines(breakdown, ours_total, a.rounds * a.steps_per_round)
+    for name, breakdown in timed.items():
+        lines += breakdown_lines(name, breakdown, a.rounds * a.steps_per_round)
     return lines
 
 
-def breakdown_lines(breakdown, total, steps):
-    """Per rank, ms per step of ours in each part, and its share of the step."""
+def breakdown_lines(name, breakdown, steps):
+    """Per rank, ms per step of program `name` in each part, and its share of the step."""
     shares = [None] * dist.get_world_size()
-    dist.all_gather_object(shares, (total, dict(breakdown.seconds)))
+    dist.all_gather_object(shares, (breakdown.total, dict(breakdown.seconds)))
     lines = []
     for rank, (total, seconds) in enumerate(shares):
         schedule = seconds.pop("schedule")
-        parts = [(label, seconds[label]) for label in ("compute", "waiting on receives", "waiting on sends",
-                                                       "posting receives", "posting sends")]
+        parts = sorted(seconds.items())
         parts += [("bookkeeping", schedule - sum(seconds.values())), ("tail", total - schedule)]
         said = ", ".join(f"{label} {s / steps * 1000:.1f} ms ({s / total:.1%})" for label, s in parts)
-        lines.append(f"    ours rank {rank}, per step: {said}")
+        lines.append(f"    {name} rank {rank}, per step: {said}")
     return lines
 
 

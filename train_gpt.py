@@ -1192,11 +1192,13 @@ def whole_token_blocks(positions):
 
 def _mix32(x):
     """lowbias32, a 32-bit integer hash (a bijection of [0, 2^32)), in place on an int64 tensor of values below 2^32.
-    Every product stays below 2^63, so int64 holds it exactly on every device: a multiplier c >= 2^31 is applied as
-    x (c - 2^31) + (x mod 2) 2^31, which is x c mod 2^32."""
-    for shift, multiplier in ((16, 0x7FEB352D), (15, 0x846CA68B)):
-        x ^= x >> shift
-        x.mul_(multiplier & 0x7FFFFFFF).add_((x & 1) << 31 if multiplier >> 31 else 0).bitwise_and_(0xFFFFFFFF)
+    Every product stays below 2^63, so int64 holds it exactly on every device: the multiplier above 2^31 is applied
+    as x (c - 2^31) + (x mod 2) 2^31, which is x c mod 2^32."""
+    x ^= x >> 16
+    x.mul_(0x7FEB352D).bitwise_and_(0xFFFFFFFF)
+    x ^= x >> 15
+    odd = (x & 1) << 31
+    x.mul_(0x846CA68B - 2 ** 31).add_(odd).bitwise_and_(0xFFFFFFFF)
     x ^= x >> 16
     return x
 
@@ -1209,10 +1211,12 @@ def counter_uniforms(seed, rows, cols):
     2^32): a hash of (64-bit seed, row, column), so that a rank makes its shard's draws alone and they are the values
     the whole tensor's would be there (a counter-based generator, as Philox is on a GPU, in integer ops that every
     device computes alike). Distinct rows (columns) get distinct keys; 24 bits each, as torch.rand's float32. The
-    int64 working set (24 bytes an element) is bounded by hashing HASHED_AT_ONCE elements at a time into the float32
-    result."""
+    int64 working set (24 bytes an element) is bounded by hashing HASHED_AT_ONCE elements at a time (whole rows,
+    at least one) into the float32 result."""
     low, high = seed & 0xFFFFFFFF, seed >> 32 & 0xFFFFFFFF
-    row_keys, col_keys = _mix32(_mix32(rows ^ low) ^ high), _mix32(_mix32(cols ^ high) ^ low)
+    # the columns' keys take a constant besides the seed's halves, so that rows and columns never share a key
+    # function (with low = high, they would, and the tensor would be symmetric)
+    row_keys, col_keys = _mix32(_mix32(rows ^ low) ^ high), _mix32(_mix32(cols ^ high) ^ low ^ 0x9E3779B9)
     out = torch.empty(len(rows), len(cols), device=rows.device)
     rows_at_once = max(1, HASHED_AT_ONCE // max(1, len(cols)))
     for part, keys in zip(out.split(rows_at_once), row_keys.split(rows_at_once)):
@@ -1263,8 +1267,10 @@ class NVFP4Rounding:
         token_index = torch.arange(shape[tokens] * (cp if cut_cp else 1), device=self.device)
         if cut_cp:  # this rank's CP shard of each sequence's tokens
             token_index = plan.shard(token_index.unflatten(0, (-1, plan.seq_cp * cp)), 1)
-        u = counter_uniforms(seed, token_index.flatten(), output_index.flatten())
-        return u if role == "dgrad" else u.t().contiguous()
+        token_index, output_index = token_index.flatten(), output_index.flatten()
+        if role == "dgrad":
+            return counter_uniforms(seed, token_index, output_index)
+        return counter_uniforms(seed, output_index, token_index)
 
     def counted(self, role, shape):  # nvfp4_linear's own backward asks once per GEMM and micro-batch
         return self.uniforms(role, shape, self.next_micro(role))

@@ -238,7 +238,8 @@ def nvfp4(device, dry):
     against float64 (beside BF16 operands'), and against float64 on its own dequantised operands; through
     torch._scaled_mm where the device has FP4 tensor cores (compute capability 10.0+), against the emulation;
     otherwise the emulation timed beside a BF16 GEMM; then nvfp4_linear's forward and backward (stochastic
-    gradients, Hadamard-transformed wgrad) timed, and its output and gradients against float64."""
+    gradients, Hadamard-transformed wgrad) timed, and its output and gradients against float64; the trainer's draws
+    (nvfp4_draws) and a run (nvfp4_in_the_run)."""
     mp = mixed_precision
     m, k, n = (64, 256, 128) if dry else (1024, 4096, 1024)
     gen = torch.Generator(device="cpu").manual_seed(2)
@@ -284,12 +285,30 @@ def nvfp4(device, dry):
         + " (bound 0.25)")
     if not max(errors) < 0.25:
         raise AssertionError(f"nvfp4_linear: a relative error {max(errors):.3f} is not below 0.25")
+    nvfp4_draws(device, dry)
     nvfp4_in_the_run(device, steps=2 if dry else 4)
 
 
+def nvfp4_draws(device, dry):
+    """train_gpt.py's stochastic-rounding draws (counter_uniforms: a hash of seed, row and column in int64 ops) on
+    this device: the CPU's values exactly, and their time for one shard beside torch.rand's (which draws the same
+    count from Philox on a GPU, but cannot make one shard of a whole tensor's draw alone)."""
+    rows, cols = (512, 256) if dry else (8192, 4096)  # a TP8 x CP8 shard of an 8192-token fc gradient at h 8192
+    index = (torch.arange(rows), torch.arange(cols))
+    here = train_gpt.counter_uniforms(0x0123456789ABCDEF, *(i.to(device) for i in index))
+    same = torch.equal(here.cpu(), train_gpt.counter_uniforms(0x0123456789ABCDEF, *index))
+    say("nvfp4 draws on the device vs the CPU", "the same values" if same else "DIFFERENT values")
+    if not same:
+        raise AssertionError("counter_uniforms: the device's draws differ from the CPU's")
+    on_device = [i.to(device) for i in index]
+    hashed = _median_time(lambda: train_gpt.counter_uniforms(7, *on_device), device)
+    drawn = _median_time(lambda: torch.rand(rows, cols, device=device), device)
+    say(f"nvfp4 draws of a {rows} x {cols} shard", f"hashed {hashed * 1e3:.2f} ms, torch.rand {drawn * 1e3:.2f} ms")
+
+
 def nvfp4_in_the_run(device, steps):
-    """train_gpt.py --dtype nvfp4 on this device: the stochastic rounding's draws made on it (a generator per layer,
-    micro-batch and step), 1F1B (nvfp4_linear's own backward) against zero bubble (the trainer's backward GEMMs, the
+    """train_gpt.py --dtype nvfp4 on this device: the stochastic rounding's draws made on it (counter_uniforms, for
+    this rank's shard), 1F1B (nvfp4_linear's own backward) against zero bubble (the trainer's backward GEMMs, the
     weight GEMM deferred to W), and against BF16."""
     before = mixed_precision.fp8_log["nvfp4:emulated"] + mixed_precision.fp8_log["nvfp4:scaled_mm"]
     bf16, one_f_one_b, zero_bubble = _device_curves(device, [dict(dtype="bfloat16"), dict(dtype="nvfp4"),

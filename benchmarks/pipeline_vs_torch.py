@@ -18,7 +18,7 @@ waits do not inflate). --breakdown adds, per rank and program, where the step's 
 compute (the actions: F forwards with the loss, B backwards, W weight gradients), waiting on transfers (ours: on
 receives, on sends), posting transfers (the buffers, the irecv and isend calls), the executor's own bookkeeping (the
 rest of its schedule: ours `run_schedule`, torch's `_step_microbatches`) and the step's tail (the gradient
-reductions, the optimizer, the loss's all-reduce; torch's also splits the batch).
+reductions, the optimizer, the loss's all-reduce; torch's also splits the batch into micro-batches).
 """
 import argparse
 import collections
@@ -89,7 +89,8 @@ def torchs(cfg, run, kind):
     def step(tokens):
         losses = []
         inputs = (tokens[:, :-1],) if rank == 0 else ()
-        schedule.step(*inputs, target=tokens[:, 1:] if rank == p - 1 else None, losses=losses)
+        schedule.step(*inputs, target=tokens[:, 1:] if rank == p - 1 else None, losses=losses,
+                      return_outputs=False)  # as ours, which keeps no logits
         for reduction in stage.reductions:  # train_step's tail: the same reductions and optimizer step
             if not reduction.data_parallel:
                 opt.all_reduce_grads(reduction.params, reduction.group)
@@ -109,9 +110,13 @@ class Breakdown:
 
     def __init__(self, parts):
         self.seconds, self.total, self.on, self.inside, self.originals = collections.Counter(), 0.0, False, 0, []
-        for owner, name, label in parts:
-            self.originals.append((owner, name, owner.__dict__[name]))
-            setattr(owner, name, self.timed(owner.__dict__[name], label))
+        try:
+            for owner, name, label in parts:
+                self.originals.append((owner, name, owner.__dict__[name]))
+                setattr(owner, name, self.timed(owner.__dict__[name], label))
+        except BaseException:  # a part torch no longer has: put back those wrapped so far
+            self.restore()
+            raise
 
     def restore(self):
         for owner, name, original in self.originals:
@@ -134,22 +139,24 @@ class Breakdown:
         return wrapper
 
 
-def breakdowns(kind):
-    """A Breakdown of each program: ours (train_gpt.py's executor) and torch's schedule for `kind`."""
+def add_breakdowns(kind, timed):
+    """A Breakdown of each program into `timed` (each there as soon as it wraps, so that a failure restores it):
+    ours (train_gpt.py's executor) and torch's schedule for `kind`. Torch's zero bubble runs the first stage's whole
+    backward in W (its B has no input gradient to make there): compare B + W."""
     from torch.distributed.pipelining import schedules, stage
     pipe, base = train_gpt.Pipeline, stage._PipelineStageBase
     runner = getattr(schedules, TORCH_SCHEDULES[kind])
     runner = next(c for c in runner.__mro__ if "_step_microbatches" in c.__dict__)
     kind_of_action = lambda args: f"compute {args[1].kind}"  # noqa: E731 (_run_action(stage, action, ...))
-    return {"ours": Breakdown(((train_gpt, "_run_action", kind_of_action), (pipe, "receive", "waiting on receives"),
+    timed["ours"] = Breakdown(((train_gpt, "_run_action", kind_of_action), (pipe, "receive", "waiting on receives"),
                                (pipe, "reap", "waiting on sends"), (pipe, "post_receive", "posting receives"),
-                               (pipe, "send", "posting sends"), (train_gpt, "run_schedule", "schedule"))),
-            "torch": Breakdown(((base, "forward_one_chunk", "compute F"), (base, "backward_one_chunk", "compute B"),
+                               (pipe, "send", "posting sends"), (train_gpt, "run_schedule", "schedule")))
+    timed["torch"] = Breakdown(((base, "forward_one_chunk", "compute F"), (base, "backward_one_chunk", "compute B"),
                                 (base, "backward_weight_one_chunk", "compute W"),
                                 (schedules._PipelineSchedule, "_maybe_compute_loss", "compute F"),
                                 (schedules, "_wait_batch_p2p", "waiting on transfers"),
                                 (schedules, "_batch_p2p", "posting transfers"),
-                                (runner, "_step_microbatches", "schedule")))}
+                                (runner, "_step_microbatches", "schedule")))
 
 
 def race(programs, a, cfg, timed=None):
@@ -196,8 +203,10 @@ def compare(a, kind):
     """On every rank: parity, then the race. Rank 0's lines to print."""
     cfg = train_gpt.GPTConfig(vocab_size=256, seq_len=a.seq, n_layer=a.layers, n_head=a.heads, n_embd=a.hidden)
     run = layout(a, kind)
-    timed = breakdowns(kind) if a.breakdown else {}
+    timed = {}
     try:
+        if a.breakdown:
+            add_breakdowns(kind, timed)
         return _compare(a, kind, cfg, run, timed)
     finally:
         for breakdown in timed.values():
@@ -265,7 +274,7 @@ def main():
                           ("--steps-per-round", 3), ("--parity-steps", 2), ("--timeout", 300)):
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--schedules", default="1f1b,interleaved,zb-h1")
-    ap.add_argument("--breakdown", action="store_true", help="also where our step's time goes, per rank")
+    ap.add_argument("--breakdown", action="store_true", help="also where each program's step time goes, per rank")
     a = ap.parse_args()
     unknown = set(a.schedules.split(",")) - set(TORCH_SCHEDULES)
     if unknown or a.rounds < 1 or a.steps_per_round < 1:

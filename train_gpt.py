@@ -3250,26 +3250,32 @@ def hf_config(cfg):
             "bos_token_id": None, "eos_token_id": None, "torch_dtype": "float32"}
 
 
-def safetensors_bytes(tensors, metadata=None):
-    """The safetensors file of {name: tensor}: the header's length (8 bytes, little-endian), the JSON header
-    (padded with spaces to a multiple of 8, so every tensor starts aligned), the tensors' bytes in header order."""
+def safetensors_chunks(tensors, metadata=None):
+    """The safetensors file of {name: tensor}, as chunks to write one after another (so that no copy of the whole
+    model is made): the header's length (8 bytes, little-endian), the JSON header (padded with spaces to a multiple
+    of 8, so every tensor starts aligned), then each tensor's bytes in header order (a contiguous CPU copy of one
+    tensor at a time; none where it is one already)."""
     dtype_names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
-    header, offset, blobs = {"__metadata__": dict(metadata or {})}, 0, []
+    header, offset = {"__metadata__": dict(metadata or {})}, 0
     for name, t in tensors.items():
-        blob = t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-        header[name] = {"dtype": dtype_names[t.dtype], "shape": list(t.shape), "data_offsets": [offset,
-                                                                                               offset + len(blob)]}
-        offset += len(blob)
-        blobs.append(blob)
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": dtype_names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text + b"".join(blobs)
+    yield len(text).to_bytes(8, "little") + text
+    for t in tensors.values():
+        yield t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
 
 
-def _write_file(path, data):
-    """Write a whole file or leave the old one: a temporary beside it, synced, renamed over it."""
+def _write_file(path, write):
+    """Write a whole file or leave the old one: write(f) fills a temporary beside it (streaming: no copy of the
+    whole file in memory), synced, renamed over it."""
     tmp = path + ".tmp"
-    _write_synced(tmp, data)
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -3469,10 +3475,12 @@ def export_weights(path, state, hf_dir=None, nanogpt_file=None):
     if hf_dir:
         tensors = {}
         for theirs, name, conv in gpt2_names(cfg):
-            tensors["transformer." + theirs] = ours[name].t() if conv else ours[name]  # safetensors_bytes: contiguous
+            tensors["transformer." + theirs] = ours[name].t() if conv else ours[name]  # made contiguous one by one
         os.makedirs(hf_dir, exist_ok=True)
-        _write_file(os.path.join(hf_dir, "model.safetensors"), safetensors_bytes(tensors, {"format": "pt"}))
-        _write_file(os.path.join(hf_dir, "config.json"), (json.dumps(hf_config(cfg), indent=2) + "\n").encode())
+        _write_file(os.path.join(hf_dir, "model.safetensors"),
+                    lambda f: f.writelines(safetensors_chunks(tensors, {"format": "pt"})))
+        config = (json.dumps(hf_config(cfg), indent=2) + "\n").encode()
+        _write_file(os.path.join(hf_dir, "config.json"), lambda f: f.write(config))
         done.append(f"wrote {hf_dir}: config.json, model.safetensors ({len(tensors)} tensors, "
                     f"{parameter_count(cfg):,} parameters) from {path}")
     if nanogpt_file:
@@ -3482,10 +3490,9 @@ def export_weights(path, state, hf_dir=None, nanogpt_file=None):
                           bias=True, vocab_size=cfg.vocab_size, dropout=0.0)
         if os.path.dirname(nanogpt_file):
             os.makedirs(os.path.dirname(nanogpt_file), exist_ok=True)
-        buffer = io.BytesIO()
-        torch.save({"model_args": model_args, "model": model, "iter_num": state["step"], "best_val_loss": None,
-                    "config": {}}, buffer)
-        _write_file(nanogpt_file, buffer.getvalue())
+        checkpoint = {"model_args": model_args, "model": model, "iter_num": state["step"], "best_val_loss": None,
+                      "config": {}}
+        _write_file(nanogpt_file, lambda f: torch.save(checkpoint, f))
         done.append(f"wrote {nanogpt_file}: nanoGPT's model_args and model ({len(model)} entries) from {path}")
     return done
 

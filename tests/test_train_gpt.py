@@ -2729,7 +2729,8 @@ def test_a_crafted_hf_folder_is_refused_in_one_line_and_a_moe_export_too(exporte
     untied = {**tensors, "lm_head.weight": tensors["transformer.wte.weight"] + 1}
     (tmp_path / "untied").mkdir()
     (tmp_path / "untied" / "config.json").write_bytes((exported["hf"] / "config.json").read_bytes())
-    (tmp_path / "untied" / "model.safetensors").write_bytes(train_gpt.safetensors_bytes(untied, {"format": "pt"}))
+    untied_file = b"".join(train_gpt.safetensors_chunks(untied, {"format": "pt"}))
+    (tmp_path / "untied" / "model.safetensors").write_bytes(untied_file)
     argvs += [(["--out-dir", os.path.dirname(pristine_checkpoint), "--export-hf", str(tmp_path / "a_file")],
                "is a file: pass a folder"),
               (["--out-dir", os.path.dirname(pristine_checkpoint), "--export-nanogpt", str(tmp_path / "a_folder")],

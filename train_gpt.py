@@ -286,12 +286,10 @@ def make_plan(cfg, train_cfg, parallel_state):
     # chunk c: virtual stage c p + r
     chunks = [(c * p + parallel_state.pp_rank) * per_chunk for c in range(layout.virtual_stages)]
     return Plan(parallel_state=parallel_state, world=dist.group.WORLD if parallel_state.world_size > 1 else None,
-                tp=group("tp"), cp=group("cp"),
-                cp_ulysses=group("cp_ulysses"), cp_ring=group("cp_ring"),
-                pp=group("pp"), dp_cp=group("dp_cp"), dp_cp_shard=group("dp_cp_shard"),
+                tp=group("tp"), cp=group("cp"), cp_ulysses=group("cp_ulysses"), cp_ring=group("cp_ring"),
+                pp=group("pp"), dp_cp=group("dp_cp"), dp_cp_shard=group("dp_cp_shard"), schedule=train_cfg.pp_schedule,
                 dp_cp_replicate=group("dp_cp_replicate"), ep=group("ep"), edp=group("edp"), tp_cp=group("tp_cp"),
                 embedding=group("embedding"), cp_impl=train_cfg.cp_impl, recompute=train_cfg.recompute, **vars(layout),
-                schedule=train_cfg.pp_schedule,
                 layers=tuple(i for first in chunks for i in range(first, first + per_chunk)),
                 logs_lm_loss=parallel_state.is_last_stage and parallel_state.tp_rank == 0,
                 logs_router_loss=parallel_state.tp_rank == 0 and parallel_state.cp_rank == 0)
@@ -803,25 +801,28 @@ class Pipeline:
         return None
 
     def start(self, orders, rank):
-        """Before a step: what this rank will receive, from which peer, in the order each peer sends it."""
+        """Before a step: what this rank will receive, from which peer, in the order each peer sends it; and, for
+        `reap`, where each message's sender and each send's reader stand in their rank's list."""
         key = (id(orders), rank)
         if key not in self.tables:
             incoming = {}  # peer: the actions of this rank that read its messages, in the peer's sending order
-            source = {}    # action: the peer it receives from
+            source, sink = {}, {}  # action: (the peer it reads from, its sender's index); (sends to, reader's index)
             for peer, order in enumerate(orders):
-                for action in order:
+                for i, action in enumerate(order):
                     to = self.consumer(peer, action)
                     if to is not None and to[0] == rank:
                         incoming.setdefault(peer, []).append(to[1])
-                        source[to[1]] = peer
-            self.tables[key] = orders, incoming, source  # the lists kept: their id stays theirs
-        _, incoming, self.source = self.tables[key]
+                        source[to[1]] = peer, i
+                    elif to is not None and peer == rank:
+                        sink[action] = to[0], orders[to[0]].index(to[1])
+            self.tables[key] = orders, incoming, source, sink  # the lists kept: their id stays theirs
+        _, incoming, self.source, self.sink = self.tables[key]
         self.incoming = {peer: list(actions) for peer, actions in incoming.items()}  # post_receive pops them
-        self.posted, self.sending = {}, []  # action: (buffer, work); (work, tensor, whether to free it once sent)
+        self.posted, self.sending, self.posted_by = {}, [], {}  # action: (buffer, work); `send`'s; `receive`'s
 
     def post_receive(self, action):
         """Post the receive `action` reads (and those its peer sends before it), if not posted yet."""
-        peer = self.source.get(action)
+        peer, _ = self.source.get(action, (None, None))
         while peer is not None and action not in self.posted:
             key = self.incoming[peer].pop(0)
             buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
@@ -832,24 +833,28 @@ class Pipeline:
         self.post_receive(action)
         buf, work = self.posted.pop(action)
         work.wait()
+        peer, sender = self.source[action]  # it sent this having posted its receives up to its next action
+        self.posted_by[peer] = max(self.posted_by.get(peer, -1), sender + 1)
         return buf
 
-    def send(self, tensor, peer, free=False):
-        """Post the send; with `free`, the tensor's storage is released once the send completes (its backward
-        needs only the graph behind it and its shape)."""
-        self.sending.append((dist.isend(tensor.contiguous(), self.ranks[peer], self.plan.pp), tensor, free))
+    def send(self, tensor, action, free=False):
+        """Post the send of `action`'s output; with `free`, the tensor's storage is released once the send
+        completes (its backward needs only the graph behind it and its shape)."""
+        peer, reader = self.sink[action]
+        work = dist.isend(tensor.contiguous(), self.ranks[peer], self.plan.pp)
+        self.sending.append((work, tensor, free, peer, reader))
 
     def reap(self, wait=False):
-        """Forget the sends that completed (all of them with `wait`), freeing the storage of those marked so."""
+        """Forget the sends that completed (all with `wait`), freeing the storage of those marked so. NCCL's work
+        reports completion, gloo's only once waited on: a send whose receive is surely posted is waited on here."""
         still = []
-        for work, tensor, free in self.sending:
-            if wait:
+        for work, tensor, free, peer, reader in self.sending:
+            if wait or reader <= self.posted_by.get(peer, -1):  # a transfer finishing, never the peer's progress
                 work.wait()
-            if work.is_completed():
-                if free:
-                    tensor.untyped_storage().resize_(0)
-            else:
-                still.append((work, tensor, free))
+            if not work.is_completed():
+                still.append((work, tensor, free, peer, reader))
+            elif free:
+                tensor.untyped_storage().resize_(0)
         self.sending = still
 
 
@@ -860,8 +865,7 @@ def run_schedule(stage, pipe, kind, micro_batches, tokens_per_micro_batch, grad_
     count) and ScheduleStats. `grad_scale` multiplies the losses where each backward starts."""
     plan, rank = stage.plan, stage.plan.parallel_state.pp_rank
     orders = _orders(kind, plan.sizes["pp"], len(micro_batches), plan.virtual_stages)
-    device = next(stage.parameters()).device
-    totals = torch.zeros(2, dtype=torch.float64, device=device)  # LM loss, router loss
+    totals = torch.zeros(2, dtype=torch.float64, device=next(stage.parameters()).device)  # LM loss, router loss
     saved, waiting, ran, peak, held = {}, {}, [], 0, 0
     pipe.start(orders, rank)
     order = orders[rank]
@@ -875,13 +879,12 @@ def run_schedule(stage, pipe, kind, micro_batches, tokens_per_micro_batch, grad_
                           totals)
         ran.append(action)
         peak = max(peak, len(saved) + len(waiting))
-        destination = pipe.consumer(rank, action)  # (rank, the action that reads this one's output), or None
-        if destination is not None:
+        if action in pipe.sink:  # its output goes to another rank
             # an output leaves this stage: its storage is freed once sent (as Megatron-LM's deallocate_output_tensor),
             # not at its backward, which needs only the graph behind it and its shape
-            pipe.send(out, destination[0], free=out.grad_fn is not None)
+            pipe.send(out, action, free=out.grad_fn is not None)
         pipe.reap()
-        sending = {id(tensor) for _, tensor, _ in pipe.sending}
+        sending = {id(tensor) for _, tensor, *_ in pipe.sending}
         held = max(held, sum(o.untyped_storage().nbytes() for _, o, _, last in saved.values()
                              if not last and id(o) not in sending))
     pipe.reap(wait=True)
@@ -890,8 +893,7 @@ def run_schedule(stage, pipe, kind, micro_batches, tokens_per_micro_batch, grad_
 
 @functools.lru_cache(maxsize=64)
 def _orders(kind, p, m, v):
-    """Every rank's list of actions, checked to finish when each action waits only for its input (the replay, below
-    the banner, with the timeline it draws)."""
+    """Every rank's list of actions, checked by the replay (below the banner) to finish when each waits for input."""
     orders = forward_schedule(p, m, v) if kind == "forward" else pipeline_schedule(kind, p, m, v)
     replay_pipeline(orders, v=v)
     return orders
@@ -1015,8 +1017,7 @@ def make_optimizer(stage, train_cfg):
         shard_groups=[(r.params, r.group) + ((r.replicate,) if r.replicate is not None else ())
                       for r in stage.reductions if r.data_parallel],
         **(dict(units=[[p for p in block.parameters() if p.requires_grad] for block in stage.blocks])
-           if train_cfg.zero >= 2 else {}),
-        master_dtype=train_cfg.master_dtype, **defaults)
+           if train_cfg.zero >= 2 else {}), master_dtype=train_cfg.master_dtype, **defaults)
 
 
 # ---- The loop ----------------------------------------------------------------------------------------------

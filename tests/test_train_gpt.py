@@ -1889,6 +1889,36 @@ def test_the_executor_receives_each_input_from_the_action_that_produced_it(kind,
     assert max(most.values()) <= 3 and max(len(pairs) for pairs in reads.values()) > 3, most
 
 
+def _schedule_stats(rank, world, cfg, kind, v):
+    """This rank's ScheduleStats of one step, and the most sent outputs not yet freed after any action."""
+    torch.set_default_dtype(torch.float64)
+    plan, stage, opt, pipe = train_gpt.build(cfg, _run(pp=world, micro_batch=1, batch=8, pp_schedule=kind,
+                                                       virtual_stages=v))
+    tokens = train_gpt.synthetic_batch(0, 8, cfg.seq_len, cfg.vocab_size)
+    unfreed, reap = [0], train_gpt.Pipeline.reap
+
+    def watched(self, wait=False):
+        reap(self, wait)
+        unfreed[0] = max(unfreed[0], sum(free for _, _, free, *_ in self.sending))
+    train_gpt.Pipeline.reap = watched
+    *_, stats = train_gpt.train_step(stage, pipe, opt, tokens, micro_batch=1)
+    return plan.parallel_state.pp_rank, stats, unfreed[0]
+
+
+@pytest.mark.parametrize("kind, p, v, cfg", [("1f1b", 4, 1, CFG), ("interleaved", 4, 2, CFG8), ("zb-h1", 4, 1, CFG),
+                                             ("zb-h1", 2, 2, CFG)])
+def test_every_schedule_frees_each_sent_output_and_keeps_what_its_list_keeps_in_flight(kind, p, v, cfg):
+    # each rank ran its list in its order, kept alive (F to B; with zero bubble's split, F to W) the most its list
+    # keeps, held no output once its send completed, and learnt of each completion by the time that micro-batch's
+    # backward came back at the latest: gloo's isend never reports completion unless waited on, so an executor that
+    # only polls would hold every output of the step (8 of 8 on 1F1B's first stage, 16 of 16 interleaved)
+    for rank, (peak, held, order), unfreed in run_ranks(_schedule_stats, p, cfg, kind, v, timeout=120):
+        assert order == train_gpt.pipeline_schedule(kind, p, 8, v)[rank], (kind, rank)
+        assert peak == train_gpt.in_flight_peak(order, split=kind == "zb-h1"), (kind, rank, peak)
+        assert held == 0, (kind, rank, held)
+        assert unfreed <= peak, (kind, rank, unfreed, peak)
+
+
 def _step_gemms(rank, world, kind, v, **layout):
     """This rank's FLOPs of one step (FlopCounterMode) and, under zero bubble, the collectives its W's issued."""
     torch.set_default_dtype(torch.float64)

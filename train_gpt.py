@@ -1366,6 +1366,152 @@ SCHEDULES["zb-h1"] = lambda p, m, v: [schedule_zero_bubble(order, r)
                                       for r, order in enumerate(SCHEDULES["interleaved"](p, m, v))]
 
 
+# ---- V-shaped pipelines: ZB-V and DualPipeV ----------------------------------------------------------------
+# A V schedule gives each rank two chunks placed in a V: chunk 0 is stage r, chunk 1 stage 2p - 1 - r of the 2p
+# (each L / 2p layers). A micro-batch goes down the ranks through their chunk 0 and back up through their chunk 1,
+# so rank p - 1 hands its chunk 0's output to its own chunk 1 (no transfer) and the last stage sits on rank 0 beside
+# the first: the loss is computed where the tokens were embedded, and the tied embedding is one parameter. Both
+# schedules split backwards as zero bubble does: a B whose W its rank's list holds computes the input gradients
+# only; a B whose list holds no W for it is a whole backward, weight gradients included (DualPipeV runs both). The
+# lists are torch.distributed.pipelining's (ScheduleZBVZeroBubble, ScheduleDualPipeV: tests/test_vpipe.py compares
+# them rank by rank), written as that order's phases.
+
+class Overlapped(NamedTuple):
+    """DualPipe's F&B (DeepSeek-AI 2024): the forward of one (micro-batch, chunk) and the whole backward of another,
+    one action, so that the communication of each half proceeds while the other half computes."""
+    forward: Action
+    backward: Action
+    kind = "F&B"  # a class attribute, not a field: what the executor and the replay dispatch on
+
+
+V_SCHEDULES = ("zbv", "dualpipev")  # the --pp-schedule values whose chunks lie in a V
+
+
+def v_stage(p, r, chunk):
+    """The stage of rank r's chunk under the V placement: chunk 0 is stage r, chunk 1 stage 2p - 1 - r."""
+    return 2 * p - 1 - r if chunk else r
+
+
+def halves(action):
+    """The actions an entry of a list runs: an F&B pair's two, or the action itself."""
+    return tuple(action) if isinstance(action, Overlapped) else (action,)
+
+
+class _Counter:
+    """The next micro-batch of each (kind, chunk) in one rank's list, and the list itself: V schedules are written as
+    phases of "the next forward of chunk 1", "the next backward of chunk 0", ..."""
+
+    def __init__(self):
+        self.order, self.counts = [], {}
+
+    def next(self, kind, chunk):
+        micro = self.counts.get((kind, chunk), 0)
+        self.counts[(kind, chunk)] = micro + 1
+        return Action(kind, micro, chunk)
+
+    def add(self, kind, chunk):
+        action = self.next(kind, chunk)
+        self.order.append(action)
+        return action
+
+
+def schedule_zbv(p, m, r):
+    """ZB-V (Qi et al. 2024, section 6), in the order of torch's ScheduleZBVZeroBubble: 2 (p - r) - 1 forwards of
+    chunk 0, then r pairs of (chunk 1, chunk 0) forwards, then p - r rounds of chunk 1's F B W: rank p - 1 turns the
+    first micro-batch around at the V's bottom and its backward climbs back while the forwards still descend. The
+    steady state runs F B W on chunk 0 then on chunk 1; the drain runs r pairs of B's (their W's wait), p - r rounds
+    of a chunk 0 B and the oldest waiting W, then the waiting W's. Each B's W follows it, or fills the drain. With
+    fewer than 2p - 1 micro-batches the order is the one of 2p - 1 with the missing ones left out."""
+    n, rank = max(m, 2 * p - 1), _Counter()
+    waiting = ([], [])  # per chunk: B's whose W has not run, oldest first
+
+    def backward(chunk, then_weight=True):
+        waiting[chunk].append(rank.add("B", chunk))
+        if then_weight:
+            weight(chunk)
+
+    def weight(chunk):
+        rank.order.append(Action("W", waiting[chunk].pop(0).micro, chunk))
+
+    for _ in range(2 * (p - r) - 1):
+        rank.add("F", 0)
+    for _ in range(r):
+        rank.add("F", 1), rank.add("F", 0)
+    for _ in range(p - r):
+        rank.add("F", 1), backward(1)
+    while rank.counts[("F", 1)] < rank.counts[("F", 0)] or rank.counts[("F", 0)] < n:
+        if rank.counts[("F", 0)] < n:
+            rank.add("F", 0)
+        backward(0), rank.add("F", 1), backward(1)
+    for _ in range(r):
+        backward(0, False), backward(1, False)
+    for _ in range(p - r):
+        backward(0)
+    for chunk in (1, 0):
+        while waiting[chunk]:
+            weight(chunk)
+    return [action for action in rank.order if action.micro < m]
+
+
+def schedule_dualpipev(p, m, r):
+    """DualPipeV (DeepSeek-AI 2024's DualPipe cut in half), in the order of torch's ScheduleDualPipeV: the
+    forwards of chunk 0 fill the V (2 (p - r - 1), then r + 1 pairs of chunk 0 and chunk 1 forwards), p - r - 1
+    rounds of a chunk 1 B, the oldest waiting W and a chunk 1 F; then the two directions meet: F&B pairs (chunk 0's
+    forward with chunk 1's whole backward, chunk 1's forward with chunk 0's whole backward; rank p - 1's first
+    pair runs apart), then p - r - 1 rounds of a chunk 1 backward and a pair; the drain runs r + 1 pairs of
+    backwards (from the middle one on, zero bubble's split ones: their W's fill what is left), then the W's.
+    Needs m >= 2p."""
+    rank, waiting = _Counter(), []  # waiting: the split B's whose W has not run, oldest first
+
+    def backward(chunk, split):
+        action = rank.add("B", chunk)
+        if split:
+            waiting.append(action)
+
+    def weight():
+        if waiting:
+            action = waiting.pop(0)
+            rank.order.append(Action("W", action.micro, action.chunk))
+
+    def pair(forward_chunk, backward_chunk):
+        rank.order.append(Overlapped(rank.next("F", forward_chunk), rank.next("B", backward_chunk)))
+
+    for _ in range(2 * (p - r - 1)):
+        rank.add("F", 0)
+    for _ in range(r + 1):
+        rank.add("F", 0), rank.add("F", 1)
+    for _ in range(p - r - 1):
+        backward(1, True), weight(), rank.add("F", 1)
+    for i in range(m - 2 * p + r + 1):
+        if i == 0 and r == p - 1:  # the bottom of the V: its first backward is due at once, nothing to overlap
+            rank.add("F", 0), backward(1, False)
+        else:
+            pair(0, 1)
+        pair(1, 0)
+    for _ in range(p - r - 1):
+        backward(1, False), pair(1, 0)
+    split = False
+    for i in range(r + 1):  # from the middle pair on (odd ranks: from its chunk 1 B), the B's are split
+        split = split or (i == (r + 1) // 2 and r % 2 == 1)
+        backward(1, split)
+        split = split or i == (r + 1) // 2
+        backward(0, split)
+    for _ in range(p - r - 1):
+        weight(), backward(0, True)
+    for _ in range(r + 1):
+        weight()
+    return rank.order
+
+
+class VOrders(list):
+    """Every rank's list of a V schedule (orders[r]): a list that says its chunks lie in a V."""
+    v_shape = True
+
+
+SCHEDULES["zbv"] = lambda p, m, v: VOrders(schedule_zbv(p, m, r) for r in range(p))
+SCHEDULES["dualpipev"] = lambda p, m, v: VOrders(schedule_dualpipev(p, m, r) for r in range(p))
+
+
 _deferred = None  # while a zero-bubble B runs: the list its linears leave their weight-gradient GEMMs in
 
 
@@ -1415,13 +1561,19 @@ def run_weight_grads(stage, chunk, weight_grads):
             block.unit.reduce_grads(async_op=True)
 
 
-def replay_pipeline(orders, forward=1, backward=2, weight=1, v=1, slots=False):
-    """The time the ranks' orders take when each action waits only for its input: F for the previous virtual
-    stage's F of its micro-batch, B for the next one's B (the last virtual stage for its own F), W for its own B;
-    F takes `forward` units, B `backward`, W `weight`; communication is free. orders[r] are rank r's actions
-    (Action, or (kind, micro) pairs for one chunk). With slots, also every action's start: {(r, action): t}."""
+def replay_pipeline(orders, forward=1, backward=2, weight=1, v=1, slots=False, v_shape=None):
+    """The time the ranks' orders take when each action waits only for its input: F for the previous stage's F of its
+    micro-batch, B for the next one's B (the last stage for its own F), W for its own B; F takes `forward` units, B
+    `backward`, W `weight`, and where a schedule splits backwards a B it does not split (no W of its own) takes
+    `backward + weight`; an F&B pair starts once both halves' inputs are in and hands both outputs on at its end.
+    Communication is free. orders[r] are rank r's actions (Action, Overlapped, or (kind, micro) pairs for one chunk);
+    chunk c of rank r is stage c p + r, or with `v_shape` (default: the orders' own, VOrders) stage `v_stage`. With
+    slots, also every action's start: {(r, action): t}."""
     p = len(orders)
-    orders = [[Action(*action) for action in order] for order in orders]
+    v_shape = getattr(orders, "v_shape", False) if v_shape is None else v_shape
+    stage_of = partial(v_stage, p) if v_shape else (lambda r, chunk: chunk * p + r)
+    orders = [[a if isinstance(a, (Action, Overlapped)) else Action(*a) for a in order] for order in orders]
+    whole = whole_backwards(orders)
     last, done, start = p * v - 1, {}, {}
     clock, pos = [0] * p, [0] * p
     progress = True
@@ -1429,31 +1581,47 @@ def replay_pipeline(orders, forward=1, backward=2, weight=1, v=1, slots=False):
         progress = False
         for r in range(p):
             while pos[r] < len(orders[r]):
-                action = orders[r][pos[r]]
-                vs = action.chunk * p + r
-                needs = {"F": ("F", vs - 1), "B": ("B", vs + 1) if vs < last else ("F", vs),
-                         "W": ("B", vs)}[action.kind]
-                if needs[1] < 0:  # the first virtual stage's forwards
-                    ready = 0
-                elif (*needs, action.micro) in done:
-                    ready = done[(*needs, action.micro)]
-                else:
+                entry = orders[r][pos[r]]
+                needs = []
+                for action in halves(entry):
+                    vs = stage_of(r, action.chunk)
+                    need = {"F": ("F", vs - 1), "B": ("B", vs + 1) if vs < last else ("F", vs),
+                            "W": ("B", vs)}[action.kind]
+                    if need[1] >= 0:  # not the first stage's forward
+                        needs.append((*need, action.micro))
+                if any(need not in done for need in needs):
                     break
-                start[(r, action)] = max(clock[r], ready)
-                clock[r] = start[(r, action)] + {"F": forward, "B": backward, "W": weight}[action.kind]
-                done[(action.kind, vs, action.micro)] = clock[r]
+                start[(r, entry)] = max([clock[r]] + [done[need] for need in needs])
+                clock[r] = start[(r, entry)] + sum(
+                    {"F": forward, "B": backward, "W": weight}[a.kind] + weight * ((r, a) in whole)
+                    for a in halves(entry))
+                for action in halves(entry):
+                    done[(action.kind, stage_of(r, action.chunk), action.micro)] = clock[r]
                 pos[r], progress = pos[r] + 1, True
     if pos != [len(o) for o in orders]:
         raise ValueError("the ranks' orders wait on each other forever")
     return (max(clock), start) if slots else max(clock)
 
 
+def whole_backwards(orders):
+    """{(r, B action)} of the B's that a schedule splitting backwards does not split (no W of their own on their
+    rank): DualPipeV's whole backwards. Empty for schedules with no W at all (their B is whole by definition)."""
+    deferred = [{(a.chunk, a.micro) for a in order if a.kind == "W"} for order in orders]
+    if not any(deferred):
+        return set()
+    return {(r, a) for r, order in enumerate(orders) for entry in order for a in halves(entry)
+            if a.kind == "B" and (a.chunk, a.micro) not in deferred[r]}
+
+
 def in_flight_peak(order, split):
     """The most (chunk, micro-batch) activations alive at once on a rank: from its F until its B (or, with a split
-    backward, until its W, which still needs the linears' inputs)."""
+    backward, until its W, which still needs the linears' inputs; a B with no W of its own is whole and ends it)."""
+    deferred = {(a.chunk, a.micro) for a in order if a.kind == "W"} if split else set()
     live = peak = 0
-    for action in order:
-        live += (action.kind == "F") - (action.kind == ("W" if split else "B"))
+    for entry in order:
+        for action in halves(entry):
+            ends = action.kind == "W" or (action.kind == "B" and (action.chunk, action.micro) not in deferred)
+            live += (action.kind == "F") - ends
         peak = max(peak, live)
     return peak
 
@@ -1462,30 +1630,51 @@ def schedule_formulas(kind, p, m, v=1):
     """The published step time (in units of one chunk's forward, B = 2 F, or B = W = F when split) and in-flight
     peaks (chunks, per rank): 1F1B 3 (m + p - 1), p - r; interleaved 3 (v m + p - 1), i.e. a bubble of (p - 1)/(v m)
     of the ideal, (p - r - 1) 2 + (v - 1) p + 1; ZB-H1 3 v m + p - 1 for m >= p: the bubble (p - 1) units, one third
-    of 1F1B's, and 1F1B's or the interleaved peak plus the r deferred W's."""
+    of 1F1B's, and 1F1B's or the interleaved peak plus the r deferred W's. The V schedules (v = 2, `v_bubble`):
+    ZB-V 6 m + p - 1 for m >= 2p - 1, 2p chunks on every rank (p micro-batches of a 1F1B stage's layers: 1F1B's
+    first stage), min(2p, m + r + 1, 2m) below; DualPipeV 6 m + 2 (p - 1), 2p chunks and 2p + 1 on rank p - 1."""
     if kind == "1f1b":
         return 3 * (m + p - 1), [min(p - r, m) for r in range(p)]
+    if kind in V_SCHEDULES:
+        peaks = ([min(2 * p, m + r + 1, 2 * m) for r in range(p)] if kind == "zbv"
+                 else [2 * p + (r == p - 1) for r in range(p)])
+        return 6 * m + v_bubble(kind, p, m), peaks
     peak = [min((p - r - 1) * 2 + (v - 1) * p + 1, m * v) if v > 1 else min(p - r, m) for r in range(p)]
     if kind == "interleaved":
         return 3 * (v * m + p - 1), peak
     return 3 * v * m + p - 1, [min(k + r, m * v) for r, k in enumerate(peak)]
 
 
+def v_bubble(kind, p, m, forward=1, backward=1, weight=1):
+    """Each rank's idle time in a V schedule's step, in units with F = B = W = 1 (a whole backward B + W = 2).
+    ZB-V: p - 1 for m >= 2p - 1 (the first micro-batch's way down the V: rank p - 1 starts after p - 1 forwards and
+    every slot after it is filled), 4 (p - 1) - 2 (m - 1) below. DualPipeV (m >= 2p): DualPipe's table's
+    (PP/2 - 1)(F&B + B - 3W), PP its stages (2p here), F&B the pair (F + B + W: communication hidden, the compute
+    both halves' own), B a whole backward (B + W): (p - 1)(F + 2 B - W) = 2 (p - 1)."""
+    if kind == "zbv":
+        return max(p - 1, 4 * (p - 1) - 2 * (m - 1))
+    pair, whole = forward + backward + weight, backward + weight
+    return (p - 1) * (pair + whole - 3 * weight)
+
+
 def timeline(kind, p, m, v=1):
     """The schedule as text: one row per rank, one column per time unit (F 1, B 2 or B 1 + W 1), each cell the
     action and micro-batch (and chunk, with v > 1: F3.1 is micro-batch 3 on chunk 1); under it the step time and
     bubble beside the formulas, and each rank's in-flight peak."""
-    split = kind == "zb-h1"
+    split = kind in ("zb-h1",) + V_SCHEDULES
     orders = pipeline_schedule(kind, p, m, v)
     span, start = replay_pipeline(orders, backward=1 if split else 2, v=v, slots=True)
-    width = len(f"F{m - 1}" + (f".{v - 1}" if v > 1 else "")) + 1
+    whole = whole_backwards(orders)
+    label = lambda a: f"{a.kind}{a.micro}" + (f".{a.chunk}" if v > 1 else "")  # noqa: E731
+    width = len(f"F{m - 1}" + (f".{v - 1}" if v > 1 else "")) + 1 + any(isinstance(a, Overlapped) for a in orders[0])
     rows = []
     for r, order in enumerate(orders):
         cells = ["."] * span
-        for action in order:
-            t = start[(r, action)]
-            for u in range(2 if action.kind == "B" and not split else 1):
-                cells[t + u] = f"{action.kind}{action.micro}" + (f".{action.chunk}" if v > 1 else "")
+        for entry in order:
+            t = start[(r, entry)]
+            for i, action in enumerate(halves(entry)):  # an F&B pair: its forward, then '&' and its backward
+                for _ in range(2 if action.kind == "B" and (not split or (r, action) in whole) else 1):
+                    cells[t], t = "&" * i + label(action), t + 1
         rows.append(f"rank {r}  " + "".join(c.ljust(width) for c in cells).rstrip())
     formula, peaks = schedule_formulas(kind, p, m, v)
     ideal = 3 * m * v
@@ -1496,6 +1685,17 @@ def timeline(kind, p, m, v=1):
     rows.append("legend: a column is one time unit, a forward's time; Fi: the forward of micro-batch i (Fi.c: on "
                 "model chunk c, with virtual stages), 1 unit;\n        Bi: its backward, 2 units (zb-h1: the input "
                 "gradients only, 1 unit); Wi: its weight gradients (zb-h1), 1 unit; '.': the rank waits (the bubble)")
+    if kind in V_SCHEDULES:
+        rows += [f"V placement: chunk 0 of rank r is stage r, chunk 1 stage 2p - 1 - r = {2 * p - 1} - r; a B lasts "
+                 "1 unit where its W comes later, 2 where it is whole (no W of its own)",
+                 f"bubble per rank {span - ideal} units, formula {v_bubble(kind, p, m)}: " + (
+                     "p - 1, the first micro-batch's way down the V (m >= 2p - 1)" if kind == "zbv" else
+                     "(p - 1)(F&B + B - 3W) with F&B = 3 (the pair: F + B + W), B = 2 (whole), W = 1: DualPipe's "
+                     "(PP/2 - 1)(F&B + B - 3W), PP = 2p stages") + "; in flight, formula " + (
+                     "min(2p, m + r + 1, 2m)" if kind == "zbv" else "2p, and 2p + 1 on rank p - 1") +
+                 " chunks of L/2p layers",
+                 ] + (["F&B: an overlapped pair, its forward's cell then '&' before the backward it runs beside"]
+                      if kind == "dualpipev" else [])
     return "\n".join(rows)
 
 
@@ -2948,6 +3148,9 @@ def validate(cfg, train_cfg, world):
     error = schedule_error(train_cfg.pp_schedule, pp, layout.micro_batch_count, train_cfg.virtual_stages)
     if error:
         raise ValueError(error)
+    if train_cfg.pp_schedule in V_SCHEDULES:  # until the executor places chunks in a V (issue 50, in progress)
+        raise ValueError(f"--pp-schedule {train_cfg.pp_schedule} is drawn by --show-schedule; runs come with the "
+                         "executor's V placement")
 
 
 def nvfp4_checks(cfg, train_cfg):
@@ -2970,11 +3173,16 @@ def schedule_error(kind, p, m, v):
         return f"--pp-schedule {kind!r} is unknown; choose one of {tuple(SCHEDULES)}"
     if kind == "interleaved" and v == 1:
         return "--pp-schedule interleaved needs --virtual-stages >= 2 (model chunks per pipeline rank)"
+    if kind in V_SCHEDULES and v != 2:
+        return f"--pp-schedule {kind} places two model chunks per rank in a V: pass --virtual-stages 2"
     if v > 1 and kind == "1f1b":
         return f"--virtual-stages {v} needs --pp-schedule interleaved or zb-h1 (1f1b runs one chunk per rank)"
     if v > 1 and p == 1:
         return f"--virtual-stages {v} needs --pp >= 2: the chunks interleave across the pipeline ranks"
-    if v > 1 and m % p:
+    if kind == "dualpipev" and m < 2 * p:
+        return (f"--pp-schedule dualpipev needs the micro-batches m = batch / (dp micro_batch) = {m} to be at least "
+                f"2 --pp = {2 * p} (the two directions meet in the middle): choose --batch or --micro-batch so")
+    if v > 1 and m % p and kind not in V_SCHEDULES:
         return (f"--virtual-stages {v} needs the micro-batches m = batch / (dp micro_batch) = {m} to be a multiple of "
                 f"--pp {p} (they advance in groups of p): choose --batch or --micro-batch so")
     return None
@@ -3619,9 +3827,10 @@ def parse_args(argv=None):
     group("--cp-impl", default="ring", choices=sorted(CP_IMPLS), help="how CP attends across the ranks")
     group("--cp-ulysses", type=int, default=1, help="--cp-impl hybrid: the Ulysses ranks inside each CP group")
     group = ap.add_argument_group("pipeline schedule").add_argument
-    group("--pp-schedule", default="1f1b", choices=SCHEDULES, help="1f1b, interleaved (Megatron-LM) or zb-h1 "
-          "(zero bubble)")
-    group("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (interleaved, zb-h1)")
+    group("--pp-schedule", default="1f1b", choices=SCHEDULES, help="1f1b, interleaved (Megatron-LM), zb-h1 "
+          "(zero bubble), or the V-shaped zbv (ZB-V) and dualpipev (DualPipeV), with --virtual-stages 2")
+    group("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (interleaved, zb-h1; 2 for "
+          "zbv and dualpipev)")
     group("--show-schedule", action="store_true", help="print the schedule's timeline for --pp, --micro-batches, "
           "--pp-schedule and --virtual-stages, with its bubble and in-flight peaks, and exit (no process group)")
     group("--micro-batches", type=int, default=None, help="with --show-schedule: m (a run's is batch / (dp "

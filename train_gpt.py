@@ -1615,14 +1615,16 @@ def whole_backwards(orders):
 
 def in_flight_peak(order, split):
     """The most (chunk, micro-batch) activations alive at once on a rank: from its F until its B (or, with a split
-    backward, until its W, which still needs the linears' inputs; a B with no W of its own is whole and ends it)."""
+    backward, until its W, which still needs the linears' inputs; a B with no W of its own is whole and ends it).
+    In an F&B pair the forward's activations are made while the backward's are still held: one more at its peak."""
     deferred = {(a.chunk, a.micro) for a in order if a.kind == "W"} if split else set()
     live = peak = 0
     for entry in order:
         for action in halves(entry):
-            ends = action.kind == "W" or (action.kind == "B" and (action.chunk, action.micro) not in deferred)
+            ends = (action.kind == "W" and split) or (action.kind == "B" and (action.chunk, action.micro) not in
+                                                        deferred)
             live += (action.kind == "F") - ends
-        peak = max(peak, live)
+            peak = max(peak, live)
     return peak
 
 
@@ -1632,12 +1634,12 @@ def schedule_formulas(kind, p, m, v=1):
     of the ideal, (p - r - 1) 2 + (v - 1) p + 1; ZB-H1 3 v m + p - 1 for m >= p: the bubble (p - 1) units, one third
     of 1F1B's, and 1F1B's or the interleaved peak plus the r deferred W's. The V schedules (v = 2, `v_bubble`):
     ZB-V 6 m + p - 1 for m >= 2p - 1, 2p chunks on every rank (p micro-batches of a 1F1B stage's layers: 1F1B's
-    first stage), min(2p, m + r + 1, 2m) below; DualPipeV 6 m + 2 (p - 1), 2p chunks and 2p + 1 on rank p - 1."""
+    first stage), min(2p, m + r + 1, 2m) below; DualPipeV 6 m + 2 (p - 1), 2p + 1 chunks (DualPipe's PP + 1: 2p
+    before a pair, and its forward's beside its backward's)."""
     if kind == "1f1b":
         return 3 * (m + p - 1), [min(p - r, m) for r in range(p)]
     if kind in V_SCHEDULES:
-        peaks = ([min(2 * p, m + r + 1, 2 * m) for r in range(p)] if kind == "zbv"
-                 else [2 * p + (r == p - 1) for r in range(p)])
+        peaks = [min(2 * p, m + r + 1, 2 * m) for r in range(p)] if kind == "zbv" else [2 * p + 1] * p
         return 6 * m + v_bubble(kind, p, m), peaks
     peak = [min((p - r - 1) * 2 + (v - 1) * p + 1, m * v) if v > 1 else min(p - r, m) for r in range(p)]
     if kind == "interleaved":
@@ -1692,7 +1694,7 @@ def timeline(kind, p, m, v=1):
                      "p - 1, the first micro-batch's way down the V (m >= 2p - 1)" if kind == "zbv" else
                      "(p - 1)(F&B + B - 3W) with F&B = 3 (the pair: F + B + W), B = 2 (whole), W = 1: DualPipe's "
                      "(PP/2 - 1)(F&B + B - 3W), PP = 2p stages") + "; in flight, formula " + (
-                     "min(2p, m + r + 1, 2m)" if kind == "zbv" else "2p, and 2p + 1 on rank p - 1") +
+                     "min(2p, m + r + 1, 2m)" if kind == "zbv" else "2p + 1 (DualPipe's PP + 1)") +
                  " chunks of L/2p layers",
                  ] + (["F&B: an overlapped pair, its forward's cell then '&' before the backward it runs beside"]
                       if kind == "dualpipev" else [])

@@ -85,7 +85,7 @@ def test_the_lists_replay_to_their_formulas_over_a_grid():
                 formula, peaks = train_gpt.schedule_formulas(kind, p, m, 2)
                 assert span == formula == 6 * m + train_gpt.v_bubble(kind, p, m), (kind, p, m)
                 assert [train_gpt.in_flight_peak(o, True) for o in orders] == peaks, (kind, p, m)
-                # ZB-V's W's follow their B's but where the drain defers them: the peak to W equals the one to B
+                # the W's follow their B's but where the drain defers them: the peak to W equals the one to B
                 assert [train_gpt.in_flight_peak(o, False) for o in orders] == peaks, (kind, p, m)
     # DualPipe's table in its units: (PP/2 - 1)(F&B + B - 3W) with PP = 2p stages, F&B the pair, B whole
     for p in (2, 4, 8):
@@ -119,7 +119,7 @@ def test_show_schedule_draws_both_v_schedules_with_bubble_and_peaks_beside_the_f
     assert "51 units (formula 51)" in zbv[4] and zbv[5] == "in flight per rank (chunks): 8 (8), 8 (8), 8 (8), 8 (8)"
     assert "bubble per rank 3 units, formula 3: p - 1" in zbv[-1]
     dual = train_gpt.timeline("dualpipev", 4, 8, 2)
-    assert "54 units (formula 54)" in dual and "in flight per rank (chunks): 8 (8), 8 (8), 8 (8), 9 (9)" in dual
+    assert "54 units (formula 54)" in dual and "in flight per rank (chunks): 9 (9), 9 (9), 9 (9), 9 (9)" in dual
     assert "bubble per rank 6 units, formula 6: (p - 1)(F&B + B - 3W)" in dual
     # rank 0's first pair: chunk 0's forward of micro-batch 7 beside chunk 1's whole backward of micro-batch 3
     assert "F3.1  F7.0  &B3.1 &B3.1 ." in dual.splitlines()[0]
@@ -127,3 +127,83 @@ def test_show_schedule_draws_both_v_schedules_with_bubble_and_peaks_beside_the_f
                                                         "pass --virtual-stages 2")
     assert "at least 2 --pp = 8" in train_gpt.schedule_error("dualpipev", 4, 7, 2)
     assert train_gpt.schedule_error("zbv", 4, 3, 2) is None  # ZB-V takes any m
+
+
+# ---- the planner (topology.py) against the executor's lists --------------------------------------------------
+
+def _weighted_peak(order, a_w):
+    """The most a rank's list holds at once, 1 per chunk between its F and its B, `a_w` per chunk whose B has run and
+    whose W waits, counted after each action and each half of an F&B pair."""
+    deferred = {(a.chunk, a.micro) for a in order if a.kind == "W"}
+    before = waiting = peak = 0
+    for entry in order:
+        for a in train_gpt.halves(entry):
+            before += (a.kind == "F") - (a.kind == "B")
+            waiting += (a.kind == "B" and (a.chunk, a.micro) in deferred) - (a.kind == "W")
+            peak = max(peak, before + a_w * waiting)
+    return peak
+
+
+def test_the_planners_bubble_and_in_flight_equal_the_replay_of_the_executors_lists():
+    """Units as tests/test_topology.py's: replay_pipeline in durations of one chunk's F, B, W; the planner's `stage`
+    one micro-batch through both chunks, 2 (F + B + W), its W part 2 W, its F part 2 F. The V formulas hold where
+    W <= F <= B, as the planner's split always is (test_topology's test of the planner's split)."""
+    import topology
+    durations = [(1, 1, 1), (1, 1, 0), (1, 2, 1), (2, 3, 1), (2, 2, 1), (3, 5, 2), (4, 7, 3), (3, 3, 3), (2, 7, 0)]
+    for kind in train_gpt.V_SCHEDULES:
+        for p in range(2, 7):
+            for m in sorted({2 * p - (kind == "zbv"), 2 * p, 2 * p + 1, 3 * p, 4 * p}):
+                orders = train_gpt.pipeline_schedule(kind, p, m, 2)
+                for f, b, w in durations:
+                    span = train_gpt.replay_pipeline(orders, f, b, w, v=2)
+                    bubble = topology.pipeline_bubble(kind, p, 2, m, 2 * (f + b + w), 2 * w, 2 * f)
+                    assert bubble == pytest.approx(span - 2 * m * (f + b + w), abs=1e-9), (kind, p, m, f, b, w)
+                chunks = topology.in_flight_chunks(kind, p, m, 2)
+                for r, order in enumerate(orders):
+                    before = train_gpt.in_flight_peak(order, False)
+                    assert chunks[r] == (before, train_gpt.in_flight_peak(order, True) - before), (kind, p, m, r)
+                in_flight = topology.in_flight_microbatches(p, 2, m, kind)
+                assert in_flight == chunks[0][0] / 2 == (p if kind == "zbv" else p + 0.5)
+                # the planner's activations (A = 1 per chunk: a stage's 2, A_w = a_w per chunk): the most loaded rank
+                for a_w in (0, 0.5, 1, 1.5, 2, 5):
+                    gb = topology._activations_gb((2.0, 0.0, 0.0, 0.0), in_flight, kind, p, m, 2, 2 * a_w)
+                    measured = max(_weighted_peak(order, a_w) for order in orders)
+                    assert gb * topology.GB == pytest.approx(measured, rel=1e-12), (kind, p, m, a_w)
+    # with F = B = W: ZB-V p - 1 chunk-forwards, a third of ZB-H1 at v = 1's 2 (p - 1) per stage of two chunks...
+    assert topology.pipeline_bubble("zbv", 4, 2, 16, 6, 2, 2) == 3 == train_gpt.v_bubble("zbv", 4, 16)
+    # ... and DualPipeV (p - 1)(F&B + B - 3W) with F&B = 3, B whole 2, W 1
+    assert topology.pipeline_bubble("dualpipev", 4, 2, 16, 6, 2, 2) == 3 * (3 + 2 - 3)
+
+
+def test_the_planner_searches_the_v_schedules_and_prints_their_command():
+    import topology
+    cluster = topology.Cluster(gpus=16)
+    model = topology.ModelShape(layers=32, hidden=4096, heads=32, seq=2048, vocab=51200, global_batch=256,
+                                micro_batch=1, recompute="selective", sequence_parallel=True, zero=1)
+    rows = {s: topology.estimate(cluster, model, 2, 4, 1, pp_schedule=s, virtual_stages=None if s in
+                                 train_gpt.V_SCHEDULES else 1) for s in ("zb-h1", "zbv", "dualpipev")}
+    zb, zbv, dual = rows["zb-h1"], rows["zbv"], rows["dualpipev"]
+    assert zbv["virtual_stages"] == dual["virtual_stages"] == 2 and zbv["micro_batches"] == 128
+    # rank 0 holds the first and the last stage: the tied embedding once, no all-reduce of its gradient
+    assert zbv["params_per_gpu"] == zb["params_per_gpu"] == topology.params_on_first_stage(model, 2, 4)
+    assert not zb["intra_node"]["pp"]  # the first and last stage all-reduce over InfiniBand under ZB-H1
+    assert zb["dp_s"] - zbv["dp_s"] == pytest.approx(cluster.grad_bytes * 51200 * 4096 / 2 / (cluster.ib_gbps
+                                                                                                * topology.GB))
+    # p chunks' worth of 1F1B's stage 0 in flight (ZB-V), a half more (DualPipeV); their bubbles below ZB-H1's
+    assert (zbv["in_flight"], dual["in_flight"], zb["in_flight"]) == (4, 4.5, 4)
+    assert 0 < zbv["bubble_s"] < zb["bubble_s"] and 0 < dual["bubble_s"]
+    command = topology.torchrun_command(zbv, model, cluster)
+    assert "--pp-schedule zbv --virtual-stages 2" in command
+    # the search tries them wherever a pipeline has two chunks per GPU and enough micro-batches, and says why not
+    plans = topology.plan(cluster, replace_model(model, micro_batch=None), tp=2, pp=4)
+    assert {r["pp_schedule"] for r in plans} <= set(topology.SCHEDULES) and plans[0]["pp_schedule"] in (
+        "zbv", "dualpipev", "zb-h1")
+    with pytest.raises(ValueError, match="needs at least 8 micro-batches per pipeline"):
+        topology.estimate(cluster, replace_model(model, global_batch=8), 2, 4, 1, pp_schedule="dualpipev")
+    with pytest.raises(ValueError, match="virtual_stages must be 2"):
+        replace_model(model, pp_schedule="zbv", virtual_stages=4)
+
+
+def replace_model(model, **changes):
+    import dataclasses
+    return dataclasses.replace(model, **changes)

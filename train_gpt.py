@@ -452,7 +452,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, name, d_in, d_out, plan, cfg, dtype, parts=1, std=0.02, fp8=None):
         super().__init__()
         t, r = plan.sizes["tp"], plan.parallel_state.tp_rank
-        self.plan, self.gemm = plan, fp8_product(self, fp8, "column")
+        self.plan, self.gemm = plan, fp8_product(self, fp8)
         w = full_init(name + ".weight", (d_out, d_in), std, cfg.seed, dtype)
         w = rearrange(w, "(parts t o) i -> parts t o i", parts=parts, t=t)[:, r]
         self.weight = nn.Parameter(rearrange(w, "parts o i -> (parts o) i").contiguous())
@@ -469,7 +469,7 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, name, d_in, d_out, plan, cfg, dtype, std=0.02, fp8=None):
         super().__init__()
-        self.plan, self.gemm = plan, fp8_product(self, fp8, "row")
+        self.plan, self.gemm = plan, fp8_product(self, fp8)
         w = full_init(name + ".weight", (d_out, d_in), std, cfg.seed, dtype)
         self.weight = nn.Parameter(w.chunk(plan.sizes["tp"], dim=1)[plan.parallel_state.tp_rank].contiguous())
         self.bias = nn.Parameter(torch.zeros(d_out, dtype=dtype))
@@ -480,25 +480,20 @@ class RowParallelLinear(nn.Module):
         return self.plan.row_parallel(x, self.weight, self.bias, self.gemm)
 
 
-class FP8(NamedTuple):
-    recipe: str              # --fp8-recipe
-    backward: str = "bf16"   # mixed_precision.fp8_linear's backward GEMMs: "bf16" (the chapter's)
-
-
-def fp8_product(layer, fp8, split):
-    """A block linear's forward product: F.linear, or with --dtype fp8 mixed_precision.fp8_linear in FP8 E4M3 under
-    --fp8-recipe; the backward GEMMs, the LM head and the experts in BF16. Per-tensor scales are agreed (MAX of the
-    amax) over TP: the shards of one weight, and a row-parallel layer's input shards, are one tensor. Under CP and DP
-    each rank quantises its own tokens (Transformer Engine also reduces the activation amax over CP). Delayed
-    scaling keeps an amax history per layer (not checkpointed; a recomputation would record its amaxes again)."""
-    if fp8 is None:
+def fp8_product(layer, recipe):
+    """A block linear's forward product: F.linear, or with --dtype fp8 (`recipe`: --fp8-recipe)
+    mixed_precision.fp8_linear in FP8 E4M3; the backward GEMMs, the LM head and the experts in BF16. Per-tensor scales
+    are agreed (MAX of the amax) over TP: the shards of one weight, and a row-parallel layer's input shards, are one
+    tensor. Under CP and DP each rank quantises its own tokens (Transformer Engine also reduces the activation amax
+    over CP). Delayed scaling keeps an amax history per layer (not checkpointed; a recomputation would record its
+    amaxes again)."""
+    if recipe is None:
         return F.linear
-    if fp8.recipe == "delayed":
+    if recipe == "delayed":
         layer.register_buffer("amax_history", torch.zeros(2, 16), persistent=False)
 
     def product(x, weight, bias=None):
-        return mixed_precision.fp8_linear(x, weight, bias, amax_group=layer.plan.tp, recipe=fp8.recipe,
-                                          backward=fp8.backward, split=split if layer.plan.tp is not None else None,
+        return mixed_precision.fp8_linear(x, weight, bias, amax_group=layer.plan.tp, recipe=recipe,
                                           amax_history=getattr(layer, "amax_history", None),
                                           record_amax=torch.is_grad_enabled())
     return product
@@ -956,19 +951,20 @@ def build(cfg, train_cfg, optimizer=True):
                                             with_mesh=False, timeout_s=train_cfg.timeout_s)
     plan = make_plan(cfg, train_cfg, parallel_state)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    fp8 = FP8(train_cfg.fp8_recipe) if train_cfg.dtype == "fp8" else None
+    fp8 = train_cfg.fp8_recipe if train_cfg.dtype == "fp8" else None
     stage = GPTStage(cfg, plan, train_cfg.param_dtype, fp8=fp8).to(device)
     opt = make_optimizer(stage, train_cfg) if optimizer else None
     pipe = Pipeline(plan, (train_cfg.micro_batch, plan.seq_hidden, cfg.n_embd), train_cfg.param_dtype, device)
     return plan, stage, opt, pipe
 
 
-def make_optimizer(stage, train_cfg, shard_groups=None, **options):
+def make_optimizer(stage, train_cfg, shard_groups=None, optimizer_class=None, **options):
     """mixed_precision.py's optimizer for every dtype: gradients accumulate in FP32 (float64 in tests) from
     the first micro-batch, the data-parallel sums are its shard groups (--zero 1, Megatron-LM's distributed
     optimizer, shards them: 6 + 12/d bytes per parameter for BF16, 8 + 8/d for FP32, against 18 and 16), FP16 scales
-    the loss. Weight decay applies to the 2-D weights only (nanoGPT), with AdamW or SGD. `shard_groups` and
-    `options`: the at-scale forms' (hybrid sharding, ZeRO-2/3 units, the FP8 gather), given to the optimizer."""
+    the loss. Weight decay applies to the 2-D weights only (nanoGPT), with AdamW or SGD. `shard_groups`,
+    `optimizer_class` and `options`: the whole program's (its optimizer forms, hybrid sharding, ZeRO-2/3 units, the
+    FP8 gather)."""
     params = [p for p in stage.parameters() if p.requires_grad]
     if train_cfg.optimizer == "adamw":
         opt_class, defaults = torch.optim.AdamW, dict(lr=train_cfg.lr, betas=(0.9, 0.95))
@@ -979,7 +975,7 @@ def make_optimizer(stage, train_cfg, shard_groups=None, **options):
     scaler = mixed_precision.DynamicLossScaler() if train_cfg.dtype == "float16" else None
     if shard_groups is None:
         shard_groups = [(r.params, r.group) for r in stage.reductions if r.data_parallel]
-    return mixed_precision.MixedPrecisionOptimizer(
+    return (optimizer_class or mixed_precision.MixedPrecisionOptimizer)(
         [g for g in groups if g["params"]], opt_class, zero=train_cfg.zero, loss_scaler=scaler,
         shard_groups=shard_groups, master_dtype=train_cfg.master_dtype, **options, **defaults)
 
@@ -1389,21 +1385,40 @@ class _TPLinearAtScale(_TPLinear):
 # ---- FP8 beyond per-tensor scales: the fine-grained recipes, and FP8 backward GEMMs ------------------------
 # Rowwise, blockwise and MXFP8 scales (--fp8-recipe) are local in a column-parallel layer (every block lies on one
 # rank) and agreed over TP where a row-parallel layer cuts K; per-row and per-block activation scales do not depend
-# on the CP and DP split. `fp8_product` passes the recipe to mixed_precision.fp8_linear; with --fp8-backward fp8,
-# `use_fp8_backward` gives each block linear's product its backward GEMMs, which _TPLinearAtScale runs.
+# on the CP and DP split. `use_fine_grained_fp8` gives each block linear `fine_grained_fp8_product`, which passes
+# the recipe, the backward and the layer's TP split to mixed_precision.fp8_linear; with --fp8-backward fp8 it adds
+# the backward GEMMs that _TPLinearAtScale runs (`fp8_backward_gemms`).
 
 BLOCK_LINEARS = (("qkv", "attn.qkv", "column"), ("proj", "attn.proj", "row"), ("fc", "mlp.fc", "column"),
                  ("out", "mlp.proj", "row"))  # attribute, name, TP split; a MoE block has no fc/out (experts: BF16)
 
 
-def use_fp8_backward(stage, fp8):
-    """--fp8-backward fp8: each block linear's FP8 product gets its backward GEMMs (`fp8_backward_gemms`), for
-    _TPLinearAtScale (TP, zero bubble); elsewhere mixed_precision.fp8_linear runs them itself."""
+class FP8(NamedTuple):
+    recipe: str      # --fp8-recipe
+    backward: str    # --fp8-backward: "bf16" or "fp8"
+
+
+def use_fine_grained_fp8(stage, fp8):
+    """A fine-grained --fp8-recipe or --fp8-backward fp8: each block linear's product is `fine_grained_fp8_product`."""
     for block in stage.blocks:
         for attr, _, split in BLOCK_LINEARS:
             layer = getattr(block, attr, None)
             if layer is not None:
-                layer.gemm.backward_gemms = partial(fp8_backward_gemms, layer, fp8, split)
+                layer.gemm = fine_grained_fp8_product(layer, fp8, split)
+
+
+def fine_grained_fp8_product(layer, fp8, split):
+    """fp8_product beyond per-tensor scales: mixed_precision.fp8_linear with the recipe's blocks agreed over TP where
+    the layer's `split` cuts K, and the FP8 backward's GEMMs (E5M2 gradients) for _TPLinearAtScale."""
+    def product(x, weight, bias=None):
+        return mixed_precision.fp8_linear(x, weight, bias, amax_group=layer.plan.tp, recipe=fp8.recipe,
+                                          backward=fp8.backward, split=split if layer.plan.tp is not None else None,
+                                          amax_history=getattr(layer, "amax_history", None),
+                                          record_amax=torch.is_grad_enabled())
+
+    if fp8.backward == "fp8":
+        product.backward_gemms = partial(fp8_backward_gemms, layer, fp8, split)
+    return product
 
 
 def fp8_backward_gemms(layer, fp8, split, g2, x2, weight, needs, scales=None):
@@ -1705,12 +1720,16 @@ class ZeroBubblePipeline(Pipeline):
         key = (action.chunk, action.micro)
         if action.kind == "W":
             return run_weight_grads(stage, action.chunk, self.waiting.pop(key))
-        if action.kind == "F":
+        if action.kind == "F" or not self.splits(action):
             return super().run_action(stage, action, received, saved, *rest)
         with deferred_weight_grads() as weight_grads:  # B: _TPLinearAtScale leaves its weight GEMM in it
             grad = super().run_action(stage, action, received, saved, *rest)
         self.waiting[key] = weight_grads
         return grad
+
+    def splits(self, action):
+        """Whether this B leaves its weight GEMMs for a W: every B under ZB-H1."""
+        return True
 
     def in_flight(self, saved):  # and those waiting for W, which still needs the linears' inputs
         return len(saved) + len(self.waiting)
@@ -1874,10 +1893,10 @@ def build_at_scale(cfg, job_cfg, optimizer=True):
                                             timeout_s=job_cfg.timeout_s, zero_shard=job_cfg.zero_shard_size)
     plan = make_plan_at_scale(cfg, job_cfg, parallel_state)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    fp8 = FP8(job_cfg.fp8_recipe, job_cfg.fp8_backward) if job_cfg.dtype == "fp8" else None
-    stage = GPTStage(cfg, plan, job_cfg.param_dtype, fp8=fp8).to(device)
-    if fp8 is not None and fp8.backward == "fp8":
-        use_fp8_backward(stage, fp8)
+    stage = GPTStage(cfg, plan, job_cfg.param_dtype, fp8=job_cfg.fp8_recipe if job_cfg.dtype == "fp8" else None)
+    stage = stage.to(device)
+    if job_cfg.dtype == "fp8" and (job_cfg.fp8_recipe in mixed_precision.FINE_GRAINED or job_cfg.fp8_backward == "fp8"):
+        use_fine_grained_fp8(stage, FP8(job_cfg.fp8_recipe, job_cfg.fp8_backward))
     if job_cfg.dtype == "nvfp4":
         use_nvfp4(stage, cfg, job_cfg)
     opt = make_optimizer_at_scale(stage, job_cfg) if optimizer else None

@@ -163,11 +163,12 @@ def undefined_names(sources):
     return sorted(set(problems))
 
 
-def run_program(folder, argv, world, cwd, timeout=300):
-    """`torchrun --nproc_per_node=world train_gpt.py *argv` of the train_gpt.py in `folder` (the cut cores, or the
-    repository), run in `cwd` by forked processes (no interpreter start-up: each rank gets torchrun's environment,
-    drops this process's copies of the repository's modules so that `folder`'s are imported, and runs the file as
-    __main__). Returns [(exit code, output)] by rank; a rank still running after `timeout` seconds is killed."""
+def run_program(folder, argv, world, cwd, timeout=300, environ=True):
+    """`torchrun --nproc_per_node=world train_gpt.py *argv` (without `environ`: `python3 train_gpt.py *argv`) of the
+    train_gpt.py in `folder` (the cut cores, or the repository), run in `cwd` by forked processes (no interpreter
+    start-up: each rank gets torchrun's environment, drops this process's copies of the repository's modules so that
+    `folder`'s are imported, and runs the file as __main__). Returns [(exit code, stdout, stderr)] by rank; a rank
+    still running after `timeout` seconds is killed."""
     import runpy
     import signal
     import socket
@@ -177,21 +178,26 @@ def run_program(folder, argv, world, cwd, timeout=300):
         port = str(probe.getsockname()[1])
     pids, outs = [], []
     for rank in range(world):
-        outs.append(os.path.join(str(cwd), f"rank{rank}.out"))
+        outs.append([os.path.join(str(cwd), f"rank{rank}.{kind}") for kind in ("out", "err")])
+        for path in outs[-1]:
+            open(path, "w").close()
         pid = os.fork()
         if pid == 0:  # the rank
             code = 99
             try:
                 import torch
                 torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP thread pool
-                fd = os.open(outs[-1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-                os.dup2(fd, 1)
-                os.dup2(fd, 2)
-                sys.stdout = sys.stderr = open(fd, "w", buffering=1)
+                for fd, path in enumerate(outs[-1], 1):
+                    os.dup2(os.open(path, os.O_WRONLY), fd)
+                sys.stdout, sys.stderr = (open(fd, "w", buffering=1, closefd=False) for fd in (1, 2))
                 os.chdir(str(cwd))
-                os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                                  LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                                  OMP_NUM_THREADS="1")
+                os.environ["OMP_NUM_THREADS"] = "1"
+                if environ:
+                    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+                else:
+                    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+                        os.environ.pop(name, None)
                 for name in CORES:
                     sys.modules.pop(name, None)
                 sys.path.insert(0, str(folder))
@@ -199,13 +205,14 @@ def run_program(folder, argv, world, cwd, timeout=300):
                 runpy.run_path(sys.argv[0], run_name="__main__")
                 code = 0
             except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else 1
+                code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
             except BaseException:
                 import traceback
                 traceback.print_exc()
                 code = 98
             finally:
                 sys.stdout.flush()
+                sys.stderr.flush()
                 os._exit(code)
         pids.append(pid)
     deadline, codes = time.monotonic() + timeout, []
@@ -221,4 +228,31 @@ def run_program(folder, argv, world, cwd, timeout=300):
                 break
             time.sleep(0.01)
         codes.append(os.waitstatus_to_exitcode(status))
-    return [(code, open(out).read()) for code, out in zip(codes, outs)]
+    return [(code, open(out).read(), open(err).read()) for code, (out, err) in zip(codes, outs)]
+
+
+def names_bound_again(source):
+    """The top-level names a file binds more than once (def, class, assignment, import), and the attributes it
+    assigns on a top-level name (`Block.unit = ...`), as "name: lines" strings: a form beyond the chapter takes its
+    own name. An entry of a table (`CP_IMPLS["hybrid"] = ...`) is neither."""
+    def names(target):
+        if isinstance(target, ast.Name):
+            yield target.id
+        elif isinstance(target, (ast.Tuple, ast.List, ast.Starred)):
+            for t in (target.elts if not isinstance(target, ast.Starred) else [target.value]):
+                yield from names(t)
+    lines, found = {}, []
+    for node in ast.parse(source).body:
+        bound = []
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound = [node.name]
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                bound += names(target)
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name):
+                    found.append(f"{target.value.id}.{target.attr}: line {node.lineno}")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound = [(alias.asname or alias.name).split(".")[0] for alias in node.names]
+        for name in bound:
+            lines.setdefault(name, []).append(node.lineno)
+    return found + [f"{name}: lines {', '.join(map(str, at))}" for name, at in lines.items() if len(at) > 1]

@@ -981,10 +981,12 @@ def test_a_killed_rank_ends_the_job_and_resume_reproduces_the_run(tmp_path):
 def test_the_readme_main_job_learns_the_embedded_corpus(tmp_path):
     """The README's main command, as written there (its output folder moved to tmp_path), on the embedded text:
     training loss about ln 256 = 5.55 at the start (uniform over the bytes), validation loss below 2.9 nats per
-    byte at its last step, a checkpoint, and the README's sampling command on it."""
+    byte at its last step, a checkpoint, and the README's sampling command on it. Each command runs as its launcher
+    would start it (torchrun's environment, the file as __main__) in processes forked from this one, which has
+    imported torch already: the launchers themselves are the other tests' (test_bad_flag_under_torchrun...)."""
     import json
     import shlex
-    import subprocess
+    from chapter_core import run_program
     readme = open(os.path.join(ROOT, "README.md")).read()
     line = next(ln for ln in readme.splitlines()
                 if ln.strip().startswith("python3 -m pip install") and "torchrun" in ln)
@@ -993,18 +995,17 @@ def test_the_readme_main_job_learns_the_embedded_corpus(tmp_path):
     assert words[0] == "torchrun" and words[2] == "train_gpt.py", words
     nproc = int(words[1].split("=")[1])
     out_dir, metrics = str(tmp_path / "out"), str(tmp_path / "metrics.jsonl")
-    proc = _torchrun(nproc, words[3:] + ["--out-dir", out_dir, "--metrics", metrics], ROOT)
-    out, _ = proc.communicate(timeout=400)
-    assert proc.returncode == 0, out
+    ranks = run_program(ROOT, words[3:] + ["--out-dir", out_dir, "--metrics", metrics], nproc, tmp_path, timeout=400)
+    assert all(code == 0 for code, *_ in ranks), ranks[0][2]
     records = [json.loads(r) for r in open(metrics)]
     val = [r["val_loss"] for r in records if "val_loss" in r]
     assert len(val) >= 2 and val[-1] < 2.9 and 5.0 < records[0]["loss"] < 6.0, (val, records[0]["loss"])
     assert train_gpt.checkpoint_dirs(out_dir)
     words = shlex.split(sample)
     assert words[:2] == ["python3", "train_gpt.py"] and "--sample" in words, words
-    text = subprocess.run([sys.executable, os.path.join(ROOT, "train_gpt.py")] + words[2:] + ["--out-dir", out_dir],
-                          capture_output=True, text=True, timeout=120, check=True).stdout
-    assert len(text) >= 200, text
+    (code, text, err), = run_program(ROOT, words[2:] + ["--out-dir", out_dir], 1, tmp_path, timeout=120,
+                                     environ=False)
+    assert code == 0 and len(text) >= 200, (text, err)
 
 
 def _cross_entropy_saved(rank, world):

@@ -107,7 +107,7 @@ class TrainConfig:
     ep: int = 1                       # expert parallel, folded over DP x CP
     sequence_parallel: bool = False
     cp_impl: str = "ring"             # ring | ulysses (CP_IMPLS)
-    recompute: str = "none"           # none | full | sqrt | selective (checkpointing.POLICY_TABLE)
+    recompute: str = "none"           # none | full | sqrt | selective (checkpointing.POLICIES)
     dtype: str = "float32"            # PARAM_DTYPES: float32 | bfloat16 | float16 | fp8 | float64
     fp8_recipe: str = "tensorwise"    # with --dtype fp8: tensorwise | delayed (mixed_precision.FP8_RECIPES)
     zero: int = 0                     # 1: the distributed optimizer, optimizer states sharded over DP x CP
@@ -600,8 +600,8 @@ class Block(nn.Module):
     def attention(self, x):
         q, k, v = rearrange(self.qkv(self.ln1(x)), "b s (three a d) -> three b a s d", three=3, a=self.heads)
         if self.recompute_attention_core:  # selective recomputation (checkpointing.run_blocks marks the block)
-            y = checkpointing.attention_core(self, self.plan.attention, q, k, v)
-        else:
+            y = checkpointing.run_attention_core(self, self.plan.attention, q, k, v)
+        else:  # (a plain call: no frame between the block and the kernel)
             y = self.plan.attention(q, k, v)
         return self.proj(rearrange(y, "b a s d -> b s (a d)"))
 
@@ -1157,10 +1157,9 @@ def train(cfg, train_cfg, data=None):
 
 FLAG_GROUPS = ("model", "parallelism (DP is the world over TP x CP x PP)", "precision", "memory",
                "data and optimisation", "run")
-RECOMPUTE_POLICIES = ("none", "full", "sqrt", "selective")  # checkpointing.py's
 
 
-def chapter_flags(ap, group_names=FLAG_GROUPS, recompute=RECOMPUTE_POLICIES, zero_levels=(0, 1), more_help=None):
+def chapter_flags(ap, group_names=FLAG_GROUPS, recompute=checkpointing.POLICIES, zero_levels=(0, 1), more_help=None):
     """Add the chapter's flags to `ap`, in the groups FLAG_GROUPS names; returns every group's add_argument by name
     (`group_names` may hold more, for a longer command line), and `more_help` adds a sentence to a flag's help."""
     group = {name: ap.add_argument_group(name).add_argument for name in group_names}
@@ -1317,6 +1316,11 @@ class PlanAtScale(Plan):
             return gemm(x, weight, bias)
         return _TPLinearAtScale.apply(x, weight, bias, self.tp, self.sequence_parallel, gemm)
 
+    def run_blocks(self, blocks, state):
+        if self.recompute in checkpointing.OFFLOAD_POLICIES:  # offloading: a Policy below checkpointing.py's banner
+            return checkpointing.run_blocks(blocks, state, checkpointing.OFFLOAD_POLICIES[self.recompute])
+        return Plan.run_blocks(self, blocks, state)
+
     def row_parallel(self, x, weight, bias, gemm=F.linear):
         if not self.split_backward:  # the local product runs its own backward
             return Plan.row_parallel(self, x, weight, bias, gemm)
@@ -1325,9 +1329,14 @@ class PlanAtScale(Plan):
         return y if self.tp is None else self.reduce_tp(y) + bias
 
 
+def needs_hybrid_groups(job_cfg):  # topology.init_hybrid_parallel's groups: hybrid CP's, hybrid sharding's
+    return job_cfg.cp_impl == "hybrid" or job_cfg.zero_shard_size is not None
+
+
 def needs_plan_at_scale(job_cfg):
-    return (job_cfg.pp_schedule == "zb-h1" or job_cfg.cp_impl == "hybrid" or job_cfg.zero_shard_size is not None
-            or job_cfg.dtype == "nvfp4" or (job_cfg.dtype == "fp8" and job_cfg.fp8_backward == "fp8"))
+    return (needs_hybrid_groups(job_cfg) or job_cfg.pp_schedule == "zb-h1" or job_cfg.recompute in
+            checkpointing.OFFLOAD_POLICIES or job_cfg.dtype == "nvfp4" or (job_cfg.dtype == "fp8" and
+                                                                            job_cfg.fp8_backward == "fp8"))
 
 
 def make_plan_at_scale(cfg, job_cfg, parallel_state):
@@ -1341,10 +1350,11 @@ def make_plan_at_scale(cfg, job_cfg, parallel_state):
         plan = replace(plan, virtual_stages=v, layers=layers)
     if not needs_plan_at_scale(job_cfg):
         return plan
-    group = lambda kind: parallel_state.groups[kind] if len(parallel_state.ranks[kind]) > 1 else None
-    return PlanAtScale(**{f.name: getattr(plan, f.name) for f in fields(plan)}, cp_ulysses=group("cp_ulysses"),
-                       cp_ring=group("cp_ring"), dp_cp_shard=group("dp_cp_shard"),
-                       dp_cp_replicate=group("dp_cp_replicate"), split_backward=job_cfg.pp_schedule == "zb-h1")
+    hybrid = {kind: None for kind in ("cp_ulysses", "cp_ring", "dp_cp_replicate")} | {"dp_cp_shard": plan.dp_cp}
+    if needs_hybrid_groups(job_cfg):  # a HybridParallelState
+        hybrid = {kind: parallel_state.groups[kind] if len(parallel_state.ranks[kind]) > 1 else None for kind in hybrid}
+    return PlanAtScale(**{f.name: getattr(plan, f.name) for f in fields(plan)}, **hybrid,
+                       split_backward=job_cfg.pp_schedule == "zb-h1")
 
 
 class _TPLinearAtScale(_TPLinear):
@@ -1888,9 +1898,13 @@ def build_at_scale(cfg, job_cfg, optimizer=True):
     and PlanAtScale, the FP8 backward and NVFP4 products, ZeRO-2/3 units (make_optimizer_at_scale), the interleaved
     and zero-bubble executors."""
     topology.init_distributed(job_cfg.timeout_s, say=_warn_on_rank_0)
-    parallel_state = topology.init_parallel(tp=job_cfg.tp, pp=job_cfg.pp, cp=job_cfg.cp, ep=job_cfg.ep,
-                                            cp_ulysses=job_cfg.cp_ulysses, with_mesh=False,
-                                            timeout_s=job_cfg.timeout_s, zero_shard=job_cfg.zero_shard_size)
+    layout = dict(tp=job_cfg.tp, pp=job_cfg.pp, cp=job_cfg.cp, ep=job_cfg.ep, with_mesh=False,
+                  timeout_s=job_cfg.timeout_s)
+    if needs_hybrid_groups(job_cfg):
+        parallel_state = topology.init_hybrid_parallel(**layout, cp_ulysses=job_cfg.cp_ulysses,
+                                                       zero_shard=job_cfg.zero_shard_size)
+    else:
+        parallel_state = topology.init_parallel(**layout)
     plan = make_plan_at_scale(cfg, job_cfg, parallel_state)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     stage = GPTStage(cfg, plan, job_cfg.param_dtype, fp8=job_cfg.fp8_recipe if job_cfg.dtype == "fp8" else None)

@@ -173,6 +173,7 @@ def run_program(folder, argv, world, cwd, timeout=300, environ=True):
     import signal
     import socket
     import time
+    import torch._dynamo  # noqa: F401 (a process's first optimizer imports it, about 1 s: here once, then inherited)
     with socket.socket() as probe:  # a free port per launch
         probe.bind(("127.0.0.1", 0))
         port = str(probe.getsockname()[1])

@@ -983,9 +983,9 @@ def build(cfg, train_cfg, optimizer=True):
     gradient buffers are 4 bytes per parameter) and its pipeline transfers."""
     validate(cfg, train_cfg, _world_size())
     topology.init_distributed(train_cfg.timeout_s, say=_warn_on_rank_0)
-    parallel_state = topology.init_parallel(tp=train_cfg.tp, pp=train_cfg.pp, cp=train_cfg.cp, ep=train_cfg.ep,
-                                            cp_ulysses=train_cfg.cp_ulysses, with_mesh=False,
-                                            timeout_s=train_cfg.timeout_s, zero_shard=train_cfg.zero_shard_size)
+    parallel_state = topology.init_hybrid_parallel(tp=train_cfg.tp, pp=train_cfg.pp, cp=train_cfg.cp, ep=train_cfg.ep,
+                                                   cp_ulysses=train_cfg.cp_ulysses, with_mesh=False,
+                                                   timeout_s=train_cfg.timeout_s, zero_shard=train_cfg.zero_shard_size)
     plan = make_plan(cfg, train_cfg, parallel_state)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     fp8 = FP8(train_cfg.fp8_recipe, train_cfg.fp8_backward) if train_cfg.dtype == "fp8" else None
@@ -2454,7 +2454,7 @@ def model_geometry(cfg):
     """{global name: the whole parameter's shape, in the coordinates of its boxes (QKV as (3, h, ...))} for every
     parameter of the model, whatever stage holds it: a one-process model built on the meta device (no memory, no
     process group)."""
-    plan = make_plan(cfg, TrainConfig(), topology.parallel_state(0, 1))
+    plan = make_plan(cfg, TrainConfig(), topology.hybrid_parallel_state(0, 1))
     with torch.device("meta"):
         stage = GPTStage(cfg, plan)
     return {name: _slice_geometry(p, plan.parallel_state)[0] for name, p, _ in _saved_params(stage)}

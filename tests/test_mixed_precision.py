@@ -77,16 +77,20 @@ def _reference_masters(params):
 def test_the_core_alone_trains_bf16_with_fp32_masters_scales_fp16_losses_and_quantises_fp8(tmp_path):
     core = chapter_core.load_core("mixed_precision", tmp_path)
 
-    def chapter(module):
+    def chapter(module, zero=0):
         def build(params):
-            opt = module.MixedPrecisionOptimizer(params, torch.optim.AdamW, zero=0, lr=1e-2)
-            assert type(opt) is module.MixedPrecisionOptimizer  # ZeRO-0 is the chapter's class, not the sharded
+            opt = module.MixedPrecisionOptimizer(params, torch.optim.AdamW, zero=zero, lr=1e-2)
+            assert type(opt) is module.MixedPrecisionOptimizer  # ZeRO-0 and -1 are the chapter's class
             return lambda: opt.step().grad_norm
         return build
     # BF16 weights, FP32 main grads and masters: the core steps as the whole file does, bit for bit
     ours, full = _bf16_steps(chapter(core)), _bf16_steps(chapter(mp))
     assert all(torch.equal(a, b) for step_a, step_b in zip(ours[0], full[0]) for a, b in zip(step_a, step_b))
     assert ours[1] == full[1]
+    # the core's ZeRO-1 (on one rank its shard is everything, in 1-D pieces): the same steps, bit for bit
+    sharded = _bf16_steps(chapter(core, zero=1))
+    assert all(torch.equal(a, b) for step_a, step_b in zip(ours[0], sharded[0]) for a, b in zip(step_a, step_b))
+    assert sharded[1] == ours[1]
     # against torch alone with one micro-batch (BF16 .grad and FP32 main grad then hold the same sum): equal weights
     ours, ref = _bf16_steps(chapter(core), micro_batches=1), _bf16_steps(_reference_masters, micro_batches=1)
     assert all(torch.equal(a, b) for step_a, step_b in zip(ours[0], ref[0]) for a, b in zip(step_a, step_b))
@@ -105,6 +109,10 @@ def test_the_core_alone_trains_bf16_with_fp32_masters_scales_fp16_losses_and_qua
     opt.loss_scaler.scale_loss(layer(torch.ones(3, 4).half()).float().sum()).backward()
     layer.weight.main_grad[0, 0] = float("inf")
     assert not opt.step() and opt.loss_scaler.scale == 2.0 ** 15 and torch.equal(layer.weight, before)
+    # with a plain torch.optim optimizer the core's unscale_and_check divides by the scale and finds the inf
+    w = torch.nn.Parameter(torch.ones(2))
+    w.grad = torch.tensor([2.0 ** 10, float("inf")])
+    assert core.DynamicLossScaler(init_scale=2.0 ** 10).unscale_and_check([w]) and w.grad[0] == 1.0
     # per-tensor FP8: within E4M3's eps/2 of every value in its normal range; the GEMM is the dequantised product
     x, w = torch.randn(32, 64, generator=torch.Generator().manual_seed(2)) * 3, torch.randn(16, 64) / 8
     x_fp8, scale = core.quantize_fp8(x)

@@ -242,6 +242,24 @@ def test_balancing_bias_update_rule_and_selection_only():
     assert not any(n == "bias" for n, _ in router.named_parameters())
 
 
+def test_bias_balanced_moe_is_the_chapters_layer_with_the_bias_router():
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    plain, plain_next = moe_ep.MoE(8, 12, 4, 1), torch.rand(1)
+    torch.manual_seed(0)
+    balanced, balanced_next = moe_ep.BiasBalancedMoE(8, 12, 4, 1), torch.rand(1)
+    # the same weights from the same seed, and the RNG left where the chapter's layer leaves it
+    assert isinstance(balanced.router, moe_ep.BiasBalancedRouter) and torch.equal(plain_next, balanced_next)
+    weights = {k: v for k, v in balanced.state_dict().items() if k != "router.bias"}
+    assert weights.keys() == plain.state_dict().keys()
+    assert all(torch.equal(v, plain.state_dict()[k]) for k, v in weights.items())
+    x = torch.randn(5, 8)
+    assert torch.equal(plain(x)[0], balanced(x)[0])  # a zero bias: the chapter's layer
+    balanced.router.bias[:] = torch.tensor([0.0, 0.0, 0.0, 10.0])
+    balanced(x)
+    assert balanced.last_load.tolist() == [0, 0, 0, 5]  # the bias selects
+
+
 def _split_invariant_aux(rank, P):
     torch.set_default_dtype(torch.float64)
     logits_all = torch.randn(12, 6, generator=torch.Generator().manual_seed(3))

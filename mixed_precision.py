@@ -596,7 +596,7 @@ class MixedPrecisionOptimizer:
             dist.all_reduce(sums, group=norm_group)
         counted_sq, owned_sq = sums.tolist()  # the one host sync of the step
         # the overflow probe: an inf or NaN anywhere makes the sum non-finite, and so does a finite sum of squares
-        # past FP32's max 3.4e38, a gradient norm above ~1.8e19: skipped as an overflow too (it would be clipped)
+        # past FP32's max 3.4e38 (FP32 masters), a gradient norm above ~1.8e19: skipped as an overflow too
         return math.sqrt(counted_sq), not math.isfinite(owned_sq)
 
     def zero_grad(self):

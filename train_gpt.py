@@ -109,7 +109,7 @@ class TrainConfig:
     cp_impl: str = "ring"             # ring | ulysses (CP_IMPLS)
     recompute: str = "none"           # none | full | sqrt | selective (checkpointing.POLICIES)
     dtype: str = "float32"            # PARAM_DTYPES: float32 | bfloat16 | float16 | fp8 | float64
-    fp8_recipe: str = "tensorwise"    # with --dtype fp8: tensorwise | delayed (mixed_precision.FP8_RECIPES)
+    fp8_recipe: str = "tensorwise"    # with --dtype fp8: tensorwise | delayed (mixed_precision.PER_TENSOR_RECIPES)
     zero: int = 0                     # 1: the distributed optimizer, optimizer states sharded over DP x CP
     batch: int = 16                   # global batch, in sequences
     micro_batch: int = 2
@@ -573,7 +573,7 @@ class Block(nn.Module):
     """Pre-LN transformer block; the state it passes on is (hidden, running router loss)."""
     recompute_attention_core = False
 
-    def __init__(self, i, cfg, plan, dtype, fp8=None):
+    def __init__(self, i, cfg, plan, dtype, fp8=None, moe=moe_ep.MoE):
         super().__init__()
         h = cfg.n_embd
         self.plan, self.heads, self.layer = plan, cfg.n_head // plan.sizes["tp"], i
@@ -588,9 +588,8 @@ class Block(nn.Module):
             # the same in every layout. Its weights are whole on every TP rank (tokens are split instead).
             with torch.random.fork_rng(devices=[]):  # and leaves the process's RNG as it was
                 torch.default_generator.manual_seed(cfg.seed * 1_000_003 + zlib.crc32(f"h.{i}.moe".encode()))
-                self.moe = moe_ep.MoE(h, 4 * h, cfg.n_experts, cfg.top_k, ep_group=plan.ep,
-                                      stats_group=plan.tp_and_cp, aux_loss_coeff=cfg.aux_loss_coeff,
-                                      z_loss_coeff=cfg.z_loss_coeff).to(dtype)
+                self.moe = moe(h, 4 * h, cfg.n_experts, cfg.top_k, ep_group=plan.ep, stats_group=plan.tp_and_cp,
+                               aux_loss_coeff=cfg.aux_loss_coeff, z_loss_coeff=cfg.z_loss_coeff).to(dtype)
             set_placement(self.moe.parameters(), token_sharded=plan.moe_token_split)
             set_placement(self.moe.expert_params(), expert=True)
         else:
@@ -620,14 +619,15 @@ class Block(nn.Module):
 class GPTStage(nn.Module):
     """The layers of one pipeline stage; the first stage embeds, the last one normalises and projects to
     the (vocabulary-sharded) logits with a copy of the token embedding (tied weights). Made with its parameters:
-    `reductions`, the gradient sums of a step, and `norm_params`, what this rank counts in the gradient norm."""
+    `reductions`, the gradient sums of a step, and `norm_params`, what this rank counts in the gradient norm.
+    `moe`: the MoE layer's class (beyond the chapter, moe_ep.GroupedGEMMMoE for --moe-grouped-gemm)."""
 
-    def __init__(self, cfg, plan, dtype=torch.float32, fp8=None):
+    def __init__(self, cfg, plan, dtype=torch.float32, fp8=None, moe=moe_ep.MoE):
         super().__init__()
         self.cfg, self.plan = cfg, plan
         parallel_state = plan.parallel_state
         self.first, self.last = parallel_state.is_first_stage, parallel_state.is_last_stage
-        self.blocks = nn.ModuleList(Block(i, cfg, plan, dtype, fp8) for i in plan.layers)
+        self.blocks = nn.ModuleList(Block(i, cfg, plan, dtype, fp8, moe) for i in plan.layers)
         if self.first:
             self.wte = VocabParallelEmbedding("wte", cfg.vocab_size, cfg.n_embd, plan, cfg, dtype)
             self.wpe = nn.Parameter(full_init("wpe", (cfg.seq_len, cfg.n_embd), 0.02, cfg.seed, dtype))
@@ -730,11 +730,6 @@ def schedule_1f1b(p, m, r):
 SCHEDULES = {"1f1b": lambda p, m, v: [schedule_1f1b(p, m, r) for r in range(p)]}
 
 
-def pipeline_schedule(kind, p, m, v=1):
-    """Every rank's list of actions: orders[r]."""
-    return SCHEDULES[kind](p, m, v)
-
-
 def forward_schedule(p, m, v=1):
     """Forwards only (a validation loss): every micro-batch through every chunk, in order."""
     return [[Action("F", i, c) for i in range(m) for c in range(v)] for _ in range(p)]
@@ -755,9 +750,13 @@ class Pipeline:
 
     def __init__(self, plan, shape, dtype, device, schedule="1f1b"):
         self.plan, self.shape, self.dtype, self.device = plan, shape, dtype, device
-        self.schedule = schedule  # the step's (SCHEDULES)
+        self.schedule = schedule  # the step's (SCHEDULES: 1F1B here)
         self.ranks = plan.parallel_state.ranks["pp"]  # global ranks of this pipeline, by stage
         self.tables = {}  # (id of _orders' cached lists, rank): what that rank receives, made once per schedule
+
+    def orders(self, kind, p, m, v):
+        """Every rank's list of actions of the schedule `kind` (or "forward", for a validation loss)."""
+        return _orders(kind, p, m, v)
 
     def consumer(self, r, action):
         """(rank, the action that reads it) of what rank r's `action` sends, or None (the loss, the embedding)."""
@@ -861,7 +860,7 @@ def run_schedule(stage, pipe, kind, micro_batches, tokens_per_micro_batch, loss_
     in the background. Returns this rank's summed LM loss, its router loss (each micro-batch's weighted by its token
     count) and ScheduleStats. `loss_multiplier` multiplies the losses where each backward starts."""
     plan, rank = stage.plan, stage.plan.parallel_state.pp_rank
-    orders = _orders(kind, plan.sizes["pp"], len(micro_batches), plan.virtual_stages)
+    orders = pipe.orders(kind, plan.sizes["pp"], len(micro_batches), plan.virtual_stages)
     totals = torch.zeros(2, dtype=torch.float64, device=next(stage.parameters()).device)  # LM loss, router loss
     saved, ran, peak, held = {}, [], 0, 0
     pipe.start(orders, rank)
@@ -891,7 +890,7 @@ def run_schedule(stage, pipe, kind, micro_batches, tokens_per_micro_batch, loss_
 @functools.lru_cache(maxsize=64)
 def _orders(kind, p, m, v):
     """Every rank's list of actions (made once per shape)."""
-    return forward_schedule(p, m, v) if kind == "forward" else pipeline_schedule(kind, p, m, v)
+    return forward_schedule(p, m, v) if kind == "forward" else SCHEDULES[kind](p, m, v)
 
 
 def forward_micro_batch(stage, x, positions, targets, chunk, tokens_per_micro_batch, totals):
@@ -1159,11 +1158,14 @@ FLAG_GROUPS = ("model", "parallelism (DP is the world over TP x CP x PP)", "prec
                "data and optimisation", "run")
 
 
-def chapter_flags(ap, group_names=FLAG_GROUPS, recompute=checkpointing.POLICIES, zero_levels=(0, 1), more_help=None):
-    """Add the chapter's flags to `ap`, in the groups FLAG_GROUPS names; returns every group's add_argument by name
-    (`group_names` may hold more, for a longer command line), and `more_help` adds a sentence to a flag's help."""
+def chapter_flags(ap, group_names=FLAG_GROUPS, choices=None, more_help=None):
+    """Add the chapter's flags to `ap`, in the groups FLAG_GROUPS names; returns every group's add_argument by name.
+    A longer command line passes more groups, more `choices` (by flag, as below) and `more_help`, a sentence added
+    to a flag's help."""
     group = {name: ap.add_argument_group(name).add_argument for name in group_names}
     more = lambda dest: (more_help or {}).get(dest, "")
+    choices = {"cp_impl": sorted(CP_IMPLS), "dtype": list(PARAM_DTYPES), "zero": [0, 1],
+               "fp8_recipe": mixed_precision.PER_TENSOR_RECIPES, "recompute": checkpointing.POLICIES, **(choices or {})}
     model, parallel = group["model"], group["parallelism (DP is the world over TP x CP x PP)"]
     model("--layers", type=int, default=4, help="transformer blocks")
     model("--heads", type=int, default=4, help="attention heads")
@@ -1178,15 +1180,15 @@ def chapter_flags(ap, group_names=FLAG_GROUPS, recompute=checkpointing.POLICIES,
     parallel("--cp", type=int, default=1, help="context parallel ranks (the sequence split over them)")
     parallel("--ep", type=int, default=1, help="expert parallel ranks, folded over DP x CP")
     parallel("--sequence-parallel", action="store_true", help="split the LayerNorm and residual activations over TP")
-    parallel("--cp-impl", default="ring", choices=sorted(CP_IMPLS), help="how CP attends across the ranks")
-    group["precision"]("--dtype", default="float32", choices=list(PARAM_DTYPES), help="the weights' and "
+    parallel("--cp-impl", default="ring", choices=choices["cp_impl"], help="how CP attends across the ranks")
+    group["precision"]("--dtype", default="float32", choices=choices["dtype"], help="the weights' and "
                        "activations' dtype; masters, main grads and optimizer states stay FP32" + more("dtype"))
-    group["precision"]("--fp8-recipe", default="tensorwise", choices=mixed_precision.FP8_RECIPES, help="with "
+    group["precision"]("--fp8-recipe", default="tensorwise", choices=choices["fp8_recipe"], help="with "
                        "--dtype fp8: the scaling granularity (tensorwise: current per-tensor scales; delayed: from "
                        "an amax history" + more("fp8_recipe") + ")")
-    group["memory"]("--zero", type=int, default=0, choices=list(zero_levels), help="1: shard the optimizer states "
+    group["memory"]("--zero", type=int, default=0, choices=choices["zero"], help="1: shard the optimizer states "
                     "over DP x CP (Megatron-LM's distributed optimizer)" + more("zero"))
-    group["memory"]("--recompute", default="none", choices=list(recompute), help="activation recomputation policy "
+    group["memory"]("--recompute", default="none", choices=choices["recompute"], help="activation recomputation policy "
                     "(full: every block's input kept; sqrt: one in sqrt(L) blocks; selective: all but the attention "
                     "core)" + more("recompute"))
     data = group["data and optimisation"]
@@ -1244,10 +1246,11 @@ if __name__ == "__main__" and not any(line.startswith("# BEYOND THE CHAPTER") fo
 # BEYOND THE CHAPTER: interleaved and zero-bubble schedules, all-gather and hybrid CP, finer FP8, NVFP4, ZeRO-2/3
 # ====================================================================================================
 # What follows extends the core above rather than copying it, each form under its own name, picked by its flag
-# (`build_at_scale`): entries of CP_IMPLS, SCHEDULES and PARAM_DTYPES; PlanAtScale (a Plan whose TP linears run
-# _TPLinearAtScale where a backward needs it: FP8 or NVFP4 backward GEMMs, zero bubble's deferred weight GEMM);
-# ZeroBubblePipeline (the executor's split B and W); a block forward for ZeRO-2/3 units; NVFP4 products. A run
-# without these flags builds the chapter's Plan and Pipeline and runs the core's code as written.
+# (`build_at_scale`): JobConfig; PlanAtScale (a Plan with all-gather and hybrid CP, offloading, and TP linears
+# through _TPLinearAtScale where a backward needs it: FP8 or NVFP4 backward GEMMs, zero bubble's deferred weight
+# GEMM); PipelineAtScale (the interleaved and zero-bubble lists) and ZeroBubblePipeline (the split B and W); a block
+# forward for ZeRO-2/3 units; fine-grained FP8 and NVFP4 products; moe_ep.GroupedGEMMMoE. A run without these flags
+# builds the chapter's Plan and Pipeline and runs the core's code as written.
 
 
 from dataclasses import replace
@@ -1272,19 +1275,23 @@ class JobConfig(TrainConfig):
     keep_last: int = 0                # keep the newest N checkpoints (0: all)
     resume: bool = False              # continue from the latest complete checkpoint in out_dir, if any
     init_from_hf: str = None          # a GPT-2 folder (config.json, model.safetensors): the initial weights
+    moe_grouped_gemm: bool = False    # each MoE layer's local experts as one grouped GEMM (moe_ep.GroupedGEMMMoE)
     # also: data may be a text file, a folder of them, or train.bin/val.bin; recompute offload, selective+offload;
     # zero 2 and 3; dtype nvfp4; cp_impl allgather and hybrid; fp8_recipe rowwise, blockwise, mxfp8
 
+    @property
+    def param_dtype(self):  # NVFP4 block GEMMs on BF16 weights (below)
+        return torch.bfloat16 if self.dtype == "nvfp4" else super().param_dtype
 
-PARAM_DTYPES["nvfp4"] = torch.bfloat16  # NVFP4 block GEMMs on BF16 weights (below)
+# ---- Context parallelism: two more implementations (PlanAtScale runs them) ----------------------------------
 
-# ---- Context parallelism: two more entries of the Plan's CP_IMPLS ------------------------------------------
-
-# all-gather CP: each rank gathers the whole K and V and attends its zigzag query shard to them
-CP_IMPLS["allgather"] = (lambda plan, q, k, v: long_seq.allgather_attention(q, k, v, plan.cp), long_seq.zigzag_shard)
-# hybrid (USP): Ulysses over the inner cp_ulysses ranks, the ring across them; its shards are the ring's zigzag ones
-CP_IMPLS["hybrid"] = (lambda plan, q, k, v: long_seq.hybrid_attention(q, k, v, plan.cp_ulysses, plan.cp_ring),
-                      long_seq.zigzag_shard)
+CP_IMPLS_AT_SCALE = {
+    # all-gather CP: each rank gathers the whole K and V and attends its zigzag query shard to them
+    "allgather": (lambda plan, q, k, v: long_seq.allgather_attention(q, k, v, plan.cp), long_seq.zigzag_shard),
+    # hybrid (USP): Ulysses over the inner cp_ulysses ranks, the ring across them; its shards: the ring's zigzag ones
+    "hybrid": (lambda plan, q, k, v: long_seq.hybrid_attention(q, k, v, plan.cp_ulysses, plan.cp_ring),
+               long_seq.zigzag_shard)}
+ALL_CP_IMPLS = {**CP_IMPLS, **CP_IMPLS_AT_SCALE}  # --cp-impl
 
 
 # ---- Tensor parallelism as torch.distributed.tensor.parallel writes it -------------------------------------
@@ -1304,7 +1311,9 @@ CP_IMPLS["hybrid"] = (lambda plan, q, k, v: long_seq.hybrid_attention(q, k, v, p
 @dataclass(frozen=True)
 class PlanAtScale(Plan):
     """The Plan with what the at-scale forms read (`make_plan_at_scale`): the hybrid CP's two groups, hybrid
-    sharding's, zero bubble's split backward; its TP linears run _TPLinearAtScale where a backward needs it."""
+    sharding's, zero bubble's split backward; its attention and shards also all-gather and hybrid CP's
+    (CP_IMPLS_AT_SCALE), its blocks run offloaded (--recompute offload), its TP linears run _TPLinearAtScale where a
+    backward needs it."""
     cp_ulysses: object           # the hybrid's two sub-groups of cp: Ulysses inside, the ring across
     cp_ring: object
     dp_cp_shard: object          # hybrid sharding: the data-parallel sums' shards of DP x CP ...
@@ -1315,6 +1324,16 @@ class PlanAtScale(Plan):
         if self.tp is None and not self.split_backward:
             return gemm(x, weight, bias)
         return _TPLinearAtScale.apply(x, weight, bias, self.tp, self.sequence_parallel, gemm)
+
+    def attention(self, q, k, v):
+        if self.cp is not None and self.cp_impl in CP_IMPLS_AT_SCALE:
+            return CP_IMPLS_AT_SCALE[self.cp_impl][0](self, q, k, v)
+        return Plan.attention(self, q, k, v)
+
+    def shard(self, x, dim):
+        if self.cp is not None and self.cp_impl in CP_IMPLS_AT_SCALE:
+            return CP_IMPLS_AT_SCALE[self.cp_impl][1](x, dim, self.parallel_state.cp_rank, self.sizes["cp"])
+        return Plan.shard(self, x, dim)
 
     def run_blocks(self, blocks, state):
         if self.recompute in checkpointing.OFFLOAD_POLICIES:  # offloading: a Policy below checkpointing.py's banner
@@ -1334,7 +1353,8 @@ def needs_hybrid_groups(job_cfg):  # topology.init_hybrid_parallel's groups: hyb
 
 
 def needs_plan_at_scale(job_cfg):
-    return (needs_hybrid_groups(job_cfg) or job_cfg.pp_schedule == "zb-h1" or job_cfg.recompute in
+    return (needs_hybrid_groups(job_cfg) or job_cfg.cp_impl in CP_IMPLS_AT_SCALE or job_cfg.pp_schedule == "zb-h1"
+            or job_cfg.recompute in
             checkpointing.OFFLOAD_POLICIES or job_cfg.dtype == "nvfp4" or (job_cfg.dtype == "fp8" and
                                                                             job_cfg.fp8_backward == "fp8"))
 
@@ -1396,8 +1416,8 @@ class _TPLinearAtScale(_TPLinear):
 # Rowwise, blockwise and MXFP8 scales (--fp8-recipe) are local in a column-parallel layer (every block lies on one
 # rank) and agreed over TP where a row-parallel layer cuts K; per-row and per-block activation scales do not depend
 # on the CP and DP split. `use_fine_grained_fp8` gives each block linear `fine_grained_fp8_product`, which passes
-# the recipe, the backward and the layer's TP split to mixed_precision.fp8_linear; with --fp8-backward fp8 it adds
-# the backward GEMMs that _TPLinearAtScale runs (`fp8_backward_gemms`).
+# the recipe, the backward and the layer's TP split to mixed_precision.fine_grained_fp8_linear; with --fp8-backward
+# fp8 it adds the backward GEMMs that _TPLinearAtScale runs (`fp8_backward_gemms`).
 
 BLOCK_LINEARS = (("qkv", "attn.qkv", "column"), ("proj", "attn.proj", "row"), ("fc", "mlp.fc", "column"),
                  ("out", "mlp.proj", "row"))  # attribute, name, TP split; a MoE block has no fc/out (experts: BF16)
@@ -1418,13 +1438,14 @@ def use_fine_grained_fp8(stage, fp8):
 
 
 def fine_grained_fp8_product(layer, fp8, split):
-    """fp8_product beyond per-tensor scales: mixed_precision.fp8_linear with the recipe's blocks agreed over TP where
-    the layer's `split` cuts K, and the FP8 backward's GEMMs (E5M2 gradients) for _TPLinearAtScale."""
+    """fp8_product beyond per-tensor scales: mixed_precision.fine_grained_fp8_linear, the recipe's blocks agreed over
+    TP where the layer's `split` cuts K, and the FP8 backward's GEMMs (E5M2 gradients) for _TPLinearAtScale."""
     def product(x, weight, bias=None):
-        return mixed_precision.fp8_linear(x, weight, bias, amax_group=layer.plan.tp, recipe=fp8.recipe,
-                                          backward=fp8.backward, split=split if layer.plan.tp is not None else None,
-                                          amax_history=getattr(layer, "amax_history", None),
-                                          record_amax=torch.is_grad_enabled())
+        return mixed_precision.fine_grained_fp8_linear(x, weight, bias, amax_group=layer.plan.tp, recipe=fp8.recipe,
+                                                       backward=fp8.backward,
+                                                       split=split if layer.plan.tp is not None else None,
+                                                       amax_history=getattr(layer, "amax_history", None),
+                                                       record_amax=torch.is_grad_enabled())
 
     if fp8.backward == "fp8":
         product.backward_gemms = partial(fp8_backward_gemms, layer, fp8, split)
@@ -1662,11 +1683,32 @@ def replayed(orders, v):
     return orders
 
 
-# the two schedules beyond the chapter, as entries of SCHEDULES (1F1B's lists where v = 1)
-SCHEDULES["interleaved"] = lambda p, m, v: replayed([schedule_interleaved(p, m, v, r) if v > 1 else
-                                                     schedule_1f1b(p, m, r) for r in range(p)], v)
-SCHEDULES["zb-h1"] = lambda p, m, v: replayed([schedule_zero_bubble(order, r)
-                                               for r, order in enumerate(SCHEDULES["interleaved"](p, m, v))], v)
+def interleaved_orders(p, m, v):
+    return replayed([schedule_interleaved(p, m, v, r) if v > 1 else schedule_1f1b(p, m, r) for r in range(p)], v)
+
+
+# the two schedules beyond the chapter (1F1B's lists where v = 1), which PipelineAtScale runs
+SCHEDULES_AT_SCALE = {"interleaved": interleaved_orders,
+                      "zb-h1": lambda p, m, v: replayed([schedule_zero_bubble(order, r)
+                                                         for r, order in enumerate(interleaved_orders(p, m, v))], v)}
+ALL_SCHEDULES = {**SCHEDULES, **SCHEDULES_AT_SCALE}  # --pp-schedule
+
+
+def pipeline_schedule(kind, p, m, v=1):
+    """Every rank's list of actions of any schedule: orders[r]."""
+    return ALL_SCHEDULES[kind](p, m, v)
+
+
+@functools.lru_cache(maxsize=64)
+def _orders_at_scale(kind, p, m, v):
+    return forward_schedule(p, m, v) if kind == "forward" else pipeline_schedule(kind, p, m, v)
+
+
+class PipelineAtScale(Pipeline):
+    """The executor of the schedules beyond the chapter (--pp-schedule interleaved; ZeroBubblePipeline's zb-h1)."""
+
+    def orders(self, kind, p, m, v):
+        return _orders_at_scale(kind, p, m, v)
 
 
 _deferred = None  # while a zero-bubble B runs: the list its linears leave their weight-gradient GEMMs in
@@ -1718,7 +1760,7 @@ def run_weight_grads(stage, chunk, weight_grads):
             block.unit.reduce_grads(async_op=True)
 
 
-class ZeroBubblePipeline(Pipeline):
+class ZeroBubblePipeline(PipelineAtScale):
     """The executor under zero bubble (--pp-schedule zb-h1): B computes the input gradients only, its linears'
     weight GEMMs left (`deferred_weight_grads`) for the schedule's W, which runs them (`run_weight_grads`)."""
 
@@ -1907,8 +1949,8 @@ def build_at_scale(cfg, job_cfg, optimizer=True):
         parallel_state = topology.init_parallel(**layout)
     plan = make_plan_at_scale(cfg, job_cfg, parallel_state)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    stage = GPTStage(cfg, plan, job_cfg.param_dtype, fp8=job_cfg.fp8_recipe if job_cfg.dtype == "fp8" else None)
-    stage = stage.to(device)
+    stage = GPTStage(cfg, plan, job_cfg.param_dtype, fp8=job_cfg.fp8_recipe if job_cfg.dtype == "fp8" else None,
+                     moe=moe_ep.GroupedGEMMMoE if job_cfg.moe_grouped_gemm else moe_ep.MoE).to(device)
     if job_cfg.dtype == "fp8" and (job_cfg.fp8_recipe in mixed_precision.FINE_GRAINED or job_cfg.fp8_backward == "fp8"):
         use_fine_grained_fp8(stage, FP8(job_cfg.fp8_recipe, job_cfg.fp8_backward))
     if job_cfg.dtype == "nvfp4":
@@ -1916,25 +1958,28 @@ def build_at_scale(cfg, job_cfg, optimizer=True):
     opt = make_optimizer_at_scale(stage, job_cfg) if optimizer else None
     if opt is not None and job_cfg.zero >= 2:
         attach_zero_units(stage, opt)
-    executor = ZeroBubblePipeline if job_cfg.pp_schedule == "zb-h1" else Pipeline
+    executor = {"1f1b": Pipeline, "zb-h1": ZeroBubblePipeline}.get(job_cfg.pp_schedule, PipelineAtScale)
     pipe = executor(plan, (job_cfg.micro_batch, plan.seq_hidden, cfg.n_embd), job_cfg.param_dtype, device,
                     schedule=job_cfg.pp_schedule)
     return plan, stage, opt, pipe
 
 
 def make_optimizer_at_scale(stage, job_cfg):
-    """make_optimizer with ZeRO-2/3's units (one a block), the FP8 parameter gather, and under hybrid sharding the
-    dense weights' sums over the DP x CP shards, then across them (the experts' stay over expert DP)."""
+    """make_optimizer with the optimizer's checkpoint state (mixed_precision.CheckpointableOptimizer: the chapter's
+    step, sums and copy back as written); or mixed_precision.ShardedOptimizer for ZeRO-2/3 (the blocks as its units),
+    the FP8 parameter gather, and hybrid sharding (the dense weights' sums over the DP x CP shards, then across them;
+    the experts' stay over expert DP)."""
     plan, options, shard_groups = stage.plan, {}, None
-    if job_cfg.zero >= 2:
-        options["units"] = [[p for p in block.parameters() if p.requires_grad] for block in stage.blocks]
-    if job_cfg.fp8_param_gather:
-        options["fp8_param_gather"] = True
+    sharded = job_cfg.zero >= 2 or job_cfg.fp8_param_gather or job_cfg.zero_shard_size is not None
+    if sharded:
+        units = [[p for p in block.parameters() if p.requires_grad] for block in stage.blocks]
+        options = dict(fp8_param_gather=job_cfg.fp8_param_gather, units=units if job_cfg.zero >= 2 else None)
     if job_cfg.zero_shard_size is not None:
         shard_groups = [(r.params, plan.dp_cp_shard, plan.dp_cp_replicate)
                         if r.group is plan.dp_cp and not r.params[0].expert else (r.params, r.group)
                         for r in stage.reductions if r.data_parallel]
-    return make_optimizer(stage, job_cfg, shard_groups, **options)
+    optimizer_class = mixed_precision.ShardedOptimizer if sharded else mixed_precision.CheckpointableOptimizer
+    return make_optimizer(stage, job_cfg, shard_groups, optimizer_class, **options)
 
 
 
@@ -3048,7 +3093,7 @@ def load_checkpoint(path, stage, opt=None):
                               f"({why})".splitlines()[0])
     _all_agree(error, next(stage.parameters()).device)
     if opt is not None:
-        opt.publish_params()  # ZeRO: the working weights from what was read
+        opt.copy_masters_to_params()  # ZeRO: the working weights from what was read
         scalars = train_state["optimizer_state"]  # the loss scale; hyperparameters come from the flags
         opt.load_scalar_state({**scalars, "param_groups": opt.scalar_state()["param_groups"]})
     if rng is not None:
@@ -3225,14 +3270,16 @@ def validate(cfg, train_cfg, world):
     u = train_cfg.cp_ulysses
     token_split = layout.sequence_parallel or (layout.moe_token_split and cfg.moe_every > 0)
     checks = [
-        (train_cfg.cp_impl not in CP_IMPLS,
-         f"--cp-impl {train_cfg.cp_impl!r} is unknown; choose one of {sorted(CP_IMPLS)}"),
+        (train_cfg.cp_impl not in ALL_CP_IMPLS,
+         f"--cp-impl {train_cfg.cp_impl!r} is unknown; choose one of {sorted(ALL_CP_IMPLS)}"),
         (train_cfg.recompute not in RECOMPUTE,
          f"--recompute {train_cfg.recompute!r} is unknown; choose one of {RECOMPUTE}"),
         (train_cfg.dtype not in DTYPES, f"--dtype {train_cfg.dtype!r} is unknown; choose one of {DTYPES}"),
         (train_cfg.optimizer not in ("adamw", "sgd"),
          f"--optimizer {train_cfg.optimizer!r} is unknown; choose adamw or sgd"),
         (ep > 1 and cfg.moe_every == 0, f"--ep {ep} needs MoE layers: set --moe-every > 0"),
+        (train_cfg.moe_grouped_gemm and cfg.moe_every == 0, "--moe-grouped-gemm runs MoE layers' experts: set "
+                                                            "--moe-every > 0"),
         (cfg.moe_every > cfg.n_layer, f"--moe-every {cfg.moe_every} exceeds --layers {cfg.n_layer}: no layer "
                                       "would be MoE; choose --moe-every <= --layers, or 0 for a dense model"),
         (cfg.moe_every and cfg.n_experts % ep, f"--experts {cfg.n_experts} must be divisible by --ep {ep}"),
@@ -3316,8 +3363,8 @@ def nvfp4_checks(cfg, train_cfg):
 
 def schedule_error(kind, p, m, v):
     """What makes a pipeline schedule impossible (the message names the flag), or None."""
-    if kind not in SCHEDULES:
-        return f"--pp-schedule {kind!r} is unknown; choose one of {tuple(SCHEDULES)}"
+    if kind not in ALL_SCHEDULES:
+        return f"--pp-schedule {kind!r} is unknown; choose one of {tuple(ALL_SCHEDULES)}"
     if kind == "interleaved" and v == 1:
         return "--pp-schedule interleaved needs --virtual-stages >= 2 (model chunks per pipeline rank)"
     if v > 1 and kind == "1f1b":
@@ -3784,7 +3831,7 @@ def load_hf_weights(folder, stage, opt=None):
             else:
                 opt.load_full_state(p, {"master": local})
         if opt is not None:
-            opt.publish_params()
+            opt.copy_masters_to_params()
 
 
 def export_source(out_dir, step, world, hf_dir=None, nanogpt_file=None):
@@ -3955,7 +4002,9 @@ def parse_job_args(argv=None):
     returns (GPTConfig, JobConfig, the flags)."""
     ap = _ArgumentParser(description="Train a GPT with TP x CP x DP x PP (DP = world / (tp*cp*pp)) by torchrun; "
                          "sample from, export or show what it trains.", formatter_class=_HelpFormatter)
-    group = chapter_flags(ap, JOB_FLAG_GROUPS, recompute=RECOMPUTE, zero_levels=(0, 1, 2, 3), more_help={
+    choices = {"cp_impl": sorted(ALL_CP_IMPLS), "dtype": list(DTYPES), "fp8_recipe": mixed_precision.FP8_RECIPES,
+               "zero": [0, 1, 2, 3], "recompute": list(RECOMPUTE)}
+    group = chapter_flags(ap, JOB_FLAG_GROUPS, choices, more_help={
         "fp8_recipe": "; rowwise, blockwise: DeepSeek-V3's tiles, mxfp8",
         "zero": "; 2: and the gradients; 3: and the blocks' parameters (gathered for each use)",
         "recompute": "; offload: every block's saved activations wait in host memory (pinned, copied on a side "
@@ -3964,10 +4013,12 @@ def parse_job_args(argv=None):
         "metrics": " (default: --out-dir/metrics.jsonl, or metrics.jsonl without --out-dir)"})
     group["model"]("--init-from-hf", default=None, metavar="DIR", help="start from the weights of a GPT-2 folder, at "
                    "any layout; the model's shape comes from its config.json")
+    group["model"]("--moe-grouped-gemm", action="store_true", help="run each MoE layer's local experts as one "
+                   "grouped GEMM, torch._grouped_mm where it runs (Megatron-LM's flag; else the experts' loop)")
     group["parallelism (DP is the world over TP x CP x PP)"]("--cp-ulysses", type=int, default=1, help="--cp-impl "
                                                              "hybrid: the Ulysses ranks inside each CP group")
     schedule = group["pipeline schedule"]
-    schedule("--pp-schedule", default="1f1b", choices=SCHEDULES, help="1f1b, interleaved (Megatron-LM) or zb-h1 "
+    schedule("--pp-schedule", default="1f1b", choices=ALL_SCHEDULES, help="1f1b, interleaved (Megatron-LM) or zb-h1 "
              "(zero bubble)")
     schedule("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (interleaved, zb-h1)")
     schedule("--show-schedule", action="store_true", help="print the schedule's timeline for --pp, --micro-batches, "

@@ -143,7 +143,8 @@ def count_step_flops(stage, pipe, optimizer, tokens, micro_batch):
 def measure_step_flops(cfg, batch, micro_batch):
     """One rank's counted FLOPs of one float32 step on `batch` synthetic sequences (after a first step, so that
     what runs once, such as the optimizer's state creation, is not part of it)."""
-    run = train_gpt.JobConfig(batch=batch, micro_batch=micro_batch, dtype="float32", log=False, data="synthetic")
+    run = train_gpt.JobConfig(batch=batch, micro_batch=micro_batch, dtype="float32", log=False, data="synthetic",
+                              moe_grouped_gemm=cfg.moe_every > 0)  # the experts' grouped GEMM: its FLOPs counted
     plan, stage, opt, pipe = train_gpt.build_job(cfg, run)
     tokens = train_gpt.synthetic_batch(0, batch, cfg.seq_len, cfg.vocab_size)
     train_gpt.train_step(stage, pipe, opt, tokens, micro_batch)

@@ -231,29 +231,3 @@ def run_program(folder, argv, world, cwd, timeout=300, environ=True):
         codes.append(os.waitstatus_to_exitcode(status))
     return [(code, open(out).read(), open(err).read()) for code, (out, err) in zip(codes, outs)]
 
-
-def names_bound_again(source):
-    """The top-level names a file binds more than once (def, class, assignment, import), and the attributes it
-    assigns on a top-level name (`Block.unit = ...`), as "name: lines" strings: a form beyond the chapter takes its
-    own name. An entry of a table (`CP_IMPLS["hybrid"] = ...`) is neither."""
-    def names(target):
-        if isinstance(target, ast.Name):
-            yield target.id
-        elif isinstance(target, (ast.Tuple, ast.List, ast.Starred)):
-            for t in (target.elts if not isinstance(target, ast.Starred) else [target.value]):
-                yield from names(t)
-    lines, found = {}, []
-    for node in ast.parse(source).body:
-        bound = []
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            bound = [node.name]
-        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                bound += names(target)
-                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name):
-                    found.append(f"{target.value.id}.{target.attr}: line {node.lineno}")
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            bound = [(alias.asname or alias.name).split(".")[0] for alias in node.names]
-        for name in bound:
-            lines.setdefault(name, []).append(node.lineno)
-    return found + [f"{name}: lines {', '.join(map(str, at))}" for name, at in lines.items() if len(at) > 1]

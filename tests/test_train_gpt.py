@@ -485,6 +485,24 @@ def test_flops_per_token_equal_the_measured_count(moe_every):
     assert train_gpt.model_flops_per_token(cfg) > 6 * cfg.vocab_size * cfg.n_embd
 
 
+def _moe_experts_run(rank, world, grouped):
+    import moe_ep
+    cfg = train_gpt.GPTConfig(vocab_size=64, seq_len=32, n_layer=2, n_head=4, n_embd=32, moe_every=1, n_experts=4)
+    run = _run(dtype="float32", optimizer="adamw", lr=1e-2, moe_grouped_gemm=grouped)
+    plan, stage, opt, pipe = train_gpt.build_job(cfg, run)
+    losses = [train_gpt.train_step(stage, pipe, opt, train_gpt.synthetic_batch(step, BATCH, cfg.seq_len, 64), MICRO)[:3]
+              for step in range(STEPS)]
+    moes = [block.moe for block in stage.blocks]
+    return losses, [isinstance(m, moe_ep.GroupedGEMMMoE) and m.grouped for m in moes]
+
+
+def test_moe_grouped_gemm_runs_the_experts_as_one_grouped_gemm_and_trains_as_the_loop():
+    (loop, grouped_loop), (grouped, grouped_ran) = (run_ranks(_moe_experts_run, 1, g, timeout=60)[0] for g in (0, 1))
+    assert grouped_ran == [True, True] and grouped_loop == [False, False]  # the flag's form, and only with it
+    # the same FP32 products, grouped by expert in one kernel: equal to the loop's to FP32 rounding (1e-6 relative)
+    assert all(abs(a - b) <= 1e-6 * abs(b) for x, y in zip(grouped, loop) for a, b in zip(x, y)), (grouped, loop)
+
+
 def _resume_run(rank, world, out_dir, dtype, resume, cfg=CFG, weights=None, **layout):
     """4 AdamW steps saved every 2 (weights: the run's --dtype when it is not the default dtype `dtype`)."""
     torch.set_default_dtype(getattr(torch, dtype))
@@ -1843,7 +1861,8 @@ def _executor_transfers(kind, p, m, v, monkeypatch):
         for rank in range(p):
             ps = SimpleNamespace(pp_rank=rank, ranks={"pp": list(range(p))})
             plan = SimpleNamespace(sizes={"pp": p}, virtual_stages=v, parallel_state=ps, pp=None)
-            stage, pipe = torch.nn.Linear(1, 1), train_gpt.Pipeline(plan, (1,), torch.float64, torch.device("cpu"))
+            stage, pipe = torch.nn.Linear(1, 1), train_gpt.PipelineAtScale(plan, (1,), torch.float64,
+                                                                           torch.device("cpu"))
             stage.plan, taken, reads[rank] = plan, {}, []
 
             def run_action(self, stage, action, received, *_, rank=rank):

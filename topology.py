@@ -1184,9 +1184,10 @@ def _first_stage_parameters(model, tp, pp, ep, v_shape=False):
     return shared, moe * (model.experts // ep) * p["expert"]
 
 
-def params_on_first_stage(model, tp, pp, ep=1):
-    """Parameters held by one GPU of the first stage (`_first_stage_parameters`, both parts)."""
-    shared, experts = _first_stage_parameters(model, tp, pp, ep)
+def params_on_first_stage(model, tp, pp, ep=1, v_shape=False):
+    """Parameters held by one GPU of the first stage (`_first_stage_parameters`, both parts; rank 0 of a V with
+    `v_shape`)."""
+    shared, experts = _first_stage_parameters(model, tp, pp, ep, v_shape)
     return shared + experts
 
 

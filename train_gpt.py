@@ -1253,6 +1253,7 @@ if __name__ == "__main__" and not any(line.startswith("# BEYOND THE CHAPTER") fo
 # builds the chapter's Plan and Pipeline and runs the core's code as written.
 
 
+import threading
 from dataclasses import replace
 from functools import partial
 
@@ -1949,16 +1950,74 @@ class ZeroBubblePipeline(PipelineAtScale):
         return len(saved) + len(self.waiting)
 
 
+class Baton:
+    """The two halves of an F&B pair, on two threads, one computing at a time (so that a rank issues its collectives
+    in one order, the same on every rank of their groups): a half that has posted a transfer hands the turn to the
+    other (`switch`), which computes until it posts one of its own or ends, and takes the turn back to wait for its
+    data. `beside` sums the seconds posted transfers travelled while the other half computed (`handovers` times),
+    `exposed` those their half then still waited for them."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.turn, self.running = None, [False, False]  # the half that may compute (None: no pair running)
+        self.beside = self.exposed = 0.0
+        self.handovers = 0
+
+    def switch(self, work):
+        """A half has posted `work` (a moe_ep.OverlappedMoE all-to-all): the other half computes meanwhile, if it is
+        still running; then this one waits for the data."""
+        t0 = time.perf_counter()
+        with self.cond:
+            me = self.turn
+            if me is not None and self.running[1 - me]:
+                self.turn, self.handovers = 1 - me, self.handovers + 1
+                self.cond.notify_all()
+                self.cond.wait_for(lambda: self.turn == me)
+        t1 = time.perf_counter()
+        work.wait()
+        self.beside, self.exposed = self.beside + t1 - t0, self.exposed + time.perf_counter() - t1
+
+    def run(self, forward, backward, device):
+        """The pair: `forward` on a thread of its own (on `device`), `backward` on this one; the forward starts."""
+        errors = []
+
+        def half(i, fn):
+            if i == 0 and device.type == "cuda":  # a new thread starts on GPU 0
+                torch.cuda.set_device(device)
+            with self.cond:
+                self.cond.wait_for(lambda: self.turn == i)
+            try:
+                fn()
+            except BaseException as error:  # raised on this thread once the pair is over
+                errors.append(error)
+            finally:
+                with self.cond:
+                    self.running[i] = False
+                    self.turn = 1 - i if self.running[1 - i] else None
+                    self.cond.notify_all()
+        self.running, self.turn = [True, True], 0
+        thread = threading.Thread(target=half, args=(0, forward))
+        thread.start()
+        half(1, backward)
+        thread.join()
+        if errors:
+            raise errors[0]
+
+
 class VPipeline(ZeroBubblePipeline):
     """The executor of the V schedules (--pp-schedule zbv, dualpipev): chunk 0 of rank r is stage r, chunk 1 stage
     2p - 1 - r (`v_placement` gives the plan those layers). Rank p - 1 hands chunk 0's output to its chunk 1, and
     chunk 1's input gradient back to chunk 0, in memory (`local`): no transfer. A B whose W its list holds computes
     the input gradients only (zero bubble's split); one without is whole. An F&B pair (`Overlapped`) runs its two
-    halves, each with its own transfers, posted before either computes (`run_pair`)."""
+    halves overlapped (`overlap`): each on a thread of its own, taking turns where a MoE layer's all-to-all travels
+    (`baton`, the MoE layers' `wait`), so that one half's all-to-alls and transfers travel while the other computes;
+    with `overlap` False one after the other (`run_pair`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.flat = {}  # id(orders): (the orders, kept alive; every rank's actions, pairs' halves one by one)
+        self.baton, self.overlap = Baton(), True
+        self.p2p_exposed = 0.0  # seconds a pair's halves waited for their inputs' transfers
 
     def orders(self, kind, p, m, v):
         if kind == "forward":  # a validation loss: every micro-batch down the V, then back up
@@ -2025,17 +2084,32 @@ class VPipeline(ZeroBubblePipeline):
         return leaf
 
     def run_pair(self, stage, pair, saved, *rest):
-        """DualPipe's F&B: both halves' inputs posted, then the forward and the backward, each half's output sent as
-        soon as it exists (the other half computes while it travels)."""
+        """DualPipe's F&B: both halves' inputs posted, then the forward and the backward, overlapped or one after the
+        other; each half's output sent as soon as it exists and those of the pair before it have been (a peer reads
+        this rank's messages in the order of its list). The forward's activations are made while the backward's
+        are held: one chunk more than before the pair."""
         self.post_receive(pair)
-        for action in pair:
+        self.pair_peak = max(self.pair_peak, super().in_flight(saved) + 1)
+        outputs, sent = {}, []
+
+        def run_half(action):
             received = None
             if action in self.source:
+                t0 = time.perf_counter()
                 received = self.receive(action).requires_grad_(action.kind == "F" and torch.is_grad_enabled())
-            out = self.run_action(stage, action, received, saved, *rest)
-            self.pair_peak = max(self.pair_peak, super().in_flight(saved))  # after the forward: both held
-            if action in self.sink:
-                self.send(out, action, free=out.grad_fn is not None)
+                self.p2p_exposed += time.perf_counter() - t0
+            outputs[action] = self.run_action(stage, action, received, saved, *rest)
+            for half in pair[len(sent):]:
+                if half not in outputs:
+                    break
+                if half in self.sink:
+                    self.send(outputs[half], half, free=outputs[half].grad_fn is not None)
+                sent.append(half)
+        if self.overlap:
+            self.baton.run(partial(run_half, pair.forward), partial(run_half, pair.backward), self.device)
+        else:
+            run_half(pair.forward)
+            run_half(pair.backward)
         return None
 
     def in_flight(self, saved):  # the most during the action just run: an F&B pair's forward beside its backward
@@ -2277,8 +2351,11 @@ def build_at_scale(cfg, job_cfg, optimizer=True):
         parallel_state = topology.init_parallel(**layout)
     plan = make_plan_at_scale(cfg, job_cfg, parallel_state)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    overlapped = job_cfg.pp_schedule == "dualpipev"  # its F&B pairs: the MoE all-to-alls beside the other half
+    moe = {(False, False): moe_ep.MoE, (True, False): moe_ep.GroupedGEMMMoE, (False, True): moe_ep.OverlappedMoE,
+           (True, True): moe_ep.OverlappedGroupedGEMMMoE}[(job_cfg.moe_grouped_gemm, overlapped)]
     stage = GPTStage(cfg, plan, job_cfg.param_dtype, fp8=job_cfg.fp8_recipe if job_cfg.dtype == "fp8" else None,
-                     moe=moe_ep.GroupedGEMMMoE if job_cfg.moe_grouped_gemm else moe_ep.MoE).to(device)
+                     moe=moe).to(device)
     if job_cfg.dtype == "fp8" and (job_cfg.fp8_recipe in mixed_precision.FINE_GRAINED or job_cfg.fp8_backward == "fp8"):
         use_fine_grained_fp8(stage, FP8(job_cfg.fp8_recipe, job_cfg.fp8_backward))
     if job_cfg.dtype == "nvfp4":
@@ -2290,6 +2367,9 @@ def build_at_scale(cfg, job_cfg, optimizer=True):
                 "dualpipev": VPipeline}.get(job_cfg.pp_schedule, PipelineAtScale)
     pipe = executor(plan, (job_cfg.micro_batch, plan.seq_hidden, cfg.n_embd), job_cfg.param_dtype, device,
                     schedule=job_cfg.pp_schedule)
+    for block in stage.blocks if overlapped else ():
+        if block.moe is not None:
+            block.moe.wait = pipe.baton.switch
     return plan, stage, opt, pipe
 
 

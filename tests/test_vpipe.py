@@ -1,14 +1,20 @@
 """V-shaped pipelines (train_gpt.py, below its banner): ZB-V and DualPipeV. Each rank's list against the one torch's
-own schedule builds, the lists replayed against their formulas, drawn by --show-schedule."""
+own schedule builds, the lists replayed against their formulas, drawn by --show-schedule; the executor against one
+process on every kind of layout, its lists, peaks and transfers; the planner against the executor's lists."""
+import dataclasses
 import os
+import shutil
 import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_gpt  # noqa: E402
+from multirank import run_ranks  # noqa: E402
 from train_gpt import Action, Overlapped  # noqa: E402
+from test_train_gpt import CFG, CFG_MOE, TOL, _max_diff, _resume_run, _run, _train  # noqa: E402
 
 TORCH_V_SCHEDULES = {"zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
 
@@ -207,3 +213,161 @@ def test_the_planner_searches_the_v_schedules_and_prints_their_command():
 def replace_model(model, **changes):
     import dataclasses
     return dataclasses.replace(model, **changes)
+
+
+# ---- the executor: the V placement, the split per B, the F&B pairs, against one process -----------------------
+
+CFG8 = dataclasses.replace(CFG, n_layer=8)  # p = 4: 2p = 8 chunks of one layer
+
+
+def _train_and_count(rank, world, tp, pp, cp, cfg, **kwargs):
+    """_train's curve, the parameters this rank holds (rank 0 of a V: both ends, the tied embedding once), its layers
+    and how often an F&B pair's half handed the turn to the other while its all-to-all travelled."""
+    batons, make = [], train_gpt.Baton.__init__
+
+    def made(self):
+        make(self)
+        batons.append(self)
+    train_gpt.Baton.__init__ = made
+    curve = _train(rank, world, tp, pp, cp, cfg=cfg, **kwargs)
+    plan, stage, _, _ = train_gpt.build_job(cfg, _run(tp=tp, pp=pp, cp=cp, **kwargs), optimizer=False)
+    return curve, sum(p.numel() for p in stage.parameters()), plan.layers, sum(b.handovers for b in batons)
+
+
+V_LAYOUTS = {  # (world, tp, pp, cp, cfg, kwargs): float64 SGD against the one-process run (test_train_gpt's)
+    "zbv PP2": (2, 1, 2, 1, CFG, dict(pp_schedule="zbv")),
+    "dualpipev PP4": (4, 1, 4, 1, CFG8, dict(pp_schedule="dualpipev", micro_batch=1)),
+    "dualpipev MoE EP2 CP2": (8, 1, 2, 2, CFG_MOE, dict(pp_schedule="dualpipev", ep=2, micro_batch=1)),
+    "dualpipev ZeRO-3": (4, 1, 2, 1, CFG, dict(pp_schedule="dualpipev", zero=3, micro_batch=1)),
+    "zbv TP2 SP selective MoE": (4, 2, 2, 1, CFG_MOE, dict(pp_schedule="zbv", sequence_parallel=True,
+                                                            recompute="selective")),
+    "zbv CP2 full recomputation": (4, 1, 2, 2, CFG, dict(pp_schedule="zbv", recompute="full")),
+    "dualpipev ZeRO-2 offload": (4, 1, 2, 1, CFG, dict(pp_schedule="dualpipev", zero=2, recompute="offload",
+                                                       micro_batch=1)),
+}
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    # a MoE layer's router losses are statistics of a micro-batch's tokens: each reference has the layouts' micro-batch
+    return {key: run_ranks(_train, 1, 1, 1, 1, cfg=cfg, micro_batch=key[2], timeout=120)[0]
+            for key, cfg in (((4, 0, 2), CFG), ((8, 0, 2), CFG8), ((4, 2, 1), CFG_MOE), ((4, 2, 2), CFG_MOE))}
+
+
+@pytest.mark.parametrize("name", V_LAYOUTS)
+def test_every_layout_trains_the_one_process_model_under_both_v_schedules(one_process, name):
+    import topology
+    world, tp, pp, cp, cfg, kwargs = V_LAYOUTS[name]
+    micro = kwargs.get("micro_batch", 2) if cfg.moe_every else 2
+    reference = one_process[(cfg.n_layer, cfg.moe_every, micro)]
+    results = run_ranks(_train_and_count, world, tp, pp, cp, cfg, virtual_stages=2, timeout=240, **kwargs)
+    for curve, _, _, handovers in results:
+        assert _max_diff(curve, reference) < TOL, (name, curve, reference)
+        # DualPipeV with EP: each F&B pair's halves took turns while their all-to-alls travelled
+        assert (handovers > 0) == (kwargs["pp_schedule"] == "dualpipev" and kwargs.get("ep", 1) > 1), handovers
+    # rank 0 holds stages 0 and 2p - 1 and both ends of the model, the tied embedding once: the planner's count
+    # (Narayanan's, without the final LayerNorm's 2 h) for its GPU; the others their two chunks
+    (_, held, layers, _), *_ = results
+    per = cfg.n_layer // (2 * pp)
+    assert layers == tuple(range(per)) + tuple(range(cfg.n_layer - per, cfg.n_layer))
+    if tp == 1:
+        shape = topology.ModelShape(layers=cfg.n_layer, hidden=cfg.n_embd, heads=cfg.n_head, seq=cfg.seq_len,
+                                    vocab=cfg.vocab_size, global_batch=2, moe_every=cfg.moe_every,
+                                    experts=cfg.n_experts, top_k=cfg.top_k)
+        assert held == topology.params_on_first_stage(shape, 1, pp, kwargs.get("ep", 1), v_shape=True) + 2 * cfg.n_embd
+
+
+def _v_schedule_stats(rank, world, cfg, kind):
+    """This rank's ScheduleStats of one step (m = 8), and the most sent outputs not yet freed after any action."""
+    torch.set_default_dtype(torch.float64)
+    plan, stage, opt, pipe = train_gpt.build_job(cfg, _run(pp=world, micro_batch=1, batch=8, pp_schedule=kind,
+                                                           virtual_stages=2))
+    tokens = train_gpt.synthetic_batch(0, 8, cfg.seq_len, cfg.vocab_size)
+    unfreed, collect_sends = [0], train_gpt.Pipeline.collect_sends
+
+    def watched(self, wait=False):
+        collect_sends(self, wait)
+        unfreed[0] = max(unfreed[0], sum(free for _, _, free, *_ in self.sending))
+    train_gpt.Pipeline.collect_sends = watched
+    *_, stats = train_gpt.train_step(stage, pipe, opt, tokens, micro_batch=1)
+    return plan.parallel_state.pp_rank, stats, unfreed[0], len(pipe.local)
+
+
+@pytest.mark.parametrize("kind, p, cfg", [("zbv", 2, CFG), ("dualpipev", 4, CFG8)])
+def test_the_executor_runs_each_ranks_list_frees_what_it_sends_and_holds_the_formulas_peak(kind, p, cfg):
+    # each rank ran its list in its order and kept alive at most what the list keeps (F to B, or to W where its B is
+    # split; an F&B pair's forward beside its backward): the formula's peak, DualPipe's PP + 1 = 2p + 1 chunks
+    # under DualPipeV; no output held once sent (rank p - 1's handoff to itself frees its output too)
+    for rank, (peak, held, order), unfreed, left in run_ranks(_v_schedule_stats, p, cfg, kind, timeout=120):
+        assert order == train_gpt.pipeline_schedule(kind, p, 8, 2)[rank], (kind, rank)
+        assert peak == train_gpt.in_flight_peak(order, True) == train_gpt.schedule_formulas(kind, p, 8, 2)[1][rank]
+        assert held == 0 and left == 0 and unfreed <= peak, (kind, rank, held, left, unfreed)
+
+
+class _Done:
+    def wait(self):
+        pass
+
+    def is_completed(self):
+        return True
+
+
+@pytest.mark.parametrize("kind, p, m", [("zbv", 2, 4), ("zbv", 4, 8), ("dualpipev", 2, 5), ("dualpipev", 4, 8)])
+def test_every_input_is_what_its_producer_sent_or_handed_over(kind, p, m, monkeypatch):
+    """Every rank's run_schedule in this process, twice, each action's output a number naming it, the transport a
+    recorder matching as gloo does (the k-th receive a rank posts from a peer gets that peer's k-th send to it,
+    recorded by the first pass). Each read must be its producer's output: the previous stage's F, the next stage's
+    B, from another rank or, at the V's bottom, from this one."""
+    name = lambda rank, action: float(hash((rank, action)) % 2 ** 50)  # noqa: E731
+    first, reads = None, {}
+    for _ in range(2):
+        sent = {}
+        for rank in range(p):
+            ps = SimpleNamespace(pp_rank=rank, ranks={"pp": list(range(p))})
+            plan = SimpleNamespace(sizes={"pp": p}, virtual_stages=2, parallel_state=ps, pp=None)
+            stage = SimpleNamespace(plan=plan, chunk_blocks=lambda chunk: [],
+                                    parameters=lambda: iter([torch.zeros(1)]))
+            pipe, taken, reads[rank] = train_gpt.VPipeline(plan, (1,), torch.float64, torch.device("cpu"), kind), {}, []
+
+            def run_action(self, stage, action, received, *_, rank=rank):
+                reads[rank] += [(action, received.item())] if received is not None else []
+                return torch.tensor([name(rank, action)], dtype=torch.float64)
+
+            def isend(tensor, dst, group, rank=rank):
+                sent.setdefault((rank, dst), []).append(tensor.item())
+                return _Done()
+
+            def irecv(buf, src, group, rank=rank, taken=taken):
+                k = taken[src] = taken.get(src, -1) + 1
+                arrived = (first or {}).get((src, rank), [])
+                buf.fill_(arrived[k] if k < len(arrived) else -1.0)
+                return _Done()
+            monkeypatch.setattr(train_gpt.ZeroBubblePipeline, "run_action", run_action)
+            monkeypatch.setattr(train_gpt.dist, "isend", isend)
+            monkeypatch.setattr(train_gpt.dist, "irecv", irecv)
+            train_gpt.run_schedule(stage, pipe, kind, [None] * m, 1)
+        assert first is None or first == sent  # the second pass sent what the first did
+        first = sent
+    at = {(train_gpt.v_stage(p, r, c), c): r for r in range(p) for c in (0, 1)}
+    for rank, pairs in reads.items():
+        for action, value in pairs:
+            stage = train_gpt.v_stage(p, rank, action.chunk) + (-1 if action.kind == "F" else 1)
+            chunk = int(stage >= p)
+            assert value == name(at[(stage, chunk)], Action(action.kind, action.micro, chunk)), (kind, rank, action)
+        # every F but the first stage's and every B but the last stage's read something: nothing went missing
+        wanted = [a for entry in train_gpt.pipeline_schedule(kind, p, m, 2)[rank] for a in train_gpt.halves(entry)
+                  if (a.kind == "F" and (rank, a.chunk) != (0, 0)) or (a.kind == "B" and (rank, a.chunk) != (0, 1))]
+        assert sorted(a for a, _ in pairs) == sorted(wanted), (kind, rank)
+
+
+def test_a_checkpoint_resumes_under_a_v_schedule_and_back(tmp_path):
+    # 1F1B's checkpoint of step 2 resumed under DualPipeV, ZB-V's under 1F1B: the uninterrupted 1F1B run's steps
+    full = run_ranks(_resume_run, 2, str(tmp_path / "a"), "float64", False, pp=2, timeout=180)[0]
+    for name, saved, resumed in (("b", dict(pp=2), dict(pp=2, pp_schedule="dualpipev", virtual_stages=2)),
+                                 ("c", dict(pp=2, pp_schedule="zbv", virtual_stages=2), dict(pp=2))):
+        first = run_ranks(_resume_run, 2, str(tmp_path / name), "float64", False, timeout=180, **saved)[0]
+        assert max(abs(a - b) for r, f in zip(first, full) for a, b in zip(r, f)) < TOL
+        shutil.rmtree(tmp_path / name / "step_000004")
+        again = run_ranks(_resume_run, 2, str(tmp_path / name), "float64", True, timeout=180, **resumed)[0]
+        assert [r[0] for r in again] == [2, 3]
+        assert max(abs(a - b) for r, f in zip(again, full[2:]) for a, b in zip(r, f)) < TOL

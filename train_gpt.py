@@ -2016,7 +2016,7 @@ class VPipeline(ZeroBubblePipeline):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.flat = {}  # id(orders): (the orders, kept alive; every rank's actions, pairs' halves one by one)
-        self.baton, self.overlap = Baton(), True
+        self.baton, self.overlap, self.chunk_exchanges = Baton(), True, {}
         self.p2p_exposed = 0.0  # seconds a pair's halves waited for their inputs' transfers
 
     def orders(self, kind, p, m, v):
@@ -2105,12 +2105,20 @@ class VPipeline(ZeroBubblePipeline):
                 if half in self.sink:
                     self.send(outputs[half], half, free=outputs[half].grad_fn is not None)
                 sent.append(half)
-        if self.overlap:
+        if self.overlap and any(self.exchanges(stage, action.chunk) for action in pair):
             self.baton.run(partial(run_half, pair.forward), partial(run_half, pair.backward), self.device)
         else:
             run_half(pair.forward)
             run_half(pair.backward)
         return None
+
+    def exchanges(self, stage, chunk):
+        """Whether the chunk's layers post all-to-alls a pair's other half can compute beside (else the halves run one
+        after the other: a second thread would only cost its start)."""
+        if chunk not in self.chunk_exchanges:
+            self.chunk_exchanges[chunk] = any(isinstance(block.moe, moe_ep.OverlappedMoE) and block.moe.ep_size > 1
+                                              for block in stage.chunk_blocks(chunk))
+        return self.chunk_exchanges[chunk]
 
     def in_flight(self, saved):  # the most during the action just run: an F&B pair's forward beside its backward
         peak, self.pair_peak = max(self.pair_peak, super().in_flight(saved)), 0

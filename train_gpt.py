@@ -1253,6 +1253,7 @@ if __name__ == "__main__" and not any(line.startswith("# BEYOND THE CHAPTER") fo
 # builds the chapter's Plan and Pipeline and runs the core's code as written.
 
 
+import threading
 from dataclasses import replace
 from functools import partial
 
@@ -1353,17 +1354,23 @@ def needs_hybrid_groups(job_cfg):  # topology.init_hybrid_parallel's groups: hyb
 
 
 def needs_plan_at_scale(job_cfg):
-    return (needs_hybrid_groups(job_cfg) or job_cfg.cp_impl in CP_IMPLS_AT_SCALE or job_cfg.pp_schedule == "zb-h1"
+    return (needs_hybrid_groups(job_cfg) or job_cfg.cp_impl in CP_IMPLS_AT_SCALE or splits_backward(job_cfg)
             or job_cfg.recompute in
             checkpointing.OFFLOAD_POLICIES or job_cfg.dtype == "nvfp4" or (job_cfg.dtype == "fp8" and
                                                                             job_cfg.fp8_backward == "fp8"))
+
+
+def splits_backward(job_cfg):  # zero bubble's B and W: ZB-H1, and the V schedules (DualPipeV: some of its B's)
+    return job_cfg.pp_schedule == "zb-h1" or job_cfg.pp_schedule in V_SCHEDULES
 
 
 def make_plan_at_scale(cfg, job_cfg, parallel_state):
     """The chapter's Plan (make_plan) with this rank's model chunks under interleaving (chunk c: virtual stage
     c p + r), and where a flag needs it a PlanAtScale."""
     plan, v = make_plan(cfg, job_cfg, parallel_state), job_cfg.virtual_stages
-    if v > 1:
+    if job_cfg.pp_schedule in V_SCHEDULES:
+        plan = v_placement(plan)
+    elif v > 1:
         per_chunk, p = plan.layers_per_stage // v, plan.sizes["pp"]
         chunks = [(c * p + parallel_state.pp_rank) * per_chunk for c in range(v)]
         layers = tuple(i for first in chunks for i in range(first, first + per_chunk))
@@ -1374,7 +1381,7 @@ def make_plan_at_scale(cfg, job_cfg, parallel_state):
     if needs_hybrid_groups(job_cfg):  # a HybridParallelState
         hybrid = {kind: parallel_state.groups[kind] if len(parallel_state.ranks[kind]) > 1 else None for kind in hybrid}
     return PlanAtScale(**{f.name: getattr(plan, f.name) for f in fields(plan)}, **hybrid,
-                       split_backward=job_cfg.pp_schedule == "zb-h1")
+                       split_backward=splits_backward(job_cfg))
 
 
 class _TPLinearAtScale(_TPLinear):
@@ -1677,6 +1684,153 @@ def schedule_zero_bubble(order, r):
     return out + waiting
 
 
+# ---- V-shaped pipelines: ZB-V and DualPipeV ----------------------------------------------------------------
+# A V schedule gives each rank two chunks placed in a V: chunk 0 is stage r, chunk 1 stage 2p - 1 - r of the 2p
+# (each L / 2p layers). A micro-batch goes down the ranks through their chunk 0 and back up through their chunk 1,
+# so rank p - 1 hands its chunk 0's output to its own chunk 1 (no transfer) and the last stage sits on rank 0 beside
+# the first: the loss is computed where the tokens were embedded, and the tied embedding is one parameter. Both
+# schedules split backwards as zero bubble does: a B whose W its rank's list holds computes the input gradients
+# only; a B whose list holds no W for it is a whole backward, weight gradients included (DualPipeV runs both). The
+# lists are torch.distributed.pipelining's (ScheduleZBVZeroBubble, ScheduleDualPipeV: tests/test_vpipe.py compares
+# them rank by rank), written as that order's phases.
+
+class Overlapped(NamedTuple):
+    """DualPipe's F&B (DeepSeek-AI 2024): the forward of one (micro-batch, chunk) and the whole backward of another,
+    one action, so that the communication of each half proceeds while the other half computes."""
+    forward: Action
+    backward: Action
+    kind = "F&B"  # a class attribute, not a field: what the executor and the replay dispatch on
+
+
+V_SCHEDULES = ("zbv", "dualpipev")  # the --pp-schedule values whose chunks lie in a V
+
+
+def v_stage(p, r, chunk):
+    """The stage of rank r's chunk under the V placement: chunk 0 is stage r, chunk 1 stage 2p - 1 - r."""
+    return 2 * p - 1 - r if chunk else r
+
+
+def halves(action):
+    """The actions an entry of a list runs: an F&B pair's two, or the action itself."""
+    return tuple(action) if isinstance(action, Overlapped) else (action,)
+
+
+class _Counter:
+    """The next micro-batch of each (kind, chunk) in one rank's list, and the list itself: V schedules are written as
+    phases of "the next forward of chunk 1", "the next backward of chunk 0", ..."""
+
+    def __init__(self):
+        self.order, self.counts = [], {}
+
+    def next(self, kind, chunk):
+        micro = self.counts.get((kind, chunk), 0)
+        self.counts[(kind, chunk)] = micro + 1
+        return Action(kind, micro, chunk)
+
+    def add(self, kind, chunk):
+        action = self.next(kind, chunk)
+        self.order.append(action)
+        return action
+
+
+def schedule_zbv(p, m, r):
+    """ZB-V (Qi et al. 2024, section 6), in the order of torch's ScheduleZBVZeroBubble: 2 (p - r) - 1 forwards of
+    chunk 0, then r pairs of (chunk 1, chunk 0) forwards, then p - r rounds of chunk 1's F B W: rank p - 1 turns the
+    first micro-batch around at the V's bottom and its backward climbs back while the forwards still descend. The
+    steady state runs F B W on chunk 0 then on chunk 1; the drain runs r pairs of B's (their W's wait), p - r rounds
+    of a chunk 0 B and the oldest waiting W, then the waiting W's. Each B's W follows it, or fills the drain. With
+    fewer than 2p - 1 micro-batches the order is the one of 2p - 1 with the missing ones left out."""
+    n, rank = max(m, 2 * p - 1), _Counter()
+    waiting = ([], [])  # per chunk: B's whose W has not run, oldest first
+
+    def backward(chunk, then_weight=True):
+        waiting[chunk].append(rank.add("B", chunk))
+        if then_weight:
+            weight(chunk)
+
+    def weight(chunk):
+        rank.order.append(Action("W", waiting[chunk].pop(0).micro, chunk))
+
+    for _ in range(2 * (p - r) - 1):
+        rank.add("F", 0)
+    for _ in range(r):
+        rank.add("F", 1), rank.add("F", 0)
+    for _ in range(p - r):
+        rank.add("F", 1), backward(1)
+    while rank.counts[("F", 1)] < rank.counts[("F", 0)] or rank.counts[("F", 0)] < n:
+        if rank.counts[("F", 0)] < n:
+            rank.add("F", 0)
+        backward(0), rank.add("F", 1), backward(1)
+    for _ in range(r):
+        backward(0, False), backward(1, False)
+    for _ in range(p - r):
+        backward(0)
+    for chunk in (1, 0):
+        while waiting[chunk]:
+            weight(chunk)
+    return [action for action in rank.order if action.micro < m]
+
+
+def schedule_dualpipev(p, m, r):
+    """DualPipeV (DeepSeek-AI 2024's DualPipe cut in half), in the order of torch's ScheduleDualPipeV: the
+    forwards of chunk 0 fill the V (2 (p - r - 1), then r + 1 pairs of chunk 0 and chunk 1 forwards), p - r - 1
+    rounds of a chunk 1 B, the oldest waiting W and a chunk 1 F; then the two directions meet: F&B pairs (chunk 0's
+    forward with chunk 1's whole backward, chunk 1's forward with chunk 0's whole backward; rank p - 1's first
+    pair runs apart), then p - r - 1 rounds of a chunk 1 backward and a pair; the drain runs r + 1 pairs of
+    backwards (from the middle one on, zero bubble's split ones: their W's fill what is left), then the W's.
+    Needs m >= 2p."""
+    rank, waiting = _Counter(), []  # waiting: the split B's whose W has not run, oldest first
+
+    def backward(chunk, split):
+        action = rank.add("B", chunk)
+        if split:
+            waiting.append(action)
+
+    def weight():
+        if waiting:
+            action = waiting.pop(0)
+            rank.order.append(Action("W", action.micro, action.chunk))
+
+    def pair(forward_chunk, backward_chunk):
+        rank.order.append(Overlapped(rank.next("F", forward_chunk), rank.next("B", backward_chunk)))
+
+    for _ in range(2 * (p - r - 1)):
+        rank.add("F", 0)
+    for _ in range(r + 1):
+        rank.add("F", 0), rank.add("F", 1)
+    for _ in range(p - r - 1):
+        backward(1, True), weight(), rank.add("F", 1)
+    for i in range(m - 2 * p + r + 1):
+        if i == 0 and r == p - 1:  # the bottom of the V: its first backward is due at once, nothing to overlap
+            rank.add("F", 0), backward(1, False)
+        else:
+            pair(0, 1)
+        pair(1, 0)
+    for _ in range(p - r - 1):
+        backward(1, False), pair(1, 0)
+    split = False
+    for i in range(r + 1):  # from the middle pair on (odd ranks: from its chunk 1 B), the B's are split
+        split = split or (i == (r + 1) // 2 and r % 2 == 1)
+        backward(1, split)
+        split = split or i == (r + 1) // 2
+        backward(0, split)
+    for _ in range(p - r - 1):
+        weight(), backward(0, True)
+    for _ in range(r + 1):
+        weight()
+    return rank.order
+
+
+class VOrders(list):
+    """Every rank's list of a V schedule (orders[r]): a list that says its chunks lie in a V."""
+    v_shape = True
+
+
+def v_orders(schedule):
+    """Every rank's list of a V schedule, `schedule(p, m, r)` (its v is 2)."""
+    return lambda p, m, v: replayed(VOrders(schedule(p, m, r) for r in range(p)), 2)
+
+
 def replayed(orders, v):
     """The ranks' lists, checked by the replay to finish when each action waits only for its own input."""
     replay_pipeline(orders, v=v)
@@ -1687,10 +1841,12 @@ def interleaved_orders(p, m, v):
     return replayed([schedule_interleaved(p, m, v, r) if v > 1 else schedule_1f1b(p, m, r) for r in range(p)], v)
 
 
-# the two schedules beyond the chapter (1F1B's lists where v = 1), which PipelineAtScale runs
+# the schedules beyond the chapter (1F1B's lists where v = 1): PipelineAtScale runs them, ZeroBubblePipeline zb-h1,
+# VPipeline the V-shaped ones
 SCHEDULES_AT_SCALE = {"interleaved": interleaved_orders,
                       "zb-h1": lambda p, m, v: replayed([schedule_zero_bubble(order, r)
-                                                         for r, order in enumerate(interleaved_orders(p, m, v))], v)}
+                                                         for r, order in enumerate(interleaved_orders(p, m, v))], v),
+                      "zbv": v_orders(schedule_zbv), "dualpipev": v_orders(schedule_dualpipev)}
 ALL_SCHEDULES = {**SCHEDULES, **SCHEDULES_AT_SCALE}  # --pp-schedule
 
 
@@ -1709,6 +1865,8 @@ class PipelineAtScale(Pipeline):
 
     def orders(self, kind, p, m, v):
         return _orders_at_scale(kind, p, m, v)
+
+
 
 
 _deferred = None  # while a zero-bubble B runs: the list its linears leave their weight-gradient GEMMs in
@@ -1755,6 +1913,11 @@ def _add_weight_grad(weight, grad):
 def run_weight_grads(stage, chunk, weight_grads):
     """The executor's W: the weight gradients a zero-bubble B left, then (ZeRO-2/3) their reduce-scatter."""
     weight_grads.run()
+    reduce_chunk_grads(stage, chunk)
+
+
+def reduce_chunk_grads(stage, chunk):
+    """ZeRO-2/3 under a split backward: the chunk's blocks' gradients reduce-scattered once complete."""
     for block in stage.chunk_blocks(chunk):
         if getattr(block, "unit", None) is not None:
             block.unit.reduce_grads(async_op=True)
@@ -1787,13 +1950,210 @@ class ZeroBubblePipeline(PipelineAtScale):
         return len(saved) + len(self.waiting)
 
 
-def replay_pipeline(orders, forward=1, backward=2, weight=1, v=1, slots=False):
-    """The time the ranks' orders take when each action waits only for its input: F for the previous virtual
-    stage's F of its micro-batch, B for the next one's B (the last virtual stage for its own F), W for its own B;
-    F takes `forward` units, B `backward`, W `weight`; communication is free. orders[r] are rank r's actions
-    (Action, or (kind, micro) pairs for one chunk). With slots, also every action's start: {(r, action): t}."""
+class Baton:
+    """The two halves of an F&B pair, on two threads, one computing at a time (so that a rank issues its collectives
+    in one order, the same on every rank of their groups): a half that has posted a transfer hands the turn to the
+    other (`switch`), which computes until it posts one of its own or ends, and takes the turn back to wait for its
+    data. `beside` sums the seconds posted transfers travelled while the other half computed (`handovers` times),
+    `exposed` those their half then still waited for them."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.turn, self.running = None, [False, False]  # the half that may compute (None: no pair running)
+        self.beside = self.exposed = 0.0
+        self.handovers = 0
+
+    def switch(self, work):
+        """A half has posted `work` (a moe_ep.OverlappedMoE all-to-all): the other half computes meanwhile, if it is
+        still running; then this one waits for the data."""
+        t0 = time.perf_counter()
+        with self.cond:
+            me = self.turn
+            if me is not None and self.running[1 - me]:
+                self.turn, self.handovers = 1 - me, self.handovers + 1
+                self.cond.notify_all()
+                self.cond.wait_for(lambda: self.turn == me)
+        t1 = time.perf_counter()
+        work.wait()
+        self.beside, self.exposed = self.beside + t1 - t0, self.exposed + time.perf_counter() - t1
+
+    def run(self, forward, backward, device):
+        """The pair: `forward` on a thread of its own (on `device`), `backward` on this one; the forward starts."""
+        errors = []
+
+        def half(i, fn):
+            if i == 0 and device.type == "cuda":  # a new thread starts on GPU 0
+                torch.cuda.set_device(device)
+            with self.cond:
+                self.cond.wait_for(lambda: self.turn == i)
+            try:
+                fn()
+            except BaseException as error:  # raised on this thread once the pair is over
+                errors.append(error)
+            finally:
+                with self.cond:
+                    self.running[i] = False
+                    self.turn = 1 - i if self.running[1 - i] else None
+                    self.cond.notify_all()
+        self.running, self.turn = [True, True], 0
+        thread = threading.Thread(target=half, args=(0, forward))
+        thread.start()
+        half(1, backward)
+        thread.join()
+        if errors:
+            raise errors[0]
+
+
+class VPipeline(ZeroBubblePipeline):
+    """The executor of the V schedules (--pp-schedule zbv, dualpipev): chunk 0 of rank r is stage r, chunk 1 stage
+    2p - 1 - r (`v_placement` gives the plan those layers). Rank p - 1 hands chunk 0's output to its chunk 1, and
+    chunk 1's input gradient back to chunk 0, in memory (`local`): no transfer. A B whose W its list holds computes
+    the input gradients only (zero bubble's split); one without is whole. An F&B pair (`Overlapped`) runs its two
+    halves overlapped (`overlap`): each on a thread of its own, taking turns where a MoE layer's all-to-all travels
+    (`baton`, the MoE layers' `wait`), so that one half's all-to-alls and transfers travel while the other computes;
+    with `overlap` False one after the other (`run_pair`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.flat = {}  # id(orders): (the orders, kept alive; every rank's actions, pairs' halves one by one)
+        self.baton, self.overlap, self.chunk_exchanges = Baton(), True, {}
+        self.p2p_exposed = 0.0  # seconds a pair's halves waited for their inputs' transfers
+
+    def orders(self, kind, p, m, v):
+        if kind == "forward":  # a validation loss: every micro-batch down the V, then back up
+            return _v_forward_orders(p, m)
+        return super().orders(kind, p, m, v)
+
+    def stage_consumer(self, r, action):
+        """(rank, the action that reads it) of what rank r's `action` sends on, on whatever rank, or None."""
+        p, stage = self.plan.sizes["pp"], v_stage(self.plan.sizes["pp"], r, action.chunk)
+        nxt = stage + 1 if action.kind == "F" else stage - 1
+        if action.kind not in "FB" or not 0 <= nxt < 2 * p:
+            return None
+        return (nxt, Action(action.kind, action.micro, 0)) if nxt < p else \
+            (2 * p - 1 - nxt, Action(action.kind, action.micro, 1))
+
+    def consumer(self, r, action):  # what goes to another rank: the transfers
+        to = self.stage_consumer(r, action)
+        return None if to is None or to[0] == r else to
+
+    def start(self, orders, rank):
+        """The core's tables over each rank's actions one by one (an F&B pair's two halves in their order); the
+        handoffs that stay on this rank; which B's this rank splits."""
+        key = id(orders)
+        if key not in self.flat:
+            self.flat[key] = orders, [[a for entry in order for a in halves(entry)] for order in orders]
+        flat = self.flat[key][1]
+        super().start(flat, rank)
+        self.local, self.handoff = {}, {}  # reader: its input; producer: its reader on this rank
+        for action in flat[rank]:
+            to = self.stage_consumer(rank, action)
+            if to is not None and to[0] == rank:
+                self.handoff[action] = to[1]
+        self.deferred = {(a.chunk, a.micro) for a in flat[rank] if a.kind == "W"}
+        self.pair_peak = 0
+
+    def splits(self, action):
+        return (action.chunk, action.micro) in self.deferred
+
+    def post_receive(self, entry):
+        for action in halves(entry):
+            super().post_receive(action)
+
+    def run_action(self, stage, action, received, saved, *rest):
+        if isinstance(action, Overlapped):
+            return self.run_pair(stage, action, saved, *rest)
+        if received is None and action in self.local:
+            received = self.local.pop(action)
+        out = super().run_action(stage, action, received, saved, *rest)
+        if action.kind == "B" and not self.splits(action):  # a whole backward: ZeRO-2/3 reduce now, as W would
+            reduce_chunk_grads(stage, action.chunk)
+        if action in self.handoff:  # to this rank's other chunk, as a transfer would: a new leaf (F), a gradient (B)
+            self.local[self.handoff[action]] = self.hand_over(out) if action.kind == "F" else out
+            return None
+        return out
+
+    @staticmethod
+    def hand_over(out):
+        """Chunk 0's output as chunk 1's input on rank p - 1: a leaf of its own, as a received buffer is, and the
+        output's storage freed as a sent one's is (its backward needs only the graph behind it)."""
+        if out.grad_fn is None:  # forwards only (a validation loss)
+            return out
+        leaf = out.detach().clone().requires_grad_()
+        out.untyped_storage().resize_(0)
+        return leaf
+
+    def run_pair(self, stage, pair, saved, *rest):
+        """DualPipe's F&B: both halves' inputs posted, then the forward and the backward, overlapped or one after the
+        other; each half's output sent as soon as it exists and those of the pair before it have been (a peer reads
+        this rank's messages in the order of its list). The forward's activations are made while the backward's
+        are held: one chunk more than before the pair."""
+        self.post_receive(pair)
+        self.pair_peak = max(self.pair_peak, super().in_flight(saved) + 1)
+        outputs, sent = {}, []
+
+        def run_half(action):
+            received = None
+            if action in self.source:
+                t0 = time.perf_counter()
+                received = self.receive(action).requires_grad_(action.kind == "F" and torch.is_grad_enabled())
+                self.p2p_exposed += time.perf_counter() - t0
+            outputs[action] = self.run_action(stage, action, received, saved, *rest)
+            for half in pair[len(sent):]:
+                if half not in outputs:
+                    break
+                if half in self.sink:
+                    self.send(outputs[half], half, free=outputs[half].grad_fn is not None)
+                sent.append(half)
+        if self.overlap and any(self.exchanges(stage, action.chunk) for action in pair):
+            self.baton.run(partial(run_half, pair.forward), partial(run_half, pair.backward), self.device)
+        else:
+            run_half(pair.forward)
+            run_half(pair.backward)
+        return None
+
+    def exchanges(self, stage, chunk):
+        """Whether the chunk's layers post all-to-alls a pair's other half can compute beside (else the halves run one
+        after the other: a second thread would only cost its start)."""
+        if chunk not in self.chunk_exchanges:
+            self.chunk_exchanges[chunk] = any(isinstance(block.moe, moe_ep.OverlappedMoE) and block.moe.ep_size > 1
+                                              for block in stage.chunk_blocks(chunk))
+        return self.chunk_exchanges[chunk]
+
+    def in_flight(self, saved):  # the most during the action just run: an F&B pair's forward beside its backward
+        peak, self.pair_peak = max(self.pair_peak, super().in_flight(saved)), 0
+        return peak
+
+
+@functools.lru_cache(maxsize=64)
+def _v_forward_orders(p, m):
+    return VOrders([[Action("F", i, c) for c in (0, 1) for i in range(m)] for _ in range(p)])
+
+
+def v_placement(plan):
+    """A V schedule's plan: this rank's two chunks, stages r and 2p - 1 - r (L / 2p layers each); rank 0 is the first
+    and the last stage (it embeds and it computes the loss, with one tied embedding: nothing to all-reduce)."""
+    p, r = plan.sizes["pp"], plan.parallel_state.pp_rank
+    per_chunk = plan.layers_per_stage // 2
+    layers = tuple(i for s in (r, 2 * p - 1 - r) for i in range(s * per_chunk, (s + 1) * per_chunk))
+    ends = replace(plan.parallel_state, is_first_stage=r == 0, is_last_stage=r == 0)
+    return replace(plan, virtual_stages=2, layers=layers, parallel_state=ends, embedding=None,
+                   logs_lm_loss=r == 0 and ends.tp_rank == 0)
+
+
+def replay_pipeline(orders, forward=1, backward=2, weight=1, v=1, slots=False, v_shape=None):
+    """The time the ranks' orders take when each action waits only for its input: F for the previous stage's F of its
+    micro-batch, B for the next one's B (the last stage for its own F), W for its own B; F takes `forward` units, B
+    `backward`, W `weight`, and where a schedule splits backwards a B it does not split (no W of its own) takes
+    `backward + weight`; an F&B pair starts once both halves' inputs are in and hands both outputs on at its end.
+    Communication is free. orders[r] are rank r's actions (Action, Overlapped, or (kind, micro) pairs for one chunk);
+    chunk c of rank r is stage c p + r, or with `v_shape` (default: the orders' own, VOrders) stage `v_stage`. With
+    slots, also every action's start: {(r, action): t}."""
     p = len(orders)
-    orders = [[Action(*action) for action in order] for order in orders]
+    v_shape = getattr(orders, "v_shape", False) if v_shape is None else v_shape
+    stage_of = partial(v_stage, p) if v_shape else (lambda r, chunk: chunk * p + r)
+    orders = [[a if isinstance(a, (Action, Overlapped)) else Action(*a) for a in order] for order in orders]
+    whole = whole_backwards(orders)
     last, done, start = p * v - 1, {}, {}
     clock, pos = [0] * p, [0] * p
     progress = True
@@ -1801,32 +2161,50 @@ def replay_pipeline(orders, forward=1, backward=2, weight=1, v=1, slots=False):
         progress = False
         for r in range(p):
             while pos[r] < len(orders[r]):
-                action = orders[r][pos[r]]
-                vs = action.chunk * p + r
-                needs = {"F": ("F", vs - 1), "B": ("B", vs + 1) if vs < last else ("F", vs),
-                         "W": ("B", vs)}[action.kind]
-                if needs[1] < 0:  # the first virtual stage's forwards
-                    ready = 0
-                elif (*needs, action.micro) in done:
-                    ready = done[(*needs, action.micro)]
-                else:
+                entry = orders[r][pos[r]]
+                needs = []
+                for action in halves(entry):
+                    vs = stage_of(r, action.chunk)
+                    need = {"F": ("F", vs - 1), "B": ("B", vs + 1) if vs < last else ("F", vs),
+                            "W": ("B", vs)}[action.kind]
+                    if need[1] >= 0:  # not the first stage's forward
+                        needs.append((*need, action.micro))
+                if any(need not in done for need in needs):
                     break
-                start[(r, action)] = max(clock[r], ready)
-                clock[r] = start[(r, action)] + {"F": forward, "B": backward, "W": weight}[action.kind]
-                done[(action.kind, vs, action.micro)] = clock[r]
+                start[(r, entry)] = max([clock[r]] + [done[need] for need in needs])
+                clock[r] = start[(r, entry)] + sum(
+                    {"F": forward, "B": backward, "W": weight}[a.kind] + weight * ((r, a) in whole)
+                    for a in halves(entry))
+                for action in halves(entry):
+                    done[(action.kind, stage_of(r, action.chunk), action.micro)] = clock[r]
                 pos[r], progress = pos[r] + 1, True
     if pos != [len(o) for o in orders]:
         raise ValueError("the ranks' orders wait on each other forever")
     return (max(clock), start) if slots else max(clock)
 
 
+def whole_backwards(orders):
+    """{(r, B action)} of the B's that a schedule splitting backwards does not split (no W of their own on their
+    rank): DualPipeV's whole backwards. Empty for schedules with no W at all (their B is whole by definition)."""
+    deferred = [{(a.chunk, a.micro) for a in order if a.kind == "W"} for order in orders]
+    if not any(deferred):
+        return set()
+    return {(r, a) for r, order in enumerate(orders) for entry in order for a in halves(entry)
+            if a.kind == "B" and (a.chunk, a.micro) not in deferred[r]}
+
+
 def in_flight_peak(order, split):
     """The most (chunk, micro-batch) activations alive at once on a rank: from its F until its B (or, with a split
-    backward, until its W, which still needs the linears' inputs)."""
+    backward, until its W, which still needs the linears' inputs; a B with no W of its own is whole and ends it).
+    In an F&B pair the forward's activations are made while the backward's are still held: one more at its peak."""
+    deferred = {(a.chunk, a.micro) for a in order if a.kind == "W"} if split else set()
     live = peak = 0
-    for action in order:
-        live += (action.kind == "F") - (action.kind == ("W" if split else "B"))
-        peak = max(peak, live)
+    for entry in order:
+        for action in halves(entry):
+            ends = (action.kind == "W" and split) or (action.kind == "B" and (action.chunk, action.micro) not in
+                                                        deferred)
+            live += (action.kind == "F") - ends
+            peak = max(peak, live)
     return peak
 
 
@@ -1834,30 +2212,51 @@ def schedule_formulas(kind, p, m, v=1):
     """The published step time (in units of one chunk's forward, B = 2 F, or B = W = F when split) and in-flight
     peaks (chunks, per rank): 1F1B 3 (m + p - 1), p - r; interleaved 3 (v m + p - 1), i.e. a bubble of (p - 1)/(v m)
     of the ideal, (p - r - 1) 2 + (v - 1) p + 1; ZB-H1 3 v m + p - 1 for m >= p: the bubble (p - 1) units, one third
-    of 1F1B's, and 1F1B's or the interleaved peak plus the r deferred W's."""
+    of 1F1B's, and 1F1B's or the interleaved peak plus the r deferred W's. The V schedules (v = 2, `v_bubble`):
+    ZB-V 6 m + p - 1 for m >= 2p - 1, 2p chunks on every rank (p micro-batches of a 1F1B stage's layers: 1F1B's
+    first stage), min(2p, m + r + 1, 2m) below; DualPipeV 6 m + 2 (p - 1), 2p + 1 chunks (DualPipe's PP + 1: 2p
+    before a pair, and its forward's beside its backward's)."""
     if kind == "1f1b":
         return 3 * (m + p - 1), [min(p - r, m) for r in range(p)]
+    if kind in V_SCHEDULES:
+        peaks = [min(2 * p, m + r + 1, 2 * m) for r in range(p)] if kind == "zbv" else [2 * p + 1] * p
+        return 6 * m + v_bubble(kind, p, m), peaks
     peak = [min((p - r - 1) * 2 + (v - 1) * p + 1, m * v) if v > 1 else min(p - r, m) for r in range(p)]
     if kind == "interleaved":
         return 3 * (v * m + p - 1), peak
     return 3 * v * m + p - 1, [min(k + r, m * v) for r, k in enumerate(peak)]
 
 
+def v_bubble(kind, p, m, forward=1, backward=1, weight=1):
+    """Each rank's idle time in a V schedule's step, in units with F = B = W = 1 (a whole backward B + W = 2).
+    ZB-V: p - 1 for m >= 2p - 1 (the first micro-batch's way down the V: rank p - 1 starts after p - 1 forwards and
+    every slot after it is filled), 4 (p - 1) - 2 (m - 1) below. DualPipeV (m >= 2p): DualPipe's table's
+    (PP/2 - 1)(F&B + B - 3W), PP its stages (2p here), F&B the pair (F + B + W: communication hidden, the compute
+    both halves' own), B a whole backward (B + W): (p - 1)(F + 2 B - W) = 2 (p - 1)."""
+    if kind == "zbv":
+        return max(p - 1, 4 * (p - 1) - 2 * (m - 1))
+    pair, whole = forward + backward + weight, backward + weight
+    return (p - 1) * (pair + whole - 3 * weight)
+
+
 def timeline(kind, p, m, v=1):
     """The schedule as text: one row per rank, one column per time unit (F 1, B 2 or B 1 + W 1), each cell the
     action and micro-batch (and chunk, with v > 1: F3.1 is micro-batch 3 on chunk 1); under it the step time and
     bubble beside the formulas, and each rank's in-flight peak."""
-    split = kind == "zb-h1"
+    split = kind in ("zb-h1",) + V_SCHEDULES
     orders = pipeline_schedule(kind, p, m, v)
     span, start = replay_pipeline(orders, backward=1 if split else 2, v=v, slots=True)
-    width = len(f"F{m - 1}" + (f".{v - 1}" if v > 1 else "")) + 1
+    whole = whole_backwards(orders)
+    label = lambda a: f"{a.kind}{a.micro}" + (f".{a.chunk}" if v > 1 else "")  # noqa: E731
+    width = len(f"F{m - 1}" + (f".{v - 1}" if v > 1 else "")) + 1 + any(isinstance(a, Overlapped) for a in orders[0])
     rows = []
     for r, order in enumerate(orders):
         cells = ["."] * span
-        for action in order:
-            t = start[(r, action)]
-            for u in range(2 if action.kind == "B" and not split else 1):
-                cells[t + u] = f"{action.kind}{action.micro}" + (f".{action.chunk}" if v > 1 else "")
+        for entry in order:
+            t = start[(r, entry)]
+            for i, action in enumerate(halves(entry)):  # an F&B pair: its forward, then '&' and its backward
+                for _ in range(2 if action.kind == "B" and (not split or (r, action) in whole) else 1):
+                    cells[t], t = "&" * i + label(action), t + 1
         rows.append(f"rank {r}  " + "".join(c.ljust(width) for c in cells).rstrip())
     formula, peaks = schedule_formulas(kind, p, m, v)
     ideal = 3 * m * v
@@ -1868,6 +2267,17 @@ def timeline(kind, p, m, v=1):
     rows.append("legend: a column is one time unit, a forward's time; Fi: the forward of micro-batch i (Fi.c: on "
                 "model chunk c, with virtual stages), 1 unit;\n        Bi: its backward, 2 units (zb-h1: the input "
                 "gradients only, 1 unit); Wi: its weight gradients (zb-h1), 1 unit; '.': the rank waits (the bubble)")
+    if kind in V_SCHEDULES:
+        rows += [f"V placement: chunk 0 of rank r is stage r, chunk 1 stage 2p - 1 - r = {2 * p - 1} - r; a B lasts "
+                 "1 unit where its W comes later, 2 where it is whole (no W of its own)",
+                 f"bubble per rank {span - ideal} units, formula {v_bubble(kind, p, m)}: " + (
+                     "p - 1, the first micro-batch's way down the V (m >= 2p - 1)" if kind == "zbv" else
+                     "(p - 1)(F&B + B - 3W) with F&B = 3 (the pair: F + B + W), B = 2 (whole), W = 1: DualPipe's "
+                     "(PP/2 - 1)(F&B + B - 3W), PP = 2p stages") + "; in flight, formula " + (
+                     "min(2p, m + r + 1, 2m)" if kind == "zbv" else "2p + 1 (DualPipe's PP + 1)") +
+                 " chunks of L/2p layers",
+                 ] + (["F&B: an overlapped pair, its forward's cell then '&' before the backward it runs beside"]
+                      if kind == "dualpipev" else [])
     return "\n".join(rows)
 
 
@@ -1949,8 +2359,11 @@ def build_at_scale(cfg, job_cfg, optimizer=True):
         parallel_state = topology.init_parallel(**layout)
     plan = make_plan_at_scale(cfg, job_cfg, parallel_state)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    overlapped = job_cfg.pp_schedule == "dualpipev"  # its F&B pairs: the MoE all-to-alls beside the other half
+    moe = {(False, False): moe_ep.MoE, (True, False): moe_ep.GroupedGEMMMoE, (False, True): moe_ep.OverlappedMoE,
+           (True, True): moe_ep.OverlappedGroupedGEMMMoE}[(job_cfg.moe_grouped_gemm, overlapped)]
     stage = GPTStage(cfg, plan, job_cfg.param_dtype, fp8=job_cfg.fp8_recipe if job_cfg.dtype == "fp8" else None,
-                     moe=moe_ep.GroupedGEMMMoE if job_cfg.moe_grouped_gemm else moe_ep.MoE).to(device)
+                     moe=moe).to(device)
     if job_cfg.dtype == "fp8" and (job_cfg.fp8_recipe in mixed_precision.FINE_GRAINED or job_cfg.fp8_backward == "fp8"):
         use_fine_grained_fp8(stage, FP8(job_cfg.fp8_recipe, job_cfg.fp8_backward))
     if job_cfg.dtype == "nvfp4":
@@ -1958,9 +2371,13 @@ def build_at_scale(cfg, job_cfg, optimizer=True):
     opt = make_optimizer_at_scale(stage, job_cfg) if optimizer else None
     if opt is not None and job_cfg.zero >= 2:
         attach_zero_units(stage, opt)
-    executor = {"1f1b": Pipeline, "zb-h1": ZeroBubblePipeline}.get(job_cfg.pp_schedule, PipelineAtScale)
+    executor = {"1f1b": Pipeline, "zb-h1": ZeroBubblePipeline, "zbv": VPipeline,
+                "dualpipev": VPipeline}.get(job_cfg.pp_schedule, PipelineAtScale)
     pipe = executor(plan, (job_cfg.micro_batch, plan.seq_hidden, cfg.n_embd), job_cfg.param_dtype, device,
                     schedule=job_cfg.pp_schedule)
+    for block in stage.blocks if overlapped else ():
+        if block.moe is not None:
+            block.moe.wait = pipe.baton.switch
     return plan, stage, opt, pipe
 
 
@@ -3367,11 +3784,16 @@ def schedule_error(kind, p, m, v):
         return f"--pp-schedule {kind!r} is unknown; choose one of {tuple(ALL_SCHEDULES)}"
     if kind == "interleaved" and v == 1:
         return "--pp-schedule interleaved needs --virtual-stages >= 2 (model chunks per pipeline rank)"
+    if kind in V_SCHEDULES and v != 2:
+        return f"--pp-schedule {kind} places two model chunks per rank in a V: pass --virtual-stages 2"
     if v > 1 and kind == "1f1b":
         return f"--virtual-stages {v} needs --pp-schedule interleaved or zb-h1 (1f1b runs one chunk per rank)"
     if v > 1 and p == 1:
         return f"--virtual-stages {v} needs --pp >= 2: the chunks interleave across the pipeline ranks"
-    if v > 1 and m % p:
+    if kind == "dualpipev" and m < 2 * p:
+        return (f"--pp-schedule dualpipev needs the micro-batches m = batch / (dp micro_batch) = {m} to be at least "
+                f"2 --pp = {2 * p} (the two directions meet in the middle): choose --batch or --micro-batch so")
+    if v > 1 and m % p and kind not in V_SCHEDULES:
         return (f"--virtual-stages {v} needs the micro-batches m = batch / (dp micro_batch) = {m} to be a multiple of "
                 f"--pp {p} (they advance in groups of p): choose --batch or --micro-batch so")
     return None
@@ -4018,9 +4440,10 @@ def parse_job_args(argv=None):
     group["parallelism (DP is the world over TP x CP x PP)"]("--cp-ulysses", type=int, default=1, help="--cp-impl "
                                                              "hybrid: the Ulysses ranks inside each CP group")
     schedule = group["pipeline schedule"]
-    schedule("--pp-schedule", default="1f1b", choices=ALL_SCHEDULES, help="1f1b, interleaved (Megatron-LM) or zb-h1 "
-             "(zero bubble)")
-    schedule("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (interleaved, zb-h1)")
+    schedule("--pp-schedule", default="1f1b", choices=ALL_SCHEDULES, help="1f1b, interleaved (Megatron-LM), zb-h1 "
+             "(zero bubble), or the V-shaped zbv (ZB-V) and dualpipev (DualPipeV), with --virtual-stages 2")
+    schedule("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (interleaved, zb-h1; 2 "
+             "for zbv and dualpipev)")
     schedule("--show-schedule", action="store_true", help="print the schedule's timeline for --pp, --micro-batches, "
              "--pp-schedule and --virtual-stages, with its bubble and in-flight peaks, and exit (no process group)")
     schedule("--micro-batches", type=int, default=None, help="with --show-schedule: m (a run's is batch / (dp "

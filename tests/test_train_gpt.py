@@ -1974,13 +1974,19 @@ def test_zero_bubble_computes_every_weight_gradient_once_and_w_communicates_noth
 
 
 def test_a_checkpoint_resumes_under_another_schedule_and_back(tmp_path):
+    # 1F1B's step-2 checkpoint resumed under ZB-H1 (v = 2) and DualPipeV (a V), ZB-H1's and ZB-V's under 1F1B: each
+    # the uninterrupted 1F1B run's steps 2 and 3; each saving run's own steps 0-3 the 1F1B run's too
     full = run_ranks(_resume_run, 2, str(tmp_path / "a"), "float64", False, pp=2, timeout=180)[0]
-    for name, saved, resumed in (("b", dict(pp=2), dict(pp=2, pp_schedule="zb-h1", virtual_stages=2)),
-                                 ("c", dict(pp=2, pp_schedule="zb-h1", virtual_stages=2), dict(pp=2))):
-        first = run_ranks(_resume_run, 2, str(tmp_path / name), "float64", False, timeout=180, **saved)[0]
-        assert max(abs(a - b) for r, f in zip(first, full) for a, b in zip(r, f)) < TOL
-        shutil_tree = __import__("shutil")
-        shutil_tree.rmtree(tmp_path / name / "step_000004")
+    v2 = lambda kind: dict(pp=2, pp_schedule=kind, virtual_stages=2)  # noqa: E731
+    for name, saved, resumed in (("b", None, v2("zb-h1")), ("c", v2("zb-h1"), dict(pp=2)),
+                                 ("d", None, v2("dualpipev")), ("e", v2("zbv"), dict(pp=2))):
+        if saved is None:  # the 1F1B run's own checkpoint of step 2
+            _keep_first_checkpoint(tmp_path / "a", tmp_path / name)
+        else:
+            first = run_ranks(_resume_run, 2, str(tmp_path / name), "float64", False, timeout=180, **saved)[0]
+            assert max(abs(a - b) for r, f in zip(first, full) for a, b in zip(r, f)) < TOL
+            shutil_tree = __import__("shutil")
+            shutil_tree.rmtree(tmp_path / name / "step_000004")
         again = run_ranks(_resume_run, 2, str(tmp_path / name), "float64", True, timeout=180, **resumed)[0]
         assert [r[0] for r in again] == [2, 3]
         assert max(abs(a - b) for r, f in zip(again, full[2:]) for a, b in zip(r, f)) < TOL

@@ -2497,6 +2497,7 @@ ASYNC_SAVE = AsyncSave()
 # --keep-last deletes only what this process knows to be a checkpoint that passes every check: one it wrote (verified
 # as written), loaded, or verified itself (once, remembered for as long as its MANIFEST is the same file)
 _PASSING = {}  # realpath of a checkpoint -> its MANIFEST's (inode, mtime, size) when it passed
+_FAILING = {}  # realpath of a checkpoint -> (its MANIFEST's signature, why it fails)
 _FALLBACK_SOURCES = set()  # realpath of a checkpoint that --resume fell back to (a newer one failed): never deleted
 _SAID = set()  # what --keep-last has said once
 
@@ -2513,18 +2514,28 @@ def mark_passing(path):
 
 def passes_checks(path):
     """None if the checkpoint passes every check, its tensor files' CRC32s included, on this process alone (rank 0
-    deletes alone: no collective); else why not, in one line."""
+    deletes alone: no collective); else why not, in one line. Either is remembered while MANIFEST stays the same
+    file: a damaged checkpoint is read once, not at every save."""
+    key = os.path.realpath(path)
     try:
-        if _PASSING.get(os.path.realpath(path)) == _manifest_signature(path):
-            return None
+        signature = _manifest_signature(path)
+    except OSError:
+        signature = None
+    if signature is not None and _PASSING.get(key) == signature:
+        return None
+    if signature is not None and _FAILING.get(key, (None,))[0] == signature:
+        return _FAILING[key][1]
+    try:
         _, _, files = check_checkpoint(path)
-        for name in sorted(n for n in files if DATA_FILE.fullmatch(n)):
-            if file_crc32(os.path.join(path, name)) != files[name][1]:
-                return f"{name} does not match its recorded CRC32"
+        why = next((f"checkpoint {path}: {name} does not match its recorded CRC32" for name in sorted(files)
+                    if DATA_FILE.fullmatch(name) and file_crc32(os.path.join(path, name)) != files[name][1]), None)
     except (BadCheckpoint, OSError) as e:
-        return str(e) if isinstance(e, BadCheckpoint) else f"{MANIFEST} cannot be read ({e.strerror})"
-    mark_passing(path)
-    return None
+        why = str(e) if isinstance(e, BadCheckpoint) else f"checkpoint {path} cannot be read ({e.strerror})"
+    if why is None:
+        mark_passing(path)
+    elif signature is not None:
+        _FAILING[key] = (signature, why)
+    return why
 
 
 def _say_once(key, message):

@@ -402,3 +402,46 @@ def test_a_rank_killed_in_the_middle_of_a_background_write_leaves_the_earlier_ch
               for folder in ("out", "again")]
     assert code == 0 and losses[0] == losses[1] and len(losses[0]) == 4, (losses, again)
     assert _steps(tmp_path / "out") == ["step_000002", "step_000004"]
+
+
+# ---- NVFP4 on the outlier batches: the forward is not where the loss jumps -----------------------------------
+# At the issue's model (seed 7), NVFP4's loss is 2.9-4.1 % above BF16's at steps 10, 14 and 18, whose batches hold
+# text tables (runs of '-', '=', '|' and spaces). Those batches are where NVFP4's forward differs most from BF16's at
+# the same weights, 10-30 times more than on the others, but by 0.01-0.09 % on the weights NVFP4 trained (0.3 % on
+# BF16's), and downwards: the jump is in the weights its 4-bit trajectory reached (a BF16 run at 1.1 x --lr jumps at
+# the same steps), not in how it computes the batch. This test holds the forward on them to that: a quantisation
+# defect that shows on outlier activations (a block scale, the tensor scale) moves the loss by far more than 0.5 %.
+
+def _nvfp4_and_bf16_forward_on_table_batches(rank, world):
+    cfg = train_gpt.GPTConfig(n_layer=4, n_head=4, n_embd=64, seq_len=64, seed=7)
+    run = train_gpt.TrainConfig(batch=8, micro_batch=8, lr=3e-3, steps=10, dtype="bfloat16", log=False)
+    data = train_gpt.load_data("embedded", cfg.seq_len, cfg.vocab_size)
+    trained = {}
+    real = train_gpt.train_step
+
+    def keep_the_weights(stage, *args, **kwargs):
+        out = real(stage, *args, **kwargs)
+        trained.update({n: p.detach().clone() for n, p in stage.named_parameters()})
+        return out
+    train_gpt.train_step = keep_the_weights
+    try:
+        train_gpt.train(cfg, run, data)
+    finally:
+        train_gpt.train_step = real
+    losses = []
+    for dtype in ("nvfp4", "bfloat16"):
+        plan, stage, _, pipe = train_gpt.build(cfg, train_gpt.TrainConfig(batch=8, micro_batch=8, dtype=dtype),
+                                               optimizer=False)
+        with torch.no_grad():
+            for n, p in stage.named_parameters():
+                p.copy_(trained[n])
+            losses.append([train_gpt.run_schedule(stage, pipe, "forward", list(plan.micro_batches(
+                data.batch("train", step, 8, cfg.seq_len, cfg.seed), 8, "cpu")), 0)[0].item()
+                for step in (10, 14, 18)])
+    return losses
+
+
+def test_nvfp4s_forward_on_the_outlier_batches_equals_bf16s_at_the_same_weights():
+    nvfp4, bf16 = run_ranks(_nvfp4_and_bf16_forward_on_table_batches, 1, timeout=120)[0]
+    for a, b in zip(nvfp4, bf16):
+        assert abs(a / b - 1) < 5e-3, (nvfp4, bf16)  # measured 3.0e-3, 6e-5, 2.4e-4

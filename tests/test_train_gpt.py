@@ -1004,8 +1004,8 @@ def test_the_readme_main_job_learns_the_embedded_corpus(tmp_path):
     words = shlex.split(sample)
     assert words[:2] == ["python3", "train_gpt.py"] and "--sample" in words, words
     text = subprocess.run([sys.executable, os.path.join(ROOT, "train_gpt.py")] + words[2:] + ["--out-dir", out_dir],
-                          capture_output=True, text=True, timeout=120, check=True).stdout
-    assert len(text) >= 200, text
+                          capture_output=True, text=True, errors="replace", timeout=120, check=True).stdout
+    assert len(text) >= 200, text  # errors="replace": a byte model's sample is the bytes it drew
 
 
 def _cross_entropy_saved(rank, world):

@@ -334,7 +334,7 @@ def test_16_bit_ring_attention_peak_follows_the_formula_with_fp32_gradients(dtyp
 
 def _event_order(rank, P):
     events = []
-    hop_init, hop_wait = ls._Hop.__init__, ls._Hop.wait
+    hop_init, hop_wait = ls._RingSendRecv.__init__, ls._RingSendRecv.wait
     block_forward, block_backward = ls._block_forward, ls._block_backward
 
     def init(self, send, group, kind, tag=0):
@@ -346,14 +346,14 @@ def _event_order(rank, P):
         events.append(("wait", self.kind))
         return hop_wait(self)
 
-    ls._Hop.__init__, ls._Hop.wait = init, wait
+    ls._RingSendRecv.__init__, ls._RingSendRecv.wait = init, wait
     ls._block_forward = lambda *a: events.append(("block",)) or block_forward(*a)
     ls._block_backward = lambda *a: events.append(("block",)) or block_backward(*a)
     try:
         q, k, v = (torch.randn(1, 2, 8, 4, requires_grad=True) for _ in range(3))
         ls.ring_attention(q, k, v, dist.group.WORLD).sum().backward()
     finally:
-        ls._Hop.__init__, ls._Hop.wait = hop_init, hop_wait
+        ls._RingSendRecv.__init__, ls._RingSendRecv.wait = hop_init, hop_wait
         ls._block_forward, ls._block_backward = block_forward, block_backward
     return events
 
@@ -659,14 +659,14 @@ def _hybrid_case(rank, P, ulysses_group, ring_group, u, r, h_kv, causal, dtype, 
 
 
 def _hybrid_all_cases(rank, P, layouts):
-    """Every (u, r) of `layouts` on this world, in one launch: groups from topology.init_parallel, then causal and
-    not, MHA and GQA/MQA wherever u divides the KV heads, float64 and float32; pure ring and pure Ulysses (a
-    group None) at the same CP; and the bad-input rule for KV heads u does not divide."""
+    """Every (u, r) of `layouts` on this world, in one launch: groups from topology.init_hybrid_parallel, then
+    causal and not, MHA and GQA/MQA wherever u divides the KV heads, float64 and float32; pure ring and pure Ulysses
+    (a group None) at the same CP; and the bad-input rule for KV heads u does not divide."""
     import topology
     results = {}
     for u in layouts:
         r = P // u
-        ps = topology.init_parallel(cp=P, cp_ulysses=u, with_mesh=False)
+        ps = topology.init_hybrid_parallel(cp=P, cp_ulysses=u, with_mesh=False)
         assert (ps.cp_ulysses_rank, ps.cp_ring_rank) == (rank % u, rank // u)
         groups = ps.groups["cp_ulysses"], ps.groups["cp_ring"]
         for h_kv in (H_HYBRID, 2, u):
@@ -748,7 +748,7 @@ def test_hybrid_attention_equals_sdpa_and_sends_the_formulas_bytes(P, layouts):
 
 def _hybrid_peak(rank, P, u, b, h, h_kv, s, d, dtype):
     import topology
-    ps = topology.init_parallel(cp=P, cp_ulysses=u, with_mesh=False)
+    ps = topology.init_hybrid_parallel(cp=P, cp_ulysses=u, with_mesh=False)
 
     def hybrid(q, k, v, group, causal):  # _peak's call, on the two sub-groups instead of `group`
         return ls.hybrid_attention(q, k, v, ps.groups["cp_ulysses"], ps.groups["cp_ring"], causal=causal)

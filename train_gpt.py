@@ -2583,7 +2583,13 @@ def drop_old_checkpoints(out_dir, keep):
         except OSError:
             continue  # gone already
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a reader holds it shared: not now
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a reader holds it shared: not now
+            except BlockingIOError:
+                raise
+            except OSError as e:  # a filesystem without locks on folders (NFS emulates flock with fcntl locks)
+                _say_once("no folder locks", f"--keep-last {keep}: this filesystem refuses locks on checkpoint "
+                          f"folders ({e.strerror}): a --sample or an export reading one is not protected from it")
             gone = path + ".tmp"
             shutil.rmtree(gone, ignore_errors=True)
             os.rename(path, gone)
@@ -2608,7 +2614,8 @@ def lock_for_reading(path):
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     except OSError as e:
         raise BadCheckpoint(f"checkpoint {path} cannot be opened ({e.strerror})") from None
-    fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a deletion runs
+    with contextlib.suppress(OSError):  # where folders take no locks (NFS), read unprotected (drop_old_checkpoints)
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a deletion runs
     try:
         still = os.stat(path).st_ino == os.fstat(fd).st_ino
     except OSError:

@@ -38,7 +38,7 @@ def one_run(cfg, run, out):
         return call
     train_gpt.save_checkpoint, train_gpt.release_out_dir = timed(real_save), timed(real_release)
     try:
-        records = train_gpt.train(cfg, run)
+        records = train_gpt.train_job(cfg, run)
     finally:
         train_gpt.save_checkpoint, train_gpt.release_out_dir = real_save, real_release
     ckpt = train_gpt.checkpoint_dirs(out)[-1]
@@ -71,7 +71,7 @@ def main():
         for r in range(flags.rounds):
             for mode in (("sync", "async") if r % 2 == 0 else ("async", "sync")):
                 out = os.path.join(root, f"{mode}{r}")
-                run = train_gpt.TrainConfig(batch=2, micro_batch=2, steps=flags.steps, save_every=flags.save_every,
+                run = train_gpt.JobConfig(batch=2, micro_batch=2, steps=flags.steps, save_every=flags.save_every,
                                             out_dir=out, async_save=mode == "async", data="synthetic", log=False)
                 saves, end, size, step = one_run(cfg, run, out)
                 gb = size / 1e9

@@ -21,11 +21,11 @@ TINY_JOB = ["--data", "synthetic", "--layers", "2", "--heads", "2", "--hidden", 
 
 
 def _run(**kwargs):
-    return train_gpt.TrainConfig(**{**dict(batch=4, micro_batch=2, steps=2, data="synthetic", log=False), **kwargs})
+    return train_gpt.JobConfig(**{**dict(batch=4, micro_batch=2, steps=2, data="synthetic", log=False), **kwargs})
 
 
 def _losses(rank, world, cfg=TINY, **kwargs):
-    return [(r["step"], r["loss"], r["grad_norm"]) for r in train_gpt.train(cfg, _run(**kwargs))]
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in train_gpt.train_job(cfg, _run(**kwargs))]
 
 
 @pytest.fixture(scope="module")
@@ -272,7 +272,7 @@ def test_hostile_safetensors_files_are_refused_as_the_format_refuses_them_and_sh
 
 def _init_from(rank, world, folder, **kwargs):
     try:
-        train_gpt.train(TINY, _run(init_from_hf=folder, steps=1, **kwargs))
+        train_gpt.train_job(TINY, _run(init_from_hf=folder, steps=1, **kwargs))
     except train_gpt.BadCheckpoint as e:
         return str(e)
 
@@ -296,21 +296,21 @@ def test_empty_paths_a_bounded_sample_and_nothing_written_without_being_asked(tm
     for flag in ("--init-from-hf", "--export-hf", "--out-dir", "--metrics", "--data", "--prompt-file",
                  "--export-nanogpt"):
         with pytest.raises(ValueError, match=f"{flag} '' is an empty path"):
-            train_gpt.parse_args([flag, ""])
+            train_gpt.parse_job_args([flag, ""])
     with pytest.raises(ValueError, match="must be between 1 and 1,000,000"):
-        train_gpt.parse_args(["--sample", str(10 ** 20), "--out-dir", "x"])
+        train_gpt.parse_job_args(["--sample", str(10 ** 20), "--out-dir", "x"])
     with pytest.raises(ValueError, match="pass one of them per run"):
-        train_gpt.parse_args(["--sample", "5", "--export-hf", "hf", "--out-dir", "x"])
+        train_gpt.parse_job_args(["--sample", "5", "--export-hf", "hf", "--out-dir", "x"])
     os.mkfifo(tmp_path / "fifo")  # read, it would block: refused before any byte of it is read
     with pytest.raises(ValueError, match="go with --sample N"):
-        train_gpt.parse_args(["--prompt-file", str(tmp_path / "fifo")])
-    assert train_gpt.parse_args([])[1].metrics is None  # no --out-dir, no --metrics: no metrics file
-    assert train_gpt.parse_args(["--out-dir", "o"])[1].metrics == os.path.join("o", "metrics.jsonl")
+        train_gpt.parse_job_args(["--prompt-file", str(tmp_path / "fifo")])
+    assert train_gpt.parse_job_args([])[1].metrics is None  # no --out-dir, no --metrics: no metrics file
+    assert train_gpt.parse_job_args(["--out-dir", "o"])[1].metrics == os.path.join("o", "metrics.jsonl")
 
 
 def test_prompts_are_read_as_the_model_reads_them(tmp_path):
     import tracemalloc
-    flags = train_gpt.parse_args(["--sample", "1", "--out-dir", "x"])[2]
+    flags = train_gpt.parse_job_args(["--sample", "1", "--out-dir", "x"])[2]
     big = tmp_path / "big"
     with open(big, "wb") as f:
         f.truncate(1 << 30)  # 1 GiB of zeros (sparse): only its last --seq bytes are read
@@ -349,11 +349,11 @@ def test_a_text_file_is_memory_mapped_and_batched_as_before(tmp_path):
 def test_the_noisy_cases_say_one_true_line(saved, tmp_path, monkeypatch):
     cfg = train_gpt.GPTConfig(vocab_size=258, n_head=4)
     with pytest.raises(ValueError, match=r"--tp 4 must divide the vocabulary of --init-from-hf hf, 258 .*\[1, 2\]"):
-        train_gpt.validate(cfg, train_gpt.TrainConfig(tp=4, init_from_hf="hf", batch=8), 4)
+        train_gpt.validate(cfg, train_gpt.JobConfig(tp=4, init_from_hf="hf", batch=8), 4)
     for recompute in ("offload", "selective", "selective+offload"):  # they run no GEMM twice
-        train_gpt.validate(TINY, train_gpt.TrainConfig(dtype="fp8", fp8_recipe="delayed", recompute=recompute), 1)
+        train_gpt.validate(TINY, train_gpt.JobConfig(dtype="fp8", fp8_recipe="delayed", recompute=recompute), 1)
     with pytest.raises(ValueError, match="recompute full runs the blocks' GEMMs again"):
-        train_gpt.validate(TINY, train_gpt.TrainConfig(dtype="fp8", fp8_recipe="delayed", recompute="full"), 1)
+        train_gpt.validate(TINY, train_gpt.JobConfig(dtype="fp8", fp8_recipe="delayed", recompute="full"), 1)
     said = []
     out = tmp_path / "out"
     shutil.copytree(saved, out)
@@ -363,7 +363,7 @@ def test_the_noisy_cases_say_one_true_line(saved, tmp_path, monkeypatch):
     assert train_gpt.latest_checkpoint(str(out), say=said.append)[0].endswith("step_000004")
     assert len(said) == 1 and "skipping the 10 newest folders" in said[0], said
     monkeypatch.setattr(train_gpt, "_warn", said.append)  # a restarted --init-from-hf job whose folder is gone
-    flags = train_gpt.parse_args(["--init-from-hf", str(tmp_path / "gone"), "--resume", "--out-dir", str(out)])
+    flags = train_gpt.parse_job_args(["--init-from-hf", str(tmp_path / "gone"), "--resume", "--out-dir", str(out)])
     assert flags[1].init_from_hf is None and flags[0].n_layer == 2 and flags[0].vocab_size == 32
     assert "is gone; --resume continues from" in said[-1], said
 
@@ -414,7 +414,7 @@ def test_a_rank_killed_in_the_middle_of_a_background_write_leaves_the_earlier_ch
 
 def _nvfp4_and_bf16_forward_on_table_batches(rank, world):
     cfg = train_gpt.GPTConfig(n_layer=4, n_head=4, n_embd=64, seq_len=64, seed=7)
-    run = train_gpt.TrainConfig(batch=8, micro_batch=8, lr=3e-3, steps=10, dtype="bfloat16", log=False)
+    run = train_gpt.JobConfig(batch=8, micro_batch=8, lr=3e-3, steps=10, dtype="bfloat16", log=False)
     data = train_gpt.load_data("embedded", cfg.seq_len, cfg.vocab_size)
     trained = {}
     real = train_gpt.train_step
@@ -425,13 +425,13 @@ def _nvfp4_and_bf16_forward_on_table_batches(rank, world):
         return out
     train_gpt.train_step = keep_the_weights
     try:
-        train_gpt.train(cfg, run, data)
+        train_gpt.train_job(cfg, run, data)
     finally:
         train_gpt.train_step = real
     losses = []
     for dtype in ("nvfp4", "bfloat16"):
-        plan, stage, _, pipe = train_gpt.build(cfg, train_gpt.TrainConfig(batch=8, micro_batch=8, dtype=dtype),
-                                               optimizer=False)
+        plan, stage, _, pipe = train_gpt.build_job(cfg, train_gpt.JobConfig(batch=8, micro_batch=8, dtype=dtype),
+                                                   optimizer=False)
         with torch.no_grad():
             for n, p in stage.named_parameters():
                 p.copy_(trained[n])

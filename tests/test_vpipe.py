@@ -231,6 +231,7 @@ def _train_and_count(rank, world, tp, pp, cp, cfg, **kwargs):
     train_gpt.Baton.__init__ = made
     torch.set_default_dtype(torch.float64)
     records = train_gpt.train_job(cfg, _run(tp=tp, pp=pp, cp=cp, eval_every=STEPS, eval_batches=1, **kwargs))
+    train_gpt.Baton.__init__ = make
     curve = [(r["loss"], r["aux_loss"], r["grad_norm"]) for r in records] + [(records[-1]["val_loss"],) * 3]
     plan, stage, _, _ = train_gpt.build_job(cfg, _run(tp=tp, pp=pp, cp=cp, **kwargs), optimizer=False)
     return curve, sum(p.numel() for p in stage.parameters()), plan.layers, sum(b.handovers for b in batons)
@@ -368,12 +369,13 @@ def test_every_input_is_what_its_producer_sent_or_handed_over(kind, p, m, monkey
 
 
 def _curves_in_every_dtype(rank, world):
-    """(dtype, schedule): its losses and gradient norms over 2 AdamW steps at PP 2 (float32 defaults, so that each
-    --dtype keeps its own weights)."""
+    """(dtype, schedule): its losses and gradient norms over 2 AdamW steps at PP 2 under 1F1B and a V schedule
+    (each V schedule in two dtypes; float32 defaults, so that each --dtype keeps its own weights)."""
     torch.set_default_dtype(torch.float32)
     out = {}
-    for dtype, extra in (("bfloat16", {}), ("float16", {}), ("fp8", dict(fp8_backward="fp8")), ("nvfp4", {})):
-        for kind in ("1f1b", "zbv", "dualpipev"):
+    for dtype, extra, v_kind in (("bfloat16", {}, "zbv"), ("float16", {}, "dualpipev"),
+                                 ("fp8", dict(fp8_backward="fp8"), "zbv"), ("nvfp4", {}, "dualpipev")):
+        for kind in ("1f1b", v_kind):
             run = _run(pp=2, dtype=dtype, optimizer="adamw", lr=1e-2, steps=2, pp_schedule=kind,
                        virtual_stages=1 if kind == "1f1b" else 2, **extra)
             out[(dtype, kind)] = [(r["loss"], r["grad_norm"]) for r in train_gpt.train_job(CFG, run)]
@@ -389,3 +391,25 @@ def test_every_dtype_runs_the_v_schedules_as_1f1b_runs_it():
     for (dtype, kind), curve in curves.items():
         for (loss, norm), (loss_1f1b, norm_1f1b) in zip(curve, curves[(dtype, "1f1b")]):
             assert loss == loss_1f1b and abs(norm - norm_1f1b) <= 1e-6 * norm_1f1b, (dtype, kind, curve)
+
+
+def _overlapped_or_not(rank, world):
+    """One float32 DualPipeV step of a MoE model with EP 2, its F&B pairs overlapped, then one with the same pairs
+    one after the other (from the same initial weights): (loss, router loss, norm) of each, and the handovers."""
+    torch.set_default_dtype(torch.float32)
+    out = []
+    for overlap in (True, False):
+        run = _run(pp=2, ep=2, dtype="float32", optimizer="adamw", micro_batch=1, steps=1, pp_schedule="dualpipev",
+                   virtual_stages=2)
+        plan, stage, opt, pipe = train_gpt.build_job(CFG_MOE, run)
+        pipe.overlap = overlap
+        tokens = train_gpt.synthetic_batch(0, run.batch, CFG_MOE.seq_len, CFG_MOE.vocab_size)
+        loss, aux, norm, *_ = train_gpt.train_step(stage, pipe, opt, tokens, run.micro_batch, run.grad_clip)
+        out.append(((loss, aux, norm), pipe.baton.handovers))
+    return out
+
+
+def test_overlapping_the_pairs_changes_nothing_but_when_each_half_computes():
+    # the halves take turns at the all-to-alls in the same order on every rank: the same sums, bit for bit
+    for (overlapped, handovers), (apart, none) in run_ranks(_overlapped_or_not, 4, timeout=180):
+        assert overlapped == apart and handovers > 0 and none == 0, (overlapped, apart, handovers)

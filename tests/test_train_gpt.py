@@ -781,7 +781,8 @@ def _main_on_forked_ranks(argv, world, cwd, timeout=60, ranks=None):
                 break
             time.sleep(0.01)
         results.append(os.waitstatus_to_exitcode(status))
-    return [(code % 100, open(out).read(), code >= 100) for code, out in zip(results, outs)]
+    # errors="replace": a text model's sample is the bytes it drew, which need not be UTF-8
+    return [(code % 100, open(out, errors="replace").read(), code >= 100) for code, out in zip(results, outs)]
 
 
 @pytest.fixture(scope="module")
@@ -860,7 +861,7 @@ BAD_INPUT = [  # (argv, world, what the one line must name)
     (["--out-dir", "empty.txt/sub"], 2, "empty.txt is a file, so the folder cannot be created"),
     (["--metrics", "ckpt"], 2, "--metrics ckpt is a folder: pass a file path"),
     (["--metrics", "empty.txt/m.jsonl"], 1, "empty.txt is a file; pass another path"),
-    (["--sample", "0", "--out-dir", "ckpt"], 1, "--sample 0 must be >= 1"),
+    (["--sample", "0", "--out-dir", "ckpt"], 1, "--sample 0 must be between 1 and 1,000,000"),
     (["--pp", "2", "--virtual-stages", "2"], 2, "--virtual-stages 2 needs --pp-schedule interleaved or zb-h1"),
     (["--pp", "2", "--pp-schedule", "interleaved"], 2, "--pp-schedule interleaved needs --virtual-stages >= 2"),
     (["--virtual-stages", "2", "--pp-schedule", "zb-h1"], 1, "--virtual-stages 2 needs --pp >= 2"),
@@ -1347,7 +1348,7 @@ def test_the_latest_checkpoint_is_the_highest_step_and_torn_metrics_lines_are_dr
     assert [os.path.basename(p) for p in train_gpt.checkpoint_dirs(str(tmp_path))] == ["step_999999", "step_1000000"]
     metrics = tmp_path / "m.jsonl"
     metrics.write_text('{"step": 0}\n{"step": 1}\n{"step": 2}\n{"st')  # the last line torn by a crash
-    assert train_gpt._metrics_before(str(metrics), 2) == ['{"step": 0}\n', '{"step": 1}\n']
+    assert train_gpt._metrics_before(str(metrics), 2) == (['{"step": 0}\n', '{"step": 1}\n'], {})
 
 
 # ---- a job that cannot be turned against its user: checkpoints run no code, damage is found, one writer, -------

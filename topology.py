@@ -885,7 +885,7 @@ MAX_MICRO_BATCH = 16          # the search tries micro-batch sizes up to this (T
 MAX_VIRTUAL_STAGES = 8        # and interleaved schedules of up to this many model chunks per GPU
 SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")  # train_gpt.py's --pp-schedule: 1F1B, Megatron-LM's
 #                               interleaved 1F1B, zero bubble ZB-H1 (Qi et al. 2023; on 1F1B's order, or on the
-#                               interleaved one, v > 1), and the V-shaped ZB-V (Qi et al. 2024) and DualPipeV
+#                               interleaved one, v > 1), and the V-shaped ZB-V (Qi et al. 2023) and DualPipeV
 V_SCHEDULES = ("zbv", "dualpipev")  # two chunks per GPU in a V: rank r holds stages r and 2p - 1 - r (v = 2)
 SPLIT_SCHEDULES = ("zb-h1",) + V_SCHEDULES  # backwards split into B (input gradients) and a deferrable W
 ZERO_LEVELS = (0, 1, 2, 3)    # train_gpt.py's --zero: replicated, sharded optimizer, + gradients, + parameters

@@ -45,8 +45,9 @@ One composed step, in reading order: `train` (nanoGPT's loop: learning rate, bat
 sums -> `MixedPrecisionOptimizer.step`. `main` parses the chapter's flags and runs `train`.
 
 These lines, up to the BEYOND THE CHAPTER banner, are the chapter, and train alone with the six files' lines above
-theirs. The whole file goes on with interleaved and zero-bubble schedules, all-gather and hybrid CP, finer FP8,
-NVFP4, ZeRO-2/3 and the formulas, then THE JOB: the same step with checkpoints, validation, the full command line.
+theirs. The whole file goes on with interleaved, zero-bubble and V-shaped schedules, all-gather and hybrid CP,
+finer FP8, NVFP4, ZeRO-2/3 and the formulas, then THE JOB: the same step with checkpoints, validation, the full
+command line.
 """
 import argparse
 import functools
@@ -1243,13 +1244,14 @@ if __name__ == "__main__" and not any(line.startswith("# BEYOND THE CHAPTER") fo
     main()
 
 
-# BEYOND THE CHAPTER: interleaved and zero-bubble schedules, all-gather and hybrid CP, finer FP8, NVFP4, ZeRO-2/3
+# BEYOND THE CHAPTER: interleaved, zero-bubble and V schedules, all-gather and hybrid CP, finer FP8, NVFP4, ZeRO-2/3
 # ====================================================================================================
 # What follows extends the core above rather than copying it, each form under its own name, picked by its flag
 # (`build_at_scale`): JobConfig; PlanAtScale (a Plan with all-gather and hybrid CP, offloading, and TP linears
 # through _TPLinearAtScale where a backward needs it: FP8 or NVFP4 backward GEMMs, zero bubble's deferred weight
-# GEMM); PipelineAtScale (the interleaved and zero-bubble lists) and ZeroBubblePipeline (the split B and W); a block
-# forward for ZeRO-2/3 units; fine-grained FP8 and NVFP4 products; moe_ep.GroupedGEMMMoE. A run without these flags
+# GEMM); PipelineAtScale (the interleaved and zero-bubble lists), ZeroBubblePipeline (the split B and W) and
+# VPipeline (the V schedules: two chunks in a V, DualPipeV's F&B pairs overlapped); a block forward for ZeRO-2/3
+# units; fine-grained FP8 and NVFP4 products; moe_ep.GroupedGEMMMoE and OverlappedMoE. A run without these flags
 # builds the chapter's Plan and Pipeline and runs the core's code as written.
 
 
@@ -1735,7 +1737,7 @@ class _Counter:
 
 
 def schedule_zbv(p, m, r):
-    """ZB-V (Qi et al. 2024, section 6), in the order of torch's ScheduleZBVZeroBubble: 2 (p - r) - 1 forwards of
+    """ZB-V (Qi et al. 2023, section 6), in the order of torch's ScheduleZBVZeroBubble: 2 (p - r) - 1 forwards of
     chunk 0, then r pairs of (chunk 1, chunk 0) forwards, then p - r rounds of chunk 1's F B W: rank p - 1 turns the
     first micro-batch around at the V's bottom and its backward climbs back while the forwards still descend. The
     steady state runs F B W on chunk 0 then on chunk 1; the drain runs r pairs of B's (their W's wait), p - r rounds
@@ -1755,15 +1757,20 @@ def schedule_zbv(p, m, r):
     for _ in range(2 * (p - r) - 1):
         rank.add("F", 0)
     for _ in range(r):
-        rank.add("F", 1), rank.add("F", 0)
+        rank.add("F", 1)
+        rank.add("F", 0)
     for _ in range(p - r):
-        rank.add("F", 1), backward(1)
+        rank.add("F", 1)
+        backward(1)
     while rank.counts[("F", 1)] < rank.counts[("F", 0)] or rank.counts[("F", 0)] < n:
         if rank.counts[("F", 0)] < n:
             rank.add("F", 0)
-        backward(0), rank.add("F", 1), backward(1)
+        backward(0)
+        rank.add("F", 1)
+        backward(1)
     for _ in range(r):
-        backward(0, False), backward(1, False)
+        backward(0, then_weight=False)
+        backward(1, then_weight=False)
     for _ in range(p - r):
         backward(0)
     for chunk in (1, 0):
@@ -1798,17 +1805,22 @@ def schedule_dualpipev(p, m, r):
     for _ in range(2 * (p - r - 1)):
         rank.add("F", 0)
     for _ in range(r + 1):
-        rank.add("F", 0), rank.add("F", 1)
+        rank.add("F", 0)
+        rank.add("F", 1)
     for _ in range(p - r - 1):
-        backward(1, True), weight(), rank.add("F", 1)
+        backward(1, split=True)
+        weight()
+        rank.add("F", 1)
     for i in range(m - 2 * p + r + 1):
         if i == 0 and r == p - 1:  # the bottom of the V: its first backward is due at once, nothing to overlap
-            rank.add("F", 0), backward(1, False)
+            rank.add("F", 0)
+            backward(1, split=False)
         else:
             pair(0, 1)
         pair(1, 0)
     for _ in range(p - r - 1):
-        backward(1, False), pair(1, 0)
+        backward(1, split=False)
+        pair(1, 0)
     split = False
     for i in range(r + 1):  # from the middle pair on (odd ranks: from its chunk 1 B), the B's are split
         split = split or (i == (r + 1) // 2 and r % 2 == 1)
@@ -1816,7 +1828,8 @@ def schedule_dualpipev(p, m, r):
         split = split or i == (r + 1) // 2
         backward(0, split)
     for _ in range(p - r - 1):
-        weight(), backward(0, True)
+        weight()
+        backward(0, split=True)
     for _ in range(r + 1):
         weight()
     return rank.order
@@ -2026,13 +2039,16 @@ class VPipeline(ZeroBubblePipeline):
         return super().orders(kind, p, m, v)
 
     def stage_consumer(self, r, action):
-        """(rank, the action that reads it) of what rank r's `action` sends on, on whatever rank, or None."""
-        p, stage = self.plan.sizes["pp"], v_stage(self.plan.sizes["pp"], r, action.chunk)
-        nxt = stage + 1 if action.kind == "F" else stage - 1
-        if action.kind not in "FB" or not 0 <= nxt < 2 * p:
+        """(rank, the action that reads it) of what rank r's `action` sends on, on whatever rank, or None (the
+        loss, the embedding, a W)."""
+        p = self.plan.sizes["pp"]
+        if action.kind not in ("F", "B"):
             return None
-        return (nxt, Action(action.kind, action.micro, 0)) if nxt < p else \
-            (2 * p - 1 - nxt, Action(action.kind, action.micro, 1))
+        to = v_stage(p, r, action.chunk) + (1 if action.kind == "F" else -1)  # the stage its output goes to
+        if not 0 <= to < 2 * p:
+            return None
+        return (to, Action(action.kind, action.micro, 0)) if to < p else (2 * p - 1 - to, Action(action.kind,
+                                                                                               action.micro, 1))
 
     def consumer(self, r, action):  # what goes to another rank: the transfers
         to = self.stage_consumer(r, action)

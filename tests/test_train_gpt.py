@@ -1942,29 +1942,39 @@ def test_every_schedule_frees_each_sent_output_and_keeps_what_its_list_keeps_in_
         assert unfreed <= peak, (kind, rank, unfreed, peak)
 
 
-def _step_gemms(rank, world, kind, v, **layout):
-    """This rank's FLOPs of one step (FlopCounterMode) and, under zero bubble, the collectives its W's issued."""
+ZERO_BUBBLE_CASES = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h1", 2))
+
+
+def _step_gemms(rank, world, **layout):
+    """Per (schedule, v) of ZERO_BUBBLE_CASES, in this one process: this rank's FLOPs of one step (FlopCounterMode)
+    and, under zero bubble, the collectives its W's issued and the weight GEMMs they ran."""
     torch.set_default_dtype(torch.float64)
-    run = _run(pp_schedule=kind, virtual_stages=v, micro_batch=1, **layout)
-    plan, stage, opt, pipe = train_gpt.build_job(CFG, run)
-    tokens = train_gpt.synthetic_batch(0, BATCH, CFG.seq_len, CFG.vocab_size)
-    collectives, weight_grads = [], [0]
+    collectives, weight_grads, plans = [], [0], []
     run_w = train_gpt.deferred_weight_grads.run
 
     def watched(self):
         weight_grads[0] += len(self.gemms)
-        with report.CollectiveLog(plan.tp) as on_tp, report.CollectiveLog(plan.pp) as on_pp:
+        with report.CollectiveLog(plans[-1].tp) as on_tp, report.CollectiveLog(plans[-1].pp) as on_pp:
             run_w(self)
         collectives.append(sum(on_tp.counts.values()) + sum(on_pp.counts.values()))
     train_gpt.deferred_weight_grads.run = watched
-    return report.count_step_flops(stage, pipe, opt, tokens, 1), sum(collectives), weight_grads[0]
+    out = {}
+    for kind, v in ZERO_BUBBLE_CASES:
+        collectives.clear()
+        weight_grads[0] = 0
+        plan, stage, opt, pipe = train_gpt.build_job(CFG, _run(pp_schedule=kind, virtual_stages=v, micro_batch=1,
+                                                                **layout))
+        plans.append(plan)
+        tokens = train_gpt.synthetic_batch(0, BATCH, CFG.seq_len, CFG.vocab_size)
+        out[(kind, v)] = report.count_step_flops(stage, pipe, opt, tokens, 1), sum(collectives), weight_grads[0]
+    return out
 
 
 def test_zero_bubble_computes_every_weight_gradient_once_and_w_communicates_nothing():
     for layout in (dict(), dict(tp=2, sequence_parallel=True)):
         world = 2 * layout.get("tp", 1)
-        flops = {(kind, v): run_ranks(_step_gemms, world, kind, v, pp=2, timeout=120, **layout)
-                 for kind, v in (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h1", 2))}
+        ranks = run_ranks(_step_gemms, world, pp=2, timeout=120, **layout)  # every case in one forked world
+        flops = {case: [by_case[case] for by_case in ranks] for case in ZERO_BUBBLE_CASES}
         counts = {key: [f for f, _, _ in ranks] for key, ranks in flops.items()}
         assert len({tuple(c) for c in counts.values()}) == 1, counts  # the same GEMMs on every rank, every schedule
         for v in (1, 2):

@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_gpt  # noqa: E402
 from multirank import run_ranks  # noqa: E402
 from train_gpt import Action, Overlapped  # noqa: E402
-from test_train_gpt import CFG, CFG_MOE, TOL, _max_diff, _run, _train  # noqa: E402
+from test_train_gpt import CFG, CFG_MOE, STEPS, TOL, _run  # noqa: E402
 
 TORCH_V_SCHEDULES = {"zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
 
@@ -220,15 +220,19 @@ CFG8 = dataclasses.replace(CFG, n_layer=8)  # p = 4: 2p = 8 chunks of one layer
 
 
 def _train_and_count(rank, world, tp, pp, cp, cfg, **kwargs):
-    """_train's curve, the parameters this rank holds (rank 0 of a V: both ends, the tied embedding once), its layers
-    and how often an F&B pair's half handed the turn to the other while its all-to-all travelled."""
+    """_train's curve with the validation loss of its last step, the parameters this rank holds (rank 0 of a V:
+    both ends, the tied embedding once), its layers and how often an F&B pair's half handed the turn to the other
+    while its all-to-all travelled."""
     batons, make = [], train_gpt.Baton.__init__
 
     def made(self):
         make(self)
         batons.append(self)
     train_gpt.Baton.__init__ = made
-    curve = _train(rank, world, tp, pp, cp, cfg=cfg, **kwargs)
+    torch.set_default_dtype(torch.float64)
+    records = train_gpt.train_job(cfg, _run(tp=tp, pp=pp, cp=cp, eval_every=STEPS, eval_batches=1, **kwargs))
+    train_gpt.Baton.__init__ = make
+    curve = [(r["loss"], r["aux_loss"], r["grad_norm"]) for r in records] + [(records[-1]["val_loss"],) * 3]
     plan, stage, _, _ = train_gpt.build_job(cfg, _run(tp=tp, pp=pp, cp=cp, **kwargs), optimizer=False)
     return curve, sum(p.numel() for p in stage.parameters()), plan.layers, sum(b.handovers for b in batons)
 
@@ -249,7 +253,7 @@ V_LAYOUTS = {  # (world, tp, pp, cp, cfg, kwargs): float64 SGD against the one-p
 @pytest.fixture(scope="module")
 def one_process():
     # a MoE layer's router losses are statistics of a micro-batch's tokens: each reference has the layouts' micro-batch
-    return {key: run_ranks(_train, 1, 1, 1, 1, cfg=cfg, micro_batch=key[2], timeout=120)[0]
+    return {key: run_ranks(_train_and_count, 1, 1, 1, 1, cfg, micro_batch=key[2], timeout=120)[0][0]
             for key, cfg in (((4, 0, 2), CFG), ((8, 0, 2), CFG8), ((4, 2, 1), CFG_MOE), ((4, 2, 2), CFG_MOE))}
 
 
@@ -260,8 +264,9 @@ def test_every_layout_trains_the_one_process_model_under_both_v_schedules(one_pr
     micro = kwargs.get("micro_batch", 2) if cfg.moe_every else 2
     reference = one_process[(cfg.n_layer, cfg.moe_every, micro)]
     results = run_ranks(_train_and_count, world, tp, pp, cp, cfg, virtual_stages=2, timeout=240, **kwargs)
-    for curve, _, _, handovers in results:
-        assert _max_diff(curve, reference) < TOL, (name, curve, reference)
+    for curve, _, _, handovers in results:  # the steps, then the validation loss (a forward-only V)
+        assert len(curve) == len(reference) == STEPS + 1
+        assert max(abs(a - b) for got, ref in zip(curve, reference) for a, b in zip(got, ref)) < TOL, (name, curve)
         # DualPipeV with EP: each F&B pair's halves took turns while their all-to-alls travelled
         assert (handovers > 0) == (kwargs["pp_schedule"] == "dualpipev" and kwargs.get("ep", 1) > 1), handovers
     # rank 0 holds stages 0 and 2p - 1 and both ends of the model, the tied embedding once: the planner's count
@@ -364,12 +369,13 @@ def test_every_input_is_what_its_producer_sent_or_handed_over(kind, p, m, monkey
 
 
 def _curves_in_every_dtype(rank, world):
-    """(dtype, schedule): its losses and gradient norms over 2 AdamW steps at PP 2 (float32 defaults, so that each
-    --dtype keeps its own weights)."""
+    """(dtype, schedule): its losses and gradient norms over 2 AdamW steps at PP 2 under 1F1B and a V schedule
+    (each V schedule in two dtypes; float32 defaults, so that each --dtype keeps its own weights)."""
     torch.set_default_dtype(torch.float32)
     out = {}
-    for dtype, extra in (("bfloat16", {}), ("float16", {}), ("fp8", dict(fp8_backward="fp8")), ("nvfp4", {})):
-        for kind in ("1f1b", "zbv", "dualpipev"):
+    for dtype, extra, v_kind in (("bfloat16", {}, "zbv"), ("float16", {}, "dualpipev"),
+                                 ("fp8", dict(fp8_backward="fp8"), "zbv"), ("nvfp4", {}, "dualpipev")):
+        for kind in ("1f1b", v_kind):
             run = _run(pp=2, dtype=dtype, optimizer="adamw", lr=1e-2, steps=2, pp_schedule=kind,
                        virtual_stages=1 if kind == "1f1b" else 2, **extra)
             out[(dtype, kind)] = [(r["loss"], r["grad_norm"]) for r in train_gpt.train_job(CFG, run)]
@@ -385,3 +391,25 @@ def test_every_dtype_runs_the_v_schedules_as_1f1b_runs_it():
     for (dtype, kind), curve in curves.items():
         for (loss, norm), (loss_1f1b, norm_1f1b) in zip(curve, curves[(dtype, "1f1b")]):
             assert loss == loss_1f1b and abs(norm - norm_1f1b) <= 1e-6 * norm_1f1b, (dtype, kind, curve)
+
+
+def _overlapped_or_not(rank, world):
+    """One float32 DualPipeV step of a MoE model with EP 2, its F&B pairs overlapped, then one with the same pairs
+    one after the other (from the same initial weights): (loss, router loss, norm) of each, and the handovers."""
+    torch.set_default_dtype(torch.float32)
+    out = []
+    for overlap in (True, False):
+        run = _run(pp=2, ep=2, dtype="float32", optimizer="adamw", micro_batch=1, steps=1, pp_schedule="dualpipev",
+                   virtual_stages=2)
+        plan, stage, opt, pipe = train_gpt.build_job(CFG_MOE, run)
+        pipe.overlap = overlap
+        tokens = train_gpt.synthetic_batch(0, run.batch, CFG_MOE.seq_len, CFG_MOE.vocab_size)
+        loss, aux, norm, *_ = train_gpt.train_step(stage, pipe, opt, tokens, run.micro_batch, run.grad_clip)
+        out.append(((loss, aux, norm), pipe.baton.handovers))
+    return out
+
+
+def test_overlapping_the_pairs_changes_nothing_but_when_each_half_computes():
+    # the halves take turns at the all-to-alls in the same order on every rank: the same sums, bit for bit
+    for (overlapped, handovers), (apart, none) in run_ranks(_overlapped_or_not, 4, timeout=180):
+        assert overlapped == apart and handovers > 0 and none == 0, (overlapped, apart, handovers)

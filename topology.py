@@ -823,6 +823,9 @@ class Cluster:
     # bytes per gradient element, held and reduced: 2 (Megatron-LM 2021's fp16 gradient buffers; the distributed
     # optimizer then keeps an fp32 copy in its shard) or 4 (Megatron-Core's fp32 main grads under bf16)
     grad_bytes: int = GRAD_BYTES
+    # dropout after the attention and MLP projections and the embedding (Megatron-LM 2021): its 1-byte masks are kept
+    # for the backward (train_gpt.py has none)
+    dropout: bool = False
     # which ranks an EP group is drawn from (the MoE prose above): "dp_cp", the dp x cp ranks of one
     # (tp, pp) position, as topology.rank_groups builds them and train_gpt.py runs them; or "tp_dp_cp", Megatron-
     # Core's MoE parallel folding with expert TP 1 (Liu et al. 2025): all tp x cp x dp ranks of a stage, EP fastest
@@ -1696,6 +1699,580 @@ def _activations_gb(parts, in_flight, schedule="1f1b", pp=1, micro_batches=1, v=
     for r in _zb_candidate_ranks(pp, micro_batches, v):
         most = max(most, kept * chunks[r][0] / v + deferred * chunks[r][1] / v + working)
     return (most + max(0.0, (deferred - kept) / v)) / GB
+
+
+# ---- each rank's peak, instant by instant: what train_gpt.py holds during a step --------------------------
+# The peak of a rank is the most its live tensors hold at any instant of a step after the first (the optimizer's
+# states exist then), the maximum over the instants where it can peak, not a sum of separate maxima. Per rank
+# (pipeline stage r; every TP, CP and DP rank of a stage holds as much, EP ranks at the stated load factor F):
+#     states      parameters P_r at e bytes (e = 2 for 16-bit, 4 FP32), FP32 main grads 4 P_r (grad_bytes 2:
+#                 16-bit gradients 2 P_r), optimizer states: an FP32 master where e < 4 and Adam's two moments,
+#                 4 + 8 (grad_bytes 2: + 4, the FP32 gradient copy), sharded over k ranks by ZeRO-1; ZeRO-2 and 3
+#                 shard the blocks' main grads and, ZeRO-3, their weights (the embedding, the final LayerNorm and
+#                 the LM head keep ZeRO-1's treatment); the batch's token ids, 8 B (s + 1) (and CP's shards of them)
+#     a chunk     what one micro-batch keeps through one model chunk (L / (p v) blocks) until its backward B, per
+#                 block with X = T_h h e the residual stream (T = b s / c tokens of this CP rank, T_h = T / t under
+#                 SP), Q = T h e / t, KV = T h_kv e / t:
+#                   block input, LayerNorm outputs, the two residual sums  4 X (each the next one's input)
+#                   attention: Q, K, V and the output Q + 2 KV + Q, the log-sum-exp T a / t x 4 (a fused kernel
+#                     keeps no scores; unfused: the softmax a T s e / t, and with dropout its mask and output),
+#                     one more Q under CP (the output is copied for the projection)
+#                   MLP: the GeLU's input and output 8 T h e / t; LayerNorm statistics 4 T_h e_ln (e_ln = 4 on
+#                     CUDA, e on CPU); dropout: 2 T_h h mask bytes
+#                   MoE block: its attention as above, and on T_m = T / t tokens with R = T_m k copies of which
+#                     F R reach this rank's experts: router probabilities 3 T_m E 4, routing 2 T_m 4 + T_m k
+#                     (28 + e) + 16 F R, the expert rows F R h e and activations 2 F R f e, the combined copies
+#                     2 R h e
+#                   full recomputation keeps each block's input X; selective drops the log-sum-exp (or the
+#                   scores); offload keeps only what outside the blocks needs (the input of the final LayerNorm)
+#                 the first virtual stage adds the embedding's output (X; under TP its masks T 9), the last its
+#                 LM head's: the final LayerNorm X + 2 T_h e_ln and the loss's FP32 softmax N V / t x 4 (N = T)
+#     buffers     every receive posted and not yet read, and the received inputs of chunks in flight, X each;
+#                 each output sent and not yet freed (X); under ZB-H1 each chunk whose W waits keeps every linear's
+#                 input and output gradient (`deferred_w_bytes`), and the graph to its received input and its grad
+#     instants    (F) the end of a forward, with the LM head's logits N V e / t and the loss's FP32 copies on the
+#                 last virtual stage; (B) the start of a backward: the cross-entropy's backward (t = 1: two more FP32
+#                 N V; t > 1: the gradient N V e / t), the LM head's backward (the logits' gradient, the gathered
+#                 input and its gradient), or the top block's MLP backward (the GeLU output's gradient 4 T h e / t and
+#                 the second MLP weight's gradient 4 h^2 e / t; under ZB-H1 the GeLU's input gradient instead); the
+#                 gradient that comes in (X); full recomputation recomputes one block; offload brings one block's
+#                 tensors back (two on CUDA: the next one is prefetched); (S) the optimizer step: Adam's
+#                 temporaries, 4 B per parameter of its largest group (torch's foreach AdamW on CUDA), or 12 B per
+#                 element of the largest parameter (the single-tensor form on CPU)
+#     ZeRO        ZeRO-2 and 3 hold one block's FP32 gradient and its reduce-scatter output in flight, (4 + 4/k)
+#                 P_block; ZeRO-3 two blocks' gathered weights in a forward, one in a backward
+# Which instants a rank passes through, with how many chunks in flight, receives posted and sends not yet freed,
+# comes from replaying its executor's list (train_gpt.py's `run_schedule` and `Pipeline`: a receive is posted one
+# action ahead, with every earlier message of the same peer; a send is freed once a later message from the peer
+# shows that it posted the matching receive). Left out (MEMORY_HEADROOM keeps them): the allocator's cache and
+# fragmentation, the CUDA context and workspaces, the communication backend's own buffers, a kernel's scratch.
+
+MEMORY_PARTS = ("weights", "main grads", "optimizer states", "activations", "LM head and loss", "backward",
+                "receive buffers", "ZeRO gathered", "ZeRO grad buffers", "step temporaries", "other")
+PROGRAM_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 2, "nvfp4": 2, "float64": 8}
+
+
+@dataclass(frozen=True)
+class Program:
+    """What the training program does beyond the model, the layout and the knobs, with train_gpt.py's names: its
+    --dtype (the weights' and activations' bytes e; FP32 masters and main grads below 32 bits), the device whose
+    kernels it runs (CUDA: FP32 LayerNorm statistics, torch's foreach AdamW; CPU: the single-tensor AdamW), its
+    --optimizer (adamw, or sgd: no state but the master) and --cp-impl (None: ring, Ulysses or hybrid as the
+    Ulysses size says). The Cluster's flash_attention, dropout and grad_bytes describe other programs."""
+    dtype: str = "bfloat16"
+    device: str = "cuda"
+    optimizer: str = "adamw"
+    cp_impl: str = None
+
+    def __post_init__(self):
+        if self.dtype not in PROGRAM_DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}; choose one of {', '.join(PROGRAM_DTYPES)} (--dtype)")
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"device={self.device!r}; choose cuda or cpu (--device)")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"optimizer={self.optimizer!r}; choose adamw or sgd (--optimizer)")
+
+
+class _Action(NamedTuple):
+    kind: str
+    micro: int
+    chunk: int = 0
+
+
+def _order_1f1b(p, m, r):
+    warmup = min(p - r - 1, m)
+    steady = [x for j in range(m - warmup) for x in (_Action("F", warmup + j), _Action("B", j))]
+    return [_Action("F", i) for i in range(warmup)] + steady + [_Action("B", j) for j in range(m - warmup, m)]
+
+
+def _order_interleaved(p, m, v, r):
+    def place(k, forward):
+        group, within = divmod(k, p * v)
+        return group * p + within % p, within // p if forward else v - 1 - within // p
+    total, warmup = m * v, min((p - r - 1) * 2 + (v - 1) * p, m * v)
+    steady = [x for k in range(total - warmup) for x in (_Action("F", *place(warmup + k, True)),
+                                                          _Action("B", *place(k, False)))]
+    return ([_Action("F", *place(k, True)) for k in range(warmup)] + steady
+            + [_Action("B", *place(k, False)) for k in range(total - warmup, total)])
+
+
+def _order_zero_bubble(order, r):
+    out, waiting = [], []
+    steady_ends = max(i for i, x in enumerate(order) if x.kind == "F")
+    for i, x in enumerate(order):
+        out.append(x)
+        if x.kind == "B":
+            waiting.append(_Action("W", x.micro, x.chunk))
+            if len(waiting) > (r if i < steady_ends else 0):
+                out.append(waiting.pop(0))
+    return out + waiting
+
+
+def pipeline_order(schedule, p, m, v, r):
+    """Rank r's list of actions as train_gpt.py's executor runs it: F (a micro-batch's forward through a chunk), B
+    (its backward; the input gradients only under zb-h1) and W (zb-h1's weight gradients). A copy of train_gpt.py's
+    SCHEDULES (this file imports no other file of the repository; tests/test_memory.py checks that they agree)."""
+    order = _order_interleaved(p, m, v, r) if v > 1 else _order_1f1b(p, m, r)
+    if schedule == "zb-h1":
+        return _order_zero_bubble(order, r)
+    if schedule not in ("1f1b", "interleaved"):
+        raise ValueError(f"pp_schedule={schedule!r}: the memory model replays {', '.join(SCHEDULES)}")
+    return order
+
+
+def _virtual_stage(p, r, chunk):
+    """The virtual stage of rank r's chunk: chunk c of rank r is stage c p + r (interleaved placement)."""
+    return chunk * p + r
+
+
+class Held(NamedTuple):
+    """What a rank holds while one action runs (counts): the chunks whose activations wait for their B, by kind
+    (CHUNK_KINDS), the chunks whose W waits (zb-h1), the receives posted and not yet read, the outputs and input
+    gradients sent and not yet freed; and the action (F at its end, B and W at their start) and its chunk's kind."""
+    action: str
+    kind: str
+    kept: tuple
+    waiting: tuple
+    posted: int
+    sent_outputs: int
+    sent_grads: int
+
+
+# a chunk's kind: the first virtual stage (with the embedding), the last (with the LM head), both (one stage), another
+CHUNK_KINDS = ("first", "middle", "last", "only")
+
+
+def _memory_micro_batches(p, m, v):
+    """The micro-batches a replay needs: a rank's states repeat once its list is in its steady state, so 2 p of
+    them (a multiple of p with v > 1) give every distinct state of m (tests/test_memory.py checks it on a grid)."""
+    return min(m, 2 * p) if v == 1 else p * min(m // p, 2)
+
+
+@functools.lru_cache(maxsize=8192)
+def pipeline_holdings(schedule, p, m, v, r):
+    """The distinct Held states rank r passes through in one step, each with the first (action, micro-batch,
+    chunk) that reaches it: its list replayed as train_gpt.py's executor runs it (its `Pipeline`): before each action
+    the next action's receive is posted, with every earlier message of the same peer (in that peer's sending
+    order); a sent tensor is freed once a message from its peer shows, by its sender's place in the peer's list,
+    that the peer posted the matching receive (the peer posts the next action's receive before each action)."""
+    m = _memory_micro_batches(p, m, v)
+    stages = p * v
+    neighbours = {q: pipeline_order(schedule, p, m, v, q) for q in {r, (r - 1) % p, (r + 1) % p}}
+    where = {q: {x: i for i, x in enumerate(order)} for q, order in neighbours.items()}
+
+    def peer(q, x, step):  # (rank, index in its list) of the action that x sends to (step 1) or reads from (-1)
+        vs = _virtual_stage(p, q, x.chunk) + (step if x.kind == "F" else -step)
+        if x.kind == "W" or not 0 <= vs < stages:
+            return None
+        return vs % p, where[vs % p][_Action(x.kind, x.micro, vs // p)]
+
+    incoming = {}  # peer -> the actions of rank r that read its messages, in its sending order
+    for q in {(r - 1) % p, (r + 1) % p}:
+        for x in neighbours[q]:
+            vs = _virtual_stage(p, q, x.chunk) + (1 if x.kind == "F" else -1)
+            if x.kind != "W" and 0 <= vs < stages and vs % p == r:
+                incoming.setdefault(q, []).append(_Action(x.kind, x.micro, vs // p))
+    posted, posted_by, sending, saved, waiting, states = set(), {}, [], {}, {}, {}
+
+    def post(x):
+        src = peer(r, x, -1)
+        while src is not None and x not in posted:
+            posted.add(incoming[src[0]].pop(0))
+
+    order = neighbours[r]
+    for i, x in enumerate(order):
+        if i + 1 < len(order):
+            post(order[i + 1])
+        src = peer(r, x, -1)
+        if src is not None:
+            post(x)
+            posted.discard(x)
+            posted_by[src[0]] = max(posted_by.get(src[0], -1), src[1] + 1)
+        vs, key = _virtual_stage(p, r, x.chunk), (x.chunk, x.micro)
+        kind = "only" if stages == 1 else "first" if vs == 0 else "last" if vs == stages - 1 else "middle"
+        if x.kind == "F":
+            saved[key] = kind
+        count = lambda kinds: tuple(sum(1 for k in kinds if k == c) for c in CHUNK_KINDS)  # noqa: E731
+        held = Held(x.kind, kind, count(saved.values()), count(waiting.values()), len(posted),
+                    sum(1 for s in sending if s[2] == "F"), sum(1 for s in sending if s[2] == "B" and s[3] not in waiting))
+        states.setdefault(held, (x.kind, x.micro, x.chunk))
+        if x.kind == "B":
+            del saved[key]
+            if schedule == "zb-h1":
+                waiting[key] = kind
+        elif x.kind == "W":
+            del waiting[key]
+        to = peer(r, x, 1)
+        if to is not None:
+            sending.append((to[0], to[1], x.kind, key))
+        sending = [s for s in sending if s[1] > posted_by.get(s[0], -1)]
+    return tuple(states.items())
+
+
+class _StepBytes:
+    """The sizes a step's tensors are made of, in bytes, for one layout and its knobs (the comment above)."""
+
+    def __init__(self, cluster, model, layout, knobs, program):
+        self.model, self.layout, self.knobs, self.program, self.cluster = model, layout, knobs, program, cluster
+        e = self.e = PROGRAM_DTYPES[program.dtype]
+        self.acc = 8 if program.dtype == "float64" else 4  # FP32, or float64 for float64 runs
+        self.e_ln = e if program.device == "cpu" else max(e, 4)  # LayerNorm statistics: FP32 on CUDA
+        t, c, b = layout.tp, layout.cp, knobs.micro_batch
+        self.t, self.c, self.p, self.v = t, c, layout.pp, knobs.virtual_stages
+        self.h, self.a, self.s, self.V = model.hidden, model.heads, model.seq, model.vocab
+        self.sp = knobs.sequence_parallel and t > 1
+        self.T = T = b * model.seq // c                  # tokens of one micro-batch on this CP rank
+        self.Th = T // t if self.sp else T                # ... between the TP regions
+        self.X = self.Th * self.h * e                     # the residual stream: a block's input or output
+        self.Q = T * self.h // t * e
+        self.KV = T * _kv_width(model) // t * e
+        self.m = model.global_batch // (layout.dp * b)
+        self.policy = recomputation(knobs.recompute)
+        self.offload = knobs.recompute in OFFLOAD_POLICIES
+        self.layers = model.layers // (self.p * self.v)
+        # sqrt (checkpointing.py's): segments of round(sqrt(n)) of a chunk's n blocks, each keeping its input
+        self.segment = max(1, round(math.sqrt(self.layers))) if self.policy == "sqrt" else 1
+        u = knobs.cp_ulysses or 1
+        self.cp_impl = program.cp_impl or ("ring" if u == 1 else "ulysses" if u == c else "hybrid")
+        self.zigzag = c > 1 and self.cp_impl != "ulysses"  # the zigzag shards are copies (the others views)
+        self.flash, self.dropout = cluster.flash_attention, getattr(cluster, "dropout", False)
+
+    # -- one micro-batch through one block --
+    def attention(self, policy):
+        """What a block's attention keeps for its backward, its input and LayerNorm aside."""
+        h, a, t, T, e = self.h, self.a, self.t, self.T, self.e
+        out = self.Q + 2 * self.KV + self.Q + (self.Q if self.c > 1 else 0)
+        if self.cp_impl == "allgather" and self.c > 1:  # the whole sequence's K and V, gathered
+            out += 2 * (self.c - 1) * self.KV
+        if self.flash:
+            return out + (0 if policy == "selective" else a // t * T * self.acc)
+        scores = a // t * T * self.s  # this rank's queries against every key
+        return out + (0 if policy == "selective" else scores * (e + (e + 1 if self.dropout else 0)))
+
+    def moe_terms(self):
+        """A MoE layer's (kept, backward working set) on T_m = T / t tokens, R = T_m k copies, F R of them here."""
+        model, e, h = self.model, self.e, self.h
+        Tm, k, E = self.T // self.t, model.top_k, model.experts
+        R = Tm * k
+        Rh = moe_load_factor(model, self.layout.ep) * R
+        f, gates = expert_hidden(model), 2 if model.swiglu else 1
+        router = 3 * Tm * E * 4 + 2 * Tm * 4 + Tm * k * (8 + 4 + e) + 8 * (E + 1)
+        routing = 2 * Tm * k * 8 + (2 * Rh * 8 if self.layout.ep > 1 else 0)
+        experts = Rh * h * e + (gates + 1) * Rh * f * e
+        combine = R * h * e * (2 if self.layout.ep > 1 else 1)
+        shared = (gates + 1) * Tm * model.shared_expert_hidden * e + (Tm * h * e if model.shared_expert_hidden else 0)
+        kept = Tm * h * e + router + routing + experts + combine + shared
+        local = E // self.layout.ep
+        working = Rh * f * e + local * f * h * e + Rh * h * e
+        return kept, working
+
+    def moe_combined(self):
+        """What a MoE layer's backward frees before its experts' backward: the combined copies (and, with EP, the
+        rows the combine received)."""
+        R = self.T // self.t * self.model.top_k
+        return R * self.h * self.e * (2 if self.layout.ep > 1 else 1)
+
+    def block(self, moe, policy=None, offloaded=None):
+        """Bytes one block keeps for its backward, its output (the next block's input) included, its input not; on
+        the device: nothing under an offload policy (`offloaded` False: what it keeps, wherever)."""
+        policy = policy or self.policy
+        if self.offload if offloaded is None else offloaded:
+            return 0
+        if policy in ("full", "sqrt"):
+            return self.X
+        h, t, T, e = self.h, self.t, self.T, self.e
+        masks = 2 * self.Th * h if self.dropout else 0
+        mlp = self.moe_terms()[0] - T // t * h * e if moe else 8 * T * h // t * e
+        return 4 * self.X + self.attention(policy) + mlp + 4 * self.Th * self.e_ln + masks
+
+    def chunk(self, kind, moe_layers):
+        """What one micro-batch keeps through a chunk of `kind` with `moe_layers` MoE blocks, by part."""
+        first, last = kind in ("first", "only"), kind in ("last", "only")
+        X = self.X
+        blocks = (self.layers - moe_layers) * self.block(False) + moe_layers * self.block(True)
+        if self.policy == "sqrt":  # the segments' inputs (and the chunk's output)
+            blocks = -(-self.layers // self.segment) * self.X
+        act = (X if last else 0) + 8 if self.offload else blocks - (0 if last else X) + 8
+        out = {"activations": act}
+        if first:
+            out["activations"] += (0 if self.offload else X) + (9 * self.T if self.t > 1 else 0)
+            out["activations"] += self.Th * self.h if self.dropout else 0
+        else:
+            out["receive buffers"] = X
+        if last:
+            out["LM head and loss"] = self.head()
+        return out
+
+    # -- the LM head and the loss --
+    def head(self):
+        """The final LayerNorm's output and statistics, the loss's FP32 softmax (t > 1: and its indices)."""
+        N, V, t = self.T, self.V, self.t
+        loss = N * V * self.acc if t == 1 else N * V // t * self.acc + 9 * N
+        return self.X + 2 * self.Th * self.e_ln + loss + 28
+
+    def head_forward(self):
+        """At the loss's largest moment, beyond head(): the logits and the FP32 copies the loss makes of them."""
+        N, V, t, e = self.T, self.V, self.t, self.e
+        targets = 0 if self.zigzag else 8 * N  # the targets made contiguous for the loss
+        if t == 1:
+            return N * V * e + (N * V * 4 if e < 4 else 0) + N * self.acc + targets
+        return N * V // t * (e + 4) + 4 * N + targets - 9 * N
+
+    def ce_backward(self):
+        """The cross-entropy's backward, beyond head(): t = 1 two more FP32 N x V (the gradients of the NLL and of
+        the log-softmax); t > 1 the logits' gradient in e (the FP32 softmax becomes the gradient in place)."""
+        N, V, t, e = self.T, self.V, self.t, self.e
+        if t == 1:
+            return 2 * N * V * self.acc
+        return N * V // t * e if e != self.acc else 0
+
+    def head_backward(self):
+        """The LM head's backward, beyond head() less the loss's softmax: the logits' gradient, the GEMM's input
+        gradient and (t = 1 or no SP) the weight's; under SP the input gathered again and the scattered gradient."""
+        N, V, t, e, h, T = self.T, self.V, self.t, self.e, self.h, self.T
+        softmax = N * V // t * self.acc
+        if t == 1:
+            return N * V * e + T * h * e + V * h * e - softmax
+        if self.sp:
+            return N * V // t * e + 3 * T * h * e + self.X - softmax - 9 * N
+        return N * V // t * e + T * h * e + V // t * h * e - softmax - 9 * N
+
+    # -- backward --
+    def block_backward(self, moe):
+        """The top block's backward at its largest moment, MLP first (the gradient that came in aside)."""
+        h, t, T, e = self.h, self.t, self.T, self.e
+        zb = self.knobs.pp_schedule == "zb-h1"
+        if moe:
+            work = self.moe_terms()[1]
+        elif zb:  # W deferred: the GeLU output waits for it while the GeLU's input gradient is made
+            work = 2 * T * 4 * h // t * e
+        else:
+            work = T * 4 * h // t * e + 4 * h // t * h * e + (h * e if t == 1 else 0)
+        if self.sp:
+            work += T * h * e  # the gradient gathered over TP for the row-parallel GEMM
+        if self.policy in ("full", "sqrt"):  # the block (sqrt: the segment) recomputed, its input aside
+            work += self.segment * self.block(moe, "none") - self.X
+        if self.offload:  # the block's saved tensors back on the device (on CUDA the next block's prefetched too)
+            work += (2 if self.program.device == "cuda" else 1) * self.block(moe, offloaded=False)
+        return work
+
+    def waiting_w(self, kind, moe_layers):
+        """zb-h1: what a chunk whose W waits holds, by part: every deferred linear's input (under SP the input
+        gathered over TP) and output gradient; the top block's second MLP GEMM keeps the gradient that came in; the
+        graph kept by the linears' inputs keeps the received input and its gradient (`deferred_w_bytes`)."""
+        h, t, T, e, X = self.h, self.t, self.T, self.e, self.X
+        first, last = kind in ("first", "only"), kind in ("last", "only")
+        whole = T * h * e  # a whole-token tensor
+        ln_in = {"backward": whole} if self.sp else {"activations": X}
+        attention = _add(ln_in, {"activations": T * h // t * e}, {"backward": T * 3 * h // t * e + (whole if self.sp else X)})
+        mlp = _add(ln_in, {"activations": T * 4 * h // t * e}, {"backward": T * 4 * h // t * e + X})
+        dense = self.layers - moe_layers
+        out = _add(_scale(attention, self.layers), _scale(mlp, dense))
+        out["backward"] -= X  # the top block's incoming gradient is the head's or a received one
+        out = _add(out, {"LM head and loss": X} if last else {"receive buffers": X})
+        if not first:
+            out = _add(out, {"receive buffers": X, "backward": X})
+        if last:
+            out = _add(out, {"LM head and loss": (whole if self.sp else X) + self.T * self.V // t * e})
+        return out
+
+
+def _add(*parts):
+    out = {}
+    for part in parts:
+        for key, value in part.items():
+            out[key] = out.get(key, 0) + value
+    return out
+
+
+def _scale(part, n):
+    return {key: value * n for key, value in part.items()}
+
+
+def _rank_layers(model, p, v, r):
+    """The global indices of rank r's blocks, chunk after chunk (chunk c holds virtual stage c p + r)."""
+    per = model.layers // (p * v)
+    return [(_virtual_stage(p, r, c)) * per + i for c in range(v) for i in range(per)]
+
+
+def _is_moe(model, layer):
+    return bool(model.moe_every) and (layer + 1) % model.moe_every == 0
+
+
+class _Param(NamedTuple):
+    """One parameter tensor of a rank: its elements, whether it is 2-D (the decayed group), its block (None: the
+    embedding, the final LayerNorm, the LM head) and its gradient's group (dense, tied or expert)."""
+    elements: int
+    matrix: bool
+    block: object
+    group: str
+
+
+def _rank_parameters(model, layout, r, v):
+    """Every parameter tensor on one rank of stage r, in train_gpt.py's order (`_Param`): QKV, the projection's and
+    the MLP's weights split over TP; the LayerNorms, the row-parallel biases, the positions, the router and the
+    experts (E / ep of them, whole) replicated; the token embedding and the LM head split over the vocabulary."""
+    h, kv, t, f = model.hidden, _kv_width(model), layout.tp, expert_hidden(model)
+    vector = lambda n, i: _Param(n, False, i, "dense")  # noqa: E731
+    matrix = lambda n, i, group="dense": _Param(n, True, i, group)  # noqa: E731
+    params = []
+    for i, layer in enumerate(_rank_layers(model, layout.pp, v, r)):
+        params += [vector(h, i), vector(h, i), matrix((h + 2 * kv) * h // t, i), vector((h + 2 * kv) // t, i),
+                   matrix(h * h // t, i), vector(h, i), vector(h, i), vector(h, i)]
+        if _is_moe(model, layer):
+            local = model.experts // layout.ep
+            params += [matrix(model.experts * h, i), matrix(local * h * f * (2 if model.swiglu else 1), i, "expert"),
+                       matrix(local * f * h, i, "expert")]
+            if model.shared_expert_hidden:
+                params += [matrix((3 if model.swiglu else 2) * h * model.shared_expert_hidden // t, i)]
+        else:
+            params += [matrix(4 * h * h // t, i), vector(4 * h // t, i), matrix(4 * h * h // t, i), vector(h, i)]
+    tied = "tied" if layout.pp > 1 and model.tied_embeddings else "dense"
+    if r == 0:
+        params += [matrix(model.vocab // t * h, None, tied), matrix(model.seq * h, None)]
+    if r == layout.pp - 1:
+        params += [vector(h, None), vector(h, None)]
+        if layout.pp > 1 or not model.tied_embeddings:
+            params += [matrix(model.vocab // t * h, None, tied)]
+    return params
+
+
+def _optimizer_pieces(params, zero, shard, edp):
+    """What the inner optimizer steps on one rank, per parameter, for each position in the shard group: the whole
+    parameter (ZeRO-0), or its part of this rank's 1/k of its bucket (mixed_precision.py's flat buffers: one per
+    gradient group, and at ZeRO-2/3 one per block and group, each padded to a multiple of its k ranks)."""
+    if not zero:
+        return [[p.elements for p in params]]
+    buckets = {}
+    for i, p in enumerate(params):
+        unit = p.block if zero >= 2 else None
+        buckets.setdefault((unit, p.group), []).append(i)
+    positions = max(shard, edp)
+    out = [[0] * len(params) for _ in range(positions)]
+    for (_, group), members in buckets.items():
+        k = edp if group == "expert" else shard
+        total = sum(params[i].elements for i in members)
+        size = -(-total // k)
+        start = 0
+        for i in members:
+            n = params[i].elements
+            for s in range(positions):
+                lo, hi = (s % k) * size, (s % k + 1) * size
+                out[s][i] = max(0, min(start + n, hi) - max(start, lo))
+            start += n
+    return out
+
+
+def _rank_states(cluster, z, r, zero, shard):
+    """The parts of rank r that live through the step: weights, main grads, optimizer states (ZeRO level `zero` over
+    `shard` ranks of DP x CP; the experts over their EDP ranks), the batch's token ids and positions."""
+    model, layout, program = z.model, z.layout, z.program
+    params = _rank_parameters(model, layout, r, z.v)
+    edp = expert_shard(cluster, layout.tp, layout.cp, layout.dp, layout.ep)
+    k = (shard or layout.dp * layout.cp) if zero else 1
+    sharded = lambda p, level: p.elements / (edp if p.group == "expert" else k) if zero >= level else p.elements  # noqa
+    in_block = lambda p, level: level if p.block is not None else 4  # noqa: E731  (outside the blocks: never)
+    e = z.e
+    if cluster.grad_bytes == 2:  # 16-bit gradients; the optimizer keeps an FP32 copy besides its master
+        grad, opt = 2, 4 + 4 + (8 if program.optimizer == "adamw" else 0)
+    else:
+        grad, opt = max(e, 4), (4 if e < 4 else 0) + (8 if program.optimizer == "adamw" else 0)
+    out = {"weights": e * sum(sharded(p, in_block(p, 3)) for p in params),
+           "main grads": grad * sum(sharded(p, in_block(p, 2)) for p in params),
+           "optimizer states": opt * sum(sharded(p, 1) for p in params)
+           + (4 * len(params) if program.device == "cpu" and program.optimizer == "adamw" else 0)}
+    other = 8 * model.global_batch * (model.seq + 1) + 16 + 8 * (z.T // z.knobs.micro_batch if z.zigzag else model.seq)
+    if z.zigzag:  # CP's shards of every micro-batch's ids and targets
+        other += 16 * z.m * z.T
+    out["other"] = other
+    return out, params
+
+
+def _optimizer_temporaries(program, params, zero, shard, edp):
+    """Adam's temporaries at the step. torch's foreach form (CUDA): a square root per element of its larger group
+    (the 2-D weights, or the rest). The single-tensor form (CPU): per parameter a square root and a quotient, beside
+    the previous parameter's quotient, at most 2 n_i + n_(i-1) elements of one group."""
+    if program.optimizer != "adamw":
+        return 0
+    acc = 8 if program.dtype == "float64" else 4
+    most = 0
+    for pieces in _optimizer_pieces(params, zero, shard or 1, edp if zero else 1):
+        for matrix in (True, False):
+            group = [n for p, n in zip(params, pieces) if p.matrix == matrix]
+            if program.device == "cuda":
+                most = max(most, sum(group))
+            else:
+                most = max([most] + [2 * n + (group[i - 1] if i else 0) for i, n in enumerate(group)])
+    return acc * most
+
+
+def rank_peaks(cluster, model, layout, knobs, program=Program(), stages=None):
+    """Each pipeline stage's peak in a step after the first (every TP, CP and DP rank of a stage holds as much),
+    as the most over the instants where it can peak (the comment above): a list of {"stage": r, "peak_bytes": n,
+    "parts": {part: bytes}, "instant": "..."}, for every stage or those in `stages`."""
+    z = _StepBytes(cluster, model, layout, knobs, program)
+    zero, shard = knobs.zero, knobs.zero_shard_size
+    k = (shard or layout.dp * layout.cp) if zero else 1
+    results = []
+    for r in range(layout.pp) if stages is None else stages:
+        states, params = _rank_states(cluster, z, r, zero, shard)
+        blocks = [sum(p.elements for p in params if p.block == i) for i in range(len(_rank_layers(model, layout.pp, z.v, r)))]
+        layers = _rank_layers(model, layout.pp, z.v, r)
+        per = z.layers
+        moe_of = [sum(_is_moe(model, i) for i in layers[c * per:(c + 1) * per]) for c in range(z.v)]
+        kinds = {}
+        for c in range(z.v):
+            vs, stages_n = _virtual_stage(layout.pp, r, c), layout.pp * z.v
+            kind = "only" if stages_n == 1 else "first" if vs == 0 else "last" if vs == stages_n - 1 else "middle"
+            kinds[kind] = max(kinds.get(kind, 0), moe_of[c])
+        chunks = {kind: z.chunk(kind, n) for kind, n in kinds.items()}
+        waits = {kind: z.waiting_w(kind, n) for kind, n in kinds.items()} if knobs.pp_schedule == "zb-h1" else {}
+        unit = max(blocks) if blocks else 0
+        candidates = []
+        for held, (action, micro, chunk) in pipeline_holdings(knobs.pp_schedule, layout.pp, z.m, z.v, r):
+            base = dict(states)
+            for kind, n in zip(CHUNK_KINDS, held.kept):
+                base = _add(base, _scale(chunks[kind], n)) if n else base
+            for kind, n in zip(CHUNK_KINDS, held.waiting):
+                base = _add(base, _scale(waits[kind], n)) if n else base
+            base = _add(base, {"receive buffers": held.posted * z.X, "activations": held.sent_outputs * z.X,
+                               "backward": held.sent_grads * z.X})
+            if zero >= 2 and (held.action != "F" or micro > 0):  # one block's reduce-scatter in flight
+                base = _add(base, {"ZeRO grad buffers": unit * 4 * (1 + 1 / k)})
+            where = f" of micro-batch {micro}" + (f", chunk {chunk}" if z.v > 1 else "")
+            last = held.kind in ("last", "only")
+            top = layers[(chunk + 1) * per - 1]
+            if action == "F" and last:
+                candidates.append((f"the loss{where}", _add(base, {"LM head and loss": z.head_forward()})))
+            elif action == "F":
+                candidates.append((f"forward{where}, its output", _add(base, {"activations": 2 * z.X})))
+            elif action == "B":
+                gathered = {"ZeRO gathered": z.e * blocks[layers.index(top)]} if zero >= 3 else {}
+                if last:
+                    head = chunks[held.kind]["LM head and loss"]
+                    candidates.append((f"backward{where}, cross-entropy",
+                                       _add(base, {"LM head and loss": z.ce_backward()})))
+                    candidates.append((f"backward{where}, LM head", _add(base, {"LM head and loss": z.head_backward()})))
+                    tied = z.V // z.t * z.h * z.e if layout.pp * z.v == 1 and model.tied_embeddings else 0
+                    # the loss and the final LayerNorm are done: their tensors and the LayerNorm's input are freed,
+                    # its input's gradient comes in (and on one stage the tied embedding's gradient waits)
+                    came_in = {"LM head and loss": z.X - head + tied, "activations": -z.X}
+                else:
+                    came_in = {"receive buffers": z.X}
+                moe = _is_moe(model, top)
+                done = {"activations": -z.moe_combined()} if moe and not z.offload else {}
+                block = _add(base, came_in, gathered, done, {"backward": z.block_backward(moe)})
+                candidates.append((f"backward{where}, block {top}", block))
+                if z.offload and per > 1:  # the blocks below: the gradient received is still held, one more comes
+                    candidates.append((f"backward{where}, block {top - 1}", _add(block, {"backward": z.X})))
+        states_only = dict(states)
+        edp = expert_shard(cluster, layout.tp, layout.cp, layout.dp, layout.ep)
+        candidates.append(("the optimizer step", _add(states_only, {"step temporaries": _optimizer_temporaries(
+            program, params, zero, k, edp)})))
+        label, parts = max(candidates, key=lambda c: sum(c[1].values()))
+        parts = {p: round(parts[p]) for p in MEMORY_PARTS if round(parts.get(p, 0))}
+        results.append({"stage": r, "peak_bytes": sum(parts.values()), "parts": parts, "instant": f"{label}, stage {r}"})
+    return results
 
 
 # ---- one configuration, then the search ------------------------------------------------------------
@@ -3097,6 +3674,77 @@ def _plan_main(argv):
     print(explain(plans, cluster, model.recompute))
 
 
+TRAIN_GPT_RECOMPUTE = ("none", "full", "sqrt", "selective", "offload", "selective+offload")
+CP_IMPLS = ("allgather", "hybrid", "ring", "ulysses")
+
+
+def train_gpt_run(a):
+    """(cluster, model, layout, knobs, program) of the train_gpt.py run that these flags describe (`_memory_main`'s
+    parsed flags, train_gpt.py's names and defaults): its own program (flash attention, FP32 main grads, no dropout,
+    MoE folded over DP x CP)."""
+    cluster = Cluster(gpus=a.world, flash_attention=True, grad_bytes=4, dropout=False, gpu_mem_gb=a.gpu_mem_gb)
+    model = ModelShape(layers=a.layers, hidden=a.hidden, heads=a.heads, seq=a.seq, vocab=a.vocab, global_batch=a.batch,
+                       moe_every=a.moe_every, experts=a.experts, top_k=a.top_k, imbalance=a.imbalance)
+    layout = _Layout(cluster, model, a.tp, a.pp, a.cp, a.ep)
+    u = {"ring": 1, "allgather": 1, "ulysses": a.cp, "hybrid": a.cp_ulysses}[a.cp_impl]
+    knobs = Knobs(a.micro_batch, a.virtual_stages, a.recompute, a.sequence_parallel and a.tp > 1, a.zero,
+                  a.pp_schedule, a.zero_shard_size, u)
+    _check_knobs(model, layout.dp, a.pp, a.micro_batch, a.virtual_stages, 2, a.pp_schedule)
+    program = Program(dtype=a.dtype, device=a.device, optimizer=a.optimizer, cp_impl=a.cp_impl if a.cp > 1 else None)
+    return cluster, model, layout, knobs, program
+
+
+def every_rank_peak(cluster, model, layout, knobs, program):
+    """rank_peaks for every rank of the world, in rank order (Megatron's: a rank's stage is rank // (t c d))."""
+    stages = rank_peaks(cluster, model, layout, knobs, program)
+    per_stage = layout.tp * layout.cp * layout.dp
+    return [{"rank": rank, **{k: v for k, v in stages[rank // per_stage].items() if k != "stage"}}
+            for rank in range(cluster.gpus)]
+
+
+def _memory_main(argv):
+    ap = _OneLineParser(prog="topology.py memory", description="Every rank's peak bytes of live tensors in a training "
+                        "step of train_gpt.py (a step after the first), with its parts and the instant of the peak, "
+                        "from the flags train_gpt.py takes (their names and defaults).")
+    ap.add_argument("--world", type=int, required=True, help="ranks (torchrun's --nproc_per_node x --nnodes)")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="the kernels whose buffers are "
+                    "counted: CUDA (FP32 LayerNorm statistics, foreach AdamW) or CPU (gloo runs, the tests)")
+    ap.add_argument("--gpu-mem-gb", type=float, default=DEFAULT_GPU_MEM_GB, help="GPU memory, GB: a rank fits when "
+                    f"its peak is at most {MEMORY_HEADROOM} of it")
+    ap.add_argument("--imbalance", type=float, default=1.0, help="MoE: the busiest EP rank's routed copies over the "
+                    "uniform share (1: balanced)")
+    ap.add_argument("--json", action="store_true", help="a list of {rank, peak_bytes, parts, instant}")
+    group = ap.add_argument_group("train_gpt.py's flags").add_argument
+    for flag, default in (("--layers", 4), ("--heads", 4), ("--hidden", 64), ("--seq", 64), ("--vocab", 256),
+                          ("--moe-every", 0), ("--experts", 8), ("--top-k", 2), ("--tp", 1), ("--pp", 1), ("--cp", 1),
+                          ("--ep", 1), ("--cp-ulysses", 1), ("--virtual-stages", 1), ("--batch", 16),
+                          ("--micro-batch", 2)):
+        group(flag, type=int, default=default)
+    group("--sequence-parallel", action="store_true")
+    group("--cp-impl", choices=CP_IMPLS, default="ring")
+    group("--pp-schedule", choices=SCHEDULES, default="1f1b")
+    group("--dtype", choices=list(PROGRAM_DTYPES), default="float32")
+    group("--zero", type=int, choices=list(ZERO_LEVELS), default=0)
+    group("--zero-shard-size", type=int, default=None)
+    group("--recompute", choices=TRAIN_GPT_RECOMPUTE, default="none")
+    group("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    a = ap.parse_args(argv)
+    if not 1 <= a.world <= MAX_GPUS:
+        raise ValueError(f"--world {a.world} must be between 1 and {MAX_GPUS:,}")
+    ranks = every_rank_peak(*train_gpt_run(a))
+    if a.json:
+        print(json.dumps(ranks, indent=1))
+        return
+    limit = a.gpu_mem_gb * MEMORY_HEADROOM * GB
+    print(f"{'rank':>5s} {'peak MB':>10s}  " + " ".join(f"{p[:10]:>10s}" for p in MEMORY_PARTS) + "  instant")
+    for r in ranks:
+        print(f"{r['rank']:>5d} {r['peak_bytes'] / 1e6:>10.3f}  "
+              + " ".join(f"{r['parts'].get(p, 0) / 1e6:>10.3f}" for p in MEMORY_PARTS) + f"  {r['instant']}")
+    fullest = max(ranks, key=lambda r: r["peak_bytes"])
+    print(f"fullest: rank {fullest['rank']}, {fullest['peak_bytes'] / GB:.3f} GB at {fullest['instant']}; "
+          f"{'fits' if fullest['peak_bytes'] <= limit else 'does NOT fit'} in {a.gpu_mem_gb:g} GB x {MEMORY_HEADROOM}")
+
+
 def _calibrate_main(argv):
     ap = _OneLineParser(prog="topology.py calibrate",
                                  description="Narayanan et al. 2021 Table 1, then published MoE runs "
@@ -3127,6 +3775,8 @@ def main(argv=None):
             _plan_main(argv[1:])
         elif argv[:1] == ["calibrate"]:
             _calibrate_main(argv[1:])
+        elif argv[:1] == ["memory"]:
+            _memory_main(argv[1:])
         elif argv[:1] == ["example"]:
             print_chapter_plans()
             print_chapter_example()

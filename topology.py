@@ -1851,11 +1851,15 @@ def _memory_micro_batches(p, m, v):
 @functools.lru_cache(maxsize=8192)
 def pipeline_holdings(schedule, p, m, v, r):
     """The distinct Held states rank r passes through in one step, each with the first (action, micro-batch,
-    chunk) that reaches it: its list replayed as train_gpt.py's executor runs it (its `Pipeline`): before each action
-    the next action's receive is posted, with every earlier message of the same peer (in that peer's sending
-    order); a sent tensor is freed once a message from its peer shows, by its sender's place in the peer's list,
-    that the peer posted the matching receive (the peer posts the next action's receive before each action)."""
-    m = _memory_micro_batches(p, m, v)
+    chunk) that reaches it (`_pipeline_holdings_of` on the micro-batches that show them all)."""
+    return _pipeline_holdings_of(schedule, p, _memory_micro_batches(p, m, v), v, r)
+
+
+def _pipeline_holdings_of(schedule, p, m, v, r):
+    """Rank r's list replayed as train_gpt.py's executor runs it (its `Pipeline`): before each action the next
+    action's receive is posted, with every earlier message of the same peer (in that peer's sending order); a sent
+    tensor is freed once a message from its peer shows, by its sender's place in the peer's list, that the peer
+    posted the matching receive (the peer posts the next action's receive before each action)."""
     stages = p * v
     neighbours = {q: pipeline_order(schedule, p, m, v, q) for q in {r, (r - 1) % p, (r + 1) % p}}
     where = {q: {x: i for i, x in enumerate(order)} for q, order in neighbours.items()}

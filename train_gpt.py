@@ -46,7 +46,6 @@ sampling, the command line.
 import argparse
 import contextlib
 import functools
-import gc
 import io
 import itertools
 import json
@@ -1053,7 +1052,7 @@ def train(cfg, train_cfg, data=None):
                 t0 = time.perf_counter()
                 stage.step = step  # what NVFP4's stochastic rounding draws from (beyond the chapter)
                 measured = step == min(start + 1, train_cfg.steps - 1)  # memory: the second step (its states exist)
-                with MemoryMeter(stage, opt, device, measured, train_cfg.memory_report) as meter:
+                with MemoryMeter(stage, opt, device, measured, train_cfg.memory_report, [tokens]) as meter:
                     loss, aux, grad_norm, stepped, schedule = train_step(stage, pipe, opt, tokens,
                                                                          train_cfg.micro_batch, train_cfg.grad_clip)
                 # train_step ends with a host sync (the loss), so this is the whole step
@@ -1788,11 +1787,12 @@ _MADE_BY = {"post_receive": "receive buffers", "reduce_unit_grads": "ZeRO grad b
 
 class LiveTensorBytes(TorchDispatchMode):
     """This rank's live tensor bytes through one step, their peak, its parts and its instant (see above).
-    `with LiveTensorBytes(stage, opt) as live: train_step(...)`; then live.peak, live.peak_parts, live.instant."""
+    `with LiveTensorBytes(stage, opt, [tokens]) as live: train_step(...)`; then live.peak, live.peak_parts,
+    live.instant. `extra`: the tensors besides the model's and the optimizer's that live at the step's start."""
 
-    def __init__(self, stage, opt):
+    def __init__(self, stage, opt, extra=()):
         super().__init__()
-        self.stage, self.opt = stage, opt
+        self.stage, self.opt, self.extra = stage, opt, extra
         self.live, self.refs = {}, {}  # id(storage) -> [bytes, part]; -> its weak reference
         self.parts = dict.fromkeys(MEMORY_PARTS, 0)
         self.total = self.peak = 0
@@ -1860,24 +1860,24 @@ class LiveTensorBytes(TorchDispatchMode):
 
     # -- the states, and the hooks that say where the step is --
     def _states(self):
-        gc.collect()
-        owned = {id(self.opt.owned_param(p)[1].untyped_storage()) for p in self.opt.params}
-        pieces = [q for group in self.opt.optimizer.param_groups for q in group["params"]]
-        kinds = [("weights", [self.opt.owned_param(p)[1] for p in self.opt.params]),
-                 ("main grads", [q.grad for q in pieces if q.grad is not None]
-                  + [p.main_grad for p in self.opt.params if hasattr(p, "main_grad")]),
-                 ("optimizer states", pieces + [t for s in self.opt.optimizer.state.values() for t in s.values()
-                                                if torch.is_tensor(t)]),
-                 ("ZeRO gathered", [p for p in self.opt.params if id(p.untyped_storage()) not in owned])]
-        for part, tensors in kinds:
+        """What lives when the step starts, by part: the weights (this rank's at rest: ZeRO-3's shards), main grads
+        and optimizer states (the masters, the moments), ZeRO-3's gathered buffers (empty at rest), the model's
+        buffers and the batch (`extra`). Found from these roots, not by a scan of every object: a run's host data
+        (its token corpus) is no device memory."""
+        opt, stage = self.opt, self.stage
+        owned = getattr(opt, "owned_param", lambda p: (None, p))
+        at_rest = [owned(p)[1] for p in opt.params]
+        pieces = [q for group in opt.optimizer.param_groups for q in group["params"]]
+        rest = {id(t.untyped_storage()) for t in at_rest}
+        for part, tensors in (("weights", at_rest),
+                              ("main grads", [q.grad for q in pieces if q.grad is not None]
+                               + [p.main_grad for p in opt.params if hasattr(p, "main_grad")]),
+                              ("optimizer states", pieces + [t for state in opt.optimizer.state.values()
+                                                             for t in state.values() if torch.is_tensor(t)]),
+                              ("ZeRO gathered", [p for p in opt.params if id(p.untyped_storage()) not in rest]),
+                              ("other", list(stage.buffers()) + [p for p in stage.parameters()] + list(self.extra))):
             for t in tensors:
                 self._add(t.untyped_storage(), part)
-        with warnings.catch_warnings():  # some objects answer isinstance with a deprecation warning
-            warnings.simplefilter("ignore")
-            tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
-        for t in tensors:  # whatever else lives: the batch, buffers, the loss scaler's state
-            if t.device.type != "meta":
-                self._add(t.untyped_storage(), "other")
 
     def _set(self, action, micro=None, chunk=0, where=""):
         self.action, self.micro, self.chunk, self.where = action, micro, chunk, where
@@ -2011,8 +2011,8 @@ class MemoryMeter:
     `report` (always on CPU, where nothing else measures) the live tensors' `LiveTensorBytes`, which gives the
     parts and the instant. Off (`on` False) it does nothing."""
 
-    def __init__(self, stage, opt, device, on, report):
-        self.stage, self.opt, self.device, self.on, self.report = stage, opt, device, on, report
+    def __init__(self, stage, opt, device, on, report, batch=()):
+        self.stage, self.opt, self.device, self.on, self.report, self.batch = stage, opt, device, on, report, batch
         self.live = self.measured = None
 
     def __enter__(self):
@@ -2020,7 +2020,7 @@ class MemoryMeter:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         if self.on and self.report:
-            self.live = LiveTensorBytes(self.stage, self.opt).__enter__()
+            self.live = LiveTensorBytes(self.stage, self.opt, self.batch).__enter__()
         return self
 
     def __exit__(self, *exc):

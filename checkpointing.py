@@ -13,47 +13,45 @@ h hidden, a heads) in 16-bit, 2 bytes an element and 1 byte a dropout-mask eleme
                  MLP dropout mask 1 sbh                                                    19 sbh
     a layer      s b h (34 + 5 a s / h) bytes; L layers keep L times that
 
-`kept_bytes_per_layer` writes these terms with e bytes an element and m bytes a mask element,
-s b h (16 e + 2 m) + a s^2 b (2 e + m), plus the two LayerNorms' mean and 1/std, 4 s b e_ln bytes, which the
-paper leaves out. On CUDA m = 1 and e_ln = 4 (FP32 statistics); PyTorch's CPU kernels keep masks and statistics
-in the input's dtype (m = e_ln = e). `Block` is that layer, written out so that every saved tensor shows.
+`kept_bytes_per_layer` writes them with e bytes an element, m a mask element: s b h (16 e + 2 m) + a s^2 b (2 e +
+m), plus the two LayerNorms' mean and 1/std, 4 s b e_ln bytes, which the paper leaves out. On CUDA m = 1, e_ln = 4
+(FP32 statistics); on CPU m = e_ln = e (the input's dtype). `Block` is that layer, every saved tensor in sight.
 
 FLOPs (matmul FLOPs, 2 a multiply-add): a layer's forward is 24 b s h^2 (QKV 6, projection 2, fc1 and fc2 16) +
-4 b s^2 h (QK^T 2, xV 2); its backward is twice that (the gradients of the input and of the weights), so a step
-costs 3 forwards: 72 b s h^2 a layer, i.e. 6 N FLOPs a token for N = 12 h^2 weights a layer. Recomputation adds:
+4 b s^2 h (QK^T 2, xV 2); its backward is twice that, so a step costs 3 forwards: 72 b s h^2 a layer, i.e. 6 N
+FLOPs a token for N = 12 h^2 weights a layer. The policies (`POLICY_TABLE`) keep and add:
 
     none       keeps all of the above. FLOPs: 72 b s h^2 + 12 b s^2 h a layer, 6 N a token and the core's.
     full       keeps each layer's input only, s b h e a layer; backward first recomputes the layer's forward.
                FLOPs: one forward more, 2 N a token: 72 -> 96 b s h^2 a layer, +33%.
     sqrt       Chen et al. (2016): checkpoints segments of seg = round(sqrt(L)) layers and keeps each segment's
-               input, ceil(L / seg) s b h e: it grows as sqrt(L). Backward recomputes one segment at a time,
-               every layer once: the FLOPs of full.
+               input, ceil(L / seg) s b h e. Backward recomputes one segment at a time: the FLOPs of full.
     selective  Korthikanti et al.: recomputes only the attention core (QK^T, mask, softmax, dropout, xV), whose
                memory grows with s^2 and whose FLOPs are small. Kept: s b h (16 e + 2 m) + 4 s b e_ln, 34 s b h in
                16-bit: the 5 a s^2 b terms go (the core keeps its input, the QKV output, 3 s b h e, in place of
                its Q, K and V copies). FLOPs: 2 b s^2 h a layer (QK^T redone; the paper counts xV too, 4 b s^2 h).
 
-`run_blocks` runs a list of blocks under a policy, read from `POLICY_TABLE`. It uses non-reentrant
-`torch.utils.checkpoint` (use_reentrant=False): it takes inputs that need no gradient, nests, supports
-`torch.autograd.grad` and stops recomputing as soon as the tensors the backward needs are rebuilt (so selective
-never redoes xV, whose output no backward needs). A checkpoint restores the RNG state before recomputing, so the
-recomputed dropout masks are the original ones and the gradients are bit-identical to no recomputation.
+The peak decides memory, not the kept bytes: backward recomputes one unit at a time and holds all its activations
+at once on top of what is kept. With A one layer's `none` bytes and X = s b h e a block input, peak = kept + W + T
+(`peak_bytes`): W, recomputed and alive at once, none 0, full A - X, sqrt seg A - X, selective the core's q, k, v
+copies and s^2 tensors; T, a kernel transient at the largest of a block's moments (`peak_bytes_terms`). So full
+peaks (L - 1)(A - X) below none. The chapter says full recomputation takes activation memory from O(L) to
+O(sqrt L): that is Chen et al.'s sqrt, not `full` as Megatron-LM runs it (a segment a layer), which keeps L inputs,
+O(L) but A/X >= 17 times below none. sqrt's O(sqrt L) is its kept bytes; its peak adds a whole segment:
+peak(sqrt) - peak(full) = (seg - 1) A - (L - ceil(L/seg)) X (seg dividing L), negative only once L > (A/X)^2:
+below 289 layers sqrt peaks higher. Its kept bytes pay where they add up: a pipeline holds several micro-batches'.
 
-Measured: `measure_kept_bytes` logs every storage the ops of the forward create (a dispatch mode holding weak
-references to them, a CPU stand-in for the CUDA allocator's statistics) and counts those still alive when the
-forward returns, held by autograd or a checkpoint, plus the input, less the output; `measure_flops` counts with
-`FlopCounterMode`, which sees the recomputation because it runs inside the backward. Both equal the formulas
-(`kept_bytes`, `training_flops`) to the byte and the FLOP.
+`run_blocks` runs blocks under a policy with non-reentrant `torch.utils.checkpoint`, which stops recomputing once
+the tensors the backward needs are rebuilt (selective never redoes xV) and restores the RNG state first: the same
+dropout masks, gradients bit-identical to no recomputation. `measure_kept_bytes` logs every storage the forward's
+ops create (a CPU stand-in for the CUDA allocator's statistics) and counts those alive when it returns,
+`measure_peak_bytes` follows them through the backward, `measure_flops` counts with `FlopCounterMode` (which sees
+the recomputation): all three equal the formulas to the byte and the FLOP.
 
-Beyond the chapter, below its banner: op-level selective checkpointing (`selective_sac`), the forward+backward
-peak (the kept bytes plus what a recomputation holds at once), where sqrt's peak falls below full's, activation
-offloading to host memory (`offload`, `selective+offload`: bus time instead of FLOPs), the demo.
-
-    python3 checkpointing.py [--json] [--long]     # kept bytes and FLOPs per policy beside the formulas
+Beyond the chapter, below its banner: op-level selective checkpointing, activation offloading to host memory (bus
+time instead of FLOPs), where sqrt's peak falls below full's, the demo (`python3 checkpointing.py [--json] [--long]`).
 """
-import argparse
 import gc
-import json
 import math
 import weakref
 from dataclasses import dataclass
@@ -65,13 +63,11 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
+from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 
-# ----------------------------------------------------------------------------------------------------
-# The block: pre-LN attention + MLP with dropout, written out so every saved tensor is visible
-# ----------------------------------------------------------------------------------------------------
+# ---- the block: pre-LN attention + MLP with dropout, written out so every saved tensor is visible ----------
 
 class Block(nn.Module):
     def __init__(self, hidden, heads, seq_len, dropout=0.1):
@@ -101,7 +97,7 @@ class Block(nn.Module):
             raise ValueError(f"sequence length {x.shape[1]} exceeds the block's seq_len={self.seq_len}; "
                              f"build the block with seq_len >= {x.shape[1]}")
         q, k, v = rearrange(self.qkv(self.ln1(x)), "b s (three a d) -> three b a s d", three=3, a=self.heads)
-        core = attention_core(self, self.attention_core, q, k, v)
+        core = run_attention_core(self, self.attention_core, q, k, v)
         x = x + F.dropout(self.proj(rearrange(core, "b a s d -> b s (a d)")), self.dropout, self.training)
         return x + F.dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)))), self.dropout, self.training)
 
@@ -111,9 +107,7 @@ def make_blocks(layers, hidden, heads, seq_len, dropout=0.1, seed=0):
     return nn.ModuleList(Block(hidden, heads, seq_len, dropout) for _ in range(layers))
 
 
-# ----------------------------------------------------------------------------------------------------
-# What one layer keeps under each policy, term by term (the docstring's table)
-# ----------------------------------------------------------------------------------------------------
+# ---- what one layer keeps under each policy, term by term (the docstring's table) ---------------------------
 
 def layer_keeps_everything(b, s, h, a, e, mask, e_ln):
     """Policy none: every tensor the block's autograd graph saves (e bytes an element, `mask` bytes a dropout
@@ -152,53 +146,100 @@ def one_layer(layers):
     return 1
 
 
-# ----------------------------------------------------------------------------------------------------
-# The policies, for any nn.ModuleList of blocks
-# ----------------------------------------------------------------------------------------------------
+# ---- the policies, for any nn.ModuleList of blocks -------------------------------------------------------
 
 @dataclass(frozen=True)
 class Policy:
-    """A row of `POLICY_TABLE`: how `run_blocks` runs the policy, what `kept_bytes_per_layer` and
-    `training_flops` count for it."""
+    """A row of `POLICY_TABLE`: how `run_blocks` runs it, what it keeps (`kept_bytes`), what backward redoes
+    (`training_flops`) and what it holds at its peak (`peak_bytes_terms`)."""
     segment: Optional[Callable] = None  # L -> layers per checkpointed segment; None: no block is checkpointed
-    attention_core: bool = False  # checkpoint the attention core inside every block (`attention_core`)
+    recompute_attention_core: bool = False  # checkpoint the attention core inside every block (`run_attention_core`)
     kept: Optional[Callable] = None  # (b, s, h, a, e, mask, e_ln) -> {term: bytes} a layer keeps; None: per segment
     recomputed_flops: Callable = lambda gemms, core: 0  # a layer's forward GEMM, core FLOPs -> FLOPs backward redoes
-    context_fn: Callable = noop_context_fn  # torch.utils.checkpoint's: what a checkpoint keeps of its segment
-    run: Optional[Callable] = None  # (blocks, x) -> output, for a policy of another kind (offloading, below)
+
+    def run(self, blocks, x):
+        """Forward through `blocks`; `x` is the hidden state, or a tuple of tensors every block takes and returns."""
+        for block in blocks:
+            block.recompute_attention_core = self.recompute_attention_core
+        if self.segment is None:
+            return _run_segment(blocks, *_as_args(x))
+        size = self.segment(len(blocks))
+        for start in range(0, len(blocks), size):  # each segment keeps its input; backward recomputes the rest
+            x = self.checkpointed(blocks[start:start + size], x)
+        return x
+
+    def checkpointed(self, blocks, x):
+        """One segment under a checkpoint: its input kept, the rest recomputed in backward."""
+        return checkpoint(_run_segment, blocks, *_as_args(x), use_reentrant=False)
+
+    def peak_terms(self, layers, b, s, h, a, e):
+        """Bytes alive on top of `kept_bytes` at each of a block's moments where the peak can occur, term by term:
+        W ("recomputed: ..."), and T for PyTorch's CPU kernels (CUDA's fused dropout and FP32 statistics change T)."""
+        layer = kept_bytes_per_layer("none", b, s, h, a, e)
+        x, scores = s * b * h * e, a * s * s * b * e
+        qkv_copied, core_copied = matmul_copies(b, a)
+        ln_stats = layer["LayerNorm mean and 1/std (2 LNs)"] // 2  # one LayerNorm's
+        mlp_saved = ln_stats + sum(layer[k] for k in ("LN2 input", "fc1 input (LN2 output)", "GELU input",
+                                                      "fc2 input", "MLP dropout mask"))
+        end = {"QKV output (a local variable of forward)": 3 * x * qkv_copied,
+               "attention output (a local variable)": x * core_copied, "fc2 output (before dropout)": x}
+        mlp = {"gradient through the MLP dropout": x, "MLP dropout mask (freed)": -layer["MLP dropout mask"],
+               "gradient of the fc2 input": 4 * x}
+        # above the end of the forward once a s / h exceeds about 15 (long sequences)
+        att = {"MLP and LN2 saved tensors (freed)": -mlp_saved, "projection input and dropout mask (freed)":
+               -(layer["projection input"] + layer["projection dropout mask"]),
+               "residual, attention output and V gradients": 3 * x, "attention probabilities' gradient": scores}
+        names = ("end of a block's forward", "MLP backward", "attention backward")
+        if self.segment is not None:  # full, sqrt: a whole segment recomputed at once
+            seg = self.segment(layers)
+            unit = {f"recomputed: {seg} layer(s) less the kept input": seg * sum(layer.values()) - x}
+            # a shorter last segment leaves the largest one below it, and by its attention backward the gradient
+            # from above (which took the place of the freed input of the segment above) is used up
+            lower = {"gradient from the segment above (used up)": -x if layers % seg else 0}
+            return dict(zip(names, ({**unit, **end}, {**unit, **mlp}, {**unit, **att, **lower})))
+        if self.recompute_attention_core:  # the QKV output is kept; backward recomputes the core, copies included
+            s2 = sum(layer[k] for k in ("softmax output", "attention dropout mask",
+                                        "attention dropout output (input of xV)"))
+            core = {"recomputed: q, k, v copies": 3 * x * qkv_copied,
+                    "recomputed: softmax, dropout mask and output": s2}
+            del end["QKV output (a local variable of forward)"]
+            return dict(zip(names, (end, mlp, {**core, **att})))
+        return dict(zip(names, (end, mlp, att)))
 
 
 POLICY_TABLE = {
     "none": Policy(kept=layer_keeps_everything),
     "full": Policy(segment=one_layer, kept=layer_keeps_its_input, recomputed_flops=lambda gemms, core: gemms + core),
     "sqrt": Policy(segment=sqrt_segment_size, recomputed_flops=lambda gemms, core: gemms + core),
-    # only QK^T is redone: the checkpointed core stops once softmax and dropout are rebuilt (no backward needs
-    # xV's output)
-    "selective": Policy(attention_core=True, kept=layer_keeps_all_but_the_attention_core,
+    # only QK^T is redone: the core's checkpoint stops once softmax and dropout are rebuilt (no backward needs xV's)
+    "selective": Policy(recompute_attention_core=True, kept=layer_keeps_all_but_the_attention_core,
                         recomputed_flops=lambda gemms, core: core // 2),
 }
 POLICIES = tuple(POLICY_TABLE)
 
 
-def attention_core(block, core, *args):
+def policy_row(policy):
+    """A policy by its name in `POLICY_TABLE`, or a `Policy` itself (the forms below the banner are Policy objects)."""
+    rule = policy if isinstance(policy, Policy) else POLICY_TABLE.get(policy)
+    if rule is None:
+        raise ValueError(f"policy={policy!r}; choose one of {POLICIES} or pass a Policy")
+    return rule
+
+
+def run_attention_core(block, core, *args):
     """How a block runs its attention core `core(*args)`: checkpointed when the `selective` policy marked the
-    block (`run_blocks` sets `block.recompute_attention_core`), plainly otherwise. Any block can adopt the
-    selective policy by routing its core through this function."""
+    block (`block.recompute_attention_core`), plainly otherwise. Any block adopts selective by calling this."""
     if getattr(block, "recompute_attention_core", False):
         return checkpoint(core, *args, use_reentrant=False)
     return core(*args)
 
 
-def _call(block, state):
-    """A block maps a hidden state to the next one; the state may be a tuple of tensors (the hidden state and
-    a running auxiliary loss, say), passed as positional arguments and returned as a tuple."""
-    return block(*state) if isinstance(state, tuple) else block(state)
-
-
 def _run_segment(blocks, *state):
+    """Each block maps the state to the next one: a hidden state, or a tuple of tensors (the hidden state and a
+    running auxiliary loss, say) passed as positional arguments and returned as a tuple."""
     state = state if len(state) > 1 else state[0]
     for block in blocks:
-        state = _call(block, state)
+        state = block(*state) if isinstance(state, tuple) else block(state)
     return state
 
 
@@ -207,48 +248,29 @@ def _as_args(state):
 
 
 def run_blocks(blocks, x, policy="none"):
-    """Forward through `blocks` with one policy: a name in `POLICY_TABLE`, or a `Policy`. `x` is the hidden
-    state, or a tuple of tensors that every block takes as arguments and returns (see `_call`)."""
-    rule = policy if isinstance(policy, Policy) else POLICY_TABLE.get(policy)
-    if rule is None:
-        raise ValueError(f"policy={policy!r}; choose one of {tuple(POLICY_TABLE)}")
-    if rule.run is not None:
-        return rule.run(blocks, x)
-    for block in blocks:
-        block.recompute_attention_core = rule.attention_core
-    if rule.segment is None:
-        return _run_segment(blocks, *_as_args(x))
-    size = rule.segment(len(blocks))
-    for start in range(0, len(blocks), size):  # each segment keeps its input; backward recomputes the rest
-        x = checkpoint(_run_segment, blocks[start:start + size], *_as_args(x), use_reentrant=False,
-                       context_fn=rule.context_fn)
-    return x
+    """Forward through `blocks` with one policy (a name in `POLICY_TABLE`, or a `Policy`). `x` is the hidden
+    state, or a tuple of tensors that every block takes as arguments and returns (see `_run_segment`)."""
+    return policy_row(policy).run(blocks, x)
 
 
-# ----------------------------------------------------------------------------------------------------
-# The formulas: kept bytes and FLOPs per policy
-# ----------------------------------------------------------------------------------------------------
+# ---- the formulas: kept bytes, FLOPs and the peak per policy ---------------------------------------------
 
 def kept_bytes_per_layer(policy, b, s, h, a, e, device="cpu"):
-    """Bytes one layer keeps from forward to backward, term by term (see the module docstring).
-
-    Device-dependent details of PyTorch's kernels: on CUDA dropout keeps a bool mask (1 byte) and LayerNorm
-    FP32 statistics; on CPU dropout is `x * bernoulli_mask` with the mask in x's dtype, and LayerNorm keeps
-    its statistics in x's dtype."""
-    kept = POLICY_TABLE[policy].kept if policy in POLICY_TABLE else None
+    """Bytes one layer keeps from forward to backward, term by term: on CUDA dropout keeps a bool mask (1 byte)
+    and LayerNorm FP32 statistics; on CPU a mask (x * bernoulli) and the statistics are in x's dtype."""
+    kept = policy_row(policy).kept
     if kept is None:
-        raise ValueError(f"per-layer kept bytes are not defined for policy {policy!r}: a recomputation policy "
-                         f"({', '.join(n for n, r in POLICY_TABLE.items() if r.kept)}) has them; an offload policy's "
-                         "bytes are offload_bytes()")
-    mask = 1 if device == "cuda" else e
-    e_ln = 4 if device == "cuda" else e
+        raise ValueError(f"per-layer kept bytes are not defined for policy {policy!r} (a segment keeps its input: "
+                         f"kept_bytes); {', '.join(n for n, r in POLICY_TABLE.items() if r.kept)} have them")
+    mask, e_ln = (1, 4) if device == "cuda" else (e, e)
     return kept(b, s, h, a, e, mask, e_ln)
 
 
 def kept_bytes(policy, layers, b, s, h, a, e, device="cpu"):
-    if policy == "sqrt":  # one input per segment
-        return math.ceil(layers / sqrt_segment_size(layers)) * s * b * h * e
-    return layers * sum(kept_bytes_per_layer(policy, b, s, h, a, e, device).values())
+    rule = policy_row(policy)
+    if rule.kept is None:  # sqrt: one input per segment
+        return math.ceil(layers / rule.segment(layers)) * s * b * h * e
+    return layers * sum(kept_bytes_per_layer(rule, b, s, h, a, e, device).values())
 
 
 def korthikanti_bytes_per_layer(policy, b, s, h, a):
@@ -260,19 +282,36 @@ def training_flops(policy, layers, b, s, h):
     """Matmul FLOPs of forward + backward (+ recomputation) for `layers` blocks."""
     gemms = 24 * b * s * h * h          # QKV 6, projection 2, fc1 8, fc2 8
     core = 4 * b * s * s * h            # QK^T 2, xV 2
-    step = 3 * (gemms + core)           # backward = 2 x forward
-    return layers * (step + POLICY_TABLE[policy].recomputed_flops(gemms, core))
+    return layers * (3 * (gemms + core) + policy_row(policy).recomputed_flops(gemms, core))  # backward: 2 forwards
 
 
-# ----------------------------------------------------------------------------------------------------
-# Measuring: storages alive between forward and backward, FLOPs of a training step
-# ----------------------------------------------------------------------------------------------------
+def matmul_copies(b, a):
+    """Which reshapes copy (the kept bytes are the same either way, the peak not): bmm folds (b, a) of q, k, v,
+    slices of the QKV output, by a view only when b = 1 or a = 1; the attention output (b, s, a d) unless a = 1."""
+    return b > 1 and a > 1, a > 1
+
+
+def peak_bytes_terms(policy, layers, b, s, h, a, e):
+    """{moment: {term: bytes on top of `kept_bytes`}} of one forward and backward (`Policy.peak_terms`)."""
+    return policy_row(policy).peak_terms(layers, b, s, h, a, e)
+
+
+def peak_bytes(policy, layers, b, s, h, a, e):
+    """(peak bytes, moment, W, T): kept + the largest moment of `peak_bytes_terms`, its recomputed working set W and
+    the rest, the transient T."""
+    moments = peak_bytes_terms(policy, layers, b, s, h, a, e)
+    moment = max(moments, key=lambda m: sum(moments[m].values()))
+    work = sum(v for k, v in moments[moment].items() if k.startswith("recomputed"))
+    transient = sum(moments[moment].values()) - work
+    return kept_bytes(policy, layers, b, s, h, a, e) + work + transient, moment, work, transient
+
+
+# ---- measuring: storages alive between forward and backward, the peak, FLOPs of a training step ----------
 
 class _AllocationLog(TorchDispatchMode):
     """Log, in order, every storage an op creates (+bytes) and its release (-bytes, from a weak reference to the
-    storage object, which PyTorch keeps for the storage's whole life). Outputs on a storage already logged or
-    `foreign` (created before: parameters, buffers, inputs) are views or in-place results, not new memory. A CPU
-    stand-in for the CUDA allocator's statistics: it sees the tensors ops return, not a kernel's scratch."""
+    storage). Outputs on a storage already logged or `foreign` (parameters, buffers, inputs) are views or in-place
+    results, not new memory. It sees the tensors ops return, not a kernel's scratch."""
 
     def __init__(self, foreign=()):
         super().__init__()
@@ -297,9 +336,8 @@ class _AllocationLog(TorchDispatchMode):
 
 
 def measure_kept_bytes(blocks, x, policy):
-    """Bytes alive between the end of forward and the start of backward: storages created in forward and
-    still referenced (by autograd, a checkpoint or the SAC cache), plus the input, minus the output.
-    `x` may be a tuple state (see `run_blocks`): its first tensor is the hidden state that is counted."""
+    """Bytes alive between forward and backward: storages created in forward and still referenced (by autograd, a
+    checkpoint or a cache), plus the input (a tuple state's first tensor), minus the output."""
     state = tuple(t.detach() for t in _as_args(x))
     state[0].requires_grad_(True)
     # views of parameters, buffers (the causal mask) and the input are not activations
@@ -313,165 +351,10 @@ def measure_kept_bytes(blocks, x, policy):
     return sum(alive.values()) + state[0].untyped_storage().nbytes(), y
 
 
-def measure_flops(blocks, x, policy):
-    x = x.detach().requires_grad_(True)
-    with FlopCounterMode(display=False) as counter:
-        run_blocks(blocks, x, policy).sum().backward()
-    return counter.get_total_flops()
-
-
-def gradients(blocks, x, policy, seed=1234):
-    """Input and parameter gradients of one forward/backward under a fixed dropout seed."""
-    x = x.detach().requires_grad_(True)
-    for p in blocks.parameters():
-        p.grad = None
-    torch.manual_seed(seed)
-    out = run_blocks(blocks, x, policy)
-    out.backward(torch.ones_like(out))
-    return [x.grad] + [p.grad.clone() for p in blocks.parameters()]
-
-
-# BEYOND THE CHAPTER: op-level selective checkpointing, the forward+backward peak, sqrt against full, offloading
-
-# ----------------------------------------------------------------------------------------------------
-# Op-level selective checkpointing (`selective_sac`): one more row of the policy table
-# ----------------------------------------------------------------------------------------------------
-# The idea of `selective` with PyTorch's selective-checkpoint policy API (torchtitan's op-level SAC): the whole
-# block is checkpointed (one layer a segment, as under full), the outputs of its projection GEMMs (aten.addmm and
-# aten.mm) are cached, every other op is recomputed. Kept: the block input and the 4 GEMM outputs,
-# s b h (1 + 3 + 1 + 4 + 1) e = 10 s b h e, less than `selective`, because LayerNorm, GELU and dropout are
-# recomputed as well (cheap element-wise work, which FlopCounterMode does not count). FLOPs: both core matmuls
-# are redone, 4 b s^2 h a layer: xV's output is the input of the cached projection GEMM, whose saved copy the
-# backward needs. A checkpoint around the attention core needs a block that exposes its core; the policy API
-# works on any block, picks ops by name and caches whole op outputs. The SAC cache is invisible to saved-tensor
-# hooks; `_AllocationLog` sees it because it follows the storages themselves.
-
-def _gemm_outputs_only(ctx, op, *args, **kwargs):
-    """torchtitan-style op-level SAC: cache the projection GEMMs, recompute everything else."""
-    if op in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default):
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def layer_keeps_its_input_and_gemm_outputs(b, s, h, a, e, mask, e_ln):
-    """Policy selective_sac: the checkpoint's input and the cache of the four projection GEMMs' outputs."""
-    sbh = s * b * h
-    return {"block input": sbh * e, "QKV GEMM output": 3 * sbh * e, "projection GEMM output": sbh * e,
-            "fc1 GEMM output": 4 * sbh * e, "fc2 GEMM output": sbh * e}
-
-
-POLICY_TABLE["selective_sac"] = Policy(
-    segment=one_layer, kept=layer_keeps_its_input_and_gemm_outputs, recomputed_flops=lambda gemms, core: core,
-    context_fn=lambda: create_selective_checkpoint_contexts(_gemm_outputs_only))
-POLICIES = tuple(POLICY_TABLE)
-
-
-# ----------------------------------------------------------------------------------------------------
-# The forward+backward peak: kept bytes + what a recomputation holds at once + a transient
-# ----------------------------------------------------------------------------------------------------
-# Kept bytes are not the peak. Backward recomputes one unit at a time and holds all of its activations at once on
-# top of the kept bytes: one layer under `full`, a whole segment under `sqrt`. With A = one layer's `none` bytes
-# and X = s b h e (one block input), the forward+backward peak is (`peak_bytes`, term by term in
-# `peak_bytes_terms`)
-#
-#     peak = kept + W + T
-#     W, recomputed and alive at once:  none 0;  full A - X;  sqrt seg A - X;  selective, in the attention
-#           backward only, the core's q, k, v copies and s^2 tensors, 3X + a s^2 b (2 e + m);  selective_sac
-#           A - X less its cached fc1 output (4X).
-#     T, the transient at the largest of a block's moments (CPU kernels; b > 1 and a > 1):
-#           end of its forward or recomputation, +5X: the QKV output (3X) and the attention output (X), held by
-#               forward's local variables although autograd saved copies, and fc2's output before dropout;
-#               (+2X under `selective`, which keeps the QKV output anyway)
-#           MLP backward, +4X: the gradients through the dropout (X, its mask freed) and of the fc2 input (4X);
-#           attention backward, + a s^2 b e + 3X - 13X - 2 s b e_ln: the probabilities' gradient and three
-#               s b h gradients, the layer's MLP and projection tensors already freed: above the end of the
-#               forward once a s / h exceeds about 15 (long sequences).
-#     `peak_bytes_terms` also covers selective_sac (its cache frees each cached output once used; recomputing
-#     the attention core is a fourth moment), b = 1 or a = 1 (`matmul_copies`: some reshapes are views) and a
-#     shorter last sqrt segment.
-#
-# `measure_peak_bytes` counts every storage created during forward and backward from creation to release,
-# parameter gradients excluded; it equals `peak_bytes` to the byte for every policy, dtype and shape the tests
-# try. The transients are those of PyTorch's CPU kernels; CUDA's fused dropout and FP32 LayerNorm statistics
-# change them in detail, not W. One consequence, checked by the tests: full never peaks above none,
-# peak(none) - peak(full) = (L - 1)(A - X), equal at L = 1.
-
-def matmul_copies(b, a):
-    """Which of the block's reshapes copy, as PyTorch's matmul does them (the rest are views). q, k and v are
-    slices of the QKV output; folding their (b, a) dimensions into one batch dimension for bmm is a view only
-    when b = 1 or a = 1, so for b > 1 and a > 1 bmm saves copies of q, k, v and not the QKV output. The
-    attention output (b, a, s, d) rearranged to (b, s, a d) for the projection is a copy unless a = 1. The kept
-    bytes are 3 s b h e either way; the peak is not, because the block's forward holds the QKV output and the
-    attention output in local variables until it returns."""
-    return b > 1 and a > 1, a > 1
-
-
-def peak_bytes_terms(policy, layers, b, s, h, a, e):
-    """The moments at which the forward+backward peak can occur, each as the bytes alive on top of
-    `kept_bytes`, term by term (see the module docstring). Terms named "recomputed: ..." are the working set of
-    the recomputation; the others are that moment's transient. For PyTorch's CPU kernels (dropout masks and
-    LayerNorm statistics in the input's dtype, see `kept_bytes_per_layer`); measured by `measure_peak_bytes`."""
-    if policy not in POLICIES:
-        raise ValueError(f"policy={policy!r}; choose one of {POLICIES}")
-    layer = kept_bytes_per_layer("none", b, s, h, a, e)
-    x, scores = s * b * h * e, a * s * s * b * e
-    qkv_copied, core_copied = matmul_copies(b, a)
-    s2 = layer["softmax output"] + layer["attention dropout mask"] + layer["attention dropout output (input of xV)"]
-    ln_stats = layer["LayerNorm mean and 1/std (2 LNs)"] // 2  # one LayerNorm's
-    mlp_saved = ln_stats + sum(layer[k] for k in ("LN2 input", "fc1 input (LN2 output)", "GELU input", "fc2 input",
-                                                  "MLP dropout mask"))
-    end = {"QKV output (a local variable of forward)": 3 * x * qkv_copied,
-           "attention output (a local variable)": x * core_copied, "fc2 output (before dropout)": x}
-    mlp = {"gradient through the MLP dropout": x, "MLP dropout mask (freed)": -layer["MLP dropout mask"],
-           "gradient of the fc2 input": 4 * x}
-    att = {"MLP and LN2 saved tensors (freed)": -mlp_saved,
-           "projection input and dropout mask (freed)": -(layer["projection input"] + layer["projection dropout mask"]),
-           "residual, attention output and V gradients": 3 * x, "attention probabilities' gradient": scores}
-    names = ("end of a block's forward", "MLP backward", "attention backward")
-    if policy == "none":
-        return dict(zip(names, (end, mlp, att)))
-    if policy in ("full", "sqrt"):
-        seg = 1 if policy == "full" else sqrt_segment_size(layers)
-        unit = {f"recomputed: {seg} layer(s) less the kept input": seg * sum(layer.values()) - x}
-        # a shorter last segment leaves the largest one below it, and by its attention backward the gradient
-        # from above (which took the place of the freed input of the segment above) is used up
-        lower = {"gradient from the segment above (used up)": -x if layers % seg else 0}
-        return dict(zip(names, ({**unit, **end}, {**unit, **mlp}, {**unit, **att, **lower})))
-    if policy == "selective":
-        # the QKV output is kept (the checkpointed core's input); backward recomputes the core, copies included
-        core = {"recomputed: q, k, v copies": 3 * x * qkv_copied, "recomputed: softmax, dropout mask and output": s2}
-        del end["QKV output (a local variable of forward)"]
-        return dict(zip(names, (end, mlp, {**core, **att})))
-    # selective_sac recomputes the layer but its cached GEMM outputs: fc1's (the GELU input) and the QKV output,
-    # which q, k, v are views of when not copied; the cache gives each cached output up once it is used
-    unit = {"recomputed: the layer less its input and cached GEMM outputs":
-            sum(layer.values()) - x - layer["GELU input"] - 3 * x * (not qkv_copied)}
-    used = {"cached QKV (if copied), projection and fc2 outputs (used, freed)": -(3 * x * qkv_copied + 2 * x)}
-    return {"end of a block's recomputation": {**unit, "attention output (a local variable)": x * core_copied,
-                                               "cached projection output (used, freed)": -x},
-            "MLP backward": {**unit, **used, **mlp}, "attention backward": {**unit, **used, **att},
-            "recomputation of the attention core": {
-                "recomputed: LN1 output and statistics, q and k copies, softmax, dropout mask and output":
-                    x + ln_stats + 2 * x * qkv_copied + s2,
-                "masked scores (a local variable until dropout returns)": scores}}
-
-
-def peak_bytes(policy, layers, b, s, h, a, e):
-    """(peak bytes, moment, working set, transient): kept + the largest moment of `peak_bytes_terms`, split into
-    its recomputed working set and the rest."""
-    moments = peak_bytes_terms(policy, layers, b, s, h, a, e)
-    moment = max(moments, key=lambda m: sum(moments[m].values()))
-    work = sum(v for k, v in moments[moment].items() if k.startswith("recomputed"))
-    transient = sum(moments[moment].values()) - work
-    return kept_bytes(policy, layers, b, s, h, a, e) + work + transient, moment, work, transient
-
-
 def measure_peak_bytes(blocks, x, policy):
-    """The most bytes of activations and their gradients alive at once in one forward and backward: every
-    storage created meanwhile, from its creation until it is freed, but the parameters' gradients (parameter
-    memory, the same under every policy). The input and the gradient arriving at the output come from outside
-    and are not counted. The garbage collector is off meanwhile, so that each tensor goes when its last
-    reference does, as it would in a step without reference cycles."""
+    """The most bytes of activations and their gradients alive at once in one forward and backward, from each
+    storage's creation to its release: not the parameters' gradients (the same under every policy), the input or
+    the output's gradient. The garbage collector is off, so that each tensor goes with its last reference."""
     x = x.detach().requires_grad_(True)
     grad_out = torch.ones_like(x)
     for p in blocks.parameters():
@@ -497,21 +380,105 @@ def measure_peak_bytes(blocks, x, policy):
     return peak
 
 
-# ----------------------------------------------------------------------------------------------------
-# sqrt against full: where sqrt's peak is the lower one
-# ----------------------------------------------------------------------------------------------------
-# The transients of sqrt and full are the same, so
-#
-#     peak(sqrt) - peak(full) = (seg - 1) A - (L - ceil(L/seg)) X
-#
-# (exact when seg divides L; a shorter last segment can make sqrt's one X lower). sqrt lowers the peak only when
-# ceil(L/seg) block inputs + one segment's activations < L block inputs + one layer's, which with seg ~ sqrt(L) is
-# sqrt(L) > A/X: L > (A/X)^2. A/X = 16 + 2m/e + a s (2e + m)/(h e) + 4 e_ln/(h e) is at least 18 on CPU and 17 in
-# 16-bit on CUDA and grows with a s / h: below 17^2 = 289 layers at any sequence length, and below thousands for
-# long sequences, sqrt's peak is the higher one. The demo prints A/X and the first such L for its shapes and for a
-# 16-bit CUDA layer of GPT-3 6.7B's size, and with --long measures both policies at that L for a tiny block. What
-# sqrt does lower is the kept bytes: they add up when several micro-batches' activations wait at once (pipeline
-# schedules); the working set is there once.
+def measure_flops(blocks, x, policy):
+    x = x.detach().requires_grad_(True)
+    with FlopCounterMode(display=False) as counter:
+        run_blocks(blocks, x, policy).sum().backward()
+    return counter.get_total_flops()
+
+
+def gradients(blocks, x, policy, seed=1234):
+    """Input and parameter gradients of one forward/backward under a fixed dropout seed."""
+    x = x.detach().requires_grad_(True)
+    for p in blocks.parameters():
+        p.grad = None
+    torch.manual_seed(seed)
+    out = run_blocks(blocks, x, policy)
+    out.backward(torch.ones_like(out))
+    return [x.grad] + [p.grad.clone() for p in blocks.parameters()]
+
+
+# BEYOND THE CHAPTER: op-level selective checkpointing, sqrt against full, offloading, the demo
+import argparse
+import dataclasses
+import json
+
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+# ---- op-level selective checkpointing (`SELECTIVE_SAC`): a Policy subclass -----------------------------------
+# The idea of `selective` with PyTorch's selective-checkpoint policy API (torchtitan's op-level SAC): the whole
+# block is checkpointed (one layer a segment, as under full), the outputs of its projection GEMMs (aten.addmm and
+# aten.mm) are cached, every other op is recomputed. Kept: the block input and the 4 GEMM outputs,
+# s b h (1 + 3 + 1 + 4 + 1) e = 10 s b h e, less than `selective`, because LayerNorm, GELU and dropout are
+# recomputed as well (cheap element-wise work, which FlopCounterMode does not count). FLOPs: both core matmuls
+# are redone, 4 b s^2 h a layer: xV's output is the input of the cached projection GEMM, whose saved copy the
+# backward needs. A checkpoint around the attention core needs a block that exposes its core; the policy API
+# works on any block, picks ops by name and caches whole op outputs. The SAC cache is invisible to saved-tensor
+# hooks; `_AllocationLog` sees it because it follows the storages themselves. At the peak its W is A - X less the
+# cached fc1 output (4X); its cache frees each cached output once used, and recomputing the attention core is a
+# fourth moment.
+
+def _gemm_outputs_only(ctx, op, *args, **kwargs):
+    """torchtitan-style op-level SAC: cache the projection GEMMs, recompute everything else."""
+    if op in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def layer_keeps_its_input_and_gemm_outputs(b, s, h, a, e, mask, e_ln):
+    """Policy selective_sac: the checkpoint's input and the cache of the four projection GEMMs' outputs."""
+    sbh = s * b * h
+    return {"block input": sbh * e, "QKV GEMM output": 3 * sbh * e, "projection GEMM output": sbh * e,
+            "fc1 GEMM output": 4 * sbh * e, "fc2 GEMM output": sbh * e}
+
+
+@dataclass(frozen=True)
+class OpLevelCheckpointing(Policy):
+    """A Policy whose checkpoints keep what `context_fn` (torch.utils.checkpoint's) tells them to: here the outputs
+    of `_gemm_outputs_only`'s ops."""
+    context_fn: Callable = lambda: create_selective_checkpoint_contexts(_gemm_outputs_only)
+
+    def checkpointed(self, blocks, x):
+        return checkpoint(_run_segment, blocks, *_as_args(x), use_reentrant=False, context_fn=self.context_fn)
+
+    def peak_terms(self, layers, b, s, h, a, e):
+        """The moments of `Policy.peak_terms` under op-level SAC, and the recomputation of the attention core."""
+        layer = kept_bytes_per_layer("none", b, s, h, a, e)
+        x, scores = s * b * h * e, a * s * s * b * e
+        qkv_copied, core_copied = matmul_copies(b, a)
+        s2 = sum(layer[k] for k in ("softmax output", "attention dropout mask",
+                                    "attention dropout output (input of xV)"))
+        ln_stats = layer["LayerNorm mean and 1/std (2 LNs)"] // 2  # one LayerNorm's
+        none = Policy().peak_terms(layers, b, s, h, a, e)  # the transients of a block without recomputation
+        mlp, att = none["MLP backward"], none["attention backward"]
+        # it recomputes the layer but its cached GEMM outputs: fc1's (the GELU input) and the QKV output,
+        # which q, k, v are views of when not copied; the cache gives each cached output up once it is used
+        unit = {"recomputed: the layer less its input and cached GEMM outputs":
+                sum(layer.values()) - x - layer["GELU input"] - 3 * x * (not qkv_copied)}
+        used = {"cached QKV (if copied), projection and fc2 outputs (used, freed)": -(3 * x * qkv_copied + 2 * x)}
+        return {"end of a block's recomputation": {**unit, "attention output (a local variable)": x * core_copied,
+                                                   "cached projection output (used, freed)": -x},
+                "MLP backward": {**unit, **used, **mlp}, "attention backward": {**unit, **used, **att},
+                "recomputation of the attention core": {
+                    "recomputed: LN1 output and statistics, q and k copies, softmax, dropout mask and output":
+                        x + ln_stats + 2 * x * qkv_copied + s2,
+                    "masked scores (a local variable until dropout returns)": scores}}
+
+
+SELECTIVE_SAC = OpLevelCheckpointing(segment=one_layer, kept=layer_keeps_its_input_and_gemm_outputs,
+                                     recomputed_flops=lambda gemms, core: core)
+# the recomputation policies the report measures: the chapter's four and op-level SAC (offloading: below)
+RECOMPUTATION_POLICIES = {**POLICY_TABLE, "selective_sac": SELECTIVE_SAC}
+
+
+# ---- sqrt against full: where sqrt's peak is the lower one ------------------------------------------------
+# The transients of sqrt and full are the same, so peak(sqrt) - peak(full) = (seg - 1) A - (L - ceil(L/seg)) X (the
+# module docstring; exact when seg divides L, a shorter last segment can make sqrt's one X lower): sqrt lowers the
+# peak only when sqrt(L) > A/X, L > (A/X)^2. A/X = 16 + 2m/e + a s (2e + m)/(h e) + 4 e_ln/(h e) is at least 18 on
+# CPU and 17 in 16-bit on CUDA and grows with a s / h: below 17^2 = 289 layers at any sequence length, and below
+# thousands for long sequences, sqrt's peak is the higher one. The demo prints A/X and the first such L for its
+# shapes and for a 16-bit CUDA layer of GPT-3 6.7B's size, and with --long measures both policies at that L for a
+# tiny block.
 
 def sqrt_lowers_peak(layers, layer_bytes, input_bytes):
     """Whether sqrt's peak is below full's: ceil(L / seg) kept inputs + one segment's activations against L kept
@@ -529,9 +496,7 @@ def first_layers_where_sqrt_lowers_peak(layer_bytes, input_bytes):
     return layers
 
 
-# ----------------------------------------------------------------------------------------------------
-# Activation offloading: what autograd saves waits in host memory instead of being recomputed
-# ----------------------------------------------------------------------------------------------------
+# ---- activation offloading (`OffloadPolicy`): what autograd saves waits in host memory, not recomputed ------
 # The other lever: keep every saved tensor, but not on the device. Under `offload` each block's saved tensors
 # (autograd's, caught by torch.autograd.graph.saved_tensors_hooks; parameters and buffers stay) are copied to host
 # memory during the block's forward and copied back before the block's backward. The copies are exact and keep
@@ -552,9 +517,6 @@ def first_layers_where_sqrt_lowers_peak(layer_bytes, input_bytes):
 # way to free the memory (`offload_or_recompute`). These hooks do not combine with full or sqrt recomputation
 # (a checkpoint would offload only its segment's input, already the least there is), and one backward brings the
 # activations back once (no retain_graph).
-
-OFFLOADED = {"offload": "none", "selective+offload": "selective"}  # offload policy -> recomputation underneath
-
 
 class ActivationOffload:
     """Saved-tensor hooks that keep each block's saved activations on the host from its forward to its backward.
@@ -628,8 +590,8 @@ class ActivationOffload:
 def run_offloaded(blocks, x, recompute="none", offload=None):
     """`run_blocks` with `recompute` (none or selective), one block at a time under `offload`'s hooks (a new
     `ActivationOffload` by default)."""
-    if recompute not in OFFLOADED.values():
-        raise ValueError(f"recompute={recompute!r}: offloading runs over one of {tuple(OFFLOADED.values())}")
+    if recompute not in ("none", "selective"):
+        raise ValueError(f"recompute={recompute!r}: offloading runs over one of ('none', 'selective')")
     if offload is None:
         offload = ActivationOffload([t for block in blocks for t in (*block.parameters(), *block.buffers())])
     for index in range(len(blocks)):
@@ -638,15 +600,26 @@ def run_offloaded(blocks, x, recompute="none", offload=None):
     return x
 
 
-# run_blocks(blocks, x, "offload") and (..., "selective+offload"); POLICIES keeps listing the recomputations only
-POLICY_TABLE["offload"] = Policy(run=lambda blocks, x: run_offloaded(blocks, x, "none"))
-POLICY_TABLE["selective+offload"] = Policy(run=lambda blocks, x: run_offloaded(blocks, x, "selective"),
-                                           recomputed_flops=POLICY_TABLE["selective"].recomputed_flops)
+@dataclass(frozen=True)
+class OffloadPolicy(Policy):
+    """A Policy that runs its blocks by `run_offloaded` over the recomputation `underneath` (none or selective),
+    with `offload` (an ActivationOffload whose counts the caller reads; None: a new one each forward)."""
+    underneath: str = "none"
+    offload: Optional[ActivationOffload] = None
+
+    def run(self, blocks, x):
+        return run_offloaded(blocks, x, self.underneath, self.offload)
+
+
+# run_blocks(blocks, x, OFFLOAD_POLICIES["offload"]): what train_gpt.py's --recompute offload runs
+OFFLOAD_POLICIES = {"offload": OffloadPolicy(underneath="none"),
+                    "selective+offload": OffloadPolicy(underneath="selective",
+                                                       recomputed_flops=POLICY_TABLE["selective"].recomputed_flops)}
 
 
 def offload_bytes(policy, layers, b, s, h, a, e, device="cpu"):
     """The formula: device-resident activation bytes, bytes copied to the host and back in one step."""
-    moved = kept_bytes(OFFLOADED[policy], layers, b, s, h, a, e, device)
+    moved = kept_bytes(OFFLOAD_POLICIES[policy].underneath, layers, b, s, h, a, e, device)
     return {"device_resident": s * b * h * e, "to_host": moved, "to_device": moved}
 
 
@@ -654,8 +627,7 @@ def measure_offload(blocks, x, policy):
     """The same, measured in one forward and backward: the storages alive between them (`measure_kept_bytes`)
     less the host copies, and the bytes `ActivationOffload` copied each way."""
     offload = ActivationOffload([*blocks.parameters(), *blocks.buffers()])
-    run = Policy(run=lambda blocks, x: run_offloaded(blocks, x, OFFLOADED[policy], offload))
-    kept, y = measure_kept_bytes(blocks, x, run)
+    kept, y = measure_kept_bytes(blocks, x, dataclasses.replace(OFFLOAD_POLICIES[policy], offload=offload))
     on_host = offload.bytes_to_host  # every copy is still there before the backward
     y.backward(torch.ones_like(y))
     return {"device_resident": kept - on_host, "to_host": offload.bytes_to_host, "to_device": offload.bytes_to_device}
@@ -667,8 +639,8 @@ def offload_or_recompute(b, s, h, a, e=2, pcie_bytes_per_s=25e9, flops_per_s=400
     is free, or cheaper than recomputing a forward, or recomputation wins."""
     forward = training_flops("none", 1, b, s, h) / 3 / flops_per_s  # a step is 3 forwards (backward = 2)
     rows = []
-    for policy, recompute in OFFLOADED.items():
-        layer = sum(kept_bytes_per_layer(recompute, b, s, h, a, e, device).values())
+    for policy, rule in OFFLOAD_POLICIES.items():
+        layer = sum(kept_bytes_per_layer(rule.underneath, b, s, h, a, e, device).values())
         copy = layer / pcie_bytes_per_s
         wait = max(0.0, copy - forward) + max(0.0, copy - 2 * forward)  # the copy out, the copy back
         verdict = "offload free" if wait == 0 else "offload, waiting" if wait < forward else "recomputation wins"
@@ -683,19 +655,16 @@ def offload_against_formulas(blocks, x, a, pcie_bytes_per_s=25e9, flops_per_s=40
     (b, s, h), layers, e = x.shape, len(blocks), x.element_size()
     reference = gradients(blocks, x, "none")
     rows = [{"policy": policy, "gradients_identical": all(
-                torch.equal(r, g) for r, g in zip(reference, gradients(blocks, x, policy))),
+                torch.equal(r, g) for r, g in zip(reference, gradients(blocks, x, OFFLOAD_POLICIES[policy]))),
              "measured": measure_offload(blocks, x, policy), "formula": offload_bytes(policy, layers, b, s, h, a, e)}
-            for policy in OFFLOADED]
+            for policy in OFFLOAD_POLICIES]
     shapes = {"report": (b, s, h, a), "gpt3_6.7b": (1, 2048, 4096, 32)}
     timing = {name: {"shape": dict(zip("bsha", shape)),
                      "rows": offload_or_recompute(*shape, 2, pcie_bytes_per_s, flops_per_s)}
               for name, shape in shapes.items()}
     return {"rows": rows, "pcie_bytes_per_s": pcie_bytes_per_s, "flops_per_s": flops_per_s, "timing": timing}
 
-
-# ----------------------------------------------------------------------------------------------------
-# The report: the chapter's measurements first, then the peaks, the L sweep and sqrt against full
-# ----------------------------------------------------------------------------------------------------
+# ---- the report: the chapter's measurements first, then the peaks, the L sweep and sqrt against full ------
 
 def _check_report_args(layers, b, s, h, a, dropout, sweep):
     for name, flag, value in (("layers", "--layers", layers), ("b", "--batch", b), ("s", "--seq", s),
@@ -714,11 +683,11 @@ def policies_against_formulas(blocks, x, a):
     (and the paper's 16-bit figure where it gives one)."""
     (b, s, h), layers, e = x.shape, len(blocks), x.element_size()
     rows = []
-    for policy in POLICIES:
+    for name, policy in RECOMPUTATION_POLICIES.items():
         kept, _ = measure_kept_bytes(blocks, x, policy)
         peak, moment, work, transient = peak_bytes(policy, layers, b, s, h, a, e)
-        paper = korthikanti_bytes_per_layer(policy, b, s, h, a)
-        rows.append({"policy": policy, "saved_bytes": kept, "formula_bytes": kept_bytes(policy, layers, b, s, h, a, e),
+        paper = korthikanti_bytes_per_layer(name, b, s, h, a)
+        rows.append({"policy": name, "saved_bytes": kept, "formula_bytes": kept_bytes(policy, layers, b, s, h, a, e),
                      "flops": measure_flops(blocks, x, policy),
                      "formula_flops": training_flops(policy, layers, b, s, h),
                      "korthikanti_16bit_bytes": None if paper is None else layers * paper,
@@ -817,8 +786,8 @@ def show_per_layer_terms_against_the_paper(r):
 
 
 def show_peak_is_kept_plus_working_set_plus_transient(r):
-    print("\n== beyond the chapter: the forward+backward peak, measured | formula = kept + W (recomputed, alive at "
-          "once) + T (transient), at the moment it occurs")
+    print("\n== the forward+backward peak, measured | formula = kept + W (recomputed, alive at once) + T (transient), "
+          "at the moment it occurs")
     for row in r["rows"]:
         print(f"{row['policy']:14s} {row['peak_bytes']:9d} | {row['formula_peak_bytes']:9d} = "
               f"{row['formula_bytes']:9d} + {row['peak_working_set']:8d} + {row['peak_transient']:7d}   "

@@ -7,7 +7,9 @@ optimizer steps once. The effective (global) batch is
     effective batch = micro_batch x DP x K
 
 and under pipeline parallelism a pipeline's m micro-batches already are accumulation steps:
-global batch = micro_batch x m x DP, and further accumulation multiplies on top (x K).
+global batch = micro_batch x m x DP, and further accumulation multiplies on top (x K). The chapter writes
+micro-batch x K x world size; that holds only when every rank is a data-parallel rank: the TP, PP and CP ranks
+of one model replica share its micro-batches, so only DP multiplies the batch.
 
 Two classic mistakes this file teaches away:
 
@@ -27,8 +29,9 @@ Two classic mistakes this file teaches away:
    [1, 1, 1] and [5] have mean 2.0, but the mean of means is 3.0. So here each micro-step back-propagates
    its loss SUM, and after the step's only reduction the gradients are divided by the number of tokens
    of the whole global batch (all micro-batches, all DP ranks), as Megatron-LM's per-token loss does.
-   When every micro-batch holds the same number of tokens n, this is exactly the textbook
-   "divide each micro-batch's mean loss by K" (and by DP, which DDP's averaging does).
+   The chapter's recipe, "divide each micro-batch's mean loss by K" (and by DP, which DDP's averaging
+   does), is this exactly when every micro-batch holds the same number of tokens; the code differs because
+   padded and packed batches do not.
 
 Conventions: `group=None` means "no communication" (one data-parallel rank), never "the default group";
 the gradient sync SUMS, and the one normalisation is the division by the global token count.
@@ -62,6 +65,8 @@ def _group_size(group):
 
 
 # ---- the manual sync: flat buckets, one all-reduce each ------------------------------------------------
+# A bucket, as in DDP: a few consecutive gradients flattened into one buffer of at most 25 MB, reduced by one
+# collective (not the whole flat gradient buffer of an optimizer that keeps one).
 
 def gradient_buckets(params, bucket_bytes=DEFAULT_BUCKET_BYTES):
     """Split the parameters into consecutive buckets of at most `bucket_bytes` (one dtype per bucket)."""

@@ -5,7 +5,7 @@ s tokens, width H = heads x head_dim; e bytes per element below), and attention'
 forward (QK^T and PV), half that under a causal mask. At 128K tokens one layer's activations outgrow a GPU. CP cuts the
 sequence into P shards, one per rank of a CP group, so every activation of every layer holds s/P tokens and each
 rank does 1/P of the attention work. Only attention needs the other shards (a query meets every earlier key); two
-ways to bring them follow. Below, H_kv is the KV width (fewer heads under GQA) and e_acc the accumulator's bytes.
+ways to bring them follow. In what follows H_kv is the KV width (fewer heads under GQA), e_acc the accumulator's bytes.
 
 Ring attention (Liu et al. 2023). Rank r holds q, k, v of its shard. In P steps the K/V shards travel round the ring
 (r sends to r+1, receives from r-1): P-1 hops, each posted before the current block is computed, so that it flies
@@ -32,8 +32,10 @@ same way: zigzag_shard of arange(s) keeps the global position ids. The length mu
 
 Ulysses (Jacobs et al. 2023, DeepSpeed). Each rank holds s/P tokens of all heads; an all-to-all trades them for all
 s tokens of H/P heads (sequence -> heads), ordinary attention runs per head, and a second all-to-all trades back
-(heads -> sequence). The heads must divide by P; n_kv KV heads of d channels, fewer than P, are replicated to P
-first (H_kv' = max(n_kv, P) d). Each of the four all-to-alls (q, k, v, out) keeps 1/P of an s/P-token tensor home:
+(heads -> sequence). The chapter words the first exchange the other way round (heads to sequence); but before
+attention every rank holds what the rest of the layer leaves it, a sequence shard of every head, and attention needs
+the whole sequence of a head. The heads must divide by P; n_kv KV heads of d channels, fewer than P, are replicated
+to P first (H_kv' = max(n_kv, P) d). Each of the four all-to-alls (q, k, v, out) keeps 1/P of an s/P-token tensor home:
     bytes sent per rank per layer (ulysses_comm_bytes):
         forward   (P-1)/P b (s/P) (2 H + 2 H_kv') e;  backward the same (dout, dq, dk, dv)
     memory per rank: the whole s for H/P heads, also O(s/P); but every byte is exposed (no compute to hide behind),
@@ -50,9 +52,9 @@ b s H (10 + 24/t) under TP alone, 34 b s H / t with SP; but inside the TP region
 the whole sequence. CP shards the whole sequence through every layer, attention included, over its own group:
 34 b s H / (t P) with SP, attention work / (t P), for the ring's or Ulysses's bytes above. The two compose.
 
-Run `torchrun --nproc_per_node=4 long_seq.py` (or `python long_seq.py`, one rank): ring and Ulysses against full
-attention, bytes against these formulas, zigzag's balance; then the forms beyond the chapter. `--bench` measures
-peak memory and time at a long sequence.
+The full file's demo, `torchrun --nproc_per_node=4 long_seq.py` (or `python long_seq.py`, one rank), runs ring and
+Ulysses against full attention, bytes against these formulas, zigzag's balance, then the forms beyond the chapter;
+`--bench` measures peak memory and time at a long sequence.
 """
 import math
 from collections import Counter
@@ -144,6 +146,7 @@ def _check_qkv(q, k, v):
 # A block is q's rows against one K/V shard's columns. Forward returns (out, lse); backward takes the FINAL out and
 # lse of the rows (after every block is merged) and so returns exactly this block's share of dq, dk, dv. The
 # reference writes the block in einsums; it also runs where no fused kernel fits (float64 or odd head_dim on CUDA).
+# The fused kernels' plumbing (PyTorch's private aten calls) waits at the end of the chapter, after Ulysses.
 
 def _repeat_kv(t, heads):
     """GQA: KV head j serves query heads j*g .. j*g+g-1 (g = H / H_kv)."""
@@ -189,66 +192,6 @@ def _reference_backward(dout, q, k, v, out, lse, scale, causal):
     ds = p * (dp - delta[..., None])
     dq = torch.einsum("bhqk,bhkd->bhqd", ds, _repeat_kv(k, q.shape[1]).to(acc)) * scale
     dk = torch.einsum("bhqk,bhqd->bhkd", ds, q.to(acc)) * scale
-    return dq, _sum_kv_groups(dk, k.shape[1]), _sum_kv_groups(dv, k.shape[1])
-
-
-# The fused kernels: tiles of the scores live in registers / cache, only (out, lse) and (dq, dk, dv) are written.
-
-def fused_kernel(q, k):
-    """The fused SDPA kernel that runs a block of q against k (and v like k), or None for the reference math.
-
-    CPU: aten's flash kernel (float32, float64, bfloat16, float16; GQA native). CUDA, in this order: flash
-    (float16/bfloat16, GQA native), then memory-efficient (also float32; no GQA, so KV heads are repeated:
-    O(s/P) bytes). cuDNN attention is left out: it covers flash's dtypes, and its lse layout and arguments
-    have changed between releases. float64 on CUDA has no fused kernel: the reference runs there (its memory
-    is O((s/P)^2) per block; float64 is for parity tests), and so does a head_dim that is not a multiple of 8.
-    The torch.backends.cuda checks apply the rules of F.scaled_dot_product_attention (architecture, head_dim,
-    dtype, the user's torch.backends.cuda.enable_*_sdp toggles)."""
-    if q.device.type == "cpu":
-        return "cpu_flash" if q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16) else None
-    if q.device.type == "cuda" and q.shape[-1] % 8 == 0:  # F.sdpa pads head_dim to a multiple of 8; we do not
-        gqa = q.shape[1] != k.shape[1]
-        if can_use_flash_attention(SDPAParams(q, k, k, None, 0.0, False, gqa)):
-            return "cuda_flash"
-        if can_use_efficient_attention(SDPAParams(q, q, q, None, 0.0, False, False)):
-            return "cuda_efficient"
-    return None
-
-
-def _fused_forward(kernel, q, k, v, scale, causal):
-    """(out in q's dtype, lse (b, h, rows) in the accumulator dtype, what the backward kernel needs)."""
-    aten = torch.ops.aten
-    if kernel == "cpu_flash":
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        return out, lse, ()
-    if kernel == "cuda_flash":
-        out, lse, cum_q, cum_k, _, _, seed, offset, _ = aten._scaled_dot_product_flash_attention(
-            q, k, v, 0.0, causal, False, scale=scale)
-        return out, lse, (cum_q, cum_k, seed, offset)
-    k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
-    out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
-    return out, lse[:, :, :q.shape[2]], (seed, offset)  # its lse has rows padded to a multiple of 32
-
-
-def _fused_backward(kernel, extras, dout, q, k, v, out, lse, scale, causal):
-    """(dq, dk, dv) of one block from the final out and lse of its rows (the kernels compute delta from out).
-    `extras` come from a forward call of the same kernel (dropout is 0, so its RNG state is never read)."""
-    aten = torch.ops.aten
-    lse = lse.contiguous()
-    if kernel == "cpu_flash":
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
-                                                                        scale=scale)
-    if kernel == "cuda_flash":
-        cum_q, cum_k, seed, offset = extras
-        return aten._scaled_dot_product_flash_attention_backward(dout, q, k, v, out, lse, cum_q, cum_k, q.shape[2],
-                                                                k.shape[2], 0.0, causal, seed, offset, scale=scale)
-    seed, offset = extras
-    rows = q.shape[2]
-    padded = lse.new_zeros(*lse.shape[:2], -(-rows // 32) * 32)  # the kernel's layout (strides multiple of 8)
-    padded[:, :, :rows] = lse
-    kx, vx = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
-    dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, kx, vx, None, out, padded, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
     return dq, _sum_kv_groups(dk, k.shape[1]), _sum_kv_groups(dv, k.shape[1])
 
 
@@ -298,9 +241,9 @@ def _ring_blocks(step, rank, src, s_local, causal):
 # Ring attention
 # ----------------------------------------------------------------------------------------------------
 
-class _Hop:
-    """One hop of the ring in flight: `send` goes to the next rank while the previous rank's arrives.
-    Tags keep the KV and the dK/dV hops apart when both are in flight (gloo matches messages by tag)."""
+class _RingSendRecv:
+    """One hop of the ring in flight: `send` goes to the next rank while the previous rank's buffer of the same
+    shape arrives. Tags keep the KV and the dK/dV hops apart when both are in flight (gloo matches by tag)."""
 
     def __init__(self, send, group, kind, tag=0):
         rank, world = _group_info(group)
@@ -319,25 +262,30 @@ class _Hop:
 
 
 class _RingAttention(torch.autograd.Function):
+    """Shapes: q, out, dout (b, h, n, d) and k, v (b, h_kv, n, d) with n = s/P this rank's tokens; lse (b, h, n);
+    rows and cols slice n (all of it, or a half under zigzag), so a block is (b, h, |rows|, d) against
+    (b, h_kv, |cols|, d)."""
+
     @staticmethod
     def forward(ctx, q, k, v, group, causal, scale, kernel):
         rank, world = _group_info(group)
         acc, s_local = _acc_dtype(q.dtype), q.shape[2]
-        kv = torch.stack([k, v])  # one message per hop
+        kv = torch.stack([k, v])  # (2, b, h_kv, n, d): one message per hop
         for step in range(world):
-            if step < world - 1:  # start the next hop now: it overlaps this block's compute
-                kv_hop = _Hop(kv, group, "ring_kv_fwd")
-            src = (rank - step) % world
+            if step < world - 1:  # send kv (2, b, h_kv, n, d) to rank + 1 now, to overlap this block's compute
+                kv_hop = _RingSendRecv(kv, group, "ring_kv_fwd")
+            src = (rank - step) % world  # the rank whose K/V we hold at this step
             rows, cols, diagonal = _ring_blocks(step, rank, src, s_local, causal)
-            o, l, ctx.extras = _block_forward(kernel, q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], scale,
-                                              diagonal)
-            if step == 0:  # the first block covers every row
-                out, lse = o.to(acc), l.to(acc)
+            # (b, h, |rows|, d) and (b, h, |rows|): this block's output and log-sum-exp
+            block_out, block_lse, ctx.extras = _block_forward(kernel, q[:, :, rows], kv[0][:, :, cols],
+                                                              kv[1][:, :, cols], scale, diagonal)
+            if step == 0:  # the first block covers every row: (b, h, n, d), (b, h, n) in the accumulator dtype
+                out, lse = block_out.to(acc), block_lse.to(acc)
             else:
-                _merge(out[:, :, rows], lse[:, :, rows], o, l)
+                _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
             if step < world - 1:
-                kv = kv_hop.wait()
-        out = out.to(q.dtype)
+                kv = kv_hop.wait()  # (2, b, h_kv, n, d): rank - 1's, the K/V of rank - step - 1
+        out = out.to(q.dtype)  # (b, h, n, d)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.causal, ctx.scale, ctx.kernel = group, causal, scale, kernel
         return out
@@ -348,30 +296,31 @@ class _RingAttention(torch.autograd.Function):
         group, causal, scale, kernel = ctx.group, ctx.causal, ctx.scale, ctx.kernel
         rank, world = _group_info(group)
         acc, s_local = lse.dtype, q.shape[2]
-        dout = dout.contiguous().to(q.dtype)
-        dq = torch.zeros_like(q, dtype=acc)
-        kv = torch.stack([k, v])
+        dout = dout.contiguous().to(q.dtype)  # (b, h, n, d)
+        dq = torch.zeros_like(q, dtype=acc)  # (b, h, n, d): stays home
+        kv = torch.stack([k, v])  # (2, b, h_kv, n, d): the ring replayed
         for step in range(world):
-            if step < world - 1:
-                kv_hop = _Hop(kv, group, "ring_kv_bwd")
+            if step < world - 1:  # send kv (2, b, h_kv, n, d) to rank + 1, overlapping this block's backward
+                kv_hop = _RingSendRecv(kv, group, "ring_kv_bwd")
             src = (rank - step) % world
             rows, cols, diagonal = _ring_blocks(step, rank, src, s_local, causal)
-            dq_b, dk_b, dv_b = _block_backward(kernel, ctx.extras, dout[:, :, rows], q[:, :, rows],
-                                               kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, rows],
-                                               lse[:, :, rows], scale, diagonal)
-            dq[:, :, rows] += dq_b
-            if step == 0:  # our own KV block, every column: its gradient starts here
-                dkv = torch.stack([dk_b, dv_b]).to(acc)
+            # (b, h, |rows|, d), (b, h_kv, |cols|, d) twice: this block's share of dq, dk, dv
+            dq_block, dk_block, dv_block = _block_backward(kernel, ctx.extras, dout[:, :, rows], q[:, :, rows],
+                                                           kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, rows],
+                                                           lse[:, :, rows], scale, diagonal)
+            dq[:, :, rows] += dq_block
+            if step == 0:  # our own KV block, every column: its gradient (2, b, h_kv, n, d) starts here
+                dkv = torch.stack([dk_block, dv_block]).to(acc)
             else:  # the gradient of the block we hold, summed by the ranks it visited before: in flight since
                 dkv = dkv_hop.wait()  # the previous step, so its transfer overlapped this block's compute
-                dkv[0][:, :, cols] += dk_b
-                dkv[1][:, :, cols] += dv_b
-            del dq_b, dk_b, dv_b  # freed before the next buffer is allocated
-            if world > 1:  # pass it on with its block; waited for only after the next block's compute
-                dkv_hop = _Hop(dkv, group, "ring_dkv_bwd", tag=1)
+                dkv[0][:, :, cols] += dk_block
+                dkv[1][:, :, cols] += dv_block
+            del dq_block, dk_block, dv_block  # freed before the next buffer is allocated
+            if world > 1:  # send dkv (2, b, h_kv, n, d) on with its block; waited for after the next block
+                dkv_hop = _RingSendRecv(dkv, group, "ring_dkv_bwd", tag=1)
             if step < world - 1:
-                kv = kv_hop.wait()
-        if world > 1:  # the P-th hop brought our own block's gradient home, summed over every rank
+                kv = kv_hop.wait()  # (2, b, h_kv, n, d) from rank - 1
+        if world > 1:  # the P-th hop brought our own block's gradient (2, b, h_kv, n, d) home, summed over every rank
             dkv = dkv_hop.wait()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
@@ -510,6 +459,70 @@ def ulysses_comm_bytes(b, s, q_width, kv_width, world, e, ranks=None):
     ranks = world if ranks is None else ranks
     a2a = (world - 1) / world * b * s / ranks * (2 * q_width + 2 * kv_width) * e
     return {"ulysses_fwd": a2a, "ulysses_bwd": a2a}
+
+
+# ----------------------------------------------------------------------------------------------------
+# The fused kernels the ring's blocks run in: PyTorch's private aten entry points, behind `fused_kernel`
+# ----------------------------------------------------------------------------------------------------
+# Tiles of the scores live in registers / cache, only (out, lse) and (dq, dk, dv) are written. `_block_forward` and
+# `_block_backward` call these for a `kernel` that `fused_kernel` chose; everything above reads without them.
+
+def fused_kernel(q, k):
+    """The fused SDPA kernel that runs a block of q against k (and v like k), or None for the reference math.
+
+    CPU: aten's flash kernel (float32, float64, bfloat16, float16; GQA native). CUDA, in this order: flash
+    (float16/bfloat16, GQA native), then memory-efficient (also float32; no GQA, so KV heads are repeated:
+    O(s/P) bytes). cuDNN attention is left out: it covers flash's dtypes, and its lse layout and arguments
+    have changed between releases. float64 on CUDA has no fused kernel: the reference runs there (its memory
+    is O((s/P)^2) per block; float64 is for parity tests), and so does a head_dim that is not a multiple of 8.
+    The torch.backends.cuda checks apply the rules of F.scaled_dot_product_attention (architecture, head_dim,
+    dtype, the user's torch.backends.cuda.enable_*_sdp toggles)."""
+    if q.device.type == "cpu":
+        return "cpu_flash" if q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16) else None
+    if q.device.type == "cuda" and q.shape[-1] % 8 == 0:  # F.sdpa pads head_dim to a multiple of 8; we do not
+        gqa = q.shape[1] != k.shape[1]
+        if can_use_flash_attention(SDPAParams(q, k, k, None, 0.0, False, gqa)):
+            return "cuda_flash"
+        if can_use_efficient_attention(SDPAParams(q, q, q, None, 0.0, False, False)):
+            return "cuda_efficient"
+    return None
+
+
+def _fused_forward(kernel, q, k, v, scale, causal):
+    """(out in q's dtype, lse (b, h, rows) in the accumulator dtype, what the backward kernel needs)."""
+    aten = torch.ops.aten
+    if kernel == "cpu_flash":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse, ()
+    if kernel == "cuda_flash":
+        out, lse, cum_q, cum_k, _, _, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale)
+        return out, lse, (cum_q, cum_k, seed, offset)
+    k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
+    out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+    return out, lse[:, :, :q.shape[2]], (seed, offset)  # its lse has rows padded to a multiple of 32
+
+
+def _fused_backward(kernel, extras, dout, q, k, v, out, lse, scale, causal):
+    """(dq, dk, dv) of one block from the final out and lse of its rows (the kernels compute delta from out).
+    `extras` come from a forward call of the same kernel (dropout is 0, so its RNG state is never read)."""
+    aten = torch.ops.aten
+    lse = lse.contiguous()
+    if kernel == "cpu_flash":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
+                                                                        scale=scale)
+    if kernel == "cuda_flash":
+        cum_q, cum_k, seed, offset = extras
+        return aten._scaled_dot_product_flash_attention_backward(dout, q, k, v, out, lse, cum_q, cum_k, q.shape[2],
+                                                                k.shape[2], 0.0, causal, seed, offset, scale=scale)
+    seed, offset = extras
+    rows = q.shape[2]
+    padded = lse.new_zeros(*lse.shape[:2], -(-rows // 32) * 32)  # the kernel's layout (strides multiple of 8)
+    padded[:, :, :rows] = lse
+    kx, vx = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
+    dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, kx, vx, None, out, padded, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
+    return dq, _sum_kv_groups(dk, k.shape[1]), _sum_kv_groups(dv, k.shape[1])
 
 
 # ======================================================================================================================
@@ -698,8 +711,9 @@ class _LocalBlocks(torch.autograd.Function):
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
         for rows, cols, causal in blocks:
-            o, l, ctx.extras = _block_forward(kernel, q[:, :, rows], k[:, :, cols], v[:, :, cols], scale, causal)
-            _merge(out[:, :, rows], lse[:, :, rows], o, l)
+            block_out, block_lse, ctx.extras = _block_forward(kernel, q[:, :, rows], k[:, :, cols], v[:, :, cols],
+                                                              scale, causal)
+            _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.blocks, ctx.scale, ctx.kernel = blocks, scale, kernel

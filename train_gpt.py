@@ -261,7 +261,9 @@ class Plan(Layout):
         return CP_IMPLS[self.cp_impl][1](x, dim, self.parallel_state.cp_rank, self.sizes["cp"])
 
     def run_blocks(self, blocks, state):
-        return checkpointing.run_blocks(blocks, state, self.recompute)
+        offload = "offload" in self.recompute  # offloading: Policy objects below checkpointing.py's banner
+        return checkpointing.run_blocks(blocks, state, checkpointing.OFFLOAD_POLICIES[self.recompute] if offload
+                                        else self.recompute)
 
     def reduce_tp(self, x):
         """The end of a TP region: sum the partial results, into sequence shards under SP."""
@@ -636,10 +638,8 @@ class Block(nn.Module):
 
     def attention(self, x):
         q, k, v = rearrange(self.qkv(self.ln1(x)), "b s (three a d) -> three b a s d", three=3, a=self.heads)
-        if self.recompute_attention_core:  # selective recomputation (checkpointing.run_blocks marks the block)
-            y = checkpointing.attention_core(self, self.plan.attention, q, k, v)
-        else:
-            y = self.plan.attention(q, k, v)
+        # checkpointed under selective recomputation (checkpointing.run_blocks marks the block), else a plain call
+        y = checkpointing.run_attention_core(self, self.plan.attention, q, k, v)
         return self.proj(rearrange(y, "b a s d -> b s (a d)"))
 
     def mlp(self, x):

@@ -2,7 +2,7 @@
 import itertools
 import json
 import math
-import subprocess
+import runpy
 import sys
 
 import pytest
@@ -13,6 +13,8 @@ import checkpointing as ck
 import chapter_core
 
 B, S, H, A, L = 2, 32, 32, 4, 4
+# every policy by name: the chapter's four, op-level SAC and the two offload policies (Policy objects)
+RULES = {**ck.RECOMPUTATION_POLICIES, **ck.OFFLOAD_POLICIES}
 
 
 @pytest.fixture(scope="module")
@@ -22,11 +24,11 @@ def setup():
     return blocks, x
 
 
-@pytest.mark.parametrize("policy", [p for p in ck.POLICIES if p != "none"])
+@pytest.mark.parametrize("policy", [p for p in ck.RECOMPUTATION_POLICIES if p != "none"])
 def test_gradients_identical_to_no_recomputation_with_dropout(setup, policy):
     blocks, x = setup
     reference = ck.gradients(blocks, x, "none")
-    got = ck.gradients(blocks, x, policy)
+    got = ck.gradients(blocks, x, RULES[policy])
     # recomputation replays the same ops on the same inputs with the RNG state restored: bit-identical
     assert all(torch.equal(a, b) for a, b in zip(reference, got))
     # and dropout really was on: another seed gives other gradients
@@ -39,11 +41,11 @@ def test_kept_bytes_and_flops_equal_the_formulas(setup, dtype):
     blocks, x = ck.make_blocks(L, H, A, S, dropout=0.2).to(dtype), x.to(dtype)
     e = x.element_size()
     kept, flops = {}, {}
-    for policy in ck.POLICIES:
-        kept[policy] = ck.measure_kept_bytes(blocks, x, policy)[0]
-        flops[policy] = ck.measure_flops(blocks, x, policy)
-        assert kept[policy] == ck.kept_bytes(policy, L, B, S, H, A, e), policy
-        assert flops[policy] == ck.training_flops(policy, L, B, S, H), policy
+    for policy, rule in ck.RECOMPUTATION_POLICIES.items():
+        kept[policy] = ck.measure_kept_bytes(blocks, x, rule)[0]
+        flops[policy] = ck.measure_flops(blocks, x, rule)
+        assert kept[policy] == ck.kept_bytes(rule, L, B, S, H, A, e), policy
+        assert flops[policy] == ck.training_flops(rule, L, B, S, H), policy
     assert kept["none"] > kept["selective"] > kept["full"]
     assert flops["none"] < flops["selective"] < flops["full"]
     assert flops["full"] / flops["none"] == pytest.approx(4 / 3)  # one extra forward: 72 -> 96
@@ -85,11 +87,18 @@ def test_report_refuses_a_dropout_its_formulas_do_not_describe():
             ck.report(layers=2, b=1, s=8, h=16, a=2, dropout=p, sweep=(2,), crossover=False)
 
 
-def test_json_report_from_the_command_line():
-    out = subprocess.run([sys.executable, "checkpointing.py", "--json", "--layers", "2", "--seq", "16",
-                          "--hidden", "16", "--heads", "2", "--batch", "1", "--sweep", "2", "--no-crossover"],
-                         capture_output=True, text=True, check=True, cwd=ck.__file__.rsplit("/", 1)[0])
-    r = json.loads(out.stdout)
+def test_json_report_from_the_command_line(monkeypatch, capsys):
+    # `python3 checkpointing.py --json ...` run in this process (runpy, as __main__): the file's own entry point
+    # without a second interpreter's start and imports (saves about 5 s)
+    argv = ["checkpointing.py", "--json", "--layers", "2", "--seq", "16", "--hidden", "16", "--heads", "2",
+            "--batch", "1", "--sweep", "2", "--no-crossover"]
+    monkeypatch.setattr(sys, "argv", argv)
+    threads = torch.get_num_threads()
+    try:
+        runpy.run_path(ck.__file__, run_name="__main__")
+    finally:
+        torch.set_num_threads(threads)  # the entry point sets one thread
+    r = json.loads(capsys.readouterr().out)
     assert r["config"]["layers"] == 2
     rows = {row["policy"]: row for row in r["rows"]}
     assert {"none", "full", "sqrt", "selective"} <= set(rows)
@@ -110,13 +119,13 @@ def test_peak_bytes_equal_the_formula_at_every_moment():
         blocks = ck.make_blocks(layers, h, a, s, dropout=0.2).to(dtype)
         x = torch.randn(b, s, h, dtype=dtype, generator=torch.Generator().manual_seed(0))
         e = x.element_size()
-        for policy in ck.POLICIES:
-            peak, moment, work, transient = ck.peak_bytes(policy, layers, b, s, h, a, e)
-            assert ck.measure_peak_bytes(blocks, x, policy) == peak, (b, s, h, a, layers, dtype, policy)
-            assert peak == ck.kept_bytes(policy, layers, b, s, h, a, e) + work + transient
+        for policy, rule in ck.RECOMPUTATION_POLICIES.items():
+            peak, moment, work, transient = ck.peak_bytes(rule, layers, b, s, h, a, e)
+            assert ck.measure_peak_bytes(blocks, x, rule) == peak, (b, s, h, a, layers, dtype, policy)
+            assert peak == ck.kept_bytes(rule, layers, b, s, h, a, e) + work + transient
             moments.add(moment)
     # the shapes reach every moment peak_bytes_terms lists
-    assert moments == {m for p in ck.POLICIES for m in ck.peak_bytes_terms(p, 4, B, S, H, A, 4)}
+    assert moments == {m for p in ck.RECOMPUTATION_POLICIES.values() for m in ck.peak_bytes_terms(p, 4, B, S, H, A, 4)}
 
 
 def test_peak_orderings_of_the_docstring(setup):
@@ -212,7 +221,7 @@ class _AuxBlock(ck.Block):
         return y, aux + y.square().mean()
 
 
-@pytest.mark.parametrize("policy", [p for p in ck.POLICIES if p != "none"])
+@pytest.mark.parametrize("policy", [p for p in ck.RECOMPUTATION_POLICIES if p != "none"])
 def test_tuple_state_blocks_give_the_same_gradients(policy):
     torch.manual_seed(0)
     blocks = torch.nn.ModuleList(_AuxBlock(H) for _ in range(L)).double()
@@ -226,7 +235,7 @@ def test_tuple_state_blocks_give_the_same_gradients(policy):
         (y.sum() + aux).backward()
         return [xi.grad] + [q.grad.clone() for q in blocks.parameters()]
 
-    assert all(torch.equal(a, b) for a, b in zip(grads("none"), grads(policy)))
+    assert all(torch.equal(a, b) for a, b in zip(grads("none"), grads(RULES[policy])))
 
 
 def test_tuple_state_kept_bytes_follow_the_policies():
@@ -243,7 +252,7 @@ def test_the_core_alone_recomputes_exactly_and_keeps_the_closed_form_bytes(tmp_p
     """The lines above the banner, loaded alone: each of the chapter's four policies gives the gradients of the
     blocks called one after the other with no checkpoint (float64; dropout 0.5 is on, so each recomputation must
     replay the RNG), and keeps, and computes, what the docstring's closed forms say (on CPU a dropout mask and a
-    LayerNorm statistic take e bytes, as an element does)."""
+    LayerNorm statistic take e bytes, as an element does), and peaks at the forward+backward peak's formula."""
     core = chapter_core.load_core("checkpointing", tmp_path)
     assert core.POLICIES == ("none", "full", "sqrt", "selective")
     b, s, h, a, layers, e = 2, 8, 16, 2, 4, 8
@@ -268,12 +277,17 @@ def test_the_core_alone_recomputes_exactly_and_keeps_the_closed_form_bytes(tmp_p
             "selective": layers * (18 * sbh + 4 * sb) * e}
     forward = 24 * b * s * h * h + 4 * b * s * s * h
     redone = {"none": 0, "full": forward, "sqrt": forward, "selective": 2 * b * s * s * h}
+    peak = {}
     for policy in core.POLICIES:
         assert all(torch.equal(r, g) for r, g in zip(reference, core.gradients(blocks, x, policy, seed=7))), policy
         measured = core.measure_kept_bytes(blocks, x, policy)[0]
         assert measured == kept[policy] == core.kept_bytes(policy, layers, b, s, h, a, e), policy
         flops = core.measure_flops(blocks, x, policy)
         assert flops == layers * (3 * forward + redone[policy]) == core.training_flops(policy, layers, b, s, h), policy
+        peak[policy] = core.measure_peak_bytes(blocks, x, policy)
+        assert peak[policy] == core.peak_bytes(policy, layers, b, s, h, a, e)[0], policy
+    # the docstring's peak: full's is (L - 1)(A - X) below none's, A one layer's none bytes, X its input
+    assert peak["none"] - peak["full"] == (layers - 1) * (kept["none"] // layers - sbh * e)
 
 
 @pytest.mark.parametrize("policy", ["offload", "selective+offload"])
@@ -283,7 +297,8 @@ def test_the_core_alone_recomputes_exactly_and_keeps_the_closed_form_bytes(tmp_p
 def test_offloading_gives_identical_gradients_and_moves_the_formula_bytes(policy, b, s, h, a, layers, dtype):
     blocks = ck.make_blocks(layers, h, a, s, dropout=0.2).to(dtype)
     x = torch.randn(b, s, h, dtype=dtype, generator=torch.Generator().manual_seed(0))
-    assert all(torch.equal(r, g) for r, g in zip(ck.gradients(blocks, x, "none"), ck.gradients(blocks, x, policy)))
+    assert all(torch.equal(r, g) for r, g in zip(ck.gradients(blocks, x, "none"),
+                                                 ck.gradients(blocks, x, ck.OFFLOAD_POLICIES[policy])))
     measured = ck.measure_offload(blocks, x, policy)
     assert measured == ck.offload_bytes(policy, layers, b, s, h, a, x.element_size())
     # everything the recomputation underneath keeps crosses the bus; only the caller's input stays

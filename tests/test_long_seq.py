@@ -334,7 +334,7 @@ def test_16_bit_ring_attention_peak_follows_the_formula_with_fp32_gradients(dtyp
 
 def _event_order(rank, P):
     events = []
-    hop_init, hop_wait = ls._Hop.__init__, ls._Hop.wait
+    hop_init, hop_wait = ls._RingSendRecv.__init__, ls._RingSendRecv.wait
     block_forward, block_backward = ls._block_forward, ls._block_backward
 
     def init(self, send, group, kind, tag=0):
@@ -346,14 +346,14 @@ def _event_order(rank, P):
         events.append(("wait", self.kind))
         return hop_wait(self)
 
-    ls._Hop.__init__, ls._Hop.wait = init, wait
+    ls._RingSendRecv.__init__, ls._RingSendRecv.wait = init, wait
     ls._block_forward = lambda *a: events.append(("block",)) or block_forward(*a)
     ls._block_backward = lambda *a: events.append(("block",)) or block_backward(*a)
     try:
         q, k, v = (torch.randn(1, 2, 8, 4, requires_grad=True) for _ in range(3))
         ls.ring_attention(q, k, v, dist.group.WORLD).sum().backward()
     finally:
-        ls._Hop.__init__, ls._Hop.wait = hop_init, hop_wait
+        ls._RingSendRecv.__init__, ls._RingSendRecv.wait = hop_init, hop_wait
         ls._block_forward, ls._block_backward = block_forward, block_backward
     return events
 

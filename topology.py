@@ -1877,6 +1877,7 @@ def _pipeline_holdings_of(schedule, p, m, v, r):
             if x.kind != "W" and 0 <= vs < stages and vs % p == r:
                 incoming.setdefault(q, []).append(_Action(x.kind, x.micro, vs // p))
     posted, posted_by, sending, saved, waiting, states = set(), {}, [], {}, {}, {}
+    kept, waits = [0] * len(CHUNK_KINDS), [0] * len(CHUNK_KINDS)  # chunks in flight, W's waiting, by kind
 
     def post(x):
         src = peer(r, x, -1)
@@ -1893,23 +1894,26 @@ def _pipeline_holdings_of(schedule, p, m, v, r):
             posted.discard(x)
             posted_by[src[0]] = max(posted_by.get(src[0], -1), src[1] + 1)
         vs, key = _virtual_stage(p, r, x.chunk), (x.chunk, x.micro)
-        kind = "only" if stages == 1 else "first" if vs == 0 else "last" if vs == stages - 1 else "middle"
+        kind = 3 if stages == 1 else 0 if vs == 0 else 2 if vs == stages - 1 else 1  # CHUNK_KINDS' index
         if x.kind == "F":
             saved[key] = kind
-        count = lambda kinds: tuple(sum(1 for k in kinds if k == c) for c in CHUNK_KINDS)  # noqa: E731
-        held = Held(x.kind, kind, count(saved.values()), count(waiting.values()), len(posted),
-                    sum(1 for s in sending if s[2] == "F"), sum(1 for s in sending if s[2] == "B" and s[3] not in waiting))
+            kept[kind] += 1
+        outputs = sum(1 for s in sending if s[2] == "F")
+        held = Held(x.kind, CHUNK_KINDS[kind], tuple(kept), tuple(waits), len(posted), outputs,
+                    len(sending) - outputs - sum(1 for s in sending if s[2] == "B" and s[3] in waiting))
         states.setdefault(held, (x.kind, x.micro, x.chunk))
         if x.kind == "B":
-            del saved[key]
+            kept[saved.pop(key)] -= 1
             if schedule == "zb-h1":
                 waiting[key] = kind
+                waits[kind] += 1
         elif x.kind == "W":
-            del waiting[key]
+            waits[waiting.pop(key)] -= 1
         to = peer(r, x, 1)
         if to is not None:
             sending.append((to[0], to[1], x.kind, key))
-        sending = [s for s in sending if s[1] > posted_by.get(s[0], -1)]
+        if sending:
+            sending = [s for s in sending if s[1] > posted_by.get(s[0], -1)]
     return tuple(states.items())
 
 
@@ -1936,10 +1940,13 @@ class _StepBytes:
         self.layers = model.layers // (self.p * self.v)
         # sqrt (checkpointing.py's): segments of round(sqrt(n)) of a chunk's n blocks, each keeping its input
         self.segment = max(1, round(math.sqrt(self.layers))) if self.policy == "sqrt" else 1
-        u = knobs.cp_ulysses or 1
-        self.cp_impl = program.cp_impl or ("ring" if u == 1 else "ulysses" if u == c else "hybrid")
+        self.cp_impl = program.cp_impl or "ring"  # the planner's CP: zigzag shards whatever its Ulysses size
         self.zigzag = c > 1 and self.cp_impl != "ulysses"  # the zigzag shards are copies (the others views)
         self.flash, self.dropout = cluster.flash_attention, getattr(cluster, "dropout", False)
+
+    def layers_of(self, v):
+        """Blocks per chunk with v chunks per stage."""
+        return self.model.layers // (self.p * v)
 
     # -- one micro-batch through one block --
     def attention(self, policy):
@@ -1955,6 +1962,11 @@ class _StepBytes:
 
     def moe_terms(self):
         """A MoE layer's (kept, backward working set) on T_m = T / t tokens, R = T_m k copies, F R of them here."""
+        if not hasattr(self, "_moe"):
+            self._moe = self._moe_terms()
+        return self._moe
+
+    def _moe_terms(self):
         model, e, h = self.model, self.e, self.h
         Tm, k, E = self.T // self.t, model.top_k, model.experts
         R = Tm * k
@@ -1979,6 +1991,13 @@ class _StepBytes:
     def block(self, moe, policy=None, offloaded=None):
         """Bytes one block keeps for its backward, its output (the next block's input) included, its input not; on
         the device: nothing under an offload policy (`offloaded` False: what it keeps, wherever)."""
+        key = (moe, policy, offloaded)
+        cache = self.__dict__.setdefault("_blocks", {})
+        if key not in cache:
+            cache[key] = self._block(moe, policy, offloaded)
+        return cache[key]
+
+    def _block(self, moe, policy, offloaded):
         policy = policy or self.policy
         if self.offload if offloaded is None else offloaded:
             return 0
@@ -1989,13 +2008,15 @@ class _StepBytes:
         mlp = self.moe_terms()[0] - T // t * h * e if moe else 8 * T * h // t * e
         return 4 * self.X + self.attention(policy) + mlp + 4 * self.Th * self.e_ln + masks
 
-    def chunk(self, kind, moe_layers):
-        """What one micro-batch keeps through a chunk of `kind` with `moe_layers` MoE blocks, by part."""
+    def chunk(self, kind, moe_layers, layers=None):
+        """What one micro-batch keeps through a chunk of `kind` of `layers` blocks (default: the knobs'), `moe_layers`
+        of them MoE blocks, by part."""
+        layers = self.layers if layers is None else layers
         first, last = kind in ("first", "only"), kind in ("last", "only")
         X = self.X
-        blocks = (self.layers - moe_layers) * self.block(False) + moe_layers * self.block(True)
+        blocks = (layers - moe_layers) * self.block(False) + moe_layers * self.block(True)
         if self.policy == "sqrt":  # the segments' inputs (and the chunk's output)
-            blocks = -(-self.layers // self.segment) * self.X
+            blocks = -(-layers // self.segment) * self.X
         act = (X if last else 0) + 8 if self.offload else blocks - (0 if last else X) + 8
         out = {"activations": act}
         if first:
@@ -2060,24 +2081,50 @@ class _StepBytes:
             work += (2 if self.program.device == "cuda" else 1) * self.block(moe, offloaded=False)
         return work
 
-    def waiting_w(self, kind, moe_layers):
+    def waiting_w(self, kind, moe_layers, layers=None):
         """zb-h1: what a chunk whose W waits holds, by part: every deferred linear's input (under SP the input
         gathered over TP) and output gradient; the top block's second MLP GEMM keeps the gradient that came in; the
         graph kept by the linears' inputs keeps the received input and its gradient (`deferred_w_bytes`)."""
+        layers = self.layers if layers is None else layers
         h, t, T, e, X = self.h, self.t, self.T, self.e, self.X
         first, last = kind in ("first", "only"), kind in ("last", "only")
         whole = T * h * e  # a whole-token tensor
         ln_in = {"backward": whole} if self.sp else {"activations": X}
         attention = _add(ln_in, {"activations": T * h // t * e}, {"backward": T * 3 * h // t * e + (whole if self.sp else X)})
         mlp = _add(ln_in, {"activations": T * 4 * h // t * e}, {"backward": T * 4 * h // t * e + X})
-        dense = self.layers - moe_layers
-        out = _add(_scale(attention, self.layers), _scale(mlp, dense))
+        out = _add(_scale(attention, layers), _scale(mlp, layers - moe_layers))
         out["backward"] -= X  # the top block's incoming gradient is the head's or a received one
         out = _add(out, {"LM head and loss": X} if last else {"receive buffers": X})
         if not first:
             out = _add(out, {"receive buffers": X, "backward": X})
         if last:
             out = _add(out, {"LM head and loss": (whole if self.sp else X) + self.T * self.V // t * e})
+        return out
+
+    def action_parts(self, action, kind, moe, layers=None):
+        """What the running action adds at its largest moments beyond the chunks and buffers held: F at its end
+        (the loss on the last virtual stage), B at the cross-entropy's backward, the LM head's and the top block's
+        (`moe`: a MoE block); a list of parts, one per moment."""
+        layers = self.layers if layers is None else layers
+        if action == "F":
+            return [{"LM head and loss": self.head_forward()} if kind in ("last", "only") else {"activations": 2 * self.X}]
+        if action != "B":
+            return [{}]
+        out = []
+        if kind in ("last", "only"):
+            out += [{"LM head and loss": self.ce_backward()}, {"LM head and loss": self.head_backward()}]
+            tied = (self.V // self.t * self.h * self.e if self.p * self.v == 1 and self.model.tied_embeddings
+                    else 0)
+            # the loss and the final LayerNorm are done: their tensors and the LayerNorm's input are freed, its
+            # input's gradient comes in (and on one stage the tied embedding's gradient waits)
+            came_in = {"LM head and loss": self.X - self.head() + tied, "activations": -self.X}
+        else:
+            came_in = {"receive buffers": self.X}
+        done = {"activations": -self.moe_combined()} if moe and not self.offload else {}
+        block = _add(came_in, done, {"backward": self.block_backward(moe)})
+        out.append(block)
+        if self.offload and layers > 1:  # the blocks below: the gradient received is still held, one more comes
+            out.append(_add(block, {"backward": self.X}))
         return out
 
 
@@ -2112,33 +2159,66 @@ class _Param(NamedTuple):
     group: str
 
 
-def _rank_parameters(model, layout, r, v):
-    """Every parameter tensor on one rank of stage r, in train_gpt.py's order (`_Param`): QKV, the projection's and
-    the MLP's weights split over TP; the LayerNorms, the row-parallel biases, the positions, the router and the
-    experts (E / ep of them, whole) replicated; the token embedding and the LM head split over the vocabulary."""
+def _block_parameters(model, layout, moe, i=0):
+    """One block's parameter tensors on a rank (`_Param`s, block index i), in train_gpt.py's order: LayerNorms,
+    QKV, projection (weights split over TP), LayerNorms, then the MLP (split over TP) or the router and the rank's
+    E / ep experts, whole."""
     h, kv, t, f = model.hidden, _kv_width(model), layout.tp, expert_hidden(model)
-    vector = lambda n, i: _Param(n, False, i, "dense")  # noqa: E731
-    matrix = lambda n, i, group="dense": _Param(n, True, i, group)  # noqa: E731
+    vector = lambda n: _Param(n, False, i, "dense")  # noqa: E731
+    matrix = lambda n, group="dense": _Param(n, True, i, group)  # noqa: E731
+    params = [vector(h), vector(h), matrix((h + 2 * kv) * h // t), vector((h + 2 * kv) // t), matrix(h * h // t),
+              vector(h), vector(h), vector(h)]
+    if moe:
+        local = model.experts // layout.ep
+        params += [matrix(model.experts * h), matrix(local * h * f * (2 if model.swiglu else 1), "expert"),
+                   matrix(local * f * h, "expert")]
+        if model.shared_expert_hidden:
+            params += [matrix((3 if model.swiglu else 2) * h * model.shared_expert_hidden // t)]
+    else:
+        params += [matrix(4 * h * h // t), vector(4 * h // t), matrix(4 * h * h // t), vector(h)]
+    return params
+
+
+def _outer_parameters(model, layout, r):
+    """The rank's parameters outside the blocks: the token embedding and positions (first stage), the final
+    LayerNorm and the LM head (last stage; the tied embedding's copy, or its own weight when untied)."""
+    h, t = model.hidden, layout.tp
+    tied = "tied" if layout.pp > 1 and model.tied_embeddings else "dense"
+    params = []
+    if r == 0:
+        params += [_Param(model.vocab // t * h, True, None, tied), _Param(model.seq * h, True, None, "dense")]
+    if r == layout.pp - 1:
+        params += [_Param(h, False, None, "dense"), _Param(h, False, None, "dense")]
+        if layout.pp > 1 or not model.tied_embeddings:
+            params += [_Param(model.vocab // t * h, True, None, tied)]
+    return params
+
+
+def _rank_parameters(model, layout, r, v):
+    """Every parameter tensor on one rank of stage r, in train_gpt.py's order (`_Param`): its blocks' (QKV, the
+    projection's and the MLP's weights split over TP; the LayerNorms, the row-parallel biases, the router and the
+    experts, E / ep of them whole, replicated), then the positions and the token embedding and the LM head, split
+    over the vocabulary."""
     params = []
     for i, layer in enumerate(_rank_layers(model, layout.pp, v, r)):
-        params += [vector(h, i), vector(h, i), matrix((h + 2 * kv) * h // t, i), vector((h + 2 * kv) // t, i),
-                   matrix(h * h // t, i), vector(h, i), vector(h, i), vector(h, i)]
-        if _is_moe(model, layer):
-            local = model.experts // layout.ep
-            params += [matrix(model.experts * h, i), matrix(local * h * f * (2 if model.swiglu else 1), i, "expert"),
-                       matrix(local * f * h, i, "expert")]
-            if model.shared_expert_hidden:
-                params += [matrix((3 if model.swiglu else 2) * h * model.shared_expert_hidden // t, i)]
-        else:
-            params += [matrix(4 * h * h // t, i), vector(4 * h // t, i), matrix(4 * h * h // t, i), vector(h, i)]
-    tied = "tied" if layout.pp > 1 and model.tied_embeddings else "dense"
-    if r == 0:
-        params += [matrix(model.vocab // t * h, None, tied), matrix(model.seq * h, None)]
-    if r == layout.pp - 1:
-        params += [vector(h, None), vector(h, None)]
-        if layout.pp > 1 or not model.tied_embeddings:
-            params += [matrix(model.vocab // t * h, None, tied)]
-    return params
+        params += _block_parameters(model, layout, _is_moe(model, layer), i)
+    return params + _outer_parameters(model, layout, r)
+
+
+def _rank_parameter_summary(model, layout, r, v):
+    """(`_parameter_sums` of the rank's parameters, each block's elements), from one block of each kind."""
+    layers = _rank_layers(model, layout.pp, v, r)
+    moe = [_is_moe(model, i) for i in layers]
+    kinds = {kind: _block_parameters(model, layout, kind) for kind in set(moe)}
+    per_block = {kind: sum(p.elements for p in params) for kind, params in kinds.items()}
+    sums, count = _parameter_sums(_outer_parameters(model, layout, r))
+    for kind, params in kinds.items():
+        block_sums, block_count = _parameter_sums(params)
+        n = moe.count(kind)
+        for key, elements in block_sums.items():
+            sums[key] = sums.get(key, 0) + n * elements
+        count += n * block_count
+    return (sums, count), [per_block[kind] for kind in moe]
 
 
 def _optimizer_pieces(params, zero, shard, edp):
@@ -2167,38 +2247,54 @@ def _optimizer_pieces(params, zero, shard, edp):
     return out
 
 
-def _rank_states(cluster, z, r, zero, shard):
-    """The parts of rank r that live through the step: weights, main grads, optimizer states (ZeRO level `zero` over
-    `shard` ranks of DP x CP; the experts over their EDP ranks), the batch's token ids and positions."""
+def _parameter_sums(params):
+    """Elements of `params` by (in a block, expert, 2-D), and their count: what the states need of them."""
+    sums = {}
+    for p in params:
+        key = (p.block is not None, p.group == "expert", p.matrix)
+        sums[key] = sums.get(key, 0) + p.elements
+    return sums, len(params)
+
+
+def _rank_states(cluster, z, sums, zero, shard):
+    """The parts of a rank holding parameters of `_parameter_sums` that live through the step: weights, main
+    grads, optimizer states (ZeRO level `zero` over `shard` ranks of DP x CP; the experts over their EDP ranks), the
+    batch's token ids and positions."""
     model, layout, program = z.model, z.layout, z.program
-    params = _rank_parameters(model, layout, r, z.v)
+    (elements, count) = sums
     edp = expert_shard(cluster, layout.tp, layout.cp, layout.dp, layout.ep)
     k = (shard or layout.dp * layout.cp) if zero else 1
-    sharded = lambda p, level: p.elements / (edp if p.group == "expert" else k) if zero >= level else p.elements  # noqa
-    in_block = lambda p, level: level if p.block is not None else 4  # noqa: E731  (outside the blocks: never)
+
+    def held(level, blocks_only):  # elements held when ZeRO `level` and up shard them (the blocks' only, or all)
+        return sum(n / (edp if expert else k) if zero >= level and (block or not blocks_only) else n
+                   for (block, expert, _), n in elements.items())
     e = z.e
     if cluster.grad_bytes == 2:  # 16-bit gradients; the optimizer keeps an FP32 copy besides its master
         grad, opt = 2, 4 + 4 + (8 if program.optimizer == "adamw" else 0)
     else:
         grad, opt = max(e, 4), (4 if e < 4 else 0) + (8 if program.optimizer == "adamw" else 0)
-    out = {"weights": e * sum(sharded(p, in_block(p, 3)) for p in params),
-           "main grads": grad * sum(sharded(p, in_block(p, 2)) for p in params),
-           "optimizer states": opt * sum(sharded(p, 1) for p in params)
-           + (4 * len(params) if program.device == "cpu" and program.optimizer == "adamw" else 0)}
+    out = {"weights": e * held(3, True), "main grads": grad * held(2, True),
+           "optimizer states": opt * held(1, False)
+           + (4 * count if program.device == "cpu" and program.optimizer == "adamw" else 0)}
     other = 8 * model.global_batch * (model.seq + 1) + 16 + 8 * (z.T // z.knobs.micro_batch if z.zigzag else model.seq)
     if z.zigzag:  # CP's shards of every micro-batch's ids and targets
         other += 16 * z.m * z.T
     out["other"] = other
-    return out, params
+    return out
 
 
-def _optimizer_temporaries(program, params, zero, shard, edp):
+def _optimizer_temporaries(program, params, zero, shard, edp, sums=None):
     """Adam's temporaries at the step. torch's foreach form (CUDA): a square root per element of its larger group
     (the 2-D weights, or the rest). The single-tensor form (CPU): per parameter a square root and a quotient, beside
     the previous parameter's quotient, at most 2 n_i + n_(i-1) elements of one group."""
     if program.optimizer != "adamw":
         return 0
     acc = 8 if program.dtype == "float64" else 4
+    if program.device == "cuda":  # each group's pieces: its share of the shard group's (its experts': of EDP's)
+        elements, _ = sums or _parameter_sums(params)
+        share = lambda matrix: sum(n / ((edp if expert else shard) if zero else 1)  # noqa: E731
+                                   for (_, expert, two_d), n in elements.items() if two_d == matrix)
+        return acc * max(share(True), share(False))
     most = 0
     for pieces in _optimizer_pieces(params, zero, shard or 1, edp if zero else 1):
         for matrix in (True, False):
@@ -2210,73 +2306,270 @@ def _optimizer_temporaries(program, params, zero, shard, edp):
     return acc * most
 
 
+class _RankStatic:
+    """What rank r holds whatever the knobs but v: its parameters, blocks and layers, its chunks' kinds (with
+    their MoE blocks: the most of any chunk of that kind), its top blocks, its states and optimizer step at each
+    ZeRO choice; kept in `memo` (a plan's layout.memo) under the layout, v and r."""
+
+    def __init__(self, cluster, z, r, v, memo=None):
+        model, layout = z.model, z.layout
+        self.cluster, self.z, self.r = cluster, z, r
+        self.memo = {} if memo is None else memo
+        self.key = ("rank", layout.tp, layout.pp, layout.cp, layout.ep, layout.dp, v, r)
+        if self.key not in self.memo:
+            params = _rank_parameters(model, layout, r, v) if z.program.device == "cpu" else None  # CPU's AdamW
+            layers = _rank_layers(model, layout.pp, v, r)
+            sums, blocks = _rank_parameter_summary(model, layout, r, v)
+            per, stages, kinds, tops = len(layers) // v, layout.pp * v, {}, []
+            for c in range(v):
+                vs = _virtual_stage(layout.pp, r, c)
+                kind = "only" if stages == 1 else "first" if vs == 0 else "last" if vs == stages - 1 else "middle"
+                kinds[kind] = max(kinds.get(kind, 0), sum(_is_moe(model, i) for i in layers[c * per:(c + 1) * per]))
+                tops.append((_is_moe(model, layers[(c + 1) * per - 1]), blocks[(c + 1) * per - 1]))
+            self.memo[self.key] = (params, layers, blocks, kinds, tops, sums, {}, max(blocks, default=0),
+                                   max(tops, default=(False, 0)))
+        (self.params, self.layers, self.blocks, self.kinds, self.tops, self.sums, self.by_zero, self.unit,
+         self.top) = self.memo[self.key]
+
+    def states(self, zero, shard):
+        return self.fixed(zero, shard)[0]
+
+    def states_total(self, zero, shard):
+        return self.fixed(zero, shard)[1]
+
+    def step(self, zero, shard):
+        return self.fixed(zero, shard)[2]
+
+    def fixed(self, zero, shard):
+        """(states by part, their sum, the optimizer step's temporaries) at a ZeRO choice (the batch's ids and
+        positions do not depend on b; the program is one per plan)."""
+        if (zero, shard) not in self.by_zero:
+            states = _rank_states(self.cluster, self.z, self.sums, zero, shard)
+            layout = self.z.layout
+            edp = expert_shard(self.cluster, layout.tp, layout.cp, layout.dp, layout.ep)
+            k = (shard or layout.dp * layout.cp) if zero else 1
+            step = _optimizer_temporaries(self.z.program, self.params, zero, k, edp, self.sums)
+            self.by_zero[(zero, shard)] = states, sum(states.values()), step
+        return self.by_zero[(zero, shard)]
+
+    def zero_extras(self, zero, shard, gathered, z):
+        """The ZeRO level's bytes at an instant: one block's FP32 gradient and its reduce-scatter output in flight
+        (ZeRO-2/3), the block gathered in a backward (ZeRO-3: `gathered` its elements)."""
+        out = {}
+        if zero >= 2:
+            out["ZeRO grad buffers"] = self.unit * 4 * (1 + 1 / (shard or z.layout.dp * z.layout.cp))
+        if zero >= 3 and gathered:
+            out["ZeRO gathered"] = z.e * gathered
+        return out
+
+
+def _rank_instants(z, rank):
+    """Rank r's instants in one step (rank_peaks'): (label, parts beyond the states, gathered block elements of a
+    backward, whether a ZeRO-2/3 reduce-scatter is in flight) for each state its executor passes through
+    (`pipeline_holdings`) and each moment of its action."""
+    per = z.layers
+    chunks = {kind: z.chunk(kind, n) for kind, n in rank.kinds.items()}
+    waits = {kind: z.waiting_w(kind, n) for kind, n in rank.kinds.items()} if z.knobs.pp_schedule == "zb-h1" else {}
+    for held, (action, micro, chunk) in pipeline_holdings(z.knobs.pp_schedule, z.p, z.m, z.v, rank.r):
+        if action == "W":
+            continue
+        base = {"receive buffers": held.posted * z.X, "activations": held.sent_outputs * z.X,
+                "backward": held.sent_grads * z.X}
+        for kind, n in zip(CHUNK_KINDS, held.kept):
+            base = _add(base, _scale(chunks[kind], n)) if n else base
+        for kind, n in zip(CHUNK_KINDS, held.waiting):
+            base = _add(base, _scale(waits[kind], n)) if n else base
+        in_flight = action != "F" or micro > 0  # ZeRO-2/3: a block's reduce-scatter is in flight
+        where = f" of micro-batch {micro}" + (f", chunk {chunk}" if z.v > 1 else "")
+        top = rank.layers[(chunk + 1) * per - 1]
+        moe, gathered = rank.tops[chunk]
+        if action == "F":
+            names = ["the loss" + where if held.kind in ("last", "only") else f"forward{where}, its output"]
+        else:
+            names = [f"backward{where}{name}" for name in
+                     ([", cross-entropy", ", LM head"] if held.kind in ("last", "only") else [])
+                     + [f", block {top}"] + ([f", block {top - 1}"] if z.offload and per > 1 else [])]
+        for name, parts in zip(names, z.action_parts(action, held.kind, moe)):
+            yield name, _add(base, parts), (gathered if action == "B" else 0), in_flight
+
+
 def rank_peaks(cluster, model, layout, knobs, program=Program(), stages=None):
     """Each pipeline stage's peak in a step after the first (every TP, CP and DP rank of a stage holds as much),
     as the most over the instants where it can peak (the comment above): a list of {"stage": r, "peak_bytes": n,
     "parts": {part: bytes}, "instant": "..."}, for every stage or those in `stages`."""
     z = _StepBytes(cluster, model, layout, knobs, program)
     zero, shard = knobs.zero, knobs.zero_shard_size
-    k = (shard or layout.dp * layout.cp) if zero else 1
     results = []
     for r in range(layout.pp) if stages is None else stages:
-        states, params = _rank_states(cluster, z, r, zero, shard)
-        blocks = [sum(p.elements for p in params if p.block == i) for i in range(len(_rank_layers(model, layout.pp, z.v, r)))]
-        layers = _rank_layers(model, layout.pp, z.v, r)
-        per = z.layers
-        moe_of = [sum(_is_moe(model, i) for i in layers[c * per:(c + 1) * per]) for c in range(z.v)]
-        kinds = {}
-        for c in range(z.v):
-            vs, stages_n = _virtual_stage(layout.pp, r, c), layout.pp * z.v
-            kind = "only" if stages_n == 1 else "first" if vs == 0 else "last" if vs == stages_n - 1 else "middle"
-            kinds[kind] = max(kinds.get(kind, 0), moe_of[c])
-        chunks = {kind: z.chunk(kind, n) for kind, n in kinds.items()}
-        waits = {kind: z.waiting_w(kind, n) for kind, n in kinds.items()} if knobs.pp_schedule == "zb-h1" else {}
-        unit = max(blocks) if blocks else 0
+        rank = _RankStatic(cluster, z, r, z.v)
+        states = rank.states(zero, shard)
         candidates = []
-        for held, (action, micro, chunk) in pipeline_holdings(knobs.pp_schedule, layout.pp, z.m, z.v, r):
-            base = dict(states)
-            for kind, n in zip(CHUNK_KINDS, held.kept):
-                base = _add(base, _scale(chunks[kind], n)) if n else base
-            for kind, n in zip(CHUNK_KINDS, held.waiting):
-                base = _add(base, _scale(waits[kind], n)) if n else base
-            base = _add(base, {"receive buffers": held.posted * z.X, "activations": held.sent_outputs * z.X,
-                               "backward": held.sent_grads * z.X})
-            if zero >= 2 and (held.action != "F" or micro > 0):  # one block's reduce-scatter in flight
-                base = _add(base, {"ZeRO grad buffers": unit * 4 * (1 + 1 / k)})
-            where = f" of micro-batch {micro}" + (f", chunk {chunk}" if z.v > 1 else "")
-            last = held.kind in ("last", "only")
-            top = layers[(chunk + 1) * per - 1]
-            if action == "F" and last:
-                candidates.append((f"the loss{where}", _add(base, {"LM head and loss": z.head_forward()})))
-            elif action == "F":
-                candidates.append((f"forward{where}, its output", _add(base, {"activations": 2 * z.X})))
-            elif action == "B":
-                gathered = {"ZeRO gathered": z.e * blocks[layers.index(top)]} if zero >= 3 else {}
-                if last:
-                    head = chunks[held.kind]["LM head and loss"]
-                    candidates.append((f"backward{where}, cross-entropy",
-                                       _add(base, {"LM head and loss": z.ce_backward()})))
-                    candidates.append((f"backward{where}, LM head", _add(base, {"LM head and loss": z.head_backward()})))
-                    tied = z.V // z.t * z.h * z.e if layout.pp * z.v == 1 and model.tied_embeddings else 0
-                    # the loss and the final LayerNorm are done: their tensors and the LayerNorm's input are freed,
-                    # its input's gradient comes in (and on one stage the tied embedding's gradient waits)
-                    came_in = {"LM head and loss": z.X - head + tied, "activations": -z.X}
-                else:
-                    came_in = {"receive buffers": z.X}
-                moe = _is_moe(model, top)
-                done = {"activations": -z.moe_combined()} if moe and not z.offload else {}
-                block = _add(base, came_in, gathered, done, {"backward": z.block_backward(moe)})
-                candidates.append((f"backward{where}, block {top}", block))
-                if z.offload and per > 1:  # the blocks below: the gradient received is still held, one more comes
-                    candidates.append((f"backward{where}, block {top - 1}", _add(block, {"backward": z.X})))
-        states_only = dict(states)
-        edp = expert_shard(cluster, layout.tp, layout.cp, layout.dp, layout.ep)
-        candidates.append(("the optimizer step", _add(states_only, {"step temporaries": _optimizer_temporaries(
-            program, params, zero, k, edp)})))
+        for label, parts, gathered, in_flight in _rank_instants(z, rank):
+            extras = rank.zero_extras(zero, shard, gathered, z) if in_flight else {}
+            candidates.append((label, _add(states, parts, extras)))
+        candidates.append(("the optimizer step", _add(states, {"step temporaries": rank.step(zero, shard)})))
         label, parts = max(candidates, key=lambda c: sum(c[1].values()))
         parts = {p: round(parts[p]) for p in MEMORY_PARTS if round(parts.get(p, 0))}
         results.append({"stage": r, "peak_bytes": sum(parts.values()), "parts": parts, "instant": f"{label}, stage {r}"})
     return results
+
+
+
+PLANNER_PROGRAM = Program()  # what the planner assumes of the program: train_gpt.py's BF16 AdamW on CUDA
+
+
+def _memory_ranks(model, pp, m, v, schedule):
+    """The stages where the fullest rank can be, for the search: the first (the embedding, the most chunks in
+    flight: a later stage holds fewer of the same blocks) and the last (the LM head and the loss), under zb-h1 the
+    ranks where its deferred W's can peak, and the stage with the most MoE layers."""
+    ranks = {0, pp - 1}
+    if schedule == "zb-h1":
+        ranks |= set(_zb_candidate_ranks(pp, m, v))
+    if model.moe_every:
+        ranks.add(_busiest_moe_stage(model.layers, pp, model.moe_every)[0])
+    return sorted(ranks)
+
+
+class _ScalarPrices:
+    """The sums of _StepBytes' parts, for the search, kept per (b, sp, recompute, zb-h1) of a layout (v only sets
+    the blocks per chunk): a chunk's and a waiting W's, linear in its blocks (each block's sum, and what the chunk's
+    kind adds: the chunk's with no block), an action's largest moment."""
+
+    def __init__(self, z):
+        self.z, self.memo = z, {}
+        self.linear = z.policy != "sqrt" and not z.offload
+
+    def _sum(self, key, parts):
+        if key not in self.memo:
+            self.memo[key] = sum(parts().values())
+        return self.memo[key]
+
+    def chunk(self, kind, layers, moe):
+        z = self.z
+        if not self.linear:
+            return self._sum(("chunk", kind, layers, moe), lambda: z.chunk(kind, moe, layers))
+        return ((layers - moe) * self._sum("dense", lambda: {"": z.block(False)})
+                + (moe and moe * self._sum("moe", lambda: {"": z.block(True)}))
+                + self._sum(("chunk", kind), lambda: z.chunk(kind, 0, 0)))
+
+    def waiting(self, kind, layers, moe):
+        z = self.z
+        return (layers * self._sum("attention w", lambda: _add(z.waiting_w("middle", 1, 1), _scale(
+                    z.waiting_w("middle", 0, 0), -1)))
+                + (layers - moe) * self._sum("mlp w", lambda: _add(z.waiting_w("middle", 0, 1), _scale(
+                    z.waiting_w("middle", 1, 1), -1)))
+                + self._sum(("wait", kind), lambda: z.waiting_w(kind, 0, 0)))
+
+    def extra(self, action, kind, moe, layers):
+        key = ("action", action, kind, moe, layers > 1)
+        if key not in self.memo:
+            self.memo[key] = max(sum(p.values()) for p in self.z.action_parts(action, kind, moe, layers))
+        return self.memo[key]
+
+
+class _PlanMemory:
+    """The planner's peak for one layout and (b, sp, recompute, v, schedule), at each ZeRO choice (`gb(zero)`, GB):
+    rank_peaks' prices (the same chunks, deferred W's, LM head, cross-entropy and working sets, the same states),
+    summed, at each candidate stage's (`_memory_ranks`) instants where the most chunks are in flight, counted by the
+    schedule's formula (`in_flight_chunks`: k chunks before their B, d waiting for W) instead of a replay of the
+    lists (which planning thousands of layouts cannot afford): the B that finds k chunks in flight (on a stage that
+    holds the last virtual stage: its chunk, with the cross-entropy), the loss beside them, the optimizer step. The
+    buffers held are bounded: under 1F1B exactly what the replay finds at the first B (each chunk's output sent
+    and not yet freed, a receive posted on every stage but the first), otherwise k + 1 sent tensors and a posted
+    receive. So the planner's figure is rank_peaks' under 1F1B and at most a few X above it otherwise
+    (tests/test_memory.py). The sums are kept per (b, sp, recompute, zb-h1), whatever v."""
+
+    def __init__(self, cluster, model, layout, knobs, program=PLANNER_PROGRAM):
+        b, v, recompute, sp, _, schedule = knobs[:6]
+        cache = layout.__dict__.setdefault("memory_prices", {})  # one layout's, one program's (the plan's)
+        key = (b, sp, recompute, schedule == "zb-h1")
+        prices = cache.get(key)
+        if prices is None:
+            prices = cache[key] = _ScalarPrices(_StepBytes(cluster, model, layout, knobs._replace(
+                virtual_stages=1, zero=0, zero_shard_size=None), program))
+        z = self.z = prices.z
+        self.layout, self.cache, self.ranks, self.v = layout, {}, [], v
+        p, m = layout.pp, model.global_batch // (layout.dp * b)
+        flight = in_flight_chunks(schedule, p, m, v)
+        one_f_one_b = schedule == "1f1b"
+        for r in _memory_ranks(model, p, m, v, schedule):
+            priced = cache.get((key, v, r))
+            if priced is None:  # what does not depend on the schedule: the chunks, the actions' extras
+                priced = cache[(key, v, r)] = self._price(cluster, z, prices, r, v, layout)
+            rank, head_kind, head, rest, other, other_extra, gathered = priced
+            k, d = flight[r]
+            waits = d and d * max(prices.waiting(kind, z.layers_of(v), n) for kind, n in rank.kinds.items())
+            buffers = ((1 if r == p - 1 else k + (r > 0)) if one_f_one_b else k + 2) * z.X
+            peak = most = 0.0
+            if head:  # the B of the last virtual stage, beside k - 1 other chunks; the loss beside them
+                kept = head[0] + (k - 1) * rest + waits
+                peak = max(kept + buffers + head[1], kept + max(0, buffers - z.X) + head[2])
+                most = max(kept + buffers + head[1] + z.e * gathered, peak)
+            if other:
+                total = k * rest + waits + buffers + other_extra
+                peak, most = max(peak, total), max(most, total + z.e * gathered)
+            self.ranks.append((rank, peak, most, k, d, buffers, head_kind, other))
+
+    @staticmethod
+    def _price(cluster, z, prices, r, v, layout):
+        statics = layout.__dict__.setdefault("memory_ranks", {})
+        rank = statics.get((v, r))
+        if rank is None:
+            rank = statics[(v, r)] = _RankStatic(cluster, z, r, v)
+        layers = z.layers_of(v)
+        heads = [kind for kind in rank.kinds if kind in ("last", "only")]
+        others = [kind for kind in rank.kinds if kind not in ("last", "only")]
+        moe_top, gathered = rank.top
+        rest = max((prices.chunk(kind, layers, rank.kinds[kind]) for kind in others), default=0.0)
+        head = ((prices.chunk(heads[0], layers, rank.kinds[heads[0]]), prices.extra("B", heads[0], moe_top, layers),
+                 prices.extra("F", heads[0], moe_top, layers)) if heads else None)
+        other = max(others, key=lambda o: prices.extra("B", o, moe_top, layers)) if others else None
+        return (rank, heads[0] if heads else None, head, rest, other,
+                prices.extra("B", other, moe_top, layers) if others else 0.0, gathered)
+
+    def gb(self, zero):
+        """The fullest candidate stage's peak, GB, at zero = (level, shard size)."""
+        if zero not in self.cache:
+            level, shard = zero
+            most = 0.0
+            for rank, peak, gathered, *_ in self.ranks:
+                _, states, step = rank.fixed(level, shard)
+                if level >= 2:  # a block's gradient in flight; ZeRO-3: and the block gathered in a backward
+                    peak = (gathered if level >= 3 else peak) + rank.unit * 4 * (
+                        1 + 1 / (shard or self.layout.dp * self.layout.cp))
+                most = max(most, states + max(peak, step))
+            self.cache[zero] = most / GB
+        return self.cache[zero]
+
+    def fullest(self, zero):
+        """The fullest candidate stage at zero, as rank_peaks gives one: {"stage", "peak_bytes", "parts",
+        "instant"}, its parts from the same functions, at the instants `gb` prices."""
+        level, shard = zero
+        z, best = self.z, None
+        for rank, _, _, k, d, buffers, head_kind, other in self.ranks:
+            layers = z.layers_of(self.v)
+            states = rank.states(level, shard)
+            chunks = {kind: z.chunk(kind, n, layers) for kind, n in rank.kinds.items()}
+            waits = max((z.waiting_w(kind, n, layers) for kind, n in rank.kinds.items()),
+                        key=lambda w: sum(w.values())) if d else {}
+            moe, gathered = rank.top
+            instants = ([("B", head_kind, buffers), ("F", head_kind, max(0, buffers - z.X))] if head_kind else []) + (
+                [("B", other, buffers)] if other else [])
+            for action, kind, held in instants:
+                head = kind in ("last", "only")
+                kept = _add(chunks[kind] if head else {}, _scale(chunks[other], k - head) if other else {})
+                action_parts = max(z.action_parts(action, kind, moe, layers), key=lambda x: sum(x.values()))
+                parts = _add(states, kept, _scale(waits, d), {"receive buffers": held}, action_parts,
+                             rank.zero_extras(level, shard, gathered if action == "B" else 0, z))
+                label = "the loss" if action == "F" else f"a backward with {k} chunks in flight"
+                if best is None or sum(parts.values()) > best[0]:
+                    best = (sum(parts.values()), rank.r, parts, label)
+            step = _add(states, {"step temporaries": rank.step(level, shard)})
+            if sum(step.values()) > best[0]:
+                best = (sum(step.values()), rank.r, step, "the optimizer step")
+        _, stage, parts, label = best
+        parts = {p: round(parts[p]) for p in MEMORY_PARTS if round(parts.get(p, 0))}
+        return {"stage": stage, "peak_bytes": sum(parts.values()), "parts": parts, "instant": f"{label}, stage {stage}"}
 
 
 # ---- one configuration, then the search ------------------------------------------------------------
@@ -2578,12 +2871,14 @@ def evaluate(cluster, model, layout, knobs):
     b, v, recompute, sp, zero = knobs[:5]
     _check_knobs(model, layout.dp, layout.pp, b, v, layout.interleave_min_pp, knobs.pp_schedule)
     micro_batches = model.global_batch // (layout.dp * b)
-    params, in_flight, mem = first_stage_memory(cluster, model, layout.tp, layout.pp, layout.cp, layout.dp, b, v,
-                                                recompute, sp, zero, micro_batches, layout.ep,
-                                                schedule=knobs.pp_schedule, shard=knobs.zero_shard_size)
-    memory_gb = sum(mem.values())
-    forwards = _layer_forwards(cluster, model, layout, b, sp, knobs.cp_ulysses)
     split = _first_stage_parameters(model, layout.tp, layout.pp, layout.ep)
+    params, in_flight = split[0] + split[1], in_flight_microbatches(layout.pp, v, micro_batches)
+    fullest = _PlanMemory(cluster, model, layout, knobs._replace(zero=0)).fullest((zero, knobs.zero_shard_size))
+    memory_gb, parts = fullest["peak_bytes"] / GB, fullest["parts"]
+    held = {"weights_gb": "weights", "grads_gb": "main grads", "optimizer_gb": "optimizer states"}
+    mem = {key: parts.get(part, 0) / GB for key, part in held.items()}
+    mem["activations_gb"] = memory_gb - sum(mem.values())  # everything else of the fullest rank's peak
+    forwards = _layer_forwards(cluster, model, layout, b, sp, knobs.cp_ulysses)
     offload_seconds = _offload_terms(cluster, model, layout, b, sp, recompute, forwards, knobs.pp_schedule)
     counts = _stage_counts(model, layout.pp, forwards, recompute,
                            output_layer_seconds(cluster, model, layout.tp, layout.cp, b), offload_seconds)
@@ -2596,6 +2891,7 @@ def evaluate(cluster, model, layout, knobs):
         "recompute": recompute, "sequence_parallel": sp, "zero": zero, "pp_schedule": knobs.pp_schedule,
         "zero_shard_size": knobs.zero_shard_size, "cp_ulysses": knobs.cp_ulysses, "micro_batches": micro_batches,
         "in_flight": in_flight, "params_per_gpu": params, "memory_gb": memory_gb, **mem,
+        "memory_stage": fullest["stage"], "memory_instant": fullest["instant"], "memory_parts": parts,
         "fits": memory_gb <= cluster.gpu_mem_gb * MEMORY_HEADROOM,
         "step_time_s": step_time_s, **t, **compute_by_kind(cluster, model, layout, b, recompute, forwards, counts),
         **_offload_row(cluster, model, layout, knobs, offload_seconds, counts, micro_batches),
@@ -2746,15 +3042,12 @@ def _best_for_layout(cluster, model, layout):
     limit = cluster.gpu_mem_gb * MEMORY_HEADROOM
     best, best_time, least, least_key, refused = None, math.inf, None, (math.inf, math.inf), None
     split = _first_stage_parameters(model, layout.tp, layout.pp, layout.ep)
-    unit = _unit_parameters(model, layout.tp, layout.ep)
-    parts, stage_parts, states, deferred, zero_s, optimizer_s = {}, {}, {}, {}, {}, {}
+    memories, stage_parts, zero_s, optimizer_s = {}, {}, {}, {}
     for b, pairs, sps, zeros, recomputes, ulysses in _knob_choices(cluster, model, layout):
         micro_batches = model.global_batch // (layout.dp * b)
         for z in zeros:
-            if z not in states:
-                states[z] = sum(_states_gb(cluster, split, layout.tp, layout.cp, layout.dp, layout.ep, *z, unit))
+            if z not in optimizer_s:
                 optimizer_s[z] = _optimizer_seconds(cluster, layout, *z, split)
-        least_states = min(states[z] for z in zeros)
         for sp in sps:
             forwards, cp_pairs, too_big = {}, {}, set()  # by Ulysses size, computed once something needs a step time
 
@@ -2803,33 +3096,37 @@ def _best_for_layout(cluster, model, layout):
                 except ValueError as e:  # this (b, v) cannot run on this layout; another micro-batch may
                     refused = refused or e
                     continue
-                in_flight = in_flight_microbatches(layout.pp, v, micro_batches)
-                if schedule == "zb-h1" and b not in deferred:
-                    deferred[b] = _stage_deferred_bytes(model, layout.tp, layout.pp, layout.cp, layout.ep, b)
                 ruled_out = set()  # policies never faster than one that fitted with the fastest ZeRO choice
                 for recompute in recomputes:
                     if recompute in ruled_out:
                         continue
                     if schedule == "zb-h1" and best is not None and (v, recompute) in too_big:
                         continue  # zero bubble holds at least what its base order holds, which fitted nowhere
-                    key = (b, sp, recompute, v if recompute in OFFLOAD_POLICIES else 1)  # offload keeps chunk inputs
-                    if key not in parts:
-                        parts[key] = _activation_parts(cluster, model, layout.tp, layout.pp, layout.cp, layout.ep, b,
-                                                       recompute, sp, key[3])
-                    activations = _activations_gb(parts[key], in_flight, schedule, layout.pp, micro_batches, v,
-                                                  deferred.get(b, 0.0))
-                    fitting = [z for z in zeros if states[z] + activations <= limit]
+                    pipeline = None
+                    if best is not None:  # what cannot be faster than the best so far need not be priced in memory
+                        sp_parts, u, fastest, dp_s, layers_s, busy = stage(recompute, schedule, v)
+                        # step_time_terms' sum, in its order, from the cached parts
+                        p2p_s, bubble_s = _pipeline_tail(schedule, layout.pp, v, micro_batches, busy, *sp_parts[3:])
+                        pipeline = layers_s + p2p_s + bubble_s
+                        if pipeline + dp_s[fastest[0]] + optimizer_s[fastest[0]] >= best_time:
+                            ruled_out.update(NEVER_FASTER_THAN.get(recompute, ()))  # costlier: slower still
+                            continue
+                    key = (b, sp, recompute, v, schedule)
+                    if key not in memories:  # every candidate rank's instants (rank_peaks'), priced once
+                        memories[key] = _PlanMemory(cluster, model, layout, Knobs(b, v, recompute, sp, 0, schedule))
+                    memory = memories[key]
+                    fitting = [z for z in zeros if memory.gb(z) <= limit]
                     if not fitting:
                         too_big.add((v, recompute))
-                    if not fitting and (best is not None or least_states + activations > least_key[0]):
+                    if not fitting and (best is not None or min(map(memory.gb, zeros)) > least_key[0]):
                         continue  # the least memory matters only while nothing fits
-                    sp_parts, u, fastest, dp_s, layers_s, busy = stage(recompute, schedule, v)
-                    # step_time_terms' sum, in its order, from the cached parts
-                    p2p_s, bubble_s = _pipeline_tail(schedule, layout.pp, v, micro_batches, busy, *sp_parts[3:])
-                    pipeline = layers_s + p2p_s + bubble_s
+                    if pipeline is None:
+                        sp_parts, u, fastest, dp_s, layers_s, busy = stage(recompute, schedule, v)
+                        p2p_s, bubble_s = _pipeline_tail(schedule, layout.pp, v, micro_batches, busy, *sp_parts[3:])
+                        pipeline = layers_s + p2p_s + bubble_s
                     if not fitting:
                         for z in zeros:
-                            memory_gb = states[z] + activations
+                            memory_gb = memory.gb(z)
                             # knob sets can tie on memory (another b or v with as many sequences in flight): of
                             # those, the fastest, not the first tried
                             if memory_gb <= least_key[0] and (memory_gb, pipeline + dp_s[z] + optimizer_s[z]) \

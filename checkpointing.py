@@ -48,8 +48,8 @@ ops create (a CPU stand-in for the CUDA allocator's statistics) and counts those
 `measure_peak_bytes` follows them through the backward, `measure_flops` counts with `FlopCounterMode` (which sees
 the recomputation): all three equal the formulas to the byte and the FLOP.
 
-Beyond the chapter, below its banner: op-level selective checkpointing, activation offloading to host memory (bus
-time instead of FLOPs), where sqrt's peak falls below full's, the demo (`python3 checkpointing.py [--json] [--long]`).
+Beyond the chapter, the full file: op-level selective checkpointing, activation offloading to host memory (bus time
+instead of FLOPs), where sqrt's peak falls below full's, the demo (`python3 checkpointing.py [--json] [--long]`).
 """
 import gc
 import math
@@ -219,7 +219,7 @@ POLICIES = tuple(POLICY_TABLE)
 
 
 def policy_row(policy):
-    """A policy by its name in `POLICY_TABLE`, or a `Policy` itself (the forms below the banner are Policy objects)."""
+    """A policy by its name in `POLICY_TABLE`, or a `Policy` itself (as the full file's at-scale forms are)."""
     rule = policy if isinstance(policy, Policy) else POLICY_TABLE.get(policy)
     if rule is None:
         raise ValueError(f"policy={policy!r}; choose one of {POLICIES} or pass a Policy")

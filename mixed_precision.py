@@ -1,4 +1,4 @@
-"""Mixed precision: number formats, BF16 with FP32 master weights and main grads, FP16 loss scaling, FP8.
+"""Mixed precision: number formats, BF16 with FP32 master weights and main grads, FP16 loss scaling, ZeRO-1, FP8.
 
 A floating-point format spends its bits on an exponent (range) and a mantissa (precision). `dtype_table()`
 reads every figure from torch.finfo (eps, the spacing at 1.0, is 2^-mantissa bits; rounding to nearest errs by
@@ -14,23 +14,30 @@ at most eps/2 of a normal value):
 BF16 compute, FP32 master weights. Forward and backward run on BF16 parameters (half the bytes, tensor-core
 speed); the optimizer steps an FP32 copy of each. Near 1.0 BF16 values lie 2^-7 apart: an update of 1e-3 is
 below half that spacing and rounds away, every step. The FP32 master accumulates the updates; the BF16 weight
-is rounded from it after each step (the copy back).
+is rounded from it after each step (`copy_masters_to_params`: the FP32 masters copied back to the 16-bit weights).
 
 FP32 main grads. Over m micro-batches a BF16 .grad would round the running sum m times to 8 bits. Each
-parameter gets a persistent FP32 `main_grad`, a view of one flat buffer per dtype and device; a hook adds each
-backward's p.grad into it and frees p.grad. The data-parallel SUM is one FP32 all-reduce per flat buffer. A
-parameter in the master dtype is its own master; its .grad IS the main_grad view. Bytes per parameter, Adam:
+parameter gets a persistent FP32 `main_grad`, a view of one flat buffer per dtype and device (`_FlatBuffer`:
+the whole buffer, not DDP's 25 MB buckets); a hook adds each backward's p.grad into it and frees p.grad. The
+data-parallel SUM is one FP32 all-reduce per flat buffer. A parameter in the master dtype is its own master;
+its .grad IS the main_grad view. Bytes per parameter, Adam:
 
     2 (BF16 weight) + 4 (FP32 main grad) + 4 (FP32 master) + 8 (two FP32 moments) = 18    (FP32 weights: 16)
 
-One step of `MixedPrecisionOptimizer`: all-reduce (SUM) each main-grad buffer; g *= grad_scale / loss_scale;
-||g|| = sqrt(sum g^2) in one 2-element all-reduce that also carries the overflow probe; skip on overflow; clip,
-g *= min(1, max_norm / (||g|| + 1e-6)); the inner optimizer steps the masters; the copy back; zero main grads.
+ZeRO-1, Megatron-LM's distributed optimizer (zero=1): rank r of the d data-parallel ranks owns the r-th 1/d of
+each flat buffer (padded to a multiple of d), and keeps masters and moments for it alone. The all-reduce becomes
+a reduce-scatter (each rank receives the sum of its 1/d), each rank steps its 1/d, and an all-gather rebuilds
+the 16-bit weights: the all-reduce's own two halves, so no byte more is sent. Per parameter: 6 + 12/d (FP32: 8 + 8/d).
+
+One step of `MixedPrecisionOptimizer`: SUM each main-grad buffer over its group (ZeRO-1: reduce-scatter);
+g *= grad_multiplier / loss_scale; ||g|| = sqrt(sum g^2) in one 2-element all-reduce that also carries the
+overflow probe; skip on overflow; clip, g *= min(1, max_norm / (||g|| + 1e-6)); the inner optimizer steps the
+masters; the copy back (ZeRO-1: then the all-gather); zero main grads.
 
 FP16 loss scaling. FP16's smallest subnormal is 2^-24 = 6e-8: smaller gradients flush to zero. The loss is
-multiplied by S (2^16 to start), lifting every gradient by S; the FP32 main grads are multiplied by 1/S. An inf
-or NaN means S was too large: every rank skips the step and S *= 1/2; after growth_interval (2000) clean steps
-S *= 2 (`DynamicLossScaler`, torch.amp.GradScaler's rule).
+multiplied by the loss scale S (2^16 to start), lifting every gradient by S; the FP32 main grads are divided by
+S. An inf or NaN means S was too large: every rank skips the step and S *= 1/2; after growth_interval (2000)
+clean steps S *= 2 (`DynamicLossScaler`, torch.amp.GradScaler's rule; `unscale_and_check` with a torch.optim).
 
 FP8 with per-tensor scaling. E4M3 reaches only 448, so each tensor is scaled into range before the cast:
 
@@ -39,11 +46,10 @@ FP8 with per-tensor scaling. E4M3 reaches only 448, so each tensor is scaled int
 and a GEMM multiplies the FP8 operands exactly, accumulates in FP32 and divides by both scales, y = x W^T =
 (x_fp8 W_fp8^T) / (s_x s_W) (torch._scaled_mm, or an emulation with the same arithmetic). Current scaling
 ("tensorwise") takes amax from the tensor itself, one extra pass. Delayed scaling (Transformer Engine) takes the
-largest amax of the last L steps: the scale is known before the tensor is seen (a fused kernel records this
-step's amax as it casts; the emulation measures it first), but an outlier beyond the history saturates, and a
-recomputed forward records its amax twice (not with activation checkpointing). Under tensor parallelism the
-amaxes are MAX-reduced over the TP group, so every shard is rounded on the full tensor's grid. `FP8Linear`
-computes its backward in BF16 from the saved high-precision tensors.
+largest amax of the last L steps: the scale is known before the tensor is seen, but an outlier beyond the
+history saturates, and a recomputed forward records its amax twice (not with activation checkpointing). Under
+tensor parallelism the amaxes are MAX-reduced over the TP group, so every shard is rounded on the full tensor's
+grid. `FP8Linear` computes its backward in BF16 from the saved high-precision tensors.
 """
 import math
 import numbers
@@ -90,12 +96,30 @@ def _group_size(group, name="group"):
     return size
 
 
+def _collective_device(group):
+    """Where a tensor must live to take part in `group`'s collectives: this process's GPU under NCCL, else CPU."""
+    if group is not None and "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# Bytes this rank sends in the flat buffers' collectives, as a ring sends them: an all-reduce 2 (d-1)/d of its
+# buffer, a reduce-scatter (d-1)/d of its input, an all-gather (d-1)/d of its output
+comm_bytes = Counter()
+
+
+def _count_sent(kind, tensor, d, factor):
+    comm_bytes[kind] += factor * (d - 1) / d * tensor.numel() * tensor.element_size()
+
+
 # ----------------------------------------------------------------------------------------------------
 # FP16 dynamic loss scaling (the torch.amp.GradScaler algorithm)
 # ----------------------------------------------------------------------------------------------------
 
 class DynamicLossScaler:
-    """Scale the loss up, unscale the gradients, skip the step and back off on inf/NaN, grow when clean."""
+    """Scale the loss up, unscale the gradients, skip the step and back off on inf/NaN, grow when clean. With a
+    plain torch.optim optimizer: scale_loss(loss).backward(); if not unscale_and_check(params): opt.step();
+    update(found_inf). MixedPrecisionOptimizer(loss_scaler=...) unscales its FP32 main grads itself."""
 
     def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
         self._set(init_scale, growth_factor, backoff_factor, growth_interval, growth_tracker=0)
@@ -125,6 +149,27 @@ class DynamicLossScaler:
     def scale_loss(self, loss):
         return loss * self._scale.to(loss.device)
 
+    def unscale_and_check(self, params, group=None):
+        """Divide every gradient by the scale in place; True if any gradient anywhere in `group` is inf/NaN (each
+        tensor is tested for non-finite values, so a large finite gradient never counts as an overflow)."""
+        group_size = _group_size(group, "unscale_and_check's group")
+        grads = [p.grad for p in params if p.grad is not None]
+        if any(g.dtype == torch.float16 for g in grads):  # on every rank alike, before the all-reduce
+            # divided in FP16, the small gradients that the scale lifted above FP16's smallest value fall back
+            # to 0 (GradScaler refuses them likewise)
+            raise ValueError("params: an FP16 gradient cannot be unscaled in FP16; keep FP32 gradients (e.g. the "
+                             "FP32 main grads of MixedPrecisionOptimizer, which unscales them itself)")
+        device = grads[0].device if grads else _collective_device(group if group_size > 1 else None)
+        inv_scale = self._scale.double().reciprocal().float().to(device)  # as GradScaler: one rounding of 1/S
+        found = torch.zeros(1, device=device)
+        for g in grads:  # no host sync per tensor: the flag stays on the device until the end
+            found = torch.maximum(found, (~torch.isfinite(g)).any().float())
+            g.mul_(inv_scale)
+        if group_size > 1:
+            # every rank must skip together, or their weights diverge
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        return bool(found.item())
+
     def update(self, found_inf):
         if found_inf:
             self._scale = torch.tensor(self.scale * self.backoff_factor, dtype=torch.float32)
@@ -137,10 +182,23 @@ class DynamicLossScaler:
                 self._scale = grown
             self._growth_tracker = 0
 
+    def state_dict(self):
+        return {"scale": self.scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+                "growth_interval": self.growth_interval, "_growth_tracker": self._growth_tracker}
+
+    def load_state_dict(self, state):
+        """Checked as the constructor checks: a corrupt checkpoint (a scale of 0 or inf) stops here."""
+        self._set(state["scale"], state["growth_factor"], state["backoff_factor"], state["growth_interval"],
+                  state["_growth_tracker"])
+
 
 # ----------------------------------------------------------------------------------------------------
 # The optimizer: FP32 main grads in flat buffers, one reduction, the norm, clipping, the step, the copy back
 # ----------------------------------------------------------------------------------------------------
+
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def _accumulate_main_grad(p):
     """Gradient hook after autograd wrote p.grad: add it into the FP32 main grad, free p.grad (None: nothing)."""
@@ -161,14 +219,18 @@ def _adopt_grad(p):
     p.grad = p.main_grad
 
 
-class _Bucket:
-    """One entry's parameters of one dtype and device in flat buffers: p.data views `param_flat`, p.main_grad
-    `grad_flat`, the master is `master_flat` (param_flat when the dtypes agree). [lo, hi): this rank's shard (all);
-    a "piece", a parameter's part of it, is what the inner optimizer steps, its .grad read in place."""
-    level = 0  # the ZeRO level (the sharded buckets below the banner set theirs)
+class _FlatBuffer:
+    """The parameters of one dtype and device back to back, each tensor kind in one flat buffer (the whole
+    buffer, not DDP's 25 MB buckets): p.data views `param_flat`, p.main_grad views `grad_flat` (master dtype),
+    and `master_flat` holds the masters (param_flat itself when the dtypes agree).
 
-    def __init__(self, params, group, master_dtype):
-        self.params, self.group = params, group
+    shard_states (ZeRO-1) over the group's k ranks: the buffers are padded to a multiple of k and this rank owns
+    [lo, hi) = [r N/k, (r+1) N/k): masters and optimizer states exist for that range only. Otherwise [lo, hi)
+    is the whole buffer. A "piece" is a parameter's part of [lo, hi): what the inner optimizer steps (its .grad
+    a persistent view of the reduced main grads); unsharded, the whole parameter in its own shape."""
+
+    def __init__(self, params, group, master_dtype, shard_states=False):
+        self.params, self.group, self.master_dtype, self.shard_states = params, group, master_dtype, shard_states
         self.group_size = _group_size(group)
         self.group_rank = 0 if group is None else dist.get_rank(group)
         self.starts, self.padded, self.lo, self.hi = self._layout()
@@ -179,63 +241,105 @@ class _Bucket:
                 view = self.param_flat[start:start + p.numel()].view(p.shape)
                 view.copy_(p)
                 p.data = view  # the same Parameter object: the model keeps working, now on the flat buffer
-            self._make_main_grads(master_dtype)
+            self._make_main_grads()
             self.param_shard = self._owned_params()
             self.separate_master = dtype != master_dtype
             self.master_flat = self.param_shard.to(master_dtype) if self.separate_master else self.param_shard
         self.pieces = [self._piece(p, start) for p, start in zip(params, self.starts)]
 
-    def _layout(self):
-        """(starts, N, lo, hi): the parameters back to back; one shard, the whole buffer."""
-        starts = [sum(p.numel() for p in self.params[:i]) for i in range(len(self.params))]
-        numel = sum(p.numel() for p in self.params)
-        return starts, numel, 0, numel
+    @property
+    def sharded(self):  # states cut over more than one rank
+        return self.shard_states and self.group_size > 1
 
-    def _make_main_grads(self, master_dtype):
-        self.grad_flat = torch.zeros(self.padded, dtype=master_dtype, device=self.param_flat.device)
+    def _layout(self):  # overridden by ShardedOptimizer's buffers (the FP8 gather aligns parameters to 32)
+        """(starts, N, lo, hi): the parameters back to back, N padded to a multiple of the shard count."""
+        shards = self.group_size if self.shard_states else 1
+        starts, numel = [], 0
+        for p in self.params:
+            starts.append(numel)
+            numel += p.numel()
+        padded = math.ceil(numel / shards) * shards
+        lo = padded // shards * (self.group_rank if self.shard_states else 0)
+        return starts, padded, lo, lo + padded // shards
+
+    def _make_main_grads(self):  # overridden by ZeRO-2/3 units (ShardedOptimizer): a main-grad shard only
+        self.grad_flat = torch.zeros(self.padded, dtype=self.master_dtype, device=self.param_flat.device)
         for p, start in zip(self.params, self.starts):
             p.main_grad = self.grad_flat[start:start + p.numel()].view(p.shape)
         self.grad_shard = self.grad_flat[self.lo:self.hi]
 
-    def _owned_params(self):
+    def _owned_params(self):  # overridden by ZeRO-3 units (ShardedOptimizer): their own copy, the full one freed
         return self.param_flat[self.lo:self.hi]
 
     def _piece(self, p, start):
         a = min(max(start, self.lo), self.hi)  # [start, start + numel) within the shard
         b = min(max(start + p.numel(), self.lo), self.hi)
         piece, grad = self.master_flat[a - self.lo:b - self.lo], self.grad_shard[a - self.lo:b - self.lo]
-        if self.level == 0:  # whole parameters: keep their shapes (shape-aware optimizers work unsharded)
+        if not self.shard_states:  # whole parameters: keep their shapes (shape-aware optimizers work unsharded)
             piece, grad = piece.view(p.shape), grad.view(p.shape)
         piece.grad = grad  # a persistent view: the optimizer reads the reduced main grads in place
         piece.range = (a - start, b - start) if b > a else (0, 0)  # its elements of p.view(-1)
         piece.shard_range = (a - self.lo, b - self.lo)  # and of the shard buffers
         return piece
 
-    def groups(self):  # the groups this bucket's gradients are summed over
+    def route_grads(self):
+        """Where each gradient goes: a master-dtype parameter's .grad IS its main_grad view (autograd adds into it
+        in place); a narrower one's p.grad is added into main_grad by the hook."""
+        for p in self.params:
+            if p.dtype == self.master_dtype:
+                p.grad = p.main_grad
+            else:
+                p.register_post_accumulate_grad_hook(_accumulate_main_grad)
+
+    def fold_stray_grads(self):
+        """A p.grad written directly joins the main grad: added (narrower dtype), copied (the master dtype)."""
+        for p in self.params:
+            if p.dtype == self.master_dtype:
+                _adopt_grad(p)
+            elif p.grad is not None:
+                _accumulate_main_grad(p)
+
+    def groups(self):  # the groups this buffer's gradients are summed over
         return (self.group,)
 
-    def owned_grads(self):
-        return self.grad_shard
-
-    def counts_in_norm(self):  # every rank holds the same reduced gradient: group rank 0 counts it
-        return self.group_rank == 0
+    def counts_in_norm(self):
+        """Sharded, each rank counts its own shard; unsharded, every rank holds the same reduced gradient and
+        group rank 0 counts it."""
+        return self.shard_states or self.group_rank == 0
 
     def reduce_grads(self):
-        """At step: SUM the whole main-grad buffer over the group, one all-reduce."""
-        if self.group_size > 1:
+        """At step: SUM the main grads over the group in one collective: an all-reduce of the whole buffer, or
+        (ZeRO-1) a reduce-scatter, this rank receiving the sum of its shard."""
+        if self.group_size == 1:
+            return
+        if self.shard_states:
+            _count_sent("reduce_scatter", self.grad_flat, self.group_size, 1)
+            _reduce_scatter_flat(self.grad_shard, self.grad_flat, group=self.group)
+        else:
+            _count_sent("all_reduce", self.grad_flat, self.group_size, 2)
             dist.all_reduce(self.grad_flat, group=self.group)
 
-    def publish_params(self):
-        """The copy back: round the updated masters into the parameters."""
+    def copy_masters_to_params(self):
+        """The copy back: round the updated masters into this rank's parameters; ZeRO-1 then all-gathers the
+        shards, so every rank holds every updated 16-bit weight."""
         with torch.no_grad():
             if self.separate_master:
                 self.param_shard.copy_(self.master_flat)
+            if self.sharded:
+                _count_sent("all_gather", self.param_flat, self.group_size, 1)
+                _all_gather_flat(self.param_flat, self.param_shard, group=self.group)
 
-    def zero_main_grads(self):
+    def zero_grads(self):
+        """Zero the main grads; a master-dtype parameter gets its main_grad view back as p.grad."""
         self.grad_buffer().zero_()
+        for p in self.params:
+            p.grad = p.main_grad if p.dtype == self.master_dtype else None
 
-    def grad_buffer(self):
+    def grad_buffer(self):  # the main-grad storage this rank keeps
         return self.grad_flat
+
+    def param_buffers(self):  # the parameter storage this rank keeps at rest
+        return [self.param_flat]
 
 
 def _param_groups(params_or_param_groups):
@@ -256,13 +360,6 @@ def _param_name(params, p):
     return f"parameter {i} (shape {tuple(p.shape)}, {p.dtype})"
 
 
-def _beyond_zero0(zero, fp8_param_gather, units, shard_groups):
-    """The arguments that need the sharded optimizer: a ZeRO level, the FP8 gather, units, a replicate group."""
-    hybrid = isinstance(shard_groups, (list, tuple)) and any(
-        isinstance(e, (list, tuple)) and len(e) == 3 and e[2] is not None for e in shard_groups)
-    return zero != 0 or bool(fp8_param_gather) or bool(units) or hybrid
-
-
 class StepResult(NamedTuple):
     """What step() did: stepped (False: skipped on overflow; also the truth value) and the global grad norm."""
     stepped: bool
@@ -276,44 +373,47 @@ class MixedPrecisionOptimizer:
     """Any torch.optim optimizer stepping FP32 masters, with FP32 main grads, the data-parallel SUM, clipping and
     loss scaling (the step in the module docstring):
         opt = MixedPrecisionOptimizer(params_or_param_groups, torch.optim.AdamW, shard_groups=[(params, dp_group)],
-                                      lr=3e-4, loss_scaler=DynamicLossScaler())    # FP16 weights; None for BF16
+                                      zero=1, lr=3e-4, loss_scaler=DynamicLossScaler())  # FP16; None for BF16
         for micro_batch in ...: opt.loss_scaler.scale_loss(loss).backward()   # hooks add p.grad into p.main_grad
-        stepped, grad_norm = opt.step(grad_scale=1 / tokens, max_norm=1.0, norm_group=world)
+        opt.all_reduce_grads(tied_params, embedding_group)                     # sums outside the shard groups
+        stepped, grad_norm = opt.step(grad_multiplier=1 / tokens, max_norm=1.0, norm_group=world)
 
     shard_groups: (params, group) entries, main grads SUMMED over the group (none: no communication; the caller
-    normalises: grad_scale). Build it once the model has its final dtype and device (parameters become views of
-    flat buffers), one per parameter. zero > 0, fp8_param_gather, units, replicate groups: below the banner."""
-
-    sharded_form = None  # ShardedMixedPrecisionOptimizer, set below the banner where it is defined
-
-    def __new__(cls, *args, zero=0, fp8_param_gather=False, units=None, shard_groups=None, **kwargs):
-        if cls is MixedPrecisionOptimizer and _beyond_zero0(zero, fp8_param_gather, units, shard_groups):
-            if cls.sharded_form is None:
-                raise ValueError(f"zero={zero!r}, fp8_param_gather, units or a replicate group: the sharded "
-                                 "optimizer is beyond the chapter; take the whole file")
-            cls = cls.sharded_form
-        return super().__new__(cls)
+    normalises: grad_multiplier). zero=1 shards each entry's masters and optimizer states over its group (ZeRO-1).
+    Build it once the model has its final dtype and device (parameters become views of flat buffers), one per
+    parameter. Under zero=1 the inner optimizer sees 1-D pieces, so it must act elementwise (Adam, SGD)."""
 
     def __init__(self, params_or_param_groups, optimizer_class, *, shard_groups=None, zero=0, loss_scaler=None,
-                 master_dtype=torch.float32, fp8_param_gather=False, units=None, **optimizer_defaults):
+                 master_dtype=torch.float32, **optimizer_defaults):
         groups = _param_groups(params_or_param_groups)
         self.params = [p for g in groups for p in g["params"]]
         self.zero, self.master_dtype, self.loss_scaler = zero, master_dtype, loss_scaler
-        entries = self._check_arguments(shard_groups, optimizer_defaults)
+        self._check_zero_level()
+        entries = self._check_arguments(shard_groups)
         # the inner optimizer's own checks (a bad lr, say) run on stand-ins, before any parameter is touched
-        optimizer_class([{**{k: v for k, v in g.items() if k != "params"},
-                          "params": [torch.zeros(1, dtype=master_dtype, requires_grad=True)]} for g in groups],
-                        **optimizer_defaults)
-        self._buckets, self._where = [], {}  # id(param) -> (bucket, index in the bucket)
-        self._build_buckets(entries)
-        for p in self.params:
-            self._route_grad(p)
+        stand_ins = [{**{k: v for k, v in g.items() if k != "params"},
+                      "params": [torch.zeros(1, dtype=master_dtype, requires_grad=True)]} for g in groups]
+        try:
+            optimizer_class(stand_ins, **optimizer_defaults)
+        except TypeError as e:  # an unknown argument (misspelt, or meant for this class) reached the inner one
+            raise ValueError(f"{optimizer_class.__name__} refused {sorted(optimizer_defaults)} ({e}): besides "
+                             "the inner optimizer's options, pass only shard_groups=, zero=, loss_scaler= and "
+                             "master_dtype=") from e
+        self._buffers, self._where = [], {}  # id(param) -> (its flat buffer, index in the buffer)
+        self._build_buffers(entries)
+        for buffer in self._buffers:
+            buffer.route_grads()
         self.optimizer = optimizer_class(
             [{**{k: v for k, v in g.items() if k != "params"}, "params": [self._piece(p) for p in g["params"]]}
              for g in groups], **optimizer_defaults)
 
-    def _check_arguments(self, shard_groups, optimizer_defaults):
-        """Refuses any impossible argument before any buffer or collective; returns (params, group, replicate)."""
+    def _check_zero_level(self):  # ShardedOptimizer's takes 2 and 3 too
+        if self.zero not in (0, 1):
+            raise ValueError(f"zero={self.zero!r}: use 0 (replicated) or 1 (masters and optimizer states sharded "
+                             "over each shard group: Megatron-LM's distributed optimizer)")
+
+    def _check_arguments(self, shard_groups):
+        """Refuses any impossible argument before any buffer or collective; returns the (params, group) entries."""
         params, master_dtype = self.params, self.master_dtype
         if not master_dtype.is_floating_point:
             raise ValueError(f"master_dtype={master_dtype} must be a floating-point dtype (float32 or float64)")
@@ -323,7 +423,7 @@ class MixedPrecisionOptimizer:
                 raise ValueError(f"{_param_name(params, p)} appears twice in params_or_param_groups: pass each "
                                  "parameter once")
             seen.add(id(p))
-            if hasattr(p, "main_grad") or hasattr(p, "_zero_unit_level"):  # the latter: a sharded unit's
+            if hasattr(p, "main_grad"):
                 raise ValueError(f"{_param_name(params, p)} already belongs to a MixedPrecisionOptimizer (it has a "
                                  "main_grad): build one optimizer per parameter")
             if not p.dtype.is_floating_point:
@@ -334,10 +434,9 @@ class MixedPrecisionOptimizer:
                                  f"master_dtype={p.dtype} or wider (a master must hold its parameter exactly)")
         entries, owner = [], {}
         for k, entry in enumerate(shard_groups or []):
-            if not isinstance(entry, (tuple, list)) or len(entry) not in (2, 3):
-                raise ValueError(f"shard_groups[{k}] must be (params, group) or, for hybrid sharding, (params, "
-                                 "group, replicate_group)")
-            entry_params, group, replicate_group = (*entry, None) if len(entry) == 2 else entry
+            if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+                raise ValueError(f"shard_groups[{k}] must be (params, group)")
+            entry_params, group = entry
             entry_params = [p for p in ([entry_params] if torch.is_tensor(entry_params) else entry_params)
                             if p.requires_grad]
             for p in entry_params:
@@ -351,38 +450,41 @@ class MixedPrecisionOptimizer:
             if group is not None and dist.get_rank(group) < 0:
                 raise ValueError(f"shard_groups[{k}]: this rank is not a member of the group; pass the group "
                                  "that contains this rank (or None)")
-            entries.append((entry_params, group, replicate_group))
+            entries.append((entry_params, group))
         unassigned = [p for p in params if id(p) not in owner]
         if unassigned:
-            entries.append((unassigned, None, None))  # no data-parallel communication
+            entries.append((unassigned, None))  # no data-parallel communication
         return entries
 
-    def _add_buckets(self, params, make_bucket):
-        """One bucket per (dtype, device) of `params`, in order of first appearance (a flat buffer has one dtype)."""
+    def _add_buffers(self, params, make_buffer):
+        """One flat buffer per (dtype, device) of `params`, in order of first appearance (a buffer has one dtype)."""
         by_kind = {}
         for p in params:
             by_kind.setdefault((p.dtype, p.device), []).append(p)
-        made = [make_bucket(kind_params) for kind_params in by_kind.values()]
-        for bucket in made:
-            for i, p in enumerate(bucket.params):
-                self._where[id(p)] = (bucket, i)
-        self._buckets.extend(made)
+        made = [make_buffer(kind_params) for kind_params in by_kind.values()]
+        for buffer in made:
+            for i, p in enumerate(buffer.params):
+                self._where[id(p)] = (buffer, i)
+        self._buffers.extend(made)
         return made
 
-    def _build_buckets(self, entries):
-        for entry_params, group, _ in entries:
-            self._add_buckets(entry_params, lambda params, group=group: _Bucket(params, group, self.master_dtype))
-
-    def _route_grad(self, p):
-        """Where p's gradient goes: its main_grad view directly (master dtype), or through the hook."""
-        if p.dtype == self.master_dtype:  # autograd adds into the view in place; _fold_stray_grads adopts the rest
-            p.grad = p.main_grad
-        else:
-            p.register_post_accumulate_grad_hook(_accumulate_main_grad)
+    def _build_buffers(self, entries):
+        for entry_params, group in entries:
+            self._add_buffers(entry_params, lambda params, group=group: _FlatBuffer(
+                params, group, self.master_dtype, shard_states=self.zero == 1))
 
     def _piece(self, p):  # what the inner optimizer steps for p
-        bucket, i = self._where[id(p)]
-        return bucket.pieces[i]
+        buffer, i = self._where[id(p)]
+        return buffer.pieces[i]
+
+    def _managed(self, p, caller):
+        """(buffer, piece) of one of this optimizer's parameters; any other tensor is refused here, before any
+        collective (a KeyError on one rank would leave the others waiting in it)."""
+        if id(p) not in self._where:
+            raise ValueError(f"{caller}: a parameter (shape {tuple(p.shape)}) is not managed by this optimizer; "
+                             "pass one of the parameters it was built over")
+        buffer, i = self._where[id(p)]
+        return buffer, buffer.pieces[i]
 
     @property
     def param_groups(self):
@@ -390,36 +492,50 @@ class MixedPrecisionOptimizer:
         return self.optimizer.param_groups
 
     def _fold_stray_grads(self):
-        """A p.grad written directly joins the main grad: added (narrower dtype), copied (the master dtype)."""
-        for p in self.params:
-            if not hasattr(p, "main_grad"):  # a sharded unit's parameter: reduce_grads takes its p.grad
-                continue
-            if p.dtype == self.master_dtype:
-                _adopt_grad(p)
-            elif p.grad is not None:
-                _accumulate_main_grad(p)
+        for buffer in self._buffers:
+            buffer.fold_stray_grads()
 
-    def step(self, grad_scale=1.0, max_norm=0.0, norm_group=None, norm_params=None):
-        """Reduce, scale, measure, clip, update, copy back; returns StepResult. norm_params: what the norm counts
-        (None: all; leave out copies another rank counts). The overflow probe sums the squares of every owned
-        gradient (above 1.8e19 in FP32 counts too). norm_group: every shard group, when clipping or scaling."""
+    def _grad_holder(self, p):  # ShardedOptimizer: a ZeRO-2/3 unit parameter's reduced piece instead
+        return p.main_grad
+
+    def all_reduce_grads(self, params, group):
+        """SUM the main grads of `params` over `group` in one flat all-reduce (None or size 1: nothing). For
+        gradients that need a sum outside the shard groups: the tied embedding over the embedding group, the
+        parameters replicated across TP under sequence parallelism over the TP group. Call before step()."""
+        params = list(params)
+        for p in params:
+            self._managed(p, "all_reduce_grads")
+        group_size = _group_size(group, "all_reduce_grads' group")
+        self._fold_stray_grads()
+        if group_size == 1 or not params:
+            return
+        holders = [self._grad_holder(p) for p in params]
+        flat = torch.cat([h.reshape(-1) for h in holders])
+        dist.all_reduce(flat, group=group)
+        for h, g in zip(holders, flat.split([h.numel() for h in holders])):
+            h.copy_(g.view(h.shape))
+
+    def step(self, grad_multiplier=1.0, max_norm=0.0, norm_group=None, norm_params=None):
+        """Reduce, scale, measure, clip, update, copy back; returns StepResult. grad_multiplier multiplies the summed
+        gradients (the caller's normalisation, 1 / tokens, if the loss did not divide by it); the loss scale is
+        divided out besides. norm_params: what the norm counts (None: all; leave out copies another rank counts).
+        norm_group: every shard group, when clipping or scaling."""
         counted = None if norm_params is None else {id(p) for p in norm_params}
         if counted is not None and not counted <= set(self._where):
             raise ValueError("norm_params holds a parameter that this optimizer does not manage")
-        if not max_norm >= 0 or not math.isfinite(grad_scale):  # `not >=`: NaN fails it too
-            raise ValueError(f"need max_norm >= 0 (0 disables clipping) and a finite grad_scale, got "
-                             f"max_norm={max_norm}, grad_scale={grad_scale}")
+        if not max_norm >= 0 or not math.isfinite(grad_multiplier):  # `not >=`: NaN fails it too
+            raise ValueError(f"need max_norm >= 0 (0 disables clipping) and a finite grad_multiplier, got "
+                             f"max_norm={max_norm}, grad_multiplier={grad_multiplier}")
         norm_group_size = _group_size(norm_group, "norm_group")
         if max_norm > 0 or self.loss_scaler is not None:  # every rank must clip and skip alike
             self._check_norm_group_covers_shards(norm_group, norm_group_size)
-        self._before_step()
         self._fold_stray_grads()
-        for bucket in self._buckets:  # 1. SUM over the data-parallel group
-            bucket.reduce_grads()
-        scale = grad_scale / (self.loss_scaler.scale if self.loss_scaler is not None else 1.0)
-        if scale != 1.0:  # 2. one multiply: the caller's normalisation and the loss scale's inverse
-            for bucket in self._buckets:
-                bucket.owned_grads().mul_(scale)
+        for buffer in self._buffers:  # 1. SUM over the data-parallel group
+            buffer.reduce_grads()
+        multiplier = grad_multiplier / (self.loss_scaler.scale if self.loss_scaler is not None else 1.0)
+        if multiplier != 1.0:  # 2. one multiply: the caller's normalisation and the loss scale's inverse
+            for buffer in self._buffers:
+                buffer.grad_shard.mul_(multiplier)
         norm, found_inf = self._global_norm(counted, norm_group)  # 3. one all-reduce: norm and overflow
         if self.loss_scaler is not None:  # 4. skip on overflow, on every rank alike
             self.loss_scaler.update(found_inf)
@@ -429,32 +545,30 @@ class MixedPrecisionOptimizer:
         if max_norm > 0:  # 5. clip as clip_grad_norm_
             clip = max_norm / (norm + 1e-6)
             if clip < 1.0:
-                for bucket in self._buckets:
-                    bucket.owned_grads().mul_(clip)
+                for buffer in self._buffers:
+                    buffer.grad_shard.mul_(clip)
         self.optimizer.step()  # 6. the inner optimizer steps the masters
-        self.publish_params()  # 7. the copy back
+        self.copy_masters_to_params()  # 7. the copy back
         self.zero_grad()
         return StepResult(True, norm)
 
-    def _before_step(self):  # the sharded form checks and releases its units here
-        pass
-
-    def publish_params(self):
-        """The copy back (step() ends with it); call it after loading in place into owned_param and owned_state."""
-        for bucket in self._buckets:
-            bucket.publish_params()
+    def copy_masters_to_params(self):
+        """Copy the FP32 masters back to the 16-bit weights (step() ends with it; after loading masters in place,
+        call it to rebuild the weights)."""
+        for buffer in self._buffers:
+            buffer.copy_masters_to_params()
 
     def _check_norm_group_covers_shards(self, norm_group, norm_group_size):
         """Every shard group's ranks in norm_group (rank lists, no communication; checked once per norm_group)."""
-        if norm_group_size == 1 and any(_group_size(g) > 1 for b in self._buckets for g in b.groups()):
+        if norm_group_size == 1 and any(_group_size(g) > 1 for b in self._buffers for g in b.groups()):
             raise ValueError("norm_group is None but gradients are reduced over groups of more than one rank: "
                              "each rank then holds only part of the norm, and clipping or skipping would differ "
                              "between ranks; pass a norm_group that contains every shard group (the world)")
         if norm_group_size == 1 or norm_group is getattr(self, "_covering_norm_group", None):
             return
         covered = set(dist.get_process_group_ranks(norm_group))
-        for bucket in self._buckets:
-            for group in bucket.groups():
+        for buffer in self._buffers:
+            for group in buffer.groups():
                 if _group_size(group) > 1 and not set(dist.get_process_group_ranks(group)) <= covered:
                     raise ValueError(f"norm_group holds ranks {sorted(covered)}, which miss part of a shard group "
                                      f"({sorted(dist.get_process_group_ranks(group))}): pass a norm_group that "
@@ -463,32 +577,42 @@ class MixedPrecisionOptimizer:
 
     def _global_norm(self, counted, norm_group):
         """(norm, found_inf) from one all-reduce of [sum of squares counted, sum of squares owned]."""
-        device = self._buckets[0].grad_shard.device
+        device = self._buffers[0].grad_shard.device
         sums = torch.zeros(2, dtype=self.master_dtype, device=device)
-        for bucket in self._buckets:
-            owned = bucket.owned_grads()
+        for buffer in self._buffers:
+            owned = buffer.grad_shard
             owned_sq = torch.dot(owned, owned).to(device)
             sums[1] += owned_sq
-            if not bucket.counts_in_norm():
+            if not buffer.counts_in_norm():
                 continue
-            if counted is None or all(id(p) in counted for p in bucket.params):
+            if counted is None or all(id(p) in counted for p in buffer.params):
                 sums[0] += owned_sq  # the whole buffer counts: no second pass over it, piece by piece
             else:
-                for p, piece in zip(bucket.params, bucket.pieces):
+                for p, piece in zip(buffer.params, buffer.pieces):
                     if id(p) in counted:
                         g = piece.grad.reshape(-1)
                         sums[0] += torch.dot(g, g).to(device)
         if _group_size(norm_group) > 1:
             dist.all_reduce(sums, group=norm_group)
         counted_sq, owned_sq = sums.tolist()  # the one host sync of the step
+        # the overflow probe: an inf or NaN anywhere makes the sum non-finite, and so does a finite sum of squares
+        # past FP32's max 3.4e38 (FP32 masters), a gradient norm above ~1.8e19: skipped as an overflow too
         return math.sqrt(counted_sq), not math.isfinite(owned_sq)
 
     def zero_grad(self):
-        """Zero the main grads; a parameter in the master dtype gets its main_grad view back as p.grad."""
-        for bucket in self._buckets:
-            bucket.zero_main_grads()
-        for p in self.params:
-            p.grad = p.main_grad if hasattr(p, "main_grad") and p.dtype == self.master_dtype else None
+        for buffer in self._buffers:
+            buffer.zero_grads()
+
+    def memory_bytes(self):
+        """This rank's bytes at rest, from the live tensors: parameters, main grads, and the separate masters plus
+        the optimizer states with dim > 0 (Adam's moments); master_bytes is the masters' part of optimizer_bytes."""
+        size = lambda ts: sum(t.numel() * t.element_size() for t in ts)
+        masters = size(b.master_flat for b in self._buffers if b.separate_master)
+        states = size(t for s in self.optimizer.state.values() for t in s.values()
+                      if torch.is_tensor(t) and t.dim() > 0)
+        return {"param_bytes": size(t for b in self._buffers for t in b.param_buffers()),
+                "grad_bytes": size(b.grad_buffer() for b in self._buffers),
+                "optimizer_bytes": masters + states, "master_bytes": masters}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -497,8 +621,11 @@ class MixedPrecisionOptimizer:
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 AMAX_EPS = 1e-12  # an all-zero tensor gets a finite scale (fp8_max / 1e-12 is far below FP32's max)
+PER_TENSOR_RECIPES = ("tensorwise", "delayed")
 
-fp8_log = Counter()  # gemm:count, gemm:backward, gemm:scaled_mm, gemm:emulated, amax:all_reduce (tests read it)
+# what ran: gemm:count (forward GEMMs), gemm:backward (FP8 backward GEMMs), gemm:scaled_mm / gemm:emulated (how),
+# amax:all_reduce (scale agreements over TP)
+fp8_log = Counter()
 
 
 def fp8_scale(amax, dtype=E4M3):
@@ -580,24 +707,32 @@ def fp8_matmul(a_fp8, a_scale, b_fp8, b_scale, out_dtype, use_scaled_mm=True):
     return ((a_fp8.float() @ b_fp8.float().t()) * (inv_a * inv_b)).to(out_dtype)
 
 
-class _GemmSpec(NamedTuple):
-    recipe: str
-    x_scale: torch.Tensor  # per-tensor scales (tensorwise, delayed); None for the fine-grained recipes
-    w_scale: torch.Tensor
-    use_scaled_mm: bool
-    backward: str
-    group: object          # the TP group (amax_group)
-    split: str             # None, "column" or "row": which dimension of this layer the group splits
+def per_tensor_scales(x, weight, recipe="tensorwise", amax_group=None, amax_history=None, record_amax=True):
+    """(x_scale, w_scale) of a per-tensor recipe from the amaxes agreed over amax_group (the TP group). tensorwise:
+    current scales; delayed: from amax_history ((2, L): input, weight), which records this call's amaxes when
+    record_amax."""
+    if recipe not in PER_TENSOR_RECIPES:
+        raise ValueError(f"recipe={recipe!r}: use one of {PER_TENSOR_RECIPES}")
+    if recipe == "delayed" and (amax_history is None or amax_history.dim() != 2 or amax_history.shape[0] != 2):
+        raise ValueError("amax_history: the delayed recipe needs a (2, L) tensor of past amaxes (input, weight), "
+                         "e.g. FP8Linear's buffer; or use the tensorwise recipe")
+    amax = agreed_amax(x, weight, amax_group)
+    if recipe == "tensorwise":
+        return fp8_scale(amax[0]), fp8_scale(amax[1])
+    x_scale, w_scale = delayed_scale(amax_history, amax)
+    if record_amax:
+        push_amax(amax_history, amax)
+    return x_scale, w_scale
 
 
-def _per_tensor_product(x2, weight, spec):
-    """The forward GEMM under a per-tensor recipe: both operands quantised with the scales fp8_linear agreed."""
-    x_fp8, _ = quantize_fp8(x2, scale=spec.x_scale)
-    w_fp8, _ = quantize_fp8(weight, scale=spec.w_scale)
-    return fp8_matmul(x_fp8, spec.x_scale, w_fp8, spec.w_scale, x2.dtype, spec.use_scaled_mm)
+def _per_tensor_product(x2, weight, x_scale, w_scale, use_scaled_mm):
+    """The forward GEMM under a per-tensor recipe: both operands quantised with the agreed scales."""
+    x_fp8, _ = quantize_fp8(x2, scale=x_scale)
+    w_fp8, _ = quantize_fp8(weight, scale=w_scale)
+    return fp8_matmul(x_fp8, x_scale, w_fp8, w_scale, x2.dtype, use_scaled_mm)
 
 
-def _bf16_backward(g, x2, weight, spec, needs):
+def _bf16_backward(g, x2, weight, needs):
     """The backward GEMMs in BF16 from the saved high-precision tensors: grad_x = g W, grad_W = g^T x."""
     g = g.to(torch.bfloat16)
     grad_x = (g @ weight.to(torch.bfloat16)).to(x2.dtype) if needs[0] else None
@@ -605,58 +740,28 @@ def _bf16_backward(g, x2, weight, spec, needs):
     return grad_x, grad_w
 
 
-# recipe -> forward product, backward -> backward products (the block recipes and FP8 backward join below)
-FORWARD_PRODUCTS = {"tensorwise": _per_tensor_product, "delayed": _per_tensor_product}
-BACKWARD_PRODUCTS = {"bf16": _bf16_backward}
-FP8_RECIPES, FP8_BACKWARDS = tuple(FORWARD_PRODUCTS), tuple(BACKWARD_PRODUCTS)
-
-
-def _check_fp8_options(recipe, backward, split, amax_group):
-    if recipe not in FP8_RECIPES:
-        raise ValueError(f"recipe={recipe!r}: use one of {FP8_RECIPES}")
-    if backward not in FP8_BACKWARDS:
-        raise ValueError(f"backward={backward!r}: use one of {FP8_BACKWARDS} ('bf16': BF16 GEMMs on the saved "
-                         "tensors; 'fp8': E5M2 gradients)")
-
-
 class _FP8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, spec):
-        ctx.save_for_backward(x, weight)  # high precision: the backward re-quantises (fp8) or not (bf16)
-        ctx.spec = spec
-        y = FORWARD_PRODUCTS[spec.recipe](x.reshape(-1, x.shape[-1]), weight, spec)
+    def forward(ctx, x, weight, x_scale, w_scale, use_scaled_mm):
+        ctx.save_for_backward(x, weight)  # high precision: the backward computes in BF16 from them
+        y = _per_tensor_product(x.reshape(-1, x.shape[-1]), weight, x_scale, w_scale, use_scaled_mm)
         fp8_log["gemm:count"] += 1
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        grad_x, grad_w = BACKWARD_PRODUCTS[ctx.spec.backward](grad_out.reshape(-1, weight.shape[0]),
-                                                              x.reshape(-1, x.shape[-1]), weight, ctx.spec,
-                                                              ctx.needs_input_grad[:2])
-        return None if grad_x is None else grad_x.reshape(x.shape), grad_w, None
+        grad_x, grad_w = _bf16_backward(grad_out.reshape(-1, weight.shape[0]), x.reshape(-1, x.shape[-1]), weight,
+                                        ctx.needs_input_grad[:2])
+        return None if grad_x is None else grad_x.reshape(x.shape), grad_w, None, None, None
 
 
-def fp8_linear(x, weight, bias=None, amax_group=None, use_scaled_mm=True, *, recipe="tensorwise", backward="bf16",
-               split=None, amax_history=None, record_amax=True):
-    """y = x @ weight^T + bias, the forward GEMM in FP8 E4M3. tensorwise: current scales of the amaxes agreed over
-    amax_group (the TP group); delayed: scales from amax_history ((2, L): input, weight), which records this
-    call's amaxes when record_amax. backward="bf16": BF16 GEMMs on the saved tensors (the rest: below)."""
-    _check_fp8_options(recipe, backward, split, amax_group)
-    if recipe == "delayed" and (amax_history is None or amax_history.dim() != 2 or amax_history.shape[0] != 2):
-        raise ValueError("amax_history: the delayed recipe needs a (2, L) tensor of past amaxes (input, weight), "
-                         "e.g. FP8Linear's buffer; or use the tensorwise recipe")
-    x_scale = w_scale = None
-    if recipe in ("tensorwise", "delayed"):
-        amax = agreed_amax(x, weight, amax_group)
-        if recipe == "delayed":
-            x_scale, w_scale = delayed_scale(amax_history, amax)
-            if record_amax:
-                push_amax(amax_history, amax)
-        else:
-            x_scale, w_scale = fp8_scale(amax[0]), fp8_scale(amax[1])
-    spec = _GemmSpec(recipe, x_scale, w_scale, use_scaled_mm, backward, amax_group, split)
-    y = _FP8LinearFunction.apply(x, weight, spec)
+def fp8_linear(x, weight, bias=None, amax_group=None, use_scaled_mm=True, *, recipe="tensorwise", amax_history=None,
+               record_amax=True):
+    """y = x @ weight^T + bias, the forward GEMM in FP8 E4M3 at per_tensor_scales (tensorwise, or delayed from
+    amax_history); the backward in BF16 from the saved tensors."""
+    x_scale, w_scale = per_tensor_scales(x, weight, recipe, amax_group, amax_history, record_amax)
+    y = _FP8LinearFunction.apply(x, weight, x_scale, w_scale, use_scaled_mm)
     return y if bias is None else y + bias.to(y.dtype)
 
 
@@ -665,8 +770,7 @@ class FP8Linear(nn.Module):
     amaxes, one per training forward: not under activation checkpointing (a recomputation records twice)."""
 
     def __init__(self, in_features, out_features, bias=True, delayed_scaling=False, amax_history_len=16,
-                 use_scaled_mm=True, amax_group=None, device=None, dtype=None, *, recipe=None, backward="bf16",
-                 split=None):
+                 use_scaled_mm=True, amax_group=None, device=None, dtype=None, *, recipe=None):
         super().__init__()
         if not isinstance(amax_history_len, numbers.Integral) or amax_history_len < 1:
             raise ValueError(f"amax_history_len={amax_history_len!r} must be an int >= 1 (the steps whose amaxes "
@@ -675,11 +779,12 @@ class FP8Linear(nn.Module):
             raise ValueError(f"delayed_scaling=True with recipe={recipe!r}: delayed_scaling is recipe='delayed'; "
                              "pass one of them")
         recipe = recipe or ("delayed" if delayed_scaling else "tensorwise")
-        _check_fp8_options(recipe, backward, split, amax_group)
+        if recipe not in PER_TENSOR_RECIPES:
+            raise ValueError(f"recipe={recipe!r}: use one of {PER_TENSOR_RECIPES}")
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
-        self.recipe, self.backward, self.split = recipe, backward, split
-        self.delayed_scaling, self.use_scaled_mm, self.amax_group = recipe == "delayed", use_scaled_mm, amax_group
+        self.recipe, self.delayed_scaling = recipe, recipe == "delayed"
+        self.use_scaled_mm, self.amax_group = use_scaled_mm, amax_group
         self.register_buffer("amax_history", torch.zeros(2, amax_history_len, device=device))  # input, weight
         self.reset_parameters()
 
@@ -692,12 +797,10 @@ class FP8Linear(nn.Module):
 
     def forward(self, x):
         return fp8_linear(x, self.weight, self.bias, self.amax_group, self.use_scaled_mm, recipe=self.recipe,
-                          backward=self.backward, split=self.split,
-                          amax_history=self.amax_history if self.delayed_scaling else None,
-                          record_amax=self.training)
+                          amax_history=self.amax_history if self.delayed_scaling else None, record_amax=self.training)
 
 
-# BEYOND THE CHAPTER: ZeRO-1/2/3 and HSDP, FP8 parameter all-gathers, fine-grained FP8 recipes, the FP8 backward, NVFP4
+# BEYOND THE CHAPTER: checkpoint state, ZeRO-2/3 and HSDP, FP8 parameter all-gathers, fine-grained FP8, NVFP4
 import io
 import multiprocessing
 import os
@@ -713,138 +816,30 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 # ----------------------------------------------------------------------------------------------------
-# The chapter's classes in full: the loss scaler with a torch.optim optimizer and its state; the optimizer's
-# sums outside the shard groups (tied embedding, TP replicas), its checkpoint state and its memory; sent bytes
+# The optimizer's checkpoint state: this rank's pieces where they lie, one parameter's full state, or everything
 # ----------------------------------------------------------------------------------------------------
 
-def _collective_device(group):
-    """Where a tensor must live to take part in `group`'s collectives: this process's GPU under NCCL, else CPU."""
-    if group is not None and "nccl" in str(dist.get_backend(group)):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+class CheckpointableOptimizer(MixedPrecisionOptimizer):
+    """MixedPrecisionOptimizer (its step, its reductions, its copy back: unchanged) with its checkpoint state:
+    this rank's pieces where they lie (owned_state, owned_param), one parameter's full state (full_state,
+    load_full_state), or everything unsharded (state_dict, load_state_dict). What train_gpt.py builds, so that
+    its checkpoints can save and resume the optimizer; ShardedOptimizer builds on it."""
 
+    def _full_tensor(self, buffer, local, piece_range, p):
+        """p's whole master or state from this rank's piece: sharded, the pieces gathered over the group (an
+        all-reduce SUM of zero-filled full tensors, each element owned by exactly one rank, so exact): every rank
+        of the group calls it for the same params in order."""
+        if not buffer.sharded:
+            return local.detach().reshape(p.shape).clone()
+        a, b = piece_range
+        full = torch.zeros(p.numel(), dtype=local.dtype, device=local.device)
+        full[a:b] = local.detach().reshape(-1)
+        dist.all_reduce(full, group=buffer.group)
+        return full.view(p.shape)
 
-class DynamicLossScaler(DynamicLossScaler):
-    """The chapter's loss scaler with unscale_and_check, its use with a torch.optim optimizer (the chapter's
-    optimizer unscales its main grads itself), and its checkpoint state."""
-
-    def unscale_and_check(self, params, group=None):
-        """Divide every gradient by the scale in place; True if any gradient anywhere in `group` is inf/NaN."""
-        group_size = _group_size(group, "unscale_and_check's group")
-        grads = [p.grad for p in params if p.grad is not None]
-        if any(g.dtype == torch.float16 for g in grads):  # on every rank alike, before the all-reduce
-            # divided in FP16, the small gradients that the scale lifted above FP16's smallest value fall back
-            # to 0 (GradScaler refuses them likewise)
-            raise ValueError("params: an FP16 gradient cannot be unscaled in FP16; keep FP32 gradients (e.g. the "
-                             "FP32 main grads of MixedPrecisionOptimizer, which unscales them itself)")
-        device = grads[0].device if grads else _collective_device(group if group_size > 1 else None)
-        inv_scale = self._scale.double().reciprocal().float().to(device)  # as GradScaler: one rounding of 1/S
-        found = torch.zeros(1, device=device)
-        for g in grads:  # no host sync per tensor: the flag stays on the device until the end
-            found = torch.maximum(found, (~torch.isfinite(g)).any().float())
-            g.mul_(inv_scale)
-        if group_size > 1:
-            # every rank must skip together, or their weights diverge
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
-        return bool(found.item())
-
-    def state_dict(self):
-        return {"scale": self.scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
-                "growth_interval": self.growth_interval, "_growth_tracker": self._growth_tracker}
-
-    def load_state_dict(self, state):
-        """Checked as the constructor checks, so a corrupt checkpoint (a scale of 0 or inf) stops here instead of
-        stepping on NaN or skipping every step."""
-        self._set(state["scale"], state["growth_factor"], state["backoff_factor"], state["growth_interval"],
-                  state["_growth_tracker"])
-
-
-# Bytes this rank sends in the buckets' collectives, as a ring sends them: an all-reduce 2 (d-1)/d of its buffer,
-# a reduce-scatter (d-1)/d of its input, an all-gather (d-1)/d of its output (the demo reads it)
-comm_bytes = Counter()
-
-
-def _count_sent(kind, tensor, d, factor):
-    comm_bytes[kind] += factor * (d - 1) / d * tensor.numel() * tensor.element_size()
-
-
-class _Bucket(_Bucket):
-    """The chapter's bucket with its sent bytes counted, and what a checkpoint and memory_bytes read."""
-
-    def reduce_grads(self):
-        if self.group_size > 1:
-            _count_sent("all_reduce", self.grad_flat, self.group_size, 2)
-        super().reduce_grads()
-
-    @property
-    def padding(self):  # elements that round the buffers up (the demo reads it)
-        return self.padded - sum(p.numel() for p in self.params)
-
-    def param_buffers(self):  # the parameter storage at rest (memory_bytes)
-        return [self.param_flat]
-
-    def full_tensor(self, local, piece_range, p):  # p's whole master or state from this rank's piece
-        return local.detach().reshape(p.shape).clone()
-
-    def load_param(self, p, piece, master):  # the working parameter: the loaded master, rounded
+    def _load_param(self, buffer, p, piece, master):
+        """The working parameter from its loaded master, rounded."""
         p.copy_(master)
-
-
-class MixedPrecisionOptimizer(MixedPrecisionOptimizer):
-    """The chapter's optimizer (the same name: what this file exports) with all_reduce_grads, the sums outside
-    the shard groups; memory_bytes; and its checkpoint state: this rank's pieces where they lie (owned_state,
-    owned_param), one parameter's full state (full_state, load_full_state), or everything unsharded (state_dict,
-    load_state_dict)."""
-
-    units, fp8_param_gather = (), False  # the sharded form's; none here
-
-    def _check_arguments(self, shard_groups, optimizer_defaults):
-        if "dp_group" in optimizer_defaults:
-            raise ValueError("dp_group was replaced by shard_groups=[(params, group)]; gradients are now "
-                             "SUMMED over the group (pass grad_scale to step() to normalise)")
-        return super()._check_arguments(shard_groups, optimizer_defaults)
-
-    def _managed(self, p, caller):
-        """(bucket, piece) of one of this optimizer's parameters; any other tensor is refused here, before any
-        collective (a KeyError on one rank would leave the others waiting in it)."""
-        if id(p) not in self._where:
-            raise ValueError(f"{caller}: a parameter (shape {tuple(p.shape)}) is not managed by this optimizer; "
-                             "pass one of the parameters it was built over")
-        bucket, i = self._where[id(p)]
-        return bucket, bucket.pieces[i]
-
-    def _grad_holder(self, p):
-        return p.main_grad
-
-    def all_reduce_grads(self, params, group):
-        """SUM the main grads of `params` over `group` in one flat all-reduce (None or size 1: nothing). For
-        gradients that need a sum outside the shard groups: the tied embedding over the embedding group, the
-        parameters replicated across TP under sequence parallelism over the TP group. Call before step()."""
-        params = list(params)
-        for p in params:
-            self._managed(p, "all_reduce_grads")
-        group_size = _group_size(group, "all_reduce_grads' group")
-        self._fold_stray_grads()
-        if group_size == 1 or not params:
-            return
-        holders = [self._grad_holder(p) for p in params]
-        flat = torch.cat([h.reshape(-1) for h in holders])
-        dist.all_reduce(flat, group=group)
-        for h, g in zip(holders, flat.split([h.numel() for h in holders])):
-            h.copy_(g.view(h.shape))
-
-    def memory_bytes(self):
-        """This rank's bytes at rest, from the live tensors: parameters, main grads, and the separate masters plus
-        the optimizer states with dim > 0 (Adam's moments); master_bytes is the masters' part of optimizer_bytes."""
-        size = lambda ts: sum(t.numel() * t.element_size() for t in ts)
-        masters = size(b.master_flat for b in self._buckets if b.separate_master)
-        states = size(t for s in self.optimizer.state.values() for t in s.values()
-                      if torch.is_tensor(t) and t.dim() > 0)
-        return {"param_bytes": size(t for b in self._buckets for t in b.param_buffers()),
-                "grad_bytes": size(b.grad_buffer() for b in self._buckets),
-                "optimizer_bytes": masters + states, "master_bytes": masters, "peak_gathered_bytes": 0}
-
-    # ---- save and load: this rank's pieces where they lie, or one parameter's full state ----
 
     def owned_state(self, p, like=None):
         """((a, b), {"master": ..., "exp_avg": ..., "step": ...}): this rank's live piece of p's master and states,
@@ -866,23 +861,23 @@ class MixedPrecisionOptimizer(MixedPrecisionOptimizer):
 
     def full_state(self, p):
         """{"master": p's master, then every optimizer state}, each a FULL tensor of p's shape (0-dim as it is)."""
-        bucket, piece = self._managed(p, "full_state")
-        full = {"master": bucket.full_tensor(piece, piece.range, p)}
+        buffer, piece = self._managed(p, "full_state")
+        full = {"master": self._full_tensor(buffer, piece, piece.range, p)}
         state = self.optimizer.state.get(piece, {})
         for key in sorted(state):  # the same keys in the same order on every rank: the pieces step alike
             value = state[key]
             if torch.is_tensor(value):
                 full[key] = value.detach().clone() if value.dim() == 0 else \
-                    bucket.full_tensor(value, piece.range, p)
+                    self._full_tensor(buffer, value, piece.range, p)
         return full
 
     def load_full_state(self, p, state):
         """Inverse of full_state, whatever the layout that saved it; no communication."""
-        bucket, piece = self._managed(p, "load_full_state")
+        buffer, piece = self._managed(p, "load_full_state")
         a, b = piece.range
         cut = lambda t: t.detach().reshape(-1)[a:b].reshape(piece.shape).to(piece.device, piece.dtype, copy=True)
         with torch.no_grad():
-            bucket.load_param(p, piece, state["master"].reshape(p.shape).to(p.device))
+            self._load_param(buffer, p, piece, state["master"].reshape(p.shape).to(p.device))
             piece.copy_(cut(state["master"]))
         # 0-dim states (Adam's step) stay where they were saved (torch keeps them on the CPU)
         self.optimizer.state[piece] = {k: (v.detach().clone() if v.dim() == 0 else cut(v))
@@ -906,7 +901,7 @@ class MixedPrecisionOptimizer(MixedPrecisionOptimizer):
             # the states may differ between param groups: only the master is required
             if "master" not in full:
                 raise ValueError(f"state_dict's parameter {i} holds {sorted(full)} but no 'master': pass a "
-                                 "state_dict written by MixedPrecisionOptimizer.state_dict")
+                                 "state_dict written by CheckpointableOptimizer.state_dict")
             for key, value in full.items():
                 if value.dim() > 0 and value.numel() != p.numel():
                     raise ValueError(f"state_dict's parameter {i} has {value.numel()} elements in {key!r}, this "
@@ -917,11 +912,7 @@ class MixedPrecisionOptimizer(MixedPrecisionOptimizer):
             DynamicLossScaler().load_state_dict(state["scalars"]["loss_scaler"])  # checked on a throwaway
         for p, full in zip(self.params, state["params"]):
             self.load_full_state(p, full)
-        self._after_load()
         self.load_scalar_state(state["scalars"])
-
-    def _after_load(self):  # the sharded form remakes its FP8 shards here
-        pass
 
     def _check_param_groups(self, state):
         if len(state["param_groups"]) != len(self.param_groups):
@@ -935,12 +926,13 @@ class MixedPrecisionOptimizer(MixedPrecisionOptimizer):
         if self.loss_scaler is not None and state["loss_scaler"] is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
 
+
 # ----------------------------------------------------------------------------------------------------
-# Sharded data parallelism: ZeRO-1, -2, -3 and HSDP, built on the flat buffers above
+# Sharded data parallelism: ZeRO-2, -3 and HSDP (ShardedOptimizer), built on the chapter's ZeRO-1
 # ----------------------------------------------------------------------------------------------------
 #
-# ZeRO-1, -2, -3 (Rajbhandari et al. 2020; ZeRO-1 is Megatron-LM's distributed optimizer, ZeRO-3 FSDP's design,
-# here with Megatron's flat ranges), zero=1..3. Each shard-group entry (dense weights over DP x CP, expert
+# ZeRO-1, -2, -3 (Rajbhandari et al. 2020; ZeRO-1 is Megatron-LM's distributed optimizer, the chapter's zero=1;
+# ZeRO-3 FSDP's design, here with Megatron's flat ranges). Each shard-group entry (dense weights over DP x CP, expert
 # weights over EDP) lays its parameters out in flat buffers padded to a multiple of the group size d; rank r
 # owns the r-th 1/d of every buffer, a contiguous range [lo, hi) (a parameter may straddle two ranks: each
 # optimises its piece). The levels differ in what else the ranges cut:
@@ -950,7 +942,7 @@ class MixedPrecisionOptimizer(MixedPrecisionOptimizer):
 #             rank rounds its updated shard into the parameter buffer; one all-gather rebuilds the parameters.
 #     zero=2  also the gradients of the units (`units=`, one list of parameters per transformer block): they get
 #             no full-size main grad; after each backward of a unit `opt.units[i].reduce_grads()` reduce-scatters
-#             the full-size p.grad that autograd left (cast to FP32, one flat collective per bucket) into this
+#             the full-size p.grad that autograd left (cast to FP32, one flat collective per flat buffer) into this
 #             rank's FP32 shard accumulator and frees it. The step has nothing left to reduce for them.
 #     zero=3  also the parameters of the units: they live as shards; `gather()` all-gathers a unit's shards into
 #             a full flat buffer (the parameters are views of it) just before its forward (the next unit's gather
@@ -972,7 +964,7 @@ class MixedPrecisionOptimizer(MixedPrecisionOptimizer):
 #
 # The zero=3 working set: the full parameters of the units gathered at once, two units with a one-unit prefetch
 # (`memory_bytes()["peak_gathered_bytes"]`), plus, between a unit's backward and its reduce_grads, its full-size
-# p.grad (e per unit parameter) and the FP32 flat copy the reduce-scatter sends (4). Padding rule: each bucket
+# p.grad (e per unit parameter) and the FP32 flat copy the reduce-scatter sends (4). Padding rule: each flat buffer
 # (one per entry, dtype and device; at zero 2 and 3 also one per unit) is padded to a multiple of its shard
 # count, at most k - 1 elements; the padding is in the parameter, main-grad and master buffers, not in the
 # moments (which belong to the pieces).
@@ -1001,7 +993,7 @@ class MixedPrecisionOptimizer(MixedPrecisionOptimizer):
 # The norm under sharding: each rank counts the gradients it owns (its shard, once per replica set; under zero=0
 # group rank 0 of each entry). Checkpoints: owned_state(p) and owned_param(p) hand out this rank's live pieces
 # (under zero=3 the parameter shard), for a checkpoint that writes each shard where it lies and loads into it in
-# place (then publish_params()); full_state(p) gathers them as full tensors (12 bytes per parameter for Adam, so
+# place (then copy_masters_to_params()); full_state(p) gathers them as full tensors (12 bytes per parameter for Adam, so
 # for small models), so a run saved under one layout (zero=3 on 2 ranks) resumes under another.
 #
 # FP8 parameter all-gather (`fp8_param_gather`: ZeRO-1 and 2 at the step, ZeRO-3 at every gather of a unit): each
@@ -1010,8 +1002,6 @@ class MixedPrecisionOptimizer(MixedPrecisionOptimizer):
 # padding that aligns each parameter to 32). The working weights become FP8-rounded (within E4M3's eps/2 of the
 # masters); masters and moments stay FP32, so updates below the FP8 spacing still accumulate in the master.
 
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 FP8_GATHER_BLOCK = 32  # fp8_param_gather: one E8M0 scale per 32 elements, MXFP8's block
 
 
@@ -1022,9 +1012,9 @@ def fp8_param_round(flat):
     return dequantize_blocks(quantize_mxfp8(flat.reshape(1, -1))).view(-1).to(flat.dtype)
 
 
-class _ShardedBucket(_Bucket):
-    """_Bucket at ZeRO level `level` (0 to 3: a parameter in no unit gets 1 at zero 2 and 3) over `group`'s k
-    ranks, and replicated over `replicate_group` (HSDP).
+class _ShardedFlatBuffer(_FlatBuffer):
+    """The chapter's _FlatBuffer at ZeRO level `level` (0 to 3: a parameter in no unit gets 1 at zero 2 and 3)
+    over `group`'s k ranks, and replicated over `replicate_group` (HSDP).
 
     params      param dtype, padded length N. Level 3 keeps only `param_shard` (its own storage) at rest: the
                 full buffer's storage is freed and gather() rebuilds it (the views stay views of the same storage)
@@ -1033,13 +1023,13 @@ class _ShardedBucket(_Bucket):
     master      master dtype, this rank's shard only, and only when the param dtype is narrower; otherwise
                 the shard of the parameters itself (param_shard) is what the optimizer updates
 
-    Sharding (level >= 1): N is padded to a multiple of k and rank r owns [lo, hi) = [r N/k, (r+1) N/k) of every
-    buffer. Each parameter contributes the piece of it that falls into the shard (possibly empty): the pieces
-    are the inner optimizer's parameters, so per-group options (weight decay) apply per parameter, and every
-    rank holds a state entry for every parameter (full_state relies on it). With fp8_param_gather every
-    parameter starts at a multiple of 32 and N is a multiple of 32 k, so the 32-element FP8 blocks of a shard are
-    blocks of one parameter each, the same at every k. HSDP: the shard is replicated over `replicate_group`,
-    whose all-reduce of the reduced shard completes the sum over all d = k r data-parallel ranks."""
+    Sharding (level >= 1) is the chapter's ZeRO-1 layout: N padded to a multiple of k, rank r owning [lo, hi) =
+    [r N/k, (r+1) N/k) of every buffer, and each parameter's piece in the shard (possibly empty) stepped by the
+    inner optimizer, so per-group options (weight decay) apply per parameter, and every rank holds a state
+    entry for every parameter (full_state relies on it). With fp8_param_gather every parameter starts at a
+    multiple of 32 and N is a multiple of 32 k, so the 32-element FP8 blocks of a shard are blocks of one
+    parameter each, the same at every k. HSDP: the shard is replicated over `replicate_group`, whose all-reduce
+    of the reduced shard completes the sum over all d = k r data-parallel ranks."""
 
     def __init__(self, params, group, level, master_dtype, fp8_param_gather=False, replicate_group=None):
         self.level, self.fp8_param_gather = level, fp8_param_gather
@@ -1047,7 +1037,7 @@ class _ShardedBucket(_Bucket):
         self.replicate_size = _group_size(self.replicate_group)
         self.replicate_rank = 0 if self.replicate_group is None else dist.get_rank(self.replicate_group)
         self.gathered = level < 3
-        super().__init__(params, group, master_dtype)
+        super().__init__(params, group, master_dtype, shard_states=level >= 1)
         self._finish_init()
 
     def _layout(self):
@@ -1061,11 +1051,11 @@ class _ShardedBucket(_Bucket):
         lo = padded // shards * (self.group_rank if self.level >= 1 else 0)
         return starts, padded, lo, lo + padded // shards
 
-    def _make_main_grads(self, master_dtype):
+    def _make_main_grads(self):
         if self.level <= 1:
-            return super()._make_main_grads(master_dtype)
+            return super()._make_main_grads()
         self.grad_flat = None  # no full-size gradient buffer: reduce_unit_grads sums into the shard
-        self.grad_shard = torch.zeros(self.hi - self.lo, dtype=master_dtype, device=self.param_flat.device)
+        self.grad_shard = torch.zeros(self.hi - self.lo, dtype=self.master_dtype, device=self.param_flat.device)
 
     def _owned_params(self):
         owned = super()._owned_params()
@@ -1080,9 +1070,18 @@ class _ShardedBucket(_Bucket):
         if self.level == 3:
             self.param_flat.untyped_storage().resize_(0)  # at rest only the shard lives
 
-    @property
-    def sharded(self):
-        return self.level >= 1 and self.group_size > 1
+    def route_grads(self):
+        """Levels 2 and 3: the unit parameters keep no full-size gradient buffer and have no hook; reduce_grads
+        takes their p.grad."""
+        if self.level <= 1:
+            return super().route_grads()
+        for p in self.params:
+            p._zero_unit_level = self.level  # marks it as managed (it has no main_grad to tell)
+            p.grad = None
+
+    def fold_stray_grads(self):
+        if self.level <= 1:  # levels 2 and 3: reduce_unit_grads takes each p.grad (step() refuses one left over)
+            super().fold_stray_grads()
 
     def groups(self):
         return (self.group, self.replicate_group)
@@ -1090,18 +1089,15 @@ class _ShardedBucket(_Bucket):
     def counts_in_norm(self):
         """Sharded: each rank counts its shard once per replica set (replicate rank 0). Level 0: only group rank
         0 of replicate rank 0 counts the reduced gradient, which every rank holds identically."""
-        return (self.level >= 1 or self.group_rank == 0) and self.replicate_rank == 0
+        return super().counts_in_norm() and self.replicate_rank == 0
 
     def reduce_grads(self):
-        """At step: SUM over the group (level 0: the all-reduce of the whole buffer; level 1: a reduce-scatter into
-        this rank's shard; levels 2 and 3 were reduced by reduce_unit_grads), then, under HSDP, all-reduce of
-        the shard over the replicate group (once per step at every level: a sum, so once suffices)."""
+        """At step: the chapter's SUM over the group at levels 0 and 1 (levels 2 and 3 were reduced by
+        reduce_unit_grads), then, under HSDP, all-reduce of the shard over the replicate group (once per step at
+        every level: a sum, so once suffices)."""
         self.finish_reduce()
-        if self.level == 0:
+        if self.level <= 1:
             super().reduce_grads()
-        elif self.level == 1 and self.group_size > 1:
-            _count_sent("reduce_scatter", self.grad_flat, self.group_size, 1)
-            _reduce_scatter_flat(self.grad_shard, self.grad_flat, group=self.group)
         if self.replicate_group is not None:
             _count_sent("replicate_all_reduce", self.grad_shard, self.replicate_size, 2)
             dist.all_reduce(self.grad_shard, group=self.replicate_group)
@@ -1111,9 +1107,9 @@ class _ShardedBucket(_Bucket):
         them; None counts as zeros), cast to the master dtype in one flat buffer, reduce-scattered (SUM) over the
         group and added into this rank's grad_shard; p.grad is freed. One collective per call; with async_op it
         is left running while the backward goes on (the rest of the model's backward overlaps it) and its sum is
-        added by finish_reduce(), at this bucket's next reduction, in all_reduce_grads or at the step: in the order
+        added by finish_reduce(), at this buffer's next reduction, in all_reduce_grads or at the step: in the order
         the collectives were issued either way."""
-        self.finish_reduce()  # at most one in flight per bucket: its full-size flat buffer is freed by then
+        self.finish_reduce()  # at most one in flight per buffer: its full-size flat copy is freed by then
         flat = torch.zeros(self.padded, dtype=self.grad_shard.dtype, device=self.grad_shard.device)
         with torch.no_grad():
             for p, start in zip(self.params, self.starts):
@@ -1160,17 +1156,16 @@ class _ShardedBucket(_Bucket):
         self.param_flat.untyped_storage().resize_(0)
         self.gathered = False
 
-    def publish_params(self):
+    def copy_masters_to_params(self):
         """The copy back into this rank's parameter shard (or its FP8 rounding); levels 1 and 2 then all-gather
-        the shards (level 3 does not: the next forward gathers)."""
+        the shards as the chapter's ZeRO-1 does; level 3 does not (the next forward gathers)."""
         with torch.no_grad():
             if self.fp8_param_gather:
                 self._publish_fp8()
-                return
-            super().publish_params()
-            if self.sharded and self.level <= 2:
-                _count_sent("all_gather", self.param_flat, self.group_size, 1)
-                _all_gather_flat(self.param_flat, self.param_shard, group=self.group)
+            elif self.level <= 2:
+                super().copy_masters_to_params()
+            elif self.separate_master:
+                self.param_shard.copy_(self.master_flat)
 
     def _publish_fp8(self):
         """fp8_param_gather: this rank's master shard in MXFP8 (E4M3 elements, one E8M0 scale per 32), packed
@@ -1210,10 +1205,16 @@ class _ShardedBucket(_Bucket):
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.param_flat):
             self._unpack_fp8(gathered, self.param_flat)
 
-
-    def zero_main_grads(self):
+    def zero_grads(self):
         self.finish_reduce()  # a reduce-scatter still in flight would add into the zeroed shard later
-        super().zero_main_grads()
+        if self.level <= 1:
+            return super().zero_grads()
+        self.grad_shard.zero_()
+        for p in self.params:
+            p.grad = None
+
+    def grad_buffer(self):
+        return self.grad_shard if self.grad_flat is None else self.grad_flat
 
     def param_buffers(self):
         """Level 3: the shard only, and under fp8_param_gather also its MXFP8 bytes."""
@@ -1221,27 +1222,14 @@ class _ShardedBucket(_Bucket):
             return super().param_buffers()
         return [self.param_shard] + ([self.packed] if self.fp8_param_gather else [])
 
-    def grad_buffer(self):
-        return self.grad_shard if self.grad_flat is None else self.grad_flat
-
-    def full_tensor(self, local, piece_range, p):
-        """Sharded: the pieces gathered over the group (an all-reduce SUM of zero-filled full tensors, each element
-        owned by exactly one rank, so exact): every rank of the group calls it for the same params in order."""
-        if not self.sharded:
-            return super().full_tensor(local, piece_range, p)
-        a, b = piece_range
-        full = torch.zeros(p.numel(), dtype=local.dtype, device=local.device)
-        full[a:b] = local.detach().reshape(-1)
-        dist.all_reduce(full, group=self.group)
-        return full.view(p.shape)
-
     def load_param(self, p, piece, master):
-        if self.level == 3:  # the parameter lives as its shard; the full view only while gathered
+        """The working parameter from its loaded master: level 3 into its shard (the full view only while
+        gathered); under fp8_param_gather the master's FP8 rounding, as a step publishes it."""
+        if self.level == 3:
             a, b = piece.range
             lo, hi = piece.shard_range
             self.param_shard[lo:hi].copy_(master.reshape(-1)[a:b])
         if self.gathered:
-            # under fp8_param_gather the working weight is the master's FP8 rounding, as a step publishes it
             p.copy_(fp8_param_round(master.reshape(-1)).view(p.shape) if self.fp8_param_gather else master)
 
 
@@ -1269,8 +1257,8 @@ class _GatherMeter:
 
 
 class ShardedUnit:
-    """One unit of parameters (a transformer block) that zero 2 and 3 shard deeper: one _ShardedBucket per
-    (shard-group entry, dtype, device) of its parameters, so each gather or reduce is one collective per bucket.
+    """One unit of parameters (a transformer block) that zero 2 and 3 shard deeper: one _ShardedFlatBuffer per
+    (shard-group entry, dtype, device) of its parameters, so each gather or reduce is one collective per flat buffer.
     `opt.units[i]`, in the order given. At zero < 3 gather, wait and release do nothing (the parameters are
     whole), at zero < 2 reduce_grads does nothing (the hooks accumulate main grads; the step reduces).
 
@@ -1279,8 +1267,8 @@ class ShardedUnit:
     would keep a full-size FP32 buffer (4 bytes per parameter) alive for the whole step and lose what zero 2
     saves (the demo measures both)."""
 
-    def __init__(self, params, buckets, zero, meter):
-        self.params, self.buckets, self.zero, self._meter = params, buckets, zero, meter
+    def __init__(self, params, buffers, zero, meter):
+        self.params, self.buffers, self.zero, self._meter = params, buffers, zero, meter
         self._works, self._gathered = [], False
 
     @property
@@ -1289,13 +1277,13 @@ class ShardedUnit:
         return self.zero < 3 or self._gathered
 
     def gather(self, async_op=False):
-        """Zero 3: all-gather every bucket's parameter shards into its full flat buffer (the parameters are views
+        """Zero 3: all-gather every flat buffer's parameter shards into its full flat buffer (the parameters are views
         of it). async_op=True returns at once with the work kept inside (wait() completes it); a gathered unit
         is not gathered again (async_op=False still waits for a gather in flight)."""
         if self.zero < 3:
             return
         if not self._gathered:
-            self._works = [w for w in (b.gather(async_op) for b in self.buckets) if w is not None]
+            self._works = [w for w in (b.gather(async_op) for b in self.buffers) if w is not None]
             self._gathered = True
             self._meter.add(self.param_bytes())
         if not async_op:
@@ -1313,27 +1301,27 @@ class ShardedUnit:
             return
         self.wait()
         self._meter.now -= self.param_bytes()
-        for bucket in self.buckets:
-            bucket.release()
+        for buffer in self.buffers:
+            buffer.release()
         self._gathered = False
 
     def reduce_grads(self, async_op=False):
         """Zero 2 and 3, after each backward of the unit (once per micro-batch, after the W step under a
         zero-bubble schedule): every parameter's full-size p.grad is reduce-scattered (flat, in the master
-        dtype) over its bucket's group into this rank's shard accumulator, summed over calls, and set to None.
+        dtype) over its flat buffer's group into this rank's shard accumulator, summed over calls, and set to None.
         Under HSDP the replicate all-reduce of the accumulated shard runs once, at step(). With async_op the
         reduce-scatters run on while the caller goes on (the optimizer waits for them where it needs them)."""
         if self.zero < 2:
             return
-        for bucket in self.buckets:
-            bucket.reduce_unit_grads(async_op)
+        for buffer in self.buffers:
+            buffer.reduce_unit_grads(async_op)
 
     def param_bytes(self):
         """Bytes of the unit's full parameters alive now: the gathered buffers (padding included) at zero 3,
         the parameters themselves below."""
         if self.zero < 3:
             return sum(p.numel() * p.element_size() for p in self.params)
-        return sum(b.param_flat.numel() * b.param_flat.element_size() for b in self.buckets if b.gathered)
+        return sum(b.param_flat.numel() * b.param_flat.element_size() for b in self.buffers if b.gathered)
 
 
 
@@ -1371,16 +1359,15 @@ def _check_units(units, optimised, name):
     return unit_lists
 
 
-class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
-    """MixedPrecisionOptimizer with ZeRO-1, -2 or -3 sharding over each shard group (and HSDP), units and the FP8
-    parameter all-gather; `MixedPrecisionOptimizer(..., zero=k)` builds it for k > 0, for fp8_param_gather, units
-    or a replicate group (at zero=0 too). The step is the chapter's; what changes is the buckets (_ShardedBucket:
-    reduce-scatter instead of all-reduce, the shard's pieces, the all-gather of the copy back) and the units.
+class ShardedOptimizer(CheckpointableOptimizer):
+    """The chapter's optimizer (CheckpointableOptimizer: MixedPrecisionOptimizer with its checkpoint state) with
+    ZeRO-2 and -3 over units, hybrid sharding (HSDP) and the FP8 parameter all-gather; zero 0 and 1 as the
+    chapter's. The step is the chapter's; what changes is the flat buffers (_ShardedFlatBuffer: the units'
+    gradients reduce-scattered after each backward, their parameters gathered around each use, the replicate
+    all-reduce, the FP8 all-gather of the copy back) and the units.
 
-    shard_groups: with zero >= 1 a parameter's master weight and optimizer state are sharded over its entry's
-    group. (params, group, replicate_group): hybrid sharding, sharded over group, the reduced shards then
-    SUMMED over replicate_group (None or one rank: plain sharding). Under zero >= 1 the inner optimizer sees 1-D
-    pieces of parameters, so it must act elementwise (Adam, SGD: as in Megatron-LM).
+    shard_groups: (params, group) as the chapter's, or (params, group, replicate_group): hybrid sharding, sharded
+    over group, the reduced shards then SUMMED over replicate_group (None or one rank: plain sharding).
 
     units (zero 2 and 3; accepted and ignored below): one list of parameters per transformer block; they get
     the deeper sharding, every other parameter ZeRO-1's. `opt.units` (ShardedUnit, in the order given) are
@@ -1391,7 +1378,7 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         backward of block i:  units[i].gather(); units[i - 1].gather(async_op=True)
                               backward through block i (the recomputation first, under checkpointing)
                               units[i].release(); units[i].reduce_grads()
-        opt.step(...)         # no reduce for the units; zero=3 publishes only the shards
+        opt.step(...)         # no reduce for the units; zero=3 copies the masters into the shards only
 
     (sharded_micro_batch is this loop.) Under a zero-bubble schedule whose weight gradients come later, in a
     separate W step, call reduce_grads after W (a W step that reads only the saved input and output gradient, as
@@ -1410,23 +1397,37 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
 
     def __init__(self, params_or_param_groups, optimizer_class, *, zero=0, fp8_param_gather=False, units=None,
                  **kwargs):
-        self.zero, self.fp8_param_gather, self._units_given = zero, fp8_param_gather, units
+        self.fp8_param_gather, self._units_given = fp8_param_gather, units
         super().__init__(params_or_param_groups, optimizer_class, zero=zero, **kwargs)
 
-    def _check_arguments(self, shard_groups, optimizer_defaults):
-        zero, fp8_param_gather = self.zero, self.fp8_param_gather
-        if zero not in (0, 1, 2, 3):
-            raise ValueError(f"zero={zero!r}: use 0 (replicated), 1 (optimizer states sharded over each shard "
+    def _check_zero_level(self):
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero={self.zero!r}: use 0 (replicated), 1 (optimizer states sharded over each shard "
                              "group), 2 (and the gradients of the units) or 3 (and the parameters of the units)")
+
+    def _check_arguments(self, shard_groups):
+        zero, fp8_param_gather = self.zero, self.fp8_param_gather
         if fp8_param_gather not in (False, True):
             raise ValueError(f"fp8_param_gather={fp8_param_gather!r}: pass True or False")
         if fp8_param_gather and zero == 0:
             raise ValueError(f"fp8_param_gather=True with zero={zero}: ZeRO-0 gathers no parameters; pass zero=1, "
                              "2 or 3")
-        entries = super()._check_arguments(shard_groups, optimizer_defaults)
+        replicate_groups = []
+        for k, entry in enumerate(shard_groups or []):
+            if not isinstance(entry, (tuple, list)) or len(entry) not in (2, 3):
+                raise ValueError(f"shard_groups[{k}] must be (params, group) or, for hybrid sharding, (params, "
+                                 "group, replicate_group)")
+            replicate_groups.append(entry[2] if len(entry) == 3 else None)
+        name = lambda p: _param_name(self.params, p)
+        for p in self.params:
+            if hasattr(p, "_zero_unit_level"):
+                raise ValueError(f"{name(p)} already belongs to a ShardedOptimizer's unit: build one optimizer "
+                                 "per parameter")
+        entries = super()._check_arguments([tuple(entry[:2]) for entry in shard_groups or []])
+        entries = [(params, group, replicate) for (params, group), replicate
+                   in zip(entries, replicate_groups + [None])]  # the unassigned entry last: no replicas
         for k, (_, group, replicate_group) in enumerate(entries):
             _check_replicate_group(k, group, replicate_group)
-        name = lambda p: _param_name(self.params, p)
         for p in self.params:
             if fp8_param_gather and p.dtype == self.master_dtype:
                 raise ValueError(f"fp8_param_gather=True with {name(p)} in the master dtype: such a parameter is "
@@ -1435,33 +1436,24 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         self._unit_lists = _check_units(self._units_given, {id(p) for p in self.params}, name)
         return entries
 
-    def _build_buckets(self, entries):
-        """One _ShardedBucket per (entry, dtype, device). At zero 2 and 3 each unit gets its own buckets per
-        (entry, dtype, device), at that level, and the parameters in no unit level-1 buckets."""
+    def _build_buffers(self, entries):
+        """One _ShardedFlatBuffer per (entry, dtype, device). At zero 2 and 3 each unit gets its own buffers per
+        (entry, dtype, device), at that level, and the parameters in no unit level-1 buffers."""
         units, zero = self._unit_lists, self.zero
         unit_of = {id(p): u for u, unit in enumerate(units) for p in unit} if zero >= 2 else {}
-        make = lambda group, replicate_group, level: lambda params: _ShardedBucket(
+        make = lambda group, replicate_group, level: lambda params: _ShardedFlatBuffer(
             params, group, level, self.master_dtype, self.fp8_param_gather, replicate_group)
         for entry_params, group, replicate_group in entries:  # outside the units: ZeRO-1 at zero 2 and 3
-            self._add_buckets([p for p in entry_params if id(p) not in unit_of],
+            self._add_buffers([p for p in entry_params if id(p) not in unit_of],
                               make(group, replicate_group, min(zero, 1)))
-        unit_buckets = [[] for _ in units]
+        unit_buffers = [[] for _ in units]
         for u in range(len(units) if zero >= 2 else 0):
             for entry_params, group, replicate_group in entries:
-                unit_buckets[u] += self._add_buckets([p for p in entry_params if unit_of.get(id(p)) == u],
+                unit_buffers[u] += self._add_buffers([p for p in entry_params if unit_of.get(id(p)) == u],
                                                      make(group, replicate_group, zero))
         self._meter = _GatherMeter()
-        self.units = [ShardedUnit(params, buckets, zero, self._meter)
-                      for params, buckets in zip(units, unit_buckets)]
-
-    def _route_grad(self, p):
-        """Zero 2 and 3: the unit parameters keep no full-size gradient buffer and have no hook; reduce_grads
-        takes their p.grad."""
-        if self._where[id(p)][0].level >= 2:
-            p._zero_unit_level = self.zero  # marks it as managed (it has no main_grad to tell)
-            p.grad = None
-            return
-        super()._route_grad(p)
+        self.units = [ShardedUnit(params, buffers, zero, self._meter)
+                      for params, buffers in zip(units, unit_buffers)]
 
     def _grad_holder(self, p):
         """A unit parameter at zero 2 and 3 has no full gradient: its reduced piece in this rank's shard is summed
@@ -1474,26 +1466,29 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         for p in params:
             self._managed(p, "all_reduce_grads")
         if _group_size(group, "all_reduce_grads' group") > 1 and params:
-            for bucket in self._buckets:  # the units' reduce-scatters still in flight, summed into their shards
-                bucket.finish_reduce()
+            for buffer in self._buffers:  # the units' reduce-scatters still in flight, summed into their shards
+                buffer.finish_reduce()
         super().all_reduce_grads(params, group)
 
-    def _before_step(self):
+    def step(self, *args, **kwargs):
+        """The chapter's step, once every unit's gradients are reduced; gathered units are released first (their
+        full parameters would be stale after it)."""
         pending = [i for i, p in enumerate(self.params) if hasattr(p, "_zero_unit_level") and p.grad is not None]
         if pending:
             raise ValueError(f"step(): unit parameters {pending} still hold a p.grad at zero={self.zero}: call "
                              "opt.units[i].reduce_grads() after each backward of the unit (after its W step under "
                              "a zero-bubble schedule)")
-        for unit in self.units:  # gathered full parameters would be stale after the step
+        for unit in self.units:
             unit.release()
+        return super().step(*args, **kwargs)
 
-    def publish_params(self):
+    def copy_masters_to_params(self):
         """zero 1 and 2 (and parameters in no unit) round each rank's master shard into the parameter buffer and
         all-gather it; zero 3 rounds the master shard into the parameter shard, nothing more (the next forward
         gathers), and releases any gathered unit."""
         for unit in self.units:
             unit.release()
-        super().publish_params()
+        super().copy_masters_to_params()
 
     def memory_bytes(self):
         """The chapter's figures (zero 3 units: the shards at rest, and under fp8_param_gather also their MXFP8
@@ -1507,19 +1502,20 @@ class ShardedMixedPrecisionOptimizer(MixedPrecisionOptimizer):
         """Zero 3 units: this rank's range (as owned_state's) and a view of the parameter shard. Under zero 3 a
         parameter in the master dtype is its own master: this tensor and owned_state's "master" are the same
         elements."""
-        bucket, piece = self._managed(p, "owned_param")
-        if bucket.level < 3:
+        buffer, piece = self._managed(p, "owned_param")
+        if buffer.level < 3:
             return super().owned_param(p)
         lo, hi = piece.shard_range
-        return piece.range, bucket.param_shard[lo:hi]
+        return piece.range, buffer.param_shard[lo:hi]
 
-    def _after_load(self):
-        for bucket in self._buckets:  # zero 3 under fp8_param_gather: its FP8 shard, made from the loaded masters
-            if bucket.level == 3 and bucket.fp8_param_gather:
-                bucket.publish_params()  # at level 3 local: no communication
+    def _load_param(self, buffer, p, piece, master):
+        buffer.load_param(p, piece, master)
 
-
-MixedPrecisionOptimizer.sharded_form = ShardedMixedPrecisionOptimizer
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        for buffer in self._buffers:  # zero 3 under fp8_param_gather: its FP8 shard, made from the loaded masters
+            if buffer.level == 3 and buffer.fp8_param_gather:
+                buffer.copy_masters_to_params()  # at level 3 local: no communication
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1889,6 +1885,39 @@ def fp8_backward_gemms(grad_out, x, weight, recipe="tensorwise", amax_group=None
     return grad_x, grad_w
 
 
+# ----------------------------------------------------------------------------------------------------
+# The FP8 linear with every recipe: fine-grained scales, the FP8 backward, and what TP's split cuts
+# ----------------------------------------------------------------------------------------------------
+
+FP8_RECIPES = PER_TENSOR_RECIPES + FINE_GRAINED  # in the order the trainer's flags list them
+FP8_BACKWARDS = ("bf16", "fp8")
+
+
+class _GemmSpec(NamedTuple):
+    recipe: str
+    x_scale: torch.Tensor  # per-tensor scales (tensorwise, delayed); None for the fine-grained recipes
+    w_scale: torch.Tensor
+    use_scaled_mm: bool
+    backward: str
+    group: object          # the TP group (amax_group)
+    split: str             # None, "column" or "row": which dimension of this layer the group splits
+
+
+def _check_fine_grained_options(recipe, backward, split, amax_group):
+    if recipe not in FP8_RECIPES:
+        raise ValueError(f"recipe={recipe!r}: use one of {FP8_RECIPES}")
+    if backward not in FP8_BACKWARDS:
+        raise ValueError(f"backward={backward!r}: use one of {FP8_BACKWARDS} ('bf16': BF16 GEMMs on the saved "
+                         "tensors; 'fp8': E5M2 gradients)")
+    if split not in (None, "column", "row"):
+        raise ValueError(f"split={split!r}: use None, 'column' (the group splits the output rows of W) or 'row' "
+                         "(it splits K, the input columns of W and the last dimension of x)")
+    if recipe not in PER_TENSOR_RECIPES and split is None and _group_size(amax_group, "amax_group") > 1:
+        raise ValueError(f"split=None with an amax_group of several ranks: for the {recipe} recipe say how the "
+                         "group splits this layer, split='column' (blocks along K are local) or split='row' "
+                         "(blocks along K are cut between ranks and agreed)")
+
+
 def _block_product(x2, weight, spec):
     """The forward GEMM under a fine-grained recipe; a row-parallel layer cuts K, so its blocks are agreed."""
     k_group = spec.group if spec.split == "row" else None
@@ -1897,30 +1926,76 @@ def _block_product(x2, weight, spec):
                             x2.dtype, spec.use_scaled_mm, spec.recipe)
 
 
-def _fp8_backward(g, x2, weight, spec, needs):
-    return fp8_backward_gemms(g, x2, weight, spec.recipe, spec.group, spec.split, spec.use_scaled_mm, spec.x_scale,
-                              spec.w_scale, needs)
+class _FineGrainedFP8Function(torch.autograd.Function):
+    """The chapter's _FP8LinearFunction for every recipe and backward: the forward GEMM per-tensor (the chapter's
+    product) or blockwise, the backward GEMMs in BF16 (the chapter's) or FP8 (fp8_backward_gemms)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, spec):
+        ctx.save_for_backward(x, weight)  # high precision: the backward re-quantises (fp8) or not (bf16)
+        ctx.spec = spec
+        x2 = x.reshape(-1, x.shape[-1])
+        if spec.recipe in PER_TENSOR_RECIPES:
+            y = _per_tensor_product(x2, weight, spec.x_scale, spec.w_scale, spec.use_scaled_mm)
+        else:
+            y = _block_product(x2, weight, spec)
+        fp8_log["gemm:count"] += 1
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        spec, needs = ctx.spec, ctx.needs_input_grad[:2]
+        g2, x2 = grad_out.reshape(-1, weight.shape[0]), x.reshape(-1, x.shape[-1])
+        if spec.backward == "fp8":
+            grad_x, grad_w = fp8_backward_gemms(g2, x2, weight, spec.recipe, spec.group, spec.split,
+                                                spec.use_scaled_mm, spec.x_scale, spec.w_scale, needs)
+        else:
+            grad_x, grad_w = _bf16_backward(g2, x2, weight, needs)
+        return None if grad_x is None else grad_x.reshape(x.shape), grad_w, None
 
 
-# the chapter's tables, extended: every recipe and the FP8 backward, in the order the trainer's flags list them
-FORWARD_PRODUCTS.update(dict.fromkeys(FINE_GRAINED, _block_product))
-BACKWARD_PRODUCTS["fp8"] = _fp8_backward
-FP8_RECIPES, FP8_BACKWARDS = tuple(FORWARD_PRODUCTS), tuple(BACKWARD_PRODUCTS)
+def fine_grained_fp8_linear(x, weight, bias=None, amax_group=None, use_scaled_mm=True, *, recipe="tensorwise",
+                            backward="bf16", split=None, amax_history=None, record_amax=True):
+    """fp8_linear for every recipe of FP8_RECIPES and backward of FP8_BACKWARDS: the fine-grained recipes scale
+    blocks (rowwise, blockwise, mxfp8), backward="fp8" quantises the gradients to E5M2 for both backward GEMMs.
+    `split` (None, "column", "row") says how amax_group (the TP group) cuts this layer, which a block recipe
+    under a group needs. The per-tensor recipes with the BF16 backward are the chapter's fp8_linear itself."""
+    _check_fine_grained_options(recipe, backward, split, amax_group)
+    if recipe in PER_TENSOR_RECIPES and backward == "bf16":
+        return fp8_linear(x, weight, bias, amax_group, use_scaled_mm, recipe=recipe, amax_history=amax_history,
+                          record_amax=record_amax)
+    x_scale = w_scale = None
+    if recipe in PER_TENSOR_RECIPES:
+        x_scale, w_scale = per_tensor_scales(x, weight, recipe, amax_group, amax_history, record_amax)
+    spec = _GemmSpec(recipe, x_scale, w_scale, use_scaled_mm, backward, amax_group, split)
+    y = _FineGrainedFP8Function.apply(x, weight, spec)
+    return y if bias is None else y + bias.to(y.dtype)
 
-PER_TENSOR = ("tensorwise", "delayed")
-_check_per_tensor_options = _check_fp8_options
 
+class FineGrainedFP8Linear(FP8Linear):
+    """FP8Linear through fine_grained_fp8_linear: any recipe of FP8_RECIPES, backward="bf16" or "fp8", and
+    `split` under a TP amax_group."""
 
-def _check_fp8_options(recipe, backward, split, amax_group):
-    """The chapter's checks; `split` (what amax_group cuts), which a block recipe under a group needs."""
-    _check_per_tensor_options(recipe, backward, split, amax_group)
-    if split not in (None, "column", "row"):
-        raise ValueError(f"split={split!r}: use None, 'column' (the group splits the output rows of W) or 'row' "
-                         "(it splits K, the input columns of W and the last dimension of x)")
-    if recipe not in PER_TENSOR and split is None and _group_size(amax_group, "amax_group") > 1:
-        raise ValueError(f"split=None with an amax_group of several ranks: for the {recipe} recipe say how the "
-                         "group splits this layer, split='column' (blocks along K are local) or split='row' "
-                         "(blocks along K are cut between ranks and agreed)")
+    def __init__(self, in_features, out_features, bias=True, delayed_scaling=False, amax_history_len=16,
+                 use_scaled_mm=True, amax_group=None, device=None, dtype=None, *, recipe=None, backward="bf16",
+                 split=None):
+        if delayed_scaling and recipe not in (None, "delayed"):
+            raise ValueError(f"delayed_scaling=True with recipe={recipe!r}: delayed_scaling is recipe='delayed'; "
+                             "pass one of them")
+        recipe = recipe or ("delayed" if delayed_scaling else "tensorwise")
+        _check_fine_grained_options(recipe, backward, split, amax_group)
+        # the chapter's layer keeps the weights and the amax history (a per-tensor recipe); this one's recipe after
+        super().__init__(in_features, out_features, bias, amax_history_len=amax_history_len,
+                         use_scaled_mm=use_scaled_mm, amax_group=amax_group, device=device, dtype=dtype,
+                         recipe="delayed" if recipe == "delayed" else "tensorwise")
+        self.recipe, self.backward, self.split = recipe, backward, split
+
+    def forward(self, x):
+        return fine_grained_fp8_linear(x, self.weight, self.bias, self.amax_group, self.use_scaled_mm,
+                                       recipe=self.recipe, backward=self.backward, split=self.split,
+                                       amax_history=self.amax_history if self.delayed_scaling else None,
+                                       record_amax=self.training)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -2442,9 +2517,13 @@ class MLP(nn.Module):
 
 def build(mode, model_fn=MLP, lr=1e-3, seed=0, fp8_recipe="tensorwise", fp8_backward="bf16"):
     """Model and optimizer of one precision mode; returns (model, step_fn(x, y) -> (loss, stepped), opt).
-    fp8_compute's layers are FP8Linear(recipe=fp8_recipe, backward=fp8_backward)."""
+    fp8_compute's layers are FP8Linear, or FineGrainedFP8Linear(recipe=fp8_recipe, backward=fp8_backward) beyond
+    the per-tensor recipes and the BF16 backward."""
     torch.manual_seed(seed)
-    fp8 = lambda *args, **kwargs: FP8Linear(*args, recipe=fp8_recipe, backward=fp8_backward, **kwargs)
+    if fp8_recipe in PER_TENSOR_RECIPES and fp8_backward == "bf16":
+        fp8 = lambda *args, **kwargs: FP8Linear(*args, recipe=fp8_recipe, **kwargs)
+    else:
+        fp8 = lambda *args, **kwargs: FineGrainedFP8Linear(*args, recipe=fp8_recipe, backward=fp8_backward, **kwargs)
     model = model_fn(linear=fp8) if mode == "fp8_compute" else model_fn()
     dtype = {"bf16_master": torch.bfloat16, "bf16_pure": torch.bfloat16, "fp8_compute": torch.bfloat16,
              "fp16_master_scaler": torch.float16}.get(mode, torch.float32)
@@ -2496,20 +2575,26 @@ def measure_bytes_per_parameter(mode, model_fn=MLP):
             "master": 0.0, "optimizer": size(states) / n, **transient}
 
 
+def _padding(opt):
+    """Elements that round the optimizer's flat buffers up to a multiple of their shard count (or of 32 k)."""
+    return sum(b.padded - sum(p.numel() for p in b.params) for b in opt._buffers)
+
+
 def zero_bytes_per_parameter(dtype, zero, group=None, out=2):
     """This rank's bytes per parameter under ZeRO-`zero` over `group`, measured after one Adam step on the
     MLP. out=2 gives 6402 parameters, divisible by 2 and by 3: the flat buffers need no padding, so the
     figures are exactly the formula; other sizes add padding / n (reported)."""
     torch.manual_seed(0)
     model = MLP(out=out).to(dtype)
-    opt = MixedPrecisionOptimizer(model.parameters(), torch.optim.Adam, shard_groups=[(model.parameters(), group)],
-                                  zero=zero, lr=1e-3)
+    optimizer_class = MixedPrecisionOptimizer if zero <= 1 else ShardedOptimizer
+    opt = optimizer_class(model.parameters(), torch.optim.Adam, shard_groups=[(model.parameters(), group)],
+                          zero=zero, lr=1e-3)
     model(torch.randn(8, 32).to(dtype)).float().pow(2).mean().backward()
     comm_bytes.clear()
     opt.step()
     n = sum(p.numel() for p in model.parameters())
     m = opt.memory_bytes()
-    return {"n_params": n, "padding": sum(b.padding for b in opt._buckets), "bytes": m,
+    return {"n_params": n, "padding": _padding(opt), "bytes": m,
             "per_param": {k: v / n for k, v in m.items()}, "sent_per_param": sum(comm_bytes.values()) / n}
 
 
@@ -2694,17 +2779,17 @@ def sharded_run(dtype, zero, micro_batches=1, shard=None, steps=1, vocab=0, hidd
     model = Blocks(vocab=vocab, hidden=hidden, depth=depth).to(dtype)
     rank = dist.get_rank(group) if d > 1 else 0
     shard_group, replicate_group = hsdp_groups(shard) if shard else (group, None)
-    opt = MixedPrecisionOptimizer(model.parameters(), torch.optim.Adam, zero=zero, units=model.units(), lr=1e-3,
+    opt = ShardedOptimizer(model.parameters(), torch.optim.Adam, zero=zero, units=model.units(), lr=1e-3,
                                   shard_groups=[(list(model.parameters()), shard_group, replicate_group)])
     for step in range(steps):
         inputs, target = (t.chunk(d)[rank] for t in sharded_batch(step, vocab=vocab))
         comm_bytes.clear()
         for xm, ym in zip(inputs.chunk(micro_batches), target.chunk(micro_batches)):
             sharded_micro_batch(model, opt, xm if vocab else xm.to(dtype), ym.to(dtype), prefetch=prefetch)
-        opt.step(grad_scale=1 / 36)
+        opt.step(grad_multiplier=1 / 36)
     n = sum(p.numel() for p in model.parameters())
     n_units = sum(p.numel() for unit in model.units() for p in unit)
-    return {"n_params": n, "n_units": n_units, "padding": sum(b.padding for b in opt._buckets),
+    return {"n_params": n, "n_units": n_units, "padding": _padding(opt),
             "unit_bytes": opt.units[0].param_bytes() if zero < 3 else None, "bytes": opt.memory_bytes(),
             "sent_per_param": sum(comm_bytes.values()) / n, "sent": dict(comm_bytes)}
 
@@ -2801,7 +2886,7 @@ def row_parallel_fp8(recipe, m=8, k=384, n=256, seed=0, group=None):
     own = slice(rank * k // size, (rank + 1) * k // size)
     x, w = x[:, own].contiguous(), w[:, own].contiguous()
     before = fp8_log["amax:all_reduce"]
-    y = fp8_linear(x, w, amax_group=group, split="row" if size > 1 else None, recipe=recipe)
+    y = fine_grained_fp8_linear(x, w, amax_group=group, split="row" if size > 1 else None, recipe=recipe)
     all_reduces = fp8_log["amax:all_reduce"] - before
     if size > 1:
         dist.all_reduce(y, group=group)
@@ -2822,13 +2907,13 @@ def fp8_param_gather_run(fp8_param_gather, steps=2, group=None):
     (E4M3 bounds it by eps/2 = 2^-4, subnormals included), and the parameters and masters."""
     torch.manual_seed(0)
     model = MLP(out=3).to(torch.bfloat16)
-    opt = MixedPrecisionOptimizer(model.parameters(), torch.optim.Adam, shard_groups=[(model.parameters(), group)],
-                                  zero=1, lr=1e-2, fp8_param_gather=fp8_param_gather)
+    opt = ShardedOptimizer(model.parameters(), torch.optim.Adam, shard_groups=[(model.parameters(), group)],
+                           zero=1, lr=1e-2, fp8_param_gather=fp8_param_gather)
     for step in range(steps):
         gen = torch.Generator().manual_seed(step)
         model(torch.randn(8, 32, generator=gen).to(torch.bfloat16)).float().pow(2).mean().backward()
         comm_bytes.clear()
-        opt.step(grad_scale=1 / _group_size(group))
+        opt.step(grad_multiplier=1 / _group_size(group))
     masters = [opt.full_state(p)["master"] for p in model.parameters()]
     params = [p.detach().clone() for p in model.parameters()]
     smallest_normal = lambda m: torch.finfo(E4M3).smallest_normal / block_scales(quantize_mxfp8(m.reshape(1, -1)))
@@ -2836,7 +2921,7 @@ def fp8_param_gather_run(fp8_param_gather, steps=2, group=None):
                     torch.maximum(m.double().abs().reshape(-1), smallest_normal(m).double().reshape(-1))).max().item()
                    for p, m in zip(params, masters))
     return {"sent": comm_bytes["all_gather"], "n_params": sum(p.numel() for p in params),
-            "padding": sum(b.padding for b in opt._buckets), "distance": distance, "params": params,
+            "padding": _padding(opt), "distance": distance, "params": params,
             "masters": masters}
 
 
@@ -3037,8 +3122,8 @@ def show_sharded_bytes():
             print(f"   d={d} {str(dtype)[6:]:8s} zero={zero} {forms[dtype][zero]:>9s} = "
                   f"{zero_bytes_formula(dtype, d, zero):5.2f} | {total:5.2f} = {b['param_bytes']:4.2f} + "
                   f"{b['grad_bytes']:4.2f} + {b['optimizer_bytes']:5.2f}  padding {r['padding']}")
-    print("   padding rule: each bucket (per entry, dtype, device; at zero 2 and 3 per unit) is padded to a multiple")
-    print("   of its shard count: a unit of 599 parameters at d = 3 takes 600 (the tests check that case exactly)")
+    print("   padding rule: each flat buffer (per entry, dtype, device; at zero 2 and 3 per unit) is padded to a")
+    print("   multiple of its shard count: a unit of 599 parameters at d = 3 takes 600 (the tests check that case)")
 
 
 def show_gathered_working_set():

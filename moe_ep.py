@@ -17,7 +17,9 @@ experts. Perfect balance, f_i = P_i = 1/E, gives coeff * E * (E / E^2) = coeff. 
 of one expert (f = 1/k, P = 1 there, 0 elsewhere), gives coeff * E / k: coeff * E at top-1.
 
 Router z-loss (ST-MoE). L_z = coeff_z * (1/T) sum_t (logsumexp_i logits_ti)^2 keeps the logits small, so the
-softmax stays stable in low precision. Both losses are computed in float32 (float64 for float64 logits).
+softmax stays stable in low precision. Both losses are computed in float32 (float64 for float64 logits). When
+one micro-batch's tokens are split over ranks (CP, and TP under SP: `stats_group`, Megatron-LM's tp_cp), both
+are the whole micro-batch's: their statistics are summed over the group in one small all-reduce per layer.
 
 Capacity. With a capacity factor cf each expert takes at most C = ceil(cf * T * k / E) of the T k assignments
 of a rank's T tokens (exact arithmetic, decided before dispatch); an overloaded expert keeps its C highest-weight
@@ -37,6 +39,9 @@ uniform routing (a copy stays on its own rank with probability 1/P):
 
     bytes per all-to-all = T * k * d * e * (P - 1) / P      (dispatch and combine, forward and backward: 4 a layer)
 
+The chapter ties this volume to the number of experts; it depends on k and P only: more experts change where the
+copies go, not how many leave.
+
 One host synchronisation per layer. all_to_all_single takes its splits as Python lists, so the host must read
 the counts. ONE transfer after the counts all-to-all brings the send splits and the received (rank x local
 expert) counts together, and the backward reuses those lists (P = 1: the loop's slice sizes, one transfer too).
@@ -48,8 +53,8 @@ form the expert-data-parallel group EDP, with EP x EDP = DP x CP. The router is 
 dense weight, the experts over EDP only: an expert's gradient already sums the tokens of its whole EP group
 (`reduce_moe_gradients` SUMS; the caller normalises once, e.g. by the global token count).
 
-Beyond the chapter (below the banner): router losses over ranks that split one micro-batch, DeepSeek-V3 bias
-balancing, the experts as one grouped GEMM, a counter of host synchronisations, the demo:
+The whole file adds, after its BEYOND THE CHAPTER line: DeepSeek-V3 bias balancing (BiasBalancedRouter), the
+experts as one grouped GEMM (GroupedGEMMMoE), a counter of host synchronisations, and the demo:
 `torchrun --nproc_per_node=4 moe_ep.py` (or `python moe_ep.py` for one rank).
 """
 import math
@@ -65,7 +70,7 @@ from einops import rearrange
 
 # collectives issued by this rank, "<kind>:count" and "<kind>:bytes" (bytes that left it, its own rows not
 # counted): dispatch_fwd, combine_fwd, dispatch_bwd, combine_bwd (token rows; each backward sends along the
-# other direction's routes), counts_a2a (forward only); router_stats_allreduce (count only, below the banner)
+# other direction's routes), counts_a2a (forward only); router_stats_allreduce (count only)
 comm_log = Counter()
 
 
@@ -109,7 +114,7 @@ class Router(nn.Module):
         """x (T, d) -> logits (T, E), weights (T, k), experts (T, k)."""
         logits = x @ self.weight.t()
         probs = torch.softmax(_router_precision(logits), dim=-1)
-        experts = self.select(probs)
+        experts = self.select(probs)  # BiasBalancedRouter adds its bias here, to the selection only
         weights = probs.gather(-1, experts)
         if self.normalize and self.top_k > 1:  # a single weight renormalised is 1: no gradient to the router
             weights = weights / weights.sum(-1, keepdim=True)
@@ -143,10 +148,14 @@ def _balancing_parts(router_logits, top_k, selected):
     return tokens_per_expert(selected, E).to(probs.dtype), probs.sum(0)
 
 
-def load_balancing_loss(router_logits, top_k, coeff, selected=None):
-    """Switch/GShard: coeff * E * sum_i f_i P_i over these tokens. `selected` (T, k): the experts actually
-    chosen (the MoE layer passes its router's choice); default the top-k of the logits."""
+def load_balancing_loss(router_logits, top_k, coeff, group=None, selected=None):
+    """Switch/GShard: coeff * E * sum_i f_i P_i over these tokens, or over the tokens of every rank of `group`.
+    `selected` (T, k): the experts actually chosen (the MoE layer passes its router's choice); default the
+    top-k of the logits."""
     counts, prob_sum = _balancing_parts(router_logits, top_k, selected)
+    if _group_info(group)[1] > 1:
+        summed = _summed_statistics(torch.cat([counts, prob_sum]), group)
+        return _balancing_over_group(prob_sum, summed, top_k, coeff)
     T, E = router_logits.shape
     T = max(T, 1)  # no tokens: the sums are zero and so is the loss, a zero still in the graph (not 0/0)
     return coeff * E * ((counts / (T * top_k)) * prob_sum).sum() / T
@@ -159,10 +168,72 @@ def _z_parts(router_logits):
     return (lse ** 2).sum(), lse.shape[0]
 
 
-def z_loss(router_logits, coeff):
-    """ST-MoE router z-loss: coeff * mean over tokens of logsumexp(logits)^2."""
+def z_loss(router_logits, coeff, group=None):
+    """ST-MoE router z-loss: coeff * mean over tokens of logsumexp(logits)^2 (tokens of every rank of `group`)."""
     lse_square_sum, tokens = _z_parts(router_logits)
+    if _group_info(group)[1] > 1:
+        return _z_over_group(lse_square_sum, _summed_statistics(_z_statistics(lse_square_sum, tokens), group), coeff)
     return coeff * lse_square_sum / max(tokens, 1)  # no tokens: a zero still in the graph (not 0/0)
+
+
+def router_losses(router_logits, top_k, aux_coeff, z_coeff, group=None, selected=None):
+    """load_balancing_loss(router_logits, top_k, aux_coeff, group, selected) + z_loss(router_logits, z_coeff,
+    group), the same values and gradients, but both losses' statistics summed over `group` in ONE all-reduce
+    (what MoE.forward uses: one small collective per layer per micro-batch instead of two)."""
+    if _group_info(group)[1] == 1:
+        return load_balancing_loss(router_logits, top_k, aux_coeff, selected=selected) + z_loss(router_logits, z_coeff)
+    counts, local_prob_sum = _balancing_parts(router_logits, top_k, selected)
+    local_sum, tokens = _z_parts(router_logits)
+    E = counts.shape[0]
+    summed = _summed_statistics(torch.cat([counts, local_prob_sum, _z_statistics(local_sum, tokens)]), group)
+    return (_balancing_over_group(local_prob_sum, summed[:2 * E], top_k, aux_coeff)
+            + _z_over_group(local_sum, summed[2 * E:], z_coeff))
+
+
+# ---- The losses of a micro-batch split over ranks (`group`, the MoE's stats_group) ----
+# Split, each rank holds some of the micro-batch's tokens, and the losses must be the whole micro-batch's, or their
+# value and gradient change with the split. As Megatron-LM over tp_cp: the tokens per expert and the token count
+# are summed over the group, so f is global; each rank keeps its local probability sums, and E sum_i f_i (local
+# sum_t p_ti) / T_global is exactly its share of the global loss: the shares add up to it, and each share's
+# gradient with respect to the rank's logits is the global loss's. The z-loss likewise (its local sum of lse^2
+# over the global token count). Counts are summed, not assumed, so uneven splits are exact, down to a rank with no
+# tokens (it still joins the all-reduce). Every rank's forward value is the global loss; its gradient flows through
+# the local share only. With no tokens at all the losses are a zero that stays in the autograd graph, not 0/0.
+
+def _summed_statistics(stats, group):
+    """Detached sum over `group` of every rank's statistics: one all-reduce."""
+    stats = stats.detach().clone()
+    comm_log["router_stats_allreduce:count"] += 1
+    dist.all_reduce(stats, group=group)
+    return stats
+
+
+def _global_value(local_share, global_value):
+    """Forward value: the global loss; gradient: this rank's share only. Each rank's logits then receive
+    exactly the gradient of the global loss with respect to them."""
+    return local_share + (global_value - local_share.detach())
+
+
+def _balancing_over_group(local_prob_sum, summed, top_k, coeff):
+    """The group's balancing loss from `summed` (the group's tokens and probability sums per expert)."""
+    E = local_prob_sum.shape[0]
+    counts, prob_sum = summed[:E], summed[E:]
+    assignments = counts.sum().clamp(min=1)  # T_global * k, counted; a group without any token gets 0, not 0/0
+    tokens = assignments / top_k
+    f = counts / assignments
+    scale = coeff * E / tokens              # P_i = (sum of p_ti over the group's tokens) / T_global
+    return _global_value(scale * (f * local_prob_sum).sum(), scale * (f * prob_sum).sum())
+
+
+def _z_statistics(local_sum, tokens):
+    # the token count joins the all-reduce as a device tensor filled with a Python int: no upload, no read
+    return torch.stack([local_sum, local_sum.new_full((), tokens)])
+
+
+def _z_over_group(local_sum, summed, coeff):
+    """The group's z-loss from `summed` (the group's sum of lse^2 and its token count)."""
+    tokens = summed[1].clamp(min=1)  # a group with no tokens at all: 0, not 0/0
+    return _global_value(coeff * local_sum / tokens, coeff * summed[0] / tokens)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -250,15 +321,16 @@ def _inverse_permutation(perm):
 
 class MoE(nn.Module):
     """Top-k MoE of GELU MLP experts, expert-parallel over `ep_group`. forward(x) -> (y, aux_loss), aux_loss =
-    L_bal (coefficient `aux_loss_coeff`) + L_z (`z_loss_coeff`) of this rank's tokens; `capacity_factor` None is
-    dropless. ep_group=None (or of one rank): every expert is here and nothing is communicated.
+    L_bal (coefficient `aux_loss_coeff`) + L_z (`z_loss_coeff`) of this rank's tokens, or of the micro-batch whose
+    tokens `stats_group` splits (CP, TP under SP); `capacity_factor` None is dropless. ep_group=None (or of one
+    rank): every expert is here and nothing is communicated.
 
     Layout-independent initialisation: the router and ALL experts' weights are drawn from the default RNG in
     the same order on every rank and each rank keeps its slice, so under one seed every layout holds the
     same global weights (simple and exact; a production model would seed a generator per expert instead)."""
 
     def __init__(self, d_model, d_hidden, num_experts, top_k, ep_group=None, capacity_factor=None,
-                 aux_loss_coeff=1e-2, z_loss_coeff=1e-3, normalize_topk=True):
+                 aux_loss_coeff=1e-2, z_loss_coeff=1e-3, normalize_topk=True, stats_group=None):
         super().__init__()
         ep_rank, ep_size = _group_info(ep_group)
         if num_experts % ep_size:
@@ -269,7 +341,7 @@ class MoE(nn.Module):
         if capacity_factor is not None and not (math.isfinite(capacity_factor) and capacity_factor > 0):
             raise ValueError(f"capacity_factor={capacity_factor} must be positive and finite, or None for dropless")
         self.d_model, self.d_hidden, self.num_experts, self.top_k = d_model, d_hidden, num_experts, top_k
-        self.ep_group, self.ep_rank, self.ep_size = ep_group, ep_rank, ep_size
+        self.ep_group, self.ep_rank, self.ep_size, self.stats_group = ep_group, ep_rank, ep_size, stats_group
         self.local_experts = num_experts // ep_size
         self.capacity_factor = capacity_factor
         self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
@@ -296,12 +368,14 @@ class MoE(nn.Module):
         return logits, weights, experts, keep
 
     def router_loss(self, logits, experts):
-        """L_bal + L_z of this rank's tokens, the balancing loss counting the experts the router chose."""
-        return (load_balancing_loss(logits, self.top_k, self.aux_loss_coeff, selected=experts)
-                + z_loss(logits, self.z_loss_coeff))
+        """L_bal + L_z over the stats_group's tokens, the balancing loss counting the experts the router chose."""
+        return router_losses(logits, self.top_k, self.aux_loss_coeff, self.z_loss_coeff, self.stats_group,
+                             selected=experts)
 
     def _run_local_experts(self, rows, counts, sizes):
-        """rows sorted expert-major; `counts` (device tensor) and `sizes` (host list) rows per local expert."""
+        """rows sorted expert-major; `sizes` (host list) rows per local expert, which the loop slices by. `counts`
+        holds the same numbers on the device, unread here: GroupedGEMMMoE's grouped GEMM takes them without a
+        host read."""
         return experts_loop(rows, self.w1, self.w2, sizes)
 
     def forward(self, x):
@@ -330,37 +404,35 @@ class MoE(nn.Module):
         y = torch.einsum("tkd,tk->td", rearrange(y_copies, "(t k) d -> t k d", k=k), weights)
         return y.reshape(shape), aux
 
-    def _local_sizes(self, order, counts):
-        """Rows per expert as a host list, and the number of kept copies."""
-        sizes = counts.tolist()  # THE host synchronisation of this layer: the loop's slice sizes
-        return sizes, sum(sizes)
-
     def _local(self, x, order, counts):
         """EP size 1: every expert is here. Returns (results in sorted order, number of kept copies)."""
-        sizes, kept = self._local_sizes(order, counts)
+        sizes = counts.tolist()  # THE host synchronisation of this layer: the loop's slice sizes
+        kept = sum(sizes)
         rows = x.index_select(0, order[:kept] // self.top_k)
         return self._run_local_experts(rows, counts, sizes), kept
 
     def _expert_parallel(self, x, order, counts):
+        """x (T, d) this rank's tokens, order (T k,) its copies sorted by expert, counts (E,) copies per expert.
+        Returns (the results of its kept copies in that order (kept, d), kept). P ranks, E/P = local experts."""
         P, local = self.ep_size, self.local_experts
-        send_counts = rearrange(counts, "(p e) -> p e", p=P)
-        recv_counts = _exchange_counts(send_counts, self.ep_group)
+        send_counts = rearrange(counts, "(p e) -> p e", p=P)                 # (P, E/P): to rank p's expert e
+        recv_counts = _exchange_counts(send_counts, self.ep_group)           # (P, E/P): from rank p for expert e
         # THE host synchronisation of this layer, one transfer: the send splits and the received
         # (source rank x local expert) counts, from which the receive splits and the loop's sizes follow
-        host = torch.cat([send_counts.sum(1), recv_counts.reshape(-1)]).tolist()
+        host = torch.cat([send_counts.sum(1), recv_counts.reshape(-1)]).tolist()  # P + P E/P numbers
         send_splits, received_matrix = host[:P], [host[P + i * local:P + (i + 1) * local] for i in range(P)]
-        recv_splits = [sum(row) for row in received_matrix]
-        sizes = [sum(column) for column in zip(*received_matrix)]
+        recv_splits = [sum(row) for row in received_matrix]                  # P: rows from each rank
+        sizes = [sum(column) for column in zip(*received_matrix)]            # E/P: rows per local expert
         kept = sum(send_splits)
-        rows = x.index_select(0, order[:kept] // self.top_k)
-        received = _AllToAllTokens.apply(rows, send_splits, recv_splits, self.ep_group, "dispatch")
+        rows = x.index_select(0, order[:kept] // self.top_k)                 # (kept, d): copy j is token j // k
+        received = _AllToAllTokens.apply(rows, send_splits, recv_splits, self.ep_group, "dispatch")  # (R, d)
         # 2. received rows are source-major (rank i, then local expert); regroup them expert-major
-        cell_of_row = torch.repeat_interleave(recv_counts.reshape(-1), output_size=sum(recv_splits))
-        regroup = torch.argsort(cell_of_row % local, stable=True)
-        out_rows = self._run_local_experts(received.index_select(0, regroup), recv_counts.sum(0), sizes)
-        back = out_rows.index_select(0, _inverse_permutation(regroup))
+        cell_of_row = torch.repeat_interleave(recv_counts.reshape(-1), output_size=sum(recv_splits))  # (R,)
+        regroup = torch.argsort(cell_of_row % local, stable=True)            # (R,): expert-major order
+        out_rows = self._run_local_experts(received.index_select(0, regroup), recv_counts.sum(0), sizes)  # (R, d)
+        back = out_rows.index_select(0, _inverse_permutation(regroup))       # (R, d): source-major again
         # 3. combine: send every result back to the rank of its token
-        return _AllToAllTokens.apply(back, recv_splits, send_splits, self.ep_group, "combine"), kept
+        return _AllToAllTokens.apply(back, recv_splits, send_splits, self.ep_group, "combine"), kept  # (kept, d)
 
 
 def reduce_moe_gradients(moe, dense_group, expert_group):
@@ -375,106 +447,12 @@ def reduce_moe_gradients(moe, dense_group, expert_group):
                 dist.all_reduce(p.grad, group=group)
 
 
-# BEYOND THE CHAPTER: router losses over ranks sharing a micro-batch, bias balancing, grouped GEMM, host syncs
+# BEYOND THE CHAPTER: DeepSeek-V3 bias balancing, the experts as one grouped GEMM, counting host syncs, the demo
 import os
 import tempfile
 import threading
 
 from torch.utils._python_dispatch import TorchDispatchMode
-
-# ----------------------------------------------------------------------------------------------------
-# Router losses over split sequences (`group=`, MoE's `stats_group`)
-# ----------------------------------------------------------------------------------------------------
-# When the tokens of one micro-batch are split over several ranks (context parallelism, and tensor parallelism
-# under sequence parallelism), the losses must be those of the whole micro-batch, or their value and gradients
-# change with the split. Megatron-LM all-reduces the tokens per expert over its tp_cp group and uses the global
-# token count, so f is global; each rank keeps its local probability sums, and E * sum_i f_i * (local sum_t
-# p_ti) / T_global is exactly that rank's share of the global loss: the shares add up to it, and each share's
-# gradient with respect to the rank's logits is the global loss's gradient. Its z-loss divides each rank's mean
-# by the group size (exact for equal splits). Here each loss takes `group=` and sums its statistics in ONE
-# small all-reduce: tokens per expert and probability sums per expert (balancing), sum_t lse_t^2 and the token
-# count (z-loss); `router_losses`, which the MoE layer calls, concatenates both and sums them in one all-reduce
-# per layer per micro-batch. The global token count is summed rather than assumed, so uneven splits are exact
-# too, down to a rank with no tokens (grad_accum.py allows them; it still joins the all-reduce). The forward
-# value on every rank is the global loss while the gradient flows through the local share only. With no tokens
-# at all (alone, or over the whole group) the losses are a zero that stays in the autograd graph, not 0/0.
-# A group of one rank (None) is the chapter's loss, computed by the chapter's function.
-
-def _summed_statistics(stats, group):
-    """Detached sum over `group` of every rank's statistics: one all-reduce, none for a size-1 group."""
-    stats = stats.detach().clone()
-    if _group_info(group)[1] > 1:
-        comm_log["router_stats_allreduce:count"] += 1
-        dist.all_reduce(stats, group=group)
-    return stats
-
-
-def _global_value(local_share, global_value):
-    """Forward value: the global loss; gradient: this rank's share only. Each rank's logits then receive
-    exactly the gradient of the global loss with respect to them."""
-    return local_share + (global_value - local_share.detach())
-
-
-def _balancing_over_group(local_prob_sum, summed, top_k, coeff):
-    """The group's balancing loss from `summed` (the group's tokens and probability sums per expert); the
-    gradient flows through this rank's probability sums."""
-    E = local_prob_sum.shape[0]
-    counts, prob_sum = summed[:E], summed[E:]
-    # T_global * k, counted: uneven splits are exact. At least 1: a group without any token gets 0 (its sums
-    # are all zero), not 0/0
-    assignments = counts.sum().clamp(min=1)
-    tokens = assignments / top_k
-    f = counts / assignments
-    scale = coeff * E / tokens              # P_i = (sum of p_ti over the group's tokens) / T_global
-    return _global_value(scale * (f * local_prob_sum).sum(), scale * (f * prob_sum).sum())
-
-
-def _z_statistics(local_sum, tokens):
-    # the token count joins the all-reduce as a device tensor filled with a Python int: no upload, no read
-    return torch.stack([local_sum, local_sum.new_full((), tokens)])
-
-
-def _z_over_group(local_sum, summed, coeff):
-    """The group's z-loss from `summed` (the group's sum of lse^2 and its token count)."""
-    tokens = summed[1].clamp(min=1)  # a group with no tokens at all: 0, not 0/0
-    return _global_value(coeff * local_sum / tokens, coeff * summed[0] / tokens)
-
-
-# the chapter's losses, kept under these names: the group forms below take over the public names
-_local_load_balancing_loss, _local_z_loss = load_balancing_loss, z_loss
-
-
-def load_balancing_loss(router_logits, top_k, coeff, group=None, selected=None):
-    """The chapter's balancing loss over the tokens of this rank (group None) or of all ranks of `group`."""
-    if _group_info(group)[1] == 1:
-        return _local_load_balancing_loss(router_logits, top_k, coeff, selected=selected)
-    counts, local_prob_sum = _balancing_parts(router_logits, top_k, selected)
-    summed = _summed_statistics(torch.cat([counts, local_prob_sum]), group)
-    return _balancing_over_group(local_prob_sum, summed, top_k, coeff)
-
-
-def z_loss(router_logits, coeff, group=None):
-    """The chapter's z-loss over the tokens of this rank (group None) or of all ranks of `group`."""
-    if _group_info(group)[1] == 1:
-        return _local_z_loss(router_logits, coeff)
-    local_sum, tokens = _z_parts(router_logits)
-    summed = _summed_statistics(_z_statistics(local_sum, tokens), group)
-    return _z_over_group(local_sum, summed, coeff)
-
-
-def router_losses(router_logits, top_k, aux_coeff, z_coeff, group=None, selected=None):
-    """load_balancing_loss(router_logits, top_k, aux_coeff, group, selected) + z_loss(router_logits, z_coeff,
-    group), the same values and gradients, but both losses' statistics summed over `group` in ONE all-reduce
-    (what MoE.forward uses: one small collective per layer per micro-batch instead of two)."""
-    if _group_info(group)[1] == 1:
-        return load_balancing_loss(router_logits, top_k, aux_coeff, selected=selected) + z_loss(router_logits, z_coeff)
-    counts, local_prob_sum = _balancing_parts(router_logits, top_k, selected)
-    local_sum, tokens = _z_parts(router_logits)
-    E = counts.shape[0]
-    summed = _summed_statistics(torch.cat([counts, local_prob_sum, _z_statistics(local_sum, tokens)]), group)
-    return (_balancing_over_group(local_prob_sum, summed[:2 * E], top_k, aux_coeff)
-            + _z_over_group(local_sum, summed[2 * E:], z_coeff))
-
 
 # ----------------------------------------------------------------------------------------------------
 # Auxiliary-loss-free balancing (DeepSeek-V3)
@@ -487,36 +465,32 @@ def update_balancing_bias(bias, load, rate):
     """DeepSeek-V3 auxiliary-loss-free balancing: raise the bias of underloaded experts, lower the others.
     `load` (E,) token counts of the step (sum them over the data-parallel ranks first)."""
     if bias.dtype not in (torch.float32, torch.float64):  # steps of `rate` in 16 bits round away (bf16: stalls at 0.5)
-        raise ValueError(f"bias is {bias.dtype}; keep the balancing bias in torch.float32 (Router keeps it so)")
+        raise ValueError(f"bias is {bias.dtype}; keep the balancing bias in torch.float32 (as BiasBalancedRouter "
+                         "keeps it)")
     with torch.no_grad():
         bias += rate * torch.sign(load.float().mean() - load.float()).to(bias.dtype)
     return bias
 
 
-class Router(Router):
-    """The chapter's router, with the selection-only balancing bias when `balancing_bias` (a float32 buffer,
-    never trained by gradients; None otherwise)."""
+class BiasBalancedRouter(Router):
+    """The chapter's router with DeepSeek-V3's selection-only balancing bias: a float32 buffer (E,), never trained
+    by gradients, moved by update_balancing_bias."""
 
-    def __init__(self, d_model, num_experts, top_k, normalize=True, balancing_bias=False):
+    def __init__(self, d_model, num_experts, top_k, normalize=True):
         super().__init__(d_model, num_experts, top_k, normalize)
-        self.register_buffer("bias", None)
-        if balancing_bias:
-            self.add_balancing_bias()
-
-    def add_balancing_bias(self):
-        self.bias = torch.zeros(self.weight.shape[0], dtype=torch.float32, device=self.weight.device)
+        self.register_buffer("bias", torch.zeros(num_experts, dtype=torch.float32, device=self.weight.device))
 
     def _apply(self, fn, recurse=True):
         # .to(torch.bfloat16) or .half() would cast the bias buffer too, and the 16-bit bias would then round
         # away update_balancing_bias's small steps: it follows the module's device, never its dtype
         bias = self.bias
         out = super()._apply(fn, recurse)
-        if bias is not None and self.bias.dtype != bias.dtype:
+        if self.bias.dtype != bias.dtype:
             self.bias = bias.to(self.bias.device)
         return out
 
     def select(self, probs):
-        return super().select(probs if self.bias is None else probs + self.bias)  # the bias selects, never weights
+        return super().select(probs + self.bias)  # the bias selects, never weights
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -570,26 +544,21 @@ def experts_grouped(rows, w1, w2, counts):
 
 
 # ----------------------------------------------------------------------------------------------------
-# The MoE layer at scale
+# The MoE layer at scale: the grouped GEMM, the balancing bias
 # ----------------------------------------------------------------------------------------------------
 
-class MoE(MoE):
-    """The chapter's MoE, plus: `stats_group`, the ranks holding other tokens of the same micro-batch (CP, and
-    TP under SP), over which the router losses' statistics are summed; `balancing_bias` (DeepSeek-V3, the
-    router's selection-only bias); `expert_impl`: "auto" (grouped GEMM where supported, else the loop),
-    "grouped" (raises ValueError where unsupported) or "loop". With their defaults on one rank's tokens, it
-    is the chapter's layer."""
+class GroupedGEMMMoE(MoE):
+    """The chapter's MoE with its local experts as one grouped GEMM: `expert_impl` "auto" (the grouped GEMM where
+    supported, else the chapter's loop), "grouped" (raises ValueError where unsupported) or "loop". Dropless
+    at EP size 1 the grouped GEMM takes its sizes on the device, so the layer reads nothing back to the host."""
 
     def __init__(self, d_model, d_hidden, num_experts, top_k, ep_group=None, capacity_factor=None,
-                 aux_loss_coeff=1e-2, z_loss_coeff=1e-3, normalize_topk=True, balancing_bias=False,
-                 stats_group=None, expert_impl="auto"):
+                 aux_loss_coeff=1e-2, z_loss_coeff=1e-3, normalize_topk=True, stats_group=None, expert_impl="auto"):
         if expert_impl not in ("auto", "grouped", "loop"):
             raise ValueError(f"expert_impl={expert_impl!r} must be 'auto', 'grouped' or 'loop'")
         super().__init__(d_model, d_hidden, num_experts, top_k, ep_group, capacity_factor, aux_loss_coeff,
-                         z_loss_coeff, normalize_topk)
-        self.stats_group, self.expert_impl = stats_group, expert_impl
-        if balancing_bias:
-            self.router.add_balancing_bias()
+                         z_loss_coeff, normalize_topk, stats_group)
+        self.expert_impl = expert_impl
 
     def uses_grouped_gemm(self, x):
         """Whether forward(x) runs the experts as a grouped GEMM (decided from dtype, device and shapes)."""
@@ -605,19 +574,30 @@ class MoE(MoE):
         self.grouped = self.uses_grouped_gemm(x)  # decided (or refused) on every rank before any collective
         return super().forward(x)
 
-    def router_loss(self, logits, experts):
-        return router_losses(logits, self.top_k, self.aux_loss_coeff, self.z_loss_coeff, self.stats_group,
-                             selected=experts)
-
-    def _local_sizes(self, order, counts):
-        if self.grouped and self.capacity_factor is None:
-            return None, order.numel()  # the grouped GEMM takes the counts on the device: no host read
-        return super()._local_sizes(order, counts)
+    def _local(self, x, order, counts):
+        if not (self.grouped and self.capacity_factor is None):
+            return super()._local(x, order, counts)
+        # dropless: every copy is kept, and the grouped GEMM takes the counts on the device: no host read
+        rows = x.index_select(0, order // self.top_k)
+        return experts_grouped(rows, self.w1, self.w2, counts), order.numel()
 
     def _run_local_experts(self, rows, counts, sizes):
         if self.grouped:
             return experts_grouped(rows, self.w1, self.w2, counts)
         return super()._run_local_experts(rows, counts, sizes)
+
+
+class BiasBalancedMoE(MoE):
+    """The chapter's MoE whose router is a BiasBalancedRouter (DeepSeek-V3): after each step, update its bias
+    from the experts' load, update_balancing_bias(moe.router.bias, moe.last_load summed over DP, rate)."""
+
+    def __init__(self, d_model, d_hidden, num_experts, top_k, *args, **kwargs):
+        super().__init__(d_model, d_hidden, num_experts, top_k, *args, **kwargs)
+        with torch.random.fork_rng(devices=[]):  # the chapter's router drew the weight; this draw leaves no trace
+            router = BiasBalancedRouter(d_model, num_experts, top_k, self.router.normalize)
+        with torch.no_grad():
+            router.weight.copy_(self.router.weight)
+        self.router = router
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -782,8 +762,8 @@ def show_grouped_gemm_equals_loop(moe, x):
     results, supported = {}, grouped_gemm_supported(x.device, torch.float32)
     for impl in ("loop", "grouped") if supported else ("loop",):
         torch.manual_seed(0)
-        m = MoE(moe.d_model, moe.d_hidden, moe.num_experts, moe.top_k, ep_group=moe.ep_group,
-                stats_group=moe.stats_group, expert_impl=impl).float()
+        m = GroupedGEMMMoE(moe.d_model, moe.d_hidden, moe.num_experts, moe.top_k, ep_group=moe.ep_group,
+                           stats_group=moe.stats_group, expert_impl=impl).float()
         x32 = x.detach().float().requires_grad_(True)
         y32, _, c = _forward_backward_syncs(m, x32)
         results[impl] = (y32, x32.grad, m.w1.grad, sum(c.syncs.values()), c.ops["_grouped_mm"])

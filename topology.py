@@ -18,38 +18,43 @@ Megatron-LM numbers the ranks so that the chattiest dimension is the closest (or
 A TP group is TP consecutive ranks (inside a node when TP divides the GPUs per node); a CP group strides by TP, a
 DP group by TP*CP, a PP group by TP*CP*DP, across nodes. `rank_groups` lists every group of every kind: tp cp dp
 pp; dp_cp (the dense gradients' reduction), tp_cp (the ranks sharing one micro-batch's tokens), tp_pp (model
-parallel), embedding (first and last stage: the tied embedding's gradient), ep and edp (below), cp_ulysses and
-cp_ring (hybrid CP splits each CP group: Ulysses over consecutive CP ranks, a ring across them), dp_cp_shard and
-dp_cp_replicate (hybrid sharding splits each dp_cp group into shards of k consecutive ranks and their replicas).
-`init_parallel` creates them all on the default process group and returns this rank's `ParallelState`;
-`rank_map` draws the grid and says which groups leave a node.
+parallel), embedding (first and last stage: the tied embedding's gradient), ep and edp (next paragraph). One
+algorithm makes them all (`groups_along`): a kind's groups are the ranks that share every coordinate but the kind's
+own. `init_parallel`, Megatron-LM's `initialize_model_parallel` (the chapter's `mpu` call), creates them on the
+default process group and returns this rank's `ParallelState`; `rank_map` draws the grid and says which groups
+leave a node. (The full file adds hybrid CP's and hybrid sharding's sub-groups: `init_hybrid_parallel`.)
 
 Experts fold over the same ranks (Megatron's MoE parallel folding, expert TP = TP): the expert grid is tp-ep-edp-pp
 with EP x EDP = CP x DP, so an EP group is drawn from the data- and context-parallel ranks of one (tp, pp)
 position, at stride TP (inside a node while TP x EP fits one), and an EDP group (expert data parallel) holds the
 replicas of one expert shard and reduces its gradients.
 
-The chapter's question: a GPT of L = 40 layers, h = 5120, a = 40 heads, s = 2048, V = 51200, global batch
-B = 512, on 64 A100 (8 nodes x 8). Plan A is TP=8 PP=4 DP=2, plan B TP=4 PP=8 DP=2; both with micro-batch b = 1
-(m = B/(d b) = 256 micro-batches per pipeline), selective recomputation with SP, 1F1B, no ZeRO (`plan_figures`):
+The chapter's question, plan A or plan B, on a model of this file's choosing: the chapter names none and says the
+answer depends on the layers, the model's size and the bandwidths. Here a GPT of L = 40 layers, h = 5120, a = 40
+heads, s = 2048, V = 51200 (13B parameters, `EXAMPLE_MODEL`), global batch B = 512, on 64 A100 (8 nodes x 8).
+Plan A is TP=8 PP=4 DP=2, plan B TP=4 PP=8 DP=2; both with micro-batch b = 1 (m = B/(d b) = 256 micro-batches per
+pipeline), selective recomputation with SP, 1F1B, no ZeRO (`plan_figures`):
     memory   per GPU P = ((12 h^2 + 13 h) L/p + V h)/t + s h parameters (stage 0 also holds the embedding; the
-             positions are not split), at 2 + 2 + 16 bytes each: 16-bit weight and gradient, fp32 master, Adam's
-             moments, fp32 gradient copy (Megatron-LM 2021; mixed_precision.py keeps 18, fp32 main grads only).
+             positions are not split), at 2 + 4 + 12 = 18 bytes each, as mixed_precision.py keeps them: 16-bit
+             weight, FP32 main gradient, FP32 master and Adam's two moments (Megatron-LM 2021 counts 20: a 16-bit
+             gradient and an FP32 copy of it in the optimizer state).
              Activations (Korthikanti et al. 2022): 34 s b h/t per layer x L/p layers x p micro-batches in flight
              on stage 0, + s b h/t (embedding dropout mask) per micro-batch + 5 a s^2 b/t (the layer recomputed)
     TP       m (L/p) 4 all-reduces of 2 (t-1)/t b s h e per GPU and step, on NVLink in both plans (A's TP=8 fills
-             a node, B's TP=4 half): per GPU and micro-batch A sends (L/4)(7/8), B (L/8)(3/4) x 8 b s h e
-    DP       2 (d-1)/d e P per GPU: A's DP pair sits 8 ranks apart, in two nodes (InfiniBand); B's 4 apart, in one
-             node (NVLink); first and last stage also all-reduce the tied embedding's gradient, V h/t e
+             a node, B's TP=4 half): per GPU and micro-batch A sends (L/4)(7/8) = 8.75, B (L/8)(3/4) = 3.75 x 8 b s h e
+    DP       2 (d-1)/d 4 P per GPU (the FP32 main gradients): A's DP pair sits 8 ranks apart, in two nodes
+             (InfiniBand); B's 4 apart, in one node (NVLink); first and last stage also all-reduce the tied
+             embedding's gradient, 4 V h/t
     PP       2 m exchanges of b s h/t e per stage, across nodes in both plans; bubble (p-1)/m: 3/256 for A,
              7/256 for B
 B sends less than half of A's TP bytes and keeps its gradient reduction on NVLink; it pays a bubble 7/3 of A's and
 holds twice A's activations (8 micro-batches of L/8 layers at 1/4 against 4 of L/4 at 1/8), which still fit. With
 256 micro-batches the bubble is small and B is faster. Few micro-batches (a small batch of wide layers) turn the
 answer to A. Seconds here are bytes over the link plus each collective's latency; compute is the step's FLOPs at
-the large-GEMM efficiency (`plan_figures`). `python topology.py` prints the groups, the rank map and both plans.
-Below the banner, the planner ranks every layout with every knob (memory, step time term by term); for plans A and
-B its memory, communication seconds and bubble are these, its compute slower (each GEMM's own efficiency).
+0.71 of the A100's 312 TFLOP/s, the fraction large GEMMs reach (fitted to Megatron-LM's published A100 runs,
+Narayanan et al. 2021, Table 1: the full file's calibration). `python topology.py` prints the groups, the rank map
+and both plans. Beyond the chapter, the full file's planner ranks every layout with every knob (memory, step time
+term by term); for plans A and B its memory, communication seconds and bubble are these.
 """
 import functools
 import itertools
@@ -63,25 +68,24 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-GROUP_KINDS = ("tp", "cp", "dp", "pp", "dp_cp", "tp_cp", "tp_pp", "embedding", "ep", "edp", "cp_ulysses", "cp_ring",
-               "dp_cp_shard", "dp_cp_replicate")
+GROUP_KINDS = ("tp", "cp", "dp", "pp", "dp_cp", "tp_cp", "tp_pp", "embedding", "ep", "edp")
 
 
 # ---- the layout: pure arithmetic on rank numbers, no process group needed ------------------------------
-def _is_count(value):
+def _is_positive_int(value):
     """An integer >= 1: Python's or numpy's, not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
 
 
 def _check_positive(**sizes):
     for name, value in sizes.items():
-        if not _is_count(value):
+        if not _is_positive_int(value):
             raise ValueError(f"{name} must be a positive integer, got {value!r}; use {name}=1 to disable it")
 
 
 def _check_count(name, value, fix):
     """A size or a count: an integer >= 1, else a ValueError naming the field, its flag and `fix`."""
-    if not _is_count(value):
+    if not _is_positive_int(value):
         raise ValueError(f"{name}={value!r} must be a positive integer (--{name.replace('_', '-')}); {fix}")
 
 
@@ -94,14 +98,11 @@ def _divisor_tuple(n):
     return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
-def validate_layout(world_size, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1, zero_shard=None):
+def validate_layout(world_size, tp=1, pp=1, cp=1, ep=1):
     """Check that the sizes tile the world; return dp. Raises ValueError naming the parameter and a fix."""
-    if not _is_count(world_size):  # no size 1 "disables" the world, unlike tp..ep
+    if not _is_positive_int(world_size):  # no size 1 "disables" the world, unlike tp..ep
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}: the number of ranks")
-    _check_positive(tp=tp, pp=pp, cp=cp, ep=ep, cp_ulysses=cp_ulysses)
-    if cp % cp_ulysses:
-        raise ValueError(f"cp_ulysses={cp_ulysses} must divide cp={cp} (the hybrid's CP = Ulysses size x ring "
-                         f"size); valid cp_ulysses values: {_divisors(cp)}")
+    _check_positive(tp=tp, pp=pp, cp=cp, ep=ep)
     model_parallel = tp * pp * cp
     if world_size % model_parallel != 0:
         if world_size % cp:
@@ -117,15 +118,18 @@ def validate_layout(world_size, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1, zero_shard
     if (cp * dp) % ep != 0:
         raise ValueError(f"ep={ep} must divide cp*dp={cp}*{dp}={cp * dp} (experts fold over the data- and "
                          f"context-parallel ranks); valid ep values: {_divisors(cp * dp)}")
-    if zero_shard is not None and not (_is_count(zero_shard) and (cp * dp) % zero_shard == 0):
-        raise ValueError(f"zero_shard={zero_shard!r} must divide cp*dp={cp * dp} (hybrid sharding shards over "
-                         f"groups of that many DP x CP ranks); valid values: {_divisors(cp * dp)}")
     return dp
 
 
-def _groups_varying(shape, names, vary):
-    """All groups of the mixed-radix grid `shape` (first dim fastest) in which the dims `vary` change and the
-    others stay fixed. Each group ascending, groups ordered by their first rank (as Megatron-LM orders them)."""
+def groups_along(shape, names, vary):
+    """Every group of the kind that varies the dims `vary` of the grid `shape` (named `names`, first dim fastest).
+
+    A rank is a number in mixed radix: rank = c0 + n0 (c1 + n1 (c2 + ...)), coordinate c_i of dim i running over
+    0..n_i-1, so dim i strides by n0 n1 ... n_{i-1}. A group of the kind is every rank that shares all coordinates
+    but those of `vary`: the outer loop fixes the other dims' coordinates (one group each), the inner one runs the
+    `vary` dims through all their values. With (tp, cp, dp, pp): vary ["dp"] gives the DP groups (stride tp cp),
+    vary ["dp", "cp"] the dp_cp groups. Each group ascending, groups ordered by their first rank (Megatron-LM's
+    order)."""
     strides = [math.prod(shape[:i]) for i in range(len(shape))]
     fixed = [i for i, n in enumerate(names) if n not in vary]
     moving = [i for i, n in enumerate(names) if n in vary]
@@ -138,43 +142,27 @@ def _groups_varying(shape, names, vary):
     return sorted(groups)
 
 
-def rank_groups(world_size, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1, zero_shard=None):
+def rank_groups(world_size, tp=1, pp=1, cp=1, ep=1):
     """Every group of every kind for a Megatron-LM layout, as lists of ranks (GROUP_KINDS; the module docstring).
-
-    `tp_cp` is Megatron-LM's group for MoE router statistics. Each CP group splits for hybrid attention into
-    cp_ulysses x cp_ring, the CP rank being `ulysses_rank + cp_ulysses * ring_rank` (Megatron-LM's hierarchical CP:
-    the inner size takes consecutive CP ranks): a `cp_ulysses` group is TP x cp_ulysses consecutive ranks in all
-    (inside a node when that fits one), and a `cp_ring` group strides by TP x cp_ulysses. Hybrid sharded data
-    parallelism (HSDP, `zero_shard` = k, default all of DP x CP) splits each dp_cp group into `dp_cp_shard` groups
-    of k consecutive DP x CP ranks (the weights sharded over them: one node, say) and `dp_cp_replicate` groups of
-    the ranks at the same place in every shard group (the shards replicated across).
-    """
-    dp = validate_layout(world_size, tp, pp, cp, ep, cp_ulysses, zero_shard)
+    `tp_cp` is Megatron-LM's group for MoE router statistics."""
+    dp = validate_layout(world_size, tp, pp, cp, ep)
     dense_shape, dense_names = (tp, cp, dp, pp), ("tp", "cp", "dp", "pp")
     expert_shape, expert_names = (tp, ep, cp * dp // ep, pp), ("tp", "ep", "edp", "pp")
-    groups = {kind: _groups_varying(dense_shape, dense_names, [kind])
+    groups = {kind: groups_along(dense_shape, dense_names, [kind])
               for kind in ("tp", "cp", "dp", "pp")}
-    groups["dp_cp"] = _groups_varying(dense_shape, dense_names, ["dp", "cp"])
-    groups["tp_cp"] = _groups_varying(dense_shape, dense_names, ["tp", "cp"])
-    groups["tp_pp"] = _groups_varying(dense_shape, dense_names, ["tp", "pp"])
+    groups["dp_cp"] = groups_along(dense_shape, dense_names, ["dp", "cp"])
+    groups["tp_cp"] = groups_along(dense_shape, dense_names, ["tp", "cp"])
+    groups["tp_pp"] = groups_along(dense_shape, dense_names, ["tp", "pp"])
     groups["embedding"] = [[g[0], g[-1]] if len(g) > 1 else list(g) for g in groups["pp"]]
-    groups["ep"] = _groups_varying(expert_shape, expert_names, ["ep"])
-    groups["edp"] = _groups_varying(expert_shape, expert_names, ["edp"])
-    hybrid_shape = (tp, cp_ulysses, cp // cp_ulysses, dp, pp)  # the cp digit split, ulysses fastest
-    hybrid_names = ("tp", "cp_ulysses", "cp_ring", "dp", "pp")
-    for kind in ("cp_ulysses", "cp_ring"):
-        groups[kind] = _groups_varying(hybrid_shape, hybrid_names, [kind])
-    k = zero_shard or cp * dp
-    shard_shape, shard_names = (tp, k, cp * dp // k, pp), ("tp", "dp_cp_shard", "dp_cp_replicate", "pp")
-    for kind in ("dp_cp_shard", "dp_cp_replicate"):
-        groups[kind] = _groups_varying(shard_shape, shard_names, [kind])
+    groups["ep"] = groups_along(expert_shape, expert_names, ["ep"])
+    groups["edp"] = groups_along(expert_shape, expert_names, ["edp"])
     return groups
 
 
-def rank_coordinates(rank, world_size, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1, zero_shard=None):
+def rank_coordinates(rank, world_size, tp=1, pp=1, cp=1, ep=1):
     """{kind: coordinate} of one rank, the inverse of the rank formula: tp, cp, dp, pp; ep and edp on the expert
-    grid; cp_ulysses and cp_ring (hybrid CP); dp_cp_shard and dp_cp_replicate (HSDP)."""
-    dp = validate_layout(world_size, tp, pp, cp, ep, cp_ulysses, zero_shard)
+    grid."""
+    dp = validate_layout(world_size, tp, pp, cp, ep)
     # the digits below would wrap around silently
     if not (isinstance(rank, numbers.Integral) and not isinstance(rank, bool) and 0 <= rank < world_size):
         raise ValueError(f"rank={rank!r} must be an integer in 0..{world_size - 1} (world_size={world_size})")
@@ -185,9 +173,6 @@ def rank_coordinates(rank, world_size, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1, zer
     # the expert grid shares tp and pp; its middle digit cp_rank + cp * dp_rank splits as ep fastest
     middle = coords["cp"] + cp * coords["dp"]
     coords["ep"], coords["edp"] = middle % ep, middle // ep
-    coords["cp_ulysses"], coords["cp_ring"] = coords["cp"] % cp_ulysses, coords["cp"] // cp_ulysses
-    k = zero_shard or cp * dp
-    coords["dp_cp_shard"], coords["dp_cp_replicate"] = middle % k, middle // k
     return coords
 
 
@@ -228,8 +213,6 @@ class ParallelState:
     pp_rank = property(lambda self: self.coords["pp"])
     ep_rank = property(lambda self: self.coords["ep"])
     edp_rank = property(lambda self: self.coords["edp"])
-    cp_ulysses_rank = property(lambda self: self.coords["cp_ulysses"])
-    cp_ring_rank = property(lambda self: self.coords["cp_ring"])
 
 
 def choose_backend(say=None):
@@ -272,21 +255,19 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def parallel_state(rank, world_size, tp=1, pp=1, cp=1, ep=1, gpus_per_node=None, groups=None, cp_ulysses=1,
-                   zero_shard=None):
+def parallel_state(rank, world_size, tp=1, pp=1, cp=1, ep=1, gpus_per_node=None, groups=None):
     """One rank's ParallelState from arithmetic alone: coordinates, sizes, the ranks of each of its groups and its
     pipeline neighbours. `groups` (kind -> process group) is filled in by init_parallel; without it every group is
     None, so a one-process program (or a tool that only needs the layout) needs no process group."""
-    layout = rank_groups(world_size, tp, pp, cp, ep, cp_ulysses, zero_shard)  # raises before any communication
-    coords = rank_coordinates(rank, world_size, tp, pp, cp, ep, cp_ulysses, zero_shard)
+    layout = rank_groups(world_size, tp, pp, cp, ep)  # raises before any communication
+    coords = rank_coordinates(rank, world_size, tp, pp, cp, ep)
     # a middle pipeline stage is in no embedding group: None and [] there
     my_ranks = {kind: next((list(g) for g in layout[kind] if rank in g), []) for kind in GROUP_KINDS}
     dp, stage, pp_ranks = world_size // (tp * pp * cp), coords["pp"], my_ranks["pp"]
     return ParallelState(
         rank=rank, world_size=world_size,
         sizes={"tp": tp, "cp": cp, "dp": dp, "pp": pp, "ep": ep, "edp": cp * dp // ep, "dp_cp": dp * cp,
-               "tp_cp": tp * cp, "cp_ulysses": cp_ulysses, "cp_ring": cp // cp_ulysses,
-               "dp_cp_shard": zero_shard or cp * dp, "dp_cp_replicate": cp * dp // (zero_shard or cp * dp)},
+               "tp_cp": tp * cp},
         coords=coords, groups=dict(groups or dict.fromkeys(GROUP_KINDS)), ranks=my_ranks,
         pp_prev=pp_ranks[stage - 1] if stage > 0 else None,
         pp_next=pp_ranks[stage + 1] if stage < pp - 1 else None,
@@ -294,22 +275,22 @@ def parallel_state(rank, world_size, tp=1, pp=1, cp=1, ep=1, gpus_per_node=None,
         intra_node=group_locality(layout, gpus_per_node or world_size))
 
 
-def init_parallel(tp=1, pp=1, cp=1, ep=1, gpus_per_node=None, with_mesh=True, cp_ulysses=1, timeout_s=None,
-                  zero_shard=None):
-    """Create every group of the layout on the default process group; return this rank's ParallelState.
+def init_parallel(tp=1, pp=1, cp=1, ep=1, gpus_per_node=None, with_mesh=True, timeout_s=None):
+    """Create every group of the layout on the default process group; return this rank's ParallelState. Megatron-LM
+    calls this `initialize_model_parallel` (`mpu.initialize_model_parallel(tp, pp, ...)` in the chapter).
 
     The layout is validated before any group is created, so a bad layout raises the same ValueError on every
     rank and none of them hangs in `new_group`. `timeout_s` bounds every collective of every group (and of the
     default group, if this call creates it): without it a sub-group would wait torch's default 30 minutes for a
     rank that stopped, whatever the default group's timeout.
     """
-    if gpus_per_node is not None and not _is_count(gpus_per_node):
+    if gpus_per_node is not None and not _is_positive_int(gpus_per_node):
         raise ValueError(f"gpus_per_node={gpus_per_node!r} must be a positive integer; omit it to read "
                          "LOCAL_WORLD_SIZE")
     if timeout_s is not None and not (isinstance(timeout_s, numbers.Real) and 0 < timeout_s < math.inf):
         raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds (or None)")
     rank, world_size = init_distributed(timeout_s)
-    groups = rank_groups(world_size, tp, pp, cp, ep, cp_ulysses, zero_shard)  # raises before any communication
+    groups = rank_groups(world_size, tp, pp, cp, ep)  # raises before any communication
     if gpus_per_node is None:
         gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     warn_if_tp_crosses_nodes(groups, gpus_per_node)
@@ -325,8 +306,7 @@ def init_parallel(tp=1, pp=1, cp=1, ep=1, gpus_per_node=None, with_mesh=True, cp
                 handles[key] = dist.new_group(ranks, timeout=_timeout(timeout_s))
             if rank in ranks:
                 mine[kind] = handles[key]
-    state = parallel_state(rank, world_size, tp, pp, cp, ep, gpus_per_node, groups=mine, cp_ulysses=cp_ulysses,
-                           zero_shard=zero_shard)
+    state = parallel_state(rank, world_size, tp, pp, cp, ep, gpus_per_node, groups=mine)
     if with_mesh:
         from torch.distributed.device_mesh import init_device_mesh
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -336,22 +316,23 @@ def init_parallel(tp=1, pp=1, cp=1, ep=1, gpus_per_node=None, with_mesh=True, cp
 
 
 # ---- the rank map picture ------------------------------------------------------------------------------
-def rank_map(nodes, gpus_per_node, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1):
-    """A node x GPU grid of (tp, cp, dp, pp) coordinates, then the group lists and where each kind lives (the
-    hybrid's cp_ulysses and cp_ring kinds only where cp_ulysses > 1: else they are single ranks and cp itself)."""
+def rank_map(nodes, gpus_per_node, tp=1, pp=1, cp=1, ep=1):
+    """A node x GPU grid of (tp, cp, dp, pp) coordinates, then the group lists and where each kind lives."""
     # each on its own: -1 nodes x -8 GPUs would make a world of 8 and an empty grid
     _check_count("nodes", nodes, "the number of nodes to draw")
     _check_count("gpus_per_node", gpus_per_node, "the GPUs of one node")
     world = nodes * gpus_per_node
-    groups = rank_groups(world, tp, pp, cp, ep, cp_ulysses)
+    groups = rank_groups(world, tp, pp, cp, ep)
     dp = world // (tp * pp * cp)
-    hybrid = f", cp {cp} = ulysses {cp_ulysses} x ring {cp // cp_ulysses}" if cp_ulysses > 1 else ""
-    lines = [f"world={world} = tp {tp} x cp {cp} x dp {dp} x pp {pp}   (ep {ep}, edp {cp * dp // ep}{hybrid})",
-             "each cell: rank tp.cp.dp.pp"]
-    cells = []
-    for r in range(world):
-        c = rank_coordinates(r, world, tp, pp, cp, ep, cp_ulysses)
-        cells.append(f"{r:>3d} {c['tp']}.{c['cp']}.{c['dp']}.{c['pp']}")
+    header = f"world={world} = tp {tp} x cp {cp} x dp {dp} x pp {pp}   (ep {ep}, edp {cp * dp // ep})"
+    return draw_rank_map(header, nodes, gpus_per_node, [rank_coordinates(r, world, tp, pp, cp, ep)
+                                                        for r in range(world)], groups)
+
+
+def draw_rank_map(header, nodes, gpus_per_node, coords, groups):
+    """The picture: `header`, the grid of every rank's coordinates `coords[rank]`, then each kind of `groups`."""
+    lines = [header, "each cell: rank tp.cp.dp.pp"]
+    cells = [f"{r:>3d} {c['tp']}.{c['cp']}.{c['dp']}.{c['pp']}" for r, c in enumerate(coords)]
     width = max(len(cell) for cell in cells) + 1  # at least one space between cells, however many digits
     lines.append(("        " + "".join(f"gpu{g}".ljust(width) for g in range(gpus_per_node))).rstrip())
     for n in range(nodes):
@@ -359,11 +340,8 @@ def rank_map(nodes, gpus_per_node, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1):
         lines.append(f"node{n:<3d} " + "".join(cell.ljust(width) for cell in row).rstrip())
     local = group_locality(groups, gpus_per_node)
     lines.append("")
-    kinds = [kind for kind in GROUP_KINDS if (cp_ulysses > 1 or kind not in ("cp_ulysses", "cp_ring"))
-             and kind not in ("dp_cp_shard", "dp_cp_replicate")]  # the rank map draws no ZeRO sharding
-    name_width = max(9, *(len(kind) for kind in kinds))
-    for kind in kinds:
-        gs = groups[kind]
+    name_width = max(9, *(len(kind) for kind in groups))
+    for kind, gs in groups.items():
         shown = " ".join(str(g) for g in gs[:8]) + (f" ... ({len(gs)} groups)" if len(gs) > 8 else "")
         where = "inside a node" if local[kind] else "CROSSES nodes"
         lines.append(f"{kind:>{name_width}s} [{where}]: {shown}")
@@ -377,15 +355,16 @@ def rank_map(nodes, gpus_per_node, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1):
 GB = 1e9
 MEMORY_HEADROOM = 0.9       # usable fraction of GPU memory: CUDA context, allocator fragmentation, buffers
 ACT_BYTES = 2               # 16-bit activations and gradients on the wire
-# Model states per parameter (Megatron-LM's accounting): 16-bit weight, 16-bit gradient, and 16 bytes of optimizer
-# state: fp32 master weight, Adam's two fp32 moments and the fp32 copy of the gradient
-STATE_BYTES = {"weights": 2, "grads": 2, "optimizer": 16}
-# One DGX A100 80 GB: datasheet peak, the fraction of it large GEMMs reach (the planner's calibration below), the
-# achieved bus bandwidth of an all-reduce on NVLink, InfiniBand per GPU (HDR, one NIC each), latency per collective
-# and per pipeline exchange
+# Model states per parameter as mixed_precision.py keeps them: 16-bit weight, FP32 main gradient (accumulated and
+# all-reduced in FP32), FP32 master weight and Adam's two FP32 moments: 2 + 4 + 12 = 18 bytes
+STATE_BYTES = {"weights": 2, "grads": 4, "optimizer": 12}
+# One DGX A100 80 GB: datasheet peak; 0.71 of it, what large GEMMs reach (fitted to Megatron-LM's published A100
+# runs, Narayanan et al. 2021, Table 1, by the full file's planner); the achieved bus bandwidth of an all-reduce on
+# NVLink, InfiniBand per GPU (HDR, one NIC each), latency per collective and per pipeline exchange
 A100 = dict(gpu_mem_gb=80, peak_tflops=312, efficiency=0.71, nvlink_gbps=230, ib_gbps=23, collective_latency_us=10,
             p2p_latency_us=50)
-CHAPTER_MODEL = dict(layers=40, hidden=5120, heads=40, seq=2048, vocab=51200, global_batch=512)
+# plan A against B needs a model, and the chapter names none: this file's choice, a GPT of 13B parameters
+EXAMPLE_MODEL = dict(layers=40, hidden=5120, heads=40, seq=2048, vocab=51200, global_batch=512)
 CHAPTER_PLANS = {"A": dict(tp=8, pp=4, dp=2), "B": dict(tp=4, pp=8, dp=2)}
 
 
@@ -455,14 +434,14 @@ def plan_figures(tp, pp, dp, layers, hidden, heads, seq, vocab, global_batch, mi
     return out
 
 
-def chapter_plans(model=CHAPTER_MODEL, plans=CHAPTER_PLANS, gpus_per_node=8, machine=A100):
+def chapter_plans(model=EXAMPLE_MODEL, plans=CHAPTER_PLANS, gpus_per_node=8, machine=A100):
     """plan_figures of each plan, and the name of the faster one that fits."""
     figures = {name: plan_figures(**layout, **model, gpus_per_node=gpus_per_node, machine=machine)
                for name, layout in plans.items()}
     return figures, min((n for n in figures if figures[n]["fits"]), key=lambda n: figures[n]["step_s"])
 
 
-def print_chapter_plans(model=CHAPTER_MODEL, plans=CHAPTER_PLANS):
+def print_chapter_plans(model=EXAMPLE_MODEL, plans=CHAPTER_PLANS):
     figures, best = chapter_plans(model, plans)
     print(f"L={model['layers']} h={model['hidden']} a={model['heads']} s={model['seq']} V={model['vocab']} "
           f"B={model['global_batch']}, b=1, selective recomputation + SP, 1F1B, on 64 A100 (8 nodes x 8)")
@@ -498,7 +477,12 @@ def chapter_demo():
     print_chapter_plans()
 
 
-# BEYOND THE CHAPTER: the planner (every layout and knob: schedules, ZeRO, recomputation, CP, MoE), calibration, CLI
+# Run as a program, the chapter alone prints its demo; the whole file (a banner follows) runs `main` at its end.
+if __name__ == "__main__" and not any(line.startswith("# BEYOND THE CHAPTER") for line in open(__file__)):
+    chapter_demo()
+
+
+# BEYOND THE CHAPTER: hybrid CP and HSDP groups; the planner (every layout and knob), calibration, CLI
 """The planner estimates, for every layout that divides the cluster and the model, the memory of the most loaded
 GPU and the time of one training step, chooses the knobs a practitioner chooses besides (TP, PP, CP, and EP for a
 MoE model) -- the recomputation (none, selective, full: the cheapest that fits), the micro-batch size b, the
@@ -737,12 +721,131 @@ from typing import NamedTuple
 
 
 # ----------------------------------------------------------------------------------------------------
+# Hybrid CP and hybrid sharding (HSDP): each CP group and each dp_cp group split in two
+# ----------------------------------------------------------------------------------------------------
+# Each CP group splits for hybrid attention (long_seq.hybrid_attention, train_gpt.py's --cp-impl hybrid) into
+# cp_ulysses x cp_ring, the CP rank being `ulysses_rank + cp_ulysses * ring_rank` (Megatron-LM's hierarchical CP:
+# the inner size takes consecutive CP ranks): a `cp_ulysses` group is TP x cp_ulysses consecutive ranks in all
+# (inside a node when that fits one), and a `cp_ring` group strides by TP x cp_ulysses. Hybrid sharded data
+# parallelism (HSDP, train_gpt.py's --zero-shard-size, `zero_shard` = k, default all of DP x CP) splits each dp_cp
+# group into `dp_cp_shard` groups of k consecutive DP x CP ranks (the weights sharded over them: one node, say) and
+# `dp_cp_replicate` groups of the ranks at the same place in every shard group (the shards replicated across).
+# Without them (cp_ulysses 1, no zero_shard) cp_ulysses and dp_cp_replicate are single ranks, cp_ring is cp and
+# dp_cp_shard is dp_cp. Each function here is the core's of the same name with the four kinds added.
+
+SPLIT_KINDS = ("cp_ulysses", "cp_ring", "dp_cp_shard", "dp_cp_replicate")
+HYBRID_GROUP_KINDS = GROUP_KINDS + SPLIT_KINDS
+
+
+def validate_hybrid_layout(world_size, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1, zero_shard=None):
+    """`validate_layout` and the two splits' sizes; returns dp."""
+    _check_positive(cp_ulysses=cp_ulysses)
+    if _is_positive_int(cp) and cp % cp_ulysses:
+        raise ValueError(f"cp_ulysses={cp_ulysses} must divide cp={cp} (the hybrid's CP = Ulysses size x ring "
+                         f"size); valid cp_ulysses values: {_divisors(cp)}")
+    dp = validate_layout(world_size, tp, pp, cp, ep)
+    if zero_shard is not None and not (_is_positive_int(zero_shard) and (cp * dp) % zero_shard == 0):
+        raise ValueError(f"zero_shard={zero_shard!r} must divide cp*dp={cp * dp} (hybrid sharding shards over "
+                         f"groups of that many DP x CP ranks); valid values: {_divisors(cp * dp)}")
+    return dp
+
+
+def hybrid_rank_groups(world_size, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1, zero_shard=None):
+    """`rank_groups` and the four split kinds (HYBRID_GROUP_KINDS)."""
+    dp = validate_hybrid_layout(world_size, tp, pp, cp, ep, cp_ulysses, zero_shard)
+    groups = rank_groups(world_size, tp, pp, cp, ep)
+    hybrid_shape = (tp, cp_ulysses, cp // cp_ulysses, dp, pp)  # the cp digit split, ulysses fastest
+    hybrid_names = ("tp", "cp_ulysses", "cp_ring", "dp", "pp")
+    for kind in ("cp_ulysses", "cp_ring"):
+        groups[kind] = groups_along(hybrid_shape, hybrid_names, [kind])
+    k = zero_shard or cp * dp
+    shard_shape, shard_names = (tp, k, cp * dp // k, pp), ("tp", "dp_cp_shard", "dp_cp_replicate", "pp")
+    for kind in ("dp_cp_shard", "dp_cp_replicate"):
+        groups[kind] = groups_along(shard_shape, shard_names, [kind])
+    return groups
+
+
+def hybrid_rank_coordinates(rank, world_size, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1, zero_shard=None):
+    """`rank_coordinates` and the rank's place in its four split groups."""
+    dp = validate_hybrid_layout(world_size, tp, pp, cp, ep, cp_ulysses, zero_shard)
+    coords = rank_coordinates(rank, world_size, tp, pp, cp, ep)
+    coords["cp_ulysses"], coords["cp_ring"] = coords["cp"] % cp_ulysses, coords["cp"] // cp_ulysses
+    middle, k = coords["cp"] + cp * coords["dp"], zero_shard or cp * dp
+    coords["dp_cp_shard"], coords["dp_cp_replicate"] = middle % k, middle // k
+    return coords
+
+
+class HybridParallelState(ParallelState):
+    """A ParallelState whose sizes, coords, groups, ranks and intra_node also hold the four split kinds."""
+    cp_ulysses_rank = property(lambda self: self.coords["cp_ulysses"])
+    cp_ring_rank = property(lambda self: self.coords["cp_ring"])
+
+
+def hybrid_parallel_state(rank, world_size, tp=1, pp=1, cp=1, ep=1, gpus_per_node=None, groups=None, cp_ulysses=1,
+                          zero_shard=None):
+    """`parallel_state` with the four split kinds: a HybridParallelState."""
+    layout = hybrid_rank_groups(world_size, tp, pp, cp, ep, cp_ulysses, zero_shard)  # raises before anything else
+    state = parallel_state(rank, world_size, tp, pp, cp, ep, gpus_per_node)
+    k = zero_shard or state.sizes["dp_cp"]
+    split = {kind: layout[kind] for kind in SPLIT_KINDS}
+    return HybridParallelState(**{
+        **vars(state), "groups": dict(groups or dict.fromkeys(HYBRID_GROUP_KINDS)),
+        "sizes": {**state.sizes, "cp_ulysses": cp_ulysses, "cp_ring": cp // cp_ulysses, "dp_cp_shard": k,
+                  "dp_cp_replicate": state.sizes["dp_cp"] // k},
+        "coords": hybrid_rank_coordinates(rank, world_size, tp, pp, cp, ep, cp_ulysses, zero_shard),
+        "ranks": {**state.ranks, **{kind: next((list(g) for g in gs if rank in g), []) for kind, gs in split.items()}},
+        "intra_node": {**state.intra_node, **group_locality(split, gpus_per_node or world_size)}})
+
+
+def init_hybrid_parallel(tp=1, pp=1, cp=1, ep=1, gpus_per_node=None, with_mesh=True, cp_ulysses=1, timeout_s=None,
+                         zero_shard=None):
+    """`init_parallel` (Megatron-LM's initialize_model_parallel), then the four split kinds' groups; returns this
+    rank's HybridParallelState. The layout is checked before any group is created."""
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    layout = hybrid_rank_groups(world_size, tp, pp, cp, ep, cp_ulysses, zero_shard)  # raises before any group
+    state = init_parallel(tp, pp, cp, ep, gpus_per_node, with_mesh, timeout_s)
+    # every rank creates every group in the same order, as init_parallel does; a rank list that already is a group
+    # of the core (cp_ring when cp_ulysses is 1, dp_cp_shard without HSDP, ...) reuses that group's handle
+    made = {tuple(g) for gs in rank_groups(state.world_size, tp, pp, cp, ep).values() for g in gs}
+    handles = {tuple(state.ranks[kind]): state.groups[kind] for kind in GROUP_KINDS if state.ranks[kind]}
+    mine = {}
+    for kind in SPLIT_KINDS:
+        for ranks in layout[kind]:
+            key = tuple(ranks)
+            if key not in made:
+                made.add(key)
+                handles[key] = dist.new_group(ranks, timeout=_timeout(timeout_s))
+            if state.rank in ranks:
+                mine[kind] = handles[key]
+    gpus_per_node = gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", state.world_size))  # as init_parallel
+    hybrid = hybrid_parallel_state(state.rank, state.world_size, tp, pp, cp, ep, gpus_per_node,
+                                   {**state.groups, **mine}, cp_ulysses, zero_shard)
+    hybrid.mesh = state.mesh
+    return hybrid
+
+
+def hybrid_rank_map(nodes, gpus_per_node, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1):
+    """`rank_map`, with the hybrid's cp_ulysses and cp_ring kinds where cp_ulysses > 1 (else they are single ranks
+    and cp itself); no HSDP groups."""
+    _check_count("nodes", nodes, "the number of nodes to draw")
+    _check_count("gpus_per_node", gpus_per_node, "the GPUs of one node")
+    world = nodes * gpus_per_node
+    groups = hybrid_rank_groups(world, tp, pp, cp, ep, cp_ulysses)
+    dp = world // (tp * pp * cp)
+    hybrid = f", cp {cp} = ulysses {cp_ulysses} x ring {cp // cp_ulysses}" if cp_ulysses > 1 else ""
+    header = f"world={world} = tp {tp} x cp {cp} x dp {dp} x pp {pp}   (ep {ep}, edp {cp * dp // ep}{hybrid})"
+    shown = GROUP_KINDS + (("cp_ulysses", "cp_ring") if cp_ulysses > 1 else ())
+    coords = [hybrid_rank_coordinates(r, world, tp, pp, cp, ep, cp_ulysses) for r in range(world)]
+    return draw_rank_map(header, nodes, gpus_per_node, coords, {kind: groups[kind] for kind in shown})
+
+
+# ----------------------------------------------------------------------------------------------------
 # The planner: memory and step time of Megatron-LM training, from published formulas and measured constants
 # ----------------------------------------------------------------------------------------------------
 
 GRAD_BYTES = 2              # gradients reduced in 16 bits (Table 1 ran fp16 with fp16 gradient buffers)
-# STATE_BYTES (the chapter's): the ZeRO paper's (Rajbhandari et al. 2020) 16 bytes of optimizer state leave out the
-# fp32 gradient copy; a distributed optimizer (ZeRO-1) shards the 16 over DP x CP
+# 16-bit gradients (grad_bytes 2): the ZeRO paper's (Rajbhandari et al. 2020) 16 bytes of optimizer state leave out
+# the fp32 gradient copy; a distributed optimizer (ZeRO-1) shards the 16 over DP x CP
 # HBM traffic of the kernels that are not GEMMs, counted from Megatron-LM's fused kernels, in bytes per element:
 LAYERNORM_DROPOUT_BYTES = 22  # per element of b s h, one layer forward: 2 LayerNorms (read + write, 4 each) and
 #                               2 fused bias-dropout-adds (read 2 tensors, write 1, a 1-byte mask: 7 each);
@@ -1586,8 +1689,8 @@ def _state_bytes(cluster):
     """Bytes per parameter: (weight, gradient, optimizer state). 16-bit gradients: 2, 2 and 16 (fp32 master,
     Adam's two moments, the fp32 copy of the gradient); fp32 main grads: 2, 4 and 12."""
     if cluster.grad_bytes == 2:
-        return STATE_BYTES["weights"], STATE_BYTES["grads"], STATE_BYTES["optimizer"]
-    return STATE_BYTES["weights"], 4, 12
+        return 2, 2, 16  # Megatron-LM 2021's accounting
+    return STATE_BYTES["weights"], STATE_BYTES["grads"], STATE_BYTES["optimizer"]  # mixed_precision.py's 18
 
 
 def state_bytes_per_parameter(cluster, zero, shard):
@@ -3701,10 +3804,10 @@ EXAMPLE_SHAPES = {
                                           global_batch=32, **_EXAMPLE_KNOBS),
     # narrower layers and a big batch: 256 micro-batches amortise either bubble, and what remains is TP
     # traffic, (L/p)(t-1)/t per GPU: L/8 * 3/4 for B against L/4 * 7/8 for A
-    "narrow_layers_big_batch": ModelShape(**CHAPTER_MODEL, **_EXAMPLE_KNOBS),  # the chapter's model
+    "narrow_layers_big_batch": ModelShape(**EXAMPLE_MODEL, **_EXAMPLE_KNOBS),  # the core's plan A / B model
 }
 def chapter_example():
-    cluster = Cluster(gpus=64, gpus_per_node=8)
+    cluster = Cluster(gpus=64, gpus_per_node=8, grad_bytes=4)  # the core's 18 bytes a parameter
     out = []
     for name, model in EXAMPLE_SHAPES.items():
         a, b = (estimate(cluster, model, tp=plan["tp"], pp=plan["pp"], cp=1) for plan in CHAPTER_PLANS.values())

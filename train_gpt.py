@@ -518,21 +518,22 @@ class FP8(NamedTuple):
 
 def fp8_product(layer, fp8, split):
     """A block linear's forward product: F.linear, or with --dtype fp8 mixed_precision.fp8_linear in FP8 E4M3 under
-    --fp8-recipe; the backward GEMMs (but with --fp8-backward fp8, below the banner), the LM head and the experts
-    in BF16. Per-tensor scales are agreed (MAX of the amax)
-    over TP: the shards of one weight, and a row-parallel layer's input shards, are one tensor. Under CP and DP each
-    rank quantises its own tokens (Transformer Engine also reduces the activation amax over CP). Delayed scaling
-    keeps an amax history per layer (not checkpointed; a recomputation would record its amaxes again)."""
+    --fp8-recipe (finer recipes, --fp8-backward fp8: fine_grained_fp8_linear); the backward GEMMs, LM head and
+    experts in BF16. Per-tensor scales are agreed (MAX of the amax) over TP: a weight's shards, and a row-parallel
+    layer's input shards, are one tensor. Under CP and DP each rank quantises its own tokens (Transformer Engine also
+    reduces the activation amax over CP). Delayed scaling keeps an amax history per layer (not checkpointed)."""
     if fp8 is None:
         return F.linear
     if fp8.recipe == "delayed":
         layer.register_buffer("amax_history", torch.zeros(2, 16), persistent=False)
 
     def product(x, weight, bias=None):
-        return mixed_precision.fp8_linear(x, weight, bias, amax_group=layer.plan.tp, recipe=fp8.recipe,
-                                          backward=fp8.backward, split=split if layer.plan.tp is not None else None,
-                                          amax_history=getattr(layer, "amax_history", None),
-                                          record_amax=torch.is_grad_enabled())
+        options = dict(amax_group=layer.plan.tp, recipe=fp8.recipe, amax_history=getattr(layer, "amax_history", None),
+                       record_amax=torch.is_grad_enabled())
+        if fp8.recipe in mixed_precision.PER_TENSOR_RECIPES and fp8.backward == "bf16":
+            return mixed_precision.fp8_linear(x, weight, bias, **options)
+        return mixed_precision.fine_grained_fp8_linear(x, weight, bias, backward=fp8.backward,  # beyond the chapter
+                                                       split=split if layer.plan.tp is not None else None, **options)
 
     if fp8.backward == "fp8":  # beyond the chapter: FP8 backward GEMMs
         product.backward_gemms = partial(fp8_backward_gemms, layer, fp8, split)
@@ -985,9 +986,9 @@ def build(cfg, train_cfg, optimizer=True):
     gradient buffers are 4 bytes per parameter) and its pipeline transfers."""
     validate(cfg, train_cfg, _world_size())
     topology.init_distributed(train_cfg.timeout_s, say=_warn_on_rank_0)
-    parallel_state = topology.init_parallel(tp=train_cfg.tp, pp=train_cfg.pp, cp=train_cfg.cp, ep=train_cfg.ep,
-                                            cp_ulysses=train_cfg.cp_ulysses, with_mesh=False,
-                                            timeout_s=train_cfg.timeout_s, zero_shard=train_cfg.zero_shard_size)
+    parallel_state = topology.init_hybrid_parallel(tp=train_cfg.tp, pp=train_cfg.pp, cp=train_cfg.cp, ep=train_cfg.ep,
+                                                   cp_ulysses=train_cfg.cp_ulysses, with_mesh=False,
+                                                   timeout_s=train_cfg.timeout_s, zero_shard=train_cfg.zero_shard_size)
     plan = make_plan(cfg, train_cfg, parallel_state)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     fp8 = FP8(train_cfg.fp8_recipe, train_cfg.fp8_backward) if train_cfg.dtype == "fp8" else None
@@ -1014,13 +1015,12 @@ def make_optimizer(stage, train_cfg):
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": train_cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     scaler = mixed_precision.DynamicLossScaler() if train_cfg.dtype == "float16" else None
-    return mixed_precision.MixedPrecisionOptimizer(
+    optimizer_class, at_scale = optimizer_form(stage, train_cfg)  # the class the flags ask for, below the banner
+    return optimizer_class(
         [g for g in groups if g["params"]], opt_class, zero=train_cfg.zero, loss_scaler=scaler,
-        fp8_param_gather=train_cfg.fp8_param_gather,
         shard_groups=[(r.params, r.group) + ((r.replicate,) if r.replicate is not None else ())
                       for r in stage.reductions if r.data_parallel],
-        **(dict(units=[[p for p in block.parameters() if p.requires_grad] for block in stage.blocks])
-           if train_cfg.zero >= 2 else {}), master_dtype=train_cfg.master_dtype, **defaults)
+        master_dtype=train_cfg.master_dtype, **at_scale, **defaults)
 
 
 # ---- The loop ----------------------------------------------------------------------------------------------
@@ -1523,6 +1523,18 @@ def zero_unit_forward(block, x, aux):
 
 
 Block.unit = Block.next_unit = Block.prev_unit = None  # a block's ZeRO-2/3 unit and its neighbours: none below ZeRO-2
+
+
+def optimizer_form(stage, train_cfg):
+    """(class, its at-scale arguments) of mixed_precision.py's optimizer for these flags: ShardedOptimizer for
+    ZeRO-2/3 (the blocks as its units), hybrid sharding (--zero-shard-size) or --fp8-param-gather; otherwise the
+    chapter's MixedPrecisionOptimizer (zero 0 or 1) with its checkpoint state, CheckpointableOptimizer, whose step,
+    sums and copy back are the chapter's as written."""
+    if train_cfg.zero >= 2 or train_cfg.fp8_param_gather or train_cfg.zero_shard_size is not None:
+        units = [[p for p in block.parameters() if p.requires_grad] for block in stage.blocks]
+        return mixed_precision.ShardedOptimizer, dict(fp8_param_gather=train_cfg.fp8_param_gather,
+                                                      units=units if train_cfg.zero >= 2 else None)
+    return mixed_precision.CheckpointableOptimizer, {}
 
 
 def attach_zero_units(stage, opt):
@@ -2757,7 +2769,7 @@ def model_geometry(cfg):
     """{global name: the whole parameter's shape, in the coordinates of its boxes (QKV as (3, h, ...))} for every
     parameter of the model, whatever stage holds it: a one-process model built on the meta device (no memory, no
     process group)."""
-    plan = make_plan(cfg, TrainConfig(), topology.parallel_state(0, 1))
+    plan = make_plan(cfg, TrainConfig(), topology.hybrid_parallel_state(0, 1))
     with torch.device("meta"):
         stage = GPTStage(cfg, plan)
     return {name: _slice_geometry(p, plan.parallel_state)[0] for name, p, _ in _saved_params(stage)}
@@ -3013,7 +3025,7 @@ def load_checkpoint(path, stage, opt=None):
                               f"({why})".splitlines()[0])
     _all_agree(error, next(stage.parameters()).device)
     if opt is not None:
-        opt.publish_params()  # ZeRO: the working weights from what was read
+        opt.copy_masters_to_params()  # ZeRO: the working weights from what was read
         scalars = train_state["optimizer_state"]  # the loss scale; hyperparameters come from the flags
         opt.load_scalar_state({**scalars, "param_groups": opt.scalar_state()["param_groups"]})
     if rng is not None:
@@ -3749,7 +3761,7 @@ def load_hf_weights(folder, stage, opt=None):
             else:
                 opt.load_full_state(p, {"master": local})
         if opt is not None:
-            opt.publish_params()
+            opt.copy_masters_to_params()
 
 
 def export_source(out_dir, step, world, hf_dir=None, nanogpt_file=None):

@@ -659,14 +659,14 @@ def _hybrid_case(rank, P, ulysses_group, ring_group, u, r, h_kv, causal, dtype, 
 
 
 def _hybrid_all_cases(rank, P, layouts):
-    """Every (u, r) of `layouts` on this world, in one launch: groups from topology.init_parallel, then causal and
-    not, MHA and GQA/MQA wherever u divides the KV heads, float64 and float32; pure ring and pure Ulysses (a
-    group None) at the same CP; and the bad-input rule for KV heads u does not divide."""
+    """Every (u, r) of `layouts` on this world, in one launch: groups from topology.init_hybrid_parallel, then
+    causal and not, MHA and GQA/MQA wherever u divides the KV heads, float64 and float32; pure ring and pure Ulysses
+    (a group None) at the same CP; and the bad-input rule for KV heads u does not divide."""
     import topology
     results = {}
     for u in layouts:
         r = P // u
-        ps = topology.init_parallel(cp=P, cp_ulysses=u, with_mesh=False)
+        ps = topology.init_hybrid_parallel(cp=P, cp_ulysses=u, with_mesh=False)
         assert (ps.cp_ulysses_rank, ps.cp_ring_rank) == (rank % u, rank // u)
         groups = ps.groups["cp_ulysses"], ps.groups["cp_ring"]
         for h_kv in (H_HYBRID, 2, u):
@@ -748,7 +748,7 @@ def test_hybrid_attention_equals_sdpa_and_sends_the_formulas_bytes(P, layouts):
 
 def _hybrid_peak(rank, P, u, b, h, h_kv, s, d, dtype):
     import topology
-    ps = topology.init_parallel(cp=P, cp_ulysses=u, with_mesh=False)
+    ps = topology.init_hybrid_parallel(cp=P, cp_ulysses=u, with_mesh=False)
 
     def hybrid(q, k, v, group, causal):  # _peak's call, on the two sub-groups instead of `group`
         return ls.hybrid_attention(q, k, v, ps.groups["cp_ulysses"], ps.groups["cp_ring"], causal=causal)

@@ -77,16 +77,20 @@ def _reference_masters(params):
 def test_the_core_alone_trains_bf16_with_fp32_masters_scales_fp16_losses_and_quantises_fp8(tmp_path):
     core = chapter_core.load_core("mixed_precision", tmp_path)
 
-    def chapter(module):
+    def chapter(module, zero=0):
         def build(params):
-            opt = module.MixedPrecisionOptimizer(params, torch.optim.AdamW, zero=0, lr=1e-2)
-            assert type(opt) is module.MixedPrecisionOptimizer  # ZeRO-0 is the chapter's class, not the sharded
+            opt = module.MixedPrecisionOptimizer(params, torch.optim.AdamW, zero=zero, lr=1e-2)
+            assert type(opt) is module.MixedPrecisionOptimizer  # ZeRO-0 and -1 are the chapter's class
             return lambda: opt.step().grad_norm
         return build
     # BF16 weights, FP32 main grads and masters: the core steps as the whole file does, bit for bit
     ours, full = _bf16_steps(chapter(core)), _bf16_steps(chapter(mp))
     assert all(torch.equal(a, b) for step_a, step_b in zip(ours[0], full[0]) for a, b in zip(step_a, step_b))
     assert ours[1] == full[1]
+    # the core's ZeRO-1 (on one rank its shard is everything, in 1-D pieces): the same steps, bit for bit
+    sharded = _bf16_steps(chapter(core, zero=1))
+    assert all(torch.equal(a, b) for step_a, step_b in zip(ours[0], sharded[0]) for a, b in zip(step_a, step_b))
+    assert sharded[1] == ours[1]
     # against torch alone with one micro-batch (BF16 .grad and FP32 main grad then hold the same sum): equal weights
     ours, ref = _bf16_steps(chapter(core), micro_batches=1), _bf16_steps(_reference_masters, micro_batches=1)
     assert all(torch.equal(a, b) for step_a, step_b in zip(ours[0], ref[0]) for a, b in zip(step_a, step_b))
@@ -105,6 +109,10 @@ def test_the_core_alone_trains_bf16_with_fp32_masters_scales_fp16_losses_and_qua
     opt.loss_scaler.scale_loss(layer(torch.ones(3, 4).half()).float().sum()).backward()
     layer.weight.main_grad[0, 0] = float("inf")
     assert not opt.step() and opt.loss_scaler.scale == 2.0 ** 15 and torch.equal(layer.weight, before)
+    # with a plain torch.optim optimizer the core's unscale_and_check divides by the scale and finds the inf
+    w = torch.nn.Parameter(torch.ones(2))
+    w.grad = torch.tensor([2.0 ** 10, float("inf")])
+    assert core.DynamicLossScaler(init_scale=2.0 ** 10).unscale_and_check([w]) and w.grad[0] == 1.0
     # per-tensor FP8: within E4M3's eps/2 of every value in its normal range; the GEMM is the dequantised product
     x, w = torch.randn(32, 64, generator=torch.Generator().manual_seed(2)) * 3, torch.randn(16, 64) / 8
     x_fp8, scale = core.quantize_fp8(x)
@@ -294,7 +302,7 @@ def test_bf16_master_matches_fp32_training():
 
 def test_pure_bf16_loses_tiny_updates_and_master_keeps_them():
     w = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
-    opt = mp.MixedPrecisionOptimizer([w], torch.optim.SGD, lr=1.0)
+    opt = mp.CheckpointableOptimizer([w], torch.optim.SGD, lr=1.0)
     pure = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
     pure_opt = torch.optim.SGD([pure], lr=1.0)
     for _ in range(100):
@@ -383,7 +391,7 @@ def test_a_master_dtype_grad_replaced_out_of_place_is_the_gradient_not_an_increm
 def _step_sums(rank, world, zero):
     torch.manual_seed(0)
     model = mp.MLP(dim=4, hidden=8, depth=1).bfloat16()
-    opt = mp.MixedPrecisionOptimizer(model.parameters(), torch.optim.SGD, lr=1.0, zero=zero,
+    opt = mp.CheckpointableOptimizer(model.parameters(), torch.optim.SGD, lr=1.0, zero=zero,
                                      shard_groups=[(model.parameters(), dist.group.WORLD)])
     before = [opt.full_state(p)["master"] for p in model.parameters()]
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(rank)).bfloat16()
@@ -406,11 +414,11 @@ def test_gradients_are_summed_in_fp32_not_averaged(zero):
             assert not torch.allclose(step[i], total / 2, rtol=1e-3)
 
 
-def test_grad_scale_multiplies_the_fp32_gradients_before_the_step():
+def test_grad_multiplier_multiplies_the_fp32_gradients_before_the_step():
     w = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
-    opt = mp.MixedPrecisionOptimizer([w], torch.optim.SGD, lr=1.0)
+    opt = mp.CheckpointableOptimizer([w], torch.optim.SGD, lr=1.0)
     w.grad = torch.full_like(w, 3.0)
-    opt.step(grad_scale=0.25)  # e.g. 1 / tokens in train_gpt.py
+    opt.step(grad_multiplier=0.25)  # e.g. 1 / tokens in train_gpt.py
     assert torch.equal(opt.full_state(w)["master"], torch.full((3,), -0.75))
 
 
@@ -491,7 +499,7 @@ def _zero_parity(rank, world, steps):
                                          zero=zero, master_dtype=torch.float64, lr=LR)
         for step in range(steps):
             _local_backward(model, step, rank, world)
-            assert opt.step(grad_scale=1 / GLOBAL_N)[0]
+            assert opt.step(grad_multiplier=1 / GLOBAL_N)[0]
         out[(zero, split)] = [p.detach().clone() for p in params]
     return out
 
@@ -514,7 +522,7 @@ def test_zero1_equals_zero0_and_one_process_in_float64(world):
 def _zero1_over_pairs(rank, world):
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     w = torch.nn.Parameter(torch.arange(8, dtype=torch.float32))
-    opt = mp.MixedPrecisionOptimizer([w], torch.optim.SGD, shard_groups=[([w], pairs[rank // 2])], zero=1, lr=1.0)
+    opt = mp.CheckpointableOptimizer([w], torch.optim.SGD, shard_groups=[([w], pairs[rank // 2])], zero=1, lr=1.0)
     w.grad = torch.ones(8)
     opt.step()
     return opt.owned_state(w)[0], w.tolist()
@@ -636,7 +644,7 @@ def _clipped_sgd(rank, world, zero):
     # clipping on a norm that no group sums would differ between ranks: refused before any collective
     refused, = value_errors(lambda: opt.step(max_norm=MAX_NORM))
     assert "norm_group" in refused
-    stepped, norm = opt.step(grad_scale=1 / GLOBAL_N, max_norm=MAX_NORM, norm_group=dist.group.WORLD,
+    stepped, norm = opt.step(grad_multiplier=1 / GLOBAL_N, max_norm=MAX_NORM, norm_group=dist.group.WORLD,
                              norm_params=norm_params)
     return stepped, norm, [p.detach().clone() for p in params]
 
@@ -749,7 +757,7 @@ def _fp16_overflow(rank, world, zero):
     torch.manual_seed(0)
     model = mp.MLP(dim=4, hidden=8, depth=1).half()
     scaler = mp.DynamicLossScaler(init_scale=2.0 ** 10)
-    opt = mp.MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, shard_groups=[
+    opt = mp.CheckpointableOptimizer(model.parameters(), torch.optim.AdamW, shard_groups=[
         (model.parameters(), dist.group.WORLD)], zero=zero, loss_scaler=scaler, lr=1e-2)
     gen = torch.Generator().manual_seed(rank)
     results = []
@@ -781,7 +789,7 @@ def _adamw_run(rank, world, zero, steps, saved=None, save_at=None):
     """AdamW in float64 for steps [first, steps); loads `saved` full states first if given. Returns the full
     states at `save_at` (every rank gathers them, rank 0's are used) and the final parameters."""
     model = _model64()
-    opt = mp.MixedPrecisionOptimizer(_decay_groups(model), torch.optim.AdamW, master_dtype=torch.float64,
+    opt = mp.CheckpointableOptimizer(_decay_groups(model), torch.optim.AdamW, master_dtype=torch.float64,
                                      shard_groups=[(model.parameters(), dist.group.WORLD if world > 1 else None)],
                                      zero=zero, lr=LR)
     params, first, states, reloaded = list(model.parameters()), 0, None, None
@@ -795,7 +803,7 @@ def _adamw_run(rank, world, zero, steps, saved=None, save_at=None):
         if step == save_at and saved is None:
             states = {"states": [opt.full_state(p) for p in params], "meta": opt.scalar_state()}
         _local_backward(model, step, rank, world)
-        opt.step(grad_scale=1 / GLOBAL_N)
+        opt.step(grad_multiplier=1 / GLOBAL_N)
     return states, reloaded, [p.detach().clone() for p in params]
 
 
@@ -817,11 +825,11 @@ def _owned_pieces(rank, world):
     """After two ZeRO-1 steps: each parameter's owned range and states, whether they are the live tensors, the
     gathered full states; and on a fresh optimizer, the states `like` creates."""
     model = _model64()
-    opt = mp.MixedPrecisionOptimizer(_decay_groups(model), torch.optim.AdamW, master_dtype=torch.float64,
+    opt = mp.CheckpointableOptimizer(_decay_groups(model), torch.optim.AdamW, master_dtype=torch.float64,
                                      shard_groups=[(model.parameters(), dist.group.WORLD)], zero=1, lr=LR)
     for step in range(2):
         _local_backward(model, step, rank, world)
-        opt.step(grad_scale=1 / GLOBAL_N)
+        opt.step(grad_multiplier=1 / GLOBAL_N)
     pieces = []
     for p in model.parameters():
         (a, b), owned = opt.owned_state(p)
@@ -829,7 +837,7 @@ def _owned_pieces(rank, world):
         live = owned["master"] is opt._piece(p) and all(owned[k] is states[k] for k in states)
         pieces.append(((a, b), {k: v.clone() for k, v in owned.items()}, live, opt.full_state(p)))
     fresh_model = _model64()
-    fresh = mp.MixedPrecisionOptimizer(fresh_model.parameters(), torch.optim.AdamW, master_dtype=torch.float64,
+    fresh = mp.CheckpointableOptimizer(fresh_model.parameters(), torch.optim.AdamW, master_dtype=torch.float64,
                                        zero=1, lr=LR)
     p = next(fresh_model.parameters())
     # `like` names FP32 for exp_avg (a checkpoint saved with FP32 masters): it is created in the master dtype;
@@ -862,8 +870,8 @@ def test_master_state_round_trip_keeps_fp32_masters_of_bf16_params():
     torch.manual_seed(0)
     model, clone = mp.MLP().bfloat16(), mp.MLP().bfloat16()
     scaler = mp.DynamicLossScaler(init_scale=2.0 ** 3)
-    opt = mp.MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, loss_scaler=scaler, lr=1e-2)
-    opt2 = mp.MixedPrecisionOptimizer(clone.parameters(), torch.optim.AdamW, loss_scaler=mp.DynamicLossScaler(),
+    opt = mp.CheckpointableOptimizer(model.parameters(), torch.optim.AdamW, loss_scaler=scaler, lr=1e-2)
+    opt2 = mp.CheckpointableOptimizer(clone.parameters(), torch.optim.AdamW, loss_scaler=mp.DynamicLossScaler(),
                                       lr=5.0)
     x = torch.randn(4, 32).bfloat16()
     model(x).sum().backward()
@@ -885,11 +893,11 @@ def test_master_state_round_trip_keeps_fp32_masters_of_bf16_params():
 def test_a_checkpoint_of_another_master_dtype_loads_in_this_optimizers_dtype():
     torch.manual_seed(0)
     saved_model, model = torch.nn.Linear(4, 4).double(), torch.nn.Linear(4, 4)
-    saved = mp.MixedPrecisionOptimizer(saved_model.parameters(), torch.optim.AdamW, master_dtype=torch.float64,
+    saved = mp.CheckpointableOptimizer(saved_model.parameters(), torch.optim.AdamW, master_dtype=torch.float64,
                                        lr=1e-2)
     saved_model(torch.randn(2, 4).double()).sum().backward()
     saved.step()
-    opt = mp.MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)  # FP32 masters
+    opt = mp.CheckpointableOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)  # FP32 masters
     opt.load_state_dict(saved.state_dict())
     for p, q in zip(saved_model.parameters(), model.parameters()):
         full = saved.full_state(p)
@@ -906,7 +914,7 @@ def test_a_checkpoint_of_another_master_dtype_loads_in_this_optimizers_dtype():
 def test_bad_arguments_raise_value_error_naming_the_argument():
     fresh = lambda *shape, dtype=torch.float32: torch.nn.Parameter(torch.ones(*shape, dtype=dtype))
     a, c, stranger = fresh(2), fresh(3), fresh(2)
-    opt = lambda *args, **kw: mp.MixedPrecisionOptimizer(*args, torch.optim.SGD, lr=0.1, **kw)
+    opt = lambda *args, **kw: mp.CheckpointableOptimizer(*args, torch.optim.SGD, lr=0.1, **kw)
     messages = value_errors(
         lambda: opt([a], zero=4),
         lambda: opt([a, c], shard_groups=[([a], None), ([a, c], None)]),
@@ -937,7 +945,7 @@ def test_bad_arguments_raise_value_error_naming_the_argument():
 def test_a_state_dict_whose_groups_keep_different_states_round_trips():
     # momentum in one group only: only its parameters have a momentum_buffer
     model = torch.nn.Linear(3, 2)
-    opt = mp.MixedPrecisionOptimizer([{"params": [model.weight], "momentum": 0.9}, {"params": [model.bias]}],
+    opt = mp.CheckpointableOptimizer([{"params": [model.weight], "momentum": 0.9}, {"params": [model.bias]}],
                                      torch.optim.SGD, lr=0.1)
     model(torch.ones(1, 3)).sum().backward()
     opt.step()
@@ -949,7 +957,7 @@ def test_a_state_dict_whose_groups_keep_different_states_round_trips():
 
 def test_a_refused_state_dict_overwrites_nothing():
     torch.manual_seed(0)
-    saved = mp.MixedPrecisionOptimizer(torch.nn.Linear(2, 2).parameters(), torch.optim.SGD, lr=0.1).state_dict()
+    saved = mp.CheckpointableOptimizer(torch.nn.Linear(2, 2).parameters(), torch.optim.SGD, lr=0.1).state_dict()
     fresh = lambda *shape: torch.nn.Parameter(torch.randn(*shape))
     two_groups = [fresh(2, 2), fresh(2)]                   # the same parameters in two groups
     longer_bias = [fresh(2, 2), fresh(3)]                  # the second parameter differs, the first matches
@@ -957,14 +965,14 @@ def test_a_refused_state_dict_overwrites_nothing():
     for params, groups, word in ((two_groups, [{"params": [two_groups[0]]}, {"params": [two_groups[1]]}],
                                   "param groups"), (longer_bias, longer_bias, "parameter 1 has 2 elements"),
                                  (wide_bias, wide_bias, "parameter 1 has 2 elements in 'master', this optimizer's 6")):
-        opt = mp.MixedPrecisionOptimizer(groups, torch.optim.SGD, lr=0.1)
+        opt = mp.CheckpointableOptimizer(groups, torch.optim.SGD, lr=0.1)
         before = [p.detach().clone() for p in params]
         message, = value_errors(lambda: opt.load_state_dict(saved))
         assert message is not None and word in message, message
         assert all(torch.equal(a, p) for a, p in zip(before, params))  # the model
         assert all(torch.equal(a, opt.full_state(p)["master"]) for a, p in zip(before, params))  # the masters
     # a corrupt loss scale, a truncated moment, a missing moment: refused before any parameter is written
-    adam = lambda model: mp.MixedPrecisionOptimizer(model.parameters(), torch.optim.AdamW, lr=0.1,
+    adam = lambda model: mp.CheckpointableOptimizer(model.parameters(), torch.optim.AdamW, lr=0.1,
                                                     loss_scaler=mp.DynamicLossScaler())
     model = torch.nn.Linear(2, 2)
     source = adam(model)
@@ -1408,8 +1416,8 @@ def test_scaled_mm_supports_the_layouts_torch_2_13_runs_on_each_gpu(monkeypatch)
 
 
 def _fp8_gradients(recipe, backward, x, w, g):
-    layer = mp.FP8Linear(x.shape[1], w.shape[0], bias=False, recipe=recipe, backward=backward,
-                         amax_history_len=4)
+    layer = mp.FineGrainedFP8Linear(x.shape[1], w.shape[0], bias=False, recipe=recipe, backward=backward,
+                                    amax_history_len=4)
     with torch.no_grad():
         layer.weight.copy_(w)
     x = x.clone().requires_grad_(True)
@@ -1463,15 +1471,16 @@ def _k_split(rank, world):
         rows = slice(rank * 768 // world, (rank + 1) * 768 // world)
         xc = xc.requires_grad_(True)
         before = mp.fp8_log["amax:all_reduce"]
-        yc = mp.fp8_linear(xc, wc[rows].contiguous(), amax_group=group, split="column", recipe=recipe, backward="fp8")
+        yc = mp.fine_grained_fp8_linear(xc, wc[rows].contiguous(), amax_group=group, split="column", recipe=recipe,
+                                        backward="fp8")
         forward_all_reduces = mp.fp8_log["amax:all_reduce"] - before
         yc.backward(gc[:, rows].contiguous())
         grad = xc.grad.clone()
         dist.all_reduce(grad, group=group)  # the column-parallel input gradient is a sum of partials
         out[recipe] = {**r, "alone": alone, "column": yc.detach(), "column_all_reduces": forward_all_reduces,
                        "column_grad": grad}
-    out["errors"] = value_errors(lambda: mp.fp8_linear(x, x, amax_group=group, recipe="rowwise"),
-                                 lambda: mp.fp8_linear(x, x, amax_group=group, split="diagonal"))
+    out["errors"] = value_errors(lambda: mp.fine_grained_fp8_linear(x, x, amax_group=group, recipe="rowwise"),
+                                 lambda: mp.fine_grained_fp8_linear(x, x, amax_group=group, split="diagonal"))
     return out
 
 
@@ -1485,7 +1494,7 @@ def test_fp8_recipes_under_tp_round_every_piece_as_one_process_does(world):
     for recipe in ("tensorwise", "rowwise", "blockwise", "mxfp8"):
         one = mp.row_parallel_fp8(recipe)
         xc1 = xc.clone().requires_grad_(True)
-        yc = mp.fp8_linear(xc1, wc, recipe=recipe, backward="fp8")
+        yc = mp.fine_grained_fp8_linear(xc1, wc, recipe=recipe, backward="fp8")
         yc.backward(gc)
         for rank, out in enumerate(ranks):
             r, cols = out[recipe], slice(rank * k_local, (rank + 1) * k_local)
@@ -1515,7 +1524,7 @@ def test_fp8_recipes_under_tp_round_every_piece_as_one_process_does(world):
 def test_fp8_options_that_would_fail_later_are_refused_by_name():
     x = torch.randn(4, 16)
     messages = value_errors(lambda: mp.fp8_linear(x, x, recipe="per-channel"),
-                            lambda: mp.fp8_linear(x, x, backward="fp16"),
+                            lambda: mp.fine_grained_fp8_linear(x, x, backward="fp16"),
                             lambda: mp.fp8_linear(x, x, recipe="delayed"),
                             lambda: mp.FP8Linear(16, 16, delayed_scaling=True, recipe="rowwise"),
                             lambda: mp.quantize_blocks(torch.randn(2, 3, 4), (1, 32)))
@@ -1561,17 +1570,17 @@ def test_fp8_param_gather_sends_half_the_bytes_plus_the_scales(world):
 def _fp8_gathered_steps(rank, world, zero, fp8):
     """Two Adam steps of BF16 Blocks at ZeRO-`zero` over the world (one micro-batch), with or without
     fp8_param_gather: the bytes the all-gathers of the last step sent, the working weights, the parameter bytes at
-    rest, the buckets' (level, padded length) and, at ZeRO-3 with FP8 gathers, whether a reload restores them."""
+    rest, the flat buffers' (level, padded length) and, at ZeRO-3 with FP8 gathers, whether a reload restores them."""
     torch.manual_seed(0)
     model = mp.Blocks(vocab=0, hidden=24, depth=3).to(torch.bfloat16)
-    opt = mp.MixedPrecisionOptimizer(model.parameters(), torch.optim.Adam, zero=zero, units=model.units(), lr=1e-2,
-                                     shard_groups=[(list(model.parameters()), dist.group.WORLD)],
-                                     fp8_param_gather=fp8)
+    opt = mp.ShardedOptimizer(model.parameters(), torch.optim.Adam, zero=zero, units=model.units(), lr=1e-2,
+                              shard_groups=[(list(model.parameters()), dist.group.WORLD)],
+                              fp8_param_gather=fp8)
     for step in range(2):
         inputs, target = (t.chunk(world)[rank] for t in mp.sharded_batch(step, vocab=0))
         mp.comm_bytes.clear()
         mp.sharded_micro_batch(model, opt, inputs.to(torch.bfloat16), target.to(torch.bfloat16))
-        opt.step(grad_scale=1 / 36)
+        opt.step(grad_multiplier=1 / 36)
     sent = mp.comm_bytes["all_gather"]
     at_rest = opt.memory_bytes()["param_bytes"]
     for unit in opt.units:
@@ -1582,14 +1591,14 @@ def _fp8_gathered_steps(rank, world, zero, fp8):
         state = opt.state_dict()
         torch.manual_seed(1)
         fresh = mp.Blocks(vocab=0, hidden=24, depth=3).to(torch.bfloat16)
-        again = mp.MixedPrecisionOptimizer(fresh.parameters(), torch.optim.Adam, zero=3, units=fresh.units(),
-                                           lr=1e-2, shard_groups=[(list(fresh.parameters()), dist.group.WORLD)],
-                                           fp8_param_gather=True)
+        again = mp.ShardedOptimizer(fresh.parameters(), torch.optim.Adam, zero=3, units=fresh.units(),
+                                    lr=1e-2, shard_groups=[(list(fresh.parameters()), dist.group.WORLD)],
+                                    fp8_param_gather=True)
         again.load_state_dict(state)
         for unit in again.units:
             unit.gather()
         resumed = all(torch.equal(a, b) for a, b in zip(fresh.parameters(), weights))
-    return sent, weights, at_rest, [(b.level, b.padded) for b in opt._buckets], resumed
+    return sent, weights, at_rest, [(b.level, b.padded) for b in opt._buffers], resumed
 
 
 def test_fp8_param_gather_at_zero_2_and_3_sends_fp8_at_every_gather_and_trains_as_zero_1():
@@ -1598,11 +1607,11 @@ def test_fp8_param_gather_at_zero_2_and_3_sends_fp8_at_every_gather_and_trains_a
             for zero in (1, 2, 3) for fp8 in (False, True)}
     for zero in (1, 2, 3):
         bf16, fp8 = runs[zero, False], runs[zero, True]
-        # bytes sent by the all-gathers of a step: per bucket of N (padded) elements, (d-1)/d N x 2 in BF16 and
+        # bytes sent by the all-gathers of a step: per flat buffer of N (padded) elements, (d-1)/d N x 2 in BF16 and
         # (d-1)/d N (1 + 1/32) in FP8 (one E8M0 byte per 32 elements), once at the step for ZeRO-1 and 2 and for
         # the parameters in no unit, twice per micro-batch for a ZeRO-3 unit (its forward and backward gathers)
-        sent = lambda buckets, per_element: sum((2 if level == 3 else 1) * (d - 1) / d * n * per_element
-                                                for level, n in buckets)
+        sent = lambda buffers, per_element: sum((2 if level == 3 else 1) * (d - 1) / d * n * per_element
+                                                for level, n in buffers)
         assert bf16[0][0] == sent(bf16[0][3], 2) and fp8[0][0] == sent(fp8[0][3], 1 + 1 / 32), zero
         # 0.516 of BF16's but for the padding that starts every parameter at a multiple of 32 (these 24-wide
         # layers pay much of it: measured 0.564 at ZeRO-1, 0.582 at ZeRO-2 and 3)
@@ -1623,7 +1632,7 @@ def test_fp8_param_gather_resumes_exactly_and_refuses_what_it_cannot_do():
     torch.manual_seed(0)
     model = mp.MLP(out=3).bfloat16()
     initial = [p.detach().clone() for p in model.parameters()]
-    opt = mp.MixedPrecisionOptimizer(model.parameters(), torch.optim.Adam, zero=1, fp8_param_gather=True, lr=1e-2)
+    opt = mp.ShardedOptimizer(model.parameters(), torch.optim.Adam, zero=1, fp8_param_gather=True, lr=1e-2)
     # from construction on the working weights are FP8-rounded; the masters keep the BF16 values exactly
     for p, before in zip(model.parameters(), initial):
         assert torch.equal(p, mp.fp8_param_round(before.float().reshape(-1)).view(p.shape).bfloat16())
@@ -1634,14 +1643,14 @@ def test_fp8_param_gather_resumes_exactly_and_refuses_what_it_cannot_do():
     state = opt.state_dict()
     torch.manual_seed(1)
     fresh = mp.MLP(out=3).bfloat16()
-    again = mp.MixedPrecisionOptimizer(fresh.parameters(), torch.optim.Adam, zero=1, fp8_param_gather=True, lr=1e-2)
+    again = mp.ShardedOptimizer(fresh.parameters(), torch.optim.Adam, zero=1, fp8_param_gather=True, lr=1e-2)
     again.load_state_dict(state)  # the working weights come back as the masters' FP8 rounding, as a step left them
     assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters()))
     fp32, bf16 = mp.MLP().float(), mp.MLP().bfloat16()
     messages = value_errors(
-        lambda: mp.MixedPrecisionOptimizer(bf16.parameters(), torch.optim.Adam, zero=0, fp8_param_gather=True),
-        lambda: mp.MixedPrecisionOptimizer(fp32.parameters(), torch.optim.Adam, zero=1, fp8_param_gather=True),
-        lambda: mp.MixedPrecisionOptimizer(bf16.parameters(), torch.optim.Adam, zero=1, fp8_param_gather="yes"))
+        lambda: mp.ShardedOptimizer(bf16.parameters(), torch.optim.Adam, zero=0, fp8_param_gather=True),
+        lambda: mp.ShardedOptimizer(fp32.parameters(), torch.optim.Adam, zero=1, fp8_param_gather=True),
+        lambda: mp.ShardedOptimizer(bf16.parameters(), torch.optim.Adam, zero=1, fp8_param_gather="yes"))
     for message, start in zip(messages, ("fp8_param_gather=True with zero=0", "fp8_param_gather=True with parameter",
                                          "fp8_param_gather='yes'")):
         assert message is not None and message.startswith(start), (start, message)
@@ -1650,7 +1659,7 @@ def test_fp8_param_gather_resumes_exactly_and_refuses_what_it_cannot_do():
 
 def test_every_recipe_takes_any_leading_shape_and_an_expert_without_tokens():
     for recipe in ("tensorwise", "delayed", "rowwise", "blockwise", "mxfp8"):
-        layer = mp.FP8Linear(64, 48, recipe=recipe, backward="fp8").bfloat16()
+        layer = mp.FineGrainedFP8Linear(64, 48, recipe=recipe, backward="fp8").bfloat16()
         x = torch.randn(2, 3, 5, 64).bfloat16().requires_grad_(True)
         y = layer(x)
         y.float().square().sum().backward()
@@ -1888,9 +1897,9 @@ def _blocks(dtype=torch.float64, **kwargs):
 def _sharded_opt(model, zero, name, groups, **kwargs):
     shard_group, replicate_group = groups
     opt_class, options = ((torch.optim.AdamW, {}) if name == "adamw" else (torch.optim.SGD, {"momentum": 0.9}))
-    return mp.MixedPrecisionOptimizer(_decay_groups(model), opt_class, zero=zero, units=model.units(),
-                                      shard_groups=[(list(model.parameters()), shard_group, replicate_group)],
-                                      lr=SHARDED_LR, **options, **kwargs)
+    return mp.ShardedOptimizer(_decay_groups(model), opt_class, zero=zero, units=model.units(),
+                               shard_groups=[(list(model.parameters()), shard_group, replicate_group)],
+                               lr=SHARDED_LR, **options, **kwargs)
 
 
 def _sharded_steps(model, opt, rank, world, steps=3, m=3, poison=None):
@@ -1906,7 +1915,7 @@ def _sharded_steps(model, opt, rank, world, steps=3, m=3, poison=None):
                    for xm, ym in zip(inputs.chunk(m), target.chunk(m)))
         total = torch.tensor(loss, dtype=torch.float64)
         dist.all_reduce(total)
-        out.append((total.item(), opt.step(grad_scale=1 / ROWS, max_norm=SHARDED_MAX_NORM,
+        out.append((total.item(), opt.step(grad_multiplier=1 / ROWS, max_norm=SHARDED_MAX_NORM,
                                            norm_group=dist.group.WORLD)))
     return out
 
@@ -1975,14 +1984,14 @@ def test_zero2_zero3_and_hsdp_equal_zero0_in_float64(world, shard):
 
 
 def _padded_bytes(dtype, zero, d, rank, units=3, unit_numel=599):
-    """The padding rule: a bucket of n elements over k shards (k = d at levels >= 1, else 1) is padded to
+    """The padding rule: a flat buffer of n elements over k shards (k = d at levels >= 1, else 1) is padded to
     P = ceil(n / k) k and rank r owns S = P / k of it, min(S, n - r S) of them real (the rest padding, only
-    the moments leave it out). Levels 0 and 1: one bucket of every parameter; 2 and 3: one per unit."""
+    the moments leave it out). Levels 0 and 1: one flat buffer of every parameter; 2 and 3: one per unit."""
     e, separate = dtype.itemsize, dtype != torch.float32
-    buckets = [unit_numel] * units if zero >= 2 else [unit_numel * units]
+    buffers = [unit_numel] * units if zero >= 2 else [unit_numel * units]
     k = d if zero >= 1 else 1
     total = {"param_bytes": 0, "grad_bytes": 0, "master_bytes": 0, "moments": 0}
-    for n in buckets:
+    for n in buffers:
         padded = -(-n // k) * k
         shard = padded // k
         total["param_bytes"] += e * (shard if zero == 3 else padded)
@@ -2053,14 +2062,14 @@ def _sharded_16bit(rank, world):
                 (_, result), = _sharded_steps(model, opt, rank, world, steps=1, poison=(0, 1) if step == 1 else None)
                 after = _gathered_params(model, opt), [opt.full_state(p)["master"] for p in model.parameters()]
                 unchanged = all(torch.equal(a, b) for a, b in zip(before[0] + before[1], after[0] + after[1]))
-                cleared = all(bool((b.grad_shard == 0).all()) for b in opt._buckets)  # accumulators zeroed
+                cleared = all(bool((b.grad_shard == 0).all()) for b in opt._buffers)  # accumulators zeroed
                 results.append((result.stepped, math.isfinite(result.grad_norm), scaler and scaler.scale,
                                 unchanged, cleared))
             out[(dtype, zero)] = {"results": results, "params": after[0], "masters": after[1],
                                   "shard_dtype": opt.owned_param(model.blocks[0].up.weight)[1].dtype,
                                   "bytes": opt.memory_bytes()}
     params = list(_blocks(torch.float32).parameters())
-    out["refused"] = value_errors(lambda: mp.MixedPrecisionOptimizer(  # the replicas must be other ranks
+    out["refused"] = value_errors(lambda: mp.ShardedOptimizer(  # the replicas must be other ranks
         params, torch.optim.SGD, lr=0.1, shard_groups=[(params, dist.group.WORLD, dist.group.WORLD)]))
     return out
 
@@ -2123,7 +2132,7 @@ def _one_process_checkpoint(zero, saved):
     inputs, target = mp.sharded_batch(0, rows=ROWS)
     for xm, ym in zip(inputs.chunk(3), target.chunk(3)):
         mp.sharded_micro_batch(model, opt, xm, ym)
-    opt.step(grad_scale=1 / ROWS, max_norm=SHARDED_MAX_NORM)
+    opt.step(grad_multiplier=1 / ROWS, max_norm=SHARDED_MAX_NORM)
     return {"at_2": at_2, "at_3": opt.state_dict(), "params": _gathered_params(model, opt, opt.params)}
 
 
@@ -2204,12 +2213,12 @@ def _owned_params_at_zero3(rank, world):
         with torch.no_grad():
             held.mul_(2)
             states["master"].mul_(2)
-    opt.publish_params()
+    opt.copy_masters_to_params()
     doubled = all(torch.equal(q, 2 * f) for q, f in zip(_gathered_params(model, opt, opt.params), full))
     return checks, doubled, [opt.owned_param(p)[0] for p in model.blocks[0].parameters()]
 
 
-def test_owned_param_is_where_each_rank_holds_the_parameter_values_and_publish_params_rebuilds_them():
+def test_owned_param_is_where_each_rank_holds_the_parameter_values_and_copy_masters_to_params_rebuilds_them():
     out = run_ranks(_owned_params_at_zero3, 2, timeout=60)
     for checks, doubled, _ in out:
         assert all(all(c) for c in checks) and doubled
@@ -2222,7 +2231,7 @@ def test_bad_sharding_arguments_raise_value_error_before_any_collective():
     model = _blocks(torch.float32, vocab=0)
     frozen = torch.nn.Parameter(torch.ones(3), requires_grad=False)
     units = model.units()
-    opt = lambda *args, **kw: mp.MixedPrecisionOptimizer(*args, torch.optim.SGD, lr=0.1, **kw)
+    opt = lambda *args, **kw: mp.ShardedOptimizer(*args, torch.optim.SGD, lr=0.1, **kw)
     messages = value_errors(
         lambda: opt(_blocks(torch.float32, vocab=0).parameters(), zero=3, units=[[frozen]]),
         lambda: opt(model.parameters(), zero=3, units=[units[0], units[0][:1]]),
@@ -2296,13 +2305,13 @@ def _async_unit_reduce(rank, world):
                 calls.clear()
                 if path == "markers":
                     _through_sharded_call(model, opt, inputs, target)
-                    in_flight = [getattr(b, "in_flight", None) is not None for b in opt._buckets]
+                    in_flight = [getattr(b, "in_flight", None) is not None for b in opt._buffers]
                 else:
                     mp.sharded_micro_batch(model, opt, inputs, target)
                     in_flight = None
-                opt.step(grad_scale=1 / ROWS, max_norm=SHARDED_MAX_NORM, norm_group=dist.group.WORLD)
+                opt.step(grad_multiplier=1 / ROWS, max_norm=SHARDED_MAX_NORM, norm_group=dist.group.WORLD)
                 results[path] = {"calls": list(calls), "in_flight": in_flight,
-                                 "after_step": [getattr(b, "in_flight", None) is not None for b in opt._buckets],
+                                 "after_step": [getattr(b, "in_flight", None) is not None for b in opt._buffers],
                                  "params": _gathered_params(model, opt)}
             out[zero] = results
     finally:

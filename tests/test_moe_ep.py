@@ -232,7 +232,7 @@ def test_balancing_bias_update_rule_and_selection_only():
     moe_ep.update_balancing_bias(bias, torch.tensor([10, 2, 4, 0]), rate=0.01)  # mean load 4
     assert bias.tolist() == pytest.approx([-0.01, 0.01, 0.0, 0.01])
     torch.set_default_dtype(torch.float64)
-    router = moe_ep.Router(4, 4, 1, normalize=False, balancing_bias=True)
+    router = moe_ep.BiasBalancedRouter(4, 4, 1, normalize=False)
     x = torch.randn(6, 4)
     _, w_before, e_before = router(x)
     router.bias[:] = torch.tensor([0.0, 0.0, 0.0, 10.0])  # a huge bias: expert 3 always selected
@@ -240,6 +240,24 @@ def test_balancing_bias_update_rule_and_selection_only():
     assert torch.all(e_after == 3)
     assert torch.allclose(w_after[:, 0], torch.softmax(x @ router.weight.t(), -1)[:, 3])  # weights without bias
     assert not any(n == "bias" for n, _ in router.named_parameters())
+
+
+def test_bias_balanced_moe_is_the_chapters_layer_with_the_bias_router():
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    plain, plain_next = moe_ep.MoE(8, 12, 4, 1), torch.rand(1)
+    torch.manual_seed(0)
+    balanced, balanced_next = moe_ep.BiasBalancedMoE(8, 12, 4, 1), torch.rand(1)
+    # the same weights from the same seed, and the RNG left where the chapter's layer leaves it
+    assert isinstance(balanced.router, moe_ep.BiasBalancedRouter) and torch.equal(plain_next, balanced_next)
+    weights = {k: v for k, v in balanced.state_dict().items() if k != "router.bias"}
+    assert weights.keys() == plain.state_dict().keys()
+    assert all(torch.equal(v, plain.state_dict()[k]) for k, v in weights.items())
+    x = torch.randn(5, 8)
+    assert torch.equal(plain(x)[0], balanced(x)[0])  # a zero bias: the chapter's layer
+    balanced.router.bias[:] = torch.tensor([0.0, 0.0, 0.0, 10.0])
+    balanced(x)
+    assert balanced.last_load.tolist() == [0, 0, 0, 5]  # the bias selects
 
 
 def _split_invariant_aux(rank, P):
@@ -307,7 +325,7 @@ def test_router_losses_refuse_bad_input_before_any_collective():
 
 
 def test_balancing_bias_stays_float32_when_the_model_is_cast_to_bfloat16():
-    router = moe_ep.Router(8, 4, 2, balancing_bias=True).to(torch.bfloat16)
+    router = moe_ep.BiasBalancedRouter(8, 4, 2).to(torch.bfloat16)
     assert router.weight.dtype == torch.bfloat16 and router.bias.dtype == torch.float32
     for _ in range(1000):  # expert 3 always under-loaded: +1e-3 per step, 1.0 after 1000 (bf16 stalls at 0.5)
         moe_ep.update_balancing_bias(router.bias, torch.tensor([5, 5, 5, 1]), rate=1e-3)
@@ -506,8 +524,8 @@ def _syncs_of_a_step(rank, P, dtype, impl, capacity_factor, layers=2, micro_batc
     group = dist.group.WORLD if P > 1 else None
     torch.manual_seed(0)
     E = 6 if P == 3 else 4
-    stack = [moe_ep.MoE(16, 32, E, 2, ep_group=group, stats_group=group, capacity_factor=capacity_factor,
-                        expert_impl=impl) for _ in range(layers)]
+    stack = [moe_ep.GroupedGEMMMoE(16, 32, E, 2, ep_group=group, stats_group=group, capacity_factor=capacity_factor,
+                                   expert_impl=impl) for _ in range(layers)]
     gen = torch.Generator().manual_seed(rank)
     batches = [torch.randn(2, 6, 16, generator=gen).to(dtype).requires_grad_(True) for _ in range(micro_batches)]
     with moe_ep.HostSyncCounter() as c:
@@ -555,8 +573,8 @@ def _loop_and_grouped(rank, P, dtype, capacity_factor):
     out = {}
     for impl in ("loop", "grouped"):
         torch.manual_seed(0)
-        moe = moe_ep.MoE(16, 32, 4, 2, ep_group=group, stats_group=group, capacity_factor=capacity_factor,
-                         expert_impl=impl).to(dtype)
+        moe = moe_ep.GroupedGEMMMoE(16, 32, 4, 2, ep_group=group, stats_group=group, capacity_factor=capacity_factor,
+                                    expert_impl=impl).to(dtype)
         gen = torch.Generator().manual_seed(rank + 10)
         x = torch.randn(3, 8, 16, generator=gen).to(dtype).requires_grad_(True)
         g = torch.randn(3, 8, 16, generator=gen).to(dtype)
@@ -581,17 +599,18 @@ def test_grouped_gemm_equals_the_loop_over_experts(P, dtype, capacity_factor):
 
 def test_expert_impl_choice():
     torch.set_default_dtype(torch.float64)
-    moe = moe_ep.MoE(16, 32, 4, 2)
+    moe = moe_ep.GroupedGEMMMoE(16, 32, 4, 2)
     assert not moe.uses_grouped_gemm(torch.randn(3, 16))  # float64: no grouped GEMM in torch, the loop runs
     if moe_ep.grouped_gemm_supported(torch.device("cpu"), torch.float32):
         assert moe.float().uses_grouped_gemm(torch.randn(3, 16, dtype=torch.float32))
-        odd = moe_ep.MoE(6, 32, 4, 2).float()  # 6 x 4 bytes: rows not 16-byte aligned
+        odd = moe_ep.GroupedGEMMMoE(6, 32, 4, 2).float()  # 6 x 4 bytes: rows not 16-byte aligned
         assert not odd.uses_grouped_gemm(torch.randn(3, 6, dtype=torch.float32))
         # alignment is in bytes: 4 and 12 float32 elements are rows of 16 and 48 bytes
-        assert moe_ep.MoE(4, 12, 4, 2).float().uses_grouped_gemm(torch.randn(3, 4, dtype=torch.float32))
+        assert moe_ep.GroupedGEMMMoE(4, 12, 4, 2).float().uses_grouped_gemm(torch.randn(3, 4, dtype=torch.float32))
     if moe_ep.grouped_gemm_supported(torch.device("cpu"), torch.bfloat16):  # 8 and 24 bf16: 16 and 48 bytes
-        assert moe_ep.MoE(8, 24, 4, 2).bfloat16().uses_grouped_gemm(torch.randn(3, 8, dtype=torch.bfloat16))
-    assert not moe_ep.MoE(16, 32, 4, 2, expert_impl="loop").float().uses_grouped_gemm(torch.randn(3, 16).float())
+        assert moe_ep.GroupedGEMMMoE(8, 24, 4, 2).bfloat16().uses_grouped_gemm(torch.randn(3, 8, dtype=torch.bfloat16))
+    loop = moe_ep.GroupedGEMMMoE(16, 32, 4, 2, expert_impl="loop").float()
+    assert not loop.uses_grouped_gemm(torch.randn(3, 16).float())
 
 
 def _first_probe(rank, P, dtype):
@@ -602,7 +621,7 @@ def _first_probe(rank, P, dtype):
         under_no_grad = moe_ep.grouped_gemm_supported(torch.device("cpu"), dtype)
     moe_ep._grouped_gemm_works.clear()
     torch.manual_seed(0)
-    moe = moe_ep.MoE(16, 32, 4, 2).to(dtype)
+    moe = moe_ep.GroupedGEMMMoE(16, 32, 4, 2).to(dtype)
     x = torch.randn(8, 16, dtype=dtype, requires_grad=True)
     y, aux = torch.utils.checkpoint.checkpoint(moe, x, use_reentrant=False)
     (y.sum() + aux).backward()  # the recomputation must save what the first forward saved
@@ -621,9 +640,9 @@ def test_the_grouped_gemm_try_is_invisible_to_checkpointing_and_no_grad(dtype):
 def _bad_impl(rank, P):
     moe_ep.comm_log.clear()
     group = dist.group.WORLD
-    msgs = value_errors(lambda: moe_ep.MoE(8, 8, 4, 1, ep_group=group, expert_impl="fast"),
-                        lambda: moe_ep.MoE(8, 8, 4, 1, ep_group=group, stats_group=group,
-                                           expert_impl="grouped")(torch.randn(3, 8, dtype=torch.float64)),
+    msgs = value_errors(lambda: moe_ep.GroupedGEMMMoE(8, 8, 4, 1, ep_group=group, expert_impl="fast"),
+                        lambda: moe_ep.GroupedGEMMMoE(8, 8, 4, 1, ep_group=group, stats_group=group,
+                                                      expert_impl="grouped")(torch.randn(3, 8, dtype=torch.float64)),
                         lambda: moe_ep.load_balancing_loss(torch.randn(4, 4), 2, 0.1, group=group,
                                                            selected=torch.zeros(4, 1, dtype=torch.long)))
     return msgs, dict(moe_ep.comm_log)
@@ -717,7 +736,12 @@ def _core_ep_rank(rank, P, core, capacity_factor):
     dist.all_reduce(router_sum)  # each rank holds its own tokens' share of the router's gradient
     experts = slice(rank * (E // P), (rank + 1) * (E // P))
     y_ref, aux_ref = ref_outputs[rank]
+    # the router losses of a micro-batch split over the ranks (a stats_group) are the whole micro-batch's
+    logits_all = x_all @ ref.router.weight.detach().t()
+    split = core.router_losses(logits_all[chunks[rank]], k, 0.01, 1e-3, dist.group.WORLD)
+    whole = core.router_losses(logits_all, k, 0.01, 1e-3)
     return {"y": (y - y_ref).abs().max().item(), "aux": abs(aux.item() - aux_ref.item()),
+            "stats_group": abs(split.item() - whole.item()),
             "x_grad": (x.grad - x_ref.grad[chunks[rank]]).abs().max().item(),
             "w1_grad": (moe.w1.grad - ref.w1.grad[experts]).abs().max().item(),
             "w2_grad": (moe.w2.grad - ref.w2.grad[experts]).abs().max().item(),
@@ -727,10 +751,12 @@ def _core_ep_rank(rank, P, core, capacity_factor):
 
 def test_the_core_alone_ep_equals_one_process_and_balancing_loss_is_coeff_at_balance(tmp_path):
     core = chapter_core.load_core("moe_ep", tmp_path)  # loaded before forking: the ranks inherit it
-    assert not hasattr(core, "router_losses") and not hasattr(core, "HostSyncCounter")  # the cut is the chapter
+    # the cut is the chapter: the router losses over the ranks sharing a micro-batch, not the at-scale forms
+    assert hasattr(core, "router_losses") and not hasattr(core, "HostSyncCounter")
+    assert not hasattr(core, "GroupedGEMMMoE") and not hasattr(core, "BiasBalancedRouter")
     for capacity_factor in (None, 0.75):
         for r in run_ranks(_core_ep_rank, 2, core, capacity_factor, timeout=60):
-            for key in ("y", "aux", "x_grad", "w1_grad", "w2_grad", "router_grad"):
+            for key in ("y", "aux", "x_grad", "w1_grad", "w2_grad", "router_grad", "stats_group"):
                 assert r[key] < TOL, (capacity_factor, key, r[key])
             assert r["kept"] == (24 if capacity_factor is None else 4 * math.ceil(0.75 * 12 * 2 / 4))
             kinds = ("dispatch_fwd", "combine_fwd", "dispatch_bwd", "combine_bwd", "counts_a2a")

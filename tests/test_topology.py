@@ -58,10 +58,11 @@ def test_the_core_alone_builds_megatrons_groups_and_the_full_files_plan_a_and_b(
     for kind in want:
         assert got[kind] == want[kind], kind
     assert got == topology.rank_groups(world, tp=tp, pp=pp, cp=cp, ep=ep)  # every kind, as the full file's
-    # plan A and plan B in closed form equal the planner's rows for the same layouts and knobs, on the chapter's model
-    # (B wins) and on the planner's second example, a small batch of wide layers (A wins)
+    # plan A and plan B in closed form equal the planner's rows for the same layouts and knobs, on the core's example
+    # model (B wins) and on the planner's second example, a small batch of wide layers (A wins); both count 18 bytes
+    # a parameter (the planner at grad_bytes 4)
     for example in topology.chapter_example():
-        figures, best = core.chapter_plans({k: example["model"][k] for k in core.CHAPTER_MODEL})
+        figures, best = core.chapter_plans({k: example["model"][k] for k in core.EXAMPLE_MODEL})
         assert best == example["preferred"] == {"narrow_layers_big_batch": "B", "wide_layers_small_batch": "A"}[
             example["shape"]]
         for name, row in (("A", example["plan_a"]), ("B", example["plan_b"])):
@@ -156,10 +157,11 @@ def test_hybrid_cp_sub_groups_match_brute_force_and_split_each_cp_group():
         tp, pp, dp, cp = rng.choice([1, 2, 3]), rng.choice([1, 2]), rng.choice([1, 2]), rng.choice([1, 2, 4, 6])
         u = rng.choice(topology._divisors(cp))
         world = tp * pp * cp * dp
-        g = topology.rank_groups(world, tp=tp, pp=pp, cp=cp, cp_ulysses=u)
+        g = topology.hybrid_rank_groups(world, tp=tp, pp=pp, cp=cp, cp_ulysses=u)
         assert {k: g[k] for k in ("cp_ulysses", "cp_ring")} == _brute_force_hybrid(world, tp, pp, cp, u)
-        assert g == {**topology.rank_groups(world, tp=tp, pp=pp, cp=cp), "cp_ulysses": g["cp_ulysses"],
+        assert g == {**topology.hybrid_rank_groups(world, tp=tp, pp=pp, cp=cp), "cp_ulysses": g["cp_ulysses"],
                      "cp_ring": g["cp_ring"]}  # the other kinds do not move
+        assert {k: g[k] for k in topology.GROUP_KINDS} == topology.rank_groups(world, tp=tp, pp=pp, cp=cp)
         cp_of = {r: grp for grp in g["cp"] for r in grp}
         for grp in g["cp_ulysses"]:  # u consecutive ranks of one CP group
             cp_group = cp_of[grp[0]]
@@ -168,7 +170,7 @@ def test_hybrid_cp_sub_groups_match_brute_force_and_split_each_cp_group():
         for grp in g["cp_ring"]:  # every u-th rank of one CP group
             assert grp == cp_of[grp[0]][cp_of[grp[0]].index(grp[0])::u] and len(grp) == cp // u
         for r in range(world):
-            c = topology.rank_coordinates(r, world, tp, pp, cp, cp_ulysses=u)
+            c = topology.hybrid_rank_coordinates(r, world, tp, pp, cp, cp_ulysses=u)
             assert c["cp"] == c["cp_ulysses"] + u * c["cp_ring"]
             # each coordinate is the rank's index in its group of that kind
             for kind in ("cp_ulysses", "cp_ring"):
@@ -177,9 +179,9 @@ def test_hybrid_cp_sub_groups_match_brute_force_and_split_each_cp_group():
 
 def test_hybrid_ulysses_groups_stay_in_a_node_when_tp_times_u_fits_one():
     # 16 GPUs in nodes of 8, TP 2 x CP 8: Ulysses 4 (TP x u = 8) on NVLink, the ring of 2 across the two nodes
-    local = topology.group_locality(topology.rank_groups(16, tp=2, cp=8, cp_ulysses=4), 8)
+    local = topology.group_locality(topology.hybrid_rank_groups(16, tp=2, cp=8, cp_ulysses=4), 8)
     assert local["cp_ulysses"] and not local["cp_ring"] and not local["cp"]
-    assert not topology.group_locality(topology.rank_groups(16, tp=2, cp=8, cp_ulysses=8), 8)["cp_ulysses"]
+    assert not topology.group_locality(topology.hybrid_rank_groups(16, tp=2, cp=8, cp_ulysses=8), 8)["cp_ulysses"]
 
 
 @pytest.mark.parametrize("kwargs, name", [
@@ -187,13 +189,13 @@ def test_hybrid_ulysses_groups_stay_in_a_node_when_tp_times_u_fits_one():
     (dict(world_size=8, cp=4, cp_ulysses=0), "cp_ulysses must be a positive integer"),
 ])
 def test_bad_hybrid_sizes_name_the_parameter(kwargs, name):
-    for call in (topology.rank_groups, topology.validate_layout):
+    for call in (topology.hybrid_rank_groups, topology.validate_hybrid_layout):
         with pytest.raises(ValueError, match=name):
             call(**kwargs)
     with pytest.raises(ValueError, match=name):
-        topology.rank_coordinates(0, **kwargs)
+        topology.hybrid_rank_coordinates(0, **kwargs)
     with pytest.raises(ValueError, match=name):
-        topology.rank_map(1, 8, cp=4, cp_ulysses=kwargs["cp_ulysses"])
+        topology.hybrid_rank_map(1, 8, cp=4, cp_ulysses=kwargs["cp_ulysses"])
 
 
 def test_tp_across_nodes_warns_and_locality_is_reported():
@@ -233,12 +235,13 @@ def test_rank_map_header_long_lists_and_warning():
 
 
 def test_rank_map_shows_the_hybrid_sub_groups_only_when_cp_is_split():
-    lines = topology.rank_map(2, 8, tp=2, cp=8, cp_ulysses=4).splitlines()
+    lines = topology.hybrid_rank_map(2, 8, tp=2, cp=8, cp_ulysses=4).splitlines()
     assert lines[0] == "world=16 = tp 2 x cp 8 x dp 1 x pp 1   (ep 1, edp 8, cp 8 = ulysses 4 x ring 2)"
     assert "cp_ulysses [inside a node]: [0, 2, 4, 6] [1, 3, 5, 7] [8, 10, 12, 14] [9, 11, 13, 15]" in lines
     assert "   cp_ring [CROSSES nodes]: [0, 8] [1, 9] [2, 10] [3, 11] [4, 12] [5, 13] [6, 14] [7, 15]" in lines
     assert "        tp [inside a node]: [0, 1] [2, 3] [4, 5] [6, 7] [8, 9] [10, 11] [12, 13] [14, 15]" in lines
     assert "cp_ulysses" not in topology.rank_map(2, 8, tp=2, cp=8)
+    assert topology.hybrid_rank_map(2, 8, tp=2, cp=8, cp_ulysses=1) == topology.rank_map(2, 8, tp=2, cp=8)
 
 
 def test_map_cli_defaults_to_ep_1_and_torchruns_gpus_per_node(capsys, monkeypatch):
@@ -251,8 +254,7 @@ def test_map_cli_defaults_to_ep_1_and_torchruns_gpus_per_node(capsys, monkeypatc
 
 # ---- process groups on 8 gloo ranks --------------------------------------------------------------
 
-def _init_and_probe(rank, world_size, tp, pp, cp, ep, gpus_per_node, cp_ulysses=1):
-    state = topology.init_parallel(tp=tp, pp=pp, cp=cp, ep=ep, gpus_per_node=gpus_per_node, cp_ulysses=cp_ulysses)
+def _reached(rank, world_size, state):
     reached = {}
     for kind, group in state.groups.items():
         if group is None:  # a middle pipeline stage holds no embedding
@@ -262,11 +264,22 @@ def _init_and_probe(rank, world_size, tp, pp, cp, ep, gpus_per_node, cp_ulysses=
         t = torch.tensor([2 ** rank], dtype=torch.int64)
         dist.all_reduce(t, group=group)
         reached[kind] = [r for r in range(world_size) if t.item() >> r & 1]
+    return reached
+
+
+def _init_and_probe(rank, world_size, tp, pp, cp, ep, gpus_per_node, cp_ulysses=1):
+    """The hybrid form's groups (init_hybrid_parallel, which builds on init_parallel), then the core's alone."""
+    state = topology.init_hybrid_parallel(tp=tp, pp=pp, cp=cp, ep=ep, gpus_per_node=gpus_per_node,
+                                          cp_ulysses=cp_ulysses)
+    reached = _reached(rank, world_size, state)
     mesh = {dim: dist.get_process_group_ranks(state.mesh.get_group(dim)) for dim in ("pp", "dp", "cp", "tp")}
+    core = topology.init_parallel(tp=tp, pp=pp, cp=cp, ep=ep, gpus_per_node=gpus_per_node, with_mesh=False)
     return {"reached": reached, "ranks": state.ranks, "mesh": mesh, "coords": state.coords,
             "prev": state.pp_prev, "next": state.pp_next, "first": state.is_first_stage,
             "last": state.is_last_stage, "intra": state.intra_node, "sizes": state.sizes,
-            "hybrid_ranks": (state.cp_ulysses_rank, state.cp_ring_rank)}
+            "hybrid_ranks": (state.cp_ulysses_rank, state.cp_ring_rank),
+            "core": {"reached": _reached(rank, world_size, core), "ranks": core.ranks, "coords": core.coords,
+                     "sizes": core.sizes, "intra": core.intra_node}}
 
 
 # the last two: CP 4 = Ulysses 2 x ring 2 under TP 2 (Ulysses inside a node of 4, the ring across), and CP 6 =
@@ -276,15 +289,21 @@ def _init_and_probe(rank, world_size, tp, pp, cp, ep, gpus_per_node, cp_ulysses=
                           (8, 2, 1, 4, 1, 4, 2), (6, 1, 1, 6, 1, 3, 3)])
 def test_init_parallel_groups_reach_exactly_their_ranks(world, tp, pp, cp, ep, gpus_per_node, cp_ulysses):
     out = run_ranks(_init_and_probe, world, tp, pp, cp, ep, gpus_per_node, cp_ulysses, timeout=90)
-    groups = topology.rank_groups(world, tp=tp, pp=pp, cp=cp, ep=ep, cp_ulysses=cp_ulysses)
+    groups = topology.hybrid_rank_groups(world, tp=tp, pp=pp, cp=cp, ep=ep, cp_ulysses=cp_ulysses)
     for rank, o in enumerate(out):
-        for kind in topology.GROUP_KINDS:
+        for kind in topology.HYBRID_GROUP_KINDS:
             expected = next((g for g in groups[kind] if rank in g), [])
             assert o["ranks"][kind] == expected
             assert o["reached"][kind] == expected, (rank, kind)
+        for kind in topology.GROUP_KINDS:  # the core's init_parallel alone: the same groups of its kinds
+            assert o["core"]["ranks"][kind] == o["core"]["reached"][kind] == o["ranks"][kind], (rank, kind)
+        assert set(o["core"]["ranks"]) == set(topology.GROUP_KINDS)
+        assert o["core"]["coords"] == topology.rank_coordinates(rank, world, tp, pp, cp, ep)
+        assert o["core"]["sizes"] == {kind: len(o["ranks"][kind]) for kind in o["core"]["sizes"]}
+        assert o["core"]["intra"] == {kind: o["intra"][kind] for kind in topology.GROUP_KINDS}
         for dim in ("pp", "dp", "cp", "tp"):
             assert o["mesh"][dim] == o["ranks"][dim], (rank, dim)
-        assert o["coords"] == topology.rank_coordinates(rank, world, tp, pp, cp, ep, cp_ulysses)
+        assert o["coords"] == topology.hybrid_rank_coordinates(rank, world, tp, pp, cp, ep, cp_ulysses)
         assert o["hybrid_ranks"] == (o["ranks"]["cp_ulysses"].index(rank), o["ranks"]["cp_ring"].index(rank))
         assert o["coords"]["cp"] == o["coords"]["cp_ulysses"] + cp_ulysses * o["coords"]["cp_ring"]
         if cp_ulysses > 1:  # TP x u ranks fill a node: the all-to-all stays inside it, the ring crosses
@@ -1633,18 +1652,18 @@ def _shape9(vocab):
 @pytest.mark.parametrize("world, tp, pp, cp, k", [(8, 1, 1, 1, 2), (8, 2, 1, 1, 2), (16, 2, 2, 2, 2), (12, 1, 1, 3, 3),
                                                   (8, 1, 2, 2, 4), (8, 2, 1, 2, 1)])
 def test_hybrid_sharding_groups_split_each_dp_cp_group_into_consecutive_shards(world, tp, pp, cp, k):
-    groups = topology.rank_groups(world, tp=tp, pp=pp, cp=cp, zero_shard=k)
+    groups = topology.hybrid_rank_groups(world, tp=tp, pp=pp, cp=cp, zero_shard=k)
     shards, replicas = [], []
     for g in groups["dp_cp"]:  # a dp_cp group in its own order: shards of k consecutive members, replicas strided
         shards += [g[i:i + k] for i in range(0, len(g), k)]
         replicas += [g[i::k] for i in range(k)]
     assert sorted(shards) == groups["dp_cp_shard"] and sorted(replicas) == groups["dp_cp_replicate"]
     for rank in range(world):
-        c = topology.rank_coordinates(rank, world, tp=tp, pp=pp, cp=cp, zero_shard=k)
+        c = topology.hybrid_rank_coordinates(rank, world, tp=tp, pp=pp, cp=cp, zero_shard=k)
         shard = next(g for g in groups["dp_cp_shard"] if rank in g)
         assert shard.index(rank) == c["dp_cp_shard"]
     with pytest.raises(ValueError, match="zero_shard=5 must divide cp\\*dp"):
-        topology.rank_groups(world, tp=tp, pp=pp, cp=cp, zero_shard=5)
+        topology.hybrid_rank_groups(world, tp=tp, pp=pp, cp=cp, zero_shard=5)
 
 # ---- the planner's schedules, ZeRO levels and hybrid CP against the code that runs them -------------------------
 

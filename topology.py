@@ -1939,6 +1939,7 @@ class Held(NamedTuple):
     posted: int
     sent_outputs: int
     sent_grads: int
+    reduced: bool = False  # a block's gradients were reduce-scattered before (ZeRO-2/3: one is in flight)
 
 
 # a chunk's kind: the first virtual stage (with the embedding), the last (with the LM head), both (one stage), another
@@ -1981,6 +1982,7 @@ def _pipeline_holdings_of(schedule, p, m, v, r):
                 incoming.setdefault(q, []).append(_Action(x.kind, x.micro, vs // p))
     posted, posted_by, sending, saved, waiting, states = set(), {}, [], {}, {}, {}
     kept, waits = [0] * len(CHUNK_KINDS), [0] * len(CHUNK_KINDS)  # chunks in flight, W's waiting, by kind
+    reduced = False
 
     def post(x):
         src = peer(r, x, -1)
@@ -2003,8 +2005,9 @@ def _pipeline_holdings_of(schedule, p, m, v, r):
             kept[kind] += 1
         outputs = sum(1 for s in sending if s[2] == "F")
         held = Held(x.kind, CHUNK_KINDS[kind], tuple(kept), tuple(waits), len(posted), outputs,
-                    len(sending) - outputs - sum(1 for s in sending if s[2] == "B" and s[3] in waiting))
+                    len(sending) - outputs - sum(1 for s in sending if s[2] == "B" and s[3] in waiting), reduced)
         states.setdefault(held, (x.kind, x.micro, x.chunk))
+        reduced = reduced or x.kind == ("W" if schedule == "zb-h1" else "B")
         if x.kind == "B":
             kept[saved.pop(key)] -= 1
             if schedule == "zb-h1":
@@ -2455,11 +2458,11 @@ class _RankStatic:
             self.by_zero[(zero, shard)] = states, sum(states.values()), step
         return self.by_zero[(zero, shard)]
 
-    def zero_extras(self, zero, shard, gathered, z):
+    def zero_extras(self, zero, shard, gathered, z, in_flight=True):
         """The ZeRO level's bytes at an instant: one block's FP32 gradient and its reduce-scatter output in flight
-        (ZeRO-2/3), the block gathered in a backward (ZeRO-3: `gathered` its elements)."""
+        (ZeRO-2/3, once a block was reduced), the block gathered in a backward (ZeRO-3: `gathered` its elements)."""
         out = {}
-        if zero >= 2:
+        if zero >= 2 and in_flight:
             out["ZeRO grad buffers"] = self.unit * 4 * (1 + 1 / (shard or z.layout.dp * z.layout.cp))
         if zero >= 3 and gathered:
             out["ZeRO gathered"] = z.e * gathered
@@ -2482,7 +2485,7 @@ def _rank_instants(z, rank):
             base = _add(base, _scale(chunks[kind], n)) if n else base
         for kind, n in zip(CHUNK_KINDS, held.waiting):
             base = _add(base, _scale(waits[kind], n)) if n else base
-        in_flight = action != "F" or micro > 0  # ZeRO-2/3: a block's reduce-scatter is in flight
+        in_flight = held.reduced  # ZeRO-2/3: a block's reduce-scatter is in flight
         where = f" of micro-batch {micro}" + (f", chunk {chunk}" if z.v > 1 else "")
         top = rank.layers[(chunk + 1) * per - 1]
         moe, gathered = rank.tops[chunk]
@@ -2493,7 +2496,8 @@ def _rank_instants(z, rank):
                      ([", cross-entropy", ", LM head"] if held.kind in ("last", "only") else [])
                      + [f", block {top}"] + ([f", block {top - 1}"] if z.offload and per > 1 else [])]
         for name, parts in zip(names, z.action_parts(action, held.kind, moe)):
-            yield name, _add(base, parts), (gathered if action == "B" else 0), in_flight
+            block = action == "B" and "block" in name  # ZeRO-3: the block is gathered for its backward
+            yield name, _add(base, parts), (gathered if block else 0), in_flight
 
 
 def rank_peaks(cluster, model, layout, knobs, program=Program(), stages=None):
@@ -2508,7 +2512,7 @@ def rank_peaks(cluster, model, layout, knobs, program=Program(), stages=None):
         states = rank.states(zero, shard)
         candidates = []
         for label, parts, gathered, in_flight in _rank_instants(z, rank):
-            extras = rank.zero_extras(zero, shard, gathered, z) if in_flight else {}
+            extras = rank.zero_extras(zero, shard, gathered, z, in_flight)
             candidates.append((label, _add(states, parts, extras)))
         candidates.append(("the optimizer step", _add(states, {"step temporaries": rank.step(zero, shard)})))
         label, parts = max(candidates, key=lambda c: sum(c[1].values()))

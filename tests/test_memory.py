@@ -35,6 +35,8 @@ LAYOUTS = {
     "PP2 interleaved v2": (2, {}, dict(pp=2, pp_schedule="interleaved", virtual_stages=2, batch=8)),
     "PP2 zb-h1": (2, {}, dict(pp=2, pp_schedule="zb-h1", batch=8)),
     "DP2 ZeRO-1": (2, {}, dict(zero=1)),
+    "DP2 ZeRO-2": (2, {}, dict(zero=2)),
+    "DP2 ZeRO-3": (2, {}, dict(zero=3)),
     "CP2 ring": (2, {}, dict(cp=2)),
     "CP2 Ulysses": (2, {}, dict(cp=2, cp_impl="ulysses")),
     # top-k = E: every token reaches every expert, the load is balanced (the stated imbalance, 1, holds)

@@ -1866,6 +1866,7 @@ class Program:
     device: str = "cuda"
     optimizer: str = "adamw"
     cp_impl: str = None
+    nvfp4_bf16_last: int = None  # --dtype nvfp4: the last K blocks stay BF16 (None: the last 15 %, rounded)
 
     def __post_init__(self):
         if self.dtype not in PROGRAM_DTYPES:
@@ -1926,6 +1927,11 @@ def pipeline_order(schedule, p, m, v, r):
 def _virtual_stage(p, r, chunk):
     """The virtual stage of rank r's chunk: chunk c of rank r is stage c p + r (interleaved placement)."""
     return chunk * p + r
+
+
+def _chunk_kind(stages, vs):
+    """The kind of virtual stage vs of `stages`: what it holds beyond its blocks (CHUNK_KINDS)."""
+    return "only" if stages == 1 else "first" if vs == 0 else "last" if vs == stages - 1 else "middle"
 
 
 class Held(NamedTuple):
@@ -2049,6 +2055,41 @@ class _StepBytes:
         self.cp_impl = program.cp_impl or "ring"  # the planner's CP: zigzag shards whatever its Ulysses size
         self.zigzag = c > 1 and self.cp_impl != "ulysses"  # the zigzag shards are copies (the others views)
         self.flash, self.dropout = cluster.flash_attention, getattr(cluster, "dropout", False)
+        # NVFP4 (train_gpt.py's emulated GEMMs): the blocks before the last K, the rest BF16 as the LM head
+        bf16_last = program.nvfp4_bf16_last if program.nvfp4_bf16_last is not None else round(0.15 * model.layers)
+        self.nvfp4_below = model.layers - bf16_last if program.dtype == "nvfp4" else 0
+
+    def nvfp4_linears(self, moe):
+        """(N, K) of each NVFP4 linear of a block on this rank (a MoE block's experts stay BF16)."""
+        h, kv, t = self.h, _kv_width(self.model), self.t
+        linears = [((h + 2 * kv) // t, h), (h, h // t)]
+        return linears + ([] if moe else [(4 * h // t, h), (h, 4 * h // t)])
+
+    def nvfp4_kept(self, moe):
+        """What an NVFP4 block keeps besides its BF16 activations: each linear's weight as quantised, its E2M1
+        elements in one byte each, its E4M3 block scales (one per 16 x 16) and FP32 tensor scale."""
+        return sum(n * k + n * k // 256 + 4 for n, k in self.nvfp4_linears(moe))
+
+    def nvfp4_backward(self, n, k):
+        """An NVFP4 linear's emulated backward at its largest moment (the weight gradient's GEMM, emulated by the
+        token blocks' exact products in FP32, scaled twice: 3 (M/16) N K 4 for M tokens): beside them G in FP32, G^T
+        and x^T Hadamard-transformed, the quantised G, G^T, x^T (FP32 values, E4M3 scales) and W (quantised again),
+        the input's gradient, and the two block scales' FP32 copies and the emulation's expansions of them."""
+        m, e = self.T, self.e
+        return (3 * (m // 16) * n * k * 4 + 16 * m * n + 8 * m * k + 4 * n * k + e * m * k + 8 * (n + k) * m // 16
+                + 2 * m * n // 16 + k * m // 16 + n * k // 256)
+
+    def nvfp4_instant(self, above):
+        """By part, beyond a chunk's kept bytes and what came in: the backward of its highest NVFP4 block, the BF16
+        blocks over it keeping `above` bytes (their backward done: those and the NVFP4 block's output freed), at its first
+        MLP GEMM's weight gradient: the GeLU's input and output and the second GEMM's quantised weight are freed,
+        the GeLU's input gradient, the block's output gradient (the block above's input gradient) and the
+        emulation's working set are there."""
+        h, t, T, e = self.h, self.t, self.T, self.e
+        fc2 = h * 4 * h // t + h * 4 * h // t // 256 + 4
+        freed = above + 8 * T * h // t * e + fc2
+        return {"activations": -freed,
+                "backward": 4 * T * h // t * e + (self.X if above else 0) + self.nvfp4_backward(4 * h // t, h)}
 
     def layers_of(self, v):
         """Blocks per chunk with v chunks per stage."""
@@ -2207,6 +2248,15 @@ class _StepBytes:
             out = _add(out, {"LM head and loss": (whole if self.sp else X) + self.T * self.V // t * e})
         return out
 
+    def came_in(self, kind):
+        """What a chunk's blocks' backward starts from: on the last stage the loss and the final LayerNorm are done
+        (their tensors and the LayerNorm's input freed, its input's gradient there, and on one stage the tied
+        embedding's gradient waiting), elsewhere the gradient received."""
+        if kind not in ("last", "only"):
+            return {"receive buffers": self.X}
+        tied = self.V // self.t * self.h * self.e if self.p * self.v == 1 and self.model.tied_embeddings else 0
+        return {"LM head and loss": self.X - self.head() + tied, "activations": -self.X}
+
     def action_parts(self, action, kind, moe, layers=None):
         """What the running action adds at its largest moments beyond the chunks and buffers held: F at its end
         (the loss on the last virtual stage), B at the cross-entropy's backward, the LM head's and the top block's
@@ -2219,15 +2269,8 @@ class _StepBytes:
         out = []
         if kind in ("last", "only"):
             out += [{"LM head and loss": self.ce_backward()}, {"LM head and loss": self.head_backward()}]
-            tied = (self.V // self.t * self.h * self.e if self.p * self.v == 1 and self.model.tied_embeddings
-                    else 0)
-            # the loss and the final LayerNorm are done: their tensors and the LayerNorm's input are freed, its
-            # input's gradient comes in (and on one stage the tied embedding's gradient waits)
-            came_in = {"LM head and loss": self.X - self.head() + tied, "activations": -self.X}
-        else:
-            came_in = {"receive buffers": self.X}
         done = {"activations": -self.moe_combined()} if moe and not self.offload else {}
-        block = _add(came_in, done, {"backward": self.block_backward(moe)})
+        block = _add(self.came_in(kind), done, {"backward": self.block_backward(moe)})
         out.append(block)
         if self.offload and layers > 1:  # the blocks below: the gradient received is still held, one more comes
             out.append(_add(block, {"backward": self.X}))
@@ -2428,8 +2471,7 @@ class _RankStatic:
             sums, blocks = _rank_parameter_summary(model, layout, r, v)
             per, stages, kinds, tops = len(layers) // v, layout.pp * v, {}, []
             for c in range(v):
-                vs = _virtual_stage(layout.pp, r, c)
-                kind = "only" if stages == 1 else "first" if vs == 0 else "last" if vs == stages - 1 else "middle"
+                kind = _chunk_kind(stages, _virtual_stage(layout.pp, r, c))
                 kinds[kind] = max(kinds.get(kind, 0), sum(_is_moe(model, i) for i in layers[c * per:(c + 1) * per]))
                 tops.append((_is_moe(model, layers[(c + 1) * per - 1]), blocks[(c + 1) * per - 1]))
             self.memo[self.key] = (params, layers, blocks, kinds, tops, sums, {}, max(blocks, default=0),
@@ -2473,8 +2515,17 @@ def _rank_instants(z, rank):
     """Rank r's instants in one step (rank_peaks'): (label, parts beyond the states, gathered block elements of a
     backward, whether a ZeRO-2/3 reduce-scatter is in flight) for each state its executor passes through
     (`pipeline_holdings`) and each moment of its action."""
-    per = z.layers
+    per, model = z.layers, z.model
     chunks = {kind: z.chunk(kind, n) for kind, n in rank.kinds.items()}
+    nvfp4 = []  # NVFP4: each chunk's (kind, its NVFP4 blocks' kept copies, its highest dense NVFP4 block or None)
+    for c in range(z.v if z.nvfp4_below else 0):
+        layers = [i for i in rank.layers[c * per:(c + 1) * per] if i < z.nvfp4_below]
+        dense = [i for i in layers if not _is_moe(model, i)]
+        kind = _chunk_kind(z.p * z.v, _virtual_stage(z.p, rank.r, c))
+        nvfp4.append((kind, sum(z.nvfp4_kept(_is_moe(model, i)) for i in layers), max(dense, default=None)))
+    for kind in chunks:  # the most of any chunk of that kind
+        extra = max((kept for k, kept, _ in nvfp4 if k == kind), default=0)
+        chunks[kind] = _add(chunks[kind], {"activations": extra}) if extra else chunks[kind]
     waits = {kind: z.waiting_w(kind, n) for kind, n in rank.kinds.items()} if z.knobs.pp_schedule == "zb-h1" else {}
     for held, (action, micro, chunk) in pipeline_holdings(z.knobs.pp_schedule, z.p, z.m, z.v, rank.r):
         if action == "W":
@@ -2495,7 +2546,15 @@ def _rank_instants(z, rank):
             names = [f"backward{where}{name}" for name in
                      ([", cross-entropy", ", LM head"] if held.kind in ("last", "only") else [])
                      + [f", block {top}"] + ([f", block {top - 1}"] if z.offload and per > 1 else [])]
-        for name, parts in zip(names, z.action_parts(action, held.kind, moe)):
+        moments = z.action_parts(action, held.kind, moe)
+        if action == "B" and nvfp4 and nvfp4[chunk][2] is not None:  # the highest NVFP4 block's emulated backward
+            below = nvfp4[chunk][2]
+            above = sum(z.block(_is_moe(model, i)) for i in range(below + 1, top + 1))
+            names.append(f"backward{where}, block {below}")
+            # a BF16 block above has taken the gradient that came in and made the NVFP4 block's (nvfp4_instant)
+            freed = {"LM head and loss": -z.X} if above and held.kind in ("last", "only") else {}
+            moments.append(_add(z.came_in(held.kind), z.nvfp4_instant(above), freed))
+        for name, parts in zip(names, moments):
             block = action == "B" and "block" in name  # ZeRO-3: the block is gathered for its backward
             yield name, _add(base, parts), (gathered if block else 0), in_flight
 
@@ -4098,7 +4157,8 @@ def train_gpt_run(a):
     knobs = Knobs(a.micro_batch, a.virtual_stages, a.recompute, a.sequence_parallel and a.tp > 1, a.zero,
                   a.pp_schedule, a.zero_shard_size, u)
     _check_knobs(model, layout.dp, a.pp, a.micro_batch, a.virtual_stages, 2, a.pp_schedule)
-    program = Program(dtype=a.dtype, device=a.device, optimizer=a.optimizer, cp_impl=a.cp_impl if a.cp > 1 else None)
+    program = Program(dtype=a.dtype, device=a.device, optimizer=a.optimizer, cp_impl=a.cp_impl if a.cp > 1 else None,
+                      nvfp4_bf16_last=a.nvfp4_bf16_last)
     return cluster, model, layout, knobs, program
 
 
@@ -4134,6 +4194,7 @@ def _memory_main(argv):
     group("--dtype", choices=list(PROGRAM_DTYPES), default="float32")
     group("--zero", type=int, choices=list(ZERO_LEVELS), default=0)
     group("--zero-shard-size", type=int, default=None)
+    group("--nvfp4-bf16-last", type=int, default=None)
     group("--recompute", choices=TRAIN_GPT_RECOMPUTE, default="none")
     group("--optimizer", choices=["adamw", "sgd"], default="adamw")
     a = ap.parse_args(argv)

@@ -2004,7 +2004,7 @@ def predicted_memory(cfg, train_cfg, world, device):
 
 
 MEMORY_FLAGS = ("tp", "pp", "cp", "ep", "sequence_parallel", "cp_impl", "cp_ulysses", "pp_schedule", "virtual_stages",
-                "recompute", "dtype", "zero", "zero_shard_size", "batch", "micro_batch", "optimizer")
+                "recompute", "dtype", "zero", "zero_shard_size", "batch", "micro_batch", "optimizer", "nvfp4_bf16_last")
 
 
 def memory_line(predicted):

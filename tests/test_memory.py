@@ -30,6 +30,7 @@ LAYOUTS = {
     "recompute selective": (1, {}, dict(recompute="selective")),
     "recompute offload": (1, {}, dict(recompute="offload")),
     "fp8": (1, {}, dict(dtype="fp8")),
+    "nvfp4": (1, {}, dict(dtype="nvfp4")),
     "TP2 SP": (2, {}, dict(tp=2, sequence_parallel=True)),
     "PP2 1F1B": (2, {}, dict(pp=2, batch=8)),  # the pipelines: 4 micro-batches, a steady state
     "PP2 interleaved v2": (2, {}, dict(pp=2, pp_schedule="interleaved", virtual_stages=2, batch=8)),
@@ -63,7 +64,8 @@ def _predict(world, model, flags):
             "--moe-every", str(cfg.get("moe_every", 0)), "--experts", str(cfg.get("n_experts", 8)),
             "--top-k", str(cfg.get("top_k", 2)), "--batch", str(run["batch"]), "--micro-batch", str(run["micro_batch"]),
             "--dtype", run["dtype"]]
-    for flag in ("tp", "pp", "cp", "ep", "zero", "recompute", "pp_schedule", "virtual_stages", "cp_impl", "cp_ulysses"):
+    for flag in ("tp", "pp", "cp", "ep", "zero", "recompute", "pp_schedule", "virtual_stages", "cp_impl", "cp_ulysses",
+                 "nvfp4_bf16_last"):
         if flag in run:
             argv += ["--" + flag.replace("_", "-"), str(run[flag])]
     if run.get("sequence_parallel"):

@@ -2355,14 +2355,20 @@ def _rank_parameters(model, layout, r, v):
 
 
 def _rank_parameter_summary(model, layout, r, v):
-    """(`_parameter_sums` of the rank's parameters, each block's elements), from one block of each kind."""
+    """(`_parameter_sums` of the rank's parameters, each block's elements), from one block of each kind (kept in
+    the plan's layout.memo under the TP and EP sizes)."""
     layers = _rank_layers(model, layout.pp, v, r)
     moe = [_is_moe(model, i) for i in layers]
-    kinds = {kind: _block_parameters(model, layout, kind) for kind in set(moe)}
-    per_block = {kind: sum(p.elements for p in params) for kind, params in kinds.items()}
+    kinds = {}
+    for kind in set(moe):
+        key = ("block sums", layout.tp, layout.ep, kind)
+        if key not in layout.memo:
+            params = _block_parameters(model, layout, kind)
+            layout.memo[key] = sum(p.elements for p in params), _parameter_sums(params)
+        kinds[kind] = layout.memo[key]
+    per_block = {kind: elements for kind, (elements, _) in kinds.items()}
     sums, count = _parameter_sums(_outer_parameters(model, layout, r))
-    for kind, params in kinds.items():
-        block_sums, block_count = _parameter_sums(params)
+    for kind, (_, (block_sums, block_count)) in kinds.items():
         n = moe.count(kind)
         for key, elements in block_sums.items():
             sums[key] = sums.get(key, 0) + n * elements
@@ -2458,13 +2464,13 @@ def _optimizer_temporaries(program, params, zero, shard, edp, sums=None):
 class _RankStatic:
     """What rank r holds whatever the knobs but v: its parameters, blocks and layers, its chunks' kinds (with
     their MoE blocks: the most of any chunk of that kind), its top blocks, its states and optimizer step at each
-    ZeRO choice; kept in `memo` (a plan's layout.memo) under the layout, v and r."""
+    ZeRO choice; its parameters and chunks kept in `memo` (a plan's layout.memo) under tp, pp, ep, v and r."""
 
     def __init__(self, cluster, z, r, v, memo=None):
         model, layout = z.model, z.layout
         self.cluster, self.z, self.r = cluster, z, r
         self.memo = {} if memo is None else memo
-        self.key = ("rank", layout.tp, layout.pp, layout.cp, layout.ep, layout.dp, v, r)
+        self.key = ("rank", layout.tp, layout.pp, layout.ep, v, r)  # nor the CP and DP sizes
         if self.key not in self.memo:
             params = _rank_parameters(model, layout, r, v) if z.program.device == "cpu" else None  # CPU's AdamW
             layers = _rank_layers(model, layout.pp, v, r)
@@ -2474,10 +2480,11 @@ class _RankStatic:
                 kind = _chunk_kind(stages, _virtual_stage(layout.pp, r, c))
                 kinds[kind] = max(kinds.get(kind, 0), sum(_is_moe(model, i) for i in layers[c * per:(c + 1) * per]))
                 tops.append((_is_moe(model, layers[(c + 1) * per - 1]), blocks[(c + 1) * per - 1]))
-            self.memo[self.key] = (params, layers, blocks, kinds, tops, sums, {}, max(blocks, default=0),
+            self.memo[self.key] = (params, layers, blocks, kinds, tops, sums, max(blocks, default=0),
                                    max(tops, default=(False, 0)))
-        (self.params, self.layers, self.blocks, self.kinds, self.tops, self.sums, self.by_zero, self.unit,
+        (self.params, self.layers, self.blocks, self.kinds, self.tops, self.sums, self.unit,
          self.top) = self.memo[self.key]
+        self.by_zero = {}  # (states by part, their sum, the step's temporaries) by ZeRO choice, for this layout
 
     def states(self, zero, shard):
         return self.fixed(zero, shard)[0]
@@ -2599,38 +2606,40 @@ def _memory_ranks(model, pp, m, v, schedule):
 class _ScalarPrices:
     """The sums of _StepBytes' parts, for the search, kept per (b, sp, recompute, zb-h1) of a layout (v only sets
     the blocks per chunk): a chunk's and a waiting W's, linear in its blocks (each block's sum, and what the chunk's
-    kind adds: the chunk's with no block), an action's largest moment."""
+    kind adds: the chunk's with no block), an action's largest moment. Linear prices do not depend on pp beyond
+    whether it is 1 (a tied embedding's gradient on one stage): the layouts of one plan share them."""
 
     def __init__(self, z):
-        self.z, self.memo = z, {}
+        self.z, self.memo, self.wait_base = z, {}, {}
         self.linear = z.policy != "sqrt" and not z.offload
-
-    def _sum(self, key, parts):
-        if key not in self.memo:
-            self.memo[key] = sum(parts().values())
-        return self.memo[key]
+        self.dense = z.block(False)
+        self.moe = z.block(True) if z.model.moe_every else 0.0
+        self.base = {kind: sum(z.chunk(kind, 0, 0).values()) for kind in CHUNK_KINDS} if self.linear else {}
+        if z.knobs.pp_schedule == "zb-h1":  # a deferred W's attention and MLP parts per block
+            one = sum(z.waiting_w("middle", 1, 1).values())
+            self.w_attention = one - sum(z.waiting_w("middle", 0, 0).values())
+            self.w_mlp = sum(z.waiting_w("middle", 0, 1).values()) - one
 
     def chunk(self, kind, layers, moe):
-        z = self.z
         if not self.linear:
-            return self._sum(("chunk", kind, layers, moe), lambda: z.chunk(kind, moe, layers))
-        return ((layers - moe) * self._sum("dense", lambda: {"": z.block(False)})
-                + (moe and moe * self._sum("moe", lambda: {"": z.block(True)}))
-                + self._sum(("chunk", kind), lambda: z.chunk(kind, 0, 0)))
+            key = ("chunk", kind, layers, moe)
+            if key not in self.memo:
+                self.memo[key] = sum(self.z.chunk(kind, moe, layers).values())
+            return self.memo[key]
+        return (layers - moe) * self.dense + (moe and moe * self.moe) + self.base[kind]
 
     def waiting(self, kind, layers, moe):
-        z = self.z
-        return (layers * self._sum("attention w", lambda: _add(z.waiting_w("middle", 1, 1), _scale(
-                    z.waiting_w("middle", 0, 0), -1)))
-                + (layers - moe) * self._sum("mlp w", lambda: _add(z.waiting_w("middle", 0, 1), _scale(
-                    z.waiting_w("middle", 1, 1), -1)))
-                + self._sum(("wait", kind), lambda: z.waiting_w(kind, 0, 0)))
+        base = self.wait_base.get(kind)
+        if base is None:
+            base = self.wait_base[kind] = sum(self.z.waiting_w(kind, 0, 0).values())
+        return layers * self.w_attention + (layers - moe) * self.w_mlp + base
 
     def extra(self, action, kind, moe, layers):
-        key = ("action", action, kind, moe, layers > 1)
-        if key not in self.memo:
-            self.memo[key] = max(sum(p.values()) for p in self.z.action_parts(action, kind, moe, layers))
-        return self.memo[key]
+        key = (action, kind, moe, layers > 1)
+        out = self.memo.get(key)
+        if out is None:
+            out = self.memo[key] = max(sum(p.values()) for p in self.z.action_parts(action, kind, moe, layers))
+        return out
 
 
 class _PlanMemory:
@@ -2647,73 +2656,138 @@ class _PlanMemory:
 
     def __init__(self, cluster, model, layout, knobs, program=PLANNER_PROGRAM):
         b, v, recompute, sp, _, schedule = knobs[:6]
+        zb = schedule == "zb-h1"
         cache = layout.__dict__.setdefault("memory_prices", {})  # one layout's, one program's (the plan's)
-        key = (b, sp, recompute, schedule == "zb-h1")
+        key = (b, sp, recompute, zb)
         prices = cache.get(key)
         if prices is None:
-            prices = cache[key] = _ScalarPrices(_StepBytes(cluster, model, layout, knobs._replace(
-                virtual_stages=1, zero=0, zero_shard_size=None), program))
-        z = self.z = prices.z
-        self.layout, self.cache, self.ranks, self.v = layout, {}, [], v
+            linear = recomputation(recompute) != "sqrt" and recompute not in OFFLOAD_POLICIES
+            shared = layout.memo.setdefault("memory prices", {}) if linear else {}  # the plan's layouts'
+            outer = (layout.tp, layout.cp, layout.ep, layout.pp == 1) + key
+            prices = cache[key] = shared.get(outer)
+            if prices is None:
+                prices = cache[key] = shared[outer] = _ScalarPrices(_StepBytes(cluster, model, layout, knobs._replace(
+                    virtual_stages=1, zero=0, zero_shard_size=None), program))
+        self.layout, self.cache, self.ranks, self.v, self.prices = layout, {}, [], v, prices
+        self.shard = layout.dp * layout.cp
         p, m = layout.pp, model.global_batch // (layout.dp * b)
-        flight = in_flight_chunks(schedule, p, m, v)
-        one_f_one_b = schedule == "1f1b"
-        for r in _memory_ranks(model, p, m, v, schedule):
-            priced = cache.get((key, v, r))
-            if priced is None:  # what does not depend on the schedule: the chunks, the actions' extras
-                priced = cache[(key, v, r)] = self._price(cluster, z, prices, r, v, layout)
-            rank, head_kind, head, rest, other, other_extra, gathered = priced
-            k, d = flight[r]
-            waits = d and d * max(prices.waiting(kind, z.layers_of(v), n) for kind, n in rank.kinds.items())
-            buffers = ((1 if r == p - 1 else k + (r > 0)) if one_f_one_b else k + 2) * z.X
-            peak = most = 0.0
-            if head:  # the B of the last virtual stage, beside k - 1 other chunks; the loss beside them
-                kept = head[0] + (k - 1) * rest + waits
-                peak = max(kept + buffers + head[1], kept + max(0, buffers - z.X) + head[2])
-                most = max(kept + buffers + head[1] + z.e * gathered, peak)
-            if other:
-                total = k * rest + waits + buffers + other_extra
-                peak, most = max(peak, total), max(most, total + z.e * gathered)
-            self.ranks.append((rank, peak, most, k, d, buffers, head_kind, other))
+        counts = layout.memo.get(("memory counts", p, m, v, schedule))
+        if counts is None:  # each candidate stage's (r, k, d, buffers in X's), as this docstring says
+            flight, one_f_one_b = in_flight_chunks(schedule, p, m, v), schedule == "1f1b"
+            counts = layout.memo[("memory counts", p, m, v, schedule)] = tuple(
+                (r, *flight[r], (1 if r == p - 1 else flight[r][0] + (r > 0)) if one_f_one_b else flight[r][0] + 2)
+                for r in _memory_ranks(model, p, m, v, schedule))
+        self.counts, self.model, self.cluster = counts, model, cluster
+
+    def _rank(self, i):
+        """The i-th candidate stage's (_RankStatic, its largest moment's bytes beyond the states: at ZeRO 0-2 and at
+        ZeRO 3 (a block gathered in a backward), k, d, its buffers, its last-stage chunk's kind, the kind of its
+        other chunks with the largest B, its ZeRO unit's FP32 bytes, its states by ZeRO choice)."""
+        while len(self.ranks) <= i:
+            self.ranks.append(self._price(self.counts[len(self.ranks)]))
+        return self.ranks[i]
+
+    def _price(self, counts):
+        r, k, d, buffers = counts
+        prices, layout, v = self.prices, self.layout, self.v
+        layers = self.model.layers // (layout.pp * v)
+        static = layout.__dict__.setdefault("memory_ranks", {}).get((v, r)) or self._static(
+            self.cluster, self.model, layout, prices, r, v)
+        rank, head, others, moe_top, gathered, kinds = static
+        linear, dense, moe_block, extras, X, e = prices.linear, prices.dense, prices.moe, prices.memo, prices.z.X, prices.z.e
+        # the chunks (linear in their blocks: each block's bytes and the kind's), the actions' largest moments
+        rest, rest_kind, other_extra, other = 0.0, None, 0.0, None
+        for kind, n in others:
+            chunk = ((layers - n) * dense + (n and n * moe_block) + prices.base[kind] if linear
+                     else prices.chunk(kind, layers, n))
+            if rest_kind is None or chunk > rest:
+                rest, rest_kind = chunk, kind
+            extra = extras.get(("B", kind, moe_top, layers > 1)) or prices.extra("B", kind, moe_top, layers)
+            if other is None or extra > other_extra:
+                other, other_extra = kind, extra
+        if d:
+            waits = extras.get(("W", kinds, layers))
+            if waits is None:
+                waits = extras[("W", kinds, layers)] = max(prices.waiting(kind, layers, n) for kind, n in kinds)
+            waits *= d
+        else:
+            waits = 0
+        buffers *= X
+        peak = most = 0.0
+        if head:  # the B of the last virtual stage, beside k - 1 other chunks; the loss beside them
+            kind, n = head
+            kept = ((layers - n) * dense + (n and n * moe_block) + prices.base[kind] if linear
+                    else prices.chunk(kind, layers, n)) + (k - 1) * rest + waits
+            backward = kept + buffers + (extras.get(("B", kind, moe_top, layers > 1))
+                                         or prices.extra("B", kind, moe_top, layers))
+            loss = kept + max(0, buffers - X) + (extras.get(("F", kind, moe_top, layers > 1))
+                                                 or prices.extra("F", kind, moe_top, layers))
+            peak = backward if backward > loss else loss
+            most = max(backward + e * gathered, peak)
+        if other:
+            total = k * rest + waits + buffers + other_extra
+            peak, most = max(peak, total), max(most, total + e * gathered)
+        return (rank, peak, most, k, d, buffers, head and head[0], (rest_kind, other), rank.unit * 4, rank.by_zero)
+
+    def _bytes(self, i, zero):
+        """The i-th candidate stage's peak at zero = (level, shard size), bytes."""
+        rank, peak, gathered, _, _, _, _, _, unit, by_zero = self._rank(i)
+        fixed = by_zero.get(zero) or rank.fixed(*zero)
+        if zero[0] >= 2:  # a block's gradient in flight; ZeRO-3: and the block gathered in a backward
+            peak = (gathered if zero[0] >= 3 else peak) + unit * (1 + 1 / (zero[1] or self.shard))
+        return fixed[1] + max(peak, fixed[2])
+
+    def first_fit(self, zeros, limit):
+        """The first of `zeros` whose gb(zero) <= limit (GB), or None: the candidate stages priced one by one until
+        one does not fit."""
+        n, shard = len(self.counts), self.shard
+        for zero in zeros:
+            level, size = zero
+            buffers = 1 + 1 / (size or shard) if level >= 2 else 0
+            for i in range(n):
+                rank, peak, gathered, _, _, _, _, _, unit, by_zero = (self.ranks[i] if i < len(self.ranks)
+                                                                      else self._rank(i))
+                fixed = by_zero.get(zero) or rank.fixed(level, size)
+                if level >= 2:  # a block's gradient in flight; ZeRO-3: and the block gathered in a backward
+                    peak = (gathered if level >= 3 else peak) + unit * buffers
+                if (fixed[1] + (peak if peak > fixed[2] else fixed[2])) / GB > limit:
+                    break
+            else:
+                return zero
+        return None
 
     @staticmethod
-    def _price(cluster, z, prices, r, v, layout):
-        statics = layout.__dict__.setdefault("memory_ranks", {})
-        rank = statics.get((v, r))
-        if rank is None:
-            rank = statics[(v, r)] = _RankStatic(cluster, z, r, v)
-        layers = z.layers_of(v)
-        heads = [kind for kind in rank.kinds if kind in ("last", "only")]
-        others = [kind for kind in rank.kinds if kind not in ("last", "only")]
-        moe_top, gathered = rank.top
-        rest = max((prices.chunk(kind, layers, rank.kinds[kind]) for kind in others), default=0.0)
-        head = ((prices.chunk(heads[0], layers, rank.kinds[heads[0]]), prices.extra("B", heads[0], moe_top, layers),
-                 prices.extra("F", heads[0], moe_top, layers)) if heads else None)
-        other = max(others, key=lambda o: prices.extra("B", o, moe_top, layers)) if others else None
-        return (rank, heads[0] if heads else None, head, rest, other,
-                prices.extra("B", other, moe_top, layers) if others else 0.0, gathered)
+    def _static(cluster, model, layout, prices, r, v):
+        """Rank r's (_RankStatic, its last-stage chunk's (kind, MoE blocks) or None, its other chunks', its top
+        block's MoE and elements, its chunks' kinds), with a step's sizes of this layout's."""
+        z = layout.__dict__.get("memory_z")
+        if z is None:
+            z = layout.memory_z = _StepBytes(cluster, model, layout, prices.z.knobs, prices.z.program)
+        rank = _RankStatic(cluster, z, r, v, layout.memo)
+        if rank.params is None:  # states and step from the parameter sums alone: shared by ranks holding as much
+            signature = (tuple(sorted(rank.sums[0].items())), rank.sums[1])
+            rank.by_zero = layout.__dict__.setdefault("memory_states", {}).setdefault(signature, rank.by_zero)
+        heads = [(kind, n) for kind, n in rank.kinds.items() if kind in ("last", "only")]
+        others = [(kind, n) for kind, n in rank.kinds.items() if kind not in ("last", "only")]
+        static = layout.memory_ranks[(v, r)] = (rank, heads[0] if heads else None, others, *rank.top,
+                                                tuple(rank.kinds.items()))
+        return static
 
     def gb(self, zero):
         """The fullest candidate stage's peak, GB, at zero = (level, shard size)."""
-        if zero not in self.cache:
-            level, shard = zero
-            most = 0.0
-            for rank, peak, gathered, *_ in self.ranks:
-                _, states, step = rank.fixed(level, shard)
-                if level >= 2:  # a block's gradient in flight; ZeRO-3: and the block gathered in a backward
-                    peak = (gathered if level >= 3 else peak) + rank.unit * 4 * (
-                        1 + 1 / (shard or self.layout.dp * self.layout.cp))
-                most = max(most, states + max(peak, step))
-            self.cache[zero] = most / GB
-        return self.cache[zero]
+        out = self.cache.get(zero)
+        if out is None:
+            out = self.cache[zero] = max(self._bytes(i, zero) for i in range(len(self.counts))) / GB
+        return out
 
     def fullest(self, zero):
         """The fullest candidate stage at zero, as rank_peaks gives one: {"stage", "peak_bytes", "parts",
         "instant"}, its parts from the same functions, at the instants `gb` prices."""
         level, shard = zero
-        z, best = self.z, None
-        for rank, _, _, k, d, buffers, head_kind, other in self.ranks:
-            layers = z.layers_of(self.v)
+        z, best = self.prices.z, None
+        layers = z.model.layers // (self.layout.pp * self.v)
+        for i in range(len(self.counts)):
+            rank, _, _, k, d, buffers, head_kind, (rest, other), _, _ = self._rank(i)
             states = rank.states(level, shard)
             chunks = {kind: z.chunk(kind, n, layers) for kind, n in rank.kinds.items()}
             waits = max((z.waiting_w(kind, n, layers) for kind, n in rank.kinds.items()),
@@ -2723,10 +2797,10 @@ class _PlanMemory:
                 [("B", other, buffers)] if other else [])
             for action, kind, held in instants:
                 head = kind in ("last", "only")
-                kept = _add(chunks[kind] if head else {}, _scale(chunks[other], k - head) if other else {})
+                kept = _add(chunks[kind] if head else {}, _scale(chunks[rest], k - head) if rest else {})
                 action_parts = max(z.action_parts(action, kind, moe, layers), key=lambda x: sum(x.values()))
                 parts = _add(states, kept, _scale(waits, d), {"receive buffers": held}, action_parts,
-                             rank.zero_extras(level, shard, gathered if action == "B" else 0, z))
+                             rank.zero_extras(level, shard, gathered if action == "B" else 0, rank.z))
                 label = "the loss" if action == "F" else f"a backward with {k} chunks in flight"
                 if best is None or sum(parts.values()) > best[0]:
                     best = (sum(parts.values()), rank.r, parts, label)
@@ -3281,7 +3355,10 @@ def _best_for_layout(cluster, model, layout):
                     if key not in memories:  # every candidate rank's instants (rank_peaks'), priced once
                         memories[key] = _PlanMemory(cluster, model, layout, Knobs(b, v, recompute, sp, 0, schedule))
                     memory = memories[key]
-                    fitting = [z for z in zeros if memory.gb(z) <= limit]
+                    if best is not None:  # the fastest ZeRO choice that fits (those after it are not priced)
+                        fitting = [z for z in (memory.first_fit(fastest, limit),) if z is not None]
+                    else:
+                        fitting = [z for z in zeros if memory.first_fit((z,), limit)]
                     if not fitting:
                         too_big.add((v, recompute))
                     if not fitting and (best is not None or min(map(memory.gb, zeros)) > least_key[0]):

@@ -451,13 +451,11 @@ def ulysses_attention(q, k, v, group, causal=True, scale=None):
     return _heads_to_seq(out, group, world)
 
 
-def ulysses_comm_bytes(b, s, q_width, kv_width, world, e, ranks=None):
+def ulysses_comm_bytes(b, s, q_width, kv_width, world, e):
     """Bytes one rank sends per attention layer under ulysses_attention over `world` ranks, by direction: each of
-    the 4 all-to-alls (q, k, v, out; backward dout, dq, dk, dv) keeps 1/world of a tensor of s/ranks tokens and
-    sends the rest. ranks: how many ranks share the sequence (default world). kv_width: the KV heads after
-    replication (max(n_kv, P) heads) x head_dim."""
-    ranks = world if ranks is None else ranks
-    a2a = (world - 1) / world * b * s / ranks * (2 * q_width + 2 * kv_width) * e
+    the 4 all-to-alls (q, k, v, out; backward dout, dq, dk, dv) keeps 1/world of a tensor of s/world tokens and
+    sends the rest. kv_width: the KV heads after replication (max(n_kv, P) heads) x head_dim."""
+    a2a = (world - 1) / world * b * s / world * (2 * q_width + 2 * kv_width) * e
     return {"ulysses_fwd": a2a, "ulysses_bwd": a2a}
 
 
@@ -655,7 +653,7 @@ def hybrid_comm_bytes(b, s, q_width, kv_width, ulysses, ring, e, e_acc=None):
     head_dim (under TP: / t); e bytes per element, e_acc those of the ring's dK/dV accumulator (FP32 for 16-bit,
     default e). Keys: ulysses_fwd, ulysses_bwd (the all-to-alls, inner group), ring_fwd, ring_bwd (the KV passes)."""
     u, r = ulysses, ring
-    return {**ulysses_comm_bytes(b, s, q_width, kv_width, u, e, ranks=u * r),
+    return {**ulysses_comm_bytes(b, s / r, q_width, kv_width, u, e),  # u ranks share a ring shard of s/r tokens
             **ring_comm_bytes(b, s, kv_width / u, r, e, e_acc)}
 
 

@@ -1,69 +1,61 @@
 """Train a nanoGPT-style GPT with tensor, sequence, pipeline, data, context and expert parallelism, by torchrun.
 
-    torchrun --nproc_per_node=8 train_gpt.py --tp 2 --pp 2 --cp 2 --out-dir out       # DP = 8 / (2*2*2) = 1
-    python3 train_gpt.py --sample 300 --out-dir out                                     # text from its checkpoint
+    torchrun --nproc_per_node=8 train_gpt.py --tp 2 --sequence-parallel --pp 2 --cp 2 --ep 2 --moe-every 2 --experts 4
+    python3 train_gpt.py --steps 10 --metrics metrics.jsonl          # one process: the plain GPT, nanoGPT's loop
 
 Every parallel dimension is decided in ONE place, the `Plan` made at start-up from the layout flags (with every
 value the layout implies: shard lengths, micro-batch count, this stage's layers); the model and the step read it:
 
-    dimension     group (None: size 1)  what it splits                                  done by
-    TP tensor     plan.tp               weights: heads, MLP columns and rows, the vocab  Column/RowParallelLinear
-    SP sequence   plan.tp (same ranks)  LayerNorm and residual activations along s       _TPLinear, plan.reduce_tp
-    CP context    plan.cp               the sequence, attention included                 plan.attention (long_seq)
-    PP pipeline   plan.pp               the layers                                       run_schedule, Pipeline
-    DP data       plan.dp_cp_shard      the batch, in sequences (the group spans CP too)  plan.micro_batches
-    EP expert     plan.ep, plan.edp     the experts of MoE layers, folded over DP x CP   moe_ep.MoE
-    recompute     -                     memory against FLOPs, per stage                  plan.run_blocks
+    dimension     group (None: size 1)   what it splits                                 done by
+    TP tensor     plan.tp                weights: heads, MLP columns and rows, the vocab plan.column/row_parallel
+    SP sequence   plan.tp (same ranks)   LayerNorm and residual activations along s     _TPLinear, plan.reduce_tp
+    CP context    plan.cp                the sequence, attention included                plan.attention (long_seq)
+    PP pipeline   plan.pp                the layers                                      run_schedule, Pipeline
+    DP data       plan.dp_cp             the batch, in sequences (the group spans CP)    plan.micro_batches
+    EP expert     plan.ep, expert_dp     the experts of MoE layers, folded over DP x CP  moe_ep.MoE
 
-Gradients (`gradient_reductions`): each reduction a SUM over a group, then ONE normalisation by the global token
-count where each backward starts. The tied embedding is summed over its two copies (first and last stage); what
-acts on a token shard while replicated over TP (LayerNorms, row-parallel biases, positions under SP, MoE layers
-under TP) over TP; dense weights over DP x CP and experts over EDP, in the optimizer (all-reduce, or ZeRO-1).
-
-TP (Shoeybi et al. 2019): an MLP's first weight split by output columns and its second by input rows need one
-all-reduce forward and one backward; attention splits the heads alike; the tied embedding is split over the
+Convention (Megatron-LM's): a linear layer is Y = X A, A = W^T of PyTorch's (out, in) weight W. Column-parallel
+splits A's columns (the outputs: W's rows), row-parallel A's rows (the inputs: W's columns).
+TP (Shoeybi et al. 2019): an MLP's first A split by columns and its second by rows need one all-reduce forward and
+one backward, the pair f (identity forward, all-reduce backward: in _TPLinear's backward) and g (all-reduce
+forward, identity backward: _ReduceFromTP); attention splits the heads alike; the tied embedding is split over the
 vocabulary and the loss assembled from vocabulary-sharded logits (one MAX of (N,), one SUM of (2, N) values).
-SP (Korthikanti et al. 2022): between the TP regions each rank holds s/t of the tokens; each all-reduce becomes a
-reduce-scatter and an all-gather (the same bytes), and every activation of a block is split by t.
+SP (Korthikanti et al. 2022): between the TP regions each rank holds s/t of the tokens; f becomes an all-gather
+forward and a reduce-scatter backward (in _TPLinear), g a reduce-scatter forward and an all-gather backward
+(_ReduceScatterToSP): the same bytes as the all-reduces, and every activation of a block is split by t.
+Gradients (`gradient_reductions`): each a SUM over a group, then ONE normalisation by the global token count where
+each backward starts. The tied embedding is summed over its two copies (first and last stage); what acts on a
+token shard while replicated over TP (LayerNorms, row-parallel biases, positions under SP, MoE layers under TP)
+over TP; dense weights over DP x CP and experts over expert DP, in the optimizer (all-reduce, or with --zero 1
+Megatron-LM's distributed optimizer: reduce-scatter, each rank steps its shard, all-gather).
 PP: a schedule is a list of actions per rank (forward F, backward B), run by one executor. 1F1B (Narayanan et al.
 2021): p - 1 - i warm-up forwards on stage i, then one forward and one backward at a time: a bubble of
 (p-1)/(m+p-1) of the step, at most p - i micro-batches in flight on stage i. At PP = 1 the step runs each
 micro-batch's forward and backward directly.
 DP and CP: DP ranks take other sequences of the batch, CP ranks shards of the same ones (zigzag: causal work
-balanced). Each parameter is drawn whole from a generator named after it, so every layout trains the same model
-(tested to 1e-12 in float64).
+balanced). Each parameter is drawn whole from a generator named after it, so every layout trains the same model.
 EP: MoE layers run on the TP ranks' token shards with whole expert weights, experts spread over EP by all-to-all;
-the router losses come from statistics summed over TP x CP, as in Megatron-LM.
+the router losses come from statistics summed over the ranks that share a micro-batch (TP x CP), as Megatron-LM.
 Memory and precision: recomputation per stage (checkpointing.py); FP32 main grads and masters, FP16 loss scaling,
-per-tensor FP8 block GEMMs, ZeRO-1 over DP x CP (mixed_precision.py); micro-batches are grad_accum.py's steps.
+per-tensor FP8 block GEMMs, ZeRO-1 (mixed_precision.py); micro-batches are grad_accum.py's steps.
 
-Reading order is run order: the configs, the Plan, TP/SP, the model, the 1F1B executor, the step, `build`, the loop
-and `main`. Below the BEYOND THE CHAPTER banner, what plugs into them (interleaved and zero-bubble schedules,
-all-gather and hybrid CP, fine-grained FP8, NVFP4, ZeRO-2/3, the formulas); then THE JOB, whose functions the loop and
-`main` call: the learning-rate schedule and validation, the log, data, checkpoints, input checks, the exports,
-sampling, the command line.
+One composed step, in reading order: `train` (nanoGPT's loop: learning rate, batch, step, one log line) ->
+`train_step` -> `run_schedule` (PP > 1) or each micro-batch directly -> `forward_micro_batch` -> `GPTStage.forward`
+-> `Block.forward` -> `Block.attention` -> `Plan.attention` (long_seq.py under CP) -> back: `gradient_reductions`'
+sums -> `MixedPrecisionOptimizer.step`. `main` parses the chapter's flags and runs `train`.
+
+These lines, up to the BEYOND THE CHAPTER banner, are the chapter, and train alone with the six files' lines above
+theirs. The whole file goes on with interleaved and zero-bubble schedules, all-gather and hybrid CP, finer FP8,
+NVFP4, ZeRO-2/3 and the formulas, then THE JOB: the same step with checkpoints, validation, the full command line.
 """
 import argparse
-import contextlib
 import functools
-import io
-import itertools
 import json
 import math
 import os
-import pickle
-import re
-import shutil
-import signal
-import socket
-import stat
-import sys
 import time
-import warnings
-import weakref
 import zlib
-from dataclasses import asdict, dataclass, fields, replace
-from functools import partial
+from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 import numpy as np
@@ -72,10 +64,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import checkpointing
-import grad_accum
 import long_seq
 import mixed_precision
 import moe_ep
@@ -102,6 +92,12 @@ class GPTConfig:
         return self.moe_every > 0 and (layer + 1) % self.moe_every == 0
 
 
+# --dtype: the weights' (and activations') dtype; masters, main grads and optimizer states stay FP32 (float64 for
+# float64). FP8 keeps BF16 weights and runs the block GEMMs in FP8.
+PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                "fp8": torch.bfloat16, "float64": torch.float64}
+
+
 @dataclass
 class TrainConfig:
     """Everything about a run that is not the model: layout, memory and precision, optimisation, logging."""
@@ -110,44 +106,29 @@ class TrainConfig:
     cp: int = 1
     ep: int = 1                       # expert parallel, folded over DP x CP
     sequence_parallel: bool = False
-    cp_impl: str = "ring"             # ring | ulysses | allgather | hybrid
-    cp_ulysses: int = 1               # hybrid: the Ulysses ranks inside each CP group (CP = u x ring)
-    pp_schedule: str = "1f1b"         # 1f1b | interleaved | zb-h1
-    virtual_stages: int = 1           # model chunks per pipeline rank (interleaving)
-    recompute: str = "none"           # none | full | sqrt | selective | offload | selective+offload
-    dtype: str = "float32"            # float32 | bfloat16 | float16 | fp8 | nvfp4 | float64
-    nvfp4_bf16_last: int = None       # with --dtype nvfp4: the last K blocks stay BF16 (None: the last 15 %)
-    fp8_recipe: str = "tensorwise"    # with --dtype fp8: tensorwise | delayed | rowwise | blockwise | mxfp8
-    fp8_backward: str = "bf16"        # with --dtype fp8: bf16 (16-bit backward GEMMs) | fp8 (E5M2 gradients)
-    fp8_param_gather: bool = False    # ZeRO 1-3: all-gather the weights in MXFP8 + scales instead of BF16
-    zero: int = 0                     # ZeRO, over DP x CP (experts: EDP): 1 optimizer states, 2 + grads, 3 + weights
-    zero_shard_size: int = None       # hybrid sharding: shard over groups of this many DP x CP ranks, replicate across
+    cp_impl: str = "ring"             # ring | ulysses (CP_IMPLS)
+    recompute: str = "none"           # none | full | sqrt | selective (checkpointing.POLICIES)
+    dtype: str = "float32"            # PARAM_DTYPES: float32 | bfloat16 | float16 | fp8 | float64
+    fp8_recipe: str = "tensorwise"    # with --dtype fp8: tensorwise | delayed (mixed_precision.PER_TENSOR_RECIPES)
+    zero: int = 0                     # 1: the distributed optimizer, optimizer states sharded over DP x CP
     batch: int = 16                   # global batch, in sequences
     micro_batch: int = 2
     steps: int = 30
-    data: str = "embedded"            # embedded | synthetic | a text file, a folder of them, or train.bin/val.bin
-    eval_every: int = 0               # steps between validation losses (0: none)
-    eval_batches: int = 4
+    data: str = "embedded"            # embedded (CPython's documentation, bytes) | synthetic (a bigram language)
     optimizer: str = "adamw"          # adamw | sgd
     lr: float = 3e-3
     min_lr: float = None              # cosine decay to min_lr at the last step (None: lr / 10, nanoGPT)
     warmup: int = 0                   # linear warm-up steps
     weight_decay: float = 0.1         # on 2-D weights only (AdamW: decoupled; SGD: L2)
     grad_clip: float = 1.0            # global gradient-norm clipping; 0 disables
-    out_dir: str = None               # checkpoints: out_dir/step_NNNNNN
-    save_every: int = 0               # steps between checkpoints (0: only at the end, if out_dir is set)
-    keep_last: int = 0                # keep the newest N checkpoints (0: all)
-    resume: bool = False              # continue from the latest complete checkpoint in out_dir, if any
-    init_from_hf: str = None          # a GPT-2 folder (config.json, model.safetensors): the initial weights
-    timeout_s: float = 300.0          # process-group timeout: a dead peer ends the job within it
-    metrics: str = None               # a JSON-lines file (None: none; the command line's default: OUT/metrics.jsonl)
+    timeout_s: float = 300.0          # process-group timeout: a dead peer ends the run within it
+    metrics: str = None               # a JSON-lines file, one record per step appended (None: none)
     peak_tflops: float = None         # for the MFU (None: a known GPU's dense BF16 peak)
     log: bool = True                  # a line per step on rank 0
-    memory_report: bool = False       # step 2's peak per rank and part, measured from the live tensors, beside topology's
 
     @property
     def param_dtype(self):
-        return {"fp8": torch.bfloat16, "nvfp4": torch.bfloat16}.get(self.dtype) or getattr(torch, self.dtype)
+        return PARAM_DTYPES[self.dtype]
 
     @property
     def master_dtype(self):
@@ -159,13 +140,13 @@ class TrainConfig:
 CP_IMPLS = {  # the causal attention of this rank's CP groups, and the sequence shard it expects
     "ring": (lambda plan, q, k, v: long_seq.ring_attention(q, k, v, plan.cp), long_seq.zigzag_shard),
     "ulysses": (lambda plan, q, k, v: long_seq.ulysses_attention(q, k, v, plan.cp), long_seq.contiguous_shard),
-}  # and, beyond the chapter, "allgather" and "hybrid"
+}
 
 
 @dataclass(frozen=True)
 class Layout:
-    """What a layout makes of the model and the batch (`layout_of`): checked by `validate` before any process group
-    exists, then the first part of every Plan."""
+    """What a layout makes of the model and the batch (`layout_of`), before any process group exists; the first
+    part of every Plan."""
     dp: int                  # world / (tp cp pp)
     seq_cp: int              # tokens of one sequence on a CP rank: s / cp
     seq_hidden: int          # tokens of the hidden state between the TP regions: s / cp, and / tp under SP
@@ -173,8 +154,7 @@ class Layout:
     moe_token_split: bool    # MoE layers run on 1/tp of the tokens, as SP shards (TP > 1): their weights stay whole
     micro_batch_count: int   # m = batch / (dp micro_batch): the pipeline's micro-batches, the accumulation steps
     layers_per_stage: int    # L / pp
-    virtual_stages: int      # v: model chunks per pipeline rank, each of L / (pp v) layers
-    split_backward: bool     # a zero-bubble schedule: each backward split into B (input grads) and W (weight grads)
+    virtual_stages: int      # model chunks per pipeline rank: 1 here (the interleaved and V schedules set more)
 
 
 def layout_of(cfg, train_cfg, world):
@@ -184,37 +164,37 @@ def layout_of(cfg, train_cfg, world):
     return Layout(dp=dp, seq_cp=seq_cp, seq_hidden=seq_cp // tp if sequence_parallel else seq_cp,
                   sequence_parallel=sequence_parallel, moe_token_split=tp > 1,
                   micro_batch_count=train_cfg.batch // (dp * train_cfg.micro_batch),
-                  layers_per_stage=cfg.n_layer // train_cfg.pp,
-                  virtual_stages=train_cfg.virtual_stages, split_backward=train_cfg.pp_schedule == "zb-h1")
+                  layers_per_stage=cfg.n_layer // train_cfg.pp, virtual_stages=1)
 
 
-# Parameter tags: how a parameter lies across the ranks, set once where it is made (`tag`), read by the gradient
-# reductions and the checkpoints (_slice_geometry): the whole contract between the model and the rest.
-#   tp_dim         split over TP along this dim (Column/RowParallelLinear 0 / 1, the embedding 0); None: whole on
-#                  every TP rank, so counted in the gradient norm on TP rank 0 only
+# Parameter placements: how a parameter lies across the ranks, set once where it is made (`set_placement`), read by
+# the gradient reductions (and, beyond the chapter, the checkpoints): the whole contract between the model and the
+# rest.
+#   tp_dim         split over TP along this dim of W (Column/RowParallelLinear 0 / 1, the embedding 0); None: whole
+#                  on every TP rank, so counted in the gradient norm on TP rank 0 only
 #   tp_parts       ColumnParallelLinear(parts=3): Q, K and V each split over TP on its own
 #   token_sharded  LayerNorms, row-parallel biases, wpe under SP; the MoE layer under TP: its gradient is partial
 #                  over TP, summed there
-#   expert         moe_ep.MoE's expert weights, split over EP along dim 0: summed over EDP, not DP x CP
-TAGS = {"tp_dim": None, "tp_parts": 1, "token_sharded": False, "expert": False}
+#   expert         moe_ep.MoE's expert weights, split over EP along dim 0: summed over expert DP, not DP x CP
+PLACEMENT_DEFAULTS = {"tp_dim": None, "tp_parts": 1, "token_sharded": False, "expert": False}
 
 
-def tag(params, **tags):
-    """Give parameters their tags (TAGS): the ones named here, the defaults for those not set yet."""
+def set_placement(params, **placement):
+    """Give parameters their placement (PLACEMENT_DEFAULTS): the attributes named here, the defaults for the others
+    not set yet."""
     for p in params:
-        for name, default in TAGS.items():
-            setattr(p, name, tags[name] if name in tags else getattr(p, name, default))
+        for name, default in PLACEMENT_DEFAULTS.items():
+            setattr(p, name, placement[name] if name in placement else getattr(p, name, default))
     return params
 
 
 class Reduction(NamedTuple):
-    """One SUM of gradients over a group. `data_parallel`: the optimizer's own (all-reduce, or its ZeRO shards'
-    reduce-scatter, over `group`, then over `replicate`: hybrid sharding); the others: all-reduces before it."""
+    """One SUM of gradients over a group. `data_parallel`: the optimizer's own (all-reduce, or the distributed
+    optimizer's reduce-scatter); the others: all-reduces before it."""
     name: str
     params: list
     group: object
     data_parallel: bool
-    replicate: object = None
 
 
 @dataclass(frozen=True)
@@ -226,22 +206,17 @@ class Plan(Layout):
     world: object                # the default group (None on one rank): the global norm and the logged losses
     tp: object
     cp: object
-    cp_ulysses: object           # the hybrid's two sub-groups of cp: Ulysses inside, the ring across
-    cp_ring: object
     pp: object
-    dp_cp: object
-    dp_cp_shard: object          # the data-parallel sums' group: dp_cp, or with hybrid sharding its shards ...
-    dp_cp_replicate: object      # ... replicated over these (None without hybrid sharding)
+    dp_cp: object                # the data-parallel sums' group: DP x CP (CP ranks saw other tokens too)
     ep: object
-    edp: object
-    tp_cp: object
+    expert_dp: object            # the ranks holding the same experts (Megatron-LM's expert data-parallel group)
+    tp_and_cp: object            # the ranks that share a micro-batch: the router statistics' sums
     embedding: object            # the group of the tied embedding's two copies (first and last stage)
     cp_impl: str
     recompute: str
-    schedule: str                # the pipeline schedule (SCHEDULES)
     layers: tuple                # the global indices of this rank's layers, chunk after chunk
     logs_lm_loss: bool           # the LM loss from the last stage's TP rank 0 (the other TP ranks hold the same)
-    logs_router_loss: bool       # the router loss from TP rank 0, CP rank 0 of every stage (likewise over tp_cp)
+    logs_router_loss: bool       # the router loss from TP rank 0, CP rank 0 of every stage (likewise over TP x CP)
 
     @property
     def sizes(self):
@@ -261,12 +236,24 @@ class Plan(Layout):
         return CP_IMPLS[self.cp_impl][1](x, dim, self.parallel_state.cp_rank, self.sizes["cp"])
 
     def run_blocks(self, blocks, state):
-        offload = "offload" in self.recompute  # offloading: Policy objects below checkpointing.py's banner
-        return checkpointing.run_blocks(blocks, state, checkpointing.OFFLOAD_POLICIES[self.recompute] if offload
-                                        else self.recompute)
+        return checkpointing.run_blocks(blocks, state, self.recompute)
+
+    def column_parallel(self, x, weight, bias=None, gemm=F.linear):
+        """X A + b with A split by columns over TP: (b, s, h_in) (under SP (b, s/t, h_in), gathered) -> (b, s, h_out/t).
+        Through _TPLinear, or at TP = 1 the GEMM itself, whose backward autograd runs in C++ (no Python call)."""
+        if self.tp is None:
+            return gemm(x, weight, bias)
+        return _TPLinear.apply(x, weight, bias, self.tp, self.sequence_parallel, gemm)
+
+    def row_parallel(self, x, weight, bias, gemm=F.linear):
+        """X A + b with A split by rows over TP: (b, s, h_in/t) -> the partial products summed by g, (b, s, h_out)
+        (under SP reduce-scattered: (b, s/t, h_out)); the bias added once, after the sum."""
+        if self.tp is None:
+            return gemm(x, weight, bias)
+        return self.reduce_tp(gemm(x, weight)) + bias
 
     def reduce_tp(self, x):
-        """The end of a TP region: sum the partial results, into sequence shards under SP."""
+        """g, the end of a TP region: sum the partial results, into sequence shards under SP."""
         return reduce_scatter_to_sp(x, self.tp) if self.sequence_parallel else reduce_from_tp(x, self.tp)
 
     def to_token_shard(self, x):
@@ -287,20 +274,18 @@ class Plan(Layout):
 def make_plan(cfg, train_cfg, parallel_state):
     group = lambda kind: parallel_state.groups[kind] if len(parallel_state.ranks[kind]) > 1 else None
     layout = layout_of(cfg, train_cfg, parallel_state.world_size)
-    per_chunk, p = layout.layers_per_stage // layout.virtual_stages, parallel_state.sizes["pp"]
-    # chunk c: virtual stage c p + r
-    chunks = [(c * p + parallel_state.pp_rank) * per_chunk for c in range(layout.virtual_stages)]
+    first = parallel_state.pp_rank * layout.layers_per_stage
     return Plan(parallel_state=parallel_state, world=dist.group.WORLD if parallel_state.world_size > 1 else None,
-                tp=group("tp"), cp=group("cp"), cp_ulysses=group("cp_ulysses"), cp_ring=group("cp_ring"),
-                pp=group("pp"), dp_cp=group("dp_cp"), dp_cp_shard=group("dp_cp_shard"), schedule=train_cfg.pp_schedule,
-                dp_cp_replicate=group("dp_cp_replicate"), ep=group("ep"), edp=group("edp"), tp_cp=group("tp_cp"),
-                embedding=group("embedding"), cp_impl=train_cfg.cp_impl, recompute=train_cfg.recompute, **vars(layout),
-                layers=tuple(i for first in chunks for i in range(first, first + per_chunk)),
+                tp=group("tp"), cp=group("cp"), pp=group("pp"), dp_cp=group("dp_cp"), ep=group("ep"),
+                expert_dp=group("edp"), tp_and_cp=group("tp_cp"), embedding=group("embedding"),
+                cp_impl=train_cfg.cp_impl, recompute=train_cfg.recompute, **vars(layout),
+                layers=tuple(range(first, first + layout.layers_per_stage)),
                 logs_lm_loss=parallel_state.is_last_stage and parallel_state.tp_rank == 0,
                 logs_router_loss=parallel_state.tp_rank == 0 and parallel_state.cp_rank == 0)
 
 
-# ---- Tensor and sequence parallelism: the communication, then the layers -----------------------------------
+# ---- Tensor and sequence parallelism: the communication (f and g), then the layers -------------------------
+# Shapes: b micro-batch, s this rank's CP shard of the sequence (s/t: its SP shard), h width, t TP, N = b s tokens.
 
 # torch 2.13 renames the flat collectives (the old names still work, with a deprecation warning)
 _all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -312,17 +297,17 @@ def _group_size(group):
 
 
 def _all_gather_seq(x, group):
-    """(b, s, h) sequence shards of every TP rank -> (b, t s, h), in rank order."""
-    out = x.new_empty((_group_size(group),) + tuple(x.shape))
+    """(b, s/t, h) sequence shards of every TP rank -> (b, s, h), in rank order."""
+    out = x.new_empty((_group_size(group),) + tuple(x.shape))          # (t, b, s/t, h)
     _all_gather_flat(out.view(-1), x.contiguous().view(-1), group=group)  # flat: any backend
-    return rearrange(out, "t b s h -> b (t s) h")
+    return rearrange(out, "t b s h -> b (t s) h")                       # (b, s, h)
 
 
 def _reduce_scatter_seq(x, group, async_op=False):
-    """(b, t s, h) partial sums -> this rank's (b, s, h) sequence shard of their sum. With async_op, returns
+    """(b, s, h) partial sums -> this rank's (b, s/t, h) sequence shard of their sum. With async_op, returns
     the shard and a function that waits for it (and keeps the input alive until then)."""
-    parts = rearrange(x, "b (t s) h -> t b s h", t=_group_size(group)).contiguous()
-    out = x.new_empty(parts.shape[1:])
+    parts = rearrange(x, "b (t s) h -> t b s h", t=_group_size(group)).contiguous()  # (t, b, s/t, h)
+    out = x.new_empty(parts.shape[1:])                                                # (b, s/t, h)
     work = _reduce_scatter_flat(out.view(-1), parts.view(-1), group=group, async_op=async_op)
     if not async_op:
         return out
@@ -335,62 +320,66 @@ def _reduce_scatter_seq(x, group, async_op=False):
 
 
 class _ReduceFromTP(torch.autograd.Function):
-    """Forward: all-reduce the partial sums (in place: they are the fresh output of a GEMM whose backward
-    does not need it, so no copy). Backward: identity (each rank's input gradient is the full one)."""
+    """g of the TP pair (Megatron-LM's reduce_from_tensor_model_parallel_region). Forward: all-reduce the partial
+    sums (in place: they are the fresh output of a GEMM whose backward does not need it, so no copy). Backward:
+    identity (each rank's input gradient is the full one)."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group):                 # x (b, s, h) partial over TP
         if x._base is None:
             ctx.mark_dirty(x)
         else:  # a view (the FP8 GEMM's reshaped output) cannot be reduced in place
             x = x.clone()
-        dist.all_reduce(x, group=group)
+        dist.all_reduce(x, group=group)         # (b, s, h) summed
         return x
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):                    # grad (b, s, h), the same on every TP rank
         return grad, None
 
 
 class _ReduceScatterToSP(torch.autograd.Function):
-    """Forward: reduce-scatter the partial sums into sequence shards. Backward: all-gather the gradient."""
+    """g under SP (Megatron-LM's reduce_scatter_to_sequence_parallel_region). Forward: reduce-scatter the partial
+    sums into sequence shards. Backward: all-gather the gradient."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group):                 # x (b, s, h) partial over TP
         ctx.group = group
-        return _reduce_scatter_seq(x, group)
+        return _reduce_scatter_seq(x, group)    # (b, s/t, h)
 
     @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_seq(grad, ctx.group), None
+    def backward(ctx, grad):                    # grad (b, s/t, h)
+        return _all_gather_seq(grad, ctx.group), None  # (b, s, h)
 
 
 class _ScatterToSP(torch.autograd.Function):
-    """Forward: keep this rank's sequence shard of a replicated activation. Backward: all-gather."""
+    """Megatron-LM's scatter_to_sequence_parallel_region. Forward: keep this rank's sequence shard of a replicated
+    activation. Backward: all-gather."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group):                 # x (b, s, h), the same on every TP rank
         ctx.group = group
-        return x.chunk(_group_size(group), dim=1)[dist.get_rank(group)].contiguous()
+        return x.chunk(_group_size(group), dim=1)[dist.get_rank(group)].contiguous()  # (b, s/t, h)
 
     @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_seq(grad, ctx.group), None
+    def backward(ctx, grad):                    # grad (b, s/t, h)
+        return _all_gather_seq(grad, ctx.group), None  # (b, s, h)
 
 
 class _GatherFromSP(torch.autograd.Function):
-    """Forward: all-gather sequence shards into the activation every TP rank holds whole. Backward: keep this
-    rank's shard of the gradient (whole, and the same, on every TP rank). A TP-split GEMM's input is gathered
-    inside _TPLinear instead, whose backward reduce-scatters the partial gradients."""
+    """Megatron-LM's gather_from_sequence_parallel_region. Forward: all-gather sequence shards into the activation
+    every TP rank holds whole. Backward: keep this rank's shard of the gradient (whole, and the same, on every TP
+    rank). A TP-split GEMM's input is gathered inside _TPLinear instead, whose backward reduce-scatters the partial
+    gradients."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group):                 # x (b, s/t, h)
         ctx.group = group
-        return _all_gather_seq(x, group)
+        return _all_gather_seq(x, group)        # (b, s, h)
 
     @staticmethod
-    def backward(ctx, grad):
-        return grad.chunk(_group_size(ctx.group), dim=1)[dist.get_rank(ctx.group)].contiguous(), None
+    def backward(ctx, grad):                    # grad (b, s, h), the same on every TP rank
+        return grad.chunk(_group_size(ctx.group), dim=1)[dist.get_rank(ctx.group)].contiguous(), None  # (b, s/t, h)
 
 
 def reduce_from_tp(x, group):
@@ -410,47 +399,41 @@ def gather_from_sp(x, group):
 
 
 class _TPLinear(torch.autograd.Function):
-    """y = x W^T + b with a column-parallel GEMM's communication folded in (Megatron-LM's
-    LinearWithGradAccumulationAndAsyncCommunication). No SP: backward all-reduces the input gradient, overlapped
+    """Y = X A + b, A = W^T split by columns over TP, with f folded in (Megatron-LM's
+    LinearWithGradAccumulationAndAsyncCommunication). No SP: backward all-reduces the input gradient (f), overlapped
     with the weight-gradient GEMM. SP: forward all-gathers the input's sequence shards (only the local shard is
     saved, gathered again in backward); the input gradient is reduce-scattered, overlapped with the weight GEMM.
-    `gemm`: F.linear, or an FP8 GEMM (`fp8_product`). Beyond the chapter: FP8 backward GEMMs (`fp8_backward_gemms`),
-    zero bubble's deferred weight GEMM (`deferred_weight_grads`), with group None where TP = 1."""
+    `gemm`: F.linear, or an FP8 product (`fp8_product`), whose backward GEMMs here are in the weights' dtype."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, sequence_parallel, gemm=F.linear):
+        # x (b, s/t, h_in) under SP, else (b, s, h_in); weight (h_out/t, h_in), bias (h_out/t,)
         ctx.group, ctx.sp, ctx.has_bias = group, sequence_parallel and group is not None, bias is not None
-        ctx.fp8_backward = getattr(gemm, "backward_gemms", None)
-        ctx.save_for_backward(x, weight)
-        ctx.parameter = weight  # W adds into the parameter itself (a recomputed graph saves only its values)
-        x_full = _all_gather_seq(x, group) if ctx.sp else x
-        return gemm(x_full, weight, bias)  # F.linear, or the FP8 forward GEMM
+        ctx.save_for_backward(x, weight)                                # under SP only x's shard is kept
+        x_full = _all_gather_seq(x, group) if ctx.sp else x             # (b, s, h_in)
+        return gemm(x_full, weight, bias)                               # (b, s, h_out/t)
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out):                                        # grad_out (b, s, h_out/t)
         x, weight = ctx.saved_tensors
-        x_full = _all_gather_seq(x, ctx.group) if ctx.sp else x
-        g2, x2 = grad_out.reshape(-1, grad_out.shape[-1]), x_full.reshape(-1, x_full.shape[-1])  # 2-D views
-        fp8_wgrad = None
-        if ctx.fp8_backward is None:
-            grad_x = grad_out @ weight
-        else:  # FP8 dgrad now, with the scales both GEMMs use; the wgrad with the same scales, now or in W
-            (grad_x, _), scales = ctx.fp8_backward(g2, x2, weight, (True, False))
-            grad_x = grad_x.reshape(*grad_out.shape[:-1], weight.shape[1])
-            fp8_wgrad = lambda g2, x2: ctx.fp8_backward(g2, x2, weight, (False, True), scales)[0][1]
-        wait = lambda: None
-        if ctx.sp:
-            grad_x, wait = _reduce_scatter_seq(grad_x, ctx.group, async_op=True)
-        elif ctx.group is not None:
-            wait = dist.all_reduce(grad_x, group=ctx.group, async_op=True).wait
-        grad_b = g2.sum(0) if ctx.has_bias else None
-        if _deferred is not None:  # zero bubble: this GEMM belongs to W
-            _deferred.append(partial(_weight_grad, ctx.parameter, g2, x2, gemm=fp8_wgrad))
-            wait()
-            return grad_x, None, grad_b, None, None, None
-        grad_w = g2.t() @ x2 if fp8_wgrad is None else fp8_wgrad(g2, x2)  # while the input gradient travels
-        wait()
+        x_full = _all_gather_seq(x, ctx.group) if ctx.sp else x         # (b, s, h_in), gathered again under SP
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])                   # (N, h_out/t)
+        x2 = x_full.reshape(-1, x_full.shape[-1])                       # (N, h_in)
+        grad_x, wait = _sum_input_grad(grad_out @ weight, ctx)          # (b, s, h_in) partial -> summed (f)
+        grad_b = g2.sum(0) if ctx.has_bias else None                    # (h_out/t,)
+        grad_w = g2.t() @ x2                                            # (h_out/t, h_in), while grad_x travels
+        wait()                                                          # grad_x: (b, s/t, h_in) under SP
         return grad_x, grad_w, grad_b, None, None, None
+
+
+def _sum_input_grad(grad_x, ctx):
+    """Start f's backward on the (b, s, h_in) input gradient, partial over TP: its reduce-scatter into (b, s/t, h_in)
+    shards under SP, else its all-reduce; returns the result and a function that waits for it."""
+    if ctx.sp:
+        return _reduce_scatter_seq(grad_x, ctx.group, async_op=True)
+    if ctx.group is not None:
+        return grad_x, dist.all_reduce(grad_x, group=ctx.group, async_op=True).wait
+    return grad_x, lambda: None
 
 
 def full_init(name, shape, std, seed, dtype):
@@ -460,83 +443,59 @@ def full_init(name, shape, std, seed, dtype):
 
 
 # The layers below are, by hand so that every collective is in sight, what torch.distributed.tensor.parallel
-# writes with DTensors (its plan for a block: below the banner).
-
-def column_parallel(plan, x, weight, bias=None, gemm=F.linear):
-    """x W^T + b with W split by output rows over TP: through _TPLinear, or where it has nothing to add (TP = 1, no
-    zero bubble) the GEMM itself, whose backward autograd runs in C++ (no Python call per layer and backward)."""
-    if plan.tp is None and not plan.split_backward:
-        return gemm(x, weight, bias)
-    return _TPLinear.apply(x, weight, bias, plan.tp, plan.sequence_parallel, gemm)
-
+# writes with DTensors (ColwiseParallel, RowwiseParallel, SequenceParallel).
 
 class ColumnParallelLinear(nn.Module):
-    """y_local = x W_local^T + b_local, W split by output rows. `parts` > 1 splits each of `parts` equal
+    """Y_local = X A_local + b_local: A split by columns (W by rows). `parts` > 1 splits each of `parts` equal
     blocks of the output (Q, K and V) separately, so every rank gets whole heads of each."""
 
     def __init__(self, name, d_in, d_out, plan, cfg, dtype, parts=1, std=0.02, fp8=None):
         super().__init__()
         t, r = plan.sizes["tp"], plan.parallel_state.tp_rank
-        self.plan, self.gemm = plan, fp8_product(self, fp8, "column")
+        self.plan, self.gemm = plan, fp8_product(self, fp8)
         w = full_init(name + ".weight", (d_out, d_in), std, cfg.seed, dtype)
         w = rearrange(w, "(parts t o) i -> parts t o i", parts=parts, t=t)[:, r]
         self.weight = nn.Parameter(rearrange(w, "parts o i -> (parts o) i").contiguous())
         self.bias = nn.Parameter(torch.zeros(d_out // t, dtype=dtype))
-        tag([self.weight, self.bias], tp_dim=0, tp_parts=parts)
+        set_placement([self.weight, self.bias], tp_dim=0, tp_parts=parts)
 
     def forward(self, x):
-        return column_parallel(self.plan, x, self.weight, self.bias, self.gemm)
+        return self.plan.column_parallel(x, self.weight, self.bias, self.gemm)
 
 
 class RowParallelLinear(nn.Module):
-    """y = reduce(x_local W_local^T) + b, W split by input columns; the bias is added once, after the sum
-    (under SP to the sequence shard: its gradient is then partial over TP)."""
+    """Y = g(X_local A_local) + b: A split by rows (W by columns); the bias is added once, after the sum (under SP
+    to the sequence shard: its gradient is then partial over TP)."""
 
     def __init__(self, name, d_in, d_out, plan, cfg, dtype, std=0.02, fp8=None):
         super().__init__()
-        self.plan, self.gemm = plan, fp8_product(self, fp8, "row")
+        self.plan, self.gemm = plan, fp8_product(self, fp8)
         w = full_init(name + ".weight", (d_out, d_in), std, cfg.seed, dtype)
         self.weight = nn.Parameter(w.chunk(plan.sizes["tp"], dim=1)[plan.parallel_state.tp_rank].contiguous())
         self.bias = nn.Parameter(torch.zeros(d_out, dtype=dtype))
-        tag([self.weight], tp_dim=1)
-        tag([self.bias], token_sharded=plan.sequence_parallel)
+        set_placement([self.weight], tp_dim=1)
+        set_placement([self.bias], token_sharded=plan.sequence_parallel)
 
     def forward(self, x):
-        if self.plan.split_backward:  # the local product through _TPLinear, whose weight GEMM W can run later
-            y = _TPLinear.apply(x, self.weight, None if self.plan.tp else self.bias, None, False, self.gemm)
-        elif self.plan.tp is None:
-            return self.gemm(x, self.weight, self.bias)
-        else:
-            y = self.gemm(x, self.weight)
-        return y if self.plan.tp is None else self.plan.reduce_tp(y) + self.bias
+        return self.plan.row_parallel(x, self.weight, self.bias, self.gemm)
 
 
-class FP8(NamedTuple):
-    recipe: str      # --fp8-recipe
-    backward: str    # --fp8-backward: "bf16" or "fp8"
-
-
-def fp8_product(layer, fp8, split):
-    """A block linear's forward product: F.linear, or with --dtype fp8 mixed_precision.fp8_linear in FP8 E4M3 under
-    --fp8-recipe (finer recipes, --fp8-backward fp8: fine_grained_fp8_linear); the backward GEMMs, LM head and
-    experts in BF16. Per-tensor scales are agreed (MAX of the amax) over TP: a weight's shards, and a row-parallel
-    layer's input shards, are one tensor. Under CP and DP each rank quantises its own tokens (Transformer Engine also
-    reduces the activation amax over CP). Delayed scaling keeps an amax history per layer (not checkpointed)."""
-    if fp8 is None:
+def fp8_product(layer, recipe):
+    """A block linear's forward product: F.linear, or with --dtype fp8 (`recipe`: --fp8-recipe)
+    mixed_precision.fp8_linear in FP8 E4M3; the backward GEMMs, the LM head and the experts in BF16. Per-tensor scales
+    are agreed (MAX of the amax) over TP: the shards of one weight, and a row-parallel layer's input shards, are one
+    tensor. Under CP and DP each rank quantises its own tokens (Transformer Engine also reduces the activation amax
+    over CP). Delayed scaling keeps an amax history per layer (not checkpointed; a recomputation would record its
+    amaxes again)."""
+    if recipe is None:
         return F.linear
-    if fp8.recipe == "delayed":
+    if recipe == "delayed":
         layer.register_buffer("amax_history", torch.zeros(2, 16), persistent=False)
 
     def product(x, weight, bias=None):
-        options = dict(amax_group=layer.plan.tp, recipe=fp8.recipe, amax_history=getattr(layer, "amax_history", None),
-                       record_amax=torch.is_grad_enabled())
-        if fp8.recipe in mixed_precision.PER_TENSOR_RECIPES and fp8.backward == "bf16":
-            return mixed_precision.fp8_linear(x, weight, bias, **options)
-        return mixed_precision.fine_grained_fp8_linear(x, weight, bias, backward=fp8.backward,  # beyond the chapter
-                                                       split=split if layer.plan.tp is not None else None, **options)
-
-    if fp8.backward == "fp8":  # beyond the chapter: FP8 backward GEMMs
-        product.backward_gemms = partial(fp8_backward_gemms, layer, fp8, split)
+        return mixed_precision.fp8_linear(x, weight, bias, amax_group=layer.plan.tp, recipe=recipe,
+                                          amax_history=getattr(layer, "amax_history", None),
+                                          record_amax=torch.is_grad_enabled())
     return product
 
 
@@ -549,7 +508,7 @@ class VocabParallelEmbedding(nn.Module):
         t, r = plan.sizes["tp"], plan.parallel_state.tp_rank
         self.vocab, self.start, self.end = vocab, r * vocab // t, (r + 1) * vocab // t
         self.weight = nn.Parameter(full_init(name, (vocab, dim), 0.02, cfg.seed, dtype)[self.start:self.end].clone())
-        tag([self.weight], tp_dim=0)
+        set_placement([self.weight], tp_dim=0)
 
     def forward(self, ids):
         if self.end - self.start == self.vocab:  # the whole vocabulary (TP = 1): nothing to mask
@@ -567,28 +526,28 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     that backward keeps; backward turns that buffer into the gradient in place (so it runs once)."""
 
     @staticmethod
-    def forward(ctx, logits, targets, start, group):
+    def forward(ctx, logits, targets, start, group):                    # logits (N, V/t), targets (N,)
         acc = torch.promote_types(logits.dtype, torch.float32)
-        row_max = logits.max(dim=-1).values.to(acc)
+        row_max = logits.max(dim=-1).values.to(acc)                     # (N,)
         if group is not None:
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        softmax = logits.to(acc) - row_max[:, None]  # a new (N, V/t) buffer: the only big one
-        inside = (targets >= start) & (targets < start + logits.shape[-1])
-        idx = (targets - start).masked_fill(~inside, 0)
-        target_logit = softmax.gather(1, idx[:, None]).squeeze(1).masked_fill(~inside, 0.0)
-        sums = torch.stack([softmax.exp_().sum(-1), target_logit])
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)  # (N,) over the whole vocabulary
+        softmax = logits.to(acc) - row_max[:, None]                     # (N, V/t), a new buffer: the only big one
+        inside = (targets >= start) & (targets < start + logits.shape[-1])  # (N,): target in this shard
+        idx = (targets - start).masked_fill(~inside, 0)                 # (N,)
+        target_logit = softmax.gather(1, idx[:, None]).squeeze(1).masked_fill(~inside, 0.0)  # (N,)
+        sums = torch.stack([softmax.exp_().sum(-1), target_logit])      # (2, N); softmax now holds exps
         if group is not None:
-            dist.all_reduce(sums, group=group)
-        softmax.div_(sums[0][:, None])
+            dist.all_reduce(sums, group=group)                          # (2, N) over the whole vocabulary
+        softmax.div_(sums[0][:, None])                                  # (N, V/t) softmax, in place
         ctx.save_for_backward(softmax, idx, inside)
         ctx.dtype = logits.dtype
-        return sums[0].log() - sums[1]
+        return sums[0].log() - sums[1]                                  # (N,)
 
     @staticmethod
-    def backward(ctx, grad):
-        softmax, idx, inside = ctx.saved_tensors
+    def backward(ctx, grad):                                            # grad (N,)
+        softmax, idx, inside = ctx.saved_tensors                        # (N, V/t), (N,), (N,)
         softmax[torch.arange(softmax.shape[0], device=softmax.device), idx] -= inside.to(softmax.dtype)
-        return softmax.mul_(grad[:, None]).to(ctx.dtype), None, None, None
+        return softmax.mul_(grad[:, None]).to(ctx.dtype), None, None, None  # (N, V/t): softmax - onehot
 
 
 def vocab_parallel_cross_entropy(logits, targets, start, group):
@@ -604,7 +563,7 @@ class LayerNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(dim, dtype=dtype))
-        tag([self.weight, self.bias], token_sharded=plan.sequence_parallel)
+        set_placement([self.weight, self.bias], token_sharded=plan.sequence_parallel)
 
     def forward(self, x):
         return F.layer_norm(x, x.shape[-1:], self.weight, self.bias)
@@ -614,7 +573,7 @@ class Block(nn.Module):
     """Pre-LN transformer block; the state it passes on is (hidden, running router loss)."""
     recompute_attention_core = False
 
-    def __init__(self, i, cfg, plan, dtype, fp8=None):
+    def __init__(self, i, cfg, plan, dtype, fp8=None, moe=moe_ep.MoE):
         super().__init__()
         h = cfg.n_embd
         self.plan, self.heads, self.layer = plan, cfg.n_head // plan.sizes["tp"], i
@@ -629,18 +588,20 @@ class Block(nn.Module):
             # the same in every layout. Its weights are whole on every TP rank (tokens are split instead).
             with torch.random.fork_rng(devices=[]):  # and leaves the process's RNG as it was
                 torch.default_generator.manual_seed(cfg.seed * 1_000_003 + zlib.crc32(f"h.{i}.moe".encode()))
-                self.moe = moe_ep.MoE(h, 4 * h, cfg.n_experts, cfg.top_k, ep_group=plan.ep, stats_group=plan.tp_cp,
-                                      aux_loss_coeff=cfg.aux_loss_coeff, z_loss_coeff=cfg.z_loss_coeff).to(dtype)
-            tag(self.moe.parameters(), token_sharded=plan.moe_token_split)
-            tag(self.moe.expert_params(), expert=True)
+                self.moe = moe(h, 4 * h, cfg.n_experts, cfg.top_k, ep_group=plan.ep, stats_group=plan.tp_and_cp,
+                               aux_loss_coeff=cfg.aux_loss_coeff, z_loss_coeff=cfg.z_loss_coeff).to(dtype)
+            set_placement(self.moe.parameters(), token_sharded=plan.moe_token_split)
+            set_placement(self.moe.expert_params(), expert=True)
         else:
             self.fc = ColumnParallelLinear(f"h.{i}.mlp.fc", h, 4 * h, plan, cfg, dtype, fp8=fp8)
             self.out = RowParallelLinear(f"h.{i}.mlp.proj", 4 * h, h, plan, cfg, dtype, std=std_out, fp8=fp8)
 
     def attention(self, x):
         q, k, v = rearrange(self.qkv(self.ln1(x)), "b s (three a d) -> three b a s d", three=3, a=self.heads)
-        # checkpointed under selective recomputation (checkpointing.run_blocks marks the block), else a plain call
-        y = checkpointing.run_attention_core(self, self.plan.attention, q, k, v)
+        if self.recompute_attention_core:  # selective recomputation (checkpointing.run_blocks marks the block)
+            y = checkpointing.run_attention_core(self, self.plan.attention, q, k, v)
+        else:  # (a plain call: no frame between the block and the kernel)
+            y = self.plan.attention(q, k, v)
         return self.proj(rearrange(y, "b a s d -> b s (a d)"))
 
     def mlp(self, x):
@@ -658,18 +619,19 @@ class Block(nn.Module):
 class GPTStage(nn.Module):
     """The layers of one pipeline stage; the first stage embeds, the last one normalises and projects to
     the (vocabulary-sharded) logits with a copy of the token embedding (tied weights). Made with its parameters:
-    `reductions`, the gradient sums of a step, and `norm_params`, what this rank counts in the gradient norm."""
+    `reductions`, the gradient sums of a step, and `norm_params`, what this rank counts in the gradient norm.
+    `moe`: the MoE layer's class (beyond the chapter, moe_ep.GroupedGEMMMoE for --moe-grouped-gemm)."""
 
-    def __init__(self, cfg, plan, dtype=torch.float32, fp8=None):
+    def __init__(self, cfg, plan, dtype=torch.float32, fp8=None, moe=moe_ep.MoE):
         super().__init__()
         self.cfg, self.plan = cfg, plan
         parallel_state = plan.parallel_state
         self.first, self.last = parallel_state.is_first_stage, parallel_state.is_last_stage
-        self.blocks = nn.ModuleList(Block(i, cfg, plan, dtype, fp8) for i in plan.layers)
+        self.blocks = nn.ModuleList(Block(i, cfg, plan, dtype, fp8, moe) for i in plan.layers)
         if self.first:
             self.wte = VocabParallelEmbedding("wte", cfg.vocab_size, cfg.n_embd, plan, cfg, dtype)
             self.wpe = nn.Parameter(full_init("wpe", (cfg.seq_len, cfg.n_embd), 0.02, cfg.seed, dtype))
-            tag([self.wpe], token_sharded=plan.sequence_parallel)
+            set_placement([self.wpe], token_sharded=plan.sequence_parallel)
         if self.last:
             self.ln_f = LayerNorm(cfg.n_embd, plan, dtype)
             if self.first:
@@ -679,13 +641,14 @@ class GPTStage(nn.Module):
         self.reductions, self.norm_params = gradient_reductions(plan, self)
 
     def embed(self, ids, positions):
-        """Token embedding (a partial sum over the vocabulary shards) reduced over TP, plus positions; under
-        SP the sum is reduce-scattered and each rank adds the positions of its sequence shard."""
+        """Token embedding (a partial sum over the vocabulary shards) reduced over TP (g), plus positions; under SP
+        the sum is reduce-scattered and each rank adds the positions of its sequence shard."""
         x = self.plan.reduce_tp(self.wte(ids))
         if self.plan.sequence_parallel:
             positions = positions.chunk(self.plan.sizes["tp"])[self.plan.parallel_state.tp_rank]
         return x + F.embedding(positions, self.wpe)  # an embedding backward: no index_put
 
+    # a chunk: the layers of one virtual stage; one per rank here (the interleaved and V schedules run more)
     def chunk_blocks(self, chunk):
         n = len(self.blocks) // self.plan.virtual_stages
         return self.blocks[chunk * n:(chunk + 1) * n]
@@ -709,7 +672,7 @@ class GPTStage(nn.Module):
         else:  # a recomputation policy: checkpointing.py runs the blocks
             x, aux = self.plan.run_blocks(blocks, (x, aux))
         if self.is_last_chunk(chunk):  # the LM head is column-parallel over the vocabulary: input gathered under SP
-            x = column_parallel(self.plan, self.ln_f(x), self.lm_head.weight)
+            x = self.plan.column_parallel(self.ln_f(x), self.lm_head.weight)
         return x, aux
 
     def loss_sum(self, logits, targets):
@@ -722,7 +685,7 @@ def gradient_reductions(plan, stage):
     """Every gradient SUM of a step, and the parameters this rank counts in the gradient norm (made once, with the
     stage's parameters). A gradient is complete once summed over every group that saw other tokens through the same
     weights. The norm counts each distinct parameter once in the world: one replicated over TP on TP rank 0 only,
-    the tied embedding on the first stage only (the optimizer leaves out the DP x CP and EDP replicas itself)."""
+    the tied embedding on the first stage only (the optimizer leaves out the DP x CP and expert DP replicas)."""
     params = [p for p in stage.parameters() if p.requires_grad]
     tied = []
     if plan.embedding is not None:  # the first stage's wte and the last stage's copy: the sum of both uses
@@ -734,10 +697,10 @@ def gradient_reductions(plan, stage):
     reductions = [r for r in (
         Reduction("tied embedding", tied, plan.embedding, False),
         Reduction("token-sharded, replicated over TP", [p for p in params if p.token_sharded], plan.tp, False),
-        Reduction("tied embedding over DP x CP", tied, plan.dp_cp_shard, True, plan.dp_cp_replicate),
-        Reduction("dense over DP x CP", [p for p in params if not p.expert and id(p) not in tied_ids],
-                  plan.dp_cp_shard, True, plan.dp_cp_replicate),
-        Reduction("experts over EDP", [p for p in params if p.expert], plan.edp, True),
+        Reduction("tied embedding over DP x CP", tied, plan.dp_cp, True),
+        Reduction("dense over DP x CP", [p for p in params if not p.expert and id(p) not in tied_ids], plan.dp_cp,
+                  True),
+        Reduction("experts over expert DP", [p for p in params if p.expert], plan.expert_dp, True),
     ) if r.params and (r.group is not None or r.data_parallel)]
     second_copy = {id(p) for p in tied if not stage.first}
     norm_params = [p for p in params
@@ -750,9 +713,9 @@ def gradient_reductions(plan, stage):
 # backward). The executor runs each rank's list in its order, each action waiting only for its own input.
 
 class Action(NamedTuple):
-    kind: str        # "F", "B" or "W"
+    kind: str        # "F" or "B" (zero bubble, beyond the chapter, splits B and adds "W")
     micro: int
-    chunk: int = 0
+    chunk: int = 0   # the model chunk (virtual stage) on this rank: 0 here
 
 
 def schedule_1f1b(p, m, r):
@@ -764,16 +727,11 @@ def schedule_1f1b(p, m, r):
 
 
 # --pp-schedule: every rank's list of actions, orders[r], for p ranks, m micro-batches and v chunks per rank
-SCHEDULES = {"1f1b": lambda p, m, v: [schedule_1f1b(p, m, r) for r in range(p)]}  # and below the banner, two more
-
-
-def pipeline_schedule(kind, p, m, v=1):
-    """Every rank's list of actions: orders[r]."""
-    return SCHEDULES[kind](p, m, v)
+SCHEDULES = {"1f1b": lambda p, m, v: [schedule_1f1b(p, m, r) for r in range(p)]}
 
 
 def forward_schedule(p, m, v=1):
-    """Forwards only (validation): every micro-batch through every chunk, in order."""
+    """Forwards only (a validation loss): every micro-batch through every chunk, in order."""
     return [[Action("F", i, c) for i in range(m) for c in range(v)] for _ in range(p)]
 
 
@@ -787,12 +745,18 @@ class Pipeline:
     """The transfers of one rank's stage: where each virtual stage's output goes, and each send and receive posted
     on its own, waited for only when its tensor is needed. Shapes are fixed by the layout, so receives preallocate.
     A pair of ranks matches its point-to-point messages in posting order: a rank posts the receives from a peer in
-    the order that peer sends them (its own list's order), whatever order it needs them in."""
+    the order that peer sends them (its own list's order), whatever order it needs them in. `run_action` runs one
+    action of the list."""
 
-    def __init__(self, plan, shape, dtype, device):
+    def __init__(self, plan, shape, dtype, device, schedule="1f1b"):
         self.plan, self.shape, self.dtype, self.device = plan, shape, dtype, device
+        self.schedule = schedule  # the step's (SCHEDULES: 1F1B here)
         self.ranks = plan.parallel_state.ranks["pp"]  # global ranks of this pipeline, by stage
         self.tables = {}  # (id of _orders' cached lists, rank): what that rank receives, made once per schedule
+
+    def orders(self, kind, p, m, v):
+        """Every rank's list of actions of the schedule `kind` (or "forward", for a validation loss)."""
+        return _orders(kind, p, m, v)
 
     def consumer(self, r, action):
         """(rank, the action that reads it) of what rank r's `action` sends, or None (the loss, the embedding)."""
@@ -806,7 +770,7 @@ class Pipeline:
 
     def start(self, orders, rank):
         """Before a step: what this rank will receive, from which peer, in the order each peer sends it; and, for
-        `reap`, where each message's sender and each send's reader stand in their rank's list."""
+        `collect_sends`, where each message's sender and each send's reader stand in their rank's list."""
         key = (id(orders), rank)
         if key not in self.tables:
             incoming = {}  # peer: the actions of this rank that read its messages, in the peer's sending order
@@ -822,23 +786,24 @@ class Pipeline:
             self.tables[key] = orders, incoming, source, sink  # the lists kept: their id stays theirs
         _, incoming, self.source, self.sink = self.tables[key]
         self.incoming = {peer: list(actions) for peer, actions in incoming.items()}  # post_receive pops them
-        self.posted, self.sending, self.posted_by = {}, [], {}  # action: (buffer, work); `send`'s; `receive`'s
+        self.receives, self.sending = {}, []  # action: (buffer, work) of a posted receive; `send`'s
+        self.peer_posted_until = {}  # peer: its list's index up to which it has posted its receives
 
     def post_receive(self, action):
         """Post the receive `action` reads (and those its peer sends before it), if not posted yet."""
         peer, _ = self.source.get(action, (None, None))
-        while peer is not None and action not in self.posted:
-            key = self.incoming[peer].pop(0)
+        while peer is not None and action not in self.receives:
+            reader = self.incoming[peer].pop(0)
             buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            self.posted[key] = buf, dist.irecv(buf, self.ranks[peer], self.plan.pp)
+            self.receives[reader] = buf, dist.irecv(buf, self.ranks[peer], self.plan.pp)
 
     def receive(self, action):
         """The tensor `action` reads, once it has arrived (posting its receive if not done yet)."""
         self.post_receive(action)
-        buf, work = self.posted.pop(action)
+        buf, work = self.receives.pop(action)
         work.wait()
         peer, sender = self.source[action]  # it sent this having posted its receives up to its next action
-        self.posted_by[peer] = max(self.posted_by.get(peer, -1), sender + 1)
+        self.peer_posted_until[peer] = max(self.peer_posted_until.get(peer, -1), sender + 1)
         return buf
 
     def send(self, tensor, action, free=False):
@@ -848,12 +813,12 @@ class Pipeline:
         work = dist.isend(tensor.contiguous(), self.ranks[peer], self.plan.pp)
         self.sending.append((work, tensor, free, peer, reader))
 
-    def reap(self, wait=False):
+    def collect_sends(self, wait=False):
         """Forget the sends that completed (all with `wait`), freeing the storage of those marked so. NCCL's work
         reports completion, gloo's only once waited on: a send whose receive is surely posted is waited on here."""
         still = []
         for work, tensor, free, peer, reader in self.sending:
-            if wait or reader <= self.posted_by.get(peer, -1):  # a transfer finishing, never the peer's progress
+            if wait or reader <= self.peer_posted_until.get(peer, -1):  # a transfer finishing, not the peer's progress
                 work.wait()
             if not work.is_completed():
                 still.append((work, tensor, free, peer, reader))
@@ -861,16 +826,43 @@ class Pipeline:
                 tensor.untyped_storage().resize_(0)
         self.sending = still
 
+    def run_action(self, stage, action, received, saved, micro_batches, tokens_per_micro_batch, loss_multiplier,
+                   totals):
+        """One action on this rank; returns what it sends on (an output, an input gradient), or None. F keeps, in
+        `saved`, what its B needs."""
+        first, last = stage.is_first_chunk(action.chunk), stage.is_last_chunk(action.chunk)
+        key = (action.chunk, action.micro)
+        if action.kind == "F":
+            ids, positions, targets = micro_batches[action.micro]
+            x = None if first else received
+            out, aux = forward_micro_batch(stage, ids if first else x, positions, targets, action.chunk,
+                                           tokens_per_micro_batch, totals)
+            if torch.is_grad_enabled():
+                saved[key] = (x, out, aux, last)
+            return None if last else out
+        x, out, aux, _ = saved.pop(key)
+        if last:
+            ((out + aux) * loss_multiplier).backward()
+        elif aux.requires_grad:  # a MoE chunk: its router loss starts its own backward here
+            torch.autograd.backward([out, aux], [received, torch.full_like(aux, loss_multiplier)])
+        else:
+            torch.autograd.backward(out, received)
+        return None if x is None else x.grad
 
-def run_schedule(stage, pipe, kind, micro_batches, tokens_per_micro_batch, grad_scale=1.0):
-    """Run this rank's list of the schedule `kind` (or "forward", for validation, under no_grad) in its order, each
-    action waiting only for its own input: the next one's receive is posted before it runs, each send completes in
-    the background. Returns this rank's summed LM loss, its router loss (each micro-batch's weighted by its token
-    count) and ScheduleStats. `grad_scale` multiplies the losses where each backward starts."""
+    def in_flight(self, saved):
+        """(chunk, micro-batch) activations alive on this rank: those kept from F until B."""
+        return len(saved)
+
+
+def run_schedule(stage, pipe, kind, micro_batches, tokens_per_micro_batch, loss_multiplier=1.0):
+    """Run this rank's list of the schedule `kind` (or "forward", for a validation loss, under no_grad) in its order,
+    each action waiting only for its own input: the next one's receive is posted before it runs, each send completes
+    in the background. Returns this rank's summed LM loss, its router loss (each micro-batch's weighted by its token
+    count) and ScheduleStats. `loss_multiplier` multiplies the losses where each backward starts."""
     plan, rank = stage.plan, stage.plan.parallel_state.pp_rank
-    orders = _orders(kind, plan.sizes["pp"], len(micro_batches), plan.virtual_stages)
+    orders = pipe.orders(kind, plan.sizes["pp"], len(micro_batches), plan.virtual_stages)
     totals = torch.zeros(2, dtype=torch.float64, device=next(stage.parameters()).device)  # LM loss, router loss
-    saved, waiting, ran, peak, held = {}, {}, [], 0, 0
+    saved, ran, peak, held = {}, [], 0, 0
     pipe.start(orders, rank)
     order = orders[rank]
     for i, action in enumerate(order):
@@ -879,28 +871,26 @@ def run_schedule(stage, pipe, kind, micro_batches, tokens_per_micro_batch, grad_
         received = None  # its input: the previous stage's output (F), the next stage's input gradient (B)
         if action in pipe.source:
             received = pipe.receive(action).requires_grad_(action.kind == "F" and torch.is_grad_enabled())
-        out = _run_action(stage, action, received, saved, waiting, micro_batches, tokens_per_micro_batch, grad_scale,
-                          totals)
+        out = pipe.run_action(stage, action, received, saved, micro_batches, tokens_per_micro_batch,
+                              loss_multiplier, totals)
         ran.append(action)
-        peak = max(peak, len(saved) + len(waiting))
+        peak = max(peak, pipe.in_flight(saved))
         if action in pipe.sink:  # its output goes to another rank
             # an output leaves this stage: its storage is freed once sent (as Megatron-LM's deallocate_output_tensor),
             # not at its backward, which needs only the graph behind it and its shape
             pipe.send(out, action, free=out.grad_fn is not None)
-        pipe.reap()
+        pipe.collect_sends()
         sending = {id(tensor) for _, tensor, *_ in pipe.sending}
         held = max(held, sum(o.untyped_storage().nbytes() for _, o, _, last in saved.values()
                              if not last and id(o) not in sending))
-    pipe.reap(wait=True)
+    pipe.collect_sends(wait=True)
     return totals[0], totals[1], ScheduleStats(peak, held, ran)
 
 
 @functools.lru_cache(maxsize=64)
 def _orders(kind, p, m, v):
-    """Every rank's list of actions, checked by the replay (below the banner) to finish when each waits for input."""
-    orders = forward_schedule(p, m, v) if kind == "forward" else pipeline_schedule(kind, p, m, v)
-    replay_pipeline(orders, v=v)
-    return orders
+    """Every rank's list of actions (made once per shape)."""
+    return forward_schedule(p, m, v) if kind == "forward" else SCHEDULES[kind](p, m, v)
 
 
 def forward_micro_batch(stage, x, positions, targets, chunk, tokens_per_micro_batch, totals):
@@ -913,34 +903,6 @@ def forward_micro_batch(stage, x, positions, targets, chunk, tokens_per_micro_ba
     aux = aux * tokens_per_micro_batch
     totals[1] += aux.detach()
     return out, aux
-
-
-def _run_action(stage, action, received, saved, waiting, micro_batches, tokens_per_micro_batch, grad_scale, totals):
-    """One action on this rank; returns what it sends on (an output, an input gradient), or None."""
-    first, last = stage.is_first_chunk(action.chunk), stage.is_last_chunk(action.chunk)
-    key = (action.chunk, action.micro)
-    if action.kind == "F":
-        ids, positions, targets = micro_batches[action.micro]
-        x = None if first else received
-        out, aux = forward_micro_batch(stage, ids if first else x, positions, targets, action.chunk,
-                                       tokens_per_micro_batch, totals)
-        if torch.is_grad_enabled():
-            saved[key] = (x, out, aux, last)
-        return None if last else out
-    if action.kind == "W":  # zero bubble (beyond the chapter)
-        return run_weight_grads(stage, action.chunk, waiting.pop(key))
-    x, out, aux, _ = saved.pop(key)
-    split = stage.plan.split_backward
-    with deferred_weight_grads() if split else contextlib.nullcontext() as weight_grads:
-        if last:
-            ((out + aux) * grad_scale).backward()
-        elif aux.requires_grad:  # a MoE chunk: its router loss starts its own backward here
-            torch.autograd.backward([out, aux], [received, torch.full_like(aux, grad_scale)])
-        else:
-            torch.autograd.backward(out, received)
-    if split:
-        waiting[key] = weight_grads
-    return None if x is None else x.grad
 
 
 # ---- One training step -------------------------------------------------------------------------------------
@@ -956,19 +918,19 @@ def train_step(stage, pipe, optimizer, tokens, micro_batch, grad_clip=0.0):
     # that the optimizer divides out again
     global_tokens = tokens.shape[0] * (tokens.shape[1] - 1)
     loss_scale = optimizer.loss_scaler.scale if optimizer.loss_scaler is not None else 1.0
-    tokens_per_micro_batch, grad_scale = micro_batch * (tokens.shape[1] - 1), loss_scale / global_tokens
-    if plan.pp is None and plan.schedule == "1f1b":  # one stage of 1F1B: each micro-batch's forward, then backward
+    tokens_per_micro_batch, loss_multiplier = micro_batch * (tokens.shape[1] - 1), loss_scale / global_tokens
+    if plan.pp is None and pipe.schedule == "1f1b":  # one stage of 1F1B: each micro-batch's forward, then backward
         totals = torch.zeros(2, dtype=torch.float64, device=device)  # LM loss, router loss
         for ids, positions, targets in micro_batches:
             loss, aux = forward_micro_batch(stage, ids, positions, targets, 0, tokens_per_micro_batch, totals)
-            ((loss + aux) * grad_scale).backward()
+            ((loss + aux) * loss_multiplier).backward()
         loss_sum, aux_sum, schedule = totals[0], totals[1], ScheduleStats(min(1, len(micro_batches)), 0,
                                                                           schedule_1f1b(1, len(micro_batches), 0))
-    else:
-        loss_sum, aux_sum, schedule = run_schedule(stage, pipe, plan.schedule, micro_batches, tokens_per_micro_batch,
-                                                   grad_scale)
+    else:  # (and the other schedules, beyond the chapter, even at PP = 1)
+        loss_sum, aux_sum, schedule = run_schedule(stage, pipe, pipe.schedule, micro_batches, tokens_per_micro_batch,
+                                                   loss_multiplier)
     for reduction in stage.reductions:
-        if not reduction.data_parallel:  # the optimizer runs the data-parallel sums (and ZeRO's reduce-scatter)
+        if not reduction.data_parallel:  # the optimizer runs the data-parallel sums (the distributed optimizer's too)
             optimizer.all_reduce_grads(reduction.params, reduction.group)
     stepped, grad_norm = optimizer.step(max_norm=grad_clip, norm_group=plan.world, norm_params=stage.norm_params)
     # for the log: each loss from the ranks the plan names, summed over the rest of the world
@@ -984,29 +946,24 @@ def train_step(stage, pipe, optimizer, tokens, micro_batch, grad_clip=0.0):
 def build(cfg, train_cfg, optimizer=True):
     """Process groups, the plan, this rank's stage of the model, its optimizer (None without `optimizer`: its FP32
     gradient buffers are 4 bytes per parameter) and its pipeline transfers."""
-    validate(cfg, train_cfg, _world_size())
-    topology.init_distributed(train_cfg.timeout_s, say=_warn_on_rank_0)
-    parallel_state = topology.init_hybrid_parallel(tp=train_cfg.tp, pp=train_cfg.pp, cp=train_cfg.cp, ep=train_cfg.ep,
-                                                   cp_ulysses=train_cfg.cp_ulysses, with_mesh=False,
-                                                   timeout_s=train_cfg.timeout_s, zero_shard=train_cfg.zero_shard_size)
+    parallel_state = topology.init_parallel(tp=train_cfg.tp, pp=train_cfg.pp, cp=train_cfg.cp, ep=train_cfg.ep,
+                                            with_mesh=False, timeout_s=train_cfg.timeout_s)
     plan = make_plan(cfg, train_cfg, parallel_state)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    fp8 = FP8(train_cfg.fp8_recipe, train_cfg.fp8_backward) if train_cfg.dtype == "fp8" else None
+    fp8 = train_cfg.fp8_recipe if train_cfg.dtype == "fp8" else None
     stage = GPTStage(cfg, plan, train_cfg.param_dtype, fp8=fp8).to(device)
-    if train_cfg.dtype == "nvfp4":  # beyond the chapter: the block linears in NVFP4
-        use_nvfp4(stage, cfg, train_cfg)
     opt = make_optimizer(stage, train_cfg) if optimizer else None
-    if opt is not None and train_cfg.zero >= 2:
-        attach_zero_units(stage, opt)
     pipe = Pipeline(plan, (train_cfg.micro_batch, plan.seq_hidden, cfg.n_embd), train_cfg.param_dtype, device)
     return plan, stage, opt, pipe
 
 
-def make_optimizer(stage, train_cfg):
+def make_optimizer(stage, train_cfg, shard_groups=None, optimizer_class=None, **options):
     """mixed_precision.py's optimizer for every dtype: gradients accumulate in FP32 (float64 in tests) from
-    the first micro-batch, the data-parallel sums are its shard groups (ZeRO-1 shards them: 6 + 12/d bytes per
-    parameter for BF16, 8 + 8/d for FP32, against 18 and 16), FP16 scales the loss. Weight decay applies to the 2-D
-    weights only (nanoGPT), with AdamW or SGD."""
+    the first micro-batch, the data-parallel sums are its shard groups (--zero 1, Megatron-LM's distributed
+    optimizer, shards them: 6 + 12/d bytes per parameter for BF16, 8 + 8/d for FP32, against 18 and 16), FP16 scales
+    the loss. Weight decay applies to the 2-D weights only (nanoGPT), with AdamW or SGD. `shard_groups`,
+    `optimizer_class` and `options`: the whole program's (its optimizer forms, hybrid sharding, ZeRO-2/3 units, the
+    FP8 gather)."""
     params = [p for p in stage.parameters() if p.requires_grad]
     if train_cfg.optimizer == "adamw":
         opt_class, defaults = torch.optim.AdamW, dict(lr=train_cfg.lr, betas=(0.9, 0.95))
@@ -1015,115 +972,327 @@ def make_optimizer(stage, train_cfg):
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": train_cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     scaler = mixed_precision.DynamicLossScaler() if train_cfg.dtype == "float16" else None
-    optimizer_class, at_scale = optimizer_form(stage, train_cfg)  # the class the flags ask for, below the banner
-    return optimizer_class(
+    if shard_groups is None:
+        shard_groups = [(r.params, r.group) for r in stage.reductions if r.data_parallel]
+    return (optimizer_class or mixed_precision.MixedPrecisionOptimizer)(
         [g for g in groups if g["params"]], opt_class, zero=train_cfg.zero, loss_scaler=scaler,
-        shard_groups=[(r.params, r.group) + ((r.replicate,) if r.replicate is not None else ())
-                      for r in stage.reductions if r.data_parallel],
-        master_dtype=train_cfg.master_dtype, **at_scale, **defaults)
+        shard_groups=shard_groups, master_dtype=train_cfg.master_dtype, **options, **defaults)
 
 
-# ---- The loop ----------------------------------------------------------------------------------------------
+# ---- The loop: the learning rate, the data, what a step logs -----------------------------------------------
+
+def lr_at(step, train_cfg):
+    """nanoGPT's schedule: linear warm-up over `warmup` steps, then cosine decay to `min_lr` at the last step
+    (a warm-up as long as the run, warmup >= steps - 1, leaves no step to decay: the last one runs at `lr`)."""
+    min_lr = train_cfg.lr / 10 if train_cfg.min_lr is None else train_cfg.min_lr
+    if step < train_cfg.warmup:
+        return train_cfg.lr * (step + 1) / train_cfg.warmup
+    decay = (step - train_cfg.warmup) / max(1, train_cfg.steps - 1 - train_cfg.warmup)
+    return min_lr + 0.5 * (1 + math.cos(math.pi * min(decay, 1.0))) * (train_cfg.lr - min_lr)
+
+
+VAL_FRACTION = 0.1  # of a text corpus, held out at its end
+
+
+def synthetic_batch(step, batch, seq_len, vocab, seed=0):
+    """(batch, seq_len + 1) tokens of a fixed random bigram language, the same on every rank."""
+    table_gen = torch.Generator().manual_seed(seed)
+    next_token = torch.randint(vocab, (vocab, 4), generator=table_gen)  # 4 likely successors per token
+    gen = torch.Generator().manual_seed(seed * 7919 + step + 1)
+    tokens = torch.empty(batch, seq_len + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(vocab, (batch,), generator=gen)
+    choice = torch.randint(4, (batch, seq_len), generator=gen)
+    for t in range(seq_len):
+        tokens[:, t + 1] = next_token[tokens[:, t], choice[:, t]]
+    return tokens
+
+
+class TokenData:
+    """A training and a validation token stream, and the sampler: the batch of step k is drawn from a generator
+    seeded by (seed, split, k), so every layout sees the same global batch at every step and a resumed run
+    continues the same sequence of batches (its data position is the step)."""
+
+    def __init__(self, source, train=None, val=None, vocab=256, text=False):
+        self.source, self.train, self.val, self.vocab = source, train, val, vocab  # vocab: ids the data uses
+        self.text = text  # the ids are the bytes of a text: a sample is decoded as UTF-8
+
+    def batch(self, split, step, batch, seq_len, seed, device="cpu"):
+        if self.source == "synthetic":  # validation batches from their own seeds (negative steps)
+            return synthetic_batch(step if split == "train" else -1 - step, batch, seq_len, self.vocab,
+                                   seed).to(device)
+        stream = self.train if split == "train" else self.val
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + 2 * step + (split == "val"))
+        starts = torch.randint(len(stream) - seq_len, (batch,), generator=gen)
+        index = starts[:, None] + torch.arange(seq_len + 1)  # every sequence in one gather
+        if isinstance(stream, torch.Tensor):
+            return stream[index].to(device)
+        return torch.from_numpy(stream[index.numpy()].astype(np.int64)).to(device)  # a uint16 memmap
+
+
+def chapter_data(spec, seq_len, vocab):
+    """`embedded` (CPython's pydoc topics, ~466 KB of English, as bytes) or `synthetic` (a bigram language over the
+    model's whole vocabulary)."""
+    if spec == "synthetic":
+        return TokenData("synthetic", vocab=vocab)
+    if spec != "embedded":
+        raise ValueError(f"--data {spec}: choose embedded or synthetic (text files and nanoGPT's .bin files are the "
+                         "whole program's)")
+    import pydoc_data.topics
+    text = "".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)).encode()
+    return _split_text("embedded corpus", _text_tokens(text), seq_len)
+
+
+def _text_tokens(text_bytes):
+    return torch.from_numpy(np.frombuffer(text_bytes, dtype=np.uint8).astype(np.int64))
+
+
+def _split_text(name, tokens, seq_len):
+    n_val = int(len(tokens) * VAL_FRACTION)
+    if n_val <= seq_len or len(tokens) - n_val <= seq_len:
+        raise ValueError(f"{name} holds {len(tokens)} bytes: too few for --seq {seq_len} (each split needs more "
+                         f"than --seq tokens, the validation split is the last {VAL_FRACTION:.0%}); pass more text "
+                         "or a smaller --seq")
+    return TokenData(name, tokens[:-n_val], tokens[-n_val:], vocab=int(tokens.max()) + 1, text=True)
+
+
+def step_record(step, lr, loss, aux, grad_norm, stepped, dt, stage, opt, cfg, train_cfg):
+    """What a step logs: step, loss, aux_loss (the router loss), lr, grad_norm, tokens_per_s, step_time_s (the step
+    itself: the batch is drawn before the clock starts); mfu with --peak-tflops or a known GPU (its dense BF16 peak,
+    whatever --dtype); loss_scale and skipped under FP16. (The whole program's job adds val_loss on eval steps, and
+    on the first line this rank's memory and the batch's make-up.)"""
+    device = next(stage.parameters()).device
+    record = {"step": step, "loss": loss, "aux_loss": aux, "lr": lr,
+              "grad_norm": grad_norm if math.isfinite(grad_norm) else None,  # JSON has no inf (FP16 skips)
+              "tokens_per_s": train_cfg.batch * cfg.seq_len / dt, "step_time_s": dt}
+    peak = peak_tflops(train_cfg, device)
+    if peak:
+        world = stage.plan.parallel_state.world_size
+        record["mfu"] = model_flops_per_token(cfg) * record["tokens_per_s"] / (peak * 1e12 * world)
+    if opt.loss_scaler is not None:
+        record["loss_scale"] = opt.loss_scaler.scale
+    if not stepped:
+        record["skipped"] = True  # FP16 overflow: no update, the loss scale backed off
+    return record
+
+
+GPU_PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "A100": 312.0,
+                   "L40S": 362.0}  # dense BF16 per GPU; the first name that the device's name contains
+
+
+def peak_tflops(train_cfg, device):
+    if train_cfg.peak_tflops:
+        return train_cfg.peak_tflops
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name()
+        return next((v for k, v in GPU_PEAK_TFLOPS.items() if k in name), None)
+    return None  # no known peak on CPU: no MFU
+
+
+def model_flops_per_token(cfg):
+    """Training FLOPs per token (PaLM appendix B, as nanoGPT's MFU): 6 N + 12 L h s, N the weights of every
+    matmul a token goes through, forward and backward (x 3): per dense block 12 h^2 (QKV 3, projection 1, MLP
+    8); per MoE block 4 h^2 + E h (the router) + k 8 h^2 (its top-k experts) + k h (the router-weighted sum of
+    the k expert outputs, a (1 x k)(k x h) product); and the LM head V h (tied to the embedding, whose lookup
+    is not a matmul). 12 L h s is attention's QK^T and AV over the whole sequence (a causal kernel skips half
+    of it; PaLM and FlopCounterMode count all of it). benchmarks/report.py measures the same number."""
+    h, k = cfg.n_embd, cfg.top_k
+    n = cfg.vocab_size * h
+    for layer in range(cfg.n_layer):
+        n += 4 * h * h + (cfg.n_experts * h + k * 8 * h * h + k * h if cfg.is_moe(layer) else 8 * h * h)
+    return 6 * n + 12 * cfg.n_layer * h * cfg.seq_len
+
+
+def step_line(record, skipped, moe):
+    """The one line a step prints on rank 0, numbered as the checkpoint of the state after it is (the metrics'
+    "step" counts from 0: its line of step 59 is logged as step 60, and saved as step_000060)."""
+    r = record
+    return (f"step {r['step'] + 1}: loss {r['loss']:.4f}" + (f", val {r['val_loss']:.4f}" if "val_loss" in r else "")
+            + (f", aux {r['aux_loss']:.4f}" if moe else "") + f", lr {r['lr']:.2e}, |g| "
+            + (f"{r['grad_norm']:.3f}, " if r["grad_norm"] is not None else "inf, ")
+            + (f"skipped (FP16 overflow, {skipped} in a row, loss scale now {r['loss_scale']:g}), "
+               if r.get("skipped") else "")
+            + f"{r['step_time_s'] * 1000:.0f} ms, {r['tokens_per_s']:,.0f} tok/s"
+            + (f", mfu {r['mfu']:.1%}" if "mfu" in r else ""))
+
 
 def train(cfg, train_cfg, data=None):
-    """Train (resuming from out_dir's newest checkpoint that passes its checks, with train_cfg.resume); returns one
-    record per step run (`step_record`), each printed in one line on rank 0 and appended to --metrics."""
-    metrics = None
-    try:
-        data = data or check_inputs(cfg, train_cfg, _world_size())
-        with stalls_in_one_line(train_cfg, lambda: "while starting (process groups, the checkpoint)"):
-            plan, stage, opt, pipe = build(cfg, train_cfg)
-            say_on_rank_0(train_cfg, plan.parallel_state.rank, what_runs(cfg, train_cfg, plan, stage, data))
-            start = resume_step(train_cfg, stage, opt)  # 0, or with --resume the step out_dir's checkpoint holds
-        parallel_state, device = plan.parallel_state, next(stage.parameters()).device
-        predicted = predicted_memory(cfg, train_cfg, parallel_state.world_size, device)  # every rank's peak, predicted
-        if predicted:
-            say_on_rank_0(train_cfg, parallel_state.rank, memory_line(predicted))
-        metrics = open_metrics(train_cfg.metrics, start) if train_cfg.metrics and parallel_state.rank == 0 else None
-        records, skipped, step = [], 0, start
-        with stalls_in_one_line(train_cfg, lambda: f"step {step}"):
-            for step in range(start, train_cfg.steps):
-                lr = lr_at(step, train_cfg)
-                for group in opt.param_groups:
-                    group["lr"] = lr
-                tokens = data.batch("train", step, train_cfg.batch, cfg.seq_len, cfg.seed, device)  # before the clock
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                stage.step = step  # what NVFP4's stochastic rounding draws from (beyond the chapter)
-                measured = step == min(start + 1, train_cfg.steps - 1)  # memory: the second step (its states exist)
-                with MemoryMeter(stage, opt, device, measured, train_cfg.memory_report, [tokens]) as meter:
-                    loss, aux, grad_norm, stepped, schedule = train_step(stage, pipe, opt, tokens,
-                                                                         train_cfg.micro_batch, train_cfg.grad_clip)
-                # train_step ends with a host sync (the loss), so this is the whole step
-                record = step_record(step, lr, loss, aux, grad_norm, stepped, time.perf_counter() - t0, stage, opt,
-                                     cfg, train_cfg)
-                skipped = check_progress(step, record, opt, train_cfg, skipped)
-                if train_cfg.eval_every and ((step + 1) % train_cfg.eval_every == 0 or step == train_cfg.steps - 1):
-                    record["val_loss"] = evaluate(stage, pipe, data, train_cfg, cfg)
-                if step == start:  # this rank's memory, from the live tensors, and what makes the batch
-                    record.update(first_step_figures(opt, schedule, plan, train_cfg))
-                if measured and (predicted or meter.measured is not None):  # each rank's peak, predicted and measured
-                    meter.step = step
-                    record.update(memory_figures(meter, predicted, plan, train_cfg))
-                    say_on_rank_0(train_cfg, parallel_state.rank, memory_step_line(record["memory"]))
-                records.append(record)
-                metrics = log_step(metrics, record, skipped, cfg, train_cfg, parallel_state.rank)
-                save_due = train_cfg.save_every and (step + 1) % train_cfg.save_every == 0
-                if train_cfg.out_dir and (save_due or step + 1 == train_cfg.steps):
-                    path = save_checkpoint(train_cfg.out_dir, step + 1, stage, opt, cfg, train_cfg, text=data.text)
-                    say_on_rank_0(train_cfg, parallel_state.rank, f"saved {path}")
-        return records
-    finally:
+    """nanoGPT's loop: for each step the learning rate, the batch, the step (`train_step`: forward and backward of
+    the micro-batches through the schedule, the gradient sums, the optimizer), one line on rank 0, and with --metrics
+    the step's record (`step_record`) appended as one JSON line. Returns the records."""
+    data = data or chapter_data(train_cfg.data, cfg.seq_len, cfg.vocab_size)
+    if data.vocab > cfg.vocab_size:
+        raise ValueError(f"--vocab {cfg.vocab_size} is smaller than the data's vocabulary ({data.vocab}): pass --vocab "
+                         f"{data.vocab} or more")
+    plan, stage, opt, pipe = build(cfg, train_cfg)
+    rank, device = plan.parallel_state.rank, next(stage.parameters()).device
+    metrics = open(train_cfg.metrics, "a") if train_cfg.metrics and rank == 0 else None
+    records, skipped = [], 0
+    for step in range(train_cfg.steps):
+        lr = lr_at(step, train_cfg)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        tokens = data.batch("train", step, train_cfg.batch, cfg.seq_len, cfg.seed, device)  # before the clock
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss, aux, grad_norm, stepped, _ = train_step(stage, pipe, opt, tokens, train_cfg.micro_batch,
+                                                      train_cfg.grad_clip)
+        # train_step ends with a host sync (the loss), so this is the whole step
+        record = step_record(step, lr, loss, aux, grad_norm, stepped, time.perf_counter() - t0, stage, opt, cfg,
+                             train_cfg)
+        records.append(record)
+        skipped = 0 if stepped else skipped + 1  # FP16 steps skipped in a row
         if metrics:
-            with contextlib.suppress(OSError):
-                metrics.close()
-        release_out_dir(train_cfg.out_dir)
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+        if train_cfg.log and rank == 0:
+            print(step_line(record, skipped, moe=cfg.moe_every > 0), flush=True)
+    if metrics:
+        metrics.close()
+    return records
+
+
+# ---- The command line --------------------------------------------------------------------------------------
+
+FLAG_GROUPS = ("model", "parallelism (DP is the world over TP x CP x PP)", "precision", "memory",
+               "data and optimisation", "run")
+
+
+def chapter_flags(ap, group_names=FLAG_GROUPS, choices=None, more_help=None):
+    """Add the chapter's flags to `ap`, in the groups FLAG_GROUPS names; returns every group's add_argument by name.
+    A longer command line passes more groups, more `choices` (by flag, as below) and `more_help`, a sentence added
+    to a flag's help."""
+    group = {name: ap.add_argument_group(name).add_argument for name in group_names}
+    more = lambda dest: (more_help or {}).get(dest, "")
+    choices = {"cp_impl": sorted(CP_IMPLS), "dtype": list(PARAM_DTYPES), "zero": [0, 1],
+               "fp8_recipe": mixed_precision.PER_TENSOR_RECIPES, "recompute": checkpointing.POLICIES, **(choices or {})}
+    model, parallel = group["model"], group["parallelism (DP is the world over TP x CP x PP)"]
+    model("--layers", type=int, default=4, help="transformer blocks")
+    model("--heads", type=int, default=4, help="attention heads")
+    model("--hidden", type=int, default=64, help="model width h (the MLP is 4h)")
+    model("--seq", type=int, default=64, help="sequence length in tokens")
+    model("--vocab", type=int, default=256, help="vocabulary size (256: bytes of text; pad to a multiple of --tp)")
+    model("--moe-every", type=int, default=0, help="every n-th block's MLP is a mixture of experts (0: dense)")
+    model("--experts", type=int, default=8, help="experts per MoE block")
+    model("--top-k", type=int, default=2, help="experts each token is routed to")
+    parallel("--tp", type=int, default=1, help="tensor parallel ranks (inside a node)")
+    parallel("--pp", type=int, default=1, help="pipeline stages")
+    parallel("--cp", type=int, default=1, help="context parallel ranks (the sequence split over them)")
+    parallel("--ep", type=int, default=1, help="expert parallel ranks, folded over DP x CP")
+    parallel("--sequence-parallel", action="store_true", help="split the LayerNorm and residual activations over TP")
+    parallel("--cp-impl", default="ring", choices=choices["cp_impl"], help="how CP attends across the ranks")
+    group["precision"]("--dtype", default="float32", choices=choices["dtype"], help="the weights' and "
+                       "activations' dtype; masters, main grads and optimizer states stay FP32" + more("dtype"))
+    group["precision"]("--fp8-recipe", default="tensorwise", choices=choices["fp8_recipe"], help="with "
+                       "--dtype fp8: the scaling granularity (tensorwise: current per-tensor scales; delayed: from "
+                       "an amax history" + more("fp8_recipe") + ")")
+    group["memory"]("--zero", type=int, default=0, choices=choices["zero"], help="1: shard the optimizer states "
+                    "over DP x CP (Megatron-LM's distributed optimizer)" + more("zero"))
+    group["memory"]("--recompute", default="none", choices=choices["recompute"], help="activation recomputation policy "
+                    "(full: every block's input kept; sqrt: one in sqrt(L) blocks; selective: all but the attention "
+                    "core)" + more("recompute"))
+    data = group["data and optimisation"]
+    data("--data", default="embedded", help="embedded (CPython's documentation) or synthetic" + more("data"))
+    data("--batch", type=int, default=16, help="global batch in sequences")
+    data("--micro-batch", type=int, default=2, help="sequences per micro-batch on one DP rank")
+    data("--steps", type=int, default=30, help="optimizer steps of the run (the cosine schedule ends there)")
+    data("--optimizer", default="adamw", choices=["adamw", "sgd"], help="the inner optimizer of the FP32 masters")
+    data("--lr", type=float, default=3e-3, help="peak learning rate")
+    data("--min-lr", type=float, default=None, help="cosine decay target (default: --lr / 10)")
+    data("--warmup", type=int, default=0, help="linear warm-up steps")
+    data("--weight-decay", type=float, default=0.1, help="of the 2-D weights (AdamW: decoupled; SGD: L2)")
+    data("--grad-clip", type=float, default=1.0, help="global gradient-norm clipping (0: off)")
+    data("--seed", type=int, default=0, help="the weights' and the batches' seed")
+    group["run"]("--metrics", default=None, help="the metrics file, one JSON object per step" + more("metrics"))
+    group["run"]("--timeout-s", type=float, default=300.0, help="how long any collective waits for a rank")
+    group["run"]("--peak-tflops", type=float, default=None, help="per GPU, for MFU (default on A100/H100/H200: "
+                 "the dense BF16 peak, whatever --dtype)")
+    return group
+
+
+def configs_of(flags, config_class):
+    """The parsed flags as (GPTConfig, config_class), every field the flags name."""
+    cfg = GPTConfig(vocab_size=flags.vocab, seq_len=flags.seq, n_layer=flags.layers, n_head=flags.heads,
+                    n_embd=flags.hidden, seed=flags.seed, moe_every=flags.moe_every, n_experts=flags.experts,
+                    top_k=flags.top_k)
+    return cfg, config_class(**{f.name: getattr(flags, f.name) for f in fields(config_class) if hasattr(flags, f.name)})
+
+
+def parse_args(argv=None):
+    """The chapter's flags -> (GPTConfig, TrainConfig)."""
+    ap = argparse.ArgumentParser(description="Train a GPT with TP x CP x DP x PP (DP = world / (tp*cp*pp)) and EP, "
+                                 "by torchrun: the chapter's run.",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    chapter_flags(ap)
+    return configs_of(ap.parse_args(argv), TrainConfig)
 
 
 def main(argv=None):
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    torchrun = "TORCHELASTIC_RUN_ID" in os.environ
-    if torchrun:
-        watch_launcher()
-    with ends_in_one_line(rank, torchrun, starting=True):  # the flags and every input, before any process group
-        cfg, train_cfg, flags = parse_args(argv)
-        if flags.show_schedule:
-            print(timeline(train_cfg.pp_schedule, train_cfg.pp, flags.micro_batches, train_cfg.virtual_stages))
-            return
-        other_job = job_without_training(train_cfg, flags, world)  # --sample or an export: its checkpoint checked
-        if other_job is None:
-            if train_cfg.init_from_hf:
-                cfg = config_from_hf(train_cfg.init_from_hf, cfg, flags.shape_given)
-            data = check_inputs(cfg, train_cfg, world)
-    if os.environ.get("OMP_NUM_THREADS") is None and not torch.cuda.is_available():
+    cfg, train_cfg = parse_args(argv)
+    if os.environ.get("OMP_NUM_THREADS") is None and not torch.cuda.is_available():  # a CPU process: its cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    with ends_in_one_line(rank, torchrun):
-        if other_job is not None:
-            print(other_job())
-        else:
-            records = train(cfg, train_cfg, data)
-            if dist.get_rank() == 0 and records:
-                print(f"loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} in {len(records)} steps; metrics "
-                      f"in {train_cfg.metrics}")
+    records = train(cfg, train_cfg)
+    if dist.get_rank() == 0:
+        print(f"loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} in {len(records)} steps")
     dist.barrier()
     dist.destroy_process_group()
 
 
+# Run as a program, the chapter alone runs its `main`; the whole file (a banner follows) runs `main_job` at its end.
+if __name__ == "__main__" and not any(line.startswith("# BEYOND THE CHAPTER") for line in open(__file__)):
+    main()
+
+
 # BEYOND THE CHAPTER: interleaved and zero-bubble schedules, all-gather and hybrid CP, finer FP8, NVFP4, ZeRO-2/3
 # ====================================================================================================
-# What follows extends the core above rather than copying it: two more entries of CP_IMPLS and two of SCHEDULES
-# (action lists the executor runs), a block forward for ZeRO-2/3 units, FP8 backward GEMMs, NVFP4 products. The
-# core still reads plan.split_backward (zero bubble's W split) in the executor's B, column_parallel and
-# RowParallelLinear, and _TPLinear's backward leaves its weight GEMM in `_deferred` while a zero-bubble B runs.
+# What follows extends the core above rather than copying it, each form under its own name, picked by its flag
+# (`build_at_scale`): JobConfig; PlanAtScale (a Plan with all-gather and hybrid CP, offloading, and TP linears
+# through _TPLinearAtScale where a backward needs it: FP8 or NVFP4 backward GEMMs, zero bubble's deferred weight
+# GEMM); PipelineAtScale (the interleaved and zero-bubble lists) and ZeroBubblePipeline (the split B and W); a block
+# forward for ZeRO-2/3 units; fine-grained FP8 and NVFP4 products; moe_ep.GroupedGEMMMoE. A run without these flags
+# builds the chapter's Plan and Pipeline and runs the core's code as written.
 
-# ---- Context parallelism: two more entries of the Plan's CP_IMPLS ------------------------------------------
 
-# all-gather CP: each rank gathers the whole K and V and attends its zigzag query shard to them
-CP_IMPLS["allgather"] = (lambda plan, q, k, v: long_seq.allgather_attention(q, k, v, plan.cp), long_seq.zigzag_shard)
-# hybrid (USP): Ulysses over the inner cp_ulysses ranks, the ring across them; its shards are the ring's zigzag ones
-CP_IMPLS["hybrid"] = (lambda plan, q, k, v: long_seq.hybrid_attention(q, k, v, plan.cp_ulysses, plan.cp_ring),
-                      long_seq.zigzag_shard)
+from dataclasses import replace
+from functools import partial
+
+
+@dataclass
+class JobConfig(TrainConfig):
+    """The whole program's configuration: the chapter's TrainConfig, the options of the forms beyond it, and the
+    job's (data files, validation, checkpoints, initial weights)."""
+    cp_ulysses: int = 1               # --cp-impl hybrid: the Ulysses ranks inside each CP group (CP = u x ring)
+    pp_schedule: str = "1f1b"         # 1f1b | interleaved | zb-h1
+    virtual_stages: int = 1           # model chunks per pipeline rank (interleaving)
+    nvfp4_bf16_last: int = None       # with --dtype nvfp4: the last K blocks stay BF16 (None: the last 15 %)
+    fp8_backward: str = "bf16"        # with --dtype fp8: bf16 (16-bit backward GEMMs) | fp8 (E5M2 gradients)
+    fp8_param_gather: bool = False    # ZeRO 1-3: all-gather the weights in MXFP8 + scales instead of BF16
+    zero_shard_size: int = None       # hybrid sharding: shard over groups of this many DP x CP ranks, replicate across
+    eval_every: int = 0               # steps between validation losses (0: none)
+    eval_batches: int = 4
+    out_dir: str = None               # checkpoints: out_dir/step_NNNNNN
+    save_every: int = 0               # steps between checkpoints (0: only at the end, if out_dir is set)
+    keep_last: int = 0                # keep the newest N checkpoints (0: all)
+    resume: bool = False              # continue from the latest complete checkpoint in out_dir, if any
+    init_from_hf: str = None          # a GPT-2 folder (config.json, model.safetensors): the initial weights
+    moe_grouped_gemm: bool = False    # each MoE layer's local experts as one grouped GEMM (moe_ep.GroupedGEMMMoE)
+    memory_report: bool = False       # step 2's peak per rank and part, measured from the live tensors, beside topology's
+    # also: data may be a text file, a folder of them, or train.bin/val.bin; recompute offload, selective+offload;
+    # zero 2 and 3; dtype nvfp4; cp_impl allgather and hybrid; fp8_recipe rowwise, blockwise, mxfp8
+
+    @property
+    def param_dtype(self):  # NVFP4 block GEMMs on BF16 weights (below)
+        return torch.bfloat16 if self.dtype == "nvfp4" else super().param_dtype
+
+# ---- Context parallelism: two more implementations (PlanAtScale runs them) ----------------------------------
+
+CP_IMPLS_AT_SCALE = {
+    # all-gather CP: each rank gathers the whole K and V and attends its zigzag query shard to them
+    "allgather": (lambda plan, q, k, v: long_seq.allgather_attention(q, k, v, plan.cp), long_seq.zigzag_shard),
+    # hybrid (USP): Ulysses over the inner cp_ulysses ranks, the ring across them; its shards: the ring's zigzag ones
+    "hybrid": (lambda plan, q, k, v: long_seq.hybrid_attention(q, k, v, plan.cp_ulysses, plan.cp_ring),
+               long_seq.zigzag_shard)}
+ALL_CP_IMPLS = {**CP_IMPLS, **CP_IMPLS_AT_SCALE}  # --cp-impl
 
 
 # ---- Tensor parallelism as torch.distributed.tensor.parallel writes it -------------------------------------
@@ -1138,11 +1307,151 @@ CP_IMPLS["hybrid"] = (lambda plan, q, k, v: long_seq.hybrid_attention(q, k, v, p
 # (vocabulary rows), the LM head ColwiseParallel(use_local_output=False) under loss_parallel().
 
 
+# ---- The Plan beyond the chapter: hybrid CP's and hybrid sharding's groups, the at-scale TP backward -------
+
+@dataclass(frozen=True)
+class PlanAtScale(Plan):
+    """The Plan with what the at-scale forms read (`make_plan_at_scale`): the hybrid CP's two groups, hybrid
+    sharding's, zero bubble's split backward; its attention and shards also all-gather and hybrid CP's
+    (CP_IMPLS_AT_SCALE), its blocks run offloaded (--recompute offload), its TP linears run _TPLinearAtScale where a
+    backward needs it."""
+    cp_ulysses: object           # the hybrid's two sub-groups of cp: Ulysses inside, the ring across
+    cp_ring: object
+    dp_cp_shard: object          # hybrid sharding: the data-parallel sums' shards of DP x CP ...
+    dp_cp_replicate: object      # ... replicated over these (None without hybrid sharding)
+    split_backward: bool         # zero bubble: each backward split into B (input grads) and W (weight grads)
+
+    def column_parallel(self, x, weight, bias=None, gemm=F.linear):
+        if self.tp is None and not self.split_backward:
+            return gemm(x, weight, bias)
+        return _TPLinearAtScale.apply(x, weight, bias, self.tp, self.sequence_parallel, gemm)
+
+    def attention(self, q, k, v):
+        if self.cp is not None and self.cp_impl in CP_IMPLS_AT_SCALE:
+            return CP_IMPLS_AT_SCALE[self.cp_impl][0](self, q, k, v)
+        return Plan.attention(self, q, k, v)
+
+    def shard(self, x, dim):
+        if self.cp is not None and self.cp_impl in CP_IMPLS_AT_SCALE:
+            return CP_IMPLS_AT_SCALE[self.cp_impl][1](x, dim, self.parallel_state.cp_rank, self.sizes["cp"])
+        return Plan.shard(self, x, dim)
+
+    def run_blocks(self, blocks, state):
+        if self.recompute in checkpointing.OFFLOAD_POLICIES:  # offloading: a Policy below checkpointing.py's banner
+            return checkpointing.run_blocks(blocks, state, checkpointing.OFFLOAD_POLICIES[self.recompute])
+        return Plan.run_blocks(self, blocks, state)
+
+    def row_parallel(self, x, weight, bias, gemm=F.linear):
+        if not self.split_backward:  # the local product runs its own backward
+            return Plan.row_parallel(self, x, weight, bias, gemm)
+        # the local product through _TPLinearAtScale, whose weight GEMM W can run later
+        y = _TPLinearAtScale.apply(x, weight, None if self.tp else bias, None, False, gemm)
+        return y if self.tp is None else self.reduce_tp(y) + bias
+
+
+def needs_hybrid_groups(job_cfg):  # topology.init_hybrid_parallel's groups: hybrid CP's, hybrid sharding's
+    return job_cfg.cp_impl == "hybrid" or job_cfg.zero_shard_size is not None
+
+
+def needs_plan_at_scale(job_cfg):
+    return (needs_hybrid_groups(job_cfg) or job_cfg.cp_impl in CP_IMPLS_AT_SCALE or job_cfg.pp_schedule == "zb-h1"
+            or job_cfg.recompute in
+            checkpointing.OFFLOAD_POLICIES or job_cfg.dtype == "nvfp4" or (job_cfg.dtype == "fp8" and
+                                                                            job_cfg.fp8_backward == "fp8"))
+
+
+def make_plan_at_scale(cfg, job_cfg, parallel_state):
+    """The chapter's Plan (make_plan) with this rank's model chunks under interleaving (chunk c: virtual stage
+    c p + r), and where a flag needs it a PlanAtScale."""
+    plan, v = make_plan(cfg, job_cfg, parallel_state), job_cfg.virtual_stages
+    if v > 1:
+        per_chunk, p = plan.layers_per_stage // v, plan.sizes["pp"]
+        chunks = [(c * p + parallel_state.pp_rank) * per_chunk for c in range(v)]
+        layers = tuple(i for first in chunks for i in range(first, first + per_chunk))
+        plan = replace(plan, virtual_stages=v, layers=layers)
+    if not needs_plan_at_scale(job_cfg):
+        return plan
+    hybrid = {kind: None for kind in ("cp_ulysses", "cp_ring", "dp_cp_replicate")} | {"dp_cp_shard": plan.dp_cp}
+    if needs_hybrid_groups(job_cfg):  # a HybridParallelState
+        hybrid = {kind: parallel_state.groups[kind] if len(parallel_state.ranks[kind]) > 1 else None for kind in hybrid}
+    return PlanAtScale(**{f.name: getattr(plan, f.name) for f in fields(plan)}, **hybrid,
+                       split_backward=job_cfg.pp_schedule == "zb-h1")
+
+
+class _TPLinearAtScale(_TPLinear):
+    """_TPLinear with the at-scale backward: the product's own backward GEMMs (`gemm.backward_gemms`: FP8 with E5M2
+    gradients, NVFP4), and zero bubble's split: while a B runs (`deferred_weight_grads`), the weight GEMM is left
+    for the schedule's W (with group None where TP = 1)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, sequence_parallel, gemm=F.linear):
+        ctx.backward_gemms = getattr(gemm, "backward_gemms", None)
+        ctx.parameter = weight  # W adds into the parameter itself (a recomputed graph saves only its values)
+        return _TPLinear.forward(ctx, x, weight, bias, group, sequence_parallel, gemm)
+
+    @staticmethod
+    def backward(ctx, grad_out):                                        # grad_out (b, s, h_out/t)
+        x, weight = ctx.saved_tensors
+        x_full = _all_gather_seq(x, ctx.group) if ctx.sp else x         # (b, s, h_in), gathered again under SP
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])                   # (N, h_out/t)
+        x2 = x_full.reshape(-1, x_full.shape[-1])                       # (N, h_in)
+        wgrad = None  # the weight GEMM: g2^T x2 in the weights' dtype, or the product's
+        if ctx.backward_gemms is None:
+            grad_x = grad_out @ weight                                  # (b, s, h_in)
+        else:  # the dgrad now, with the scales both GEMMs use; the wgrad with the same scales, now or in W
+            (grad_x, _), scales = ctx.backward_gemms(g2, x2, weight, (True, False))       # (N, h_in)
+            grad_x = grad_x.reshape(*grad_out.shape[:-1], weight.shape[1])             # (b, s, h_in)
+            wgrad = lambda g2, x2: ctx.backward_gemms(g2, x2, weight, (False, True), scales)[0][1]
+        grad_x, wait = _sum_input_grad(grad_x, ctx)                     # summed (f): (b, s/t, h_in) under SP
+        grad_b = g2.sum(0) if ctx.has_bias else None                    # (h_out/t,)
+        if _deferred is not None:  # zero bubble: this GEMM belongs to W
+            _deferred.append(partial(_weight_grad, ctx.parameter, g2, x2, gemm=wgrad))
+            wait()
+            return grad_x, None, grad_b, None, None, None
+        grad_w = g2.t() @ x2 if wgrad is None else wgrad(g2, x2)        # (h_out/t, h_in), while grad_x travels
+        wait()
+        return grad_x, grad_w, grad_b, None, None, None
+
+
 # ---- FP8 beyond per-tensor scales: the fine-grained recipes, and FP8 backward GEMMs ------------------------
 # Rowwise, blockwise and MXFP8 scales (--fp8-recipe) are local in a column-parallel layer (every block lies on one
 # rank) and agreed over TP where a row-parallel layer cuts K; per-row and per-block activation scales do not depend
-# on the CP and DP split. `fp8_product` passes the recipe to mixed_precision.fp8_linear; with --fp8-backward fp8 it
-# adds the backward GEMMs below.
+# on the CP and DP split. `use_fine_grained_fp8` gives each block linear `fine_grained_fp8_product`, which passes
+# the recipe, the backward and the layer's TP split to mixed_precision.fine_grained_fp8_linear; with --fp8-backward
+# fp8 it adds the backward GEMMs that _TPLinearAtScale runs (`fp8_backward_gemms`).
+
+BLOCK_LINEARS = (("qkv", "attn.qkv", "column"), ("proj", "attn.proj", "row"), ("fc", "mlp.fc", "column"),
+                 ("out", "mlp.proj", "row"))  # attribute, name, TP split; a MoE block has no fc/out (experts: BF16)
+
+
+class FP8(NamedTuple):
+    recipe: str      # --fp8-recipe
+    backward: str    # --fp8-backward: "bf16" or "fp8"
+
+
+def use_fine_grained_fp8(stage, fp8):
+    """A fine-grained --fp8-recipe or --fp8-backward fp8: each block linear's product is `fine_grained_fp8_product`."""
+    for block in stage.blocks:
+        for attr, _, split in BLOCK_LINEARS:
+            layer = getattr(block, attr, None)
+            if layer is not None:
+                layer.gemm = fine_grained_fp8_product(layer, fp8, split)
+
+
+def fine_grained_fp8_product(layer, fp8, split):
+    """fp8_product beyond per-tensor scales: mixed_precision.fine_grained_fp8_linear, the recipe's blocks agreed over
+    TP where the layer's `split` cuts K, and the FP8 backward's GEMMs (E5M2 gradients) for _TPLinearAtScale."""
+    def product(x, weight, bias=None):
+        return mixed_precision.fine_grained_fp8_linear(x, weight, bias, amax_group=layer.plan.tp, recipe=fp8.recipe,
+                                                       backward=fp8.backward,
+                                                       split=split if layer.plan.tp is not None else None,
+                                                       amax_history=getattr(layer, "amax_history", None),
+                                                       record_amax=torch.is_grad_enabled())
+
+    if fp8.backward == "fp8":
+        product.backward_gemms = partial(fp8_backward_gemms, layer, fp8, split)
+    return product
+
 
 def fp8_backward_gemms(layer, fp8, split, g2, x2, weight, needs, scales=None):
     """_TPLinear's FP8 backward (--fp8-backward fp8): ((grad_x, grad_w), scales), FP8 with E5M2 gradients at the
@@ -1183,8 +1492,6 @@ def fp8_backward_gemms(layer, fp8, split, g2, x2, weight, needs, scales=None):
 # none, to the bit), whose last bits, carried into BF16 activations, can flip a later rounding (tests/ measures).
 
 NVFP4_TOKENS = mixed_precision.NVFP4_BLOCK  # the wgrad's Hadamard transform mixes blocks of 16 tokens
-NVFP4_LAYERS = (("qkv", "attn.qkv", "column"), ("proj", "attn.proj", "row"), ("fc", "mlp.fc", "column"),
-                ("out", "mlp.proj", "row"))  # attribute, name, TP split; a MoE block has no fc/out (experts: BF16)
 
 
 def nvfp4_bf16_last(cfg, train_cfg):
@@ -1293,7 +1600,7 @@ def use_nvfp4(stage, cfg, train_cfg):
     """Give the block linears before the last K blocks NVFP4 products (build calls it under --dtype nvfp4)."""
     hadamard_seed, last = cfg.seed, cfg.n_layer - nvfp4_bf16_last(cfg, train_cfg)
     for block in stage.blocks:
-        for attr, name, split in NVFP4_LAYERS:
+        for attr, name, split in BLOCK_LINEARS:
             layer = getattr(block, attr, None)
             if block.layer < last and layer is not None:
                 rounding = NVFP4Rounding(f"h.{block.layer}.{name}", layer, stage, cfg.seed, split)
@@ -1304,7 +1611,7 @@ def nvfp4_product(layer, rounding, hadamard_seed):
     """The layer's product: mixed_precision.nvfp4_linear (called directly: TP = 1, or a row-parallel layer's local
     product), with `backward_gemms` for _TPLinear (TP, zero bubble) running the same backward arithmetic. The tensor
     scales are agreed over TP x CP: the CP ranks hold the other tokens of the same micro-batch."""
-    group = layer.plan.tp_cp
+    group = layer.plan.tp_and_cp
     hadamard = mixed_precision.random_hadamard(mixed_precision.NVFP4_BLOCK, hadamard_seed, device=layer.weight.device)
 
     def product(x, weight, bias=None):
@@ -1371,11 +1678,38 @@ def schedule_zero_bubble(order, r):
     return out + waiting
 
 
-# the two schedules beyond the chapter, as entries of SCHEDULES (1F1B's lists where v = 1)
-SCHEDULES["interleaved"] = lambda p, m, v: [schedule_interleaved(p, m, v, r) if v > 1 else schedule_1f1b(p, m, r)
-                                            for r in range(p)]
-SCHEDULES["zb-h1"] = lambda p, m, v: [schedule_zero_bubble(order, r)
-                                      for r, order in enumerate(SCHEDULES["interleaved"](p, m, v))]
+def replayed(orders, v):
+    """The ranks' lists, checked by the replay to finish when each action waits only for its own input."""
+    replay_pipeline(orders, v=v)
+    return orders
+
+
+def interleaved_orders(p, m, v):
+    return replayed([schedule_interleaved(p, m, v, r) if v > 1 else schedule_1f1b(p, m, r) for r in range(p)], v)
+
+
+# the two schedules beyond the chapter (1F1B's lists where v = 1), which PipelineAtScale runs
+SCHEDULES_AT_SCALE = {"interleaved": interleaved_orders,
+                      "zb-h1": lambda p, m, v: replayed([schedule_zero_bubble(order, r)
+                                                         for r, order in enumerate(interleaved_orders(p, m, v))], v)}
+ALL_SCHEDULES = {**SCHEDULES, **SCHEDULES_AT_SCALE}  # --pp-schedule
+
+
+def pipeline_schedule(kind, p, m, v=1):
+    """Every rank's list of actions of any schedule: orders[r]."""
+    return ALL_SCHEDULES[kind](p, m, v)
+
+
+@functools.lru_cache(maxsize=64)
+def _orders_at_scale(kind, p, m, v):
+    return forward_schedule(p, m, v) if kind == "forward" else pipeline_schedule(kind, p, m, v)
+
+
+class PipelineAtScale(Pipeline):
+    """The executor of the schedules beyond the chapter (--pp-schedule interleaved; ZeroBubblePipeline's zb-h1)."""
+
+    def orders(self, kind, p, m, v):
+        return _orders_at_scale(kind, p, m, v)
 
 
 _deferred = None  # while a zero-bubble B runs: the list its linears leave their weight-gradient GEMMs in
@@ -1384,8 +1718,8 @@ _deferred = None  # while a zero-bubble B runs: the list its linears leave their
 class deferred_weight_grads:
     """`with deferred_weight_grads() as w: loss.backward()` computes only the input gradients of the linears (and
     every other gradient); `w.run()` later computes their weight gradients, each once (Qi et al. 2023's B and W).
-    Each _TPLinear's weight-gradient GEMM so waits, with its operands, for the schedule's W, which runs it without
-    any communication: the gathered input is kept from B, and FP8 backward scales are agreed in B."""
+    Each _TPLinearAtScale's weight-gradient GEMM so waits, with its operands, for the schedule's W, which runs it
+    without any communication: the gathered input is kept from B, and FP8 backward scales are agreed in B."""
 
     def __enter__(self):
         global _deferred
@@ -1423,8 +1757,35 @@ def run_weight_grads(stage, chunk, weight_grads):
     """The executor's W: the weight gradients a zero-bubble B left, then (ZeRO-2/3) their reduce-scatter."""
     weight_grads.run()
     for block in stage.chunk_blocks(chunk):
-        if block.unit is not None:
+        if getattr(block, "unit", None) is not None:
             block.unit.reduce_grads(async_op=True)
+
+
+class ZeroBubblePipeline(PipelineAtScale):
+    """The executor under zero bubble (--pp-schedule zb-h1): B computes the input gradients only, its linears'
+    weight GEMMs left (`deferred_weight_grads`) for the schedule's W, which runs them (`run_weight_grads`)."""
+
+    def start(self, orders, rank):
+        super().start(orders, rank)
+        self.waiting = {}  # (chunk, micro-batch): the weight GEMMs its B left for its W
+
+    def run_action(self, stage, action, received, saved, *rest):
+        key = (action.chunk, action.micro)
+        if action.kind == "W":
+            return run_weight_grads(stage, action.chunk, self.waiting.pop(key))
+        if action.kind == "F" or not self.splits(action):
+            return super().run_action(stage, action, received, saved, *rest)
+        with deferred_weight_grads() as weight_grads:  # B: _TPLinearAtScale leaves its weight GEMM in it
+            grad = super().run_action(stage, action, received, saved, *rest)
+        self.waiting[key] = weight_grads
+        return grad
+
+    def splits(self, action):
+        """Whether this B leaves its weight GEMMs for a W: every B under ZB-H1."""
+        return True
+
+    def in_flight(self, saved):  # and those waiting for W, which still needs the linears' inputs
+        return len(saved) + len(self.waiting)
 
 
 def replay_pipeline(orders, forward=1, backward=2, weight=1, v=1, slots=False):
@@ -1519,27 +1880,12 @@ def zero_unit_forward(block, x, aux):
     (the next block's all-gather prefetched), its gradients reduce-scattered when its backward is done (after W
     under zero bubble)."""
     return mixed_precision.sharded_call(block.unit, partial(Block.forward, block), (x, aux), block.next_unit,
-                                        block.prev_unit, reduce_grads=not block.plan.split_backward)
-
-
-Block.unit = Block.next_unit = Block.prev_unit = None  # a block's ZeRO-2/3 unit and its neighbours: none below ZeRO-2
-
-
-def optimizer_form(stage, train_cfg):
-    """(class, its at-scale arguments) of mixed_precision.py's optimizer for these flags: ShardedOptimizer for
-    ZeRO-2/3 (the blocks as its units), hybrid sharding (--zero-shard-size) or --fp8-param-gather; otherwise the
-    chapter's MixedPrecisionOptimizer (zero 0 or 1) with its checkpoint state, CheckpointableOptimizer, whose step,
-    sums and copy back are the chapter's as written."""
-    if train_cfg.zero >= 2 or train_cfg.fp8_param_gather or train_cfg.zero_shard_size is not None:
-        units = [[p for p in block.parameters() if p.requires_grad] for block in stage.blocks]
-        return mixed_precision.ShardedOptimizer, dict(fp8_param_gather=train_cfg.fp8_param_gather,
-                                                      units=units if train_cfg.zero >= 2 else None)
-    return mixed_precision.CheckpointableOptimizer, {}
+                                        block.prev_unit, reduce_grads=not getattr(block.plan, "split_backward", False))
 
 
 def attach_zero_units(stage, opt):
-    """Each block a ZeRO-2/3 unit (its forward then `zero_unit_forward`); its neighbours within its chunk, for the
-    prefetch."""
+    """Each block a ZeRO-2/3 unit (`block.unit`, its forward then `zero_unit_forward`); its neighbours within its
+    chunk (`block.next_unit`, `block.prev_unit`), for the prefetch."""
     n = len(stage.blocks) // stage.plan.virtual_stages
     for i, (block, unit) in enumerate(zip(stage.blocks, opt.units)):
         block.unit = unit
@@ -1549,7 +1895,7 @@ def attach_zero_units(stage, opt):
 
 
 
-# ---- Formulas: a block's kept activations and communication, the model's FLOPs per token -------------------
+# ---- Formulas: a block's kept activations and communication (the FLOPs per token: the core's) -------------
 
 def block_activation_bytes(b, s, h, a, t, sequence_parallel, e, acc_e):
     """Bytes one dense block keeps for backward, term by term (b the micro-batch, s this rank's CP shard of
@@ -1588,18 +1934,53 @@ def block_forward_comm_bytes(b, s, h, t, sequence_parallel, moe, e, experts=0, s
     return (2 if sequence_parallel else 3) * (t - 1) * sbhe // t + 2 * (t - 1) * (2 * experts + 2) * stats_e // t
 
 
-def model_flops_per_token(cfg):
-    """Training FLOPs per token (PaLM appendix B, as nanoGPT's MFU): 6 N + 12 L h s, N the weights of every
-    matmul a token goes through, forward and backward (x 3): per dense block 12 h^2 (QKV 3, projection 1, MLP
-    8); per MoE block 4 h^2 + E h (the router) + k 8 h^2 (its top-k experts) + k h (the router-weighted sum of
-    the k expert outputs, a (1 x k)(k x h) product); and the LM head V h (tied to the embedding, whose lookup
-    is not a matmul). 12 L h s is attention's QK^T and AV over the whole sequence (a causal kernel skips half
-    of it; PaLM and FlopCounterMode count all of it). benchmarks/report.py measures the same number."""
-    h, k = cfg.n_embd, cfg.top_k
-    n = cfg.vocab_size * h
-    for layer in range(cfg.n_layer):
-        n += 4 * h * h + (cfg.n_experts * h + k * 8 * h * h + k * h if cfg.is_moe(layer) else 8 * h * h)
-    return 6 * n + 12 * cfg.n_layer * h * cfg.seq_len
+# ---- Build beyond the chapter: the forms the flags ask for --------------------------------------------------
+
+def build_at_scale(cfg, job_cfg, optimizer=True):
+    """build() with the forms beyond the chapter that job_cfg asks for: hybrid CP's and hybrid sharding's groups
+    and PlanAtScale, the FP8 backward and NVFP4 products, ZeRO-2/3 units (make_optimizer_at_scale), the interleaved
+    and zero-bubble executors."""
+    topology.init_distributed(job_cfg.timeout_s, say=_warn_on_rank_0)
+    layout = dict(tp=job_cfg.tp, pp=job_cfg.pp, cp=job_cfg.cp, ep=job_cfg.ep, with_mesh=False,
+                  timeout_s=job_cfg.timeout_s)
+    if needs_hybrid_groups(job_cfg):
+        parallel_state = topology.init_hybrid_parallel(**layout, cp_ulysses=job_cfg.cp_ulysses,
+                                                       zero_shard=job_cfg.zero_shard_size)
+    else:
+        parallel_state = topology.init_parallel(**layout)
+    plan = make_plan_at_scale(cfg, job_cfg, parallel_state)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    stage = GPTStage(cfg, plan, job_cfg.param_dtype, fp8=job_cfg.fp8_recipe if job_cfg.dtype == "fp8" else None,
+                     moe=moe_ep.GroupedGEMMMoE if job_cfg.moe_grouped_gemm else moe_ep.MoE).to(device)
+    if job_cfg.dtype == "fp8" and (job_cfg.fp8_recipe in mixed_precision.FINE_GRAINED or job_cfg.fp8_backward == "fp8"):
+        use_fine_grained_fp8(stage, FP8(job_cfg.fp8_recipe, job_cfg.fp8_backward))
+    if job_cfg.dtype == "nvfp4":
+        use_nvfp4(stage, cfg, job_cfg)
+    opt = make_optimizer_at_scale(stage, job_cfg) if optimizer else None
+    if opt is not None and job_cfg.zero >= 2:
+        attach_zero_units(stage, opt)
+    executor = {"1f1b": Pipeline, "zb-h1": ZeroBubblePipeline}.get(job_cfg.pp_schedule, PipelineAtScale)
+    pipe = executor(plan, (job_cfg.micro_batch, plan.seq_hidden, cfg.n_embd), job_cfg.param_dtype, device,
+                    schedule=job_cfg.pp_schedule)
+    return plan, stage, opt, pipe
+
+
+def make_optimizer_at_scale(stage, job_cfg):
+    """make_optimizer with the optimizer's checkpoint state (mixed_precision.CheckpointableOptimizer: the chapter's
+    step, sums and copy back as written); or mixed_precision.ShardedOptimizer for ZeRO-2/3 (the blocks as its units),
+    the FP8 parameter gather, and hybrid sharding (the dense weights' sums over the DP x CP shards, then across them;
+    the experts' stay over expert DP)."""
+    plan, options, shard_groups = stage.plan, {}, None
+    sharded = job_cfg.zero >= 2 or job_cfg.fp8_param_gather or job_cfg.zero_shard_size is not None
+    if sharded:
+        units = [[p for p in block.parameters() if p.requires_grad] for block in stage.blocks]
+        options = dict(fp8_param_gather=job_cfg.fp8_param_gather, units=units if job_cfg.zero >= 2 else None)
+    if job_cfg.zero_shard_size is not None:
+        shard_groups = [(r.params, plan.dp_cp_shard, plan.dp_cp_replicate)
+                        if r.group is plan.dp_cp and not r.params[0].expert else (r.params, r.group)
+                        for r in stage.reductions if r.data_parallel]
+    optimizer_class = mixed_precision.ShardedOptimizer if sharded else mixed_precision.CheckpointableOptimizer
+    return make_optimizer(stage, job_cfg, shard_groups, optimizer_class, **options)
 
 
 
@@ -1609,17 +1990,25 @@ def model_flops_per_token(cfg):
 # exists; sampling; the command line and how a job ends.
 # ####################################################################################################
 
-# ---- Around the step: the learning-rate schedule, the validation loss --------------------------------------
+import contextlib
+import io
+import itertools
+import pickle
+import re
+import shutil
+import signal
+import socket
+import stat
+import sys
+import warnings
+import weakref
+from dataclasses import asdict
 
-def lr_at(step, train_cfg):
-    """nanoGPT's schedule: linear warm-up over `warmup` steps, then cosine decay to `min_lr` at the last step
-    (a warm-up as long as the run, warmup >= steps - 1, leaves no step to decay: the last one runs at `lr`)."""
-    min_lr = train_cfg.lr / 10 if train_cfg.min_lr is None else train_cfg.min_lr
-    if step < train_cfg.warmup:
-        return train_cfg.lr * (step + 1) / train_cfg.warmup
-    decay = (step - train_cfg.warmup) / max(1, train_cfg.steps - 1 - train_cfg.warmup)
-    return min_lr + 0.5 * (1 + math.cos(math.pi * min(decay, 1.0))) * (train_cfg.lr - min_lr)
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import grad_accum
+
+# ---- Around the step: the validation loss ----------------------------------------------------------------
 
 @torch.no_grad()
 def evaluate(stage, pipe, data, train_cfg, cfg):
@@ -1633,6 +2022,104 @@ def evaluate(stage, pipe, data, train_cfg, cfg):
     if plan.world is not None:
         dist.all_reduce(total)
     return total.item() / (train_cfg.eval_batches * train_cfg.batch * cfg.seq_len)
+
+
+# ---- The job's loop: the core's step, with resume, validation, checks, the metrics file and checkpoints ----
+
+def build_job(cfg, job_cfg, optimizer=True):
+    """build_at_scale, after every input check that needs no process group (`validate`)."""
+    validate(cfg, job_cfg, _world_size())
+    return build_at_scale(cfg, job_cfg, optimizer)
+
+
+def train_job(cfg, train_cfg, data=None):
+    """The core's loop (`train`: the learning rate, the batch, `train_step`, `step_record`, `step_line`) with the job
+    around it: resuming from out_dir's newest checkpoint that passes its checks (with train_cfg.resume), the lock,
+    stall and divergence checks, validation, the first step's figures, the metrics file, checkpoints. Returns one
+    record per step run, each printed in one line on rank 0 and appended to --metrics."""
+    metrics = None
+    try:
+        data = data or check_inputs(cfg, train_cfg, _world_size())
+        with stalls_in_one_line(train_cfg, lambda: "while starting (process groups, the checkpoint)"):
+            plan, stage, opt, pipe = build_job(cfg, train_cfg)
+            say_on_rank_0(train_cfg, plan.parallel_state.rank, what_runs(cfg, train_cfg, plan, stage, data))
+            start = resume_step(train_cfg, stage, opt)  # 0, or with --resume the step out_dir's checkpoint holds
+        parallel_state, device = plan.parallel_state, next(stage.parameters()).device
+        predicted = predicted_memory(cfg, train_cfg, parallel_state.world_size, device)  # every rank's peak, predicted
+        if predicted:
+            say_on_rank_0(train_cfg, parallel_state.rank, memory_line(predicted))
+        metrics = open_metrics(train_cfg.metrics, start) if train_cfg.metrics and parallel_state.rank == 0 else None
+        records, skipped, step = [], 0, start
+        with stalls_in_one_line(train_cfg, lambda: f"step {step}"):
+            for step in range(start, train_cfg.steps):
+                lr = lr_at(step, train_cfg)
+                for group in opt.param_groups:
+                    group["lr"] = lr
+                tokens = data.batch("train", step, train_cfg.batch, cfg.seq_len, cfg.seed, device)  # before the clock
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                stage.step = step  # what NVFP4's stochastic rounding draws from (beyond the chapter)
+                measured = step == min(start + 1, train_cfg.steps - 1)  # memory: the second step (its states exist)
+                with MemoryMeter(stage, opt, device, measured, train_cfg.memory_report, [tokens]) as meter:
+                    loss, aux, grad_norm, stepped, schedule = train_step(stage, pipe, opt, tokens,
+                                                                         train_cfg.micro_batch, train_cfg.grad_clip)
+                # train_step ends with a host sync (the loss), so this is the whole step
+                record = step_record(step, lr, loss, aux, grad_norm, stepped, time.perf_counter() - t0, stage, opt,
+                                     cfg, train_cfg)
+                skipped = check_progress(step, record, opt, train_cfg, skipped)
+                if train_cfg.eval_every and ((step + 1) % train_cfg.eval_every == 0 or step == train_cfg.steps - 1):
+                    record["val_loss"] = evaluate(stage, pipe, data, train_cfg, cfg)
+                if step == start:  # this rank's memory, from the live tensors, and what makes the batch
+                    record.update(first_step_figures(opt, schedule, plan, train_cfg))
+                if measured and (predicted or meter.measured is not None):  # each rank's peak, predicted and measured
+                    meter.step = step
+                    record.update(memory_figures(meter, predicted, plan, train_cfg))
+                    say_on_rank_0(train_cfg, parallel_state.rank, memory_step_line(record["memory"]))
+                records.append(record)
+                metrics = log_step(metrics, record, skipped, cfg, train_cfg, parallel_state.rank)
+                save_due = train_cfg.save_every and (step + 1) % train_cfg.save_every == 0
+                if train_cfg.out_dir and (save_due or step + 1 == train_cfg.steps):
+                    path = save_checkpoint(train_cfg.out_dir, step + 1, stage, opt, cfg, train_cfg, text=data.text)
+                    say_on_rank_0(train_cfg, parallel_state.rank, f"saved {path}")
+        return records
+    finally:
+        if metrics:
+            with contextlib.suppress(OSError):
+                metrics.close()
+        release_out_dir(train_cfg.out_dir)
+
+
+def main_job(argv=None):
+    """The whole program: train (`train_job`), sample, export or show the schedule, from the full command line; every
+    input checked before any process group, and the job ends in one line and an exit code."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    if torchrun:
+        watch_launcher()
+    with ends_in_one_line(rank, torchrun, starting=True):  # the flags and every input, before any process group
+        cfg, train_cfg, flags = parse_job_args(argv)
+        if flags.show_schedule:
+            print(timeline(train_cfg.pp_schedule, train_cfg.pp, flags.micro_batches, train_cfg.virtual_stages))
+            return
+        other_job = job_without_training(train_cfg, flags, world)  # --sample or an export: its checkpoint checked
+        if other_job is None:
+            if train_cfg.init_from_hf:
+                cfg = config_from_hf(train_cfg.init_from_hf, cfg, flags.shape_given)
+            data = check_inputs(cfg, train_cfg, world)
+    if os.environ.get("OMP_NUM_THREADS") is None and not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    with ends_in_one_line(rank, torchrun):
+        if other_job is not None:
+            print(other_job())
+        else:
+            records = train_job(cfg, train_cfg, data)
+            if dist.get_rank() == 0 and records:
+                print(f"loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} in {len(records)} steps; metrics "
+                      f"in {train_cfg.metrics}")
+    dist.barrier()
+    dist.destroy_process_group()
+
 
 
 # ---- How a run stops and what it logs: one line for a stall, a divergence or a full disk -------------------
@@ -1713,27 +2200,6 @@ def write_metrics(metrics, record, path):
         return None
 
 
-def step_record(step, lr, loss, aux, grad_norm, stepped, dt, stage, opt, cfg, train_cfg):
-    """What a step logs: step, loss, aux_loss (the router loss), lr, grad_norm, tokens_per_s, step_time_s (the step
-    itself: the batch is drawn before the clock starts); mfu with --peak-tflops or a known GPU (its dense BF16 peak,
-    whatever --dtype); val_loss on eval steps; loss_scale and skipped under FP16; and on the first line
-    (`first_step_figures`) this rank's param_bytes, grad_bytes, optimizer_bytes (master_bytes: the masters' part),
-    in_flight_peak and the batch's make-up: micro_batches, dp, effective_batch."""
-    device = next(stage.parameters()).device
-    record = {"step": step, "loss": loss, "aux_loss": aux, "lr": lr,
-              "grad_norm": grad_norm if math.isfinite(grad_norm) else None,  # JSON has no inf (FP16 skips)
-              "tokens_per_s": train_cfg.batch * cfg.seq_len / dt, "step_time_s": dt}
-    peak = peak_tflops(train_cfg, device)
-    if peak:
-        world = stage.plan.parallel_state.world_size
-        record["mfu"] = model_flops_per_token(cfg) * record["tokens_per_s"] / (peak * 1e12 * world)
-    if opt.loss_scaler is not None:
-        record["loss_scale"] = opt.loss_scaler.scale
-    if not stepped:
-        record["skipped"] = True  # FP16 overflow: no update, the loss scale backed off
-    return record
-
-
 def first_step_figures(opt, schedule, plan, train_cfg):
     """What the first step's record adds: this rank's memory, from the live tensors, and what makes the batch."""
     return dict(opt.memory_bytes(), in_flight_peak=schedule.peak, micro_batches=plan.micro_batch_count, dp=plan.dp,
@@ -1752,32 +2218,6 @@ def log_step(metrics, record, skipped, cfg, train_cfg, rank):
 def say_on_rank_0(train_cfg, rank, line):
     if train_cfg.log and rank == 0:
         print(line, flush=True)
-
-
-def step_line(record, skipped, moe):
-    """The one line a step prints on rank 0, numbered as the checkpoint of the state after it is (the metrics'
-    "step" counts from 0: its line of step 59 is logged as step 60, and saved as step_000060)."""
-    r = record
-    return (f"step {r['step'] + 1}: loss {r['loss']:.4f}" + (f", val {r['val_loss']:.4f}" if "val_loss" in r else "")
-            + (f", aux {r['aux_loss']:.4f}" if moe else "") + f", lr {r['lr']:.2e}, |g| "
-            + (f"{r['grad_norm']:.3f}, " if r["grad_norm"] is not None else "inf, ")
-            + (f"skipped (FP16 overflow, {skipped} in a row, loss scale now {r['loss_scale']:g}), "
-               if r.get("skipped") else "")
-            + f"{r['step_time_s'] * 1000:.0f} ms, {r['tokens_per_s']:,.0f} tok/s"
-            + (f", mfu {r['mfu']:.1%}" if "mfu" in r else ""))
-
-
-GPU_PEAK_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "A100": 312.0,
-                   "L40S": 362.0}  # dense BF16 per GPU; the first name that the device's name contains
-
-
-def peak_tflops(train_cfg, device):
-    if train_cfg.peak_tflops:
-        return train_cfg.peak_tflops
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name()
-        return next((v for k, v in GPU_PEAK_TFLOPS.items() if k in name), None)
-    return None  # no known peak on CPU: no MFU
 
 
 # ---- Memory: each rank's peak, measured, beside topology.py's prediction -----------------------------------
@@ -1994,7 +2434,7 @@ def predicted_memory(cfg, train_cfg, world, device):
     flags = argparse.Namespace(
         world=world, device=device.type, imbalance=1.0, gpu_mem_gb=topology.DEFAULT_GPU_MEM_GB, layers=cfg.n_layer,
         heads=cfg.n_head, hidden=cfg.n_embd, seq=cfg.seq_len, vocab=cfg.vocab_size, moe_every=cfg.moe_every,
-        experts=cfg.n_experts, top_k=cfg.top_k, **{f.name: getattr(train_cfg, f.name) for f in fields(TrainConfig)
+        experts=cfg.n_experts, top_k=cfg.top_k, **{f.name: getattr(train_cfg, f.name) for f in fields(train_cfg)
                                                    if f.name in MEMORY_FLAGS})
     try:
         return topology.every_rank_peak(*topology.train_gpt_run(flags))
@@ -2083,46 +2523,7 @@ def memory_step_line(rows):
         + (f" at {r['instant']}" if r["instant"] else "") for r in rows)
 
 
-
-# ---- Data: bytes of text (CPython's own documentation by default), nanoGPT .bin token files, a synthetic language ----
-
-VAL_FRACTION = 0.1  # of a text corpus, held out at its end
-
-
-def synthetic_batch(step, batch, seq_len, vocab, seed=0):
-    """(batch, seq_len + 1) tokens of a fixed random bigram language, the same on every rank."""
-    table_gen = torch.Generator().manual_seed(seed)
-    next_token = torch.randint(vocab, (vocab, 4), generator=table_gen)  # 4 likely successors per token
-    gen = torch.Generator().manual_seed(seed * 7919 + step + 1)
-    tokens = torch.empty(batch, seq_len + 1, dtype=torch.long)
-    tokens[:, 0] = torch.randint(vocab, (batch,), generator=gen)
-    choice = torch.randint(4, (batch, seq_len), generator=gen)
-    for t in range(seq_len):
-        tokens[:, t + 1] = next_token[tokens[:, t], choice[:, t]]
-    return tokens
-
-
-class TokenData:
-    """A training and a validation token stream, and the sampler: the batch of step k is drawn from a generator
-    seeded by (seed, split, k), so every layout sees the same global batch at every step and a resumed run
-    continues the same sequence of batches (its data position is the step)."""
-
-    def __init__(self, source, train=None, val=None, vocab=256, text=False):
-        self.source, self.train, self.val, self.vocab = source, train, val, vocab  # vocab: ids the data uses
-        self.text = text  # the ids are the bytes of a text: a sample is decoded as UTF-8
-
-    def batch(self, split, step, batch, seq_len, seed, device="cpu"):
-        if self.source == "synthetic":  # validation batches from their own seeds (negative steps)
-            return synthetic_batch(step if split == "train" else -1 - step, batch, seq_len, self.vocab,
-                                   seed).to(device)
-        stream = self.train if split == "train" else self.val
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + 2 * step + (split == "val"))
-        starts = torch.randint(len(stream) - seq_len, (batch,), generator=gen)
-        index = starts[:, None] + torch.arange(seq_len + 1)  # every sequence in one gather
-        if isinstance(stream, torch.Tensor):
-            return stream[index].to(device)
-        return torch.from_numpy(stream[index.numpy()].astype(np.int64)).to(device)  # a uint16 memmap
-
+# ---- Data: text files and folders, nanoGPT .bin files (the embedded corpus, the synthetic language: the core's) ----
 
 def _kind(mode):
     return next((name for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
@@ -2153,20 +2554,12 @@ def _read_bytes(what, path):
         raise ValueError(f"{what}: {path} cannot be read ({e.strerror})") from None
 
 
-def _text_tokens(text_bytes):
-    return torch.from_numpy(np.frombuffer(text_bytes, dtype=np.uint8).astype(np.int64))
-
-
 def load_data(spec, seq_len, vocab):
     """`embedded` (CPython's pydoc topics, ~466 KB of English), `synthetic`, a text file, a folder of text files,
     or a folder (or the path of a train.bin in one) with nanoGPT's uint16 train.bin and val.bin. Raises
     ValueError naming --data for anything missing, empty or too short."""
-    if spec == "synthetic":  # a bigram language over the model's whole vocabulary
-        return TokenData("synthetic", vocab=vocab)
-    if spec == "embedded":
-        import pydoc_data.topics
-        text = "".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)).encode()
-        return _split_text("embedded corpus", _text_tokens(text), seq_len)
+    if spec in ("synthetic", "embedded"):
+        return chapter_data(spec, seq_len, vocab)
     what = f"--data {spec}"
     if not os.path.exists(spec):
         raise ValueError(f"{what}: no such file or folder; pass a text file, a folder of text files, a "
@@ -2196,15 +2589,6 @@ def load_data(spec, seq_len, vocab):
                   "(nanoGPT's token ids are a folder holding both)")
     text = b"".join(_read_bytes(what, f) for f in files)  # each file checked before it is opened: a FIFO blocks
     return _split_text(what, _text_tokens(text), seq_len)
-
-
-def _split_text(name, tokens, seq_len):
-    n_val = int(len(tokens) * VAL_FRACTION)
-    if n_val <= seq_len or len(tokens) - n_val <= seq_len:
-        raise ValueError(f"{name} holds {len(tokens)} bytes: too few for --seq {seq_len} (each split needs more "
-                         f"than --seq tokens, the validation split is the last {VAL_FRACTION:.0%}); pass more text "
-                         "or a smaller --seq")
-    return TokenData(name, tokens[:-n_val], tokens[-n_val:], vocab=int(tokens.max()) + 1, text=True)
 
 
 def open_metrics(path, start):
@@ -2452,7 +2836,7 @@ def read_train_state(path, cfg=None, manifest=None):
                         ("optimizer_state", OPTIMIZER_STATE_FIELDS)):
         _check_fields(state[key], checks, where, prefix=key + ".")
     try:
-        validate(GPTConfig(**state["config"]), TrainConfig(), 1)
+        validate(GPTConfig(**state["config"]), JobConfig(), 1)
         scaler = state["optimizer_state"]["loss_scaler"]
         if scaler is not None:
             mixed_precision.DynamicLossScaler().load_state_dict(scaler)  # its own checks, on a throwaway
@@ -2769,7 +3153,7 @@ def model_geometry(cfg):
     """{global name: the whole parameter's shape, in the coordinates of its boxes (QKV as (3, h, ...))} for every
     parameter of the model, whatever stage holds it: a one-process model built on the meta device (no memory, no
     process group)."""
-    plan = make_plan(cfg, TrainConfig(), topology.hybrid_parallel_state(0, 1))
+    plan = make_plan(cfg, TrainConfig(), topology.parallel_state(0, 1))
     with torch.device("meta"):
         stage = GPTStage(cfg, plan)
     return {name: _slice_geometry(p, plan.parallel_state)[0] for name, p, _ in _saved_params(stage)}
@@ -3202,14 +3586,16 @@ def validate(cfg, train_cfg, world):
     u = train_cfg.cp_ulysses
     token_split = layout.sequence_parallel or (layout.moe_token_split and cfg.moe_every > 0)
     checks = [
-        (train_cfg.cp_impl not in CP_IMPLS,
-         f"--cp-impl {train_cfg.cp_impl!r} is unknown; choose one of {sorted(CP_IMPLS)}"),
+        (train_cfg.cp_impl not in ALL_CP_IMPLS,
+         f"--cp-impl {train_cfg.cp_impl!r} is unknown; choose one of {sorted(ALL_CP_IMPLS)}"),
         (train_cfg.recompute not in RECOMPUTE,
          f"--recompute {train_cfg.recompute!r} is unknown; choose one of {RECOMPUTE}"),
         (train_cfg.dtype not in DTYPES, f"--dtype {train_cfg.dtype!r} is unknown; choose one of {DTYPES}"),
         (train_cfg.optimizer not in ("adamw", "sgd"),
          f"--optimizer {train_cfg.optimizer!r} is unknown; choose adamw or sgd"),
         (ep > 1 and cfg.moe_every == 0, f"--ep {ep} needs MoE layers: set --moe-every > 0"),
+        (train_cfg.moe_grouped_gemm and cfg.moe_every == 0, "--moe-grouped-gemm runs MoE layers' experts: set "
+                                                            "--moe-every > 0"),
         (cfg.moe_every > cfg.n_layer, f"--moe-every {cfg.moe_every} exceeds --layers {cfg.n_layer}: no layer "
                                       "would be MoE; choose --moe-every <= --layers, or 0 for a dense model"),
         (cfg.moe_every and cfg.n_experts % ep, f"--experts {cfg.n_experts} must be divisible by --ep {ep}"),
@@ -3293,8 +3679,8 @@ def nvfp4_checks(cfg, train_cfg):
 
 def schedule_error(kind, p, m, v):
     """What makes a pipeline schedule impossible (the message names the flag), or None."""
-    if kind not in SCHEDULES:
-        return f"--pp-schedule {kind!r} is unknown; choose one of {tuple(SCHEDULES)}"
+    if kind not in ALL_SCHEDULES:
+        return f"--pp-schedule {kind!r} is unknown; choose one of {tuple(ALL_SCHEDULES)}"
     if kind == "interleaved" and v == 1:
         return "--pp-schedule interleaved needs --virtual-stages >= 2 (model chunks per pipeline rank)"
     if v > 1 and kind == "1f1b":
@@ -3923,97 +4309,71 @@ def job_without_training(train_cfg, flags, world):
     return None
 
 
-def parse_args(argv=None):
+JOB_FLAG_GROUPS = ("model", "parallelism (DP is the world over TP x CP x PP)", "pipeline schedule", "precision",
+                   "memory", "data and optimisation", "checkpoints and weights", "sampling", "run")
+
+
+def parse_job_args(argv=None):
+    """The whole program's command line: the chapter's flags (`chapter_flags`), the at-scale forms' and the job's;
+    returns (GPTConfig, JobConfig, the flags)."""
     ap = _ArgumentParser(description="Train a GPT with TP x CP x DP x PP (DP = world / (tp*cp*pp)) by torchrun; "
                          "sample from, export or show what it trains.", formatter_class=_HelpFormatter)
-    group = ap.add_argument_group("model").add_argument
-    group("--layers", type=int, default=4, help="transformer blocks")
-    group("--heads", type=int, default=4, help="attention heads")
-    group("--hidden", type=int, default=64, help="model width h (the MLP is 4h)")
-    group("--seq", type=int, default=64, help="sequence length in tokens")
-    group("--vocab", type=int, default=256, help="vocabulary size (256: bytes of text; pad to a multiple of --tp)")
-    group("--moe-every", type=int, default=0, help="every n-th block's MLP is a mixture of experts (0: dense)")
-    group("--experts", type=int, default=8, help="experts per MoE block")
-    group("--top-k", type=int, default=2, help="experts each token is routed to")
-    group("--init-from-hf", default=None, metavar="DIR", help="start from the weights of a GPT-2 folder, at any "
-          "layout; the model's shape comes from its config.json")
-    group = ap.add_argument_group("parallelism (DP is the world over TP x CP x PP)").add_argument
-    group("--tp", type=int, default=1, help="tensor parallel ranks (inside a node)")
-    group("--pp", type=int, default=1, help="pipeline stages")
-    group("--cp", type=int, default=1, help="context parallel ranks (the sequence split over them)")
-    group("--ep", type=int, default=1, help="expert parallel ranks, folded over DP x CP")
-    group("--sequence-parallel", action="store_true", help="split the LayerNorm and residual activations over TP")
-    group("--cp-impl", default="ring", choices=sorted(CP_IMPLS), help="how CP attends across the ranks")
-    group("--cp-ulysses", type=int, default=1, help="--cp-impl hybrid: the Ulysses ranks inside each CP group")
-    group = ap.add_argument_group("pipeline schedule").add_argument
-    group("--pp-schedule", default="1f1b", choices=SCHEDULES, help="1f1b, interleaved (Megatron-LM) or zb-h1 "
-          "(zero bubble)")
-    group("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (interleaved, zb-h1)")
-    group("--show-schedule", action="store_true", help="print the schedule's timeline for --pp, --micro-batches, "
-          "--pp-schedule and --virtual-stages, with its bubble and in-flight peaks, and exit (no process group)")
-    group("--micro-batches", type=int, default=None, help="with --show-schedule: m (a run's is batch / (dp "
-          "micro_batch); default 8)")
-    group = ap.add_argument_group("precision").add_argument
-    group("--dtype", default="float32", choices=list(DTYPES), help="the weights' and activations' dtype; masters, "
-          "main grads and optimizer states stay FP32")
-    group("--fp8-recipe", default="tensorwise", choices=mixed_precision.FP8_RECIPES, help="with --dtype fp8: the "
-          "scaling granularity (tensorwise, delayed, rowwise, blockwise: DeepSeek-V3's tiles, mxfp8)")
-    group("--fp8-backward", default="bf16", choices=mixed_precision.FP8_BACKWARDS, help="with --dtype fp8: the "
-          "backward GEMMs in BF16, or in FP8 with E5M2 gradients at the recipe's granularity")
-    group("--fp8-param-gather", action="store_true", help="with --zero 1, 2 or 3: all-gather the weights in FP8 "
-          "(MXFP8: E4M3 and one power-of-two scale per 32)")
-    group("--nvfp4-bf16-last", type=int, default=None, metavar="K", help="with --dtype nvfp4: the last K blocks "
-          "stay BF16, as the LM head and the experts do (default: the last 15 %%, rounded)")
-    group = ap.add_argument_group("memory").add_argument
-    group("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="1: shard the optimizer states over DP x CP; "
-          "2: and the gradients; 3: and the blocks' parameters (gathered for each use)")
-    group("--zero-shard-size", type=int, default=None, help="hybrid sharding: shard over groups of this many DP x "
-          "CP ranks (one node, say), replicate across them (default: all of them)")
-    group("--memory-report", action="store_true", help="measure step 2's peak per rank and part from the live "
-          "tensors (on CUDA also max_memory_allocated) and print it beside topology.py's prediction")
-    group("--recompute", default="none", choices=list(RECOMPUTE), help="activation recomputation policy; offload: "
-          "every block's saved activations wait in host memory (pinned, copied on a side stream on CUDA), "
-          "selective+offload: all but the attention core's, which is recomputed")
-    group = ap.add_argument_group("data and optimisation").add_argument
-    group("--data", default="embedded", help="embedded (CPython's documentation), synthetic, a text file, a folder "
-          "of text, or a folder with nanoGPT's train.bin and val.bin")
-    group("--batch", type=int, default=16, help="global batch in sequences")
-    group("--micro-batch", type=int, default=2, help="sequences per micro-batch on one DP rank")
-    group("--steps", type=int, default=30, help="optimizer steps of the run (the cosine schedule ends there)")
-    group("--optimizer", default="adamw", choices=["adamw", "sgd"], help="the inner optimizer of the FP32 masters")
-    group("--lr", type=float, default=3e-3, help="peak learning rate")
-    group("--min-lr", type=float, default=None, help="cosine decay target (default: --lr / 10)")
-    group("--warmup", type=int, default=0, help="linear warm-up steps")
-    group("--weight-decay", type=float, default=0.1, help="of the 2-D weights (AdamW: decoupled; SGD: L2)")
-    group("--grad-clip", type=float, default=1.0, help="global gradient-norm clipping (0: off)")
-    group("--eval-every", type=int, default=0, help="steps between validation losses (0: none)")
-    group("--eval-batches", type=int, default=4, help="batches per validation loss")
-    group("--seed", type=int, default=0, help="the weights' and the batches' seed")
-    group = ap.add_argument_group("checkpoints and weights").add_argument
-    group("--out-dir", default=None, help="the folder of the checkpoints (and, by default, of the metrics)")
-    group("--save-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
-    group("--keep-last", type=int, default=0, help="keep only the newest N checkpoints (0: every one; the newest "
-          "that passes its checks is never deleted)")
-    group("--resume", action="store_true", help="continue from the newest checkpoint in --out-dir that passes its "
-          "checks")
-    group("--export-hf", default=None, metavar="DIR", help="write --out-dir's newest good checkpoint (or --step's) "
-          "as a Hugging Face GPT-2 folder (config.json, model.safetensors) and exit; dense models")
-    group("--export-nanogpt", default=None, metavar="FILE", help="the same as nanoGPT's ckpt.pt")
-    group("--step", type=int, default=None, help="with --export-hf/--export-nanogpt: the checkpoint of this step "
-          "(default: the newest good one)")
-    group = ap.add_argument_group("sampling").add_argument
-    group("--sample", type=int, default=None, help="draw this many tokens (bytes for a text model) from --out-dir's "
-          "newest checkpoint that passes its checks, print them and exit")
-    group("--prompt", default=None, help="the text the sample continues (default: a newline)")
-    group("--prompt-file", default=None, help="read the prompt from this file")
-    group("--temperature", type=float, default=0.8, help="divides the logits before sampling")
-    group("--sample-top-k", type=int, default=50, help="sample among the k likeliest tokens (0: all; 1: greedy)")
-    group = ap.add_argument_group("run").add_argument
-    group("--metrics", default=None, help="the metrics file, one JSON object per step (default: "
-          "--out-dir/metrics.jsonl, or metrics.jsonl without --out-dir)")
-    group("--timeout-s", type=float, default=300.0, help="how long any collective waits for a rank")
-    group("--peak-tflops", type=float, default=None, help="per GPU, for MFU (default on A100/H100/H200: "
-          "the dense BF16 peak, whatever --dtype)")
+    choices = {"cp_impl": sorted(ALL_CP_IMPLS), "dtype": list(DTYPES), "fp8_recipe": mixed_precision.FP8_RECIPES,
+               "zero": [0, 1, 2, 3], "recompute": list(RECOMPUTE)}
+    group = chapter_flags(ap, JOB_FLAG_GROUPS, choices, more_help={
+        "fp8_recipe": "; rowwise, blockwise: DeepSeek-V3's tiles, mxfp8",
+        "zero": "; 2: and the gradients; 3: and the blocks' parameters (gathered for each use)",
+        "recompute": "; offload: every block's saved activations wait in host memory (pinned, copied on a side "
+                     "stream on CUDA), selective+offload: all but the attention core's, which is recomputed",
+        "data": "; or a text file, a folder of text, or a folder with nanoGPT's train.bin and val.bin",
+        "metrics": " (default: --out-dir/metrics.jsonl, or metrics.jsonl without --out-dir)"})
+    group["model"]("--init-from-hf", default=None, metavar="DIR", help="start from the weights of a GPT-2 folder, at "
+                   "any layout; the model's shape comes from its config.json")
+    group["model"]("--moe-grouped-gemm", action="store_true", help="run each MoE layer's local experts as one "
+                   "grouped GEMM, torch._grouped_mm where it runs (Megatron-LM's flag; else the experts' loop)")
+    group["parallelism (DP is the world over TP x CP x PP)"]("--cp-ulysses", type=int, default=1, help="--cp-impl "
+                                                             "hybrid: the Ulysses ranks inside each CP group")
+    schedule = group["pipeline schedule"]
+    schedule("--pp-schedule", default="1f1b", choices=ALL_SCHEDULES, help="1f1b, interleaved (Megatron-LM) or zb-h1 "
+             "(zero bubble)")
+    schedule("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (interleaved, zb-h1)")
+    schedule("--show-schedule", action="store_true", help="print the schedule's timeline for --pp, --micro-batches, "
+             "--pp-schedule and --virtual-stages, with its bubble and in-flight peaks, and exit (no process group)")
+    schedule("--micro-batches", type=int, default=None, help="with --show-schedule: m (a run's is batch / (dp "
+             "micro_batch); default 8)")
+    precision = group["precision"]
+    precision("--fp8-backward", default="bf16", choices=mixed_precision.FP8_BACKWARDS, help="with --dtype fp8: the "
+              "backward GEMMs in BF16, or in FP8 with E5M2 gradients at the recipe's granularity")
+    precision("--fp8-param-gather", action="store_true", help="with --zero 1, 2 or 3: all-gather the weights in FP8 "
+              "(MXFP8: E4M3 and one power-of-two scale per 32)")
+    precision("--nvfp4-bf16-last", type=int, default=None, metavar="K", help="with --dtype nvfp4: the last K blocks "
+              "stay BF16, as the LM head and the experts do (default: the last 15 %%, rounded)")
+    group["memory"]("--zero-shard-size", type=int, default=None, help="hybrid sharding: shard over groups of this "
+                    "many DP x CP ranks (one node, say), replicate across them (default: all of them)")
+    group["memory"]("--memory-report", action="store_true", help="measure step 2's peak per rank and part from the "
+                    "live tensors (on CUDA also max_memory_allocated) and print it beside topology.py's prediction")
+    group["data and optimisation"]("--eval-every", type=int, default=0, help="steps between validation losses (0: "
+                                   "none)")
+    group["data and optimisation"]("--eval-batches", type=int, default=4, help="batches per validation loss")
+    weights = group["checkpoints and weights"]
+    weights("--out-dir", default=None, help="the folder of the checkpoints (and, by default, of the metrics)")
+    weights("--save-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
+    weights("--keep-last", type=int, default=0, help="keep only the newest N checkpoints (0: every one; the newest "
+            "that passes its checks is never deleted)")
+    weights("--resume", action="store_true", help="continue from the newest checkpoint in --out-dir that passes its "
+            "checks")
+    weights("--export-hf", default=None, metavar="DIR", help="write --out-dir's newest good checkpoint (or --step's) "
+            "as a Hugging Face GPT-2 folder (config.json, model.safetensors) and exit; dense models")
+    weights("--export-nanogpt", default=None, metavar="FILE", help="the same as nanoGPT's ckpt.pt")
+    weights("--step", type=int, default=None, help="with --export-hf/--export-nanogpt: the checkpoint of this step "
+            "(default: the newest good one)")
+    sampling = group["sampling"]
+    sampling("--sample", type=int, default=None, help="draw this many tokens (bytes for a text model) from "
+             "--out-dir's newest checkpoint that passes its checks, print them and exit")
+    sampling("--prompt", default=None, help="the text the sample continues (default: a newline)")
+    sampling("--prompt-file", default=None, help="read the prompt from this file")
+    sampling("--temperature", type=float, default=0.8, help="divides the logits before sampling")
+    sampling("--sample-top-k", type=int, default=50, help="sample among the k likeliest tokens (0: all; 1: greedy)")
     flags = ap.parse_args(argv)
     if flags.micro_batches is not None and not flags.show_schedule:
         raise ValueError("--micro-batches goes with --show-schedule; a run has batch / (dp micro_batch) micro-batches")
@@ -4053,11 +4413,8 @@ def parse_args(argv=None):
         given = vars(ap.parse_args(argv))
         flags.shape_given = {field: given[flag[2:].replace("-", "_")] for field, flag in SHAPE_FLAGS.items()
                              if given[flag[2:].replace("-", "_")] is not None}
-    cfg = GPTConfig(vocab_size=flags.vocab, seq_len=flags.seq, n_layer=flags.layers, n_head=flags.heads,
-                    n_embd=flags.hidden, seed=flags.seed, moe_every=flags.moe_every, n_experts=flags.experts,
-                    top_k=flags.top_k)
-    train_cfg = TrainConfig(**{f.name: getattr(flags, f.name) for f in fields(TrainConfig) if hasattr(flags, f.name)})
-    return cfg, train_cfg, flags
+    cfg, job_cfg = configs_of(flags, JobConfig)
+    return cfg, job_cfg, flags
 
 
 @contextlib.contextmanager
@@ -4130,4 +4487,4 @@ def stop_local_peers():
 
 
 if __name__ == "__main__":
-    main()
+    main_job()

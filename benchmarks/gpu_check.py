@@ -64,10 +64,10 @@ def gpt2_small(device, dry, deadline):
     if dry:
         cfg = train_gpt.GPTConfig(vocab_size=512, seq_len=64, n_layer=2, n_head=4, n_embd=64)
         batch, micro = 4, 2
-    run = train_gpt.TrainConfig(dtype="bfloat16", batch=batch, micro_batch=micro, lr=6e-4, log=False,
-                                data="synthetic", timeout_s=120)
+    run = train_gpt.JobConfig(dtype="bfloat16", batch=batch, micro_batch=micro, lr=6e-4, log=False,
+                              data="synthetic", timeout_s=120)
     data = train_gpt.check_inputs(cfg, run, 1)
-    plan, stage, opt, pipe = train_gpt.build(cfg, run)
+    plan, stage, opt, pipe = train_gpt.build_job(cfg, run)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     say("gpt2 backend", f"{torch.distributed.get_backend()} on {device} ({name})")
     times, losses = [], []
@@ -96,7 +96,7 @@ def gpt2_small(device, dry, deadline):
         raise AssertionError(f"gpt2: the loss did not fall ({losses[0]:.3f} -> {losses[-1]:.3f})")
     with tempfile.TemporaryDirectory() as out_dir:
         path = train_gpt.save_checkpoint(out_dir, len(losses), stage, opt, cfg, run)
-        _, stage2, opt2, _ = train_gpt.build(cfg, run)  # a fresh model and optimizer, loaded on the device
+        _, stage2, opt2, _ = train_gpt.build_job(cfg, run)  # a fresh model and optimizer, loaded on the device
         train_gpt.load_checkpoint(path, stage2, opt2)
         parts = lambda v: [t for _, t in v.parts] if isinstance(v, train_gpt.Boxes) else [v]
         saved, loaded = (train_gpt.checkpoint_tensors(s, o) for s, o in ((stage, opt), (stage2, opt2)))
@@ -357,9 +357,9 @@ def _device_curves(device, runs, steps=4):
     cfg = train_gpt.GPTConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, n_embd=64)
     curves = []
     for changes in runs:
-        run = train_gpt.TrainConfig(batch=8, micro_batch=2, lr=1e-3, log=False, data="synthetic", timeout_s=120,
-                                    **{"dtype": "float32", **changes})
-        _, stage, opt, pipe = train_gpt.build(cfg, run)
+        run = train_gpt.JobConfig(batch=8, micro_batch=2, lr=1e-3, log=False, data="synthetic", timeout_s=120,
+                                  **{"dtype": "float32", **changes})
+        _, stage, opt, pipe = train_gpt.build_job(cfg, run)
         curve = []
         for k in range(steps):
             stage.step = k  # as train() sets it: NVFP4's stochastic rounding draws from the step
@@ -389,8 +389,8 @@ CPU_RUN = ["--data", "synthetic", "--layers", "4", "--hidden", "32", "--seq", "3
 
 def _one_process_curve():
     """The same 3 steps in this process (on the CPU), the reference of the gloo runs."""
-    cfg, run, _ = train_gpt.parse_args(CPU_RUN + ["--metrics", ""])
-    return [r["loss"] for r in train_gpt.train(cfg, replace(run, metrics=None, log=False))]
+    cfg, run, _ = train_gpt.parse_job_args(CPU_RUN + ["--metrics", ""])
+    return [r["loss"] for r in train_gpt.train_job(cfg, replace(run, metrics=None, log=False))]
 
 
 def _largest_difference(a, b):

@@ -62,20 +62,20 @@ class Chunk(nn.Module):
 
 def layout(a, kind):
     v = 1 if kind == "1f1b" else a.virtual_stages
-    return train_gpt.TrainConfig(pp=a.pp, batch=a.batch, micro_batch=a.micro_batch, dtype="float32", lr=1e-3,
+    return train_gpt.JobConfig(pp=a.pp, batch=a.batch, micro_batch=a.micro_batch, dtype="float32", lr=1e-3,
                                  log=False, data="synthetic", pp_schedule=kind, virtual_stages=v)
 
 
 def ours(cfg, run):
     """train_gpt.py's step: (step(tokens) -> loss, the stage)."""
-    _, stage, opt, pipe = train_gpt.build(cfg, run)
+    _, stage, opt, pipe = train_gpt.build_job(cfg, run)
     return (lambda tokens: train_gpt.train_step(stage, pipe, opt, tokens, run.micro_batch, run.grad_clip)[0]), stage
 
 
 def torchs(cfg, run, kind):
     """The same stage under torch.distributed.pipelining's schedule for `kind`: step(tokens) -> loss."""
     from torch.distributed import pipelining
-    plan, stage, opt, _ = train_gpt.build(cfg, run)
+    plan, stage, opt, _ = train_gpt.build_job(cfg, run)
     p, v, rank = run.pp, run.virtual_stages, plan.parallel_state.pp_rank
     m = plan.micro_batch_count
     positions = torch.arange(cfg.seq_len)
@@ -147,9 +147,10 @@ def add_breakdowns(kind, timed):
     pipe, base = train_gpt.Pipeline, stage._PipelineStageBase
     runner = getattr(schedules, TORCH_SCHEDULES[kind])
     runner = next(c for c in runner.__mro__ if "_step_microbatches" in c.__dict__)
-    kind_of_action = lambda args: f"compute {args[1].kind}"  # noqa: E731 (_run_action(stage, action, ...))
-    timed["ours"] = Breakdown(((train_gpt, "_run_action", kind_of_action), (pipe, "receive", "waiting on receives"),
-                               (pipe, "reap", "waiting on sends"), (pipe, "post_receive", "posting receives"),
+    kind_of_action = lambda args: f"compute {args[2].kind}"  # noqa: E731 (pipe.run_action(stage, action, ...))
+    timed["ours"] = Breakdown(((pipe, "run_action", kind_of_action), (train_gpt.ZeroBubblePipeline, "run_action",
+                                kind_of_action), (pipe, "receive", "waiting on receives"),
+                               (pipe, "collect_sends", "waiting on sends"), (pipe, "post_receive", "posting receives"),
                                (pipe, "send", "posting sends"), (train_gpt, "run_schedule", "schedule")))
     timed["torch"] = Breakdown(((base, "forward_one_chunk", "compute F"), (base, "backward_one_chunk", "compute B"),
                                 (base, "backward_weight_one_chunk", "compute W"),

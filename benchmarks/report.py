@@ -99,7 +99,7 @@ def _phase(log, phase):
 def measure_block(cfg, run, b):
     """Bytes one block keeps for backward on this rank, the TP collectives of its forward and of its backward
     ({"all_reduce:fwd": 2, ...}), and the bytes this rank sends in its forward's TP collectives."""
-    plan, stage, _, _ = train_gpt.build(cfg, run)
+    plan, stage, _, _ = train_gpt.build_job(cfg, run)
     x = torch.randn(b, plan.seq_hidden, cfg.n_embd, generator=torch.Generator().manual_seed(0))
     blocks, state = nn.ModuleList(stage.blocks[:1]), (x, torch.zeros((), dtype=torch.float64))
     forward, backward = CollectiveLog(plan.tp), CollectiveLog(plan.tp)
@@ -111,7 +111,7 @@ def measure_block(cfg, run, b):
 
 def measure_stage_kept_bytes(cfg, run, b, policies=("none", "selective", "sqrt", "full")):
     """Bytes this rank's pipeline stage keeps for backward under each recomputation policy."""
-    plan, stage, _, _ = train_gpt.build(cfg, run)
+    plan, stage, _, _ = train_gpt.build_job(cfg, run)
     state = (torch.randn(b, plan.seq_hidden, cfg.n_embd, generator=torch.Generator().manual_seed(0)),
              torch.zeros((), dtype=torch.float64))
     return {policy: measure_kept_bytes_settled(stage.blocks, state, policy)[0] for policy in policies}
@@ -143,8 +143,9 @@ def count_step_flops(stage, pipe, optimizer, tokens, micro_batch):
 def measure_step_flops(cfg, batch, micro_batch):
     """One rank's counted FLOPs of one float32 step on `batch` synthetic sequences (after a first step, so that
     what runs once, such as the optimizer's state creation, is not part of it)."""
-    run = train_gpt.TrainConfig(batch=batch, micro_batch=micro_batch, dtype="float32", log=False, data="synthetic")
-    plan, stage, opt, pipe = train_gpt.build(cfg, run)
+    run = train_gpt.JobConfig(batch=batch, micro_batch=micro_batch, dtype="float32", log=False, data="synthetic",
+                              moe_grouped_gemm=cfg.moe_every > 0)  # the experts' grouped GEMM: its FLOPs counted
+    plan, stage, opt, pipe = train_gpt.build_job(cfg, run)
     tokens = train_gpt.synthetic_batch(0, batch, cfg.seq_len, cfg.vocab_size)
     train_gpt.train_step(stage, pipe, opt, tokens, micro_batch)
     return count_step_flops(stage, pipe, opt, tokens, micro_batch)
@@ -153,9 +154,9 @@ def measure_step_flops(cfg, batch, micro_batch):
 def measure_schedule(cfg, batch, kind="1f1b", v=1, peaks=False):
     """The actions every pipeline rank ran in one step (one micro-batch per sequence; PP = the world), gathered on
     every rank, first rank first; with `peaks`, also each rank's measured in-flight peak."""
-    run = train_gpt.TrainConfig(pp=dist.get_world_size(), batch=batch, micro_batch=1, dtype="float32", log=False,
-                                data="synthetic", pp_schedule=kind, virtual_stages=v)
-    plan, stage, opt, pipe = train_gpt.build(cfg, run)
+    run = train_gpt.JobConfig(pp=dist.get_world_size(), batch=batch, micro_batch=1, dtype="float32", log=False,
+                              data="synthetic", pp_schedule=kind, virtual_stages=v)
+    plan, stage, opt, pipe = train_gpt.build_job(cfg, run)
     tokens = train_gpt.synthetic_batch(0, batch, cfg.seq_len, cfg.vocab_size)
     stats = train_gpt.train_step(stage, pipe, opt, tokens, 1)[-1]
     ranks = [None] * dist.get_world_size()
@@ -186,7 +187,7 @@ def on_cpu_ranks(world, fn, *args):
     return queue.get()
 
 
-GPTConfig, TrainConfig = train_gpt.GPTConfig, train_gpt.TrainConfig
+GPTConfig, JobConfig = train_gpt.GPTConfig, train_gpt.JobConfig
 # the shapes of the figures above
 REPORT_BLOCK = GPTConfig(vocab_size=32, seq_len=32, n_layer=4, n_head=4, n_embd=32)       # b = 2
 REPORT_MOE = GPTConfig(vocab_size=32, seq_len=32, n_layer=4, n_head=4, n_embd=32, moe_every=1, n_experts=4,
@@ -231,7 +232,7 @@ def report():
     for name, cfg, world, sp in (("TP=1", REPORT_BLOCK, 1, False), ("TP2", REPORT_BLOCK, 2, False),
                                  ("TP2 with SP", REPORT_BLOCK, 2, True), ("TP2 MoE", REPORT_MOE, 2, False),
                                  ("TP2 with SP, MoE", REPORT_MOE, 2, True)):
-        run = TrainConfig(tp=world, sequence_parallel=sp, micro_batch=b, dtype="float32", log=False)
+        run = JobConfig(tp=world, sequence_parallel=sp, micro_batch=b, dtype="float32", log=False)
         kept, fwd, bwd, sent = on_cpu_ranks(world, measure_block, cfg, run, b)
         moe = cfg.is_moe(0)
         terms = train_gpt.block_activation_bytes(b, cfg.seq_len, cfg.n_embd, cfg.n_head, world, sp, 4, 4)
@@ -246,7 +247,7 @@ def report():
         f"h={cfg.n_embd}, a={cfg.n_head}, float32), measured (formula):")
     out(f"  {'layout':<22s}" + "".join(f"{p:>22s}" for p in policies))
     for name, layout in REPORT_STAGE_LAYOUTS.items():
-        run = TrainConfig(micro_batch=b, dtype="float32", log=False, **layout)
+        run = JobConfig(micro_batch=b, dtype="float32", log=False, **layout)
         kept = on_cpu_ranks(run.tp * run.pp * run.cp, measure_stage_kept_bytes, cfg, run, b)
         cells = []
         for p in policies:

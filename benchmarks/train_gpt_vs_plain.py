@@ -156,8 +156,8 @@ def main():
     ap.add_argument("--profile", action="store_true", help="also both programs' time by operator")
     a = ap.parse_args()
     cfg = train_gpt.GPTConfig(vocab_size=256, seq_len=a.seq, n_layer=a.layers, n_head=a.heads, n_embd=a.hidden)
-    run = train_gpt.TrainConfig(batch=a.batch, micro_batch=a.micro_batch or a.batch, lr=1e-3, log=False,
-                                data="embedded")
+    run = train_gpt.JobConfig(batch=a.batch, micro_batch=a.micro_batch or a.batch, lr=1e-3, log=False,
+                              data="embedded")
     try:  # bad sizes: one line and exit code 2, as train_gpt.py does
         for flag in ("rounds", "steps_per_round"):
             if getattr(a, flag) < 1:
@@ -171,7 +171,7 @@ def main():
         print(f"train_gpt_vs_plain.py: error: {e}", file=sys.stderr)
         sys.exit(2)
     cores = torch.get_num_threads()  # torch's default: the machine's cores
-    _, stage, opt, pipe = train_gpt.build(cfg, run)
+    _, stage, opt, pipe = train_gpt.build_job(cfg, run)
     a.device = next(stage.parameters()).device  # both on the device train_gpt.py chose
     torch.manual_seed(0)
     plain = PlainGPT(cfg).to(a.device)

@@ -1,11 +1,15 @@
-"""The core-alone checker itself can fail: a banner missing or doubled, a repository import, a foreign package;
-and no technique file binds a name twice at its top level."""
+"""The cores, cut at their banners, are the chapter: they fit the reader's budget, every name they use is defined in
+them (or in the standard library, torch, numpy, einops), no file binds a name twice at its top level (the code you
+read is the code that runs), and together they train the composed run as the whole files do, bit for bit. And the
+checkers themselves can fail."""
 import ast
+import json
 import os
 
 import pytest
 
 import chapter_core
+
 
 # ---- no name bound twice at a file's top level --------------------------------------------------------------
 #
@@ -13,8 +17,9 @@ import chapter_core
 # to a core name again below the banner (`class MoE(MoE)`, `TABLE["beyond"] = ...`, `Cls.attr = ...`,
 # `TABLE.update(...)`), the core a reader reads would not be the code that runs. Files join NAMES_BOUND_ONCE as
 # their at-scale forms get their own names; the others are expected to fail (strict: one that passes must join).
-TECHNIQUE_FILES = ("topology", "mixed_precision", "grad_accum", "checkpointing", "moe_ep", "long_seq", "train_gpt")
-NAMES_BOUND_ONCE = {"topology", "mixed_precision", "grad_accum", "checkpointing", "moe_ep", "long_seq"}
+# All seven have joined.
+TECHNIQUE_FILES = chapter_core.CORES
+NAMES_BOUND_ONCE = set(chapter_core.CORES)
 MUTATING_METHODS = {"update", "append", "extend", "insert", "setdefault", "add"}
 
 
@@ -83,6 +88,7 @@ def test_a_repository_import_is_refused_at_any_depth():
         chapter_core.check_imports("x", "import torch\ndef f():\n    from topology import rank_groups\n")
     with pytest.raises(AssertionError, match="a file of this repository"):
         chapter_core.check_imports("x", "from . import topology\n")
+    chapter_core.check_imports("train_gpt", "import topology\n", repository=("topology",))  # the program's core
 
 
 def test_only_the_standard_library_torch_numpy_and_einops_are_allowed():
@@ -105,22 +111,75 @@ def test_a_file_needs_exactly_one_banner(tmp_path, monkeypatch):
     assert core.x == 1 and not hasattr(core, "y")
 
 
-# The chapter's part of each file, in lines above its banner (grad_accum.py is all chapter: the whole file), and
-# the module docstring that teaches it: a reader's budget, so an at-scale form added above a banner fails here
-CORE_BUDGETS = {"topology": 500, "mixed_precision": 810, "long_seq": 600, "moe_ep": 450, "checkpointing": 400,
-                "grad_accum": 400, "train_gpt": 1100}
+# The chapter's part of the files, in lines above their banners (grad_accum.py is all chapter: the whole file), and
+# the module docstring that teaches each: a reader's budget, so that at-scale forms added above a banner fail here.
+# The seven together, and train_gpt.py's (the composed step, the loop, the chapter's command line) on its own.
+CORES_BUDGET, TRAIN_GPT_CORE_BUDGET, DOCSTRING_LINES = 4400, 1400, 60
 
 
-@pytest.mark.parametrize("name", sorted(CORE_BUDGETS))
-def test_each_files_chapter_fits_its_reading_budget(name):
-    import ast
-    import os
-    if name == "grad_accum":  # no banner: the whole file
-        with open(os.path.join(chapter_core.ROOT, "grad_accum.py")) as f:
-            lines = f.read().splitlines(keepends=True)
-    else:
-        lines = chapter_core.core_lines(name)
-    budget = CORE_BUDGETS[name]
-    assert len(lines) <= budget, f"{name}.py: {len(lines)} lines of chapter, over its {budget}"
-    docstring = ast.get_docstring(ast.parse("".join(lines)), clean=False)
-    assert docstring and len(docstring.splitlines()) <= 60, name
+def test_the_cores_fit_the_readers_budget():
+    sizes = {name: len(chapter_core.core_lines(name)) for name in chapter_core.CORES}
+    assert sum(sizes.values()) < CORES_BUDGET, sizes
+    assert sizes["train_gpt"] < TRAIN_GPT_CORE_BUDGET, sizes
+    for name in chapter_core.CORES:
+        docstring = ast.get_docstring(ast.parse("".join(chapter_core.core_lines(name))), clean=False)
+        assert docstring and len(docstring.splitlines()) <= DOCSTRING_LINES, name
+
+
+def test_every_name_a_core_uses_is_defined_in_a_core_or_the_standard_library_torch_numpy_einops():
+    sources = {name: "".join(chapter_core.core_lines(name)) for name in chapter_core.CORES}
+    for name, source in sources.items():
+        chapter_core.check_imports(name, source, chapter_core.TECHNIQUE_FILES if name == "train_gpt" else ())
+    assert chapter_core.undefined_names(sources) == []
+
+
+def test_the_name_check_finds_a_name_below_a_banner_a_missing_attribute_and_a_keyword():
+    sources = {"a": "import b\nX = 1\ndef f(y, *, z=0):\n    return y + X + Hidden + len([w for w in range(y)])\n",
+               "b": "import a\nclass C:\n    def __init__(self, p):\n        self.p = p\n"
+                    "def g():\n    return a.f(1, z=2) + a.Below + a.f(1, q=3) + C(p=1).p\n"}
+    assert chapter_core.undefined_names(sources) == [
+        "a.py: Hidden (in f) is defined nowhere", "b.py: a.Below is not in a.py's core",
+        "b.py: a.f(... q=...): the core's f takes no q"]
+
+
+# ---- The cores alone train the composed run ------------------------------------------------------------------
+# Each layout runs twice, as `torchrun train_gpt.py FLAGS --metrics ...`: the seven files cut at their banners in an
+# empty folder, and the repository's. Every step's loss, router loss, learning rate and gradient norm must agree to
+# the bit. The README main job's layout runs its 10 steps; the precision and memory flags a few steps on 2 ranks.
+README_LAYOUT = ("--tp 2 --sequence-parallel --pp 2 --cp 2 --ep 2 --moe-every 2 --experts 4 --batch 32 "
+                 "--micro-batch 8 --steps 10")
+SMALL = "--layers 2 --hidden 32 --seq 32 --batch 8 --micro-batch 2 --steps 3"
+CUT_LAYOUTS = [  # (name, ranks, flags)
+    ("world 1", 1, "--steps 10"),
+    ("fp16, full recomputation", 2, f"{SMALL} --dtype float16 --recompute full"),
+    ("bf16, ZeRO-1 (the distributed optimizer), selective recomputation", 2,
+     f"{SMALL} --dtype bfloat16 --zero 1 --recompute selective"),
+    ("README main job", 8, README_LAYOUT),
+]
+FIELDS = ("step", "loss", "aux_loss", "lr", "grad_norm")
+
+
+def _records(path):
+    with open(path) as f:
+        return [{k: json.loads(line).get(k) for k in FIELDS} for line in f]
+
+
+@pytest.mark.parametrize("name, world, flags", CUT_LAYOUTS)
+def test_the_cores_cut_at_their_banners_train_as_the_whole_files_do(tmp_path, name, world, flags):
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    chapter_core.cut_cores(cut)
+    runs = {}
+    for program, folder in (("cut", cut), ("whole", chapter_core.ROOT)):
+        out = tmp_path / f"run_{program}"
+        out.mkdir()
+        ranks = chapter_core.run_program(folder, flags.split() + ["--metrics", str(out / "metrics.jsonl")], world,
+                                         out)
+        assert all(code == 0 for code, *_ in ranks), (program, ranks[0][2][-3000:])
+        runs[program] = _records(out / "metrics.jsonl")
+    steps = int(flags.split("--steps ")[1].split()[0])
+    print(f"\n{name}: torchrun --nproc_per_node={world} train_gpt.py {flags}\n  step  loss (cut)           loss (whole)"
+          "          grad norm (cut)      grad norm (whole)")
+    for a, b in zip(runs["cut"], runs["whole"]):
+        print(f"  {a['step']:4d}  {a['loss']!r:20} {b['loss']!r:20} {a['grad_norm']!r:20} {b['grad_norm']!r:20}")
+    assert len(runs["cut"]) == steps and runs["cut"] == runs["whole"]

@@ -52,7 +52,7 @@ def _measure(rank, world, names):
     out = {}
     for name in names:
         _, model, flags = LAYOUTS[name]
-        records = train_gpt.train(train_gpt.GPTConfig(**{**MODEL, **model}), train_gpt.TrainConfig(**{**RUN, **flags}))
+        records = train_gpt.train_job(train_gpt.GPTConfig(**{**MODEL, **model}), train_gpt.JobConfig(**{**RUN, **flags}))
         out[name] = {k: records[1].get(k) for k in ("memory", "memory_parts")}
     return out
 

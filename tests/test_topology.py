@@ -1358,8 +1358,8 @@ def test_a2a_bytes_per_moe_layer_equal_moe_eps_counts(world):
 
 def _train_gpt_parameters(rank, world, cfg):
     import train_gpt
-    run = train_gpt.TrainConfig(batch=2, micro_batch=1, steps=1, dtype="float32", log=False, data="synthetic")
-    _, stage, _, _ = train_gpt.build(cfg, run, optimizer=False)
+    run = train_gpt.JobConfig(batch=2, micro_batch=1, steps=1, dtype="float32", log=False, data="synthetic")
+    _, stage, _, _ = train_gpt.build_job(cfg, run, optimizer=False)
     return sum(p.numel() for p in stage.parameters())
 
 
@@ -1723,9 +1723,9 @@ def test_schedule_bubbles_and_in_flight_equal_train_gpts_replay_of_its_lists():
 def _deferred_w_elements(rank, world, sp):
     """Elements train_gpt.py's deferred W's hold for block 0 after one zero-bubble backward (one micro-batch)."""
     cfg = train_gpt.GPTConfig(vocab_size=32, seq_len=16, n_layer=2, n_head=4, n_embd=16)
-    run = train_gpt.TrainConfig(tp=world, sequence_parallel=sp, pp_schedule="zb-h1", batch=2, micro_batch=2,
-                                dtype="float32", log=False, data="synthetic")
-    plan, stage, _, _ = train_gpt.build(cfg, run, optimizer=False)
+    run = train_gpt.JobConfig(tp=world, sequence_parallel=sp, pp_schedule="zb-h1", batch=2, micro_batch=2,
+                              dtype="float32", log=False, data="synthetic")
+    plan, stage, _, _ = train_gpt.build_job(cfg, run, optimizer=False)
     ids, positions, targets = plan.micro_batches(train_gpt.synthetic_batch(0, 2, 16, 32), 2, torch.device("cpu"))[0]
     block = {id(p) for p in stage.blocks[0].parameters()}
     with train_gpt.deferred_weight_grads() as w:
@@ -1905,7 +1905,8 @@ def test_hybrid_cp_terms_by_hand_and_the_search_over_ulysses_sizes():
 
 # Plans whose --command train_gpt.py must parse and validate, field by field (8 GPUs, one node). The last two use
 # flags the lead engineer is adding to train_gpt.py (--zero 2|3, --zero-shard-size, --cp-impl hybrid --cp-ulysses):
-# they are skipped only while train_gpt.parse_args refuses one of those flags, and run as they are once it takes them.
+# they are skipped only while train_gpt.parse_job_args refuses one of those flags, and run as they are once it
+# takes them.
 _SMALL = ["plan", "--gpus", "8", "--gpus-per-node", "8", "--layers", "8", "--hidden", "64", "--heads", "4", "--seq",
           "64", "--vocab", "256", "--global-batch", "16"]
 _MOE_SMALL = ["--moe-every", "2", "--experts", "4", "--top-k", "2", "--ep", "2"]
@@ -1940,10 +1941,10 @@ def test_the_plan_command_round_trips_through_train_gpts_parser_and_validation(c
     launch = dict(w[2:].split("=", 1) for w in words[1:at])
     assert (launch["nnodes"], launch["nproc_per_node"]) == ("1", "8")
     try:
-        cfg, run, _ = train_gpt.parse_args(words[at + 1:])
+        cfg, run, _ = train_gpt.parse_job_args(words[at + 1:])
     except ValueError as e:  # train_gpt.py does not take one of this plan's new flags yet
         if pending and any(flag in str(e) for flag in pending):
-            pytest.skip(f"train_gpt.parse_args refuses a flag the lead engineer is adding: {e}")
+            pytest.skip(f"train_gpt.parse_job_args refuses a flag the lead engineer is adding: {e}")
         raise
     train_gpt.validate(cfg, run, 8)
     layout = train_gpt.layout_of(cfg, run, 8)

@@ -28,14 +28,14 @@ def _run(**kwargs):
     """The tests' run: float64 SGD (its update is proportional to the gradient, so a wrong gradient scale shows
     in the next loss), global-norm clipping at 1.0 on (it engages on these steps: layouts must agree on the
     norm too)."""
-    return train_gpt.TrainConfig(**{**dict(batch=BATCH, micro_batch=MICRO, steps=STEPS, dtype="float64",
+    return train_gpt.JobConfig(**{**dict(batch=BATCH, micro_batch=MICRO, steps=STEPS, dtype="float64",
                                            optimizer="sgd", lr=0.5, log=False, data="synthetic"), **kwargs})
 
 
 def _train(rank, world, tp, pp, cp, cfg=CFG, **kwargs):
     """The (loss, aux_loss) curve of a float64 SGD run on this layout."""
     torch.set_default_dtype(torch.float64)
-    records = train_gpt.train(cfg, _run(tp=tp, pp=pp, cp=cp, **kwargs))
+    records = train_gpt.train_job(cfg, _run(tp=tp, pp=pp, cp=cp, **kwargs))
     return [(r["loss"], r["aux_loss"], r["grad_norm"]) for r in records]
 
 
@@ -127,7 +127,7 @@ def _frames_to_attention(cwd):
             F.scaled_dot_product_attention = kernel
             with open(os.devnull, "w") as quiet:
                 sys.stdout = sys.stderr = quiet
-                train_gpt.main([])
+                train_gpt.main_job([])
         finally:
             os._exit(1)
     os.close(write)
@@ -141,18 +141,18 @@ def _frames_to_attention(cwd):
     return chain
 
 
-def test_a_world_1_step_reaches_the_attention_kernel_in_at_most_10_frames(tmp_path):
-    """nanoGPT's depth: from the program's entry (the module's `main()` line, one frame) to the kernel, at most 10
+def test_a_world_1_step_reaches_the_attention_kernel_in_at_most_9_frames(tmp_path):
+    """nanoGPT's depth: from the program's entry (the module's `main_job()` line, one frame) to the kernel, at most 9
     of the repository's frames with the default flags: no pipeline executor at PP = 1, no recomputation frame."""
     chain = _frames_to_attention(str(tmp_path))
-    assert chain == ["main", "train", "train_step", "forward_micro_batch", "forward", "forward", "attention",
+    assert chain == ["main_job", "train_job", "train_step", "forward_micro_batch", "forward", "forward", "attention",
                      "attention"], chain
-    assert 1 + len(chain) <= 10
+    assert 1 + len(chain) <= 9
 
 
 def _pipeline_peak(rank, world):
     torch.set_default_dtype(torch.float64)
-    plan, stage, opt, pipe = train_gpt.build(CFG, _run(pp=world, micro_batch=1, batch=8))
+    plan, stage, opt, pipe = train_gpt.build_job(CFG, _run(pp=world, micro_batch=1, batch=8))
     tokens = train_gpt.synthetic_batch(0, 8, CFG.seq_len, CFG.vocab_size)
     *_, (peak, held, _) = train_gpt.train_step(stage, pipe, opt, tokens, micro_batch=1)
     return plan.parallel_state.pp_rank, peak, held
@@ -201,7 +201,7 @@ def test_the_replay_is_the_last_stage_to_finish_with_each_kind_its_duration():
 def _bad_layout(rank, world, kwargs):
     import torch.distributed as dist
     try:
-        train_gpt.build(CFG, _run(**kwargs))
+        train_gpt.build_job(CFG, _run(**kwargs))
     except ValueError as e:
         return str(e), dist.distributed_c10d._world.group_count  # 1: only the default group exists
 
@@ -222,7 +222,7 @@ def test_bad_layout_raises_on_every_rank_before_any_group(world, kwargs, message
 
 
 def _train_dtype(rank, world, tp, pp, cp, dtype):
-    return [r["loss"] for r in train_gpt.train(CFG, _run(tp=tp, pp=pp, cp=cp, dtype=dtype))]
+    return [r["loss"] for r in train_gpt.train_job(CFG, _run(tp=tp, pp=pp, cp=cp, dtype=dtype))]
 
 
 def test_bf16_with_fp32_masters_follows_the_fp32_curve():
@@ -301,7 +301,7 @@ CFG_FLOPS = train_gpt.GPTConfig(vocab_size=32, seq_len=32, n_layer=2, n_head=4, 
 def _expert_flops(rank, world, sp):
     from torch.utils.flop_counter import FlopCounterMode
     cfg = CFG_FLOPS
-    plan, stage, _, _ = train_gpt.build(cfg, _run(tp=world, sequence_parallel=sp, dtype="float32"))
+    plan, stage, _, _ = train_gpt.build_job(cfg, _run(tp=world, sequence_parallel=sp, dtype="float32"))
     s = cfg.seq_len // (world if plan.sequence_parallel else 1)
     x = torch.randn(2, s, cfg.n_embd, generator=torch.Generator().manual_seed(0)).requires_grad_(True)
     block = stage.blocks[0]
@@ -341,7 +341,7 @@ def test_recompute_policies_keep_less_per_stage():
 
 def _curve(rank, world, cfg, **kwargs):
     torch.set_default_dtype(torch.float64 if kwargs.get("dtype") == "float64" else torch.float32)
-    records = train_gpt.train(cfg, _run(**kwargs))
+    records = train_gpt.train_job(cfg, _run(**kwargs))
     return [r["loss"] for r in records], records[0]
 
 
@@ -361,7 +361,7 @@ POISON_RANK = 6  # TP rank 0, DP rank 1 of the second pipeline stage in TP2 x PP
 
 def _fp16_overflow(rank, world, poison):
     """Steps 0, 1, 2 in FP16; with `poison`, one rank's gradients of step 1 are made infinite."""
-    plan, stage, opt, pipe = train_gpt.build(CFG, _run(tp=2, pp=2, dtype="float16"))
+    plan, stage, opt, pipe = train_gpt.build_job(CFG, _run(tp=2, pp=2, dtype="float16"))
     out = {"scales": [], "stepped": []}
     for step in (0, 1, 2) if poison else (0, 2):
         tokens = train_gpt.synthetic_batch(step, BATCH, CFG.seq_len, CFG.vocab_size, CFG.seed)
@@ -428,7 +428,7 @@ def test_fp8_follows_the_bf16_curve_and_every_block_gemm_is_fp8():
 
 def _zero_run(rank, world, cfg, zero, **layout):
     torch.set_default_dtype(torch.float64)
-    plan, stage, opt, pipe = train_gpt.build(cfg, _run(optimizer="adamw", lr=1e-2, zero=zero, **layout))
+    plan, stage, opt, pipe = train_gpt.build_job(cfg, _run(optimizer="adamw", lr=1e-2, zero=zero, **layout))
     losses = []
     for step in range(STEPS):
         tokens = train_gpt.synthetic_batch(step, BATCH, cfg.seq_len, cfg.vocab_size, cfg.seed)
@@ -485,12 +485,30 @@ def test_flops_per_token_equal_the_measured_count(moe_every):
     assert train_gpt.model_flops_per_token(cfg) > 6 * cfg.vocab_size * cfg.n_embd
 
 
+def _moe_experts_run(rank, world, grouped):
+    import moe_ep
+    cfg = train_gpt.GPTConfig(vocab_size=64, seq_len=32, n_layer=2, n_head=4, n_embd=32, moe_every=1, n_experts=4)
+    run = _run(dtype="float32", optimizer="adamw", lr=1e-2, moe_grouped_gemm=grouped)
+    plan, stage, opt, pipe = train_gpt.build_job(cfg, run)
+    losses = [train_gpt.train_step(stage, pipe, opt, train_gpt.synthetic_batch(step, BATCH, cfg.seq_len, 64), MICRO)[:3]
+              for step in range(STEPS)]
+    moes = [block.moe for block in stage.blocks]
+    return losses, [isinstance(m, moe_ep.GroupedGEMMMoE) and m.grouped for m in moes]
+
+
+def test_moe_grouped_gemm_runs_the_experts_as_one_grouped_gemm_and_trains_as_the_loop():
+    (loop, grouped_loop), (grouped, grouped_ran) = (run_ranks(_moe_experts_run, 1, g, timeout=60)[0] for g in (0, 1))
+    assert grouped_ran == [True, True] and grouped_loop == [False, False]  # the flag's form, and only with it
+    # the same FP32 products, grouped by expert in one kernel: equal to the loop's to FP32 rounding (1e-6 relative)
+    assert all(abs(a - b) <= 1e-6 * abs(b) for x, y in zip(grouped, loop) for a, b in zip(x, y)), (grouped, loop)
+
+
 def _resume_run(rank, world, out_dir, dtype, resume, cfg=CFG, weights=None, **layout):
     """4 AdamW steps saved every 2 (weights: the run's --dtype when it is not the default dtype `dtype`)."""
     torch.set_default_dtype(getattr(torch, dtype))
     run = _run(dtype=weights or dtype, optimizer="adamw", lr=1e-2, steps=4, save_every=2, out_dir=out_dir,
                resume=resume, micro_batch=1, **layout)
-    return [(r["step"], r["loss"], r["grad_norm"]) for r in train_gpt.train(cfg, run)]
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in train_gpt.train_job(cfg, run)]
 
 
 def _keep_first_checkpoint(src, dst):
@@ -531,7 +549,7 @@ def test_moe_resume_puts_every_expert_back_in_its_place(tmp_path):
 
 def _load_with_one_rank_failing(rank, world, path):
     torch.set_default_dtype(torch.float32)
-    plan, stage, opt, _ = train_gpt.build(CFG, _run(dtype="float32", optimizer="adamw"))
+    plan, stage, opt, _ = train_gpt.build_job(CFG, _run(dtype="float32", optimizer="adamw"))
     if rank == 1:  # as if this rank's file could not be read
         def fail(*args):
             raise OSError("Input/output error")
@@ -571,7 +589,7 @@ def _saved_bytes(rank, world, zero):
     model and optimizer boxes, how many share storage with a live tensor, and the elements this rank owns."""
     torch.set_default_dtype(torch.float32)
     run = _run(dtype="bfloat16", optimizer="adamw", zero=zero, steps=1)
-    plan, stage, opt, pipe = train_gpt.build(CFG, run)
+    plan, stage, opt, pipe = train_gpt.build_job(CFG, run)
     tokens = train_gpt.synthetic_batch(0, BATCH, CFG.seq_len, CFG.vocab_size)
     train_gpt.train_step(stage, pipe, opt, tokens, MICRO)
     live = {p.untyped_storage().data_ptr() for p in stage.parameters()}
@@ -618,7 +636,7 @@ def test_a_checkpoint_of_another_shape_or_format_is_refused(tmp_path):
 def _save_twice(rank, world, out):
     """One AdamW step (--weight-decay 0.1) saved as step 1, then step 1 saved again (a re-run over the folder)."""
     run = _run(dtype="float32", optimizer="adamw", weight_decay=0.1)
-    plan, stage, opt, pipe = train_gpt.build(CFG, run)
+    plan, stage, opt, pipe = train_gpt.build_job(CFG, run)
     train_gpt.train_step(stage, pipe, opt, train_gpt.synthetic_batch(0, BATCH, CFG.seq_len, CFG.vocab_size), MICRO)
     for _ in range(2):
         train_gpt.save_checkpoint(out, 1, stage, opt, CFG, run)
@@ -628,7 +646,7 @@ def _save_twice(rank, world, out):
 def _load_in_place(rank, world, path):
     """Load at TP2 with --weight-decay 0: how many DCP reads, whether the parameters kept their storage, whether
     the process's RNG was left alone, and the weight decay of the optimizer's groups afterwards."""
-    plan, stage, opt, _ = train_gpt.build(CFG, _run(tp=2, dtype="float32", optimizer="adamw", weight_decay=0.0))
+    plan, stage, opt, _ = train_gpt.build_job(CFG, _run(tp=2, dtype="float32", optimizer="adamw", weight_decay=0.0))
     reads, real = [], train_gpt._dcp_read
     train_gpt._dcp_read = lambda tensors, p, *more: reads.append(len(tensors)) or real(tensors, p, *more)
     storage = [p.untyped_storage().data_ptr() for p in stage.parameters()]
@@ -656,13 +674,13 @@ def test_resume_with_another_learning_rate_schedule_says_what_the_rate_does(tmp_
     # wish, so here it is a warning on rank 0 with the learning rate at the step where the run continues
     # (said once the checkpoint is loaded: the checks before the process group may pass one that its checksums skip)
     saved = _run(steps=2, out_dir=str(tmp_path), warmup=1)
-    run_ranks(lambda rank, world: train_gpt.train(CFG, saved), 1, timeout=120)
+    run_ranks(lambda rank, world: train_gpt.train_job(CFG, saved), 1, timeout=120)
 
     def warnings_of_a_resumed(run):
         def resumed(rank, world):
             said = []
             train_gpt._warn = lambda message: said.append(f"train_gpt.py: warning: {message}")
-            train_gpt.train(CFG, run)
+            train_gpt.train_job(CFG, run)
             return said
         return run_ranks(resumed, 1, timeout=120)[0]
 
@@ -700,7 +718,7 @@ def test_resume_from_bfloat16_in_float32_gives_every_zero_1_rank_the_masters(tmp
 
 def _rng_after_building_moe(rank, world):
     before = torch.get_rng_state()
-    train_gpt.build(CFG_MOE, _run())
+    train_gpt.build_job(CFG_MOE, _run())
     return torch.equal(before, torch.get_rng_state())
 
 
@@ -709,7 +727,7 @@ def test_building_moe_layers_leaves_the_processs_rng_alone():
 
 
 def _main_on_forked_ranks(argv, world, cwd, timeout=60, ranks=None):
-    """Run train_gpt.main(argv) as `world` torchrun ranks would (RANK, WORLD_SIZE... in the environment), each a
+    """Run train_gpt.main_job(argv) as `world` torchrun ranks would (RANK, WORLD_SIZE... in the environment), each a
     forked process writing stdout and stderr to its own file (only `ranks` of them, if given: the others never
     come). Returns [(exit code, output, initialised)]: a rank that created a process group reports
     initialised=True."""
@@ -736,7 +754,7 @@ def _main_on_forked_ranks(argv, world, cwd, timeout=60, ranks=None):
                 os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                                   OMP_NUM_THREADS="1")  # main() would raise the thread count: a fork must not
-                train_gpt.main(["--timeout-s", "5"] + argv)  # argv may set its own
+                train_gpt.main_job(["--timeout-s", "5"] + argv)  # argv may set its own
                 code = 0
             except SystemExit as e:
                 code = e.code if isinstance(e.code, int) else 1
@@ -781,8 +799,8 @@ def bad_input_dir(tmp_path_factory):
     (d / "odd" / "train.bin").write_bytes(bytes(2001))
     (d / "odd" / "val.bin").write_bytes(bytes(2000))
     # a checkpoint of another shape (--hidden 32), for --resume
-    run_ranks(lambda rank, world: train_gpt.train(train_gpt.GPTConfig(n_embd=32, n_layer=1, seq_len=16),
-                                                  _run(dtype="float32", steps=1, out_dir=str(d / "ckpt"))), 1)
+    run_ranks(lambda rank, world: train_gpt.train_job(train_gpt.GPTConfig(n_embd=32, n_layer=1, seq_len=16),
+                                                      _run(dtype="float32", steps=1, out_dir=str(d / "ckpt"))), 1)
     return d
 
 
@@ -900,8 +918,8 @@ def test_bad_input_is_one_line_on_rank_0_and_exit_code_2(bad_input_dir, argv, wo
 
 def test_the_limits_themselves_are_valid():
     # the last layer may be the only MoE one (--moe-every = --layers), and --min-lr = --lr is a constant rate
-    train_gpt.validate(train_gpt.GPTConfig(n_layer=4, moe_every=4), train_gpt.TrainConfig(), 1)
-    train_gpt.validate(train_gpt.GPTConfig(), train_gpt.TrainConfig(lr=1e-3, min_lr=1e-3), 1)
+    train_gpt.validate(train_gpt.GPTConfig(n_layer=4, moe_every=4), train_gpt.JobConfig(), 1)
+    train_gpt.validate(train_gpt.GPTConfig(), train_gpt.JobConfig(lr=1e-3, min_lr=1e-3), 1)
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -953,8 +971,8 @@ def _worker_pids(agent_pid):
 def test_a_killed_rank_ends_the_job_and_resume_reproduces_the_run(tmp_path):
     import signal
     import time
+    from chapter_core import run_program
     args = JOB + ["--steps", "9", "--save-every", "3", "--timeout-s", "20", "--tp", "2", "--pp", "2"]
-    full = _torchrun(4, args + ["--out-dir", "full", "--metrics", "full.jsonl"], str(tmp_path))
     killed = _torchrun(4, args + ["--out-dir", "ckpt", "--metrics", "killed.jsonl"], str(tmp_path))
     first = tmp_path / "ckpt" / "step_000003"
     while not first.exists():
@@ -972,7 +990,9 @@ def test_a_killed_rank_ends_the_job_and_resume_reproduces_the_run(tmp_path):
             assert {".metadata", "train_state.json"} <= set(os.listdir(tmp_path / "ckpt" / name)), name
     resumed = _torchrun(4, args + ["--out-dir", "ckpt", "--metrics", "resumed.jsonl", "--resume"], str(tmp_path))
     assert resumed.wait(timeout=300) == 0, resumed.communicate()[0]
-    assert full.wait(timeout=300) == 0, full.communicate()[0]
+    # the uninterrupted run, as torchrun would start it, forked from this process (4 interpreter start-ups fewer)
+    full = run_program(ROOT, args + ["--out-dir", "full", "--metrics", "full.jsonl"], 4, tmp_path)
+    assert all(code == 0 for code, *_ in full), full[0][2]
     reference, got = _losses(tmp_path / "full.jsonl"), _losses(tmp_path / "resumed.jsonl")
     assert min(got) >= 3 and max(got) == 8  # it resumed from a checkpoint, and finished
     assert all(got[step] == reference[step] for step in got)  # bit for bit (float32 on CPU)
@@ -981,10 +1001,12 @@ def test_a_killed_rank_ends_the_job_and_resume_reproduces_the_run(tmp_path):
 def test_the_readme_main_job_learns_the_embedded_corpus(tmp_path):
     """The README's main command, as written there (its output folder moved to tmp_path), on the embedded text:
     training loss about ln 256 = 5.55 at the start (uniform over the bytes), validation loss below 2.9 nats per
-    byte at its last step, a checkpoint, and the README's sampling command on it."""
+    byte at its last step, a checkpoint, and the README's sampling command on it. Each command runs as its launcher
+    would start it (torchrun's environment, the file as __main__) in processes forked from this one, which has
+    imported torch already: the launchers themselves are the other tests' (test_bad_flag_under_torchrun...)."""
     import json
     import shlex
-    import subprocess
+    from chapter_core import run_program
     readme = open(os.path.join(ROOT, "README.md")).read()
     line = next(ln for ln in readme.splitlines()
                 if ln.strip().startswith("python3 -m pip install") and "torchrun" in ln)
@@ -993,23 +1015,22 @@ def test_the_readme_main_job_learns_the_embedded_corpus(tmp_path):
     assert words[0] == "torchrun" and words[2] == "train_gpt.py", words
     nproc = int(words[1].split("=")[1])
     out_dir, metrics = str(tmp_path / "out"), str(tmp_path / "metrics.jsonl")
-    proc = _torchrun(nproc, words[3:] + ["--out-dir", out_dir, "--metrics", metrics], ROOT)
-    out, _ = proc.communicate(timeout=400)
-    assert proc.returncode == 0, out
+    ranks = run_program(ROOT, words[3:] + ["--out-dir", out_dir, "--metrics", metrics], nproc, tmp_path, timeout=400)
+    assert all(code == 0 for code, *_ in ranks), ranks[0][2]
     records = [json.loads(r) for r in open(metrics)]
     val = [r["val_loss"] for r in records if "val_loss" in r]
     assert len(val) >= 2 and val[-1] < 2.9 and 5.0 < records[0]["loss"] < 6.0, (val, records[0]["loss"])
     assert train_gpt.checkpoint_dirs(out_dir)
     words = shlex.split(sample)
     assert words[:2] == ["python3", "train_gpt.py"] and "--sample" in words, words
-    text = subprocess.run([sys.executable, os.path.join(ROOT, "train_gpt.py")] + words[2:] + ["--out-dir", out_dir],
-                          capture_output=True, text=True, timeout=120, check=True).stdout
-    assert len(text) >= 200, text
+    (code, text, err), = run_program(ROOT, words[2:] + ["--out-dir", out_dir], 1, tmp_path, timeout=120,
+                                     environ=False)
+    assert code == 0 and len(text) >= 200, (text, err)
 
 
 def _cross_entropy_saved(rank, world):
     import torch.distributed as dist
-    plan, stage, _, _ = train_gpt.build(CFG, _run(tp=world, dtype="bfloat16"))
+    plan, stage, _, _ = train_gpt.build_job(CFG, _run(tp=world, dtype="bfloat16"))
     n, v = 64, CFG.vocab_size // world
     logits = torch.randn(n, v, generator=torch.Generator().manual_seed(rank)).bfloat16().requires_grad_(True)
     targets = torch.randint(CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
@@ -1086,7 +1107,7 @@ def test_the_speed_benchmark_runs_and_refuses_bad_sizes_in_one_line():
 
 
 def _short_run(rank, world, data, cfg, **kwargs):
-    return [r["loss"] for r in train_gpt.train(cfg, _run(dtype="float32", data=data, steps=2, batch=4, **kwargs))]
+    return [r["loss"] for r in train_gpt.train_job(cfg, _run(dtype="float32", data=data, steps=2, batch=4, **kwargs))]
 
 
 def test_text_folders_and_nanogpt_bin_files_train(tmp_path):
@@ -1149,7 +1170,7 @@ def test_text_and_bin_files_one_token_too_short_are_refused(tmp_path):
 
 
 def _train_then_sample(rank, world, cfg, data, out):
-    train_gpt.train(cfg, _run(dtype="float32", data=data, steps=1, batch=2, out_dir=out))
+    train_gpt.train_job(cfg, _run(dtype="float32", data=data, steps=1, batch=2, out_dir=out))
     path = train_gpt.checkpoint_dirs(out)[-1]
     greedy = [train_gpt.sample(cfg, path, 8, temperature=3.0, top_k=1, seed=seed) for seed in (0, 5)]
     return (train_gpt.sample(cfg, path, 200, temperature=3.0, seed=1), train_gpt.read_train_state(path)["text"],
@@ -1176,7 +1197,7 @@ def test_sample_decodes_text_models_whatever_their_padded_vocabulary_and_returns
 def _after_one_step(rank, world, optimizer, weight_decay):
     torch.set_default_dtype(torch.float64)
     run = _run(optimizer=optimizer, weight_decay=weight_decay)
-    plan, stage, opt, pipe = train_gpt.build(CFG, run)
+    plan, stage, opt, pipe = train_gpt.build_job(CFG, run)
     tokens = train_gpt.synthetic_batch(0, BATCH, CFG.seq_len, CFG.vocab_size, CFG.seed)
     train_gpt.train_step(stage, pipe, opt, tokens, MICRO, grad_clip=1.0)
     return {name: p.detach().clone() for name, p in stage.named_parameters()}
@@ -1194,7 +1215,7 @@ def _gradient_norms(rank, world, cfg):
     that is the whole batch: the normalisation checked against an independent computation, not another layout."""
     torch.set_default_dtype(torch.float64)
     run = _run(micro_batch=BATCH)
-    plan, stage, opt, pipe = train_gpt.build(cfg, run)
+    plan, stage, opt, pipe = train_gpt.build_job(cfg, run)
     tokens = train_gpt.synthetic_batch(0, BATCH, cfg.seq_len, cfg.vocab_size, cfg.seed)
     ids, pos, tgt = plan.micro_batches(tokens, BATCH, "cpu")[0]
     logits, aux = stage(ids, pos)
@@ -1213,7 +1234,7 @@ def test_the_gradient_is_that_of_the_mean_loss_per_token():
 
 def _val_losses(rank, world, **layout):
     torch.set_default_dtype(torch.float64)
-    records = train_gpt.train(CFG, _run(eval_every=1, eval_batches=2, **layout))
+    records = train_gpt.train_job(CFG, _run(eval_every=1, eval_batches=2, **layout))
     return [r["val_loss"] for r in records], records[0]
 
 
@@ -1228,10 +1249,10 @@ def test_validation_loss_and_batch_metrics_do_not_depend_on_the_layout():
 
 
 def test_learning_rate_schedule_ends_and_warms_up_where_it_says():
-    run = train_gpt.TrainConfig(lr=1.0, min_lr=0.1, steps=5)
+    run = train_gpt.JobConfig(lr=1.0, min_lr=0.1, steps=5)
     assert train_gpt.lr_at(0, run) == 1.0 and train_gpt.lr_at(4, run) == pytest.approx(0.1)
     assert train_gpt.lr_at(2, run) == pytest.approx(0.55)  # halfway down the cosine
-    warm = train_gpt.TrainConfig(lr=1.0, min_lr=0.1, steps=5, warmup=2)
+    warm = train_gpt.JobConfig(lr=1.0, min_lr=0.1, steps=5, warmup=2)
     assert [train_gpt.lr_at(k, warm) for k in range(5)] == pytest.approx([0.5, 1.0, 1.0, 0.55, 0.1])
 
 
@@ -1244,7 +1265,7 @@ def test_an_odd_sequence_length_trains_without_context_parallelism():
 def _tied_copies(rank, world):
     torch.set_default_dtype(torch.float32)
     cfg = train_gpt.GPTConfig(vocab_size=512, seq_len=16, n_layer=2, n_head=2, n_embd=32)
-    plan, stage, opt, pipe = train_gpt.build(cfg, _run(pp=2, dtype="float32", optimizer="adamw", lr=1e-2, batch=6,
+    plan, stage, opt, pipe = train_gpt.build_job(cfg, _run(pp=2, dtype="float32", optimizer="adamw", lr=1e-2, batch=6,
                                                       micro_batch=1))
     for step in range(4):
         train_gpt.train_step(stage, pipe, opt, train_gpt.synthetic_batch(step, 6, 16, 512), 1)
@@ -1336,7 +1357,7 @@ def _saved_checkpoint(out):
     """A one-rank checkpoint of a small MoE model (AdamW, FP16: model, optimizer, RNG and loss-scaler entries)."""
     cfg = train_gpt.GPTConfig(vocab_size=32, seq_len=16, n_layer=2, n_head=2, n_embd=16, moe_every=2, n_experts=2,
                               top_k=1)
-    run_ranks(lambda rank, world: train_gpt.train(cfg, _run(dtype="float16", optimizer="adamw", lr=1e-3, steps=1,
+    run_ranks(lambda rank, world: train_gpt.train_job(cfg, _run(dtype="float16", optimizer="adamw", lr=1e-3, steps=1,
                                                             out_dir=out)), 1, timeout=120)
     return os.path.join(out, "step_000001")
 
@@ -1648,7 +1669,7 @@ def test_two_runs_on_one_out_dir_one_is_refused_and_the_other_resumes_bit_exactl
 def _newest_weights_finite(rank, world, out_dir):
     path, state = train_gpt.latest_checkpoint(out_dir)
     cfg = train_gpt.GPTConfig(**state["config"])
-    plan, stage, _, _ = train_gpt.build(cfg, train_gpt.TrainConfig(batch=1, micro_batch=1, log=False))
+    plan, stage, _, _ = train_gpt.build_job(cfg, train_gpt.JobConfig(batch=1, micro_batch=1, log=False))
     train_gpt.load_checkpoint(path, stage)
     return state["step"], all(torch.isfinite(p).all().item() for p in stage.parameters())
 
@@ -1678,7 +1699,7 @@ CLEAN = {"loss": 3.0, "grad_norm": 1.0}
 
 
 def test_fp16_skips_are_logged_and_a_collapsing_loss_scale_stops_the_run():
-    run = train_gpt.TrainConfig(dtype="float16")
+    run = train_gpt.JobConfig(dtype="float16")
     opt = type("Opt", (), {"loss_scaler": _Scaler(2.0 ** 10)})()
     skipped = 0
     for step in range(train_gpt.MAX_SKIPPED_STEPS - 1):  # overflowing steps, each skipped by the loss scaler
@@ -1842,10 +1863,11 @@ def _executor_transfers(kind, p, m, v, monkeypatch):
         for rank in range(p):
             ps = SimpleNamespace(pp_rank=rank, ranks={"pp": list(range(p))})
             plan = SimpleNamespace(sizes={"pp": p}, virtual_stages=v, parallel_state=ps, pp=None)
-            stage, pipe = torch.nn.Linear(1, 1), train_gpt.Pipeline(plan, (1,), torch.float64, torch.device("cpu"))
+            stage, pipe = torch.nn.Linear(1, 1), train_gpt.PipelineAtScale(plan, (1,), torch.float64,
+                                                                           torch.device("cpu"))
             stage.plan, taken, reads[rank] = plan, {}, []
 
-            def run_action(stage, action, received, *_, rank=rank):
+            def run_action(self, stage, action, received, *_, rank=rank):
                 reads[rank] += [(action, received.item())] if received is not None else []
                 return torch.tensor([name(rank, action)], dtype=torch.float64).requires_grad_()
 
@@ -1857,9 +1879,9 @@ def _executor_transfers(kind, p, m, v, monkeypatch):
                 k = taken[src] = taken.get(src, -1) + 1
                 arrived = (first or {}).get((src, rank), [])
                 buf.fill_(arrived[k] if k < len(arrived) else -1.0)
-                most[rank] = max(most.get(rank, 0), len(pipe.posted) + 1)
+                most[rank] = max(most.get(rank, 0), len(pipe.receives) + 1)
                 return _Done()
-            monkeypatch.setattr(train_gpt, "_run_action", run_action)
+            monkeypatch.setattr(train_gpt.Pipeline, "run_action", run_action)
             monkeypatch.setattr(train_gpt.dist, "isend", isend)
             monkeypatch.setattr(train_gpt.dist, "irecv", irecv)
             train_gpt.run_schedule(stage, pipe, kind, [None] * m, 1)
@@ -1892,15 +1914,15 @@ def test_the_executor_receives_each_input_from_the_action_that_produced_it(kind,
 def _schedule_stats(rank, world, cfg, kind, v):
     """This rank's ScheduleStats of one step, and the most sent outputs not yet freed after any action."""
     torch.set_default_dtype(torch.float64)
-    plan, stage, opt, pipe = train_gpt.build(cfg, _run(pp=world, micro_batch=1, batch=8, pp_schedule=kind,
+    plan, stage, opt, pipe = train_gpt.build_job(cfg, _run(pp=world, micro_batch=1, batch=8, pp_schedule=kind,
                                                        virtual_stages=v))
     tokens = train_gpt.synthetic_batch(0, 8, cfg.seq_len, cfg.vocab_size)
-    unfreed, reap = [0], train_gpt.Pipeline.reap
+    unfreed, collect_sends = [0], train_gpt.Pipeline.collect_sends
 
     def watched(self, wait=False):
-        reap(self, wait)
+        collect_sends(self, wait)
         unfreed[0] = max(unfreed[0], sum(free for _, _, free, *_ in self.sending))
-    train_gpt.Pipeline.reap = watched
+    train_gpt.Pipeline.collect_sends = watched
     *_, stats = train_gpt.train_step(stage, pipe, opt, tokens, micro_batch=1)
     return plan.parallel_state.pp_rank, stats, unfreed[0]
 
@@ -1923,7 +1945,7 @@ def _step_gemms(rank, world, kind, v, **layout):
     """This rank's FLOPs of one step (FlopCounterMode) and, under zero bubble, the collectives its W's issued."""
     torch.set_default_dtype(torch.float64)
     run = _run(pp_schedule=kind, virtual_stages=v, micro_batch=1, **layout)
-    plan, stage, opt, pipe = train_gpt.build(CFG, run)
+    plan, stage, opt, pipe = train_gpt.build_job(CFG, run)
     tokens = train_gpt.synthetic_batch(0, BATCH, CFG.seq_len, CFG.vocab_size)
     collectives, weight_grads = [], [0]
     run_w = train_gpt.deferred_weight_grads.run
@@ -2010,7 +2032,7 @@ def _fp8_backward_curve(rank, world, recipe, schedule="1f1b", dtype="fp8", backw
     import mixed_precision
     mixed_precision.fp8_log.clear()
     torch.set_default_dtype(torch.float32)
-    records = train_gpt.train(CFG, _run(tp=2, pp=2, dtype=dtype, fp8_recipe=recipe, fp8_backward=backward,
+    records = train_gpt.train_job(CFG, _run(tp=2, pp=2, dtype=dtype, fp8_recipe=recipe, fp8_backward=backward,
                                         pp_schedule=schedule))
     return ([(r["loss"], r["grad_norm"]) for r in records], mixed_precision.fp8_log["gemm:count"],
             mixed_precision.fp8_log["gemm:backward"])
@@ -2048,7 +2070,7 @@ def test_the_fp8_backward_follows_the_bf16_curve_and_zero_bubble_defers_it_uncha
 def _gathered_bytes(rank, world, fp8_gather, zero=1):
     import mixed_precision
     torch.set_default_dtype(torch.float32)
-    plan, stage, opt, pipe = train_gpt.build(CFG, _run(dtype="bfloat16", optimizer="adamw", zero=zero,
+    plan, stage, opt, pipe = train_gpt.build_job(CFG, _run(dtype="bfloat16", optimizer="adamw", zero=zero,
                                                        fp8_param_gather=fp8_gather))
     mixed_precision.comm_bytes.clear()
     train_gpt.train_step(stage, pipe, opt, train_gpt.synthetic_batch(0, BATCH, CFG.seq_len, CFG.vocab_size), MICRO)
@@ -2141,7 +2163,7 @@ def _memory_and_traffic(rank, world, zero, dtype):
     import mixed_precision
     torch.set_default_dtype(torch.float32)
     run = _run(dtype=dtype, optimizer="adamw", zero=zero, micro_batch=1, steps=1)
-    plan, stage, opt, pipe = train_gpt.build(CFG24, run)
+    plan, stage, opt, pipe = train_gpt.build_job(CFG24, run)
     mixed_precision.comm_bytes.clear()
     train_gpt.train_step(stage, pipe, opt, train_gpt.synthetic_batch(0, BATCH, CFG24.seq_len, CFG24.vocab_size), 1)
     sent = sum(mixed_precision.comm_bytes.values())
@@ -2176,7 +2198,7 @@ def test_bytes_per_parameter_and_bytes_sent_equal_the_formulas_at_every_zero_lev
 def _events(rank, world):
     """The order of the all-gathers issued and the blocks' computations in one ZeRO-3 step (and its backward)."""
     torch.set_default_dtype(torch.float64)
-    plan, stage, opt, pipe = train_gpt.build(CFG, _run(zero=3, micro_batch=BATCH // world))
+    plan, stage, opt, pipe = train_gpt.build_job(CFG, _run(zero=3, micro_batch=BATCH // world))
     events = []
     for i, block in enumerate(stage.blocks):
         gather = block.unit.gather
@@ -2407,7 +2429,7 @@ def _train_deleting_the_lock_after_the_first_step(rank, world, out_dir):
         return result
     train_gpt.train_step = step_then_delete
     try:
-        train_gpt.train(CFG, _run(steps=3, save_every=1, out_dir=out_dir))
+        train_gpt.train_job(CFG, _run(steps=3, save_every=1, out_dir=out_dir))
     except train_gpt.CannotSave as e:
         return str(e)
 
@@ -2445,7 +2467,7 @@ def _train_on_a_full_disk(rank, world, out_dir, where):
     try:
         said = []
         train_gpt._warn = said.append
-        records = train_gpt.train(CFG, _run(steps=2, save_every=1, out_dir=out_dir, metrics=out_dir + ".jsonl"))
+        records = train_gpt.train_job(CFG, _run(steps=2, save_every=1, out_dir=out_dir, metrics=out_dir + ".jsonl"))
         return "trained", len(records), said
     except train_gpt.CannotSave as e:
         return "stopped", str(e), []
@@ -2496,7 +2518,7 @@ def test_a_dense_checkpoint_is_not_refused_over_experts_and_a_lone_bin_file_is_t
 
 def _load_expecting_a_refusal(rank, world, path):
     cfg = train_gpt.GPTConfig(**train_gpt.read_train_state(path)["config"])
-    plan, stage, _, _ = train_gpt.build(cfg, train_gpt.TrainConfig(batch=1, micro_batch=1, log=False))
+    plan, stage, _, _ = train_gpt.build_job(cfg, train_gpt.JobConfig(batch=1, micro_batch=1, log=False))
     try:
         train_gpt.load_checkpoint(path, stage)
     except train_gpt.BadCheckpoint as e:
@@ -2597,7 +2619,7 @@ def _export_and_forward(rank, world, out, hf, ckpt, step, ids):
     """Export --step's checkpoint to both formats as main does, and the logits of our own one-process model."""
     path, state = train_gpt.export_source(out, step, 1, hf, ckpt)
     said = train_gpt.export_weights(path, state, hf, ckpt)
-    _, stage, _, _ = train_gpt.build(CFG, train_gpt.TrainConfig(batch=1, micro_batch=1, log=False), optimizer=False)
+    _, stage, _, _ = train_gpt.build_job(CFG, train_gpt.JobConfig(batch=1, micro_batch=1, log=False), optimizer=False)
     train_gpt.load_checkpoint(path, stage)
     with torch.no_grad():
         logits, _ = stage(ids, torch.arange(ids.shape[1]))
@@ -2675,8 +2697,8 @@ def _init_from_hf(rank, world, hf, steps, **layout):
     master's BF16 rounding, over every piece this rank owns (0 only if the import wrote the masters too)."""
     torch.set_default_dtype(torch.float32)
     run = _run(dtype="float32", optimizer="adamw", lr=1e-2, steps=steps, micro_batch=1, init_from_hf=hf, **layout)
-    losses = [r["loss"] for r in train_gpt.train(CFG, run)]
-    _, stage, opt, _ = train_gpt.build(CFG, dataclasses.replace(run, dtype="bfloat16"))
+    losses = [r["loss"] for r in train_gpt.train_job(CFG, run)]
+    _, stage, opt, _ = train_gpt.build_job(CFG, dataclasses.replace(run, dtype="bfloat16"))
     train_gpt.load_hf_weights(hf, stage, opt)
     apart = 0.0
     for p in stage.parameters():
@@ -2776,7 +2798,7 @@ def test_a_crafted_hf_folder_is_refused_in_one_line_and_a_moe_export_too(exporte
 
 def test_help_gives_every_flag_a_sentence_and_its_default(capsys):
     with pytest.raises(SystemExit):
-        train_gpt.parse_args(["--help"])
+        train_gpt.parse_job_args(["--help"])
     text = capsys.readouterr().out
     blocks = {}  # option -> its help block
     for line in text.split("options:", 1)[1].splitlines():
@@ -2806,7 +2828,7 @@ def _parser_of_train_gpt():
     train_gpt._ArgumentParser.parse_args = capture
     try:
         with pytest.raises(SystemExit):
-            train_gpt.parse_args([])
+            train_gpt.parse_job_args([])
     finally:
         train_gpt._ArgumentParser.parse_args = real
     return captured[0]
@@ -2870,7 +2892,7 @@ def test_sample_continues_a_prompt_and_the_schedule_picture_has_a_legend(tmp_pat
 
 def _float32_curve(rank, world, **kwargs):
     torch.set_default_dtype(torch.float32)
-    records = train_gpt.train(MOE_CFG_OFFLOAD, _run(dtype="float32", optimizer="adamw", lr=1e-2, **kwargs))
+    records = train_gpt.train_job(MOE_CFG_OFFLOAD, _run(dtype="float32", optimizer="adamw", lr=1e-2, **kwargs))
     return [(r["step"], r["loss"], r["aux_loss"], r["grad_norm"]) for r in records]
 
 
@@ -3072,7 +3094,7 @@ def _nvfp4_layers(rank, world, x, g, split_over="tp"):
     import mixed_precision
     torch.set_default_dtype(torch.float32)
     cfg, h = dataclasses.replace(CFG_NV, seq_len=x.shape[1]), CFG_NV.n_embd
-    plan, stage, _, _ = train_gpt.build(cfg, _run(dtype="nvfp4", batch=x.shape[0], micro_batch=x.shape[0],
+    plan, stage, _, _ = train_gpt.build_job(cfg, _run(dtype="nvfp4", batch=x.shape[0], micro_batch=x.shape[0],
                                                   **{split_over: world}), optimizer=False)
     stage.step, out, t = 5, [], plan.sizes["tp"]
     x, g = plan.shard(x, 1), plan.shard(g, 1)  # this rank's tokens (all of them without CP)
@@ -3177,7 +3199,7 @@ def _nvfp4_curve(rank, world, **kwargs):
     import mixed_precision
     torch.set_default_dtype(torch.float32)
     mixed_precision.fp8_log.clear()
-    records = train_gpt.train(CFG_NV, _run(**{"dtype": "nvfp4", **kwargs}))
+    records = train_gpt.train_job(CFG_NV, _run(**{"dtype": "nvfp4", **kwargs}))
     return ([(r["loss"], r["grad_norm"]) for r in records], mixed_precision.fp8_log["nvfp4:emulated"],
             mixed_precision.fp8_log["nvfp4:all_reduce"])
 

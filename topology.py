@@ -843,7 +843,7 @@ def hybrid_rank_map(nodes, gpus_per_node, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1):
 # The planner: memory and step time of Megatron-LM training, from published formulas and measured constants
 # ----------------------------------------------------------------------------------------------------
 
-GRAD_BYTES = 2              # gradients reduced in 16 bits (Table 1 ran fp16 with fp16 gradient buffers)
+GRAD_BYTES = 4              # FP32 main grads, as train_gpt.py keeps them (Table 1's fp16 buffers: 2, CLUSTER_2021)
 # 16-bit gradients (grad_bytes 2): the ZeRO paper's (Rajbhandari et al. 2020) 16 bytes of optimizer state leave out
 # the fp32 gradient copy; a distributed optimizer (ZeRO-1) shards the 16 over DP x CP
 # HBM traffic of the kernels that are not GEMMs, counted from Megatron-LM's fused kernels, in bytes per element:
@@ -895,8 +895,10 @@ DEFAULT_GPU_MEM_GB = _A100["gpu_mem_gb"]
 
 @dataclass
 class Cluster:
-    """The machine and the implementation's overlap. Defaults: DGX A100 80 GB nodes on HDR InfiniBand running
-    Megatron-LM as in Table 1; `Cluster.for_gpu("h100", gpus)` takes another preset."""
+    """The machine and the program. Defaults: DGX A100 80 GB nodes on HDR InfiniBand running train_gpt.py (FP32 main
+    grads, 18 bytes a parameter under BF16 with Adam; fused attention; no dropout); CLUSTER_2021 describes Megatron-LM
+    as in Table 1 (16-bit gradients, the unfused attention, dropout); `Cluster.for_gpu("h100", gpus)` takes another
+    preset."""
     gpus: int
     gpus_per_node: int = 8
     gpu_mem_gb: float = _A100["gpu_mem_gb"]
@@ -921,10 +923,11 @@ class Cluster:
     # should be greater than 2 with interleaved schedule" (Table 1's 39.1B run, PP = 2, could not interleave)
     interleave_min_pp: int = 2
     # the attention core: unfused (False: Megatron-LM 2021, the s x s scores through HBM) or a flash kernel (True:
-    # Megatron-Core with --use-flash-attn / Transformer Engine: no scores stored, compute-bound, 2.5x in backward)
-    flash_attention: bool = False
+    # Megatron-Core with --use-flash-attn / Transformer Engine, train_gpt.py's SDPA: no scores stored, compute-bound,
+    # 2.5x in backward)
+    flash_attention: bool = True
     # bytes per gradient element, held and reduced: 2 (Megatron-LM 2021's fp16 gradient buffers; the distributed
-    # optimizer then keeps an fp32 copy in its shard) or 4 (Megatron-Core's fp32 main grads under bf16)
+    # optimizer then keeps an fp32 copy in its shard) or 4 (Megatron-Core's and train_gpt.py's fp32 main grads)
     grad_bytes: int = GRAD_BYTES
     # dropout after the attention and MLP projections and the embedding (Megatron-LM 2021): its 1-byte masks are kept
     # for the backward (train_gpt.py has none)
@@ -2274,6 +2277,11 @@ class _StepBytes:
         out.append(block)
         if self.offload and layers > 1:  # the blocks below: the gradient received is still held, one more comes
             out.append(_add(block, {"backward": self.X}))
+        if not self.flash:  # the unfused attention's backward: the scores' and probabilities' gradients (selective:
+            # beside the probabilities and dropout masks recomputed), the top block's MLP done
+            scores = self.a // self.t * self.T * self.s
+            again = scores * (self.e + (1 if self.dropout else 0)) if self.policy == "selective" else 0
+            out.append(_add(self.came_in(kind), done, {"backward": 2 * scores * self.e + again}))
         return out
 
 
@@ -2512,7 +2520,8 @@ class _RankStatic:
         (ZeRO-2/3, once a block was reduced), the block gathered in a backward (ZeRO-3: `gathered` its elements)."""
         out = {}
         if zero >= 2 and in_flight:
-            out["ZeRO grad buffers"] = self.unit * 4 * (1 + 1 / (shard or z.layout.dp * z.layout.cp))
+            k = shard or z.layout.dp * z.layout.cp
+            out["ZeRO grad buffers"] = self.unit * self.cluster.grad_bytes * (1 + 1 / k)
         if zero >= 3 and gathered:
             out["ZeRO gathered"] = z.e * gathered
         return out
@@ -2552,7 +2561,8 @@ def _rank_instants(z, rank):
         else:
             names = [f"backward{where}{name}" for name in
                      ([", cross-entropy", ", LM head"] if held.kind in ("last", "only") else [])
-                     + [f", block {top}"] + ([f", block {top - 1}"] if z.offload and per > 1 else [])]
+                     + [f", block {top}"] + ([f", block {top - 1}"] if z.offload and per > 1 else [])
+                     + ([f", block {top}'s attention"] if not z.flash else [])]
         moments = z.action_parts(action, held.kind, moe)
         if action == "B" and nvfp4 and nvfp4[chunk][2] is not None:  # the highest NVFP4 block's emulated backward
             below = nvfp4[chunk][2]
@@ -2675,7 +2685,8 @@ class _PlanMemory:
         if counts is None:  # each candidate stage's (r, k, d, buffers in X's), as this docstring says
             flight, one_f_one_b = in_flight_chunks(schedule, p, m, v), schedule == "1f1b"
             counts = layout.memo[("memory counts", p, m, v, schedule)] = tuple(
-                (r, *flight[r], (1 if r == p - 1 else flight[r][0] + (r > 0)) if one_f_one_b else flight[r][0] + 2)
+                (r, *flight[r], (0 if p == 1 else 1 if r == p - 1 else flight[r][0] + (r > 0)) if one_f_one_b
+                 else flight[r][0] + 2)
                 for r in _memory_ranks(model, p, m, v, schedule))
         self.counts, self.model, self.cluster = counts, model, cluster
 
@@ -2727,7 +2738,8 @@ class _PlanMemory:
         if other:
             total = k * rest + waits + buffers + other_extra
             peak, most = max(peak, total), max(most, total + e * gathered)
-        return (rank, peak, most, k, d, buffers, head and head[0], (rest_kind, other), rank.unit * 4, rank.by_zero)
+        return (rank, peak, most, k, d, buffers, head and head[0], (rest_kind, other),
+                rank.unit * self.cluster.grad_bytes, rank.by_zero)
 
     def _bytes(self, i, zero):
         """The i-th candidate stage's peak at zero = (level, shard size), bytes."""
@@ -3659,7 +3671,9 @@ def table_1_model(row, published_knobs):
 # (CLUSTER_2021, properties of the implementation). The planner still chooses the micro-batch size and the
 # interleaving, as the authors did.
 SOFTWARE_2021 = dict(recompute="full", sequence_parallel=False, zero=False)
-CLUSTER_2021 = dict(overlap_grad_reduce="without_pp", interleave_min_pp=3, schedules=("1f1b", "interleaved"))
+PROGRAM_2021 = dict(grad_bytes=2, flash_attention=False, dropout=True)  # fp16 buffers, unfused attention, GPT-3's dropout
+CLUSTER_2021 = dict(overlap_grad_reduce="without_pp", interleave_min_pp=3, schedules=("1f1b", "interleaved"),
+                    **PROGRAM_2021)
 
 
 def published_estimate(row, **cluster_overrides):
@@ -3685,7 +3699,8 @@ def fit_efficiency(**cluster_overrides):
 def calibrate(every_knob=True, **cluster_overrides):
     """For each row of Table 1: the prediction for the published run (its layout and knobs); the planner with
     the 2021 software (SOFTWARE_2021) on the published (TP, PP) and over every layout; with `every_knob`, the planner
-    with every knob it knows (today's Megatron-LM options) likewise."""
+    with every knob it knows (today's Megatron-LM options) likewise, on the same program (PROGRAM_2021: the
+    published runs' fp16 gradient buffers, unfused attention and dropout)."""
     out = []
     for row in TABLE_1:
         params_b, _, _, _, tp, pp, gpus, _, measured, _, _, ddp = row
@@ -3696,7 +3711,8 @@ def calibrate(every_knob=True, **cluster_overrides):
         for name, cluster, model, cp in (
                 ("2021", Cluster(gpus=gpus, **{**CLUSTER_2021, **cluster_overrides}),
                  replace(table_1_model(row, False), **SOFTWARE_2021), 1),
-                ("today", Cluster(gpus=gpus, **cluster_overrides), table_1_model(row, False), None))[:1 + every_knob]:
+                ("today", Cluster(gpus=gpus, **{**PROGRAM_2021, **cluster_overrides}), table_1_model(row, False),
+                 None))[:1 + every_knob]:
             on_published = estimate(cluster, model, tp, pp, 1)
             top = plan(cluster, model, cp=cp)[0]
             result[name] = {"on_published": on_published, "top": top,
@@ -4103,7 +4119,8 @@ def _cluster_from_args(a):
     overrides = {k: v for k, v in overrides.items() if v is not None}
     return Cluster.for_gpu(a.gpu, a.gpus, gpus_per_node=a.gpus_per_node, overlap_grad_reduce=a.overlap_grad_reduce,
                            interleave_min_pp=a.interleave_min_pp, flash_attention=a.flash_attention,
-                           grad_bytes=a.grad_bytes, expert_folding=a.expert_folding, offload=a.offload, **overrides)
+                           grad_bytes=a.grad_bytes, dropout=a.dropout, expert_folding=a.expert_folding,
+                           offload=a.offload, **overrides)
 
 
 def _add_cluster_flags(ap):
@@ -4115,10 +4132,14 @@ def _add_cluster_flags(ap):
                     help="the gradient reduction overlaps the last micro-batch's backward (torch DDP, Megatron-Core)")
     ap.add_argument("--interleave-min-pp", type=int, default=2,
                     help="smallest pipeline the interleaved schedule accepts (2 today; 3 for Megatron-LM 2021)")
-    ap.add_argument("--flash-attention", action="store_true",
-                    help="the attention core is a flash kernel (Megatron-Core), not Megatron-LM 2021's unfused one")
+    ap.add_argument("--flash-attention", action=argparse.BooleanOptionalAction, default=True,
+                    help="the attention core is a flash kernel (train_gpt.py, Megatron-Core), or (--no-flash-attention) "
+                         "Megatron-LM 2021's unfused one, its scores through HBM and kept")
     ap.add_argument("--grad-bytes", type=int, choices=[2, 4], default=GRAD_BYTES,
-                    help="bytes per gradient element: 2 (fp16 buffers, 2021) or 4 (fp32 main grads, Megatron-Core)")
+                    help="bytes per gradient element: 4 (fp32 main grads: train_gpt.py, Megatron-Core) or 2 (fp16 "
+                         "buffers, 2021)")
+    ap.add_argument("--dropout", action="store_true",
+                    help="the program keeps dropout masks (Megatron-LM 2021, GPT-3); train_gpt.py has no dropout")
     ap.add_argument("--offload", action="store_true",
                     help="the search also tries activation offloading to host memory (--recompute offload, "
                          "selective+offload) over PCIe at --pcie-gbps")

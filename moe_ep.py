@@ -447,7 +447,7 @@ def reduce_moe_gradients(moe, dense_group, expert_group):
                 dist.all_reduce(p.grad, group=group)
 
 
-# BEYOND THE CHAPTER: DeepSeek-V3 bias balancing, the experts as one grouped GEMM, counting host syncs, the demo
+# BEYOND THE CHAPTER: DeepSeek-V3 bias balancing, grouped-GEMM experts, asynchronous all-to-alls, host syncs, the demo
 import os
 import tempfile
 import threading
@@ -598,6 +598,71 @@ class BiasBalancedMoE(MoE):
         with torch.no_grad():
             router.weight.copy_(self.router.weight)
         self.router = router
+
+
+# ----------------------------------------------------------------------------------------------------
+# The all-to-alls beside other work (DualPipe's overlapped forward and backward)
+# ----------------------------------------------------------------------------------------------------
+# The chapter's all-to-alls block until the rows have arrived. Posted with async_op=True instead, the time the rows
+# travel is left to other work: OverlappedMoE hands each posted dispatch and combine, and in the backward their
+# gradients', to `wait(work)`, which may run whatever else is due (the other half of a pipeline's forward-and-
+# backward pair) before it waits for the rows; the default waits at once, as the chapter's layer does. The same
+# rows travel, so the results are the chapter's bit for bit.
+
+def _exchange_async(x, send_splits, recv_splits, group, kind, wait):
+    """_exchange posted asynchronously: `wait(work)` runs before the output is read."""
+    x = x.contiguous()
+    out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
+    _log(kind, send_splits, math.prod(x.shape[1:]) * x.element_size(), _group_info(group)[0])
+    wait(dist.all_to_all_single(out, x, recv_splits, send_splits, group=group, async_op=True))
+    return out
+
+
+class _AllToAllTokensAsync(torch.autograd.Function):
+    """_AllToAllTokens with both directions posted asynchronously, each handed to `wait`."""
+
+    @staticmethod
+    def forward(ctx, x, send_splits, recv_splits, group, kind, wait):
+        ctx.splits, ctx.group, ctx.kind, ctx.wait = (send_splits, recv_splits), group, kind, wait
+        return _exchange_async(x, send_splits, recv_splits, group, kind + "_fwd", wait)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_splits, recv_splits = ctx.splits
+        grad = _exchange_async(grad, recv_splits, send_splits, ctx.group, ctx.kind + "_bwd", ctx.wait)
+        return grad, None, None, None, None, None
+
+
+def wait_now(work):
+    work.wait()
+
+
+class OverlappedMoE(MoE):
+    """The chapter's MoE whose token all-to-alls are posted asynchronously and handed to `self.wait` (wait_now
+    unless the caller sets another): the chapter's steps of _expert_parallel, the two exchanges through
+    _AllToAllTokensAsync."""
+    wait = staticmethod(wait_now)
+
+    def _expert_parallel(self, x, order, counts):
+        P, local = self.ep_size, self.local_experts
+        send_counts = rearrange(counts, "(p e) -> p e", p=P)
+        recv_counts = _exchange_counts(send_counts, self.ep_group)
+        host = torch.cat([send_counts.sum(1), recv_counts.reshape(-1)]).tolist()
+        send_splits, received_matrix = host[:P], [host[P + i * local:P + (i + 1) * local] for i in range(P)]
+        recv_splits = [sum(row) for row in received_matrix]
+        sizes = [sum(column) for column in zip(*received_matrix)]
+        kept = sum(send_splits)
+        rows = x.index_select(0, order[:kept] // self.top_k)
+        received = _AllToAllTokensAsync.apply(rows, send_splits, recv_splits, self.ep_group, "dispatch", self.wait)
+        cell_of_row = torch.repeat_interleave(recv_counts.reshape(-1), output_size=sum(recv_splits))
+        regroup = torch.argsort(cell_of_row % local, stable=True)
+        out_rows = self._run_local_experts(received.index_select(0, regroup), recv_counts.sum(0), sizes)
+        back = out_rows.index_select(0, _inverse_permutation(regroup))
+        return _AllToAllTokensAsync.apply(back, recv_splits, send_splits, self.ep_group, "combine", self.wait), kept
+
+
+class OverlappedGroupedGEMMMoE(OverlappedMoE, GroupedGEMMMoE):
+    """OverlappedMoE with GroupedGEMMMoE's experts."""
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -486,7 +486,8 @@ if __name__ == "__main__" and not any(line.startswith("# BEYOND THE CHAPTER") fo
 """The planner estimates, for every layout that divides the cluster and the model, the memory of the most loaded
 GPU and the time of one training step, chooses the knobs a practitioner chooses besides (TP, PP, CP, and EP for a
 MoE model) -- the recomputation (none, selective, full: the cheapest that fits), the micro-batch size b, the
-pipeline schedule (1F1B, interleaved with v chunks per stage, zero bubble ZB-H1 with v >= 1), sequence parallelism
+pipeline schedule (1F1B, interleaved with v chunks per stage, zero bubble ZB-H1 with v >= 1, the V-shaped ZB-V
+and DualPipeV with two chunks per GPU), sequence parallelism
 (SP), the ZeRO level (0-3) and its shard size (HSDP), and CP's Ulysses size u (hybrid CP) -- ranks the layouts that
 fit by step time, and says why the winner wins; `plan --command` prints the torchrun line that runs the top row
 with train_gpt.py. It models Megatron-LM (GPT, 4h MLP, tied embeddings, unfused attention core, 16-bit), the
@@ -518,6 +519,12 @@ Memory of the most loaded GPU (fits when <= 0.9 x GPU memory: CUDA context, allo
                  attention (`deferred_w_bytes`); rank r holds (k_r A + d_r A_w) / v + max(0, A_w - A)/v (right
                  after a B, before the next F) with A a stage's kept activations: the most loaded rank is stage
                  0 while A_w <= A, a later one under full recomputation (A = 2 s b h/t).
+                 ZB-V and DualPipeV (v = 2, chunks of L/2p layers in a V: rank r holds stages r and 2p - 1 - r, so
+                 rank 0 holds the first and the last stage: its parameters count both ends, the tied embedding
+                 once, and its activations the logits): per chunk A/2 and A_w/2, the most of (k, 0), (2p - 1, 1)
+                 right after a B, and the last rank's drain, (0, 2p - 1) for ZB-V, (0, p) for DualPipeV, with k =
+                 2p (ZB-V) or 2p + 1 (DualPipeV: a pair's forward beside its backward); 2p embedding masks on rank
+                 0 (`v_activation_points`).
                  offload, selective+offload (train_gpt.py's --recompute; tried with Cluster.offload, --offload): the
                  layers' saved tensors wait in host memory, K a layer (none's or selective's bytes above) copied
                  each way; the GPU keeps X = 2 s b h/t (no SP: 2 s b h) per model chunk and micro-batch in flight,
@@ -564,7 +571,10 @@ all-reduce between first and last stage + the optimizer step (48 bytes of HBM tr
 with ZeRO).
     bubble       1F1B (p-1) stage, interleaved (p-1)/v stage (Narayanan et al. 2021); ZB-H1 (Qi et al. 2023)
                  per chunk (p-1)(F + B) - (min(m, p) - 1) W, i.e. (p-1)(F + B - W) for m >= p: (p-1)/v (stage -
-                 2 W_stage), a third of 1F1B's when F = B = W (`pipeline_bubble`, exact for W <= min(F, B))
+                 2 W_stage), a third of 1F1B's when F = B = W (`pipeline_bubble`, exact for W <= min(F, B));
+                 per chunk of a V, exact for W <= F <= B: ZB-V (p-1) max(B, 2 (B - W)), DualPipeV max((p-1)(2F + B
+                 - W), (p-1)(F + 2B - W) - F), its pairs' overlap of communication with compute not counted (so
+                 never below ZB-V's); neither all-reduces the tied embedding (one parameter on rank 0)
     DP           in (n-1)/n of the gradient bytes each (a ring; across nodes a group with k members per node
                  moves k NICs' worth, NCCL runs one ring per NIC): ZeRO-0 an all-reduce (2 per step), ZeRO-1
                  reduce-scatter + all-gather (2 per step), ZeRO-2 a reduce-scatter per micro-batch (its gradients
@@ -627,9 +637,10 @@ the two rows' gaps; the 4 GB/s exchanges, for one, leave +7.1% / +9.6% with the 
 GB/s brings 18.4B in but not 39.1B, with the 1T row 8.2% off. So the disagreement is the model's prediction, not
 a missing term: at 18-39B without SP, TP8 repeats the LayerNorms 8 times and exposes its all-reduces, which the
 paper's rule (TP up to a node, then PP) accepts; sequence parallelism (2022) removes the former, and with every
-knob the planner keeps TP2 with SP there. With every knob (ZeRO-1 and SP let smaller TP fit, ZB-H1 shrinks the
-bubble) it moves further from the 2021 layouts: ZB-H1 on every pipelined top choice but the 1T row's (interleaved,
-v = 8), ZeRO-1 throughout (without the overlapped reduction ZeRO-2/3 pay their per-micro-batch collectives in full).
+knob the planner keeps TP2 with SP there. With every knob (ZeRO-1 and SP let smaller TP fit, zero bubble shrinks
+the bubble) it moves further from the 2021 layouts: zero bubble on every pipelined top choice but the 1T row's
+(interleaved, v = 8), ZB-V's two chunks in a V at 18.4B (now PP 2), 39.1B and 310.1B, ZB-H1 on the others, ZeRO-1
+throughout (without the overlapped reduction ZeRO-2/3 pay their per-micro-batch collectives in full).
 
 TFLOP/s per GPU are counted as Narayanan et al. count them, 96 B s L h^2 (1 + s/6h + V/16Lh) per step
 (every layer 4 x its forward, as with full recomputation), divided by step time and GPUs, whatever the plan
@@ -872,8 +883,11 @@ MOE_EXTRA_KERNELS = 6         # router GEMM, softmax and top-k, histogram, count
 #                               inverse (a MoE layer's forward: KERNELS_PER_LAYER + these)
 MAX_MICRO_BATCH = 16          # the search tries micro-batch sizes up to this (Table 1 uses 1 to 16)
 MAX_VIRTUAL_STAGES = 8        # and interleaved schedules of up to this many model chunks per GPU
-SCHEDULES = ("1f1b", "interleaved", "zb-h1")  # train_gpt.py's --pp-schedule: 1F1B, Megatron-LM's interleaved 1F1B,
-#                               zero bubble ZB-H1 (Qi et al. 2023; on 1F1B's order, or on the interleaved one, v > 1)
+SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")  # train_gpt.py's --pp-schedule: 1F1B, Megatron-LM's
+#                               interleaved 1F1B, zero bubble ZB-H1 (Qi et al. 2023; on 1F1B's order, or on the
+#                               interleaved one, v > 1), and the V-shaped ZB-V (Qi et al. 2024) and DualPipeV
+V_SCHEDULES = ("zbv", "dualpipev")  # two chunks per GPU in a V: rank r holds stages r and 2p - 1 - r (v = 2)
+SPLIT_SCHEDULES = ("zb-h1",) + V_SCHEDULES  # backwards split into B (input gradients) and a deferrable W
 ZERO_LEVELS = (0, 1, 2, 3)    # train_gpt.py's --zero: replicated, sharded optimizer, + gradients, + parameters
 
 # Per GPU: datasheet peak, achieved bandwidths, the GEMM efficiency curve (e_max = `efficiency`, x0 =
@@ -1035,7 +1049,7 @@ class ModelShape:
     swiglu: bool = False
     kv_heads: int = None
     tied_embeddings: bool = True
-    pp_schedule: str = None        # 1f1b | interleaved | zb-h1
+    pp_schedule: str = None        # 1f1b | interleaved | zb-h1 | zbv | dualpipev
     zero_shard_size: int = None    # HSDP: ZeRO shards over this many DP x CP ranks (None: all of them)
     cp_ulysses: int = None         # hybrid CP: Ulysses over u consecutive CP ranks, a ring over cp / u
 
@@ -1064,6 +1078,9 @@ class ModelShape:
         if self.pp_schedule == "1f1b" and (self.virtual_stages or 1) > 1:
             raise ValueError(f"virtual_stages={self.virtual_stages} needs pp_schedule interleaved or zb-h1 "
                              "(--pp-schedule); 1f1b runs one chunk per GPU")
+        if self.pp_schedule in V_SCHEDULES and self.virtual_stages not in (None, 2):
+            raise ValueError(f"pp_schedule={self.pp_schedule!r} places two chunks per GPU in a V: virtual_stages "
+                             f"must be 2 (--virtual-stages), not {self.virtual_stages}")
         if self.kv_heads is not None:
             _check_count("kv_heads", self.kv_heads, "omit it for multi-head attention")
             if self.heads % self.kv_heads:
@@ -1115,6 +1132,16 @@ def stage_layer_counts(model, pp, stage):
     return per - moe, moe
 
 
+def rank_layer_counts(model, pp, rank, v_shape=False):
+    """(dense, MoE) layers of pipeline rank `rank`: stage `rank` (L/p consecutive layers), or under a V schedule
+    (`v_shape`) its two chunks, stages rank and 2p - 1 - rank of the 2p (L/2p layers each)."""
+    if not v_shape:
+        return stage_layer_counts(model, pp, rank)
+    per = model.layers // (2 * pp)
+    moe = sum(moe_layers_between(model, s * per, (s + 1) * per) for s in (rank, 2 * pp - 1 - rank))
+    return 2 * per - moe, moe
+
+
 def layer_parameters(model):
     """Parameters of one layer, by kind: a dense layer (12 h^2 + 13 h with multi-head attention: attention 4 h^2
     + 4 h, MLP 8 h^2 + 5 h, 2 LayerNorms 4 h); the part of a MoE layer that is not an expert (attention,
@@ -1150,21 +1177,23 @@ def active_parameter_count(model):
             + _embedding_parameters(model, True) + model.seq * model.hidden)
 
 
-def _first_stage_parameters(model, tp, pp, ep):
+def _first_stage_parameters(model, tp, pp, ep, v_shape=False):
     """(dense part, expert part) of the parameters of one first-stage GPU: its L/p layers and the token
     embedding split t ways, the position embedding whole (Megatron-LM does not split it; the few replicated
     LayerNorm and router weights, < 0.1%, are counted as split); E/ep experts of each MoE layer, whole (expert
-    TP 1). The last stage holds the output layer instead of the embedding: the same count."""
-    dense, moe = stage_layer_counts(model, pp, 0)
+    TP 1). The last stage holds the output layer instead of the embedding: the same count. Under a V schedule
+    (`v_shape`) rank 0 holds the first and the last stage: its two chunks' layers and both ends (tied: one V h)."""
+    dense, moe = rank_layer_counts(model, pp, 0, v_shape)
     p = layer_parameters(model)
-    shared = ((p["dense"] * dense + p["moe_shared"] * moe + _embedding_parameters(model, pp == 1)) / tp
+    shared = ((p["dense"] * dense + p["moe_shared"] * moe + _embedding_parameters(model, pp == 1 or v_shape)) / tp
               + model.seq * model.hidden)
     return shared, moe * (model.experts // ep) * p["expert"]
 
 
-def params_on_first_stage(model, tp, pp, ep=1):
-    """Parameters held by one GPU of the first stage (`_first_stage_parameters`, both parts)."""
-    shared, experts = _first_stage_parameters(model, tp, pp, ep)
+def params_on_first_stage(model, tp, pp, ep=1, v_shape=False):
+    """Parameters held by one GPU of the first stage (`_first_stage_parameters`, both parts; rank 0 of a V with
+    `v_shape`)."""
+    shared, experts = _first_stage_parameters(model, tp, pp, ep, v_shape)
     return shared + experts
 
 
@@ -1596,7 +1625,7 @@ def offload_layer_seconds(cluster, forward, recompute, copied_bytes, schedule="1
     `_stage_parts`' split); and min(C, B), what it waits more as its chunk's top block (C instead of max(0, C - B))."""
     copy = copied_bytes / (cluster.pcie_gbps * GB)
     forward_s = forward["gemm"] + forward["attention"] + forward["elementwise"]
-    window = layer_step(forward, recompute)[0] - forward_s - (forward["gemm"] if schedule == "zb-h1" else 0.0)
+    window = layer_step(forward, recompute)[0] - forward_s - (forward["gemm"] if schedule in SPLIT_SCHEDULES else 0.0)
     return 2 * copy, max(0.0, copy - forward_s) + max(0.0, copy - window), min(copy, window)
 
 
@@ -1610,17 +1639,17 @@ def _offload_terms(cluster, model, layout, b, sp, recompute, forwards, schedule=
             for kind, f in forwards.items()}
 
 
-def _stage_offload_bytes(cluster, model, tp, pp, cp, ep, b, recompute, sp):
-    """(a chunk's input, the most one of its layers copies each way) on stage 0, per micro-batch."""
-    kinds = [moe for moe, n in zip((False, True), stage_layer_counts(model, pp, 0)) if n]
+def _stage_offload_bytes(cluster, model, tp, pp, cp, ep, b, recompute, sp, v_shape=False):
+    """(a chunk's input, the most one of its layers copies each way) on stage 0 (rank 0 of a V), per micro-batch."""
+    kinds = [moe for moe, n in zip((False, True), rank_layer_counts(model, pp, 0, v_shape)) if n]
     layer_bytes = [_offload_bytes(model, tp, cp, ep, recompute, b, sp, cluster.flash_attention, moe) for moe in kinds]
     return layer_bytes[0]["device_resident"], max(m["to_host"] for m in layer_bytes)
 
 
-def _offload_parts(cluster, model, tp, pp, cp, ep, b, recompute, sp, v):
+def _offload_parts(cluster, model, tp, pp, cp, ep, b, recompute, sp, v, v_shape=False):
     """(kept per micro-batch in flight, working set) of stage 0 under an offload policy: its v chunks' inputs, and
     two of its layers' copied bytes (the larger kind's) with the recomputed attention core's scores."""
-    chunk_input, copied_bytes = _stage_offload_bytes(cluster, model, tp, pp, cp, ep, b, recompute, sp)
+    chunk_input, copied_bytes = _stage_offload_bytes(cluster, model, tp, pp, cp, ep, b, recompute, sp, v_shape)
     flash = cluster.flash_attention
     core = 0.0 if flash or recompute == "offload" else 5 * model.heads * (model.seq // cp) * model.seq * b / tp
     return v * chunk_input, 2 * copied_bytes + core
@@ -1628,10 +1657,13 @@ def _offload_parts(cluster, model, tp, pp, cp, ep, b, recompute, sp, v):
 
 # ---- memory of the most loaded GPU -------------------------------------------------------------------
 
-def in_flight_microbatches(pp, v, micro_batches):
+def in_flight_microbatches(pp, v, micro_batches, schedule=None):
     """Micro-batches whose activations stage 0 holds at the peak: 1F1B keeps p (GPipe would keep m); the
     interleaved schedule keeps p (1 + (p-1)/(p v)) (Korthikanti et al. 2022, section 4.2.3), never more than m.
-    ZB-H1 on either order keeps as many before their B on stage 0 (rank r defers r W's: rank 0 none)."""
+    ZB-H1 on either order keeps as many before their B on stage 0 (rank r defers r W's: rank 0 none). A V schedule's
+    rank 0: its chunks in flight (`in_flight_chunks`) over its v = 2, p for ZB-V (1F1B's), p + 1/2 for DualPipeV."""
+    if schedule in V_SCHEDULES:
+        return in_flight_chunks(schedule, pp, micro_batches, v)[0][0] / v
     if v == 1:
         return min(pp, micro_batches)
     return min(float(micro_batches), pp + (pp - 1) / v)
@@ -1642,8 +1674,14 @@ def in_flight_chunks(schedule, pp, micro_batches, v=1):
     """Per pipeline rank r, at its activation peak: (k, d), k the model chunks (of micro-batches) whose activations
     wait for their backward B, d the chunks whose B has run but whose deferred W has not. 1F1B: k = min(p - r, m);
     interleaved (Megatron-LM's order): k = min(2 (p - r - 1) + (v - 1) p + 1, v m); d = 0. ZB-H1 runs the same order
-    with rank r deferring r W's through the steady state: the same k, d = min(k + r, v m) - k. tests/test_topology.py
-    replays train_gpt.py's lists against these counts."""
+    with rank r deferring r W's through the steady state: the same k, d = min(k + r, v m) - k. The V schedules (v = 2
+    chunks of L/2p layers): ZB-V k = min(2p, m + r + 1, 2m), DualPipeV 2p + 1 (2p, and a pair's forward beside its
+    backward), d = 0: each W follows its B but in the drain, where fewer chunks wait (`v_activation_points`).
+    tests/test_topology.py and tests/test_vpipe.py replay train_gpt.py's lists against these counts."""
+    if schedule == "zbv":
+        return tuple((min(2 * pp, micro_batches + r + 1, 2 * micro_batches), 0) for r in range(pp))
+    if schedule == "dualpipev":
+        return ((2 * pp + 1, 0),) * pp
     if v == 1:
         before_b = [min(pp - r, micro_batches) for r in range(pp)]
     else:
@@ -1651,6 +1689,17 @@ def in_flight_chunks(schedule, pp, micro_batches, v=1):
     if schedule != "zb-h1":
         return tuple((k, 0) for k in before_b)
     return tuple((k, min(k + r, micro_batches * v) - k) for r, k in enumerate(before_b))
+
+
+@functools.lru_cache(maxsize=256)
+def v_activation_points(schedule, pp):
+    """(k, d) pairs, k chunks before their B and d whose W waits, where k A + d A_w peaks on some rank of a V
+    schedule (A, A_w per chunk; m >= 2p - 1 for ZB-V, 2p for DualPipeV), the most of any rank taken: the steady
+    state's k (`in_flight_chunks`, d = 0); right after a B, one chunk fewer before it and its W waiting (2p - 1, 1);
+    and the drain, where rank r runs its B's ahead of their W's: ZB-V's rank p - 1 ends with 2p - 1 W's waiting,
+    DualPipeV's with p (on rank r: (p - r - 1, 2r + 1) and (p - r - 1, r + 1), the last rank's the largest)."""
+    k = in_flight_chunks(schedule, pp, 4 * pp, 2)[0][0]
+    return (k, 0), (2 * pp - 1, 1), (0, 2 * pp - 1 if schedule == "zbv" else pp)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -1723,17 +1772,18 @@ def _unit_parameters(model, tp, ep):
     return max(units)
 
 
-def _activation_parts(cluster, model, tp, pp, cp, ep, b, recompute, sp, v=1):
+def _activation_parts(cluster, model, tp, pp, cp, ep, b, recompute, sp, v=1, v_shape=False):
     """Bytes of one first-stage GPU's activations: (its layers' per micro-batch in flight, the working set of the
     layer being recomputed, the embedding's dropout mask per micro-batch in flight, the fp32 logits). An offload
-    policy's first two are `_offload_parts` (of `v` chunks per stage)."""
+    policy's first two are `_offload_parts` (of `v` chunks per stage). Under a V schedule (`v_shape`) rank 0's two
+    chunks, and the logits: it holds the last stage too."""
     flash = cluster.flash_attention
     s_local = model.seq // cp
     embedding = s_local * b * model.hidden / (tp if sp else 1)  # embedding dropout mask (Korthikanti)
-    logits = 4 * s_local * b * model.vocab / tp if pp == 1 else 0.0  # fp32 logits: stage 0 is also the last
+    logits = _logits_bytes(model, tp, cp, b) if pp == 1 or v_shape else 0.0  # stage 0 is also the last
     if recompute in OFFLOAD_POLICIES:
-        return _offload_parts(cluster, model, tp, pp, cp, ep, b, recompute, sp, v) + (embedding, logits)
-    dense_layers, moe_layers = stage_layer_counts(model, pp, 0)
+        return _offload_parts(cluster, model, tp, pp, cp, ep, b, recompute, sp, v, v_shape) + (embedding, logits)
+    dense_layers, moe_layers = rank_layer_counts(model, pp, 0, True) if v_shape else stage_layer_counts(model, pp, 0)
     kept = dense_layers * _dense_layer_bytes(model, tp, cp, recompute, b, sp, flash) if dense_layers else 0.0
     if moe_layers:
         kept += moe_layers * _moe_layer_bytes(model, tp, cp, ep, recompute, b, flash)
@@ -1747,9 +1797,14 @@ def _activation_parts(cluster, model, tp, pp, cp, ep, b, recompute, sp, v=1):
     return kept, working, embedding, logits
 
 
-def _stage_deferred_bytes(model, tp, pp, cp, ep, b):
-    """deferred_w_bytes of stage 0's layers, one micro-batch."""
-    dense_layers, moe_layers = stage_layer_counts(model, pp, 0)
+def _logits_bytes(model, tp, cp, b):
+    """The fp32 logits of one micro-batch on the last stage, split over TP (4 s b V / t)."""
+    return 4 * (model.seq // cp) * b * model.vocab / tp
+
+
+def _stage_deferred_bytes(model, tp, pp, cp, ep, b, v_shape=False):
+    """deferred_w_bytes of stage 0's layers (rank 0's two chunks under a V schedule), one micro-batch."""
+    dense_layers, moe_layers = rank_layer_counts(model, pp, 0, v_shape)
     return ((dense_layers * deferred_w_bytes(model, tp, cp, ep, b) if dense_layers else 0.0)
             + (moe_layers * deferred_w_bytes(model, tp, cp, ep, b, moe=True) if moe_layers else 0.0))
 
@@ -1759,10 +1814,11 @@ def first_stage_memory(cluster, model, tp, pp, cp, dp, b, v, recompute, sp, zero
     """(parameters held, micro-batches in flight on stage 0, GB by kind) of the most loaded GPU: one of the first
     stage, or under ZB-H1 the rank whose deferred W's hold the most (`_activations_gb`). `parts` and `split`:
     `_activation_parts` and `_first_stage_parameters` when the caller has them already (the search)."""
-    split = split or _first_stage_parameters(model, tp, pp, ep)
-    parts = parts or _activation_parts(cluster, model, tp, pp, cp, ep, b, recompute, sp, v)
-    in_flight = in_flight_microbatches(pp, v, micro_batches)
-    deferred = _stage_deferred_bytes(model, tp, pp, cp, ep, b) if schedule == "zb-h1" else 0.0
+    v_shape = schedule in V_SCHEDULES
+    split = split or _first_stage_parameters(model, tp, pp, ep, v_shape)
+    parts = parts or _activation_parts(cluster, model, tp, pp, cp, ep, b, recompute, sp, v, v_shape)
+    in_flight = in_flight_microbatches(pp, v, micro_batches, schedule)
+    deferred = _stage_deferred_bytes(model, tp, pp, cp, ep, b, v_shape) if schedule in SPLIT_SCHEDULES else 0.0
     states = _states_gb(cluster, split, tp, cp, dp, ep, zero, shard, _unit_parameters(model, tp, ep))
     mem = dict(zip(("weights_gb", "grads_gb", "optimizer_gb"), states))
     mem["activations_gb"] = _activations_gb(parts, in_flight, schedule, pp, micro_batches, v, deferred)
@@ -1795,8 +1851,12 @@ def _activations_gb(parts, in_flight, schedule="1f1b", pp=1, micro_batches=1, v=
     A_w / v; rank 0 defers none, so it holds what it holds under the schedule's base order), plus max(0, A_w - A):
     right after each B one chunk is already a deferred W and the next F has not run (with A_w > A, as under full
     recomputation, that instant is the peak). Stage 0 also holds the embedding's masks and, without a pipeline, the
-    logits; its layers stand for every stage's (L/p each)."""
+    logits; its layers stand for every stage's (L/p each). A V schedule: the most of `v_activation_points` (per chunk
+    A / 2 and A_w / 2), rank 0's 2p embedding masks (chunk 0's micro-batches in flight there) and its logits."""
     kept, working, embedding, logits = parts
+    if schedule in V_SCHEDULES:
+        most = max(k * kept / v + d * deferred / v for k, d in v_activation_points(schedule, pp))
+        return (most + working + embedding * 2 * pp + logits) / GB
     first = kept * in_flight + working + embedding * in_flight + logits
     if schedule != "zb-h1":
         return first / GB
@@ -1922,14 +1982,16 @@ def pipeline_order(schedule, p, m, v, r):
     order = _order_interleaved(p, m, v, r) if v > 1 else _order_1f1b(p, m, r)
     if schedule == "zb-h1":
         return _order_zero_bubble(order, r)
-    if schedule not in ("1f1b", "interleaved"):
-        raise ValueError(f"pp_schedule={schedule!r}: the memory model replays {', '.join(SCHEDULES)}")
+    if schedule not in ("1f1b", "interleaved"):  # ZB-V, DualPipeV: the planner's counts bound them (_PlanMemory)
+        raise ValueError(f"pp_schedule={schedule!r}: rank by rank, the memory model replays 1f1b, interleaved and "
+                         "zb-h1; `topology.py plan` bounds the V schedules")
     return order
 
 
-def _virtual_stage(p, r, chunk):
-    """The virtual stage of rank r's chunk: chunk c of rank r is stage c p + r (interleaved placement)."""
-    return chunk * p + r
+def _virtual_stage(p, r, chunk, v_shape=False):
+    """The virtual stage of rank r's chunk: chunk c of rank r is stage c p + r (interleaved placement); in a V
+    (`v_shape`: ZB-V, DualPipeV) chunk 0 is stage r and chunk 1 stage 2p - 1 - r."""
+    return (2 * p - 1 - r if chunk else r) if v_shape else chunk * p + r
 
 
 def _chunk_kind(stages, vs):
@@ -2216,7 +2278,7 @@ class _StepBytes:
     def block_backward(self, moe):
         """The top block's backward at its largest moment, MLP first (the gradient that came in aside)."""
         h, t, T, e = self.h, self.t, self.T, self.e
-        zb = self.knobs.pp_schedule == "zb-h1"
+        zb = self.knobs.pp_schedule in SPLIT_SCHEDULES
         if moe:
             work = self.moe_terms()[1]
         elif zb:  # W deferred: the GeLU output waits for it while the GeLU's input gradient is made
@@ -2257,7 +2319,8 @@ class _StepBytes:
         embedding's gradient waiting), elsewhere the gradient received."""
         if kind not in ("last", "only"):
             return {"receive buffers": self.X}
-        tied = self.V // self.t * self.h * self.e if self.p * self.v == 1 and self.model.tied_embeddings else 0
+        one = self.p * self.v == 1 or self.knobs.pp_schedule in V_SCHEDULES  # both ends on one rank
+        tied = self.V // self.t * self.h * self.e if one and self.model.tied_embeddings else 0
         return {"LM head and loss": self.X - self.head() + tied, "activations": -self.X}
 
     def action_parts(self, action, kind, moe, layers=None):
@@ -2297,10 +2360,10 @@ def _scale(part, n):
     return {key: value * n for key, value in part.items()}
 
 
-def _rank_layers(model, p, v, r):
-    """The global indices of rank r's blocks, chunk after chunk (chunk c holds virtual stage c p + r)."""
+def _rank_layers(model, p, v, r, v_shape=False):
+    """The global indices of rank r's blocks, chunk after chunk (chunk c holds virtual stage `_virtual_stage`)."""
     per = model.layers // (p * v)
-    return [(_virtual_stage(p, r, c)) * per + i for c in range(v) for i in range(per)]
+    return [(_virtual_stage(p, r, c, v_shape)) * per + i for c in range(v) for i in range(per)]
 
 
 def _is_moe(model, layer):
@@ -2336,36 +2399,38 @@ def _block_parameters(model, layout, moe, i=0):
     return params
 
 
-def _outer_parameters(model, layout, r):
+def _outer_parameters(model, layout, r, v_shape=False):
     """The rank's parameters outside the blocks: the token embedding and positions (first stage), the final
-    LayerNorm and the LM head (last stage; the tied embedding's copy, or its own weight when untied)."""
+    LayerNorm and the LM head (last stage; the tied embedding's copy, or its own weight when untied). In a V
+    (`v_shape`) rank 0 holds both ends, the tied embedding once."""
     h, t = model.hidden, layout.tp
-    tied = "tied" if layout.pp > 1 and model.tied_embeddings else "dense"
+    one = layout.pp == 1 or v_shape  # both ends on one rank
+    tied = "tied" if not one and model.tied_embeddings else "dense"
     params = []
     if r == 0:
         params += [_Param(model.vocab // t * h, True, None, tied), _Param(model.seq * h, True, None, "dense")]
-    if r == layout.pp - 1:
+    if r == (0 if v_shape else layout.pp - 1):
         params += [_Param(h, False, None, "dense"), _Param(h, False, None, "dense")]
-        if layout.pp > 1 or not model.tied_embeddings:
+        if not one or not model.tied_embeddings:
             params += [_Param(model.vocab // t * h, True, None, tied)]
     return params
 
 
-def _rank_parameters(model, layout, r, v):
+def _rank_parameters(model, layout, r, v, v_shape=False):
     """Every parameter tensor on one rank of stage r, in train_gpt.py's order (`_Param`): its blocks' (QKV, the
     projection's and the MLP's weights split over TP; the LayerNorms, the row-parallel biases, the router and the
     experts, E / ep of them whole, replicated), then the positions and the token embedding and the LM head, split
     over the vocabulary."""
     params = []
-    for i, layer in enumerate(_rank_layers(model, layout.pp, v, r)):
+    for i, layer in enumerate(_rank_layers(model, layout.pp, v, r, v_shape)):
         params += _block_parameters(model, layout, _is_moe(model, layer), i)
-    return params + _outer_parameters(model, layout, r)
+    return params + _outer_parameters(model, layout, r, v_shape)
 
 
-def _rank_parameter_summary(model, layout, r, v):
+def _rank_parameter_summary(model, layout, r, v, v_shape=False):
     """(`_parameter_sums` of the rank's parameters, each block's elements), from one block of each kind (kept in
     the plan's layout.memo under the TP and EP sizes)."""
-    layers = _rank_layers(model, layout.pp, v, r)
+    layers = _rank_layers(model, layout.pp, v, r, v_shape)
     moe = [_is_moe(model, i) for i in layers]
     kinds = {}
     for kind in set(moe):
@@ -2375,7 +2440,7 @@ def _rank_parameter_summary(model, layout, r, v):
             layout.memo[key] = sum(p.elements for p in params), _parameter_sums(params)
         kinds[kind] = layout.memo[key]
     per_block = {kind: elements for kind, (elements, _) in kinds.items()}
-    sums, count = _parameter_sums(_outer_parameters(model, layout, r))
+    sums, count = _parameter_sums(_outer_parameters(model, layout, r, v_shape))
     for kind, (_, (block_sums, block_count)) in kinds.items():
         n = moe.count(kind)
         for key, elements in block_sums.items():
@@ -2474,18 +2539,20 @@ class _RankStatic:
     their MoE blocks: the most of any chunk of that kind), its top blocks, its states and optimizer step at each
     ZeRO choice; its parameters and chunks kept in `memo` (a plan's layout.memo) under tp, pp, ep, v and r."""
 
-    def __init__(self, cluster, z, r, v, memo=None):
+    def __init__(self, cluster, z, r, v, memo=None, v_shape=None):
         model, layout = z.model, z.layout
         self.cluster, self.z, self.r = cluster, z, r
         self.memo = {} if memo is None else memo
-        self.key = ("rank", layout.tp, layout.pp, layout.ep, v, r)  # nor the CP and DP sizes
+        if v_shape is None:  # the chunks of a V: stages r and 2p - 1 - r
+            v_shape = z.knobs.pp_schedule in V_SCHEDULES
+        self.key = ("rank", layout.tp, layout.pp, layout.ep, v, r, v_shape)  # nor the CP and DP sizes
         if self.key not in self.memo:
-            params = _rank_parameters(model, layout, r, v) if z.program.device == "cpu" else None  # CPU's AdamW
-            layers = _rank_layers(model, layout.pp, v, r)
-            sums, blocks = _rank_parameter_summary(model, layout, r, v)
+            params = _rank_parameters(model, layout, r, v, v_shape) if z.program.device == "cpu" else None  # CPU's
+            layers = _rank_layers(model, layout.pp, v, r, v_shape)
+            sums, blocks = _rank_parameter_summary(model, layout, r, v, v_shape)
             per, stages, kinds, tops = len(layers) // v, layout.pp * v, {}, []
             for c in range(v):
-                kind = _chunk_kind(stages, _virtual_stage(layout.pp, r, c))
+                kind = _chunk_kind(stages, _virtual_stage(layout.pp, r, c, v_shape))
                 kinds[kind] = max(kinds.get(kind, 0), sum(_is_moe(model, i) for i in layers[c * per:(c + 1) * per]))
                 tops.append((_is_moe(model, layers[(c + 1) * per - 1]), blocks[(c + 1) * per - 1]))
             self.memo[self.key] = (params, layers, blocks, kinds, tops, sums, max(blocks, default=0),
@@ -2609,7 +2676,7 @@ def _memory_ranks(model, pp, m, v, schedule):
     if schedule == "zb-h1":
         ranks |= set(_zb_candidate_ranks(pp, m, v))
     if model.moe_every:
-        ranks.add(_busiest_moe_stage(model.layers, pp, model.moe_every)[0])
+        ranks.add(_busiest_moe_stage(model.layers, pp, model.moe_every, schedule in V_SCHEDULES)[0])
     return sorted(ranks)
 
 
@@ -2625,7 +2692,7 @@ class _ScalarPrices:
         self.dense = z.block(False)
         self.moe = z.block(True) if z.model.moe_every else 0.0
         self.base = {kind: sum(z.chunk(kind, 0, 0).values()) for kind in CHUNK_KINDS} if self.linear else {}
-        if z.knobs.pp_schedule == "zb-h1":  # a deferred W's attention and MLP parts per block
+        if z.knobs.pp_schedule in SPLIT_SCHEDULES:  # a deferred W's attention and MLP parts per block
             one = sum(z.waiting_w("middle", 1, 1).values())
             self.w_attention = one - sum(z.waiting_w("middle", 0, 0).values())
             self.w_mlp = sum(z.waiting_w("middle", 0, 1).values()) - one
@@ -2666,7 +2733,7 @@ class _PlanMemory:
 
     def __init__(self, cluster, model, layout, knobs, program=PLANNER_PROGRAM):
         b, v, recompute, sp, _, schedule = knobs[:6]
-        zb = schedule == "zb-h1"
+        zb = schedule in SPLIT_SCHEDULES
         cache = layout.__dict__.setdefault("memory_prices", {})  # one layout's, one program's (the plan's)
         key = (b, sp, recompute, zb)
         prices = cache.get(key)
@@ -2679,15 +2746,19 @@ class _PlanMemory:
                 prices = cache[key] = shared[outer] = _ScalarPrices(_StepBytes(cluster, model, layout, knobs._replace(
                     virtual_stages=1, zero=0, zero_shard_size=None), program))
         self.layout, self.cache, self.ranks, self.v, self.prices = layout, {}, [], v, prices
+        self.v_shape = schedule in V_SCHEDULES
         self.shard = layout.dp * layout.cp
         p, m = layout.pp, model.global_batch // (layout.dp * b)
         counts = layout.memo.get(("memory counts", p, m, v, schedule))
         if counts is None:  # each candidate stage's (r, k, d, buffers in X's), as this docstring says
             flight, one_f_one_b = in_flight_chunks(schedule, p, m, v), schedule == "1f1b"
-            counts = layout.memo[("memory counts", p, m, v, schedule)] = tuple(
-                (r, *flight[r], (0 if p == 1 else 1 if r == p - 1 else flight[r][0] + (r > 0)) if one_f_one_b
-                 else flight[r][0] + 2)
-                for r in _memory_ranks(model, p, m, v, schedule))
+            if schedule in V_SCHEDULES:  # on every candidate rank, each point where a rank of the V can peak
+                counts = tuple((r, max(k, 1), d, max(k, 1) + 2) for r in _memory_ranks(model, p, m, v, schedule)
+                               for k, d in v_activation_points(schedule, p))
+            else:
+                counts = tuple((r, *flight[r], (0 if p == 1 else 1 if r == p - 1 else flight[r][0] + (r > 0))
+                                if one_f_one_b else flight[r][0] + 2) for r in _memory_ranks(model, p, m, v, schedule))
+            layout.memo[("memory counts", p, m, v, schedule)] = counts
         self.counts, self.model, self.cluster = counts, model, cluster
 
     def _rank(self, i):
@@ -2702,8 +2773,8 @@ class _PlanMemory:
         r, k, d, buffers = counts
         prices, layout, v = self.prices, self.layout, self.v
         layers = self.model.layers // (layout.pp * v)
-        static = layout.__dict__.setdefault("memory_ranks", {}).get((v, r)) or self._static(
-            self.cluster, self.model, layout, prices, r, v)
+        static = layout.__dict__.setdefault("memory_ranks", {}).get((v, r, self.v_shape)) or self._static(
+            self.cluster, self.model, layout, prices, r, v, self.v_shape)
         rank, head, others, moe_top, gathered, kinds = static
         linear, dense, moe_block, extras, X, e = prices.linear, prices.dense, prices.moe, prices.memo, prices.z.X, prices.z.e
         # the chunks (linear in their blocks: each block's bytes and the kind's), the actions' largest moments
@@ -2769,19 +2840,19 @@ class _PlanMemory:
         return None
 
     @staticmethod
-    def _static(cluster, model, layout, prices, r, v):
+    def _static(cluster, model, layout, prices, r, v, v_shape):
         """Rank r's (_RankStatic, its last-stage chunk's (kind, MoE blocks) or None, its other chunks', its top
         block's MoE and elements, its chunks' kinds), with a step's sizes of this layout's."""
         z = layout.__dict__.get("memory_z")
         if z is None:
             z = layout.memory_z = _StepBytes(cluster, model, layout, prices.z.knobs, prices.z.program)
-        rank = _RankStatic(cluster, z, r, v, layout.memo)
+        rank = _RankStatic(cluster, z, r, v, layout.memo, v_shape)
         if rank.params is None:  # states and step from the parameter sums alone: shared by ranks holding as much
             signature = (tuple(sorted(rank.sums[0].items())), rank.sums[1])
             rank.by_zero = layout.__dict__.setdefault("memory_states", {}).setdefault(signature, rank.by_zero)
         heads = [(kind, n) for kind, n in rank.kinds.items() if kind in ("last", "only")]
         others = [(kind, n) for kind, n in rank.kinds.items() if kind not in ("last", "only")]
-        static = layout.memory_ranks[(v, r)] = (rank, heads[0] if heads else None, others, *rank.top,
+        static = layout.memory_ranks[(v, r, rank.key[-1])] = (rank, heads[0] if heads else None, others, *rank.top,
                                                 tuple(rank.kinds.items()))
         return static
 
@@ -2879,6 +2950,9 @@ def _check_knobs(model, dp, pp, b, v, interleave_min_pp=2, schedule=None):
     if (model.layers // pp) % v:
         raise ValueError(f"virtual_stages={v} must divide layers/pp={model.layers // pp}; choose among "
                          f"{_divisors(model.layers // pp)}")
+    if schedule in V_SCHEDULES:
+        _check_v_knobs(model, dp, pp, b, v, schedule)
+        return
     if v > 1 and pp < interleave_min_pp:
         raise ValueError(f"virtual_stages={v} needs pp >= {interleave_min_pp} with this implementation "
                          f"(Cluster.interleave_min_pp); use virtual_stages=1 or a deeper pipeline")
@@ -2888,6 +2962,21 @@ def _check_knobs(model, dp, pp, b, v, interleave_min_pp=2, schedule=None):
     if (schedule == "interleaved") != (v > 1) and schedule != "zb-h1" and schedule is not None:
         raise ValueError(f"pp_schedule={schedule!r} with virtual_stages={v}: 1f1b runs one chunk per GPU, "
                          "interleaved two or more (--pp-schedule, --virtual-stages)")
+
+
+def _check_v_knobs(model, dp, pp, b, v, schedule):
+    """A V schedule: two chunks per GPU (v = 2), a pipeline, and enough micro-batches for its formulas (ZB-V 2p - 1,
+    DualPipeV 2p: the two directions meet in the middle)."""
+    if v != 2:
+        raise ValueError(f"pp_schedule={schedule!r} places two chunks per GPU in a V: virtual_stages must be 2, not "
+                         f"{v} (--virtual-stages)")
+    if pp < 2:
+        raise ValueError(f"pp_schedule={schedule!r} needs a pipeline (pp >= 2); use 1f1b at pp=1")
+    need, micro_batches = 2 * pp - (schedule == "zbv"), model.global_batch // (dp * b)
+    if micro_batches < need:
+        raise ValueError(f"pp_schedule={schedule!r} needs at least {need} micro-batches per pipeline at pp={pp} "
+                         f"(global_batch / (dp micro_batch) = {micro_batches}); raise global_batch or lower "
+                         "micro_batch")
 
 
 class Knobs(NamedTuple):
@@ -2927,20 +3016,20 @@ def _layer_forwards(cluster, model, layout, b, sp, ulysses=1, ring=None):
 
 
 @functools.lru_cache(maxsize=4096)
-def _busiest_moe_stage(layers, pp, moe_every):
-    """The stage with the most MoE layers (the first of them) and its (dense, MoE) counts."""
+def _busiest_moe_stage(layers, pp, moe_every, v_shape=False):
+    """The stage (the rank of a V) with the most MoE layers (the first of them) and its (dense, MoE) counts."""
     shape = ModelShape(layers=layers, hidden=1, heads=1, seq=1, vocab=1, global_batch=1, moe_every=moe_every)
-    return max(((j,) + stage_layer_counts(shape, pp, j) for j in range(pp)), key=lambda x: (x[2], -x[0]))
+    return max(((j,) + rank_layer_counts(shape, pp, j, v_shape) for j in range(pp)), key=lambda x: (x[2], -x[0]))
 
 
-def _stage_counts(model, pp, forwards, recompute, output, offload_seconds=None):
+def _stage_counts(model, pp, forwards, recompute, output, offload_seconds=None, v_shape=False):
     """(dense layers, MoE layers, holds the output layer) of the slowest stage: the last one, which carries the
     output layer, or one with more MoE layers when that is slower. `offload_seconds`: `_offload_terms` (None:
-    nothing)."""
-    last = stage_layer_counts(model, pp, pp - 1) + (True,)
+    nothing). Under a V schedule (`v_shape`) the last stage is on rank 0, with the first."""
+    last = (rank_layer_counts(model, pp, 0, True) if v_shape else stage_layer_counts(model, pp, pp - 1)) + (True,)
     if not model.moe_every:
         return last
-    j, dense, moe = _busiest_moe_stage(model.layers, pp, model.moe_every)
+    j, dense, moe = _busiest_moe_stage(model.layers, pp, model.moe_every, v_shape)
     if moe == last[1]:
         return last
 
@@ -2955,28 +3044,46 @@ def _stage_parts(cluster, model, layout, b, sp, recompute, forwards, counts=None
     """What one (b, sp, recompute) fixes of the step's terms, whatever v and ZeRO (and the schedule, but for an
     offload policy's window): the output layer's seconds (0 when the slowest stage is not the last), the slowest
     stage's `_stage_counts`, each kind's layer_step, ep_step and `offload_layer_seconds` on it, one pipeline
-    exchange, and the weight-gradient GEMMs of one micro-batch on it (ZB-H1's W: one per forward GEMM, of its shape;
-    the output layer's one of its three)."""
+    exchange, the weight-gradient GEMMs of one micro-batch on it (ZB-H1's W: one per forward GEMM, of its shape;
+    the output layer's one of its three), and its forward: each layer's forward work and communication, a third of
+    the output layer (what a V schedule's bubble needs apart from the backward; the exchanges come with the tail)."""
     output = output_layer_seconds(cluster, model, layout.tp, layout.cp, b)  # on the last stage, the slowest one
     offload_seconds = _offload_terms(cluster, model, layout, b, sp, recompute, forwards, schedule)
-    counts = counts or _stage_counts(model, layout.pp, forwards, recompute, output, offload_seconds)
+    counts = counts or _stage_counts(model, layout.pp, forwards, recompute, output, offload_seconds,
+                                     schedule in V_SCHEDULES)
     per_kind = [(n, layer_step(forwards[kind], recompute), ep_step(forwards[kind], recompute), offload_seconds[kind])
                 for n, kind in zip(counts, ("dense", "moe")) if n]
     exchange = (p2p_exchange_seconds(cluster, model, layout.tp, layout.cp, b, sp, layout.local["pp"]) if layout.pp > 1
                 else 0.0)
     weight = sum(n * forwards[kind]["gemm"] for n, kind in zip(counts, ("dense", "moe")) if n)
+    forward = 0.0
+    for n, kind in zip(counts, ("dense", "moe")):
+        if n:
+            f = forwards[kind]
+            forward += n * (f["gemm"] + f["attention"] + f["elementwise"] + f["tp"] + f["cp_fwd"] + f["ep_fwd"])
     if counts[2]:
         weight += gemm_seconds(cluster, b * model.seq // layout.cp, model.hidden, model.vocab // layout.tp)
-    return output if counts[2] else 0.0, counts, per_kind, exchange, weight
+        forward += output / 3
+    return output if counts[2] else 0.0, counts, per_kind, exchange, weight, forward
 
 
-def pipeline_bubble(schedule, pp, v, micro_batches, stage, weight=0.0):
+def pipeline_bubble(schedule, pp, v, micro_batches, stage, weight=0.0, forward=0.0):
     """Seconds the slowest stage idles per step, `stage` its time for one micro-batch through all its v chunks
-    (F + B + W of each chunk, communication included) and `weight` the W part. 1F1B and interleaved: (p-1)/v x
-    stage (per chunk: (p-1)(F + B) with B holding W). ZB-H1 (Qi et al. 2023), per chunk (p-1)(F + B) - (min(m, p)
-    - 1) W, i.e. (p-1)(F + B - W) for m >= p: each rank's deferred W's fill the drain's idle slots. Exact for W <=
-    min(F, B) (the planner's split always: F holds W's GEMMs' forward twins, B their input-gradient twins),
-    checked against train_gpt.py's replay of its lists."""
+    (F + B + W of each chunk, communication included), `weight` the W part and `forward` the F part. 1F1B and
+    interleaved: (p-1)/v x stage (per chunk: (p-1)(F + B) with B holding W). ZB-H1 (Qi et al. 2023), per chunk
+    (p-1)(F + B) - (min(m, p) - 1) W, i.e. (p-1)(F + B - W) for m >= p: each rank's deferred W's fill the drain's
+    idle slots. Exact for W <= min(F, B) (the planner's split always: F holds W's GEMMs' forward twins, B their
+    input-gradient twins), checked against train_gpt.py's replay of its lists. The V schedules, per chunk (v = 2),
+    exact for W <= F <= B (the planner's split always: B holds twice F's work less W, and the backward's
+    communication): ZB-V (p-1) max(B, 2 (B - W)) for m >= 2p - 1, (p-1) F when F = B = W (the first micro-batch's
+    way down the V); DualPipeV max((p-1)(2F + B - W), (p-1)(F + 2B - W) - F) for m >= 2p, 2 (p-1) F when F = B = W:
+    DualPipe's (PP/2 - 1)(F&B + B - 3W), PP = 2p stages, F&B = F + B + W, its B whole (B + W)."""
+    if schedule in V_SCHEDULES:
+        f, w = forward / v, weight / v
+        b = stage / v - f - w
+        if schedule == "zbv":
+            return (pp - 1) * max(b, 2 * (b - w))
+        return max((pp - 1) * (2 * f + b - w), (pp - 1) * (f + 2 * b - w) - f)
     if schedule != "zb-h1":
         return (pp - 1) / v * stage
     return ((pp - 1) * (stage - weight) - (min(micro_batches, pp) - 1) * weight) / v
@@ -2992,13 +3099,14 @@ def pipeline_bubble(schedule, pp, v, micro_batches, stage, weight=0.0):
 ZERO_COLLECTIVES = {0: (2, 0), 1: (2, 0), 2: (1, 1), 3: (0, 3)}
 
 
-def _dp_seconds(cluster, model, layout, zero, shard, micro_batches, params, backward):
+def _dp_seconds(cluster, model, layout, zero, shard, micro_batches, params, backward, v_shape=False):
     """The gradient reduction's seconds per step (the docstring; ZERO_COLLECTIVES): dense weights over the n = DP x CP
     ranks, or with HSDP (`shard` k < n) reduce-scatter and gather over k consecutive ones and all-reduce the 1/k
     shard over the n/k replicas once per step; experts over the GPUs holding the same ones (no HSDP); the tied
     embedding's all-reduce between first and last stage. `backward`: one micro-batch's backward on the slowest
     stage where the implementation overlaps (the once-per-step part hides behind the last one, each micro-batch's
-    part behind its own backward, ZeRO-3's behind its forward and backward), None where it does not."""
+    part behind its own backward, ZeRO-3's behind its forward and backward), None where it does not. A V schedule
+    (`v_shape`) holds both ends of the tied embedding on rank 0: one parameter, nothing to all-reduce."""
     pp, dp, cp, tp = layout.pp, layout.dp, layout.cp, layout.tp
     shared, experts = params
     g, n = cluster.grad_bytes, dp * cp
@@ -3027,10 +3135,18 @@ def _dp_seconds(cluster, model, layout, zero, shard, micro_batches, params, back
         step_s = max(0.0, step_s - backward)
         if each:
             step_s += micro_batches * max(0.0, mb_s - backward * (1.5 if zero == 3 else 1.0))
-    if pp > 1 and model.tied_embeddings:  # first and last stage all-reduce the embedding gradient after the backward
+    if pp > 1 and model.tied_embeddings and not v_shape:  # first and last stage all-reduce the embedding gradient
         link = cluster.nvlink_gbps if layout.local["pp"] else cluster.ib_gbps
         step_s += cluster.grad_bytes * model.vocab * model.hidden / tp / (link * GB)  # 2 (n-1)/n = 1 for n = 2
     return step_s
+
+
+def _tied_embedding_seconds(cluster, model, layout):
+    """What _dp_seconds counts for the tied embedding's all-reduce (none without a pipeline, or untied)."""
+    if layout.pp == 1 or not model.tied_embeddings:
+        return 0.0
+    link = cluster.nvlink_gbps if layout.local["pp"] else cluster.ib_gbps
+    return cluster.grad_bytes * model.vocab * model.hidden / layout.tp / (link * GB)
 
 
 def _overlap_backward(cluster, layout, forwards, counts):
@@ -3060,7 +3176,7 @@ def step_time_terms(cluster, model, layout, knobs, forwards, params, counts=None
     t = _pipeline_terms(model, layout, knobs, parts)
     micro_batches = model.global_batch // (layout.dp * b)
     t["dp_s"] = _dp_seconds(cluster, model, layout, knobs.zero, knobs.zero_shard_size, micro_batches, params,
-                            _overlap_backward(cluster, layout, forwards, parts[1]))
+                            _overlap_backward(cluster, layout, forwards, parts[1]), knobs.pp_schedule in V_SCHEDULES)
     t["optimizer_s"] = _optimizer_seconds(cluster, layout, knobs.zero, knobs.zero_shard_size, params)
     return t
 
@@ -3069,7 +3185,7 @@ def _layer_terms(micro_batches, parts, v=1):
     """What the slowest stage's layers cost, whatever the schedule: ({compute_s, tp_s, cp_s, ep_s, offload_s} per
     step, offload_s the copies' exposed wait, each of the v chunks' top layer's included; one micro-batch through
     its layers and output layer); `parts`: `_stage_parts`."""
-    output, _, per_kind, _, _ = parts
+    output, _, per_kind = parts[:3]
     top = v * max(top_layer for _, _, _, (_, _, top_layer) in per_kind)  # 0 unless offloaded
     busy = sum(n * (compute + tp_layer + cp_layer + ep_layer + exposed) for n, (compute, tp_layer, cp_layer),
                ep_layer, (_, exposed, _) in per_kind) + output + top
@@ -3088,16 +3204,17 @@ def _pipeline_terms(model, layout, knobs, parts, layers=None):
     micro_batches = model.global_batch // (layout.dp * knobs.micro_batch)  # per pipeline per step
     terms, busy = layers or _layer_terms(micro_batches, parts, v)
     t = dict(terms)
-    t["pp_p2p_s"], t["bubble_s"] = _pipeline_tail(knobs.pp_schedule, pp, v, micro_batches, busy, parts[3], parts[4])
+    t["pp_p2p_s"], t["bubble_s"] = _pipeline_tail(knobs.pp_schedule, pp, v, micro_batches, busy, *parts[3:])
     return t
 
 
-def _pipeline_tail(schedule, pp, v, micro_batches, busy, exchange, weight):
+def _pipeline_tail(schedule, pp, v, micro_batches, busy, exchange, weight, forward=0.0):
     """(pp_p2p_s, bubble_s): 2v exchanges per micro-batch, and the bubble of a stage whose micro-batch takes `busy`
-    plus its exchanges. 1F1B: the first micro-batch reaches the last stage after (p-1) stage times, interleaving cuts
-    it v-fold, zero bubble fills it with deferred W's (`pipeline_bubble`)."""
+    plus its exchanges (`forward` of it its forward, with half the exchanges). 1F1B: the first micro-batch reaches
+    the last stage after (p-1) stage times, interleaving cuts it v-fold, zero bubble fills it with deferred W's
+    (`pipeline_bubble`)."""
     p2p = 2 * v * exchange if pp > 1 else 0.0
-    return micro_batches * p2p, pipeline_bubble(schedule, pp, v, micro_batches, busy + p2p, weight)
+    return micro_batches * p2p, pipeline_bubble(schedule, pp, v, micro_batches, busy + p2p, weight, forward + p2p / 2)
 
 
 def compute_by_kind(cluster, model, layout, b, recompute, forwards, counts):
@@ -3123,8 +3240,9 @@ def evaluate(cluster, model, layout, knobs):
     b, v, recompute, sp, zero = knobs[:5]
     _check_knobs(model, layout.dp, layout.pp, b, v, layout.interleave_min_pp, knobs.pp_schedule)
     micro_batches = model.global_batch // (layout.dp * b)
-    split = _first_stage_parameters(model, layout.tp, layout.pp, layout.ep)
-    params, in_flight = split[0] + split[1], in_flight_microbatches(layout.pp, v, micro_batches)
+    v_shape = knobs.pp_schedule in V_SCHEDULES
+    split = _first_stage_parameters(model, layout.tp, layout.pp, layout.ep, v_shape)
+    params, in_flight = split[0] + split[1], in_flight_microbatches(layout.pp, v, micro_batches, knobs.pp_schedule)
     fullest = _PlanMemory(cluster, model, layout, knobs._replace(zero=0)).fullest((zero, knobs.zero_shard_size))
     memory_gb, parts = fullest["peak_bytes"] / GB, fullest["parts"]
     held = {"weights_gb": "weights", "grads_gb": "main grads", "optimizer_gb": "optimizer states"}
@@ -3133,7 +3251,7 @@ def evaluate(cluster, model, layout, knobs):
     forwards = _layer_forwards(cluster, model, layout, b, sp, knobs.cp_ulysses)
     offload_seconds = _offload_terms(cluster, model, layout, b, sp, recompute, forwards, knobs.pp_schedule)
     counts = _stage_counts(model, layout.pp, forwards, recompute,
-                           output_layer_seconds(cluster, model, layout.tp, layout.cp, b), offload_seconds)
+                           output_layer_seconds(cluster, model, layout.tp, layout.cp, b), offload_seconds, v_shape)
     t = step_time_terms(cluster, model, layout, knobs, forwards, split, counts)
     step_time_s = sum(t.values())
     busy = t["compute_s"] + t["tp_s"] + t["cp_s"] + t["ep_s"] + t["offload_s"] + t["pp_p2p_s"]
@@ -3147,8 +3265,8 @@ def evaluate(cluster, model, layout, knobs):
         "fits": memory_gb <= cluster.gpu_mem_gb * MEMORY_HEADROOM,
         "step_time_s": step_time_s, **t, **compute_by_kind(cluster, model, layout, b, recompute, forwards, counts),
         **_offload_row(cluster, model, layout, knobs, offload_seconds, counts, micro_batches),
-        "bubble_fraction": ((layout.pp - 1) / v / (micro_batches + (layout.pp - 1) / v) if knobs.pp_schedule != "zb-h1"
-                            else t["bubble_s"] / (busy + t["bubble_s"])),
+        "bubble_fraction": ((layout.pp - 1) / v / (micro_batches + (layout.pp - 1) / v)
+                            if knobs.pp_schedule not in SPLIT_SCHEDULES else t["bubble_s"] / (busy + t["bubble_s"])),
         "tflops_per_gpu": paper_flops(model) / step_time_s / cluster.gpus / 1e12,
         "mfu": model_flops(model) / step_time_s / cluster.gpus / (cluster.peak_tflops * 1e12),
         "hfu": training_flops(model, recompute) / step_time_s / cluster.gpus / (cluster.peak_tflops * 1e12),
@@ -3173,7 +3291,7 @@ def _offload_row(cluster, model, layout, knobs, offload_seconds, counts, micro_b
     if knobs.recompute not in OFFLOAD_POLICIES:
         return {"pcie_s": pcie_s, "offload_copied_bytes": 0.0, "offload_kept_bytes": 0.0}
     kept, copied = _stage_offload_bytes(cluster, model, layout.tp, layout.pp, layout.cp, layout.ep, knobs.micro_batch,
-                                        knobs.recompute, knobs.sequence_parallel)
+                                        knobs.recompute, knobs.sequence_parallel, knobs.pp_schedule in V_SCHEDULES)
     return {"pcie_s": pcie_s, "offload_copied_bytes": copied, "offload_kept_bytes": kept}
 
 
@@ -3186,8 +3304,10 @@ def _schedule_choices(cluster, model, layout, vs):
     if model.virtual_stages is not None:
         return [(v, "1f1b" if v == 1 else "interleaved") for v in vs]
     zb = ["zb-h1"] if "zb-h1" in cluster.schedules and layout.pp > 1 else []
+    v_shaped = [(2, s) for s in V_SCHEDULES if s in cluster.schedules and layout.pp > 1
+                and model.layers % (2 * layout.pp) == 0]  # two chunks per GPU, whatever the interleaving tried
     return [(v, s) for v in vs for s in (["1f1b"] if v == 1 else
-                                          [x for x in ("interleaved",) if x in cluster.schedules]) + zb]
+                                          [x for x in ("interleaved",) if x in cluster.schedules]) + zb] + v_shaped
 
 
 def _zero_choices(cluster, model, layout):
@@ -3225,10 +3345,12 @@ def _knob_choices(cluster, model, layout):
     recomputes = ([model.recompute] if model.recompute is not None  # else the cheapest first
                   else list(SEARCH_ORDER_WITH_OFFLOAD if cluster.offload else RECOMPUTE_POLICIES))
     ulysses = [model.cp_ulysses] if model.cp_ulysses is not None else _ulysses_sizes(model, layout.tp, layout.cp)
-    can_interleave = [x for x in ("interleaved", "zb-h1") if x in cluster.schedules]
+    can_interleave = [x for x in ("interleaved", "zb-h1") if x in cluster.schedules]  # (V schedules: their own v)
     for b in bs:
         if model.virtual_stages is not None:
             vs = [model.virtual_stages]
+        elif model.pp_schedule in V_SCHEDULES:
+            vs = [2]
         elif (layout.pp < max(2, layout.interleave_min_pp) or (per_pipeline // b) % layout.pp or not can_interleave
               or model.pp_schedule == "1f1b"):  # and m a multiple of p
             vs = [2] if model.pp_schedule == "interleaved" else [1]  # interleaving that cannot run: its own error
@@ -3290,23 +3412,33 @@ def _best_for_layout(cluster, model, layout):
     else); a costlier recomputation is tried only while a faster ZeRO choice does not fit (`NEVER_FASTER_THAN`: an
     offload policy against selective or full depends on the bus, so both are tried). Memory is checked first and the
     step time computed only for what fits or holds no more than the least memory so far, from cached parts added in
-    step_time_terms' order; the full row (evaluate) is built once, for the winner."""
+    step_time_terms' order; the full row (evaluate) is built once, for the winner. A V schedule's rank 0 holds the
+    first and the last stage: where its layers and parameters are those of the loop's stage 0 and last stage (a dense
+    model, tied embeddings) it shares their cached time parts, less the tied embedding's all-reduce; else (`v_own`)
+    it has its own. Memory: every candidate stage's instants (_PlanMemory: rank_peaks' prices)."""
     limit = cluster.gpu_mem_gb * MEMORY_HEADROOM
     best, best_time, least, least_key, refused = None, math.inf, None, (math.inf, math.inf), None
     split = _first_stage_parameters(model, layout.tp, layout.pp, layout.ep)
-    memories, stage_parts, zero_s, optimizer_s = {}, {}, {}, {}
+    v_split = _first_stage_parameters(model, layout.tp, layout.pp, layout.ep, True) if layout.pp > 1 else split
+    v_own = not _v_rank_0_is_the_loops(model, layout.pp, split, v_split)
+    tied_s = _tied_embedding_seconds(cluster, model, layout)  # what a V schedule does not all-reduce
+    memories, stage_parts, zero_s, optimizer_s, own_optimizer = {}, {}, {}, {}, {}
     for b, pairs, sps, zeros, recomputes, ulysses in _knob_choices(cluster, model, layout):
         micro_batches = model.global_batch // (layout.dp * b)
         for z in zeros:
             if z not in optimizer_s:
                 optimizer_s[z] = _optimizer_seconds(cluster, layout, *z, split)
+            if v_own and z not in own_optimizer and pairs and pairs[-1][1] in V_SCHEDULES:  # the V pairs come last
+                own_optimizer[z] = _optimizer_seconds(cluster, layout, *z, v_split)
         for sp in sps:
             forwards, cp_pairs, too_big = {}, {}, set()  # by Ulysses size, computed once something needs a step time
 
-            def stage(recompute, schedule, v):
+            def stage(recompute, schedule, v, own):
                 """(_stage_parts with the fastest Ulysses size, that size, the ZeRO choices fastest first with
-                their gradient-reduction seconds). An offload policy's wait depends on zb-h1 (its window) and v."""
-                key = (b, sp, recompute) + ((schedule == "zb-h1", v) if recompute in OFFLOAD_POLICIES else ())
+                their gradient-reduction seconds). An offload policy's wait depends on a split backward (its window)
+                and v; a V schedule's own rank 0 (`own`) on its layers and parameters."""
+                key = (b, sp, recompute) + ((schedule in SPLIT_SCHEDULES, v) if recompute in OFFLOAD_POLICIES
+                                            else ()) + ((True,) if own else ())
                 if key not in stage_parts:
                     if not forwards:
                         base = ("fs", layout.tp, layout.cp, layout.ep, b, sp)
@@ -3333,12 +3465,13 @@ def _best_for_layout(cluster, model, layout):
                         forwards[u] = layout.memo[key_u]
                     sp_parts = _stage_parts(cluster, model, layout, b, sp, recompute, forwards[u], schedule=schedule)
                     backward = _overlap_backward(cluster, layout, forwards[u], sp_parts[1])
-                    if (micro_batches, backward) not in zero_s:
-                        zero_s[(micro_batches, backward)] = {
-                            z: _dp_seconds(cluster, model, layout, *z, micro_batches, split, backward) for z in zeros}
-                    dp_s = zero_s[(micro_batches, backward)]
+                    zero_key = (micro_batches, backward) + ((True,) if own else ())
+                    if zero_key not in zero_s:
+                        zero_s[zero_key] = {z: _dp_seconds(cluster, model, layout, *z, micro_batches,
+                                                           v_split if own else split, backward) for z in zeros}
+                    dp_s, opt_s = zero_s[zero_key], own_optimizer if own else optimizer_s
                     terms, busy = _layer_terms(micro_batches, sp_parts, v)
-                    stage_parts[key] = (sp_parts, u, sorted(zeros, key=lambda z: dp_s[z] + optimizer_s[z]), dp_s,
+                    stage_parts[key] = (sp_parts, u, sorted(zeros, key=lambda z: dp_s[z] + opt_s[z]), dp_s,
                                         sum(terms.values()), busy)
                 return stage_parts[key]
 
@@ -3348,6 +3481,8 @@ def _best_for_layout(cluster, model, layout):
                 except ValueError as e:  # this (b, v) cannot run on this layout; another micro-batch may
                     refused = refused or e
                     continue
+                own = schedule in V_SCHEDULES and v_own
+                pair_optimizer = own_optimizer if own else optimizer_s
                 ruled_out = set()  # policies never faster than one that fitted with the fastest ZeRO choice
                 for recompute in recomputes:
                     if recompute in ruled_out:
@@ -3356,11 +3491,11 @@ def _best_for_layout(cluster, model, layout):
                         continue  # zero bubble holds at least what its base order holds, which fitted nowhere
                     pipeline = None
                     if best is not None:  # what cannot be faster than the best so far need not be priced in memory
-                        sp_parts, u, fastest, dp_s, layers_s, busy = stage(recompute, schedule, v)
+                        sp_parts, u, fastest, dp_s, layers_s, busy = stage(recompute, schedule, v, own)
                         # step_time_terms' sum, in its order, from the cached parts
                         p2p_s, bubble_s = _pipeline_tail(schedule, layout.pp, v, micro_batches, busy, *sp_parts[3:])
-                        pipeline = layers_s + p2p_s + bubble_s
-                        if pipeline + dp_s[fastest[0]] + optimizer_s[fastest[0]] >= best_time:
+                        pipeline = layers_s + p2p_s + bubble_s - (tied_s if schedule in V_SCHEDULES else 0.0)
+                        if pipeline + dp_s[fastest[0]] + pair_optimizer[fastest[0]] >= best_time:
                             ruled_out.update(NEVER_FASTER_THAN.get(recompute, ()))  # costlier: slower still
                             continue
                     key = (b, sp, recompute, v, schedule)
@@ -3376,29 +3511,41 @@ def _best_for_layout(cluster, model, layout):
                     if not fitting and (best is not None or min(map(memory.gb, zeros)) > least_key[0]):
                         continue  # the least memory matters only while nothing fits
                     if pipeline is None:
-                        sp_parts, u, fastest, dp_s, layers_s, busy = stage(recompute, schedule, v)
+                        sp_parts, u, fastest, dp_s, layers_s, busy = stage(recompute, schedule, v, own)
                         p2p_s, bubble_s = _pipeline_tail(schedule, layout.pp, v, micro_batches, busy, *sp_parts[3:])
-                        pipeline = layers_s + p2p_s + bubble_s
+                        pipeline = layers_s + p2p_s + bubble_s - (tied_s if schedule in V_SCHEDULES else 0.0)
                     if not fitting:
                         for z in zeros:
                             memory_gb = memory.gb(z)
                             # knob sets can tie on memory (another b or v with as many sequences in flight): of
                             # those, the fastest, not the first tried
-                            if memory_gb <= least_key[0] and (memory_gb, pipeline + dp_s[z] + optimizer_s[z]) \
+                            if memory_gb <= least_key[0] and (memory_gb, pipeline + dp_s[z] + pair_optimizer[z]) \
                                     < least_key:
                                 least = Knobs(b, v, recompute, sp, *z[:1], schedule, z[1], u)
-                                least_key = (memory_gb, pipeline + dp_s[z] + optimizer_s[z])
+                                least_key = (memory_gb, pipeline + dp_s[z] + pair_optimizer[z])
                         continue
                     z = next(z for z in fastest if z in fitting)
-                    step = pipeline + dp_s[z] + optimizer_s[z]
+                    step = pipeline + dp_s[z] + pair_optimizer[z]
                     if step < best_time:
                         best, best_time = Knobs(b, v, recompute, sp, z[0], schedule, z[1], u), step
-                    if z == fastest[0] or pipeline + dp_s[fastest[0]] + optimizer_s[fastest[0]] >= best_time:
+                    if z == fastest[0] or pipeline + dp_s[fastest[0]] + pair_optimizer[fastest[0]] >= best_time:
                         # a costlier recomputation only adds time: it cannot win even with the fastest ZeRO
                         ruled_out.update(NEVER_FASTER_THAN.get(recompute, ()))
     if best is None and least is None:
         raise refused
     return evaluate(cluster, model, layout, best or least)
+
+
+def _v_rank_0_is_the_loops(model, pp, split, v_split):
+    """Whether a V schedule's rank 0 holds what the loop's stage 0 holds (parameters) and is its slowest rank as the
+    loop's last stage is (layers of each kind): then the search shares their parts."""
+    if pp == 1 or split != v_split:
+        return pp == 1
+    if rank_layer_counts(model, pp, 0, True) != stage_layer_counts(model, pp, 0) or \
+            rank_layer_counts(model, pp, 0, True) != stage_layer_counts(model, pp, pp - 1):
+        return False
+    return not model.moe_every or (_busiest_moe_stage(model.layers, pp, model.moe_every, True)[1:]
+                                   == _busiest_moe_stage(model.layers, pp, model.moe_every)[1:])
 
 
 def candidate_layouts(cluster, model, tp=None, pp=None, cp=None, ep=None):
@@ -3566,7 +3713,7 @@ def format_table(plans, limit=12):
             if c == "zero":  # the level, /k with HSDP
                 v = f"{v}" + (f"/{r['zero_shard_size']}" if r["zero_shard_size"] else "")
             elif c == "pp_schedule":
-                v = {"interleaved": "interlvd"}.get(v, v)
+                v = {"interleaved": "interlvd", "dualpipev": "dualpv"}.get(v, v)
             elif c == "recompute":
                 v = {"selective+offload": "sel+offl"}.get(v, v)
             cells.append(f"{v:>8.3f}" if isinstance(v, float) else f"{str(v):>8s}")
@@ -3768,8 +3915,8 @@ def _zero_short(x):
 
 def _extra_knobs_short(x):
     """The knobs that only show where they differ from 1F1B or interleaved and a plain ring: " zb" and " u=2"."""
-    return (" zb" if x.get("pp_schedule") == "zb-h1" else "") + (f" u={x['cp_ulysses']}"
-                                                                  if x.get("cp_ulysses", 1) > 1 else "")
+    schedule = {"zb-h1": " zb", "zbv": " zbv", "dualpipev": " dpv"}.get(x.get("pp_schedule"), "")
+    return schedule + (f" u={x['cp_ulysses']}" if x.get("cp_ulysses", 1) > 1 else "")
 
 
 def _knobs_short(x):

@@ -1253,6 +1253,7 @@ if __name__ == "__main__" and not any(line.startswith("# BEYOND THE CHAPTER") fo
 # builds the chapter's Plan and Pipeline and runs the core's code as written.
 
 
+import threading
 from dataclasses import replace
 from functools import partial
 
@@ -1273,6 +1274,7 @@ class JobConfig(TrainConfig):
     out_dir: str = None               # checkpoints: out_dir/step_NNNNNN
     save_every: int = 0               # steps between checkpoints (0: only at the end, if out_dir is set)
     keep_last: int = 0                # keep the newest N checkpoints (0: all)
+    async_save: bool = False          # checkpoints copied to host memory, written by a background thread
     resume: bool = False              # continue from the latest complete checkpoint in out_dir, if any
     init_from_hf: str = None          # a GPT-2 folder (config.json, model.safetensors): the initial weights
     moe_grouped_gemm: bool = False    # each MoE layer's local experts as one grouped GEMM (moe_ep.GroupedGEMMMoE)
@@ -1354,17 +1356,23 @@ def needs_hybrid_groups(job_cfg):  # topology.init_hybrid_parallel's groups: hyb
 
 
 def needs_plan_at_scale(job_cfg):
-    return (needs_hybrid_groups(job_cfg) or job_cfg.cp_impl in CP_IMPLS_AT_SCALE or job_cfg.pp_schedule == "zb-h1"
+    return (needs_hybrid_groups(job_cfg) or job_cfg.cp_impl in CP_IMPLS_AT_SCALE or splits_backward(job_cfg)
             or job_cfg.recompute in
             checkpointing.OFFLOAD_POLICIES or job_cfg.dtype == "nvfp4" or (job_cfg.dtype == "fp8" and
                                                                             job_cfg.fp8_backward == "fp8"))
+
+
+def splits_backward(job_cfg):  # zero bubble's B and W: ZB-H1, and the V schedules (DualPipeV: some of its B's)
+    return job_cfg.pp_schedule == "zb-h1" or job_cfg.pp_schedule in V_SCHEDULES
 
 
 def make_plan_at_scale(cfg, job_cfg, parallel_state):
     """The chapter's Plan (make_plan) with this rank's model chunks under interleaving (chunk c: virtual stage
     c p + r), and where a flag needs it a PlanAtScale."""
     plan, v = make_plan(cfg, job_cfg, parallel_state), job_cfg.virtual_stages
-    if v > 1:
+    if job_cfg.pp_schedule in V_SCHEDULES:
+        plan = v_placement(plan)
+    elif v > 1:
         per_chunk, p = plan.layers_per_stage // v, plan.sizes["pp"]
         chunks = [(c * p + parallel_state.pp_rank) * per_chunk for c in range(v)]
         layers = tuple(i for first in chunks for i in range(first, first + per_chunk))
@@ -1375,7 +1383,7 @@ def make_plan_at_scale(cfg, job_cfg, parallel_state):
     if needs_hybrid_groups(job_cfg):  # a HybridParallelState
         hybrid = {kind: parallel_state.groups[kind] if len(parallel_state.ranks[kind]) > 1 else None for kind in hybrid}
     return PlanAtScale(**{f.name: getattr(plan, f.name) for f in fields(plan)}, **hybrid,
-                       split_backward=job_cfg.pp_schedule == "zb-h1")
+                       split_backward=splits_backward(job_cfg))
 
 
 class _TPLinearAtScale(_TPLinear):
@@ -1678,6 +1686,153 @@ def schedule_zero_bubble(order, r):
     return out + waiting
 
 
+# ---- V-shaped pipelines: ZB-V and DualPipeV ----------------------------------------------------------------
+# A V schedule gives each rank two chunks placed in a V: chunk 0 is stage r, chunk 1 stage 2p - 1 - r of the 2p
+# (each L / 2p layers). A micro-batch goes down the ranks through their chunk 0 and back up through their chunk 1,
+# so rank p - 1 hands its chunk 0's output to its own chunk 1 (no transfer) and the last stage sits on rank 0 beside
+# the first: the loss is computed where the tokens were embedded, and the tied embedding is one parameter. Both
+# schedules split backwards as zero bubble does: a B whose W its rank's list holds computes the input gradients
+# only; a B whose list holds no W for it is a whole backward, weight gradients included (DualPipeV runs both). The
+# lists are torch.distributed.pipelining's (ScheduleZBVZeroBubble, ScheduleDualPipeV: tests/test_vpipe.py compares
+# them rank by rank), written as that order's phases.
+
+class Overlapped(NamedTuple):
+    """DualPipe's F&B (DeepSeek-AI 2024): the forward of one (micro-batch, chunk) and the whole backward of another,
+    one action, so that the communication of each half proceeds while the other half computes."""
+    forward: Action
+    backward: Action
+    kind = "F&B"  # a class attribute, not a field: what the executor and the replay dispatch on
+
+
+V_SCHEDULES = ("zbv", "dualpipev")  # the --pp-schedule values whose chunks lie in a V
+
+
+def v_stage(p, r, chunk):
+    """The stage of rank r's chunk under the V placement: chunk 0 is stage r, chunk 1 stage 2p - 1 - r."""
+    return 2 * p - 1 - r if chunk else r
+
+
+def halves(action):
+    """The actions an entry of a list runs: an F&B pair's two, or the action itself."""
+    return tuple(action) if isinstance(action, Overlapped) else (action,)
+
+
+class _Counter:
+    """The next micro-batch of each (kind, chunk) in one rank's list, and the list itself: V schedules are written as
+    phases of "the next forward of chunk 1", "the next backward of chunk 0", ..."""
+
+    def __init__(self):
+        self.order, self.counts = [], {}
+
+    def next(self, kind, chunk):
+        micro = self.counts.get((kind, chunk), 0)
+        self.counts[(kind, chunk)] = micro + 1
+        return Action(kind, micro, chunk)
+
+    def add(self, kind, chunk):
+        action = self.next(kind, chunk)
+        self.order.append(action)
+        return action
+
+
+def schedule_zbv(p, m, r):
+    """ZB-V (Qi et al. 2024, section 6), in the order of torch's ScheduleZBVZeroBubble: 2 (p - r) - 1 forwards of
+    chunk 0, then r pairs of (chunk 1, chunk 0) forwards, then p - r rounds of chunk 1's F B W: rank p - 1 turns the
+    first micro-batch around at the V's bottom and its backward climbs back while the forwards still descend. The
+    steady state runs F B W on chunk 0 then on chunk 1; the drain runs r pairs of B's (their W's wait), p - r rounds
+    of a chunk 0 B and the oldest waiting W, then the waiting W's. Each B's W follows it, or fills the drain. With
+    fewer than 2p - 1 micro-batches the order is the one of 2p - 1 with the missing ones left out."""
+    n, rank = max(m, 2 * p - 1), _Counter()
+    waiting = ([], [])  # per chunk: B's whose W has not run, oldest first
+
+    def backward(chunk, then_weight=True):
+        waiting[chunk].append(rank.add("B", chunk))
+        if then_weight:
+            weight(chunk)
+
+    def weight(chunk):
+        rank.order.append(Action("W", waiting[chunk].pop(0).micro, chunk))
+
+    for _ in range(2 * (p - r) - 1):
+        rank.add("F", 0)
+    for _ in range(r):
+        rank.add("F", 1), rank.add("F", 0)
+    for _ in range(p - r):
+        rank.add("F", 1), backward(1)
+    while rank.counts[("F", 1)] < rank.counts[("F", 0)] or rank.counts[("F", 0)] < n:
+        if rank.counts[("F", 0)] < n:
+            rank.add("F", 0)
+        backward(0), rank.add("F", 1), backward(1)
+    for _ in range(r):
+        backward(0, False), backward(1, False)
+    for _ in range(p - r):
+        backward(0)
+    for chunk in (1, 0):
+        while waiting[chunk]:
+            weight(chunk)
+    return [action for action in rank.order if action.micro < m]
+
+
+def schedule_dualpipev(p, m, r):
+    """DualPipeV (DeepSeek-AI 2024's DualPipe cut in half), in the order of torch's ScheduleDualPipeV: the
+    forwards of chunk 0 fill the V (2 (p - r - 1), then r + 1 pairs of chunk 0 and chunk 1 forwards), p - r - 1
+    rounds of a chunk 1 B, the oldest waiting W and a chunk 1 F; then the two directions meet: F&B pairs (chunk 0's
+    forward with chunk 1's whole backward, chunk 1's forward with chunk 0's whole backward; rank p - 1's first
+    pair runs apart), then p - r - 1 rounds of a chunk 1 backward and a pair; the drain runs r + 1 pairs of
+    backwards (from the middle one on, zero bubble's split ones: their W's fill what is left), then the W's.
+    Needs m >= 2p."""
+    rank, waiting = _Counter(), []  # waiting: the split B's whose W has not run, oldest first
+
+    def backward(chunk, split):
+        action = rank.add("B", chunk)
+        if split:
+            waiting.append(action)
+
+    def weight():
+        if waiting:
+            action = waiting.pop(0)
+            rank.order.append(Action("W", action.micro, action.chunk))
+
+    def pair(forward_chunk, backward_chunk):
+        rank.order.append(Overlapped(rank.next("F", forward_chunk), rank.next("B", backward_chunk)))
+
+    for _ in range(2 * (p - r - 1)):
+        rank.add("F", 0)
+    for _ in range(r + 1):
+        rank.add("F", 0), rank.add("F", 1)
+    for _ in range(p - r - 1):
+        backward(1, True), weight(), rank.add("F", 1)
+    for i in range(m - 2 * p + r + 1):
+        if i == 0 and r == p - 1:  # the bottom of the V: its first backward is due at once, nothing to overlap
+            rank.add("F", 0), backward(1, False)
+        else:
+            pair(0, 1)
+        pair(1, 0)
+    for _ in range(p - r - 1):
+        backward(1, False), pair(1, 0)
+    split = False
+    for i in range(r + 1):  # from the middle pair on (odd ranks: from its chunk 1 B), the B's are split
+        split = split or (i == (r + 1) // 2 and r % 2 == 1)
+        backward(1, split)
+        split = split or i == (r + 1) // 2
+        backward(0, split)
+    for _ in range(p - r - 1):
+        weight(), backward(0, True)
+    for _ in range(r + 1):
+        weight()
+    return rank.order
+
+
+class VOrders(list):
+    """Every rank's list of a V schedule (orders[r]): a list that says its chunks lie in a V."""
+    v_shape = True
+
+
+def v_orders(schedule):
+    """Every rank's list of a V schedule, `schedule(p, m, r)` (its v is 2)."""
+    return lambda p, m, v: replayed(VOrders(schedule(p, m, r) for r in range(p)), 2)
+
+
 def replayed(orders, v):
     """The ranks' lists, checked by the replay to finish when each action waits only for its own input."""
     replay_pipeline(orders, v=v)
@@ -1688,10 +1843,12 @@ def interleaved_orders(p, m, v):
     return replayed([schedule_interleaved(p, m, v, r) if v > 1 else schedule_1f1b(p, m, r) for r in range(p)], v)
 
 
-# the two schedules beyond the chapter (1F1B's lists where v = 1), which PipelineAtScale runs
+# the schedules beyond the chapter (1F1B's lists where v = 1): PipelineAtScale runs them, ZeroBubblePipeline zb-h1,
+# VPipeline the V-shaped ones
 SCHEDULES_AT_SCALE = {"interleaved": interleaved_orders,
                       "zb-h1": lambda p, m, v: replayed([schedule_zero_bubble(order, r)
-                                                         for r, order in enumerate(interleaved_orders(p, m, v))], v)}
+                                                         for r, order in enumerate(interleaved_orders(p, m, v))], v),
+                      "zbv": v_orders(schedule_zbv), "dualpipev": v_orders(schedule_dualpipev)}
 ALL_SCHEDULES = {**SCHEDULES, **SCHEDULES_AT_SCALE}  # --pp-schedule
 
 
@@ -1710,6 +1867,8 @@ class PipelineAtScale(Pipeline):
 
     def orders(self, kind, p, m, v):
         return _orders_at_scale(kind, p, m, v)
+
+
 
 
 _deferred = None  # while a zero-bubble B runs: the list its linears leave their weight-gradient GEMMs in
@@ -1756,6 +1915,11 @@ def _add_weight_grad(weight, grad):
 def run_weight_grads(stage, chunk, weight_grads):
     """The executor's W: the weight gradients a zero-bubble B left, then (ZeRO-2/3) their reduce-scatter."""
     weight_grads.run()
+    reduce_chunk_grads(stage, chunk)
+
+
+def reduce_chunk_grads(stage, chunk):
+    """ZeRO-2/3 under a split backward: the chunk's blocks' gradients reduce-scattered once complete."""
     for block in stage.chunk_blocks(chunk):
         if getattr(block, "unit", None) is not None:
             block.unit.reduce_grads(async_op=True)
@@ -1788,13 +1952,210 @@ class ZeroBubblePipeline(PipelineAtScale):
         return len(saved) + len(self.waiting)
 
 
-def replay_pipeline(orders, forward=1, backward=2, weight=1, v=1, slots=False):
-    """The time the ranks' orders take when each action waits only for its input: F for the previous virtual
-    stage's F of its micro-batch, B for the next one's B (the last virtual stage for its own F), W for its own B;
-    F takes `forward` units, B `backward`, W `weight`; communication is free. orders[r] are rank r's actions
-    (Action, or (kind, micro) pairs for one chunk). With slots, also every action's start: {(r, action): t}."""
+class Baton:
+    """The two halves of an F&B pair, on two threads, one computing at a time (so that a rank issues its collectives
+    in one order, the same on every rank of their groups): a half that has posted a transfer hands the turn to the
+    other (`switch`), which computes until it posts one of its own or ends, and takes the turn back to wait for its
+    data. `beside` sums the seconds posted transfers travelled while the other half computed (`handovers` times),
+    `exposed` those their half then still waited for them."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.turn, self.running = None, [False, False]  # the half that may compute (None: no pair running)
+        self.beside = self.exposed = 0.0
+        self.handovers = 0
+
+    def switch(self, work):
+        """A half has posted `work` (a moe_ep.OverlappedMoE all-to-all): the other half computes meanwhile, if it is
+        still running; then this one waits for the data."""
+        t0 = time.perf_counter()
+        with self.cond:
+            me = self.turn
+            if me is not None and self.running[1 - me]:
+                self.turn, self.handovers = 1 - me, self.handovers + 1
+                self.cond.notify_all()
+                self.cond.wait_for(lambda: self.turn == me)
+        t1 = time.perf_counter()
+        work.wait()
+        self.beside, self.exposed = self.beside + t1 - t0, self.exposed + time.perf_counter() - t1
+
+    def run(self, forward, backward, device):
+        """The pair: `forward` on a thread of its own (on `device`), `backward` on this one; the forward starts."""
+        errors = []
+
+        def half(i, fn):
+            if i == 0 and device.type == "cuda":  # a new thread starts on GPU 0
+                torch.cuda.set_device(device)
+            with self.cond:
+                self.cond.wait_for(lambda: self.turn == i)
+            try:
+                fn()
+            except BaseException as error:  # raised on this thread once the pair is over
+                errors.append(error)
+            finally:
+                with self.cond:
+                    self.running[i] = False
+                    self.turn = 1 - i if self.running[1 - i] else None
+                    self.cond.notify_all()
+        self.running, self.turn = [True, True], 0
+        thread = threading.Thread(target=half, args=(0, forward))
+        thread.start()
+        half(1, backward)
+        thread.join()
+        if errors:
+            raise errors[0]
+
+
+class VPipeline(ZeroBubblePipeline):
+    """The executor of the V schedules (--pp-schedule zbv, dualpipev): chunk 0 of rank r is stage r, chunk 1 stage
+    2p - 1 - r (`v_placement` gives the plan those layers). Rank p - 1 hands chunk 0's output to its chunk 1, and
+    chunk 1's input gradient back to chunk 0, in memory (`local`): no transfer. A B whose W its list holds computes
+    the input gradients only (zero bubble's split); one without is whole. An F&B pair (`Overlapped`) runs its two
+    halves overlapped (`overlap`): each on a thread of its own, taking turns where a MoE layer's all-to-all travels
+    (`baton`, the MoE layers' `wait`), so that one half's all-to-alls and transfers travel while the other computes;
+    with `overlap` False one after the other (`run_pair`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.flat = {}  # id(orders): (the orders, kept alive; every rank's actions, pairs' halves one by one)
+        self.baton, self.overlap, self.chunk_exchanges = Baton(), True, {}
+        self.p2p_exposed = 0.0  # seconds a pair's halves waited for their inputs' transfers
+
+    def orders(self, kind, p, m, v):
+        if kind == "forward":  # a validation loss: every micro-batch down the V, then back up
+            return _v_forward_orders(p, m)
+        return super().orders(kind, p, m, v)
+
+    def stage_consumer(self, r, action):
+        """(rank, the action that reads it) of what rank r's `action` sends on, on whatever rank, or None."""
+        p, stage = self.plan.sizes["pp"], v_stage(self.plan.sizes["pp"], r, action.chunk)
+        nxt = stage + 1 if action.kind == "F" else stage - 1
+        if action.kind not in "FB" or not 0 <= nxt < 2 * p:
+            return None
+        return (nxt, Action(action.kind, action.micro, 0)) if nxt < p else \
+            (2 * p - 1 - nxt, Action(action.kind, action.micro, 1))
+
+    def consumer(self, r, action):  # what goes to another rank: the transfers
+        to = self.stage_consumer(r, action)
+        return None if to is None or to[0] == r else to
+
+    def start(self, orders, rank):
+        """The core's tables over each rank's actions one by one (an F&B pair's two halves in their order); the
+        handoffs that stay on this rank; which B's this rank splits."""
+        key = id(orders)
+        if key not in self.flat:
+            self.flat[key] = orders, [[a for entry in order for a in halves(entry)] for order in orders]
+        flat = self.flat[key][1]
+        super().start(flat, rank)
+        self.local, self.handoff = {}, {}  # reader: its input; producer: its reader on this rank
+        for action in flat[rank]:
+            to = self.stage_consumer(rank, action)
+            if to is not None and to[0] == rank:
+                self.handoff[action] = to[1]
+        self.deferred = {(a.chunk, a.micro) for a in flat[rank] if a.kind == "W"}
+        self.pair_peak = 0
+
+    def splits(self, action):
+        return (action.chunk, action.micro) in self.deferred
+
+    def post_receive(self, entry):
+        for action in halves(entry):
+            super().post_receive(action)
+
+    def run_action(self, stage, action, received, saved, *rest):
+        if isinstance(action, Overlapped):
+            return self.run_pair(stage, action, saved, *rest)
+        if received is None and action in self.local:
+            received = self.local.pop(action)
+        out = super().run_action(stage, action, received, saved, *rest)
+        if action.kind == "B" and not self.splits(action):  # a whole backward: ZeRO-2/3 reduce now, as W would
+            reduce_chunk_grads(stage, action.chunk)
+        if action in self.handoff:  # to this rank's other chunk, as a transfer would: a new leaf (F), a gradient (B)
+            self.local[self.handoff[action]] = self.hand_over(out) if action.kind == "F" else out
+            return None
+        return out
+
+    @staticmethod
+    def hand_over(out):
+        """Chunk 0's output as chunk 1's input on rank p - 1: a leaf of its own, as a received buffer is, and the
+        output's storage freed as a sent one's is (its backward needs only the graph behind it)."""
+        if out.grad_fn is None:  # forwards only (a validation loss)
+            return out
+        leaf = out.detach().clone().requires_grad_()
+        out.untyped_storage().resize_(0)
+        return leaf
+
+    def run_pair(self, stage, pair, saved, *rest):
+        """DualPipe's F&B: both halves' inputs posted, then the forward and the backward, overlapped or one after the
+        other; each half's output sent as soon as it exists and those of the pair before it have been (a peer reads
+        this rank's messages in the order of its list). The forward's activations are made while the backward's
+        are held: one chunk more than before the pair."""
+        self.post_receive(pair)
+        self.pair_peak = max(self.pair_peak, super().in_flight(saved) + 1)
+        outputs, sent = {}, []
+
+        def run_half(action):
+            received = None
+            if action in self.source:
+                t0 = time.perf_counter()
+                received = self.receive(action).requires_grad_(action.kind == "F" and torch.is_grad_enabled())
+                self.p2p_exposed += time.perf_counter() - t0
+            outputs[action] = self.run_action(stage, action, received, saved, *rest)
+            for half in pair[len(sent):]:
+                if half not in outputs:
+                    break
+                if half in self.sink:
+                    self.send(outputs[half], half, free=outputs[half].grad_fn is not None)
+                sent.append(half)
+        if self.overlap and any(self.exchanges(stage, action.chunk) for action in pair):
+            self.baton.run(partial(run_half, pair.forward), partial(run_half, pair.backward), self.device)
+        else:
+            run_half(pair.forward)
+            run_half(pair.backward)
+        return None
+
+    def exchanges(self, stage, chunk):
+        """Whether the chunk's layers post all-to-alls a pair's other half can compute beside (else the halves run one
+        after the other: a second thread would only cost its start)."""
+        if chunk not in self.chunk_exchanges:
+            self.chunk_exchanges[chunk] = any(isinstance(block.moe, moe_ep.OverlappedMoE) and block.moe.ep_size > 1
+                                              for block in stage.chunk_blocks(chunk))
+        return self.chunk_exchanges[chunk]
+
+    def in_flight(self, saved):  # the most during the action just run: an F&B pair's forward beside its backward
+        peak, self.pair_peak = max(self.pair_peak, super().in_flight(saved)), 0
+        return peak
+
+
+@functools.lru_cache(maxsize=64)
+def _v_forward_orders(p, m):
+    return VOrders([[Action("F", i, c) for c in (0, 1) for i in range(m)] for _ in range(p)])
+
+
+def v_placement(plan):
+    """A V schedule's plan: this rank's two chunks, stages r and 2p - 1 - r (L / 2p layers each); rank 0 is the first
+    and the last stage (it embeds and it computes the loss, with one tied embedding: nothing to all-reduce)."""
+    p, r = plan.sizes["pp"], plan.parallel_state.pp_rank
+    per_chunk = plan.layers_per_stage // 2
+    layers = tuple(i for s in (r, 2 * p - 1 - r) for i in range(s * per_chunk, (s + 1) * per_chunk))
+    ends = replace(plan.parallel_state, is_first_stage=r == 0, is_last_stage=r == 0)
+    return replace(plan, virtual_stages=2, layers=layers, parallel_state=ends, embedding=None,
+                   logs_lm_loss=r == 0 and ends.tp_rank == 0)
+
+
+def replay_pipeline(orders, forward=1, backward=2, weight=1, v=1, slots=False, v_shape=None):
+    """The time the ranks' orders take when each action waits only for its input: F for the previous stage's F of its
+    micro-batch, B for the next one's B (the last stage for its own F), W for its own B; F takes `forward` units, B
+    `backward`, W `weight`, and where a schedule splits backwards a B it does not split (no W of its own) takes
+    `backward + weight`; an F&B pair starts once both halves' inputs are in and hands both outputs on at its end.
+    Communication is free. orders[r] are rank r's actions (Action, Overlapped, or (kind, micro) pairs for one chunk);
+    chunk c of rank r is stage c p + r, or with `v_shape` (default: the orders' own, VOrders) stage `v_stage`. With
+    slots, also every action's start: {(r, action): t}."""
     p = len(orders)
-    orders = [[Action(*action) for action in order] for order in orders]
+    v_shape = getattr(orders, "v_shape", False) if v_shape is None else v_shape
+    stage_of = partial(v_stage, p) if v_shape else (lambda r, chunk: chunk * p + r)
+    orders = [[a if isinstance(a, (Action, Overlapped)) else Action(*a) for a in order] for order in orders]
+    whole = whole_backwards(orders)
     last, done, start = p * v - 1, {}, {}
     clock, pos = [0] * p, [0] * p
     progress = True
@@ -1802,32 +2163,50 @@ def replay_pipeline(orders, forward=1, backward=2, weight=1, v=1, slots=False):
         progress = False
         for r in range(p):
             while pos[r] < len(orders[r]):
-                action = orders[r][pos[r]]
-                vs = action.chunk * p + r
-                needs = {"F": ("F", vs - 1), "B": ("B", vs + 1) if vs < last else ("F", vs),
-                         "W": ("B", vs)}[action.kind]
-                if needs[1] < 0:  # the first virtual stage's forwards
-                    ready = 0
-                elif (*needs, action.micro) in done:
-                    ready = done[(*needs, action.micro)]
-                else:
+                entry = orders[r][pos[r]]
+                needs = []
+                for action in halves(entry):
+                    vs = stage_of(r, action.chunk)
+                    need = {"F": ("F", vs - 1), "B": ("B", vs + 1) if vs < last else ("F", vs),
+                            "W": ("B", vs)}[action.kind]
+                    if need[1] >= 0:  # not the first stage's forward
+                        needs.append((*need, action.micro))
+                if any(need not in done for need in needs):
                     break
-                start[(r, action)] = max(clock[r], ready)
-                clock[r] = start[(r, action)] + {"F": forward, "B": backward, "W": weight}[action.kind]
-                done[(action.kind, vs, action.micro)] = clock[r]
+                start[(r, entry)] = max([clock[r]] + [done[need] for need in needs])
+                clock[r] = start[(r, entry)] + sum(
+                    {"F": forward, "B": backward, "W": weight}[a.kind] + weight * ((r, a) in whole)
+                    for a in halves(entry))
+                for action in halves(entry):
+                    done[(action.kind, stage_of(r, action.chunk), action.micro)] = clock[r]
                 pos[r], progress = pos[r] + 1, True
     if pos != [len(o) for o in orders]:
         raise ValueError("the ranks' orders wait on each other forever")
     return (max(clock), start) if slots else max(clock)
 
 
+def whole_backwards(orders):
+    """{(r, B action)} of the B's that a schedule splitting backwards does not split (no W of their own on their
+    rank): DualPipeV's whole backwards. Empty for schedules with no W at all (their B is whole by definition)."""
+    deferred = [{(a.chunk, a.micro) for a in order if a.kind == "W"} for order in orders]
+    if not any(deferred):
+        return set()
+    return {(r, a) for r, order in enumerate(orders) for entry in order for a in halves(entry)
+            if a.kind == "B" and (a.chunk, a.micro) not in deferred[r]}
+
+
 def in_flight_peak(order, split):
     """The most (chunk, micro-batch) activations alive at once on a rank: from its F until its B (or, with a split
-    backward, until its W, which still needs the linears' inputs)."""
+    backward, until its W, which still needs the linears' inputs; a B with no W of its own is whole and ends it).
+    In an F&B pair the forward's activations are made while the backward's are still held: one more at its peak."""
+    deferred = {(a.chunk, a.micro) for a in order if a.kind == "W"} if split else set()
     live = peak = 0
-    for action in order:
-        live += (action.kind == "F") - (action.kind == ("W" if split else "B"))
-        peak = max(peak, live)
+    for entry in order:
+        for action in halves(entry):
+            ends = (action.kind == "W" and split) or (action.kind == "B" and (action.chunk, action.micro) not in
+                                                        deferred)
+            live += (action.kind == "F") - ends
+            peak = max(peak, live)
     return peak
 
 
@@ -1835,30 +2214,51 @@ def schedule_formulas(kind, p, m, v=1):
     """The published step time (in units of one chunk's forward, B = 2 F, or B = W = F when split) and in-flight
     peaks (chunks, per rank): 1F1B 3 (m + p - 1), p - r; interleaved 3 (v m + p - 1), i.e. a bubble of (p - 1)/(v m)
     of the ideal, (p - r - 1) 2 + (v - 1) p + 1; ZB-H1 3 v m + p - 1 for m >= p: the bubble (p - 1) units, one third
-    of 1F1B's, and 1F1B's or the interleaved peak plus the r deferred W's."""
+    of 1F1B's, and 1F1B's or the interleaved peak plus the r deferred W's. The V schedules (v = 2, `v_bubble`):
+    ZB-V 6 m + p - 1 for m >= 2p - 1, 2p chunks on every rank (p micro-batches of a 1F1B stage's layers: 1F1B's
+    first stage), min(2p, m + r + 1, 2m) below; DualPipeV 6 m + 2 (p - 1), 2p + 1 chunks (DualPipe's PP + 1: 2p
+    before a pair, and its forward's beside its backward's)."""
     if kind == "1f1b":
         return 3 * (m + p - 1), [min(p - r, m) for r in range(p)]
+    if kind in V_SCHEDULES:
+        peaks = [min(2 * p, m + r + 1, 2 * m) for r in range(p)] if kind == "zbv" else [2 * p + 1] * p
+        return 6 * m + v_bubble(kind, p, m), peaks
     peak = [min((p - r - 1) * 2 + (v - 1) * p + 1, m * v) if v > 1 else min(p - r, m) for r in range(p)]
     if kind == "interleaved":
         return 3 * (v * m + p - 1), peak
     return 3 * v * m + p - 1, [min(k + r, m * v) for r, k in enumerate(peak)]
 
 
+def v_bubble(kind, p, m, forward=1, backward=1, weight=1):
+    """Each rank's idle time in a V schedule's step, in units with F = B = W = 1 (a whole backward B + W = 2).
+    ZB-V: p - 1 for m >= 2p - 1 (the first micro-batch's way down the V: rank p - 1 starts after p - 1 forwards and
+    every slot after it is filled), 4 (p - 1) - 2 (m - 1) below. DualPipeV (m >= 2p): DualPipe's table's
+    (PP/2 - 1)(F&B + B - 3W), PP its stages (2p here), F&B the pair (F + B + W: communication hidden, the compute
+    both halves' own), B a whole backward (B + W): (p - 1)(F + 2 B - W) = 2 (p - 1)."""
+    if kind == "zbv":
+        return max(p - 1, 4 * (p - 1) - 2 * (m - 1))
+    pair, whole = forward + backward + weight, backward + weight
+    return (p - 1) * (pair + whole - 3 * weight)
+
+
 def timeline(kind, p, m, v=1):
     """The schedule as text: one row per rank, one column per time unit (F 1, B 2 or B 1 + W 1), each cell the
     action and micro-batch (and chunk, with v > 1: F3.1 is micro-batch 3 on chunk 1); under it the step time and
     bubble beside the formulas, and each rank's in-flight peak."""
-    split = kind == "zb-h1"
+    split = kind in ("zb-h1",) + V_SCHEDULES
     orders = pipeline_schedule(kind, p, m, v)
     span, start = replay_pipeline(orders, backward=1 if split else 2, v=v, slots=True)
-    width = len(f"F{m - 1}" + (f".{v - 1}" if v > 1 else "")) + 1
+    whole = whole_backwards(orders)
+    label = lambda a: f"{a.kind}{a.micro}" + (f".{a.chunk}" if v > 1 else "")  # noqa: E731
+    width = len(f"F{m - 1}" + (f".{v - 1}" if v > 1 else "")) + 1 + any(isinstance(a, Overlapped) for a in orders[0])
     rows = []
     for r, order in enumerate(orders):
         cells = ["."] * span
-        for action in order:
-            t = start[(r, action)]
-            for u in range(2 if action.kind == "B" and not split else 1):
-                cells[t + u] = f"{action.kind}{action.micro}" + (f".{action.chunk}" if v > 1 else "")
+        for entry in order:
+            t = start[(r, entry)]
+            for i, action in enumerate(halves(entry)):  # an F&B pair: its forward, then '&' and its backward
+                for _ in range(2 if action.kind == "B" and (not split or (r, action) in whole) else 1):
+                    cells[t], t = "&" * i + label(action), t + 1
         rows.append(f"rank {r}  " + "".join(c.ljust(width) for c in cells).rstrip())
     formula, peaks = schedule_formulas(kind, p, m, v)
     ideal = 3 * m * v
@@ -1869,6 +2269,17 @@ def timeline(kind, p, m, v=1):
     rows.append("legend: a column is one time unit, a forward's time; Fi: the forward of micro-batch i (Fi.c: on "
                 "model chunk c, with virtual stages), 1 unit;\n        Bi: its backward, 2 units (zb-h1: the input "
                 "gradients only, 1 unit); Wi: its weight gradients (zb-h1), 1 unit; '.': the rank waits (the bubble)")
+    if kind in V_SCHEDULES:
+        rows += [f"V placement: chunk 0 of rank r is stage r, chunk 1 stage 2p - 1 - r = {2 * p - 1} - r; a B lasts "
+                 "1 unit where its W comes later, 2 where it is whole (no W of its own)",
+                 f"bubble per rank {span - ideal} units, formula {v_bubble(kind, p, m)}: " + (
+                     "p - 1, the first micro-batch's way down the V (m >= 2p - 1)" if kind == "zbv" else
+                     "(p - 1)(F&B + B - 3W) with F&B = 3 (the pair: F + B + W), B = 2 (whole), W = 1: DualPipe's "
+                     "(PP/2 - 1)(F&B + B - 3W), PP = 2p stages") + "; in flight, formula " + (
+                     "min(2p, m + r + 1, 2m)" if kind == "zbv" else "2p + 1 (DualPipe's PP + 1)") +
+                 " chunks of L/2p layers",
+                 ] + (["F&B: an overlapped pair, its forward's cell then '&' before the backward it runs beside"]
+                      if kind == "dualpipev" else [])
     return "\n".join(rows)
 
 
@@ -1950,8 +2361,11 @@ def build_at_scale(cfg, job_cfg, optimizer=True):
         parallel_state = topology.init_parallel(**layout)
     plan = make_plan_at_scale(cfg, job_cfg, parallel_state)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    overlapped = job_cfg.pp_schedule == "dualpipev"  # its F&B pairs: the MoE all-to-alls beside the other half
+    moe = {(False, False): moe_ep.MoE, (True, False): moe_ep.GroupedGEMMMoE, (False, True): moe_ep.OverlappedMoE,
+           (True, True): moe_ep.OverlappedGroupedGEMMMoE}[(job_cfg.moe_grouped_gemm, overlapped)]
     stage = GPTStage(cfg, plan, job_cfg.param_dtype, fp8=job_cfg.fp8_recipe if job_cfg.dtype == "fp8" else None,
-                     moe=moe_ep.GroupedGEMMMoE if job_cfg.moe_grouped_gemm else moe_ep.MoE).to(device)
+                     moe=moe).to(device)
     if job_cfg.dtype == "fp8" and (job_cfg.fp8_recipe in mixed_precision.FINE_GRAINED or job_cfg.fp8_backward == "fp8"):
         use_fine_grained_fp8(stage, FP8(job_cfg.fp8_recipe, job_cfg.fp8_backward))
     if job_cfg.dtype == "nvfp4":
@@ -1959,9 +2373,13 @@ def build_at_scale(cfg, job_cfg, optimizer=True):
     opt = make_optimizer_at_scale(stage, job_cfg) if optimizer else None
     if opt is not None and job_cfg.zero >= 2:
         attach_zero_units(stage, opt)
-    executor = {"1f1b": Pipeline, "zb-h1": ZeroBubblePipeline}.get(job_cfg.pp_schedule, PipelineAtScale)
+    executor = {"1f1b": Pipeline, "zb-h1": ZeroBubblePipeline, "zbv": VPipeline,
+                "dualpipev": VPipeline}.get(job_cfg.pp_schedule, PipelineAtScale)
     pipe = executor(plan, (job_cfg.micro_batch, plan.seq_hidden, cfg.n_embd), job_cfg.param_dtype, device,
                     schedule=job_cfg.pp_schedule)
+    for block in stage.blocks if overlapped else ():
+        if block.moe is not None:
+            block.moe.wait = pipe.baton.switch
     return plan, stage, opt, pipe
 
 
@@ -1990,7 +2408,9 @@ def make_optimizer_at_scale(stage, job_cfg):
 # exists; sampling; the command line and how a job ends.
 # ####################################################################################################
 
+import collections
 import contextlib
+import errno
 import io
 import itertools
 import pickle
@@ -2115,8 +2535,8 @@ def main_job(argv=None):
         else:
             records = train_job(cfg, train_cfg, data)
             if dist.get_rank() == 0 and records:
-                print(f"loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} in {len(records)} steps; metrics "
-                      f"in {train_cfg.metrics}")
+                print(f"loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f} in {len(records)} steps"
+                      + (f"; metrics in {train_cfg.metrics}" if train_cfg.metrics else ""))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -2554,10 +2974,30 @@ def _read_bytes(what, path):
         raise ValueError(f"{what}: {path} cannot be read ({e.strerror})") from None
 
 
+def _text_files(what, files):
+    """The bytes of text files as one uint8 array: one file memory-mapped (nanoGPT's train.bin, read as bytes: a file
+    larger than memory is paged in as batches touch it), several read into one array of their total size."""
+    sizes = [input_file(what, f).st_size for f in files]  # each file checked before it is opened: a FIFO blocks
+    if len(files) == 1:
+        return np.memmap(files[0], dtype=np.uint8, mode="r") if sizes[0] else np.zeros(0, np.uint8)
+    tokens, at = np.empty(sum(sizes), dtype=np.uint8), 0
+    for path, size in zip(files, sizes):
+        try:
+            with open(path, "rb") as f:
+                read = f.readinto(memoryview(tokens)[at:at + size])
+        except OSError as e:
+            raise ValueError(f"{what}: {path} cannot be read ({e.strerror})") from None
+        if read != size:
+            raise ValueError(f"{what}: {path} changed while it was read")
+        at += size
+    return tokens
+
+
 def load_data(spec, seq_len, vocab):
-    """`embedded` (CPython's pydoc topics, ~466 KB of English), `synthetic`, a text file, a folder of text files,
-    or a folder (or the path of a train.bin in one) with nanoGPT's uint16 train.bin and val.bin. Raises
-    ValueError naming --data for anything missing, empty or too short."""
+    """`embedded` (CPython's pydoc topics, ~466 KB of English), `synthetic`, a text file (memory-mapped, one byte a
+    token: it may be larger than memory), a folder of text files, or a folder (or the path of a train.bin in one)
+    with nanoGPT's uint16 train.bin and val.bin. Raises ValueError naming --data for anything missing, empty or too
+    short."""
     if spec in ("synthetic", "embedded"):
         return chapter_data(spec, seq_len, vocab)
     what = f"--data {spec}"
@@ -2587,37 +3027,98 @@ def load_data(spec, seq_len, vocab):
         if spec.endswith(".bin") and _global_rank() == 0:
             _warn(f"--data {spec}: a .bin file without train.bin and val.bin beside it is read as bytes of text "
                   "(nanoGPT's token ids are a folder holding both)")
-    text = b"".join(_read_bytes(what, f) for f in files)  # each file checked before it is opened: a FIFO blocks
-    return _split_text(what, _text_tokens(text), seq_len)
+    return _split_text(what, _text_files(what, files), seq_len)
+
+
+# ---- Outputs: never through a link, never onto a device or a FIFO ------------------------------------------
+
+class OutputRefused(ValueError):
+    """An output this program cannot write where it was asked to (a link, a device, a FIFO, /proc, a full disk): one
+    line, exit code 2, and nothing left half-written."""
+
+
+def check_output_name(flag, path):
+    """A file this program replaces whole (a metrics file, an export) is absent or a regular file: a symbolic link
+    would have its target written (or a file made where a dangling one points), and a device or a FIFO would be
+    replaced by a regular file. Refused in one line."""
+    try:
+        st = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return  # its folder is checked where it is made
+    except OSError as e:
+        raise OutputRefused(f"{flag} {path} cannot be looked at ({e.strerror}): pass another path") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise OutputRefused(f"{flag} {path} is a symbolic link (to {os.readlink(path)}), which this program never "
+                            "writes through: pass the path of a regular file")
+    if not stat.S_ISREG(st.st_mode):
+        raise OutputRefused(f"{flag} {path} is {_kind(st.st_mode)}, not a regular file: pass another path")
+
+
+def create_exclusive(path):
+    """A new file at `path`, open for writing (a file descriptor): whatever a crash or a user left under that name
+    (a file, a link: unlink removes a link, never its target) is removed first, then the file is created with
+    O_EXCL | O_NOFOLLOW, so that nothing is ever written through a link planted there, even in between."""
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        os.unlink(path)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
 
 
 def open_metrics(path, start):
     """The metrics file, opened for appending; a resumed run keeps the lines of the steps its checkpoint holds and
     drops those past it (replaced at once: a crash now loses no line); a fresh run never appends to an earlier
-    run's file: that one is moved aside to PATH.N, said in one line."""
-    if not start and os.path.exists(path) and os.path.getsize(path):
-        kept = next(f"{path}.{n}" for n in itertools.count(1) if not os.path.lexists(f"{path}.{n}"))
-        os.rename(path, kept)
-        _warn(f"--metrics {path} held an earlier run's metrics: moved to {kept}")
-    with open(path + ".tmp", "w") as f:
-        f.writelines(_metrics_before(path, start) if start else [])
+    run's file: that one is moved aside to PATH.N, said in one line, as is a file with lines that cannot be read
+    (`_metrics_before`): never a reason not to resume. Written through a temporary created exclusively."""
+    kept, damaged = _metrics_before(path, start) if start and os.path.lexists(path) else ([], {})
+    if os.path.lexists(path) and (damaged or not start and os.path.getsize(path)):
+        aside = next(f"{path}.{n}" for n in itertools.count(1) if not os.path.lexists(f"{path}.{n}"))
+        os.rename(path, aside)
+        _warn(f"--metrics {path} held an earlier run's metrics: moved to {aside}" if not damaged else
+              f"--metrics {path}: {sum(damaged.values())} of its lines cannot be read ({', '.join(damaged)}): set "
+              f"aside with the whole file as {aside}; the run goes on with its {len(kept)} readable lines")
+    with os.fdopen(create_exclusive(path + ".tmp"), "w") as f:
+        f.writelines(kept)
     os.replace(path + ".tmp", path)
-    return open(path, "a")
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW), "a")
+
+
+METRICS_LINE_MAX_BYTES = 1 << 16  # a step's record is a few hundred bytes
 
 
 def _metrics_before(path, step):
-    """The metrics lines of the steps before `step` (a line torn by a crash is dropped)."""
-    if not os.path.exists(path):
-        return []
-    kept = []
-    with open(path) as f:
-        for line in f:
+    """The metrics lines of the steps before `step`, and {why: count} of the lines that cannot be read (a byte that is
+    not UTF-8, JSON nested deeper than a record, a line longer than METRICS_LINE_MAX_BYTES, not a step's record),
+    read a bounded line at a time: a 3 GB line is skipped, never held. A last line without its newline is one a
+    crash tore: dropped without a word."""
+    kept, damaged = [], collections.Counter()
+    with open(path, "rb") as f:
+        while line := f.readline(METRICS_LINE_MAX_BYTES + 1):
+            if len(line) > METRICS_LINE_MAX_BYTES:  # skip the rest of it, a block at a time
+                while line and not line.endswith(b"\n"):
+                    line = f.readline(1 << 20)
+                damaged[f"longer than {METRICS_LINE_MAX_BYTES:,} bytes"] += 1
+                continue
+            if not line.endswith(b"\n") or not line.strip():
+                continue  # torn by a crash, or empty
             try:
-                if json.loads(line)["step"] < step:
-                    kept.append(line)
-            except (ValueError, KeyError, TypeError):
-                pass
-    return kept
+                text = line.decode("utf-8")
+            except UnicodeDecodeError:
+                damaged["a byte that is not UTF-8"] += 1
+                continue
+            if line.count(b"[") + line.count(b"{") > JSON_MAX_DEPTH and json_depth(line) > JSON_MAX_DEPTH:
+                damaged[f"nested {json_depth(line):,} deep"] += 1
+                continue
+            try:
+                record = json.loads(text)
+                is_record = isinstance(record, dict) and type(record.get("step")) is int
+            except ValueError:
+                is_record = False
+            if not is_record:
+                damaged["not a step's record"] += 1
+            elif record["step"] < step:
+                kept.append(text)
+    return kept, damaged
 
 
 # ---- Checkpoints: torch.distributed.checkpoint, sharded as the run holds it, resharded to any layout on load ----
@@ -2653,6 +3154,15 @@ STEP_FOLDER = re.compile(r"step_[0-9]{1,12}")  # ASCII digits: str.isdigit() als
 
 class BadCheckpoint(ValueError):
     """A checkpoint that fails a check; the message is one line naming the file and what is wrong."""
+
+
+class CannotVerify(BadCheckpoint):
+    """This process ran out of memory while it verified a checkpoint: nothing is known to be wrong with it, so no
+    fallback skips it; the run stops in one line."""
+
+    def __init__(self, path, what):
+        super().__init__(f"checkpoint {path}: this process ran out of memory reading {what} (ulimit -v, or the "
+                         "machine's memory): the checkpoint is not known to be damaged; give the job more memory")
 
 
 def checkpoint_dirs(out_dir):
@@ -2755,9 +3265,11 @@ def _verified_bytes(path, name, manifest, max_bytes):
         raise BadCheckpoint(f"checkpoint {path}: {name} holds {st.st_size} bytes, far more than this program writes")
     try:
         with open(where, "rb") as f:
-            data = f.read(max_bytes + 1)
+            data = f.read(st.st_size + 1)  # what it holds (one byte more shows growth): no bound reserved up front
     except OSError as e:
         raise BadCheckpoint(f"checkpoint {path}: {name} cannot be read ({e.strerror})") from None
+    except MemoryError:
+        raise CannotVerify(path, f"{name} ({st.st_size:,} bytes)") from None
     if expected[1] is not None and zlib.crc32(data) != expected[1]:
         raise BadCheckpoint(f"checkpoint {path}: {name} does not match its recorded CRC32 (damaged after it was "
                             "written)")
@@ -2840,7 +3352,10 @@ def read_train_state(path, cfg=None, manifest=None):
         scaler = state["optimizer_state"]["loss_scaler"]
         if scaler is not None:
             mixed_precision.DynamicLossScaler().load_state_dict(scaler)  # its own checks, on a throwaway
-    except (ValueError, TypeError, KeyError) as e:
+    except KeyError as e:  # only the loss scaler's state is read by key here
+        raise BadCheckpoint(f"{where}: 'optimizer_state.loss_scaler' has no {e}: it was not written by this program "
+                            "(or was edited)") from None
+    except (ValueError, TypeError) as e:
         raise BadCheckpoint(f"{where}: {str(e).splitlines()[0]}") from None
     _check_plausible(state, manifest, where)
     saved = GPTConfig(**state["config"])
@@ -2976,10 +3491,10 @@ def checkpoint_tensors(stage, opt=None, like=None):
 
 def save_checkpoint(out_dir, step, stage, opt, cfg, train_cfg, text=False):
     """Writes out_dir/step_NNNNNN atomically (the comment above); `text`: the data were bytes of text, which
-    tells --sample to decode what it draws."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
+    tells --sample to decode what it draws. With --async-save the tensors are copied to host memory now and written
+    by a background thread (`AsyncSave`) while training goes on. Returns what to say: the checkpoint's path."""
     plan = stage.plan
+    ASYNC_SAVE.wait()  # a save in flight ends before the next begins (its failure stops the run here)
     if not weights_are_finite(stage, opt):  # agreed over the world: no rank writes, none waits
         raise Diverged(f"after step {step} the weights hold non-finite values: no checkpoint is written (lower --lr, "
                        "or keep --grad-clip on)")
@@ -2998,50 +3513,255 @@ def save_checkpoint(out_dir, step, stage, opt, cfg, train_cfg, text=False):
         made = e
     if not _on_every_rank(made is True, device):
         raise CannotSave(_save_error(tmp, made))
-    try:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))  # a box saved by several ranks is written once
-    except CheckpointException as e:  # a BaseException, raised on every rank alike (DCP gathers the failures)
-        if plan.parallel_state.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # what was written of it: the space it took is freed
-        raise CannotSave(_save_error(tmp, next(iter(e.failures.values()), (e,))[0])) from None
-    dist.barrier()  # every rank's files are written (and rank 0's metadata)
-    # each rank checksums the files it wrote (DCP names them __RANK_N.distcp; rank 0 also writes .metadata)
-    rank = plan.parallel_state.rank
-    mine = checksums(tmp, [n for n in os.listdir(tmp)
-                           if n.startswith(f"__{rank}_") or (rank == 0 and n == ".metadata")])
-    every = [None] * plan.parallel_state.world_size if rank == 0 else None
-    dist.gather_object(mine, every, dst=0)
-    written = True
-    if rank == 0:
-        try:
-            _seal_checkpoint(tmp, final, every, step, plan, cfg, train_cfg, opt, text)
-        except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            written = e
-    if not _on_every_rank(written is True, device):
-        raise CannotSave(_save_error(tmp, written))
-    if train_cfg.keep_last and rank == 0:
-        drop_old_checkpoints(out_dir, train_cfg.keep_last)
-    return final
-
-
-def drop_old_checkpoints(out_dir, keep):
-    """--keep-last: remove all but the newest `keep` checkpoints, the one just written (and verified as written)
-    among them, so the newest good one is never deleted."""
-    for path in checkpoint_dirs(out_dir)[:-keep]:
-        shutil.rmtree(path)
-
-
-def _seal_checkpoint(tmp, final, every, step, plan, cfg, train_cfg, opt, text):
-    """Rank 0: train_state.json, then MANIFEST (every file's size and CRC32), then the rename that makes it a
-    checkpoint."""
-    files = {name: entry for part in every for name, entry in part.items()}
     train_state = {"format": CHECKPOINT_FORMAT, "step": step, "config": asdict(cfg),
                    "world_size": plan.parallel_state.world_size,
                    "layout": {k: getattr(train_cfg, k) for k in ("tp", "pp", "cp", "ep", "zero", "dtype")},
                    "optimizer": train_cfg.optimizer, "data": train_cfg.data, "text": text,
-                   "schedule": _schedule(train_cfg),
-                   "optimizer_state": opt.scalar_state()}
+                   "schedule": _schedule(train_cfg), "optimizer_state": opt.scalar_state()}
+    if train_cfg.async_save:
+        ASYNC_SAVE.start(state, tmp, final, train_state, train_cfg, device)
+        return f"{final} to host memory; writing it in the background"
+    write_checkpoint(state, tmp, final, train_state, train_cfg, device)
+    return final
+
+
+def write_checkpoint(state, tmp, final, train_state, train_cfg, device, group=None):
+    """Every rank: DCP writes its parts into tmp, each rank checksums the files it wrote, rank 0 seals (train_state,
+    MANIFEST, the rename) and, with --keep-last, deletes old ones. `group`: the collectives' process group (the
+    background save's own)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    rank = dist.get_rank()
+    try:  # a box saved by several ranks is written once
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=group)
+    except CheckpointException as e:  # a BaseException, raised on every rank alike (DCP gathers the failures)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # what was written of it: the space it took is freed
+        raise CannotSave(_save_error(tmp, next(iter(e.failures.values()), (e,))[0])) from None
+    dist.barrier(group=group)  # every rank's files are written (and rank 0's metadata)
+    # each rank checksums the files it wrote (DCP names them __RANK_N.distcp; rank 0 also writes .metadata)
+    mine = checksums(tmp, [n for n in os.listdir(tmp)
+                           if n.startswith(f"__{rank}_") or (rank == 0 and n == ".metadata")])
+    every = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(mine, every, dst=0, group=group)
+    written = True
+    if rank == 0:
+        try:
+            _seal_checkpoint(tmp, final, every, train_state)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            written = e
+    if not _on_every_rank(written is True, device, group):
+        raise CannotSave(_save_error(tmp, written))
+    if rank == 0:
+        mark_passing(final)
+        if train_cfg.keep_last:
+            drop_old_checkpoints(os.path.dirname(final), train_cfg.keep_last)
+
+
+class AsyncSave:
+    """--async-save (Megatron-LM's --async-save, torchtitan's async_with_pinned_mem): `start` copies this rank's parts
+    into host buffers (pinned on CUDA, allocated at the first save and reused) and hands them to a background thread
+    that runs write_checkpoint on a gloo group of its own, so the step waits only for the copy. Every guarantee of
+    the synchronous save holds (tmp, MANIFEST last, the rename, one writer: the lock is released only after `wait`).
+    `wait` ends the save in flight: before the next one, and at the run's end (release_out_dir); its failure is
+    CannotSave there. A rank killed mid-write leaves step_N.tmp, which the next start removes, saying so."""
+
+    def __init__(self):
+        self.thread, self.error, self.group, self.buffers, self.done = None, None, None, {}, None
+
+    def stage(self, state, device):
+        """{key: a host copy of state[key]}, Boxes kept Boxes (over the copies)."""
+        def copy(key, t):
+            buf = self.buffers.get(key)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = self.buffers[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=device.type == "cuda")
+            return buf.copy_(t.detach(), non_blocking=True)
+        staged = {key: Boxes(v.shape, [(o, copy((key, i), t)) for i, (o, t) in enumerate(v.parts)], v.dtype, "cpu")
+                  if isinstance(v, Boxes) else copy(key, v) for key, v in state.items()}
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the copies are complete before the step changes the weights
+        return staged
+
+    def start(self, state, tmp, final, train_state, train_cfg, device):
+        import threading
+        from datetime import timedelta
+        if self.group is None:  # every rank saves at the same step: made in the same order everywhere
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=train_cfg.timeout_s))
+        staged, t0 = self.stage(state, device), time.perf_counter()
+
+        def write():
+            try:
+                write_checkpoint(staged, tmp, final, train_state, train_cfg, torch.device("cpu"), self.group)
+                if train_cfg.log and dist.get_rank() == 0:
+                    print(f"wrote {final} in the background ({time.perf_counter() - t0:.1f} s)", flush=True)
+            except BaseException as e:  # said by wait(), in the main thread
+                self.error = e
+        self.error, self.done = None, final
+        self.thread = threading.Thread(target=write, name=f"async_save {os.path.basename(final)}", daemon=True)
+        self.thread.start()
+
+    def wait(self, quiet=False):
+        """Block until the save in flight (if any) is written; raise its failure as CannotSave unless `quiet` (a run
+        already stopping for another reason: then said in one line)."""
+        if self.thread is None:
+            return
+        self.thread.join()
+        self.thread, error = None, self.error
+        if error is None:
+            return
+        if not isinstance(error, CannotSave):
+            why = str(error).splitlines()[0] if str(error) else type(error).__name__
+            error = CannotSave(f"the background save of {self.done} failed ({why}): stopping; the checkpoints "
+                               "written before are intact")
+        if quiet:
+            _warn(str(error))
+        else:
+            raise error
+
+
+ASYNC_SAVE = AsyncSave()
+
+
+# --keep-last deletes only what this process knows to be a checkpoint that passes every check: one it wrote (verified
+# as written), loaded, or verified itself (once, remembered for as long as its MANIFEST is the same file)
+_PASSING = {}  # realpath of a checkpoint -> its MANIFEST's (inode, mtime, size) when it passed
+_FAILING = {}  # realpath of a checkpoint -> (its MANIFEST's signature, why it fails)
+_FALLBACK_SOURCES = set()  # realpath of a checkpoint that --resume fell back to (a newer one failed): never deleted
+_SAID = set()  # what --keep-last has said once
+
+
+def _manifest_signature(path):
+    st = os.stat(os.path.join(path, MANIFEST), follow_symlinks=False)
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def mark_passing(path):
+    with contextlib.suppress(OSError):
+        _PASSING[os.path.realpath(path)] = _manifest_signature(path)
+
+
+def passes_checks(path):
+    """None if the checkpoint passes every check, its tensor files' CRC32s included, on this process alone (rank 0
+    deletes alone: no collective); else why not, in one line. Either is remembered while MANIFEST stays the same
+    file: a damaged checkpoint is read once, not at every save."""
+    key = os.path.realpath(path)
+    try:
+        signature = _manifest_signature(path)
+    except OSError:
+        signature = None
+    if signature is not None and _PASSING.get(key) == signature:
+        return None
+    if signature is not None and _FAILING.get(key, (None,))[0] == signature:
+        return _FAILING[key][1]
+    try:
+        _, _, files = check_checkpoint(path)
+        why = next((f"checkpoint {path}: {name} does not match its recorded CRC32" for name in sorted(files)
+                    if DATA_FILE.fullmatch(name) and file_crc32(os.path.join(path, name)) != files[name][1]), None)
+    except (BadCheckpoint, OSError) as e:
+        why = str(e) if isinstance(e, BadCheckpoint) else f"checkpoint {path} cannot be read ({e.strerror})"
+    if why is None:
+        mark_passing(path)
+    elif signature is not None:
+        _FAILING[key] = (signature, why)
+    return why
+
+
+def _say_once(key, message):
+    if key not in _SAID:
+        _SAID.add(key)
+        _warn(message)
+
+
+def drop_old_checkpoints(out_dir, keep):
+    """--keep-last: delete all but the newest `keep` checkpoints that pass their checks (the one just written, and
+    verified as written, among them). Never deleted, nor counted: a folder that fails its checks (damaged, or not a
+    checkpoint at all), a symbolic link; never deleted: the checkpoint a fallback resumed from, and one that a
+    --sample or an export is reading (it holds the folder's shared lock: deleted at a later save). Each said once.
+    A checkpoint is renamed to step_N.tmp before it is removed, so a crash in between leaves no partial one."""
+    import fcntl
+    counted, failing, links = [], [], []
+    for path in checkpoint_dirs(out_dir):
+        why = "a symbolic link" if os.path.islink(path) else passes_checks(path)
+        (counted if why is None else links if os.path.islink(path) else failing).append((path, why))
+    if failing:
+        _say_once(("failing", len(failing)), f"--keep-last {keep}: {len(failing):,} folder(s) of --out-dir {out_dir} "
+                  f"fail their checks and are neither counted nor deleted (the newest: {failing[-1][1]})")
+    if links:
+        _say_once(("links", len(links)), f"--keep-last {keep}: {', '.join(p for p, _ in links[:3])}"
+                  f"{' ...' if len(links) > 3 else ''}: symbolic link(s), neither counted nor deleted")
+    for path, _ in counted[:-keep]:
+        if os.path.realpath(path) in _FALLBACK_SOURCES:
+            _say_once(("fallback", path), f"--keep-last {keep}: {path} is kept: this run resumed from it when a newer "
+                      "checkpoint failed its checks")
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            continue  # gone already
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a reader holds it shared: not now
+            except BlockingIOError:
+                raise
+            except OSError as e:  # a filesystem without locks on folders (NFS emulates flock with fcntl locks)
+                _say_once("no folder locks", f"--keep-last {keep}: this filesystem refuses locks on checkpoint "
+                          f"folders ({e.strerror}): a --sample or an export reading one is not protected from it")
+            gone = path + ".tmp"
+            shutil.rmtree(gone, ignore_errors=True)
+            os.rename(path, gone)
+            shutil.rmtree(gone)
+        except BlockingIOError:
+            _say_once(("reading", path), f"--keep-last {keep}: {path} is kept for now: a --sample or an export is "
+                      "reading it (deleted at a later save)")
+        except OSError as e:
+            _say_once(("error", path), f"--keep-last {keep}: {path} could not be deleted ({e.strerror})")
+        finally:
+            os.close(fd)
+
+
+_READING = {}  # a checkpoint this process (--sample, an export) reads -> the folder's descriptor, locked shared
+
+
+def lock_for_reading(path):
+    """Hold a checkpoint folder's shared lock (flock on the folder itself: no file is made) until `done_reading`, so
+    that --keep-last does not delete it under this reader; BadCheckpoint if it is gone once the lock is held."""
+    import fcntl
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise BadCheckpoint(f"checkpoint {path} cannot be opened ({e.strerror})") from None
+    with contextlib.suppress(OSError):  # where folders take no locks (NFS), read unprotected (drop_old_checkpoints)
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a deletion runs
+    try:
+        still = os.stat(path).st_ino == os.fstat(fd).st_ino
+    except OSError:
+        still = False
+    if not still:
+        os.close(fd)
+        raise BadCheckpoint(f"checkpoint {path} was deleted while it was opened")
+    _READING[path] = fd
+
+
+def done_reading():
+    while _READING:
+        os.close(_READING.popitem()[1])
+
+
+def verified_for_reading(path):
+    """verified_checkpoint, under the folder's shared lock (kept when it passes, released when it does not)."""
+    lock_for_reading(path)
+    try:
+        return verified_checkpoint(path)
+    except BadCheckpoint:
+        os.close(_READING.pop(path))
+        raise
+
+
+def _seal_checkpoint(tmp, final, every, train_state):
+    """Rank 0: train_state.json, then MANIFEST (every file's size and CRC32), then the rename that makes it a
+    checkpoint."""
+    files = {name: entry for part in every for name, entry in part.items()}
     _write_synced(os.path.join(tmp, "train_state.json"), json.dumps(train_state).encode())
     write_manifest(tmp, {**files, **checksums(tmp, ["train_state.json"])})
     if os.path.exists(final):  # keep the old one until the new one is in place
@@ -3065,11 +3785,11 @@ def _save_error(tmp, error):
     return f"checkpoint {tmp} could not be written ({why}): stopping; the checkpoints written before are intact"
 
 
-def _on_every_rank(ok, device):
+def _on_every_rank(ok, device, group=None):
     """Whether `ok` holds on every rank (one MIN all-reduce of a flag), so that all stop or none does."""
     flag = torch.as_tensor(ok, device=device).to(torch.int32).view(1)  # a tensor stays on the device: no sync
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
 
 
@@ -3246,6 +3966,8 @@ def check_checkpoint(path, cfg=None):
         metadata = _safe_reader(path, files).read_metadata()
     except BadCheckpoint:
         raise
+    except MemoryError:
+        raise CannotVerify(path, f".metadata ({files['.metadata'][0]:,} bytes)") from None
     except Exception as e:  # untrusted bytes: any failure to parse them is a damaged file (nothing was run)
         raise BadCheckpoint(f"{where} cannot be read: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                             ) from None
@@ -3327,10 +4049,16 @@ def newest_passing(out_dir, attempt, say=None):
     for path in reversed(checkpoint_dirs(out_dir)):
         try:
             result = attempt(path)
+        except CannotVerify:
+            raise  # not a fault of the checkpoint: no fallback
         except BadCheckpoint as e:  # raised on every rank alike: the checks and the checksums are agreed
             refused.append((path, str(e)))
             continue
-        for bad, why in refused if say else ():
+        if say and len(refused) > 3:  # a folder of junk: one line, not one per folder
+            say(f"skipping the {len(refused):,} newest folders of --out-dir {out_dir}, which fail their checks "
+                f"(the newest, {refused[0][0]}: {refused[0][1]}; the oldest of them, {refused[-1][0]}: "
+                f"{refused[-1][1]})")
+        for bad, why in refused if say and len(refused) <= 3 else ():
             say(f"skipping checkpoint {bad}: {why}")
         return path, result
     if refused:
@@ -3377,7 +4105,7 @@ def _all_agree(error, device):
     if dist.is_initialized():
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
     if failed.item():
-        raise error or ValueError("another rank could not read its part of the checkpoint (its error says why)")
+        raise error or BadCheckpoint("another rank could not read its part of the checkpoint (its error says why)")
 
 
 def load_checkpoint(path, stage, opt=None):
@@ -3402,6 +4130,8 @@ def load_checkpoint(path, stage, opt=None):
     try:
         with torch.no_grad():
             _dcp_read(mine, path, manifest)
+    except MemoryError:
+        error = CannotVerify(path, "its tensors")
     except Exception as e:  # an unreadable file: every rank must hear of it
         why = ("a tensor file holds an object that is not tensor data: refused unread" if "Weights only load failed"
                in str(e) else str(e))  # torch's own message advises weights_only=False, which would run it
@@ -3460,7 +4190,7 @@ def resume_step(train_cfg, stage, opt):
         if rank == 0:
             warn_what_changed(resumed, train_cfg)
     if start >= train_cfg.steps:
-        say_on_rank_0(train_cfg, rank, f"{checkpoint_dirs(train_cfg.out_dir)[-1]} already holds step {start} of "
+        say_on_rank_0(train_cfg, rank, f"{resumed['path']} already holds step {start} of "
                       f"--steps {train_cfg.steps}: nothing to train")
     return start
 
@@ -3470,6 +4200,9 @@ def resume(out_dir, stage, opt=None):
     the ranks verify together), telling on rank 0 in one line each one skipped; returns its train_state, with
     its "path"."""
     path, state = newest_passing(out_dir, lambda path: load_checkpoint(path, stage, opt), _warn_on_rank_0)
+    mark_passing(path)
+    if path != checkpoint_dirs(out_dir)[-1]:  # a newer one failed its checks: --keep-last keeps this one
+        _FALLBACK_SOURCES.add(os.path.realpath(path))
     return {**state, "path": path}
 
 
@@ -3485,7 +4218,6 @@ def hold_out_dir(out_dir):
     or replaced lock file would let a second run in: the first then stops, still_holds_out_dir). Across nodes this
     needs a filesystem that carries flock to its server (NFSv4, Lustre mounted with -o flock, GPFS); where locks
     are refused, the run warns and goes on unprotected."""
-    import errno
     import fcntl
     key = os.path.abspath(out_dir)
     if key in _OUT_DIR_LOCKS:
@@ -3533,6 +4265,15 @@ def still_holds_out_dir(out_dir):
 
 
 def release_out_dir(out_dir):
+    """The run's end: the background save in flight is written first (its failure raised unless the run is already
+    stopping on another error), then the lock is released."""
+    try:
+        ASYNC_SAVE.wait(quiet=sys.exc_info()[0] is not None)
+    finally:
+        _release_lock(out_dir)
+
+
+def _release_lock(out_dir):
     fd = _OUT_DIR_LOCKS.pop(os.path.abspath(out_dir), None) if out_dir else None
     if fd is not None:
         os.close(fd)  # closing the file releases the lock
@@ -3612,8 +4353,14 @@ def validate(cfg, train_cfg, world):
         (cp > 1 and train_cfg.cp_impl == "ulysses" and (cfg.n_head // tp) % cp,
          f"--cp-impl ulysses splits each TP rank's {cfg.n_head // tp} heads over --cp {cp}: choose --cp "
          f"dividing --heads/--tp, or --cp-impl ring"),
-        (cfg.vocab_size % tp, f"--vocab {cfg.vocab_size} must be divisible by --tp {tp}; pad the vocabulary to "
-                              f"{-(-cfg.vocab_size // tp) * tp}"),
+        (cfg.vocab_size % tp and not train_cfg.init_from_hf,
+         f"--vocab {cfg.vocab_size} must be divisible by --tp {tp}; pad the vocabulary to "
+         f"{-(-cfg.vocab_size // tp) * tp}"),
+        (cfg.vocab_size % tp and train_cfg.init_from_hf,
+         f"--tp {tp} must divide the vocabulary of --init-from-hf {train_cfg.init_from_hf}, {cfg.vocab_size} (its "
+         f"config.json: the rows are split over TP): choose --tp among "
+         f"{[d for d in range(1, cfg.n_head + 1) if cfg.n_head % d == 0 and cfg.vocab_size % d == 0]} (dividing "
+         "--heads too)"),
         (zigzag and cfg.seq_len % (2 * cp),
          f"--seq {cfg.seq_len} must be divisible by 2*cp = {2 * cp} (zigzag shards of --cp-impl {train_cfg.cp_impl})"),
         (cp > 1 and cfg.seq_len % cp, f"--seq {cfg.seq_len} must be divisible by --cp {cp}"),
@@ -3631,6 +4378,7 @@ def validate(cfg, train_cfg, world):
          f"(tp*cp*pp) = {dp})"),
         ((train_cfg.resume or train_cfg.save_every) and not train_cfg.out_dir,
          "--resume and --save-every need --out-dir"),
+        (train_cfg.async_save and not train_cfg.out_dir, "--async-save writes checkpoints: it needs --out-dir"),
         (train_cfg.fp8_recipe not in mixed_precision.FP8_RECIPES,
          f"--fp8-recipe {train_cfg.fp8_recipe!r} is unknown; choose one of {mixed_precision.FP8_RECIPES}"),
         (train_cfg.fp8_backward not in mixed_precision.FP8_BACKWARDS,
@@ -3638,9 +4386,10 @@ def validate(cfg, train_cfg, world):
          "gradients)"),
         (train_cfg.fp8_backward == "fp8" and train_cfg.dtype != "fp8",
          "--fp8-backward fp8 runs the backward GEMMs of the FP8 layers in FP8: it needs --dtype fp8"),
-        (train_cfg.dtype == "fp8" and train_cfg.fp8_recipe == "delayed" and train_cfg.recompute != "none",
-         f"--fp8-recipe delayed records each GEMM's amax as it runs, and --recompute {train_cfg.recompute} would "
-         "record it again: use --recompute none or another --fp8-recipe"),
+        (train_cfg.dtype == "fp8" and train_cfg.fp8_recipe == "delayed" and train_cfg.recompute in ("full", "sqrt"),
+         f"--fp8-recipe delayed records each GEMM's amax as it runs, and --recompute {train_cfg.recompute} runs the "
+         "blocks' GEMMs again in the backward, which would record it again: use --recompute none, selective or "
+         "offload (they recompute no GEMM), or another --fp8-recipe"),
         *nvfp4_checks(cfg, train_cfg),
         (train_cfg.zero not in (0, 1, 2, 3),
          f"--zero {train_cfg.zero} is unknown; choose 0 (replicated), 1 (optimizer states sharded), 2 (and gradients) "
@@ -3683,11 +4432,16 @@ def schedule_error(kind, p, m, v):
         return f"--pp-schedule {kind!r} is unknown; choose one of {tuple(ALL_SCHEDULES)}"
     if kind == "interleaved" and v == 1:
         return "--pp-schedule interleaved needs --virtual-stages >= 2 (model chunks per pipeline rank)"
+    if kind in V_SCHEDULES and v != 2:
+        return f"--pp-schedule {kind} places two model chunks per rank in a V: pass --virtual-stages 2"
     if v > 1 and kind == "1f1b":
         return f"--virtual-stages {v} needs --pp-schedule interleaved or zb-h1 (1f1b runs one chunk per rank)"
     if v > 1 and p == 1:
         return f"--virtual-stages {v} needs --pp >= 2: the chunks interleave across the pipeline ranks"
-    if v > 1 and m % p:
+    if kind == "dualpipev" and m < 2 * p:
+        return (f"--pp-schedule dualpipev needs the micro-batches m = batch / (dp micro_batch) = {m} to be at least "
+                f"2 --pp = {2 * p} (the two directions meet in the middle): choose --batch or --micro-batch so")
+    if v > 1 and m % p and kind not in V_SCHEDULES:
         return (f"--virtual-stages {v} needs the micro-batches m = batch / (dp micro_batch) = {m} to be a multiple of "
                 f"--pp {p} (they advance in groups of p): choose --batch or --micro-batch so")
     return None
@@ -3776,6 +4530,10 @@ def check_outputs_apart_from_inputs(train_cfg):
     if data and (metrics == data or (data_folder and _inside(metrics, data_folder))):
         raise ValueError(f"--metrics {train_cfg.metrics} would overwrite the --data {train_cfg.data}: pass a path "
                          "outside it")
+    if train_cfg.init_from_hf and _inside(metrics, os.path.realpath(train_cfg.init_from_hf)):
+        raise ValueError(f"--metrics {train_cfg.metrics} lies inside the --init-from-hf folder "
+                         f"{train_cfg.init_from_hf}, whose files are read as the initial weights: pass a path outside "
+                         "it")
     out = os.path.realpath(train_cfg.out_dir) if train_cfg.out_dir else None
     if _inside_checkpoint(os.path.dirname(metrics)) or (out and metrics != out and _inside(metrics, out) and (
             os.path.basename(metrics) == ".lock" or STEP_FOLDER.match(os.path.relpath(metrics, out)))):
@@ -3795,6 +4553,8 @@ def clear_stale_writes(out_dir):
             raise ValueError(f"--out-dir {out_dir} holds {name}, which is not a folder left by a save (a file or a "
                              "link): remove it, or pass another --out-dir")
         if os.path.abspath(out_dir) in _OUT_DIR_LOCKS:
+            _warn(f"removing {path}: a checkpoint that a run stopped writing (it never was one: the earlier "
+                  "checkpoints are intact)")
             shutil.rmtree(path)
 
 
@@ -3821,12 +4581,13 @@ def _check_metrics_file(path, out_dir=None):
     rank 0 creates: checked as --out-dir)."""
     if os.path.isdir(path):
         raise ValueError(f"--metrics {path} is a folder: pass a file path, e.g. {path}/metrics.jsonl")
+    check_output_name("--metrics", path)  # a link, a device, a FIFO: refused
     if os.path.exists(path):
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"--metrics {path} is {_kind(st.st_mode)}, not a regular file: pass a file path")
         if not os.access(path, os.R_OK | os.W_OK):
             raise ValueError(f"--metrics {path} is not readable and writable (its permissions): pass another path")
+        if os.path.basename(path) == ".lock" or _locked_by_another(path):
+            raise ValueError(f"--metrics {path} is the lock file of a run (a metrics file would move it aside and let "
+                             "a second run into its folder): pass another path")
     folder = os.path.dirname(os.path.abspath(path))
     if out_dir and folder == os.path.abspath(out_dir) and not os.path.exists(folder):
         return  # the --out-dir that rank 0 makes (its ancestors checked by _check_folder_can_exist)
@@ -3837,11 +4598,29 @@ def _check_metrics_file(path, out_dir=None):
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ValueError(f"--metrics {path}: the folder {folder} is not writable; pass another path")
     if _global_rank() == 0:  # the one writer tries: some folders (/proc, a full disk) refuse what access() allows
+        existed = os.path.exists(path)
         try:
-            with open(path, "a"):
-                pass
+            os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644))
+            if not existed:
+                os.unlink(path)  # a check leaves nothing behind
         except OSError as e:
             raise ValueError(f"--metrics {path} cannot be written ({e.strerror}); pass another path") from None
+
+
+def _locked_by_another(path):
+    """Whether another open file holds an exclusive flock on path (a live run's OUT/.lock)."""
+    import fcntl
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def _check_folder_can_exist(flag, path):
@@ -3982,15 +4761,28 @@ def safetensors_chunks(tensors, metadata=None):
         yield t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
 
 
-def _write_file(path, write):
-    """Write a whole file or leave the old one: write(f) fills a temporary beside it (streaming: no copy of the
-    whole file in memory), synced, renamed over it."""
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _write_file(path, write, flag):
+    """Write a whole file or leave the old one: write(f) fills a temporary beside it (created exclusively, never
+    through a link; streaming: no copy of the whole file in memory), synced, renamed over it. A failure (a full
+    disk, /proc) removes the temporary and is OutputRefused, one line."""
+    check_output_name(flag, path)  # checked before the checkpoint was read, and again now
+    tmp, made = path + ".tmp", False
+    try:
+        fd = create_exclusive(tmp)
+        made = True
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+        if isinstance(e, RuntimeError) and not made:
+            raise
+        if made:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+        raise OutputRefused(f"{flag} {path} could not be written ({why}): nothing was written in its place") from None
 
 
 def read_safetensors_header(path, shapes):
@@ -4011,9 +4803,18 @@ def read_safetensors_header(path, shapes):
         text = f.read(length)
     if json_depth(text) > 3:
         raise bad(f"its header nests {json_depth(text)} deep, where safetensors nests 3")
+
+    def no_name_twice(pairs):  # json.loads would keep the last of two entries of one name without a word
+        names = [k for k, _ in pairs]
+        if len(set(names)) != len(names):
+            twice = next(k for k in names if names.count(k) > 1)
+            raise bad(f"its header names {twice!r} twice")
+        return dict(pairs)
     try:
-        header = json.loads(text.decode("utf-8"))
+        header = json.loads(text.decode("utf-8"), object_pairs_hook=no_name_twice)
     except (UnicodeDecodeError, ValueError) as e:
+        if isinstance(e, BadCheckpoint):
+            raise
         raise bad(f"its header is not valid JSON ({str(e).splitlines()[0]})") from None
     if not isinstance(header, dict):
         raise bad("its header is not a JSON object")
@@ -4043,15 +4844,38 @@ def read_safetensors_header(path, shapes):
         if name not in shapes and not (HF_BUFFERS.fullmatch(name) or (name == "lm_head.weight" and
                                                                       shape == list(shapes["wte.weight"]))):
             raise bad(f"tensor {key!r} is no weight of a GPT-2 of config.json's shape")
-        entries[name] = (SAFETENSORS_DTYPES[dtype], shape, 8 + length + offsets[0], 8 + length + offsets[1])
+        entries[name] = (SAFETENSORS_DTYPES[dtype], shape, 8 + length + offsets[0], 8 + length + offsets[1], key)
     missing = [name for name in shapes if name not in entries]
     if missing:
         raise bad(f"tensor {prefix + missing[0]!r} is missing ({len(missing)} of the model's are)")
+    at = 8 + length  # as the safetensors format has it: the tensors' bytes follow one another, from the header's end
+    for _, _, begin, end, key in sorted(entries.values(), key=lambda e: e[2:4]):  # to the file's end, exactly
+        if begin != at:
+            raise bad(f"tensor {key!r} begins at byte {begin - 8 - length:,} of the data, where the tensor "
+                      f"before it ends at {at - 8 - length:,}: " + ("tensors overlap" if begin < at else
+                                                                    "bytes that no tensor indexes"))
+        at = end
+    if at != st.st_size:
+        raise bad(f"its last {st.st_size - at:,} bytes are indexed by no tensor")
     return entries
 
 
+def _blocks_in_header(path):
+    """How many blocks (h.N.) a safetensors header names, from its raw text (a cheap look before the header is checked
+    against a model: None if it cannot be read; read_safetensors_header then says why)."""
+    try:
+        with open(path, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if not 2 <= length <= min(os.fstat(f.fileno()).st_size - 8, SAFETENSORS_MAX_HEADER):
+                return None
+            layers = {int(n) for n in re.findall(rb'"(?:transformer\.)?h\.([0-9]{1,9})\.', f.read(length))}
+    except OSError:
+        return None
+    return max(layers) + 1 if layers else 0
+
+
 def _read_tensor(path, entry):
-    dtype, shape, begin, end = entry
+    dtype, shape, begin, end = entry[:4]
     with open(path, "rb") as f:
         f.seek(begin)
         data = bytearray(f.read(end - begin))
@@ -4115,6 +4939,10 @@ def hf_entries(folder, cfg):
     """(the safetensors file, its entries) checked against cfg's GPT-2 shapes; a lm_head.weight, if the file holds
     one, must equal wte (this model ties them)."""
     path = os.path.join(folder, "model.safetensors")
+    blocks = _blocks_in_header(path)  # before a model of config.json's shape is built (65536 layers take minutes)
+    if blocks is not None and blocks != cfg.n_layer:
+        raise BadCheckpoint(f"--init-from-hf: {os.path.join(folder, 'config.json')} says n_layer {cfg.n_layer}, "
+                            f"and {path} holds the weights of {blocks} blocks")
     entries = read_safetensors_header(path, gpt2_shapes(cfg))
     if "lm_head.weight" in entries and not torch.equal(_read_tensor(path, entries["lm_head.weight"]),
                                                        _read_tensor(path, entries["wte.weight"])):
@@ -4135,10 +4963,14 @@ def load_hf_weights(folder, stage, opt=None):
                          "from config_from_hf")
     path, entries = hf_entries(folder, cfg)
     theirs = {ours: (name, conv) for name, ours, conv in gpt2_names(cfg)}
+    error = None
     with torch.no_grad():
         for name, p, _ in _saved_params(stage):
             hf_name, conv = theirs[name]
             whole = _read_tensor(path, entries[hf_name])
+            error = _weight_fault(path, entries[hf_name][4], whole)
+            if error:
+                break
             shape_now, offsets, whole_shape = _slice_geometry(p, parallel_state)
             whole = (whole.t() if conv else whole).reshape(whole_shape)
             local = whole[tuple(slice(o, o + n) for o, n in zip(offsets, shape_now))].reshape(p.shape)
@@ -4146,8 +4978,40 @@ def load_hf_weights(folder, stage, opt=None):
                 p.copy_(local)
             else:
                 opt.load_full_state(p, {"master": local})
+        agreed_error(error)  # each rank reads its stage's tensors: all stop, with the one that found it's line
         if opt is not None:
             opt.copy_masters_to_params()
+
+
+HF_MAX_WEIGHT = 65504.0  # float16's largest value: every --dtype holds it; no trained GPT-2 comes near
+
+
+def _weight_fault(path, name, t):
+    """Why a weight read from a GPT-2 file cannot start a run (a NaN, an infinity, a value past HF_MAX_WEIGHT, which
+    overflows the first LayerNorm's square or FP16 at once), or None."""
+    bad = ~torch.isfinite(t)
+    if bad.any():
+        i = int(bad.flatten().nonzero()[0])
+        return (f"--init-from-hf: {path}: tensor {name!r} holds {int(bad.sum()):,} non-finite value(s) (the first, "
+                f"{t.flatten()[i].item()}, at element {i}): a model to start from holds finite weights")
+    big = t.abs() > HF_MAX_WEIGHT
+    if big.any():
+        i = int(big.flatten().nonzero()[0])
+        return (f"--init-from-hf: {path}: tensor {name!r} holds {int(big.sum()):,} value(s) beyond +-{HF_MAX_WEIGHT:g} "
+                f"(the first, {t.flatten()[i].item():g}, at element {i}), the largest every --dtype holds: not a "
+                "trained model's weights")
+    return None
+
+
+def agreed_error(error):
+    """Raise BadCheckpoint on every rank if any rank found an error (a string), with the lowest such rank's line."""
+    every = [error]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, error)
+    first = next((e for e in every if e), None)
+    if first:
+        raise BadCheckpoint(first)
 
 
 def export_source(out_dir, step, world, hf_dir=None, nanogpt_file=None):
@@ -4155,15 +5019,17 @@ def export_source(out_dir, step, world, hf_dir=None, nanogpt_file=None):
     (its checksums included; each newer one skipped is told in one line, as --resume and --sample do). The outputs
     are checked first: a folder for --export-hf, a file for --export-nanogpt, neither inside a checkpoint."""
     flag = "--export-hf" if hf_dir else "--export-nanogpt"
-    if nanogpt_file and os.path.isdir(nanogpt_file):
+    if nanogpt_file and (os.path.isdir(nanogpt_file) or nanogpt_file.endswith(os.sep)):
         raise ValueError(f"--export-nanogpt {nanogpt_file} is a folder: pass a file name")
-    for what, path, folder in (("--export-hf", hf_dir, hf_dir), ("--export-nanogpt", nanogpt_file,
-                                                                  os.path.dirname(nanogpt_file or "") or ".")):
-        if path:
-            _check_folder_can_exist(what, folder)  # a folder, or one that can be made: before anything is read
-            if _inside_checkpoint(folder):
-                raise ValueError(f"{what} {path} lies inside a checkpoint: pass a path outside the checkpoint "
-                                 "folders")
+    outputs = [("--export-hf", hf_dir, os.path.join(hf_dir, name)) for name in ("model.safetensors", "config.json")
+               if hf_dir] + ([("--export-nanogpt", nanogpt_file, nanogpt_file)] if nanogpt_file else [])
+    for what, given, path in outputs:
+        folder = os.path.dirname(path) or "."
+        _check_folder_can_exist(what, folder)  # a folder, or one that can be made: before anything is read
+        if _inside_checkpoint(folder):
+            raise ValueError(f"{what} {given} lies inside a checkpoint: pass a path outside the checkpoint folders")
+        check_output_name(what, path)
+        _try_writing(what, given, folder)
     if step is None:
         path, state = sample_checkpoint(out_dir, world, flag)
     else:
@@ -4171,12 +5037,35 @@ def export_source(out_dir, step, world, hf_dir=None, nanogpt_file=None):
         paths = [p for p in checkpoint_dirs(out_dir) if int(os.path.basename(p)[5:]) == step]
         if not paths:
             raise ValueError(f"{flag}: --out-dir {out_dir} holds no checkpoint of --step {step}")
-        path, state = paths[0], verified_checkpoint(paths[0])
+        path, state = paths[0], verified_for_reading(paths[0])
+    data = state["data"] if state["data"] not in ("embedded", "synthetic") and os.path.exists(state["data"]) else None
+    if data:  # what the checkpoint was trained on (its path as the run gave it) is an input, never an output
+        data = os.path.realpath(data)
+        data_folder = data if os.path.isdir(data) else os.path.dirname(data) if data.endswith(".bin") else None
+        for what, given, out in outputs:
+            out = os.path.realpath(out)
+            if out == data or (data_folder and _inside(out, data_folder)):
+                raise ValueError(f"{what} {given} would write into the --data {state['data']} that checkpoint {path} "
+                                 "was trained on (a resumed run would read it): pass a path outside it")
     if state["config"]["moe_every"]:
         raise ValueError(f"{flag}: checkpoint {path} holds a mixture-of-experts model (--moe-every "
                          f"{state['config']['moe_every']}), which has no {'GPT-2' if hf_dir else 'nanoGPT'} form: "
                          "only dense models export")
     return path, state
+
+
+def _try_writing(flag, given, folder):
+    """A file can be created in `folder` (or in its nearest existing ancestor, where it is to be made): /proc, /sys,
+    a read-only mount refuse what access() allows. The probe file is removed at once."""
+    while not os.path.isdir(folder):
+        folder = os.path.dirname(os.path.abspath(folder))
+    probe = os.path.join(folder, f".train_gpt_probe_{os.getpid()}")
+    try:
+        os.close(create_exclusive(probe))
+        os.unlink(probe)
+    except OSError as e:
+        raise OutputRefused(f"{flag} {given}: nothing can be written in {folder} ({e.strerror}): pass another "
+                            "path") from None
 
 
 def export_weights(path, state, hf_dir=None, nanogpt_file=None):
@@ -4185,16 +5074,17 @@ def export_weights(path, state, hf_dir=None, nanogpt_file=None):
     cfg = GPTConfig(**state["config"])
     _, stage, _, _ = build(cfg, TrainConfig(batch=1, micro_batch=1, log=False), optimizer=False)
     load_checkpoint(path, stage)
+    done_reading()  # loaded: --keep-last may delete it now
     ours, done = _whole_weights(stage), []
     if hf_dir:
         tensors = {}
         for theirs, name, conv in gpt2_names(cfg):
             tensors["transformer." + theirs] = ours[name].t() if conv else ours[name]  # made contiguous one by one
-        os.makedirs(hf_dir, exist_ok=True)
+        _make_folder("--export-hf", hf_dir)
         _write_file(os.path.join(hf_dir, "model.safetensors"),
-                    lambda f: f.writelines(safetensors_chunks(tensors, {"format": "pt"})))
+                    lambda f: f.writelines(safetensors_chunks(tensors, {"format": "pt"})), "--export-hf")
         config = (json.dumps(hf_config(cfg), indent=2) + "\n").encode()
-        _write_file(os.path.join(hf_dir, "config.json"), lambda f: f.write(config))
+        _write_file(os.path.join(hf_dir, "config.json"), lambda f: f.write(config), "--export-hf")
         done.append(f"wrote {hf_dir}: config.json, model.safetensors ({len(tensors)} tensors, "
                     f"{parameter_count(cfg):,} parameters) from {path}")
     if nanogpt_file:
@@ -4203,12 +5093,19 @@ def export_weights(path, state, hf_dir=None, nanogpt_file=None):
         model_args = dict(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, block_size=cfg.seq_len,
                           bias=True, vocab_size=cfg.vocab_size, dropout=0.0)
         if os.path.dirname(nanogpt_file):
-            os.makedirs(os.path.dirname(nanogpt_file), exist_ok=True)
+            _make_folder("--export-nanogpt", os.path.dirname(nanogpt_file))
         checkpoint = {"model_args": model_args, "model": model, "iter_num": state["step"], "best_val_loss": None,
                       "config": {}}
-        _write_file(nanogpt_file, lambda f: torch.save(checkpoint, f))
+        _write_file(nanogpt_file, lambda f: torch.save(checkpoint, f), "--export-nanogpt")
         done.append(f"wrote {nanogpt_file}: nanoGPT's model_args and model ({len(model)} entries) from {path}")
     return done
+
+
+def _make_folder(flag, folder):
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise OutputRefused(f"{flag}: the folder {folder} cannot be made ({e.strerror}): pass another path") from None
 
 
 # ---- Sampling ----------------------------------------------------------------------------------------------
@@ -4226,28 +5123,28 @@ def sample_checkpoint(out_dir, world, flag="--sample"):
     check, its tensor files' checksums included (the fallback of --resume: each newer one skipped is told in one
     line)."""
     _one_process_reader(out_dir, world, flag)
-    path, state = newest_passing(out_dir, verified_checkpoint, say=_warn)
+    path, state = newest_passing(out_dir, verified_for_reading, say=_warn)  # locked until loaded: --keep-last waits
     if path is None:
         raise ValueError(f"{flag} needs a checkpoint: --out-dir {out_dir} holds none")
     return path, state
 
 
+def sampling_model(cfg, path):
+    """A one-process model with the weights of a checkpoint of any layout (checked, and its checksums verified, first;
+    then the folder's reading lock is released), and whether it was trained on bytes of text."""
+    _, stage, _, _ = build(cfg, TrainConfig(batch=1, micro_batch=1, log=False), optimizer=False)
+    state = load_checkpoint(path, stage)
+    done_reading()
+    return stage, state["text"]
+
+
 @torch.no_grad()
-def sample(cfg, path, n, temperature=1.0, top_k=None, prompt="\n", seed=0):
-    """Generate n tokens on one process from a checkpoint of any layout: a model trained on bytes of text
-    draws bytes only (a vocabulary padded for TP, e.g. 258, has ids no text uses) and returns the text; any
-    other model returns the token ids, drawn after the prompt's ids (token 0 without one)."""
-    train_cfg = TrainConfig(batch=1, micro_batch=1, log=False)
-    plan, stage, _, _ = build(cfg, train_cfg, optimizer=False)
-    load_checkpoint(path, stage)  # checked, and its checksums verified, first
-    text = read_train_state(path).get("text", cfg.vocab_size <= 256)  # saved before "text" was: the old rule
-    device = next(stage.parameters()).device
+def draw(stage, ids, n, temperature=1.0, top_k=None, text=False, seed=0):
+    """Yield n tokens, each as soon as it is drawn, continuing `ids` (the model reads the last --seq of them): a model
+    trained on bytes of text draws bytes only (a vocabulary padded for TP, e.g. 258, has ids no text uses)."""
+    cfg, device = stage.cfg, next(stage.parameters()).device
     gen = torch.Generator().manual_seed(seed)  # draws on the CPU: the same random draws on every device
-    try:
-        ids = prompt_ids(prompt, text, cfg.vocab_size)
-    except ValueError:  # text given to a token model (the command line refuses it before): drawn after token 0
-        ids = [0]
-    given = len(ids)
+    ids = list(ids[-cfg.seq_len:])
     for _ in range(n):
         context = torch.tensor([ids[-cfg.seq_len:]], device=device)
         logits, _ = stage(context, torch.arange(context.shape[1], device=device))
@@ -4257,28 +5154,94 @@ def sample(cfg, path, n, temperature=1.0, top_k=None, prompt="\n", seed=0):
         if top_k:
             logits[logits < logits.topk(min(top_k, logits.numel())).values[-1]] = -float("inf")
         ids.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)))
-    generated = ids[given:]
+        del ids[:-cfg.seq_len]
+        yield ids[-1]
+
+
+def sample(cfg, path, n, temperature=1.0, top_k=None, prompt="\n", seed=0):
+    """Generate n tokens on one process from a checkpoint of any layout: a text model's as text, any other model's
+    as token ids, drawn after the prompt's ids (token 0 without one)."""
+    stage, text = sampling_model(cfg, path)
+    try:
+        ids = prompt_ids(prompt, text, cfg.vocab_size)
+    except ValueError:  # text given to a token model (the command line refuses it before): drawn after token 0
+        ids = [0]
+    generated = list(draw(stage, ids, n, temperature, top_k, text, seed))
     return bytes(generated).decode("utf-8", errors="replace") if text else generated
 
 
 def prompt_ids(prompt, text, vocab):
-    """The ids a sample continues: a text model's prompt as bytes, a token model's as space-separated ids (token 0
-    when there is none). A ValueError names what is wrong."""
+    """The ids a sample continues: a text model's prompt as bytes (a str as the bytes it came from: os.fsencode), a
+    token model's as ids separated by whitespace (token 0 when there is none). A ValueError names what is wrong."""
+    data = prompt if isinstance(prompt, bytes) else os.fsencode(prompt)
     if text:
-        return [i for i in prompt.encode() if i < vocab] or [0]
-    words = prompt.split()
-    if not all(w.isdigit() and int(w) < vocab for w in words):
-        raise ValueError(f"--prompt {prompt[:40]!r}: this checkpoint's model reads token ids, not text: pass ids "
-                         f"between 0 and {vocab - 1} separated by spaces")
+        return [i for i in data if i < vocab] or [0]
+    words = data.split()
+    bad = next((w for w in words if not re.fullmatch(rb"[0-9]{1,9}", w) or int(w) >= vocab), None)
+    if bad is not None:
+        shown = bad[:20].decode(errors="replace") + ("..." if len(bad) > 20 else "")
+        raise ValueError(f"--prompt: {shown!r} is not a token id: this checkpoint's model reads token ids, not text: "
+                         f"pass ids between 0 and {vocab - 1} separated by spaces")
     return [int(w) for w in words] or [0]
 
 
-def sampled_text(cfg, path, flags):
-    """What --sample prints: a text model's prompt and its continuation, as text; a token model's ids on one line."""
-    text = read_train_state(path)["text"]
-    prompt = "\n" if flags.prompt is None else flags.prompt
-    drawn = sample(cfg, path, flags.sample, flags.temperature, flags.sample_top_k, prompt=prompt, seed=flags.seed)
-    return (flags.prompt or "") + drawn if text else " ".join(str(i) for i in drawn)
+def _last_words(path, n, block=1 << 16):
+    """The last n whitespace-separated words of a file, and whether it holds more: read from its end a block at a time,
+    keeping whole words only (never the whole file); a word longer than any token id stops the reading."""
+    with open(path, "rb") as f:
+        end, data = f.seek(0, os.SEEK_END), b""
+        while end and len(data.split()) <= n and not any(len(w) > 20 for w in data.split()[:1]):
+            start = max(0, end - block)
+            f.seek(start)
+            data = f.read(end - start) + data
+            end = start
+            if data[:1].isspace():  # the block began between words: keep the words, not the spaces
+                data = b" " + b" ".join(data.split()[-(n + 1):])
+    words = data.split()
+    return words[-n:], len(words) > n or (end > 0 and bool(words))
+
+
+def prompt_bytes(flags, cfg, text):
+    """What a sample continues, as bytes: --prompt as given, or of --prompt-file only what the model reads (its last
+    --seq bytes for a text model, its last --seq ids otherwise), read from the file's end (a huge file is never read
+    whole; the rest is said in one line)."""
+    if flags.prompt_file is None:
+        return None if flags.prompt is None else os.fsencode(flags.prompt)
+    path, n = flags.prompt_file, cfg.seq_len
+    try:
+        size = input_file("--prompt-file", path).st_size
+        if text:
+            with open(path, "rb") as f:
+                f.seek(max(0, size - n))
+                data, more = f.read(n), size > n
+        else:
+            words, more = _last_words(path, n)
+            data = b" ".join(words)
+    except OSError as e:
+        raise ValueError(f"--prompt-file {path} cannot be read ({e.strerror})") from None
+    if more:
+        _warn(f"--prompt-file {path} ({size:,} bytes) holds more than the model reads: its last {n} "
+              f"{'bytes' if text else 'ids'} (--seq {n}) are read and shown, not the rest")
+    return data
+
+
+def stream_sample(cfg, path, flags, text, prompt):
+    """--sample: the prompt, then each token as it is drawn, written to stdout at once (a text model's as the bytes
+    they are); returns the rest of the output (main prints it: a newline). A closed pipe ends the drawing quietly."""
+    ids = prompt_ids(b"\n" if prompt is None else prompt, text, cfg.vocab_size)
+    stage, _ = sampling_model(cfg, path)
+    sys.stdout.flush()
+    out = sys.stdout.buffer
+    try:
+        if text and prompt:
+            out.write(prompt)
+        for i, token in enumerate(draw(stage, ids, flags.sample, flags.temperature, flags.sample_top_k, text,
+                                       flags.seed)):
+            out.write(bytes([token]) if text else f"{' ' if i else ''}{token}".encode())
+            out.flush()
+    except BrokenPipeError:  # `| head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return ""
 
 
 # ---- The command line, and how a job ends ------------------------------------------------------------------
@@ -4293,6 +5256,7 @@ class _ArgumentParser(argparse.ArgumentParser):
 
 
 SHOW_SCHEDULE_MAX_ACTIONS = 4096
+SAMPLE_MAX_TOKENS = 1_000_000  # --sample: a million tokens, about a quarter of an hour on a CPU
 
 
 def job_without_training(train_cfg, flags, world):
@@ -4301,8 +5265,9 @@ def job_without_training(train_cfg, flags, world):
     if flags.sample:
         path, state = sample_checkpoint(train_cfg.out_dir, world)
         cfg = GPTConfig(**state["config"])
-        prompt_ids("\n" if flags.prompt is None else flags.prompt, state["text"], cfg.vocab_size)  # one line now
-        return lambda: sampled_text(cfg, path, flags)
+        prompt = prompt_bytes(flags, cfg, state["text"])
+        prompt_ids(b"\n" if prompt is None else prompt, state["text"], cfg.vocab_size)  # a bad one: one line now
+        return lambda: stream_sample(cfg, path, flags, state["text"], prompt)
     if flags.export_hf or flags.export_nanogpt:
         path, state = export_source(train_cfg.out_dir, flags.step, world, flags.export_hf, flags.export_nanogpt)
         return lambda: "\n".join(export_weights(path, state, flags.export_hf, flags.export_nanogpt))
@@ -4326,7 +5291,7 @@ def parse_job_args(argv=None):
         "recompute": "; offload: every block's saved activations wait in host memory (pinned, copied on a side "
                      "stream on CUDA), selective+offload: all but the attention core's, which is recomputed",
         "data": "; or a text file, a folder of text, or a folder with nanoGPT's train.bin and val.bin",
-        "metrics": " (default: --out-dir/metrics.jsonl, or metrics.jsonl without --out-dir)"})
+        "metrics": " (default: --out-dir/metrics.jsonl; without --out-dir, none is written)"})
     group["model"]("--init-from-hf", default=None, metavar="DIR", help="start from the weights of a GPT-2 folder, at "
                    "any layout; the model's shape comes from its config.json")
     group["model"]("--moe-grouped-gemm", action="store_true", help="run each MoE layer's local experts as one "
@@ -4334,9 +5299,10 @@ def parse_job_args(argv=None):
     group["parallelism (DP is the world over TP x CP x PP)"]("--cp-ulysses", type=int, default=1, help="--cp-impl "
                                                              "hybrid: the Ulysses ranks inside each CP group")
     schedule = group["pipeline schedule"]
-    schedule("--pp-schedule", default="1f1b", choices=ALL_SCHEDULES, help="1f1b, interleaved (Megatron-LM) or zb-h1 "
-             "(zero bubble)")
-    schedule("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (interleaved, zb-h1)")
+    schedule("--pp-schedule", default="1f1b", choices=ALL_SCHEDULES, help="1f1b, interleaved (Megatron-LM), zb-h1 "
+             "(zero bubble), or the V-shaped zbv (ZB-V) and dualpipev (DualPipeV), with --virtual-stages 2")
+    schedule("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank (interleaved, zb-h1; 2 "
+             "for zbv and dualpipev)")
     schedule("--show-schedule", action="store_true", help="print the schedule's timeline for --pp, --micro-batches, "
              "--pp-schedule and --virtual-stages, with its bubble and in-flight peaks, and exit (no process group)")
     schedule("--micro-batches", type=int, default=None, help="with --show-schedule: m (a run's is batch / (dp "
@@ -4362,6 +5328,8 @@ def parse_job_args(argv=None):
             "that passes its checks is never deleted)")
     weights("--resume", action="store_true", help="continue from the newest checkpoint in --out-dir that passes its "
             "checks")
+    weights("--async-save", action="store_true", help="copy each checkpoint to host memory (pinned on CUDA) and "
+            "write it in the background while training goes on (Megatron-LM's --async-save)")
     weights("--export-hf", default=None, metavar="DIR", help="write --out-dir's newest good checkpoint (or --step's) "
             "as a Hugging Face GPT-2 folder (config.json, model.safetensors) and exit; dense models")
     weights("--export-nanogpt", default=None, metavar="FILE", help="the same as nanoGPT's ckpt.pt")
@@ -4390,21 +5358,29 @@ def parse_job_args(argv=None):
         if error:
             raise ValueError(error.replace("m = batch / (dp micro_batch)", "--micro-batches"))
         flags.micro_batches = m
-    if flags.sample is not None and flags.sample < 1:
-        raise ValueError(f"--sample {flags.sample} must be >= 1: the number of tokens to draw (omit it to train)")
+    for flag in ("--out-dir", "--data", "--metrics", "--init-from-hf", "--export-hf", "--export-nanogpt",
+                 "--prompt-file"):  # an unset shell variable ($OUT) gives '': never taken for "none"
+        if getattr(flags, flag[2:].replace("-", "_")) == "":
+            raise ValueError(f"{flag} '' is an empty path (an unset shell variable?): pass a path, or omit {flag}")
+    if flags.sample is not None and not 1 <= flags.sample <= SAMPLE_MAX_TOKENS:
+        raise ValueError(f"--sample {flags.sample} must be between 1 and {SAMPLE_MAX_TOKENS:,}: the number of tokens "
+                         "to draw (omit it to train)")
+    if flags.sample and (flags.export_hf or flags.export_nanogpt):
+        raise ValueError("--sample draws from a checkpoint and --export-hf/--export-nanogpt write one out: pass one "
+                         "of them per run")
     if not (math.isfinite(flags.temperature) and flags.temperature > 0) or flags.sample_top_k < 0:
         raise ValueError("--sample-top-k must be >= 0 and --temperature finite and > 0 (e.g. --sample 300 "
                          "--temperature 0.8 --sample-top-k 50; --sample-top-k 0 samples from every token)")
-    if flags.metrics is None:  # beside the checkpoints it describes
-        flags.metrics = os.path.join(flags.out_dir, "metrics.jsonl") if flags.out_dir else "metrics.jsonl"
+    if flags.metrics is None and flags.out_dir:  # beside the checkpoints it describes; no --out-dir: none
+        flags.metrics = os.path.join(flags.out_dir, "metrics.jsonl")
     if flags.keep_last < 0:
         raise ValueError(f"--keep-last {flags.keep_last} must be >= 0 (0 keeps every checkpoint)")
     if flags.prompt is not None and flags.prompt_file is not None:
         raise ValueError("--prompt and --prompt-file both give the prompt: pass one")
-    if flags.prompt_file is not None:
-        flags.prompt = _read_bytes("--prompt-file", flags.prompt_file).decode("utf-8", errors="replace")
     if (flags.prompt is not None or flags.prompt_file is not None) and not flags.sample:
         raise ValueError("--prompt and --prompt-file go with --sample N")
+    if flags.prompt_file is not None:  # checked now; the sample reads what its model reads (its last --seq tokens)
+        input_file("--prompt-file", flags.prompt_file)
     if flags.step is not None and not (flags.export_hf or flags.export_nanogpt):
         raise ValueError("--step goes with --export-hf or --export-nanogpt (training runs --steps)")
     flags.shape_given = {}  # --init-from-hf: the shape flags passed, each to agree with config.json
@@ -4414,7 +5390,22 @@ def parse_job_args(argv=None):
         flags.shape_given = {field: given[flag[2:].replace("-", "_")] for field, flag in SHAPE_FLAGS.items()
                              if given[flag[2:].replace("-", "_")] is not None}
     cfg, job_cfg = configs_of(flags, JobConfig)
-    return cfg, job_cfg, flags
+    return (*_without_a_gone_hf_folder(flags, cfg, job_cfg), flags)
+
+
+def _without_a_gone_hf_folder(flags, cfg, job_cfg):
+    """A restarted --init-from-hf job (--resume) whose checkpoint holds the weights needs no Hugging Face folder: if
+    that folder is gone, the run goes on from the checkpoint (its shape, where no flag gives one), said once."""
+    if not (flags.init_from_hf and flags.resume and flags.out_dir) or os.path.lexists(flags.init_from_hf):
+        return cfg, job_cfg
+    latest, state = latest_checkpoint(flags.out_dir)
+    if latest is None:
+        return cfg, job_cfg  # the import then says the folder is missing
+    _warn_on_rank_0(f"--init-from-hf {flags.init_from_hf} is gone; --resume continues from {latest}, which holds the "
+                    "weights, so the folder is not needed")
+    flags.init_from_hf = None
+    return (replace(cfg, **{field: state["config"][field] for field in HF_SHAPE.values()
+                            if field not in flags.shape_given}), replace(job_cfg, init_from_hf=None))
 
 
 @contextlib.contextmanager
@@ -4426,7 +5417,7 @@ def ends_in_one_line(rank, torchrun, starting=False):
     try:
         yield
     except ValueError as e:
-        if not (starting or isinstance(e, BadCheckpoint)):
+        if not (starting or isinstance(e, (BadCheckpoint, OutputRefused))):
             raise
         _fail(rank, 2, e)
     except (Diverged, CannotSave) as e:

@@ -3,14 +3,18 @@
     python3 benchmarks/pipeline_vs_torch.py [--layers 4 --hidden 256 --heads 8 --seq 256 --batch 8 --micro-batch 2
                                              --pp 2 --virtual-stages 2 --schedules 1f1b,interleaved,zb-h1
                                              --rounds 10 --steps-per-round 3 --breakdown]
+    python3 benchmarks/pipeline_vs_torch.py --schedules zbv,dualpipev [--moe-every 1 --experts 4 --ep 2 --overlap]
 
---pp gloo processes of this machine, one thread each. Every rank builds train_gpt.py's stage twice (the same
+--pp x --ep gloo processes of this machine, one thread each. Every rank builds train_gpt.py's stage twice (the same
 weights: every tensor is initialised from the seed): one runs train_gpt.py's executor (`train_step`), the other is
 cut into its chunks, each a torch PipelineStage, run by the schedule torch names for ours (1f1b: Schedule1F1B,
-interleaved: ScheduleInterleaved1F1B, zb-h1: ScheduleInterleavedZeroBubble) with the same loss (the summed cross
-entropy over the global token count) and then the same gradient reductions and optimizer step (AdamW, FP32). Both
-run the same order of actions; what differs is how each waits for its transfers. Parity first: the two copies'
-losses over the first steps must agree, else the script stops. Then the two alternate in rounds of
+interleaved: ScheduleInterleaved1F1B, zb-h1: ScheduleInterleavedZeroBubble, zbv: ScheduleZBVZeroBubble, dualpipev:
+ScheduleDualPipeV, whose F&B pairs torch runs one after the other) with the same loss (the summed cross entropy
+over the global token count) and then the same gradient reductions and optimizer step (AdamW, FP32). Both run the
+same order of actions; what differs is how each waits for its transfers (and, in DualPipeV's pairs, ours overlaps
+the halves). With --moe-every the model has MoE layers, their experts over --ep ranks (EP folds over DP: --ep
+pipelines), their router losses weighted by 0 (torch's schedule takes the last stage's loss only). Parity first:
+the two copies' losses over the first steps must agree, else the script stops. Then the two alternate in rounds of
 --steps-per-round steps (the first round not counted); for each schedule the ratio torch / ours of the median step
 times is printed (> 1: ours faster) with a 95% interval (the rounds resampled together) and the spread of the
 per-round ratios, and each rank's median CPU seconds per step (the work each executor does, which a loaded machine's
@@ -18,7 +22,9 @@ waits do not inflate). --breakdown adds, per rank and program, where the step's 
 compute (the actions: F forwards with the loss, B backwards, W weight gradients), waiting on transfers (ours: on
 receives, on sends), posting transfers (the buffers, the irecv and isend calls), the executor's own bookkeeping (the
 rest of its schedule: ours `run_schedule`, torch's `_step_microbatches`) and the step's tail (the gradient
-reductions, the optimizer, the loss's all-reduce; torch's also splits the batch into micro-batches).
+reductions, the optimizer, the loss's all-reduce; torch's also splits the batch into micro-batches). --overlap
+first races DualPipeV's pairs overlapped against the same pairs one after the other, with per rank the seconds the
+all-to-alls travelled beside the other half's compute and those still waited for.
 """
 import argparse
 import collections
@@ -40,7 +46,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_gpt  # noqa: E402
 
 TORCH_SCHEDULES = {"1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
-                   "zb-h1": "ScheduleInterleavedZeroBubble"}
+                   "zb-h1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+                   "dualpipev": "ScheduleDualPipeV"}
 
 
 class Chunk(nn.Module):
@@ -57,13 +64,21 @@ class Chunk(nn.Module):
         self.run, self.positions = functools.partial(stage.forward, chunk=chunk), positions
 
     def forward(self, x):
-        return self.run(x, self.positions)[0]  # the router loss is 0 for this dense GPT
+        return self.run(x, self.positions)[0]  # the router loss: 0 (a dense GPT; the MoE race weighs it by 0)
 
 
 def layout(a, kind):
-    v = 1 if kind == "1f1b" else a.virtual_stages
-    return train_gpt.JobConfig(pp=a.pp, batch=a.batch, micro_batch=a.micro_batch, dtype="float32", lr=1e-3,
-                                 log=False, data="synthetic", pp_schedule=kind, virtual_stages=v)
+    v = 1 if kind == "1f1b" else 2 if kind in train_gpt.V_SCHEDULES else a.virtual_stages
+    return train_gpt.JobConfig(pp=a.pp, ep=a.ep, batch=a.batch, micro_batch=a.micro_batch, dtype="float32", lr=1e-3,
+                               log=False, data="synthetic", pp_schedule=kind, virtual_stages=v)
+
+
+def model(a):
+    """The race's GPT; with --moe-every, MoE layers whose router losses weigh 0 (torch's schedule takes the loss of
+    the last stage's output only: each program then computes the same loss)."""
+    return train_gpt.GPTConfig(vocab_size=256, seq_len=a.seq, n_layer=a.layers, n_head=a.heads, n_embd=a.hidden,
+                               moe_every=a.moe_every, n_experts=a.experts, top_k=2, aux_loss_coeff=0.0,
+                               z_loss_coeff=0.0)
 
 
 def ours(cfg, run):
@@ -79,8 +94,11 @@ def torchs(cfg, run, kind):
     p, v, rank = run.pp, run.virtual_stages, plan.parallel_state.pp_rank
     m = plan.micro_batch_count
     positions = torch.arange(cfg.seq_len)
-    stages = [pipelining.PipelineStage(Chunk(stage, c, positions), c * p + rank, p * v, torch.device("cpu"),
+    # chunk c: stage c p + r, or in a V stage r (chunk 0) and 2p - 1 - r (chunk 1); the loss on the last stage's rank
+    index = (lambda c: train_gpt.v_stage(p, rank, c)) if kind in train_gpt.V_SCHEDULES else (lambda c: c * p + rank)
+    stages = [pipelining.PipelineStage(Chunk(stage, c, positions), index(c), p * v, torch.device("cpu"),
                                        group=plan.pp) for c in range(v)]
+    first, last = rank == 0, stage.is_last_chunk(v - 1)
     global_tokens = run.batch * cfg.seq_len
     loss_fn = lambda logits, targets: stage.loss_sum(logits, targets) / global_tokens  # noqa: E731
     schedule_class = getattr(pipelining, TORCH_SCHEDULES[kind])
@@ -88,8 +106,9 @@ def torchs(cfg, run, kind):
 
     def step(tokens):
         losses = []
-        inputs = (tokens[:, :-1],) if rank == 0 else ()
-        schedule.step(*inputs, target=tokens[:, 1:] if rank == p - 1 else None, losses=losses,
+        tokens = tokens.chunk(plan.dp)[plan.parallel_state.dp_rank]  # this pipeline's sequences, as plan's
+        inputs = (tokens[:, :-1],) if first else ()
+        schedule.step(*inputs, target=tokens[:, 1:] if last else None, losses=losses,
                       return_outputs=False)  # as ours, which keeps no logits
         for reduction in stage.reductions:  # train_step's tail: the same reductions and optimizer step
             if not reduction.data_parallel:
@@ -191,19 +210,19 @@ def pooled_median(rounds, which):
     return statistics.median(t for i in which for t in rounds[i])
 
 
-def ratio_interval(times, resamples=1000, seed=0):
-    """A 95% percentile-bootstrap interval of torch / ours: the rounds drawn again with replacement, both programs'
-    rounds of one draw together (they ran side by side), the ratio of the pooled medians of each draw."""
-    rng, n = random.Random(seed), len(times["ours"])
+def ratio_interval(times, resamples=1000, seed=0, num="torch", den="ours"):
+    """A 95% percentile-bootstrap interval of num / den (torch / ours): the rounds drawn again with replacement,
+    both programs' rounds of one draw together (they ran side by side), the ratio of the pooled medians of each
+    draw."""
+    rng, n = random.Random(seed), len(times[den])
     draws = ([rng.randrange(n) for _ in range(n)] for _ in range(resamples))
-    ratios = sorted(pooled_median(times["torch"], d) / pooled_median(times["ours"], d) for d in draws)
+    ratios = sorted(pooled_median(times[num], d) / pooled_median(times[den], d) for d in draws)
     return ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]
 
 
 def compare(a, kind):
     """On every rank: parity, then the race. Rank 0's lines to print."""
-    cfg = train_gpt.GPTConfig(vocab_size=256, seq_len=a.seq, n_layer=a.layers, n_head=a.heads, n_embd=a.hidden)
-    run = layout(a, kind)
+    cfg, run = model(a), layout(a, kind)
     timed = {}
     try:
         if a.breakdown:
@@ -240,6 +259,51 @@ def _compare(a, kind, cfg, run, timed):
     return lines
 
 
+def overlap_race(a):
+    """DualPipeV's F&B pairs overlapped against the same pairs run one after the other, in one program (the flag
+    toggled between rounds): the ratio of the median steps, and per rank the seconds per step the all-to-alls
+    travelled beside the other half's compute, those still waited for, the handovers, and the waits for the pairs'
+    transfers from the neighbours."""
+    cfg, run = model(a), layout(a, "dualpipev")
+    _, stage, opt, pipe = train_gpt.build_job(cfg, run)
+    figures = {}  # mode: [beside, exposed, handovers, p2p waits] summed over its counted steps
+
+    def program(overlap):
+        def step(tokens):
+            pipe.overlap = overlap
+            before = (pipe.baton.beside, pipe.baton.exposed, pipe.baton.handovers, pipe.p2p_exposed)
+            loss = train_gpt.train_step(stage, pipe, opt, tokens, run.micro_batch, run.grad_clip)[0]
+            after = (pipe.baton.beside, pipe.baton.exposed, pipe.baton.handovers, pipe.p2p_exposed)
+            if counting[0]:
+                total = figures.setdefault(overlap, [0.0] * 4)
+                for i, (x, y) in enumerate(zip(before, after)):
+                    total[i] += y - x
+            return loss
+        return step
+    counting = [False]
+    programs = {"overlapped": program(True), "one after the other": program(False)}
+    for k in range(a.parity_steps):  # warm-up: both before the clock
+        for step in programs.values():
+            step(train_gpt.synthetic_batch(1000 + k, a.batch, cfg.seq_len, cfg.vocab_size))
+    counting[0] = True
+    times, _ = race(programs, a, cfg)
+    med = {name: pooled_median(t, range(len(t))) for name, t in times.items()}
+    lo, hi = ratio_interval(times, num="one after the other", den="overlapped")
+    lines = [f"    {name:20s} median step {t * 1000:7.1f} ms" for name, t in med.items()]
+    lines.append(f"    ratio one after the other / overlapped = {med['one after the other'] / med['overlapped']:.3f} "
+                 f"(95% interval {lo:.3f} to {hi:.3f}; > 1: the overlap pays)")
+    steps = a.rounds * a.steps_per_round
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, {mode: [x / steps for x in f] for mode, f in figures.items()})
+    for rank, f in enumerate(per_rank):
+        for mode, name in ((True, "overlapped"), (False, "one after the other")):
+            beside, exposed, handovers, p2p = f[mode]
+            lines.append(f"    rank {rank} {name:20s} per step: all-to-alls beside the other half's compute "
+                         f"{beside * 1000:6.1f} ms, waited for {exposed * 1000:6.1f} ms ({handovers:.0f} handovers); "
+                         f"waits for the pairs' transfers {p2p * 1000:6.1f} ms")
+    return lines
+
+
 def breakdown_lines(name, breakdown, steps):
     """Per rank, ms per step of program `name` in each part, and its share of the step."""
     shares = [None] * dist.get_world_size()
@@ -260,7 +324,9 @@ def _rank(rank, world, store_path, queue, a):
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                             timeout=timedelta(seconds=a.timeout))  # a transfer that never comes fails, not hangs
     out = []
-    for kind in a.schedules.split(","):
+    if a.overlap:
+        out += ["  dualpipev overlapped against its pairs one after the other:"] + overlap_race(a)
+    for kind in a.schedules.split(",") if a.schedules else ():
         out += [f"  {kind} against torch's {TORCH_SCHEDULES[kind]}:"] + compare(a, kind)
     if rank == 0:
         queue.put(out)
@@ -272,21 +338,27 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for flag, default in (("--layers", 4), ("--hidden", 256), ("--heads", 8), ("--seq", 256), ("--batch", 8),
                           ("--micro-batch", 2), ("--pp", 2), ("--virtual-stages", 2), ("--rounds", 10),
-                          ("--steps-per-round", 3), ("--parity-steps", 2), ("--timeout", 300)):
+                          ("--steps-per-round", 3), ("--parity-steps", 2), ("--timeout", 300), ("--ep", 1),
+                          ("--moe-every", 0), ("--experts", 4)):
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--schedules", default="1f1b,interleaved,zb-h1")
     ap.add_argument("--breakdown", action="store_true", help="also where each program's step time goes, per rank")
+    ap.add_argument("--overlap", action="store_true", help="first race dualpipev's F&B pairs overlapped against "
+                    "the same pairs one after the other, with each rank's communication beside compute")
     a = ap.parse_args()
-    unknown = set(a.schedules.split(",")) - set(TORCH_SCHEDULES)
+    unknown = set(a.schedules.split(",")) - set(TORCH_SCHEDULES) - {""}
     if unknown or a.rounds < 1 or a.steps_per_round < 1:
         print(f"pipeline_vs_torch.py: error: schedules {sorted(unknown)} unknown or rounds < 1", file=sys.stderr)
         sys.exit(2)
+    moe = f", MoE every {a.moe_every} of {a.experts} experts top-2, EP {a.ep} (DP {a.ep})" if a.moe_every else ""
     print(f"GPT L={a.layers} h={a.hidden} heads={a.heads} s={a.seq} batch={a.batch} in micro-batches of "
-          f"{a.micro_batch}, PP {a.pp} (interleaved and zb-h1: {a.virtual_stages} virtual stages per rank), one "
-          f"thread per rank, FP32 AdamW; {a.rounds} alternating rounds of {a.steps_per_round} steps")
+          f"{a.micro_batch}, PP {a.pp} (interleaved and zb-h1: {a.virtual_stages} virtual stages per rank; zbv and "
+          f"dualpipev: 2 in a V){moe}, one thread per rank, FP32 AdamW; {a.rounds} alternating rounds of "
+          f"{a.steps_per_round} steps")
+    world = a.pp * a.ep  # EP folds over DP: as many pipelines as EP ranks
     queue = mp.get_context("fork").SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_rank, (a.pp, os.path.join(tmp, "store"), queue, a), nprocs=a.pp, start_method="fork")
+        mp.start_processes(_rank, (world, os.path.join(tmp, "store"), queue, a), nprocs=world, start_method="fork")
     print("\n".join(queue.get()))
 
 

@@ -229,5 +229,6 @@ def run_program(folder, argv, world, cwd, timeout=300, environ=True):
                 break
             time.sleep(0.01)
         codes.append(os.waitstatus_to_exitcode(status))
-    return [(code, open(out).read(), open(err).read()) for code, (out, err) in zip(codes, outs)]
+    # errors="replace": a text model's sample is the bytes it drew, which need not be UTF-8
+    return [(code, open(out, errors="replace").read(), open(err).read()) for code, (out, err) in zip(codes, outs)]
 

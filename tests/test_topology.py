@@ -1731,7 +1731,7 @@ def test_hybrid_sharding_groups_split_each_dp_cp_group_into_consecutive_shards(w
 # Every (schedule, p, m, v) train_gpt.py runs up to p = 5: 1F1B at v = 1, interleaved at v > 1, ZB-H1 at any v
 # (v > 1 with m a multiple of p and p >= 2)
 _SCHEDULE_GRID = [(kind, p, m, v) for p in range(1, 6) for v in (1, 2, 3) for m in range(1, 3 * p + 2)
-                  for kind in topology.SCHEDULES
+                  for kind in topology.SCHEDULES if kind not in topology.V_SCHEDULES  # those: tests/test_vpipe.py
                   if ((kind == "1f1b") == (v == 1) or kind == "zb-h1") and (v == 1 or (p >= 2 and m % p == 0))]
 
 
@@ -1928,6 +1928,7 @@ def test_the_search_takes_the_fastest_zero_level_and_shard_that_fits():
         free = topology.estimate(c, m, tp, pp, 1, **fixed)
         pairs = [(v, s) for v in topology._divisors(40 // pp) if v <= topology.MAX_VIRTUAL_STAGES and (v == 1 or pp > 1)
                  for s in (("1f1b",) if v == 1 else ("interleaved",)) + (("zb-h1",) if pp > 1 else ())]
+        pairs += [(2, s) for s in topology.V_SCHEDULES if pp > 1]  # two chunks per GPU in a V
         rows = [topology.estimate(c, m, tp, pp, 1, virtual_stages=v, pp_schedule=s, zero=z, zero_shard_size=k,
                                   recompute=rc, **fixed)
                 for v, s in pairs for z in (1, 2, 3) for k in (n, 8 // tp) for rc in topology.RECOMPUTE_POLICIES]
@@ -2074,17 +2075,20 @@ def test_the_plan_command_names_what_train_gpt_cannot_run_and_new_knobs_fail_in_
 
 
 def test_calibrate_prints_the_new_knobs_where_they_win(capsys, calibration, moe_calibration):
-    # Table 1 with every knob: ZB-H1 on every pipelined top choice (the 1T row's too, since the planner prices each
-    # stage's memory: before, interleaved there); the published and 2021 columns never show it (CLUSTER_2021 offers
-    # 1F1B and interleaved only)
+    # Table 1 with every knob: zero bubble on every pipelined top choice (the 1T row's too, PP 32 v 4, since the
+    # planner prices each stage's memory: interleaved PP 16 v 8 before), ZB-V where two chunks per GPU in a V pay
+    # (18.4B moves to PP 2 with it), ZB-H1 on the others; the published and 2021 columns never show them
+    # (CLUSTER_2021 offers 1F1B and interleaved only)
     tops = {r["params_b"]: r["today"]["top"] for r in calibration}
-    assert {b for b, t in tops.items() if t["pp_schedule"] == "zb-h1"} == {39.1, 76.1, 145.6, 310.1, 529.6, 1008.0}
-    assert all(r["2021"][k]["pp_schedule"] != "zb-h1" for r in calibration for k in ("top", "on_published"))
+    assert {b for b, t in tops.items() if t["pp_schedule"] == "zb-h1"} == {76.1, 145.6, 529.6, 1008.0}
+    assert {b for b, t in tops.items() if t["pp_schedule"] == "zbv"} == {18.4, 39.1, 310.1}
+    assert all(r["2021"][k]["pp_schedule"] in ("1f1b", "interleaved") for r in calibration
+               for k in ("top", "on_published"))
     topology.print_calibration(calibration)
     topology.print_moe_calibration(moe_calibration)
     dense, moe = capsys.readouterr().out.split("Published MoE runs")
     before, every_knob = dense.split("The planner with every knob")
-    assert " zb " in every_knob and " zb " not in before
+    assert " zb " in every_knob and " zbv " in every_knob and " zb" not in before
     # the published MoE runs' software (MEGATRON_CORE_2025) has neither; every schedule and level: Mixtral keeps its
     # layout under ZB-H1, Qwen2 goes to ZeRO-3 over 64 GPUs
     top_all = {r["name"]: r["top_all"] for r in moe_calibration}

@@ -2735,7 +2735,7 @@ class _PlanMemory:
         b, v, recompute, sp, _, schedule = knobs[:6]
         zb = schedule in SPLIT_SCHEDULES
         cache = layout.__dict__.setdefault("memory_prices", {})  # one layout's, one program's (the plan's)
-        key = (b, sp, recompute, zb)
+        key = self.key = (b, sp, recompute, zb)
         prices = cache.get(key)
         if prices is None:
             linear = recomputation(recompute) != "sqrt" and recompute not in OFFLOAD_POLICIES
@@ -2771,12 +2771,44 @@ class _PlanMemory:
 
     def _price(self, counts):
         r, k, d, buffers = counts
+        (rank, head, head_chunk, head_b, head_f, rest, rest_kind, other, other_extra, wait,
+         gathered) = self._chunks(r)
+        X, e = self.prices.z.X, self.prices.z.e
+        waits = d * wait if d else 0
+        buffers *= X
+        peak = most = 0.0
+        if head:  # the B of the last virtual stage, beside k - 1 other chunks; the loss beside them
+            kept = head_chunk + (k - 1) * rest + waits
+            backward = kept + buffers + head_b
+            loss = kept + max(0, buffers - X) + head_f
+            peak = backward if backward > loss else loss
+            most = max(backward + e * gathered, peak)
+        if other:
+            total = k * rest + waits + buffers + other_extra
+            peak, most = max(peak, total), max(most, total + e * gathered)
+        return (rank, peak, most, k, d, buffers, head, (rest_kind, other), rank.unit * self.cluster.grad_bytes,
+                rank.by_zero)
+
+    def _chunks(self, r):
+        """Stage r's prices whatever the counts: (its _RankStatic, its last-stage chunk's kind, bytes and largest B
+        and F moments, its other chunks' largest bytes and kind, the kind with the largest B and that B, a deferred
+        W's largest bytes, its top block's elements), kept in the layout per (b, sp, recompute, split, v, r)."""
         prices, layout, v = self.prices, self.layout, self.v
+        key = (self.key, v, r, self.v_shape)
+        cache = layout.__dict__.setdefault("memory_chunks", {})
+        out = cache.get(key)
+        if out is not None:
+            return out
         layers = self.model.layers // (layout.pp * v)
         static = layout.__dict__.setdefault("memory_ranks", {}).get((v, r, self.v_shape)) or self._static(
             self.cluster, self.model, layout, prices, r, v, self.v_shape)
         rank, head, others, moe_top, gathered, kinds = static
-        linear, dense, moe_block, extras, X, e = prices.linear, prices.dense, prices.moe, prices.memo, prices.z.X, prices.z.e
+        signature = ("chunks", head, tuple(others), moe_top, kinds, layers)  # what the prices below read of the rank
+        priced = prices.memo.get(signature)
+        if priced is not None:
+            out = cache[key] = (rank,) + priced + (gathered,)
+            return out
+        linear, dense, moe_block = prices.linear, prices.dense, prices.moe
         # the chunks (linear in their blocks: each block's bytes and the kind's), the actions' largest moments
         rest, rest_kind, other_extra, other = 0.0, None, 0.0, None
         for kind, n in others:
@@ -2784,33 +2816,21 @@ class _PlanMemory:
                      else prices.chunk(kind, layers, n))
             if rest_kind is None or chunk > rest:
                 rest, rest_kind = chunk, kind
-            extra = extras.get(("B", kind, moe_top, layers > 1)) or prices.extra("B", kind, moe_top, layers)
+            extra = prices.extra("B", kind, moe_top, layers)
             if other is None or extra > other_extra:
                 other, other_extra = kind, extra
-        if d:
-            waits = extras.get(("W", kinds, layers))
-            if waits is None:
-                waits = extras[("W", kinds, layers)] = max(prices.waiting(kind, layers, n) for kind, n in kinds)
-            waits *= d
-        else:
-            waits = 0
-        buffers *= X
-        peak = most = 0.0
-        if head:  # the B of the last virtual stage, beside k - 1 other chunks; the loss beside them
-            kind, n = head
-            kept = ((layers - n) * dense + (n and n * moe_block) + prices.base[kind] if linear
-                    else prices.chunk(kind, layers, n)) + (k - 1) * rest + waits
-            backward = kept + buffers + (extras.get(("B", kind, moe_top, layers > 1))
-                                         or prices.extra("B", kind, moe_top, layers))
-            loss = kept + max(0, buffers - X) + (extras.get(("F", kind, moe_top, layers > 1))
-                                                 or prices.extra("F", kind, moe_top, layers))
-            peak = backward if backward > loss else loss
-            most = max(backward + e * gathered, peak)
-        if other:
-            total = k * rest + waits + buffers + other_extra
-            peak, most = max(peak, total), max(most, total + e * gathered)
-        return (rank, peak, most, k, d, buffers, head and head[0], (rest_kind, other),
-                rank.unit * self.cluster.grad_bytes, rank.by_zero)
+        wait = max(prices.waiting(kind, layers, n) for kind, n in kinds) if hasattr(prices, "w_mlp") else 0.0
+        head_kind = head_chunk = head_b = head_f = None
+        if head:
+            head_kind, n = head
+            head_chunk = ((layers - n) * dense + (n and n * moe_block) + prices.base[head_kind] if linear
+                          else prices.chunk(head_kind, layers, n))
+            head_b = prices.extra("B", head_kind, moe_top, layers)
+            head_f = prices.extra("F", head_kind, moe_top, layers)
+        priced = prices.memo[signature] = (head_kind, head_chunk, head_b, head_f, rest, rest_kind, other, other_extra,
+                                           wait)
+        out = cache[key] = (rank,) + priced + (gathered,)
+        return out
 
     def _bytes(self, i, zero):
         """The i-th candidate stage's peak at zero = (level, shard size), bytes."""
@@ -3422,7 +3442,7 @@ def _best_for_layout(cluster, model, layout):
     v_split = _first_stage_parameters(model, layout.tp, layout.pp, layout.ep, True) if layout.pp > 1 else split
     v_own = not _v_rank_0_is_the_loops(model, layout.pp, split, v_split)
     tied_s = _tied_embedding_seconds(cluster, model, layout)  # what a V schedule does not all-reduce
-    memories, stage_parts, zero_s, optimizer_s, own_optimizer = {}, {}, {}, {}, {}
+    memories, stage_parts, zero_s, optimizer_s, own_optimizer, floors = {}, {}, {}, {}, {}, {}
     for b, pairs, sps, zeros, recomputes, ulysses in _knob_choices(cluster, model, layout):
         micro_batches = model.global_batch // (layout.dp * b)
         for z in zeros:
@@ -3498,6 +3518,12 @@ def _best_for_layout(cluster, model, layout):
                         if pipeline + dp_s[fastest[0]] + pair_optimizer[fastest[0]] >= best_time:
                             ruled_out.update(NEVER_FASTER_THAN.get(recompute, ()))  # costlier: slower still
                             continue
+                    grown = floors.get((sp, recompute, v, schedule))
+                    if grown is not None and (best is not None or grown > least_key[0]):
+                        # a smaller micro-batch fitted with no ZeRO choice, and this one holds no less (k b and the
+                        # working sets grow with b; not under zb-h1, whose deferred W's shrink as m does)
+                        too_big.add((v, recompute))
+                        continue
                     key = (b, sp, recompute, v, schedule)
                     if key not in memories:  # every candidate rank's instants (rank_peaks'), priced once
                         memories[key] = _PlanMemory(cluster, model, layout, Knobs(b, v, recompute, sp, 0, schedule))
@@ -3508,7 +3534,10 @@ def _best_for_layout(cluster, model, layout):
                         fitting = [z for z in zeros if memory.first_fit((z,), limit)]
                     if not fitting:
                         too_big.add((v, recompute))
-                    if not fitting and (best is not None or min(map(memory.gb, zeros)) > least_key[0]):
+                        floor = math.inf if best is not None else min(map(memory.gb, zeros))
+                        if schedule != "zb-h1":
+                            floors[(sp, recompute, v, schedule)] = floor
+                    if not fitting and (best is not None or floor > least_key[0]):
                         continue  # the least memory matters only while nothing fits
                     if pipeline is None:
                         sp_parts, u, fastest, dp_s, layers_s, busy = stage(recompute, schedule, v, own)

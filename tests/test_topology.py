@@ -1583,11 +1583,15 @@ def test_planner_answers_for_16384_gpus_with_moe_in_under_a_second():
     m = topology.ModelShape(layers=64, hidden=7168, heads=128, seq=4096, vocab=129280, global_batch=16384,
                             moe_every=1, experts=256, top_k=8, expert_hidden=2048, swiglu=True,
                             shared_expert_hidden=2048)
+    # Since issue 47 the search prices every knob set's memory at its candidate stages' instants (topology.rank_peaks'
+    # model: the first, the last, zb-h1's and the MoE-busiest stages, each V point), not one closed form of stage 0:
+    # 3.5-3.8 s here against 0.97-0.99 s before it, in the same process and minute (loop 0.116-0.155 s): 23-33 of
+    # the loop's units. The bound keeps a margin over that for the load on the shared cores
     start = time.process_time()
     plans = topology.plan(c, m)
     elapsed = time.process_time() - start
     assert plans[0]["fits"] and len(plans) > 1000 and len({r["ep"] for r in plans}) > 4
-    assert elapsed < _cpu_seconds(1.0), elapsed
+    assert elapsed < _cpu_seconds(5.0), elapsed
 
 
 # ---- the planner against published MoE runs --------------------------------------------------------

@@ -1891,6 +1891,8 @@ def _activations_gb(parts, in_flight, schedule="1f1b", pp=1, micro_batches=1, v=
 #                     2 R h e
 #                   full recomputation keeps each block's input X; selective drops the log-sum-exp (or the
 #                   scores); offload keeps only what outside the blocks needs (the input of the final LayerNorm)
+#                   NVFP4 (train_gpt.py's emulated GEMMs, the blocks before the last --nvfp4-bf16-last): each
+#                   linear's quantised weight, N K + N K / 256 + 4 bytes (E2M1 in a byte, E4M3 and FP32 scales)
 #                 the first virtual stage adds the embedding's output (X; under TP its masks T 9), the last its
 #                 LM head's: the final LayerNorm X + 2 T_h e_ln and the loss's FP32 softmax N V / t x 4 (N = T)
 #     buffers     every receive posted and not yet read, and the received inputs of chunks in flight, X each;
@@ -1902,7 +1904,10 @@ def _activations_gb(parts, in_flight, schedule="1f1b", pp=1, micro_batches=1, v=
 #                 input and its gradient), or the top block's MLP backward (the GeLU output's gradient 4 T h e / t and
 #                 the second MLP weight's gradient 4 h^2 e / t; under ZB-H1 the GeLU's input gradient instead); the
 #                 gradient that comes in (X); full recomputation recomputes one block; offload brings one block's
-#                 tensors back (two on CUDA: the next one is prefetched); (S) the optimizer step: Adam's
+#                 tensors back (two on CUDA: the next one is prefetched); the unfused attention's backward, its
+#                 scores' gradients 2 a T s e / t (selective: beside the probabilities and masks redone); NVFP4: the
+#                 highest NVFP4 block's emulated weight-gradient GEMM, 3 (T/16) N K 4 of partial products beside the
+#                 FP32 operands, their Hadamard transforms and quantised copies; (S) the optimizer step: Adam's
 #                 temporaries, 4 B per parameter of its largest group (torch's foreach AdamW on CUDA), or 12 B per
 #                 element of the largest parameter (the single-tensor form on CPU)
 #     ZeRO        ZeRO-2 and 3 hold one block's FP32 gradient and its reduce-scatter output in flight, (4 + 4/k)
@@ -1910,8 +1915,11 @@ def _activations_gb(parts, in_flight, schedule="1f1b", pp=1, micro_batches=1, v=
 # Which instants a rank passes through, with how many chunks in flight, receives posted and sends not yet freed,
 # comes from replaying its executor's list (train_gpt.py's `run_schedule` and `Pipeline`: a receive is posted one
 # action ahead, with every earlier message of the same peer; a send is freed once a later message from the peer
-# shows that it posted the matching receive). Left out (MEMORY_HEADROOM keeps them): the allocator's cache and
-# fragmentation, the CUDA context and workspaces, the communication backend's own buffers, a kernel's scratch.
+# shows that it posted the matching receive). The planner (_PlanMemory) prices the same instants with the
+# schedules' closed-form counts (in_flight_chunks) instead of the replay: equal under 1F1B, at most a few X above
+# otherwise, and for ZB-V and DualPipeV, which rank_peaks does not replay, a bound at v_activation_points. Left out
+# (MEMORY_HEADROOM keeps them): the allocator's cache and fragmentation, the CUDA context and workspaces, the
+# communication backend's own buffers, a kernel's scratch.
 
 MEMORY_PARTS = ("weights", "main grads", "optimizer states", "activations", "LM head and loss", "backward",
                 "receive buffers", "ZeRO gathered", "ZeRO grad buffers", "step temporaries", "other")

@@ -964,7 +964,10 @@ class CheckpointableOptimizer(MixedPrecisionOptimizer):
 #
 # The zero=3 working set: the full parameters of the units gathered at once, two units with a one-unit prefetch
 # (`memory_bytes()["peak_gathered_bytes"]`), plus, between a unit's backward and its reduce_grads, its full-size
-# p.grad (e per unit parameter) and the FP32 flat copy the reduce-scatter sends (4). Padding rule: each flat buffer
+# p.grad (e per unit parameter). Zero 2 and 3 also hold one unit's reduce-scatter in flight, the FP32 flat copy it
+# sends and the shard it receives ((4 + 4/d) per unit parameter): a unit's reduce_grads first finishes the one
+# before it, whichever unit that was, so at most one unit's copies live at once (not every unit's until its own
+# next reduction, which would keep 4 + 4/d bytes per parameter: zero 1's memory and more). Padding rule: each flat buffer
 # (one per entry, dtype and device; at zero 2 and 3 also one per unit) is padded to a multiple of its shard
 # count, at most k - 1 elements; the padding is in the parameter, main-grad and master buffers, not in the
 # moments (which belong to the pieces).
@@ -1109,7 +1112,7 @@ class _ShardedFlatBuffer(_FlatBuffer):
         is left running while the backward goes on (the rest of the model's backward overlaps it) and its sum is
         added by finish_reduce(), at this buffer's next reduction, in all_reduce_grads or at the step: in the order
         the collectives were issued either way."""
-        self.finish_reduce()  # at most one in flight per buffer: its full-size flat copy is freed by then
+        self.finish_reduce()  # at most one in flight per buffer (ShardedUnit: per optimizer): its copy freed by then
         flat = torch.zeros(self.padded, dtype=self.grad_shard.dtype, device=self.grad_shard.device)
         with torch.no_grad():
             for p, start in zip(self.params, self.starts):
@@ -1267,9 +1270,11 @@ class ShardedUnit:
     would keep a full-size FP32 buffer (4 bytes per parameter) alive for the whole step and lose what zero 2
     saves (the demo measures both)."""
 
-    def __init__(self, params, buffers, zero, meter):
+    def __init__(self, params, buffers, zero, meter, reducing=None):
         self.params, self.buffers, self.zero, self._meter = params, buffers, zero, meter
         self._works, self._gathered = [], False
+        # the flat buffers whose reduce-scatter is in flight, shared by the units of one optimizer
+        self._reducing = [] if reducing is None else reducing
 
     @property
     def gathered(self):
@@ -1310,9 +1315,13 @@ class ShardedUnit:
         zero-bubble schedule): every parameter's full-size p.grad is reduce-scattered (flat, in the master
         dtype) over its flat buffer's group into this rank's shard accumulator, summed over calls, and set to None.
         Under HSDP the replicate all-reduce of the accumulated shard runs once, at step(). With async_op the
-        reduce-scatters run on while the caller goes on (the optimizer waits for them where it needs them)."""
+        reduce-scatters run on while the caller goes on (the optimizer waits for them where it needs them, and the
+        next unit's reduce_grads for the unit before it: one unit's in flight at a time)."""
         if self.zero < 2:
             return
+        for buffer in self._reducing:  # the unit before, whichever it was: at most one unit's copies in flight
+            buffer.finish_reduce()
+        self._reducing[:] = self.buffers
         for buffer in self.buffers:
             buffer.reduce_unit_grads(async_op)
 
@@ -1451,8 +1460,8 @@ class ShardedOptimizer(CheckpointableOptimizer):
             for entry_params, group, replicate_group in entries:
                 unit_buffers[u] += self._add_buffers([p for p in entry_params if unit_of.get(id(p)) == u],
                                                      make(group, replicate_group, zero))
-        self._meter = _GatherMeter()
-        self.units = [ShardedUnit(params, buffers, zero, self._meter)
+        self._meter, reducing = _GatherMeter(), []
+        self.units = [ShardedUnit(params, buffers, zero, self._meter, reducing)
                       for params, buffers in zip(units, unit_buffers)]
 
     def _grad_holder(self, p):

@@ -854,7 +854,7 @@ def hybrid_rank_map(nodes, gpus_per_node, tp=1, pp=1, cp=1, ep=1, cp_ulysses=1):
 # The planner: memory and step time of Megatron-LM training, from published formulas and measured constants
 # ----------------------------------------------------------------------------------------------------
 
-GRAD_BYTES = 2              # gradients reduced in 16 bits (Table 1 ran fp16 with fp16 gradient buffers)
+GRAD_BYTES = 4              # FP32 main grads, as train_gpt.py keeps them (Table 1's fp16 buffers: 2, CLUSTER_2021)
 # 16-bit gradients (grad_bytes 2): the ZeRO paper's (Rajbhandari et al. 2020) 16 bytes of optimizer state leave out
 # the fp32 gradient copy; a distributed optimizer (ZeRO-1) shards the 16 over DP x CP
 # HBM traffic of the kernels that are not GEMMs, counted from Megatron-LM's fused kernels, in bytes per element:
@@ -909,8 +909,10 @@ DEFAULT_GPU_MEM_GB = _A100["gpu_mem_gb"]
 
 @dataclass
 class Cluster:
-    """The machine and the implementation's overlap. Defaults: DGX A100 80 GB nodes on HDR InfiniBand running
-    Megatron-LM as in Table 1; `Cluster.for_gpu("h100", gpus)` takes another preset."""
+    """The machine and the program. Defaults: DGX A100 80 GB nodes on HDR InfiniBand running train_gpt.py (FP32 main
+    grads, 18 bytes a parameter under BF16 with Adam; fused attention; no dropout); CLUSTER_2021 describes Megatron-LM
+    as in Table 1 (16-bit gradients, the unfused attention, dropout); `Cluster.for_gpu("h100", gpus)` takes another
+    preset."""
     gpus: int
     gpus_per_node: int = 8
     gpu_mem_gb: float = _A100["gpu_mem_gb"]
@@ -935,11 +937,15 @@ class Cluster:
     # should be greater than 2 with interleaved schedule" (Table 1's 39.1B run, PP = 2, could not interleave)
     interleave_min_pp: int = 2
     # the attention core: unfused (False: Megatron-LM 2021, the s x s scores through HBM) or a flash kernel (True:
-    # Megatron-Core with --use-flash-attn / Transformer Engine: no scores stored, compute-bound, 2.5x in backward)
-    flash_attention: bool = False
+    # Megatron-Core with --use-flash-attn / Transformer Engine, train_gpt.py's SDPA: no scores stored, compute-bound,
+    # 2.5x in backward)
+    flash_attention: bool = True
     # bytes per gradient element, held and reduced: 2 (Megatron-LM 2021's fp16 gradient buffers; the distributed
-    # optimizer then keeps an fp32 copy in its shard) or 4 (Megatron-Core's fp32 main grads under bf16)
+    # optimizer then keeps an fp32 copy in its shard) or 4 (Megatron-Core's and train_gpt.py's fp32 main grads)
     grad_bytes: int = GRAD_BYTES
+    # dropout after the attention and MLP projections and the embedding (Megatron-LM 2021): its 1-byte masks are kept
+    # for the backward (train_gpt.py has none)
+    dropout: bool = False
     # which ranks an EP group is drawn from (the MoE prose above): "dp_cp", the dp x cp ranks of one
     # (tp, pp) position, as topology.rank_groups builds them and train_gpt.py runs them; or "tp_dp_cp", Megatron-
     # Core's MoE parallel folding with expert TP 1 (Liu et al. 2025): all tp x cp x dp ranks of a stage, EP fastest
@@ -1861,6 +1867,1062 @@ def _activations_gb(parts, in_flight, schedule="1f1b", pp=1, micro_batches=1, v=
     return (most + max(0.0, (deferred - kept) / v)) / GB
 
 
+# ---- each rank's peak, instant by instant: what train_gpt.py holds during a step --------------------------
+# The peak of a rank is the most its live tensors hold at any instant of a step after the first (the optimizer's
+# states exist then), the maximum over the instants where it can peak, not a sum of separate maxima. Per rank
+# (pipeline stage r; every TP, CP and DP rank of a stage holds as much, EP ranks at the stated load factor F):
+#     states      parameters P_r at e bytes (e = 2 for 16-bit, 4 FP32), FP32 main grads 4 P_r (grad_bytes 2:
+#                 16-bit gradients 2 P_r), optimizer states: an FP32 master where e < 4 and Adam's two moments,
+#                 4 + 8 (grad_bytes 2: + 4, the FP32 gradient copy), sharded over k ranks by ZeRO-1; ZeRO-2 and 3
+#                 shard the blocks' main grads and, ZeRO-3, their weights (the embedding, the final LayerNorm and
+#                 the LM head keep ZeRO-1's treatment); the batch's token ids, 8 B (s + 1) (and CP's shards of them)
+#     a chunk     what one micro-batch keeps through one model chunk (L / (p v) blocks) until its backward B, per
+#                 block with X = T_h h e the residual stream (T = b s / c tokens of this CP rank, T_h = T / t under
+#                 SP), Q = T h e / t, KV = T h_kv e / t:
+#                   block input, LayerNorm outputs, the two residual sums  4 X (each the next one's input)
+#                   attention: Q, K, V and the output Q + 2 KV + Q, the log-sum-exp T a / t x 4 (a fused kernel
+#                     keeps no scores; unfused: the softmax a T s e / t, and with dropout its mask and output),
+#                     one more Q under CP (the output is copied for the projection)
+#                   MLP: the GeLU's input and output 8 T h e / t; LayerNorm statistics 4 T_h e_ln (e_ln = 4 on
+#                     CUDA, e on CPU); dropout: 2 T_h h mask bytes
+#                   MoE block: its attention as above, and on T_m = T / t tokens with R = T_m k copies of which
+#                     F R reach this rank's experts: router probabilities 3 T_m E 4, routing 2 T_m 4 + T_m k
+#                     (28 + e) + 16 F R, the expert rows F R h e and activations 2 F R f e, the combined copies
+#                     2 R h e
+#                   full recomputation keeps each block's input X; selective drops the log-sum-exp (or the
+#                   scores); offload keeps only what outside the blocks needs (the input of the final LayerNorm)
+#                   NVFP4 (train_gpt.py's emulated GEMMs, the blocks before the last --nvfp4-bf16-last): each
+#                   linear's quantised weight, N K + N K / 256 + 4 bytes (E2M1 in a byte, E4M3 and FP32 scales)
+#                 the first virtual stage adds the embedding's output (X; under TP its masks T 9), the last its
+#                 LM head's: the final LayerNorm X + 2 T_h e_ln and the loss's FP32 softmax N V / t x 4 (N = T)
+#     buffers     every receive posted and not yet read, and the received inputs of chunks in flight, X each;
+#                 each output sent and not yet freed (X); under ZB-H1 each chunk whose W waits keeps every linear's
+#                 input and output gradient (`deferred_w_bytes`), and the graph to its received input and its grad
+#     instants    (F) the end of a forward, with the LM head's logits N V e / t and the loss's FP32 copies on the
+#                 last virtual stage; (B) the start of a backward: the cross-entropy's backward (t = 1: two more FP32
+#                 N V; t > 1: the gradient N V e / t), the LM head's backward (the logits' gradient, the gathered
+#                 input and its gradient), or the top block's MLP backward (the GeLU output's gradient 4 T h e / t and
+#                 the second MLP weight's gradient 4 h^2 e / t; under ZB-H1 the GeLU's input gradient instead); the
+#                 gradient that comes in (X); full recomputation recomputes one block; offload brings one block's
+#                 tensors back (two on CUDA: the next one is prefetched); the unfused attention's backward, its
+#                 scores' gradients 2 a T s e / t (selective: beside the probabilities and masks redone); NVFP4: the
+#                 highest NVFP4 block's emulated weight-gradient GEMM, 3 (T/16) N K 4 of partial products beside the
+#                 FP32 operands, their Hadamard transforms and quantised copies; (S) the optimizer step: Adam's
+#                 temporaries, 4 B per parameter of its largest group (torch's foreach AdamW on CUDA), or 12 B per
+#                 element of the largest parameter (the single-tensor form on CPU)
+#     ZeRO        ZeRO-2 and 3 hold one block's FP32 gradient and its reduce-scatter output in flight, (4 + 4/k)
+#                 P_block; ZeRO-3 two blocks' gathered weights in a forward, one in a backward
+# Which instants a rank passes through, with how many chunks in flight, receives posted and sends not yet freed,
+# comes from replaying its executor's list (train_gpt.py's `run_schedule` and `Pipeline`: a receive is posted one
+# action ahead, with every earlier message of the same peer; a send is freed once a later message from the peer
+# shows that it posted the matching receive). The planner (_PlanMemory) prices the same instants with the
+# schedules' closed-form counts (in_flight_chunks) instead of the replay: equal under 1F1B, at most a few X above
+# otherwise, and for ZB-V and DualPipeV, which rank_peaks does not replay, a bound at v_activation_points. Left out
+# (MEMORY_HEADROOM keeps them): the allocator's cache and fragmentation, the CUDA context and workspaces, the
+# communication backend's own buffers, a kernel's scratch.
+
+MEMORY_PARTS = ("weights", "main grads", "optimizer states", "activations", "LM head and loss", "backward",
+                "receive buffers", "ZeRO gathered", "ZeRO grad buffers", "step temporaries", "other")
+PROGRAM_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 2, "nvfp4": 2, "float64": 8}
+
+
+@dataclass(frozen=True)
+class Program:
+    """What the training program does beyond the model, the layout and the knobs, with train_gpt.py's names: its
+    --dtype (the weights' and activations' bytes e; FP32 masters and main grads below 32 bits), the device whose
+    kernels it runs (CUDA: FP32 LayerNorm statistics, torch's foreach AdamW; CPU: the single-tensor AdamW), its
+    --optimizer (adamw, or sgd: no state but the master) and --cp-impl (None: ring, Ulysses or hybrid as the
+    Ulysses size says). The Cluster's flash_attention, dropout and grad_bytes describe other programs."""
+    dtype: str = "bfloat16"
+    device: str = "cuda"
+    optimizer: str = "adamw"
+    cp_impl: str = None
+    nvfp4_bf16_last: int = None  # --dtype nvfp4: the last K blocks stay BF16 (None: the last 15 %, rounded)
+
+    def __post_init__(self):
+        if self.dtype not in PROGRAM_DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}; choose one of {', '.join(PROGRAM_DTYPES)} (--dtype)")
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"device={self.device!r}; choose cuda or cpu (--device)")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"optimizer={self.optimizer!r}; choose adamw or sgd (--optimizer)")
+
+
+class _Action(NamedTuple):
+    kind: str
+    micro: int
+    chunk: int = 0
+
+
+def _order_1f1b(p, m, r):
+    warmup = min(p - r - 1, m)
+    steady = [x for j in range(m - warmup) for x in (_Action("F", warmup + j), _Action("B", j))]
+    return [_Action("F", i) for i in range(warmup)] + steady + [_Action("B", j) for j in range(m - warmup, m)]
+
+
+def _order_interleaved(p, m, v, r):
+    def place(k, forward):
+        group, within = divmod(k, p * v)
+        return group * p + within % p, within // p if forward else v - 1 - within // p
+    total, warmup = m * v, min((p - r - 1) * 2 + (v - 1) * p, m * v)
+    steady = [x for k in range(total - warmup) for x in (_Action("F", *place(warmup + k, True)),
+                                                          _Action("B", *place(k, False)))]
+    return ([_Action("F", *place(k, True)) for k in range(warmup)] + steady
+            + [_Action("B", *place(k, False)) for k in range(total - warmup, total)])
+
+
+def _order_zero_bubble(order, r):
+    out, waiting = [], []
+    steady_ends = max(i for i, x in enumerate(order) if x.kind == "F")
+    for i, x in enumerate(order):
+        out.append(x)
+        if x.kind == "B":
+            waiting.append(_Action("W", x.micro, x.chunk))
+            if len(waiting) > (r if i < steady_ends else 0):
+                out.append(waiting.pop(0))
+    return out + waiting
+
+
+def pipeline_order(schedule, p, m, v, r):
+    """Rank r's list of actions as train_gpt.py's executor runs it: F (a micro-batch's forward through a chunk), B
+    (its backward; the input gradients only under zb-h1) and W (zb-h1's weight gradients). A copy of train_gpt.py's
+    SCHEDULES (this file imports no other file of the repository; tests/test_memory.py checks that they agree)."""
+    order = _order_interleaved(p, m, v, r) if v > 1 else _order_1f1b(p, m, r)
+    if schedule == "zb-h1":
+        return _order_zero_bubble(order, r)
+    if schedule not in ("1f1b", "interleaved"):  # ZB-V, DualPipeV: the planner's counts bound them (_PlanMemory)
+        raise ValueError(f"pp_schedule={schedule!r}: rank by rank, the memory model replays 1f1b, interleaved and "
+                         "zb-h1; `topology.py plan` bounds the V schedules")
+    return order
+
+
+def _virtual_stage(p, r, chunk, v_shape=False):
+    """The virtual stage of rank r's chunk: chunk c of rank r is stage c p + r (interleaved placement); in a V
+    (`v_shape`: ZB-V, DualPipeV) chunk 0 is stage r and chunk 1 stage 2p - 1 - r."""
+    return (2 * p - 1 - r if chunk else r) if v_shape else chunk * p + r
+
+
+def _chunk_kind(stages, vs):
+    """The kind of virtual stage vs of `stages`: what it holds beyond its blocks (CHUNK_KINDS)."""
+    return "only" if stages == 1 else "first" if vs == 0 else "last" if vs == stages - 1 else "middle"
+
+
+class Held(NamedTuple):
+    """What a rank holds while one action runs (counts): the chunks whose activations wait for their B, by kind
+    (CHUNK_KINDS), the chunks whose W waits (zb-h1), the receives posted and not yet read, the outputs and input
+    gradients sent and not yet freed; and the action (F at its end, B and W at their start) and its chunk's kind."""
+    action: str
+    kind: str
+    kept: tuple
+    waiting: tuple
+    posted: int
+    sent_outputs: int
+    sent_grads: int
+    reduced: bool = False  # a block's gradients were reduce-scattered before (ZeRO-2/3: one is in flight)
+
+
+# a chunk's kind: the first virtual stage (with the embedding), the last (with the LM head), both (one stage), another
+CHUNK_KINDS = ("first", "middle", "last", "only")
+
+
+def _memory_micro_batches(p, m, v):
+    """The micro-batches a replay needs: a rank's states repeat once its list is in its steady state, so 2 p of
+    them (a multiple of p with v > 1) give every distinct state of m (tests/test_memory.py checks it on a grid)."""
+    return min(m, 2 * p) if v == 1 else p * min(m // p, 2)
+
+
+@functools.lru_cache(maxsize=8192)
+def pipeline_holdings(schedule, p, m, v, r):
+    """The distinct Held states rank r passes through in one step, each with the first (action, micro-batch,
+    chunk) that reaches it (`_pipeline_holdings_of` on the micro-batches that show them all)."""
+    return _pipeline_holdings_of(schedule, p, _memory_micro_batches(p, m, v), v, r)
+
+
+def _pipeline_holdings_of(schedule, p, m, v, r):
+    """Rank r's list replayed as train_gpt.py's executor runs it (its `Pipeline`): before each action the next
+    action's receive is posted, with every earlier message of the same peer (in that peer's sending order); a sent
+    tensor is freed once a message from its peer shows, by its sender's place in the peer's list, that the peer
+    posted the matching receive (the peer posts the next action's receive before each action)."""
+    stages = p * v
+    neighbours = {q: pipeline_order(schedule, p, m, v, q) for q in {r, (r - 1) % p, (r + 1) % p}}
+    where = {q: {x: i for i, x in enumerate(order)} for q, order in neighbours.items()}
+
+    def peer(q, x, step):  # (rank, index in its list) of the action that x sends to (step 1) or reads from (-1)
+        vs = _virtual_stage(p, q, x.chunk) + (step if x.kind == "F" else -step)
+        if x.kind == "W" or not 0 <= vs < stages:
+            return None
+        return vs % p, where[vs % p][_Action(x.kind, x.micro, vs // p)]
+
+    incoming = {}  # peer -> the actions of rank r that read its messages, in its sending order
+    for q in {(r - 1) % p, (r + 1) % p}:
+        for x in neighbours[q]:
+            vs = _virtual_stage(p, q, x.chunk) + (1 if x.kind == "F" else -1)
+            if x.kind != "W" and 0 <= vs < stages and vs % p == r:
+                incoming.setdefault(q, []).append(_Action(x.kind, x.micro, vs // p))
+    posted, posted_by, sending, saved, waiting, states = set(), {}, [], {}, {}, {}
+    kept, waits = [0] * len(CHUNK_KINDS), [0] * len(CHUNK_KINDS)  # chunks in flight, W's waiting, by kind
+    reduced = False
+
+    def post(x):
+        src = peer(r, x, -1)
+        while src is not None and x not in posted:
+            posted.add(incoming[src[0]].pop(0))
+
+    order = neighbours[r]
+    for i, x in enumerate(order):
+        if i + 1 < len(order):
+            post(order[i + 1])
+        src = peer(r, x, -1)
+        if src is not None:
+            post(x)
+            posted.discard(x)
+            posted_by[src[0]] = max(posted_by.get(src[0], -1), src[1] + 1)
+        vs, key = _virtual_stage(p, r, x.chunk), (x.chunk, x.micro)
+        kind = 3 if stages == 1 else 0 if vs == 0 else 2 if vs == stages - 1 else 1  # CHUNK_KINDS' index
+        if x.kind == "F":
+            saved[key] = kind
+            kept[kind] += 1
+        outputs = sum(1 for s in sending if s[2] == "F")
+        held = Held(x.kind, CHUNK_KINDS[kind], tuple(kept), tuple(waits), len(posted), outputs,
+                    len(sending) - outputs - sum(1 for s in sending if s[2] == "B" and s[3] in waiting), reduced)
+        states.setdefault(held, (x.kind, x.micro, x.chunk))
+        reduced = reduced or x.kind == ("W" if schedule == "zb-h1" else "B")
+        if x.kind == "B":
+            kept[saved.pop(key)] -= 1
+            if schedule == "zb-h1":
+                waiting[key] = kind
+                waits[kind] += 1
+        elif x.kind == "W":
+            waits[waiting.pop(key)] -= 1
+        to = peer(r, x, 1)
+        if to is not None:
+            sending.append((to[0], to[1], x.kind, key))
+        if sending:
+            sending = [s for s in sending if s[1] > posted_by.get(s[0], -1)]
+    return tuple(states.items())
+
+
+class _StepBytes:
+    """The sizes a step's tensors are made of, in bytes, for one layout and its knobs (the comment above)."""
+
+    def __init__(self, cluster, model, layout, knobs, program):
+        self.model, self.layout, self.knobs, self.program, self.cluster = model, layout, knobs, program, cluster
+        e = self.e = PROGRAM_DTYPES[program.dtype]
+        self.acc = 8 if program.dtype == "float64" else 4  # FP32, or float64 for float64 runs
+        self.e_ln = e if program.device == "cpu" else max(e, 4)  # LayerNorm statistics: FP32 on CUDA
+        t, c, b = layout.tp, layout.cp, knobs.micro_batch
+        self.t, self.c, self.p, self.v = t, c, layout.pp, knobs.virtual_stages
+        self.h, self.a, self.s, self.V = model.hidden, model.heads, model.seq, model.vocab
+        self.sp = knobs.sequence_parallel and t > 1
+        self.T = T = b * model.seq // c                  # tokens of one micro-batch on this CP rank
+        self.Th = T // t if self.sp else T                # ... between the TP regions
+        self.X = self.Th * self.h * e                     # the residual stream: a block's input or output
+        self.Q = T * self.h // t * e
+        self.KV = T * _kv_width(model) // t * e
+        self.m = model.global_batch // (layout.dp * b)
+        self.policy = recomputation(knobs.recompute)
+        self.offload = knobs.recompute in OFFLOAD_POLICIES
+        self.layers = model.layers // (self.p * self.v)
+        # sqrt (checkpointing.py's): segments of round(sqrt(n)) of a chunk's n blocks, each keeping its input
+        self.segment = max(1, round(math.sqrt(self.layers))) if self.policy == "sqrt" else 1
+        self.cp_impl = program.cp_impl or "ring"  # the planner's CP: zigzag shards whatever its Ulysses size
+        self.zigzag = c > 1 and self.cp_impl != "ulysses"  # the zigzag shards are copies (the others views)
+        self.flash, self.dropout = cluster.flash_attention, getattr(cluster, "dropout", False)
+        # NVFP4 (train_gpt.py's emulated GEMMs): the blocks before the last K, the rest BF16 as the LM head
+        bf16_last = program.nvfp4_bf16_last if program.nvfp4_bf16_last is not None else round(0.15 * model.layers)
+        self.nvfp4_below = model.layers - bf16_last if program.dtype == "nvfp4" else 0
+
+    def nvfp4_linears(self, moe):
+        """(N, K) of each NVFP4 linear of a block on this rank (a MoE block's experts stay BF16)."""
+        h, kv, t = self.h, _kv_width(self.model), self.t
+        linears = [((h + 2 * kv) // t, h), (h, h // t)]
+        return linears + ([] if moe else [(4 * h // t, h), (h, 4 * h // t)])
+
+    def nvfp4_kept(self, moe):
+        """What an NVFP4 block keeps besides its BF16 activations: each linear's weight as quantised, its E2M1
+        elements in one byte each, its E4M3 block scales (one per 16 x 16) and FP32 tensor scale."""
+        return sum(n * k + n * k // 256 + 4 for n, k in self.nvfp4_linears(moe))
+
+    def nvfp4_backward(self, n, k):
+        """An NVFP4 linear's emulated backward at its largest moment (the weight gradient's GEMM, emulated by the
+        token blocks' exact products in FP32, scaled twice: 3 (M/16) N K 4 for M tokens): beside them G in FP32, G^T
+        and x^T Hadamard-transformed, the quantised G, G^T, x^T (FP32 values, E4M3 scales) and W (quantised again),
+        the input's gradient, and the two block scales' FP32 copies and the emulation's expansions of them."""
+        m, e = self.T, self.e
+        return (3 * (m // 16) * n * k * 4 + 16 * m * n + 8 * m * k + 4 * n * k + e * m * k + 8 * (n + k) * m // 16
+                + 2 * m * n // 16 + k * m // 16 + n * k // 256)
+
+    def nvfp4_instant(self, above):
+        """By part, beyond a chunk's kept bytes and what came in: the backward of its highest NVFP4 block, the BF16
+        blocks over it keeping `above` bytes (their backward done: those and the NVFP4 block's output freed), at its first
+        MLP GEMM's weight gradient: the GeLU's input and output and the second GEMM's quantised weight are freed,
+        the GeLU's input gradient, the block's output gradient (the block above's input gradient) and the
+        emulation's working set are there."""
+        h, t, T, e = self.h, self.t, self.T, self.e
+        fc2 = h * 4 * h // t + h * 4 * h // t // 256 + 4
+        freed = above + 8 * T * h // t * e + fc2
+        return {"activations": -freed,
+                "backward": 4 * T * h // t * e + (self.X if above else 0) + self.nvfp4_backward(4 * h // t, h)}
+
+    def layers_of(self, v):
+        """Blocks per chunk with v chunks per stage."""
+        return self.model.layers // (self.p * v)
+
+    # -- one micro-batch through one block --
+    def attention(self, policy):
+        """What a block's attention keeps for its backward, its input and LayerNorm aside."""
+        h, a, t, T, e = self.h, self.a, self.t, self.T, self.e
+        out = self.Q + 2 * self.KV + self.Q + (self.Q if self.c > 1 else 0)
+        if self.cp_impl == "allgather" and self.c > 1:  # the whole sequence's K and V, gathered
+            out += 2 * (self.c - 1) * self.KV
+        if self.flash:
+            return out + (0 if policy == "selective" else a // t * T * self.acc)
+        scores = a // t * T * self.s  # this rank's queries against every key
+        return out + (0 if policy == "selective" else scores * (e + (e + 1 if self.dropout else 0)))
+
+    def moe_terms(self):
+        """A MoE layer's (kept, backward working set) on T_m = T / t tokens, R = T_m k copies, F R of them here."""
+        if not hasattr(self, "_moe"):
+            self._moe = self._moe_terms()
+        return self._moe
+
+    def _moe_terms(self):
+        model, e, h = self.model, self.e, self.h
+        Tm, k, E = self.T // self.t, model.top_k, model.experts
+        R = Tm * k
+        Rh = moe_load_factor(model, self.layout.ep) * R
+        f, gates = expert_hidden(model), 2 if model.swiglu else 1
+        router = 3 * Tm * E * 4 + 2 * Tm * 4 + Tm * k * (8 + 4 + e) + 8 * (E + 1)
+        routing = 2 * Tm * k * 8 + (2 * Rh * 8 if self.layout.ep > 1 else 0)
+        experts = Rh * h * e + (gates + 1) * Rh * f * e
+        combine = R * h * e * (2 if self.layout.ep > 1 else 1)
+        shared = (gates + 1) * Tm * model.shared_expert_hidden * e + (Tm * h * e if model.shared_expert_hidden else 0)
+        kept = Tm * h * e + router + routing + experts + combine + shared
+        local = E // self.layout.ep
+        working = Rh * f * e + local * f * h * e + Rh * h * e
+        return kept, working
+
+    def moe_combined(self):
+        """What a MoE layer's backward frees before its experts' backward: the combined copies (and, with EP, the
+        rows the combine received)."""
+        R = self.T // self.t * self.model.top_k
+        return R * self.h * self.e * (2 if self.layout.ep > 1 else 1)
+
+    def block(self, moe, policy=None, offloaded=None):
+        """Bytes one block keeps for its backward, its output (the next block's input) included, its input not; on
+        the device: nothing under an offload policy (`offloaded` False: what it keeps, wherever)."""
+        key = (moe, policy, offloaded)
+        cache = self.__dict__.setdefault("_blocks", {})
+        if key not in cache:
+            cache[key] = self._block(moe, policy, offloaded)
+        return cache[key]
+
+    def _block(self, moe, policy, offloaded):
+        policy = policy or self.policy
+        if self.offload if offloaded is None else offloaded:
+            return 0
+        if policy in ("full", "sqrt"):
+            return self.X
+        h, t, T, e = self.h, self.t, self.T, self.e
+        masks = 2 * self.Th * h if self.dropout else 0
+        mlp = self.moe_terms()[0] - T // t * h * e if moe else 8 * T * h // t * e
+        return 4 * self.X + self.attention(policy) + mlp + 4 * self.Th * self.e_ln + masks
+
+    def chunk(self, kind, moe_layers, layers=None):
+        """What one micro-batch keeps through a chunk of `kind` of `layers` blocks (default: the knobs'), `moe_layers`
+        of them MoE blocks, by part."""
+        layers = self.layers if layers is None else layers
+        first, last = kind in ("first", "only"), kind in ("last", "only")
+        X = self.X
+        blocks = (layers - moe_layers) * self.block(False) + moe_layers * self.block(True)
+        if self.policy == "sqrt":  # the segments' inputs (and the chunk's output)
+            blocks = -(-layers // self.segment) * self.X
+        act = (X if last else 0) + 8 if self.offload else blocks - (0 if last else X) + 8
+        out = {"activations": act}
+        if first:
+            out["activations"] += (0 if self.offload else X) + (9 * self.T if self.t > 1 else 0)
+            out["activations"] += self.Th * self.h if self.dropout else 0
+        else:
+            out["receive buffers"] = X
+        if last:
+            out["LM head and loss"] = self.head()
+        return out
+
+    # -- the LM head and the loss --
+    def head(self):
+        """The final LayerNorm's output and statistics, the loss's FP32 softmax (t > 1: and its indices)."""
+        N, V, t = self.T, self.V, self.t
+        loss = N * V * self.acc if t == 1 else N * V // t * self.acc + 9 * N
+        return self.X + 2 * self.Th * self.e_ln + loss + 28
+
+    def head_forward(self):
+        """At the loss's largest moment, beyond head(): the logits and the FP32 copies the loss makes of them."""
+        N, V, t, e = self.T, self.V, self.t, self.e
+        targets = 0 if self.zigzag else 8 * N  # the targets made contiguous for the loss
+        if t == 1:
+            return N * V * e + (N * V * 4 if e < 4 else 0) + N * self.acc + targets
+        return N * V // t * (e + 4) + 4 * N + targets - 9 * N
+
+    def ce_backward(self):
+        """The cross-entropy's backward, beyond head(): t = 1 two more FP32 N x V (the gradients of the NLL and of
+        the log-softmax); t > 1 the logits' gradient in e (the FP32 softmax becomes the gradient in place)."""
+        N, V, t, e = self.T, self.V, self.t, self.e
+        if t == 1:
+            return 2 * N * V * self.acc
+        return N * V // t * e if e != self.acc else 0
+
+    def head_backward(self):
+        """The LM head's backward, beyond head() less the loss's softmax: the logits' gradient, the GEMM's input
+        gradient and (t = 1 or no SP) the weight's; under SP the input gathered again and the scattered gradient."""
+        N, V, t, e, h, T = self.T, self.V, self.t, self.e, self.h, self.T
+        softmax = N * V // t * self.acc
+        if t == 1:
+            return N * V * e + T * h * e + V * h * e - softmax
+        if self.sp:
+            return N * V // t * e + 3 * T * h * e + self.X - softmax - 9 * N
+        return N * V // t * e + T * h * e + V // t * h * e - softmax - 9 * N
+
+    # -- backward --
+    def block_backward(self, moe):
+        """The top block's backward at its largest moment, MLP first (the gradient that came in aside)."""
+        h, t, T, e = self.h, self.t, self.T, self.e
+        zb = self.knobs.pp_schedule in SPLIT_SCHEDULES
+        if moe:
+            work = self.moe_terms()[1]
+        elif zb:  # W deferred: the GeLU output waits for it while the GeLU's input gradient is made
+            work = 2 * T * 4 * h // t * e
+        else:
+            work = T * 4 * h // t * e + 4 * h // t * h * e + (h * e if t == 1 else 0)
+        if self.sp:
+            work += T * h * e  # the gradient gathered over TP for the row-parallel GEMM
+        if self.policy in ("full", "sqrt"):  # the block (sqrt: the segment) recomputed, its input aside
+            work += self.segment * self.block(moe, "none") - self.X
+        if self.offload:  # the block's saved tensors back on the device (on CUDA the next block's prefetched too)
+            work += (2 if self.program.device == "cuda" else 1) * self.block(moe, offloaded=False)
+        return work
+
+    def waiting_w(self, kind, moe_layers, layers=None):
+        """zb-h1: what a chunk whose W waits holds, by part: every deferred linear's input (under SP the input
+        gathered over TP) and output gradient; the top block's second MLP GEMM keeps the gradient that came in; the
+        graph kept by the linears' inputs keeps the received input and its gradient (`deferred_w_bytes`)."""
+        layers = self.layers if layers is None else layers
+        h, t, T, e, X = self.h, self.t, self.T, self.e, self.X
+        first, last = kind in ("first", "only"), kind in ("last", "only")
+        whole = T * h * e  # a whole-token tensor
+        ln_in = {"backward": whole} if self.sp else {"activations": X}
+        attention = _add(ln_in, {"activations": T * h // t * e}, {"backward": T * 3 * h // t * e + (whole if self.sp else X)})
+        mlp = _add(ln_in, {"activations": T * 4 * h // t * e}, {"backward": T * 4 * h // t * e + X})
+        out = _add(_scale(attention, layers), _scale(mlp, layers - moe_layers))
+        out["backward"] -= X  # the top block's incoming gradient is the head's or a received one
+        out = _add(out, {"LM head and loss": X} if last else {"receive buffers": X})
+        if not first:
+            out = _add(out, {"receive buffers": X, "backward": X})
+        if last:
+            out = _add(out, {"LM head and loss": (whole if self.sp else X) + self.T * self.V // t * e})
+        return out
+
+    def came_in(self, kind):
+        """What a chunk's blocks' backward starts from: on the last stage the loss and the final LayerNorm are done
+        (their tensors and the LayerNorm's input freed, its input's gradient there, and on one stage the tied
+        embedding's gradient waiting), elsewhere the gradient received."""
+        if kind not in ("last", "only"):
+            return {"receive buffers": self.X}
+        one = self.p * self.v == 1 or self.knobs.pp_schedule in V_SCHEDULES  # both ends on one rank
+        tied = self.V // self.t * self.h * self.e if one and self.model.tied_embeddings else 0
+        return {"LM head and loss": self.X - self.head() + tied, "activations": -self.X}
+
+    def action_parts(self, action, kind, moe, layers=None):
+        """What the running action adds at its largest moments beyond the chunks and buffers held: F at its end
+        (the loss on the last virtual stage), B at the cross-entropy's backward, the LM head's and the top block's
+        (`moe`: a MoE block); a list of parts, one per moment."""
+        layers = self.layers if layers is None else layers
+        if action == "F":
+            return [{"LM head and loss": self.head_forward()} if kind in ("last", "only") else {"activations": 2 * self.X}]
+        if action != "B":
+            return [{}]
+        out = []
+        if kind in ("last", "only"):
+            out += [{"LM head and loss": self.ce_backward()}, {"LM head and loss": self.head_backward()}]
+        done = {"activations": -self.moe_combined()} if moe and not self.offload else {}
+        block = _add(self.came_in(kind), done, {"backward": self.block_backward(moe)})
+        out.append(block)
+        if self.offload and layers > 1:  # the blocks below: the gradient received is still held, one more comes
+            out.append(_add(block, {"backward": self.X}))
+        if not self.flash:  # the unfused attention's backward: the scores' and probabilities' gradients (selective:
+            # beside the probabilities and dropout masks recomputed), the top block's MLP done
+            scores = self.a // self.t * self.T * self.s
+            again = scores * (self.e + (1 if self.dropout else 0)) if self.policy == "selective" else 0
+            out.append(_add(self.came_in(kind), done, {"backward": 2 * scores * self.e + again}))
+        return out
+
+
+def _add(*parts):
+    out = {}
+    for part in parts:
+        for key, value in part.items():
+            out[key] = out.get(key, 0) + value
+    return out
+
+
+def _scale(part, n):
+    return {key: value * n for key, value in part.items()}
+
+
+def _rank_layers(model, p, v, r, v_shape=False):
+    """The global indices of rank r's blocks, chunk after chunk (chunk c holds virtual stage `_virtual_stage`)."""
+    per = model.layers // (p * v)
+    return [(_virtual_stage(p, r, c, v_shape)) * per + i for c in range(v) for i in range(per)]
+
+
+def _is_moe(model, layer):
+    return bool(model.moe_every) and (layer + 1) % model.moe_every == 0
+
+
+class _Param(NamedTuple):
+    """One parameter tensor of a rank: its elements, whether it is 2-D (the decayed group), its block (None: the
+    embedding, the final LayerNorm, the LM head) and its gradient's group (dense, tied or expert)."""
+    elements: int
+    matrix: bool
+    block: object
+    group: str
+
+
+def _block_parameters(model, layout, moe, i=0):
+    """One block's parameter tensors on a rank (`_Param`s, block index i), in train_gpt.py's order: LayerNorms,
+    QKV, projection (weights split over TP), LayerNorms, then the MLP (split over TP) or the router and the rank's
+    E / ep experts, whole."""
+    h, kv, t, f = model.hidden, _kv_width(model), layout.tp, expert_hidden(model)
+    vector = lambda n: _Param(n, False, i, "dense")  # noqa: E731
+    matrix = lambda n, group="dense": _Param(n, True, i, group)  # noqa: E731
+    params = [vector(h), vector(h), matrix((h + 2 * kv) * h // t), vector((h + 2 * kv) // t), matrix(h * h // t),
+              vector(h), vector(h), vector(h)]
+    if moe:
+        local = model.experts // layout.ep
+        params += [matrix(model.experts * h), matrix(local * h * f * (2 if model.swiglu else 1), "expert"),
+                   matrix(local * f * h, "expert")]
+        if model.shared_expert_hidden:
+            params += [matrix((3 if model.swiglu else 2) * h * model.shared_expert_hidden // t)]
+    else:
+        params += [matrix(4 * h * h // t), vector(4 * h // t), matrix(4 * h * h // t), vector(h)]
+    return params
+
+
+def _outer_parameters(model, layout, r, v_shape=False):
+    """The rank's parameters outside the blocks: the token embedding and positions (first stage), the final
+    LayerNorm and the LM head (last stage; the tied embedding's copy, or its own weight when untied). In a V
+    (`v_shape`) rank 0 holds both ends, the tied embedding once."""
+    h, t = model.hidden, layout.tp
+    one = layout.pp == 1 or v_shape  # both ends on one rank
+    tied = "tied" if not one and model.tied_embeddings else "dense"
+    params = []
+    if r == 0:
+        params += [_Param(model.vocab // t * h, True, None, tied), _Param(model.seq * h, True, None, "dense")]
+    if r == (0 if v_shape else layout.pp - 1):
+        params += [_Param(h, False, None, "dense"), _Param(h, False, None, "dense")]
+        if not one or not model.tied_embeddings:
+            params += [_Param(model.vocab // t * h, True, None, tied)]
+    return params
+
+
+def _rank_parameters(model, layout, r, v, v_shape=False):
+    """Every parameter tensor on one rank of stage r, in train_gpt.py's order (`_Param`): its blocks' (QKV, the
+    projection's and the MLP's weights split over TP; the LayerNorms, the row-parallel biases, the router and the
+    experts, E / ep of them whole, replicated), then the positions and the token embedding and the LM head, split
+    over the vocabulary."""
+    params = []
+    for i, layer in enumerate(_rank_layers(model, layout.pp, v, r, v_shape)):
+        params += _block_parameters(model, layout, _is_moe(model, layer), i)
+    return params + _outer_parameters(model, layout, r, v_shape)
+
+
+def _rank_parameter_summary(model, layout, r, v, v_shape=False):
+    """(`_parameter_sums` of the rank's parameters, each block's elements), from one block of each kind (kept in
+    the plan's layout.memo under the TP and EP sizes)."""
+    layers = _rank_layers(model, layout.pp, v, r, v_shape)
+    moe = [_is_moe(model, i) for i in layers]
+    kinds = {}
+    for kind in set(moe):
+        key = ("block sums", layout.tp, layout.ep, kind)
+        if key not in layout.memo:
+            params = _block_parameters(model, layout, kind)
+            layout.memo[key] = sum(p.elements for p in params), _parameter_sums(params)
+        kinds[kind] = layout.memo[key]
+    per_block = {kind: elements for kind, (elements, _) in kinds.items()}
+    sums, count = _parameter_sums(_outer_parameters(model, layout, r, v_shape))
+    for kind, (_, (block_sums, block_count)) in kinds.items():
+        n = moe.count(kind)
+        for key, elements in block_sums.items():
+            sums[key] = sums.get(key, 0) + n * elements
+        count += n * block_count
+    return (sums, count), [per_block[kind] for kind in moe]
+
+
+def _optimizer_pieces(params, zero, shard, edp):
+    """What the inner optimizer steps on one rank, per parameter, for each position in the shard group: the whole
+    parameter (ZeRO-0), or its part of this rank's 1/k of its bucket (mixed_precision.py's flat buffers: one per
+    gradient group, and at ZeRO-2/3 one per block and group, each padded to a multiple of its k ranks)."""
+    if not zero:
+        return [[p.elements for p in params]]
+    buckets = {}
+    for i, p in enumerate(params):
+        unit = p.block if zero >= 2 else None
+        buckets.setdefault((unit, p.group), []).append(i)
+    positions = max(shard, edp)
+    out = [[0] * len(params) for _ in range(positions)]
+    for (_, group), members in buckets.items():
+        k = edp if group == "expert" else shard
+        total = sum(params[i].elements for i in members)
+        size = -(-total // k)
+        start = 0
+        for i in members:
+            n = params[i].elements
+            for s in range(positions):
+                lo, hi = (s % k) * size, (s % k + 1) * size
+                out[s][i] = max(0, min(start + n, hi) - max(start, lo))
+            start += n
+    return out
+
+
+def _parameter_sums(params):
+    """Elements of `params` by (in a block, expert, 2-D), and their count: what the states need of them."""
+    sums = {}
+    for p in params:
+        key = (p.block is not None, p.group == "expert", p.matrix)
+        sums[key] = sums.get(key, 0) + p.elements
+    return sums, len(params)
+
+
+def _rank_states(cluster, z, sums, zero, shard):
+    """The parts of a rank holding parameters of `_parameter_sums` that live through the step: weights, main
+    grads, optimizer states (ZeRO level `zero` over `shard` ranks of DP x CP; the experts over their EDP ranks), the
+    batch's token ids and positions."""
+    model, layout, program = z.model, z.layout, z.program
+    (elements, count) = sums
+    edp = expert_shard(cluster, layout.tp, layout.cp, layout.dp, layout.ep)
+    k = (shard or layout.dp * layout.cp) if zero else 1
+
+    def held(level, blocks_only):  # elements held when ZeRO `level` and up shard them (the blocks' only, or all)
+        return sum(n / (edp if expert else k) if zero >= level and (block or not blocks_only) else n
+                   for (block, expert, _), n in elements.items())
+    e = z.e
+    if cluster.grad_bytes == 2:  # 16-bit gradients; the optimizer keeps an FP32 copy besides its master
+        grad, opt = 2, 4 + 4 + (8 if program.optimizer == "adamw" else 0)
+    else:
+        grad, opt = max(e, 4), (4 if e < 4 else 0) + (8 if program.optimizer == "adamw" else 0)
+    out = {"weights": e * held(3, True), "main grads": grad * held(2, True),
+           "optimizer states": opt * held(1, False)
+           + (4 * count if program.device == "cpu" and program.optimizer == "adamw" else 0)}
+    other = 8 * model.global_batch * (model.seq + 1) + 16 + 8 * (z.T // z.knobs.micro_batch if z.zigzag else model.seq)
+    if z.zigzag:  # CP's shards of every micro-batch's ids and targets
+        other += 16 * z.m * z.T
+    out["other"] = other
+    return out
+
+
+def _optimizer_temporaries(program, params, zero, shard, edp, sums=None):
+    """Adam's temporaries at the step. torch's foreach form (CUDA): a square root per element of its larger group
+    (the 2-D weights, or the rest). The single-tensor form (CPU): per parameter a square root and a quotient, beside
+    the previous parameter's quotient, at most 2 n_i + n_(i-1) elements of one group."""
+    if program.optimizer != "adamw":
+        return 0
+    acc = 8 if program.dtype == "float64" else 4
+    if program.device == "cuda":  # each group's pieces: its share of the shard group's (its experts': of EDP's)
+        elements, _ = sums or _parameter_sums(params)
+        share = lambda matrix: sum(n / ((edp if expert else shard) if zero else 1)  # noqa: E731
+                                   for (_, expert, two_d), n in elements.items() if two_d == matrix)
+        return acc * max(share(True), share(False))
+    most = 0
+    for pieces in _optimizer_pieces(params, zero, shard or 1, edp if zero else 1):
+        for matrix in (True, False):
+            group = [n for p, n in zip(params, pieces) if p.matrix == matrix]
+            if program.device == "cuda":
+                most = max(most, sum(group))
+            else:
+                most = max([most] + [2 * n + (group[i - 1] if i else 0) for i, n in enumerate(group)])
+    return acc * most
+
+
+class _RankStatic:
+    """What rank r holds whatever the knobs but v: its parameters, blocks and layers, its chunks' kinds (with
+    their MoE blocks: the most of any chunk of that kind), its top blocks, its states and optimizer step at each
+    ZeRO choice; its parameters and chunks kept in `memo` (a plan's layout.memo) under tp, pp, ep, v and r."""
+
+    def __init__(self, cluster, z, r, v, memo=None, v_shape=None):
+        model, layout = z.model, z.layout
+        self.cluster, self.z, self.r = cluster, z, r
+        self.memo = {} if memo is None else memo
+        if v_shape is None:  # the chunks of a V: stages r and 2p - 1 - r
+            v_shape = z.knobs.pp_schedule in V_SCHEDULES
+        self.key = ("rank", layout.tp, layout.pp, layout.ep, v, r, v_shape)  # nor the CP and DP sizes
+        if self.key not in self.memo:
+            params = _rank_parameters(model, layout, r, v, v_shape) if z.program.device == "cpu" else None  # CPU's
+            layers = _rank_layers(model, layout.pp, v, r, v_shape)
+            sums, blocks = _rank_parameter_summary(model, layout, r, v, v_shape)
+            per, stages, kinds, tops = len(layers) // v, layout.pp * v, {}, []
+            for c in range(v):
+                kind = _chunk_kind(stages, _virtual_stage(layout.pp, r, c, v_shape))
+                kinds[kind] = max(kinds.get(kind, 0), sum(_is_moe(model, i) for i in layers[c * per:(c + 1) * per]))
+                tops.append((_is_moe(model, layers[(c + 1) * per - 1]), blocks[(c + 1) * per - 1]))
+            self.memo[self.key] = (params, layers, blocks, kinds, tops, sums, max(blocks, default=0),
+                                   max(tops, default=(False, 0)))
+        (self.params, self.layers, self.blocks, self.kinds, self.tops, self.sums, self.unit,
+         self.top) = self.memo[self.key]
+        self.by_zero = {}  # (states by part, their sum, the step's temporaries) by ZeRO choice, for this layout
+
+    def states(self, zero, shard):
+        return self.fixed(zero, shard)[0]
+
+    def states_total(self, zero, shard):
+        return self.fixed(zero, shard)[1]
+
+    def step(self, zero, shard):
+        return self.fixed(zero, shard)[2]
+
+    def fixed(self, zero, shard):
+        """(states by part, their sum, the optimizer step's temporaries) at a ZeRO choice (the batch's ids and
+        positions do not depend on b; the program is one per plan)."""
+        if (zero, shard) not in self.by_zero:
+            states = _rank_states(self.cluster, self.z, self.sums, zero, shard)
+            layout = self.z.layout
+            edp = expert_shard(self.cluster, layout.tp, layout.cp, layout.dp, layout.ep)
+            k = (shard or layout.dp * layout.cp) if zero else 1
+            step = _optimizer_temporaries(self.z.program, self.params, zero, k, edp, self.sums)
+            self.by_zero[(zero, shard)] = states, sum(states.values()), step
+        return self.by_zero[(zero, shard)]
+
+    def zero_extras(self, zero, shard, gathered, z, in_flight=True):
+        """The ZeRO level's bytes at an instant: one block's FP32 gradient and its reduce-scatter output in flight
+        (ZeRO-2/3, once a block was reduced), the block gathered in a backward (ZeRO-3: `gathered` its elements)."""
+        out = {}
+        if zero >= 2 and in_flight:
+            k = shard or z.layout.dp * z.layout.cp
+            out["ZeRO grad buffers"] = self.unit * self.cluster.grad_bytes * (1 + 1 / k)
+        if zero >= 3 and gathered:
+            out["ZeRO gathered"] = z.e * gathered
+        return out
+
+
+def _rank_instants(z, rank):
+    """Rank r's instants in one step (rank_peaks'): (label, parts beyond the states, gathered block elements of a
+    backward, whether a ZeRO-2/3 reduce-scatter is in flight) for each state its executor passes through
+    (`pipeline_holdings`) and each moment of its action."""
+    per, model = z.layers, z.model
+    chunks = {kind: z.chunk(kind, n) for kind, n in rank.kinds.items()}
+    nvfp4 = []  # NVFP4: each chunk's (kind, its NVFP4 blocks' kept copies, its highest dense NVFP4 block or None)
+    for c in range(z.v if z.nvfp4_below else 0):
+        layers = [i for i in rank.layers[c * per:(c + 1) * per] if i < z.nvfp4_below]
+        dense = [i for i in layers if not _is_moe(model, i)]
+        kind = _chunk_kind(z.p * z.v, _virtual_stage(z.p, rank.r, c))
+        nvfp4.append((kind, sum(z.nvfp4_kept(_is_moe(model, i)) for i in layers), max(dense, default=None)))
+    for kind in chunks:  # the most of any chunk of that kind
+        extra = max((kept for k, kept, _ in nvfp4 if k == kind), default=0)
+        chunks[kind] = _add(chunks[kind], {"activations": extra}) if extra else chunks[kind]
+    waits = {kind: z.waiting_w(kind, n) for kind, n in rank.kinds.items()} if z.knobs.pp_schedule == "zb-h1" else {}
+    for held, (action, micro, chunk) in pipeline_holdings(z.knobs.pp_schedule, z.p, z.m, z.v, rank.r):
+        if action == "W":
+            continue
+        base = {"receive buffers": held.posted * z.X, "activations": held.sent_outputs * z.X,
+                "backward": held.sent_grads * z.X}
+        for kind, n in zip(CHUNK_KINDS, held.kept):
+            base = _add(base, _scale(chunks[kind], n)) if n else base
+        for kind, n in zip(CHUNK_KINDS, held.waiting):
+            base = _add(base, _scale(waits[kind], n)) if n else base
+        in_flight = held.reduced  # ZeRO-2/3: a block's reduce-scatter is in flight
+        where = f" of micro-batch {micro}" + (f", chunk {chunk}" if z.v > 1 else "")
+        top = rank.layers[(chunk + 1) * per - 1]
+        moe, gathered = rank.tops[chunk]
+        if action == "F":
+            names = ["the loss" + where if held.kind in ("last", "only") else f"forward{where}, its output"]
+        else:
+            names = [f"backward{where}{name}" for name in
+                     ([", cross-entropy", ", LM head"] if held.kind in ("last", "only") else [])
+                     + [f", block {top}"] + ([f", block {top - 1}"] if z.offload and per > 1 else [])
+                     + ([f", block {top}'s attention"] if not z.flash else [])]
+        moments = z.action_parts(action, held.kind, moe)
+        if action == "B" and nvfp4 and nvfp4[chunk][2] is not None:  # the highest NVFP4 block's emulated backward
+            below = nvfp4[chunk][2]
+            above = sum(z.block(_is_moe(model, i)) for i in range(below + 1, top + 1))
+            names.append(f"backward{where}, block {below}")
+            # a BF16 block above has taken the gradient that came in and made the NVFP4 block's (nvfp4_instant)
+            freed = {"LM head and loss": -z.X} if above and held.kind in ("last", "only") else {}
+            moments.append(_add(z.came_in(held.kind), z.nvfp4_instant(above), freed))
+        for name, parts in zip(names, moments):
+            block = action == "B" and "block" in name  # ZeRO-3: the block is gathered for its backward
+            yield name, _add(base, parts), (gathered if block else 0), in_flight
+
+
+def rank_peaks(cluster, model, layout, knobs, program=Program(), stages=None):
+    """Each pipeline stage's peak in a step after the first (every TP, CP and DP rank of a stage holds as much),
+    as the most over the instants where it can peak (the comment above): a list of {"stage": r, "peak_bytes": n,
+    "parts": {part: bytes}, "instant": "..."}, for every stage or those in `stages`."""
+    z = _StepBytes(cluster, model, layout, knobs, program)
+    zero, shard = knobs.zero, knobs.zero_shard_size
+    results = []
+    for r in range(layout.pp) if stages is None else stages:
+        rank = _RankStatic(cluster, z, r, z.v)
+        states = rank.states(zero, shard)
+        candidates = []
+        for label, parts, gathered, in_flight in _rank_instants(z, rank):
+            extras = rank.zero_extras(zero, shard, gathered, z, in_flight)
+            candidates.append((label, _add(states, parts, extras)))
+        candidates.append(("the optimizer step", _add(states, {"step temporaries": rank.step(zero, shard)})))
+        label, parts = max(candidates, key=lambda c: sum(c[1].values()))
+        parts = {p: round(parts[p]) for p in MEMORY_PARTS if round(parts.get(p, 0))}
+        results.append({"stage": r, "peak_bytes": sum(parts.values()), "parts": parts, "instant": f"{label}, stage {r}"})
+    return results
+
+
+
+PLANNER_PROGRAM = Program()  # what the planner assumes of the program: train_gpt.py's BF16 AdamW on CUDA
+
+
+def _memory_ranks(model, pp, m, v, schedule):
+    """The stages where the fullest rank can be, for the search: the first (the embedding, the most chunks in
+    flight: a later stage holds fewer of the same blocks) and the last (the LM head and the loss), under zb-h1 the
+    ranks where its deferred W's can peak, and the stage with the most MoE layers."""
+    ranks = {0, pp - 1}
+    if schedule == "zb-h1":
+        ranks |= set(_zb_candidate_ranks(pp, m, v))
+    if model.moe_every:
+        ranks.add(_busiest_moe_stage(model.layers, pp, model.moe_every, schedule in V_SCHEDULES)[0])
+    return sorted(ranks)
+
+
+class _ScalarPrices:
+    """The sums of _StepBytes' parts, for the search, kept per (b, sp, recompute, zb-h1) of a layout (v only sets
+    the blocks per chunk): a chunk's and a waiting W's, linear in its blocks (each block's sum, and what the chunk's
+    kind adds: the chunk's with no block), an action's largest moment. Linear prices do not depend on pp beyond
+    whether it is 1 (a tied embedding's gradient on one stage): the layouts of one plan share them."""
+
+    def __init__(self, z):
+        self.z, self.memo, self.wait_base = z, {}, {}
+        self.linear = z.policy != "sqrt" and not z.offload
+        self.dense = z.block(False)
+        self.moe = z.block(True) if z.model.moe_every else 0.0
+        self.base = {kind: sum(z.chunk(kind, 0, 0).values()) for kind in CHUNK_KINDS} if self.linear else {}
+        if z.knobs.pp_schedule in SPLIT_SCHEDULES:  # a deferred W's attention and MLP parts per block
+            one = sum(z.waiting_w("middle", 1, 1).values())
+            self.w_attention = one - sum(z.waiting_w("middle", 0, 0).values())
+            self.w_mlp = sum(z.waiting_w("middle", 0, 1).values()) - one
+
+    def chunk(self, kind, layers, moe):
+        if not self.linear:
+            key = ("chunk", kind, layers, moe)
+            if key not in self.memo:
+                self.memo[key] = sum(self.z.chunk(kind, moe, layers).values())
+            return self.memo[key]
+        return (layers - moe) * self.dense + (moe and moe * self.moe) + self.base[kind]
+
+    def waiting(self, kind, layers, moe):
+        base = self.wait_base.get(kind)
+        if base is None:
+            base = self.wait_base[kind] = sum(self.z.waiting_w(kind, 0, 0).values())
+        return layers * self.w_attention + (layers - moe) * self.w_mlp + base
+
+    def extra(self, action, kind, moe, layers):
+        key = (action, kind, moe, layers > 1)
+        out = self.memo.get(key)
+        if out is None:
+            out = self.memo[key] = max(sum(p.values()) for p in self.z.action_parts(action, kind, moe, layers))
+        return out
+
+
+class _PlanMemory:
+    """The planner's peak for one layout and (b, sp, recompute, v, schedule), at each ZeRO choice (`gb(zero)`, GB):
+    rank_peaks' prices (the same chunks, deferred W's, LM head, cross-entropy and working sets, the same states),
+    summed, at each candidate stage's (`_memory_ranks`) instants where the most chunks are in flight, counted by the
+    schedule's formula (`in_flight_chunks`: k chunks before their B, d waiting for W) instead of a replay of the
+    lists (which planning thousands of layouts cannot afford): the B that finds k chunks in flight (on a stage that
+    holds the last virtual stage: its chunk, with the cross-entropy), the loss beside them, the optimizer step. The
+    buffers held are bounded: under 1F1B exactly what the replay finds at the first B (each chunk's output sent
+    and not yet freed, a receive posted on every stage but the first), otherwise k + 1 sent tensors and a posted
+    receive. So the planner's figure is rank_peaks' under 1F1B and at most a few X above it otherwise
+    (tests/test_memory.py). The sums are kept per (b, sp, recompute, zb-h1), whatever v."""
+
+    def __init__(self, cluster, model, layout, knobs, program=PLANNER_PROGRAM):
+        b, v, recompute, sp, _, schedule = knobs[:6]
+        zb = schedule in SPLIT_SCHEDULES
+        cache = layout.__dict__.setdefault("memory_prices", {})  # one layout's, one program's (the plan's)
+        key = self.key = (b, sp, recompute, zb)
+        prices = cache.get(key)
+        if prices is None:
+            linear = recomputation(recompute) != "sqrt" and recompute not in OFFLOAD_POLICIES
+            shared = layout.memo.setdefault("memory prices", {}) if linear else {}  # the plan's layouts'
+            outer = (layout.tp, layout.cp, layout.ep, layout.pp == 1) + key
+            prices = cache[key] = shared.get(outer)
+            if prices is None:
+                prices = cache[key] = shared[outer] = _ScalarPrices(_StepBytes(cluster, model, layout, knobs._replace(
+                    virtual_stages=1, zero=0, zero_shard_size=None), program))
+        self.layout, self.cache, self.ranks, self.v, self.prices = layout, {}, [], v, prices
+        self.v_shape = schedule in V_SCHEDULES
+        self.shard = layout.dp * layout.cp
+        p, m = layout.pp, model.global_batch // (layout.dp * b)
+        counts = layout.memo.get(("memory counts", p, m, v, schedule))
+        if counts is None:  # each candidate stage's (r, k, d, buffers in X's), as this docstring says
+            flight, one_f_one_b = in_flight_chunks(schedule, p, m, v), schedule == "1f1b"
+            if schedule in V_SCHEDULES:  # on every candidate rank, each point where a rank of the V can peak
+                counts = tuple((r, max(k, 1), d, max(k, 1) + 2) for r in _memory_ranks(model, p, m, v, schedule)
+                               for k, d in v_activation_points(schedule, p))
+            else:
+                counts = tuple((r, *flight[r], (0 if p == 1 else 1 if r == p - 1 else flight[r][0] + (r > 0))
+                                if one_f_one_b else flight[r][0] + 2) for r in _memory_ranks(model, p, m, v, schedule))
+            layout.memo[("memory counts", p, m, v, schedule)] = counts
+        self.counts, self.model, self.cluster = counts, model, cluster
+
+    def _rank(self, i):
+        """The i-th candidate stage's (_RankStatic, its largest moment's bytes beyond the states: at ZeRO 0-2 and at
+        ZeRO 3 (a block gathered in a backward), k, d, its buffers, its last-stage chunk's kind, the kind of its
+        other chunks with the largest B, its ZeRO unit's FP32 bytes, its states by ZeRO choice)."""
+        while len(self.ranks) <= i:
+            self.ranks.append(self._price(self.counts[len(self.ranks)]))
+        return self.ranks[i]
+
+    def _price(self, counts):
+        r, k, d, buffers = counts
+        (rank, head, head_chunk, head_b, head_f, rest, rest_kind, other, other_extra, wait,
+         gathered) = self._chunks(r)
+        X, e = self.prices.z.X, self.prices.z.e
+        waits = d * wait if d else 0
+        buffers *= X
+        peak = most = 0.0
+        if head:  # the B of the last virtual stage, beside k - 1 other chunks; the loss beside them
+            kept = head_chunk + (k - 1) * rest + waits
+            backward = kept + buffers + head_b
+            loss = kept + max(0, buffers - X) + head_f
+            peak = backward if backward > loss else loss
+            most = max(backward + e * gathered, peak)
+        if other:
+            total = k * rest + waits + buffers + other_extra
+            peak, most = max(peak, total), max(most, total + e * gathered)
+        return (rank, peak, most, k, d, buffers, head, (rest_kind, other), rank.unit * self.cluster.grad_bytes,
+                rank.by_zero)
+
+    def _chunks(self, r):
+        """Stage r's prices whatever the counts: (its _RankStatic, its last-stage chunk's kind, bytes and largest B
+        and F moments, its other chunks' largest bytes and kind, the kind with the largest B and that B, a deferred
+        W's largest bytes, its top block's elements), kept in the layout per (b, sp, recompute, split, v, r)."""
+        prices, layout, v = self.prices, self.layout, self.v
+        key = (self.key, v, r, self.v_shape)
+        cache = layout.__dict__.setdefault("memory_chunks", {})
+        out = cache.get(key)
+        if out is not None:
+            return out
+        layers = self.model.layers // (layout.pp * v)
+        static = layout.__dict__.setdefault("memory_ranks", {}).get((v, r, self.v_shape)) or self._static(
+            self.cluster, self.model, layout, prices, r, v, self.v_shape)
+        rank, head, others, moe_top, gathered, kinds = static
+        signature = ("chunks", head, tuple(others), moe_top, kinds, layers)  # what the prices below read of the rank
+        priced = prices.memo.get(signature)
+        if priced is not None:
+            out = cache[key] = (rank,) + priced + (gathered,)
+            return out
+        linear, dense, moe_block = prices.linear, prices.dense, prices.moe
+        # the chunks (linear in their blocks: each block's bytes and the kind's), the actions' largest moments
+        rest, rest_kind, other_extra, other = 0.0, None, 0.0, None
+        for kind, n in others:
+            chunk = ((layers - n) * dense + (n and n * moe_block) + prices.base[kind] if linear
+                     else prices.chunk(kind, layers, n))
+            if rest_kind is None or chunk > rest:
+                rest, rest_kind = chunk, kind
+            extra = prices.extra("B", kind, moe_top, layers)
+            if other is None or extra > other_extra:
+                other, other_extra = kind, extra
+        wait = max(prices.waiting(kind, layers, n) for kind, n in kinds) if hasattr(prices, "w_mlp") else 0.0
+        head_kind = head_chunk = head_b = head_f = None
+        if head:
+            head_kind, n = head
+            head_chunk = ((layers - n) * dense + (n and n * moe_block) + prices.base[head_kind] if linear
+                          else prices.chunk(head_kind, layers, n))
+            head_b = prices.extra("B", head_kind, moe_top, layers)
+            head_f = prices.extra("F", head_kind, moe_top, layers)
+        priced = prices.memo[signature] = (head_kind, head_chunk, head_b, head_f, rest, rest_kind, other, other_extra,
+                                           wait)
+        out = cache[key] = (rank,) + priced + (gathered,)
+        return out
+
+    def _bytes(self, i, zero):
+        """The i-th candidate stage's peak at zero = (level, shard size), bytes."""
+        rank, peak, gathered, _, _, _, _, _, unit, by_zero = self._rank(i)
+        fixed = by_zero.get(zero) or rank.fixed(*zero)
+        if zero[0] >= 2:  # a block's gradient in flight; ZeRO-3: and the block gathered in a backward
+            peak = (gathered if zero[0] >= 3 else peak) + unit * (1 + 1 / (zero[1] or self.shard))
+        return fixed[1] + max(peak, fixed[2])
+
+    def first_fit(self, zeros, limit):
+        """The first of `zeros` whose gb(zero) <= limit (GB), or None: the candidate stages priced one by one until
+        one does not fit."""
+        n, shard = len(self.counts), self.shard
+        for zero in zeros:
+            level, size = zero
+            buffers = 1 + 1 / (size or shard) if level >= 2 else 0
+            for i in range(n):
+                rank, peak, gathered, _, _, _, _, _, unit, by_zero = (self.ranks[i] if i < len(self.ranks)
+                                                                      else self._rank(i))
+                fixed = by_zero.get(zero) or rank.fixed(level, size)
+                if level >= 2:  # a block's gradient in flight; ZeRO-3: and the block gathered in a backward
+                    peak = (gathered if level >= 3 else peak) + unit * buffers
+                if (fixed[1] + (peak if peak > fixed[2] else fixed[2])) / GB > limit:
+                    break
+            else:
+                return zero
+        return None
+
+    @staticmethod
+    def _static(cluster, model, layout, prices, r, v, v_shape):
+        """Rank r's (_RankStatic, its last-stage chunk's (kind, MoE blocks) or None, its other chunks', its top
+        block's MoE and elements, its chunks' kinds), with a step's sizes of this layout's."""
+        z = layout.__dict__.get("memory_z")
+        if z is None:
+            z = layout.memory_z = _StepBytes(cluster, model, layout, prices.z.knobs, prices.z.program)
+        rank = _RankStatic(cluster, z, r, v, layout.memo, v_shape)
+        if rank.params is None:  # states and step from the parameter sums alone: shared by ranks holding as much
+            signature = (tuple(sorted(rank.sums[0].items())), rank.sums[1])
+            rank.by_zero = layout.__dict__.setdefault("memory_states", {}).setdefault(signature, rank.by_zero)
+        heads = [(kind, n) for kind, n in rank.kinds.items() if kind in ("last", "only")]
+        others = [(kind, n) for kind, n in rank.kinds.items() if kind not in ("last", "only")]
+        static = layout.memory_ranks[(v, r, rank.key[-1])] = (rank, heads[0] if heads else None, others, *rank.top,
+                                                tuple(rank.kinds.items()))
+        return static
+
+    def gb(self, zero):
+        """The fullest candidate stage's peak, GB, at zero = (level, shard size)."""
+        out = self.cache.get(zero)
+        if out is None:
+            out = self.cache[zero] = max(self._bytes(i, zero) for i in range(len(self.counts))) / GB
+        return out
+
+    def fullest(self, zero):
+        """The fullest candidate stage at zero, as rank_peaks gives one: {"stage", "peak_bytes", "parts",
+        "instant"}, its parts from the same functions, at the instants `gb` prices."""
+        level, shard = zero
+        z, best = self.prices.z, None
+        layers = z.model.layers // (self.layout.pp * self.v)
+        for i in range(len(self.counts)):
+            rank, _, _, k, d, buffers, head_kind, (rest, other), _, _ = self._rank(i)
+            states = rank.states(level, shard)
+            chunks = {kind: z.chunk(kind, n, layers) for kind, n in rank.kinds.items()}
+            waits = max((z.waiting_w(kind, n, layers) for kind, n in rank.kinds.items()),
+                        key=lambda w: sum(w.values())) if d else {}
+            moe, gathered = rank.top
+            instants = ([("B", head_kind, buffers), ("F", head_kind, max(0, buffers - z.X))] if head_kind else []) + (
+                [("B", other, buffers)] if other else [])
+            for action, kind, held in instants:
+                head = kind in ("last", "only")
+                kept = _add(chunks[kind] if head else {}, _scale(chunks[rest], k - head) if rest else {})
+                action_parts = max(z.action_parts(action, kind, moe, layers), key=lambda x: sum(x.values()))
+                parts = _add(states, kept, _scale(waits, d), {"receive buffers": held}, action_parts,
+                             rank.zero_extras(level, shard, gathered if action == "B" else 0, rank.z))
+                label = "the loss" if action == "F" else f"a backward with {k} chunks in flight"
+                if best is None or sum(parts.values()) > best[0]:
+                    best = (sum(parts.values()), rank.r, parts, label)
+            step = _add(states, {"step temporaries": rank.step(level, shard)})
+            if sum(step.values()) > best[0]:
+                best = (sum(step.values()), rank.r, step, "the optimizer step")
+        _, stage, parts, label = best
+        parts = {p: round(parts[p]) for p in MEMORY_PARTS if round(parts.get(p, 0))}
+        return {"stage": stage, "peak_bytes": sum(parts.values()), "parts": parts, "instant": f"{label}, stage {stage}"}
+
+
 # ---- one configuration, then the search ------------------------------------------------------------
 
 def _ep_pool(cluster, tp, cp, dp):
@@ -2206,13 +3268,15 @@ def evaluate(cluster, model, layout, knobs):
     b, v, recompute, sp, zero = knobs[:5]
     _check_knobs(model, layout.dp, layout.pp, b, v, layout.interleave_min_pp, knobs.pp_schedule)
     micro_batches = model.global_batch // (layout.dp * b)
-    params, in_flight, mem = first_stage_memory(cluster, model, layout.tp, layout.pp, layout.cp, layout.dp, b, v,
-                                                recompute, sp, zero, micro_batches, layout.ep,
-                                                schedule=knobs.pp_schedule, shard=knobs.zero_shard_size)
-    memory_gb = sum(mem.values())
-    forwards = _layer_forwards(cluster, model, layout, b, sp, knobs.cp_ulysses)
     v_shape = knobs.pp_schedule in V_SCHEDULES
     split = _first_stage_parameters(model, layout.tp, layout.pp, layout.ep, v_shape)
+    params, in_flight = split[0] + split[1], in_flight_microbatches(layout.pp, v, micro_batches, knobs.pp_schedule)
+    fullest = _PlanMemory(cluster, model, layout, knobs._replace(zero=0)).fullest((zero, knobs.zero_shard_size))
+    memory_gb, parts = fullest["peak_bytes"] / GB, fullest["parts"]
+    held = {"weights_gb": "weights", "grads_gb": "main grads", "optimizer_gb": "optimizer states"}
+    mem = {key: parts.get(part, 0) / GB for key, part in held.items()}
+    mem["activations_gb"] = memory_gb - sum(mem.values())  # everything else of the fullest rank's peak
+    forwards = _layer_forwards(cluster, model, layout, b, sp, knobs.cp_ulysses)
     offload_seconds = _offload_terms(cluster, model, layout, b, sp, recompute, forwards, knobs.pp_schedule)
     counts = _stage_counts(model, layout.pp, forwards, recompute,
                            output_layer_seconds(cluster, model, layout.tp, layout.cp, b), offload_seconds, v_shape)
@@ -2225,6 +3289,7 @@ def evaluate(cluster, model, layout, knobs):
         "recompute": recompute, "sequence_parallel": sp, "zero": zero, "pp_schedule": knobs.pp_schedule,
         "zero_shard_size": knobs.zero_shard_size, "cp_ulysses": knobs.cp_ulysses, "micro_batches": micro_batches,
         "in_flight": in_flight, "params_per_gpu": params, "memory_gb": memory_gb, **mem,
+        "memory_stage": fullest["stage"], "memory_instant": fullest["instant"], "memory_parts": parts,
         "fits": memory_gb <= cluster.gpu_mem_gb * MEMORY_HEADROOM,
         "step_time_s": step_time_s, **t, **compute_by_kind(cluster, model, layout, b, recompute, forwards, counts),
         **_offload_row(cluster, model, layout, knobs, offload_seconds, counts, micro_batches),
@@ -2377,36 +3442,24 @@ def _best_for_layout(cluster, model, layout):
     step time computed only for what fits or holds no more than the least memory so far, from cached parts added in
     step_time_terms' order; the full row (evaluate) is built once, for the winner. A V schedule's rank 0 holds the
     first and the last stage: where its layers and parameters are those of the loop's stage 0 and last stage (a dense
-    model, tied embeddings) it shares their cached parts, less the tied embedding's all-reduce and plus the logits;
-    else (`v_own`) it has its own."""
+    model, tied embeddings) it shares their cached time parts, less the tied embedding's all-reduce; else (`v_own`)
+    it has its own. Memory: every candidate stage's instants (_PlanMemory: rank_peaks' prices)."""
     limit = cluster.gpu_mem_gb * MEMORY_HEADROOM
     best, best_time, least, least_key, refused = None, math.inf, None, (math.inf, math.inf), None
     split = _first_stage_parameters(model, layout.tp, layout.pp, layout.ep)
     v_split = _first_stage_parameters(model, layout.tp, layout.pp, layout.ep, True) if layout.pp > 1 else split
     v_own = not _v_rank_0_is_the_loops(model, layout.pp, split, v_split)
     tied_s = _tied_embedding_seconds(cluster, model, layout)  # what a V schedule does not all-reduce
-    unit = _unit_parameters(model, layout.tp, layout.ep)
-    parts, stage_parts, states, deferred, zero_s, optimizer_s = {}, {}, {}, {}, {}, {}
-    v_parts, own_states, own_optimizer = {}, {}, {}  # a V's rank 0: its activations; its states where v_own
+    memories, stage_parts, zero_s, optimizer_s, own_optimizer, floors = {}, {}, {}, {}, {}, {}
     for b, pairs, sps, zeros, recomputes, ulysses in _knob_choices(cluster, model, layout):
         micro_batches = model.global_batch // (layout.dp * b)
         for z in zeros:
-            if z not in states:
-                states[z] = sum(_states_gb(cluster, split, layout.tp, layout.cp, layout.dp, layout.ep, *z, unit))
+            if z not in optimizer_s:
                 optimizer_s[z] = _optimizer_seconds(cluster, layout, *z, split)
-        least_states = min(states[z] for z in zeros)
-        own_least = least_states
-        if v_own and pairs[-1][1] in V_SCHEDULES:  # the V pairs come last
-            for z in zeros:
-                if z not in own_states:
-                    own_states[z] = sum(_states_gb(cluster, v_split, layout.tp, layout.cp, layout.dp, layout.ep, *z,
-                                                   unit))
-                    own_optimizer[z] = _optimizer_seconds(cluster, layout, *z, v_split)
-            own_least = min(own_states[z] for z in zeros)
+            if v_own and z not in own_optimizer and pairs and pairs[-1][1] in V_SCHEDULES:  # the V pairs come last
+                own_optimizer[z] = _optimizer_seconds(cluster, layout, *z, v_split)
         for sp in sps:
             forwards, cp_pairs, too_big = {}, {}, set()  # by Ulysses size, computed once something needs a step time
-            zbv_seen = {}  # recomputation: (ZB-V's activations, whether it fitted with the fastest ZeRO choice)
-            too_big_1f1b = set()  # the recomputations with which 1F1B fitted nowhere
 
             def stage(recompute, schedule, v, own):
                 """(_stage_parts with the fastest Ulysses size, that size, the ZeRO choices fastest first with
@@ -2456,62 +3509,51 @@ def _best_for_layout(cluster, model, layout):
                 except ValueError as e:  # this (b, v) cannot run on this layout; another micro-batch may
                     refused = refused or e
                     continue
-                in_flight = in_flight_microbatches(layout.pp, v, micro_batches, schedule)
-                v_shape = schedule in V_SCHEDULES
-                own = v_shape and v_own
-                pair_states, pair_optimizer, pair_least = ((own_states, own_optimizer, own_least) if own else
-                                                           (states, optimizer_s, least_states))
-                pair_parts, deferred_b = v_parts if v_shape else parts, 0.0
-                if schedule in SPLIT_SCHEDULES:
-                    if (b, own) not in deferred:
-                        deferred[(b, own)] = _stage_deferred_bytes(model, layout.tp, layout.pp, layout.cp, layout.ep,
-                                                                   b, own)
-                    deferred_b = deferred[(b, own)]
+                own = schedule in V_SCHEDULES and v_own
+                pair_optimizer = own_optimizer if own else optimizer_s
                 ruled_out = set()  # policies never faster than one that fitted with the fastest ZeRO choice
                 for recompute in recomputes:
                     if recompute in ruled_out:
                         continue
                     if schedule == "zb-h1" and best is not None and (v, recompute) in too_big:
                         continue  # zero bubble holds at least what its base order holds, which fitted nowhere
-                    if v_shape and (best is not None and not own and recompute in too_big_1f1b or (
-                            schedule == "dualpipev" and zbv_seen.get(recompute, _UNSEEN)[1])):
-                        # a V holds at least 1F1B's p micro-batches of stage 0, which fitted nowhere; DualPipeV's
-                        # bubble is never below ZB-V's (`pipeline_bubble`), the rest alike: it can win only by
-                        # fitting with a faster ZeRO choice than ZB-V
-                        continue
-                    key = (b, sp, recompute, v if recompute in OFFLOAD_POLICIES else 1)  # offload keeps chunk inputs
-                    if key not in pair_parts:
-                        if not v_shape or own:
-                            pair_parts[key] = _activation_parts(cluster, model, layout.tp, layout.pp, layout.cp,
-                                                                layout.ep, b, recompute, sp, key[3], own)
-                        else:  # the loop's stage 0, and the last stage's logits
-                            if key not in parts:
-                                parts[key] = _activation_parts(cluster, model, layout.tp, layout.pp, layout.cp,
-                                                               layout.ep, b, recompute, sp, key[3])
-                            v_parts[key] = parts[key][:3] + (_logits_bytes(model, layout.tp, layout.cp, b),)
-                    activations = _activations_gb(pair_parts[key], in_flight, schedule, layout.pp, micro_batches, v,
-                                                  deferred_b)
-                    if v_shape:
-                        if schedule == "zbv":
-                            zbv_seen[recompute] = activations, False
-                        elif activations >= zbv_seen.get(recompute, _UNSEEN)[0]:
-                            continue  # and it holds no less: it cannot win
-                    fits = pair_least + activations <= limit  # with the ZeRO choice that holds the least
-                    if not fits:
+                    pipeline = None
+                    if best is not None:  # what cannot be faster than the best so far need not be priced in memory
+                        sp_parts, u, fastest, dp_s, layers_s, busy = stage(recompute, schedule, v, own)
+                        # step_time_terms' sum, in its order, from the cached parts
+                        p2p_s, bubble_s = _pipeline_tail(schedule, layout.pp, v, micro_batches, busy, *sp_parts[3:])
+                        pipeline = layers_s + p2p_s + bubble_s - (tied_s if schedule in V_SCHEDULES else 0.0)
+                        if pipeline + dp_s[fastest[0]] + pair_optimizer[fastest[0]] >= best_time:
+                            ruled_out.update(NEVER_FASTER_THAN.get(recompute, ()))  # costlier: slower still
+                            continue
+                    grown = floors.get((sp, recompute, v, schedule))
+                    if grown is not None and (best is not None or grown > least_key[0]):
+                        # a smaller micro-batch fitted with no ZeRO choice, and this one holds no less (k b and the
+                        # working sets grow with b; not under zb-h1, whose deferred W's shrink as m does)
                         too_big.add((v, recompute))
-                        if schedule == "1f1b":
-                            too_big_1f1b.add(recompute)
-                        if best is not None or pair_least + activations > least_key[0]:
-                            continue  # the least memory matters only while nothing fits
-                    sp_parts, u, fastest, dp_s, layers_s, busy = stage(recompute, schedule, v, own)
-                    # step_time_terms' sum, in its order, from the cached parts
-                    p2p_s, bubble_s = _pipeline_tail(schedule, layout.pp, v, micro_batches, busy, *sp_parts[3:])
-                    pipeline = layers_s + p2p_s + bubble_s
-                    if v_shape:
-                        pipeline -= tied_s
-                    if not fits:
+                        continue
+                    key = (b, sp, recompute, v, schedule)
+                    if key not in memories:  # every candidate rank's instants (rank_peaks'), priced once
+                        memories[key] = _PlanMemory(cluster, model, layout, Knobs(b, v, recompute, sp, 0, schedule))
+                    memory = memories[key]
+                    if best is not None:  # the fastest ZeRO choice that fits (those after it are not priced)
+                        fitting = [z for z in (memory.first_fit(fastest, limit),) if z is not None]
+                    else:
+                        fitting = [z for z in zeros if memory.first_fit((z,), limit)]
+                    if not fitting:
+                        too_big.add((v, recompute))
+                        floor = math.inf if best is not None else min(map(memory.gb, zeros))
+                        if schedule != "zb-h1":
+                            floors[(sp, recompute, v, schedule)] = floor
+                    if not fitting and (best is not None or floor > least_key[0]):
+                        continue  # the least memory matters only while nothing fits
+                    if pipeline is None:
+                        sp_parts, u, fastest, dp_s, layers_s, busy = stage(recompute, schedule, v, own)
+                        p2p_s, bubble_s = _pipeline_tail(schedule, layout.pp, v, micro_batches, busy, *sp_parts[3:])
+                        pipeline = layers_s + p2p_s + bubble_s - (tied_s if schedule in V_SCHEDULES else 0.0)
+                    if not fitting:
                         for z in zeros:
-                            memory_gb = pair_states[z] + activations
+                            memory_gb = memory.gb(z)
                             # knob sets can tie on memory (another b or v with as many sequences in flight): of
                             # those, the fastest, not the first tried
                             if memory_gb <= least_key[0] and (memory_gb, pipeline + dp_s[z] + pair_optimizer[z]) \
@@ -2519,9 +3561,7 @@ def _best_for_layout(cluster, model, layout):
                                 least = Knobs(b, v, recompute, sp, *z[:1], schedule, z[1], u)
                                 least_key = (memory_gb, pipeline + dp_s[z] + pair_optimizer[z])
                         continue
-                    z = next(z for z in fastest if pair_states[z] + activations <= limit)
-                    if v_shape and schedule == "zbv":
-                        zbv_seen[recompute] = activations, z == fastest[0]
+                    z = next(z for z in fastest if z in fitting)
                     step = pipeline + dp_s[z] + pair_optimizer[z]
                     if step < best_time:
                         best, best_time = Knobs(b, v, recompute, sp, z[0], schedule, z[1], u), step
@@ -2531,9 +3571,6 @@ def _best_for_layout(cluster, model, layout):
     if best is None and least is None:
         raise refused
     return evaluate(cluster, model, layout, best or least)
-
-
-_UNSEEN = (math.inf, False)  # zbv_seen's answer where ZB-V was not tried: it neither holds less nor fitted
 
 
 def _v_rank_0_is_the_loops(model, pp, split, v_split):
@@ -2818,7 +3855,9 @@ def table_1_model(row, published_knobs):
 # (CLUSTER_2021, properties of the implementation). The planner still chooses the micro-batch size and the
 # interleaving, as the authors did.
 SOFTWARE_2021 = dict(recompute="full", sequence_parallel=False, zero=False)
-CLUSTER_2021 = dict(overlap_grad_reduce="without_pp", interleave_min_pp=3, schedules=("1f1b", "interleaved"))
+PROGRAM_2021 = dict(grad_bytes=2, flash_attention=False, dropout=True)  # fp16 buffers, unfused attention, GPT-3's dropout
+CLUSTER_2021 = dict(overlap_grad_reduce="without_pp", interleave_min_pp=3, schedules=("1f1b", "interleaved"),
+                    **PROGRAM_2021)
 
 
 def published_estimate(row, **cluster_overrides):
@@ -2844,7 +3883,8 @@ def fit_efficiency(**cluster_overrides):
 def calibrate(every_knob=True, **cluster_overrides):
     """For each row of Table 1: the prediction for the published run (its layout and knobs); the planner with
     the 2021 software (SOFTWARE_2021) on the published (TP, PP) and over every layout; with `every_knob`, the planner
-    with every knob it knows (today's Megatron-LM options) likewise."""
+    with every knob it knows (today's Megatron-LM options) likewise, on the same program (PROGRAM_2021: the
+    published runs' fp16 gradient buffers, unfused attention and dropout)."""
     out = []
     for row in TABLE_1:
         params_b, _, _, _, tp, pp, gpus, _, measured, _, _, ddp = row
@@ -2855,7 +3895,8 @@ def calibrate(every_knob=True, **cluster_overrides):
         for name, cluster, model, cp in (
                 ("2021", Cluster(gpus=gpus, **{**CLUSTER_2021, **cluster_overrides}),
                  replace(table_1_model(row, False), **SOFTWARE_2021), 1),
-                ("today", Cluster(gpus=gpus, **cluster_overrides), table_1_model(row, False), None))[:1 + every_knob]:
+                ("today", Cluster(gpus=gpus, **{**PROGRAM_2021, **cluster_overrides}), table_1_model(row, False),
+                 None))[:1 + every_knob]:
             on_published = estimate(cluster, model, tp, pp, 1)
             top = plan(cluster, model, cp=cp)[0]
             result[name] = {"on_published": on_published, "top": top,
@@ -3262,7 +4303,8 @@ def _cluster_from_args(a):
     overrides = {k: v for k, v in overrides.items() if v is not None}
     return Cluster.for_gpu(a.gpu, a.gpus, gpus_per_node=a.gpus_per_node, overlap_grad_reduce=a.overlap_grad_reduce,
                            interleave_min_pp=a.interleave_min_pp, flash_attention=a.flash_attention,
-                           grad_bytes=a.grad_bytes, expert_folding=a.expert_folding, offload=a.offload, **overrides)
+                           grad_bytes=a.grad_bytes, dropout=a.dropout, expert_folding=a.expert_folding,
+                           offload=a.offload, **overrides)
 
 
 def _add_cluster_flags(ap):
@@ -3274,10 +4316,14 @@ def _add_cluster_flags(ap):
                     help="the gradient reduction overlaps the last micro-batch's backward (torch DDP, Megatron-Core)")
     ap.add_argument("--interleave-min-pp", type=int, default=2,
                     help="smallest pipeline the interleaved schedule accepts (2 today; 3 for Megatron-LM 2021)")
-    ap.add_argument("--flash-attention", action="store_true",
-                    help="the attention core is a flash kernel (Megatron-Core), not Megatron-LM 2021's unfused one")
+    ap.add_argument("--flash-attention", action=argparse.BooleanOptionalAction, default=True,
+                    help="the attention core is a flash kernel (train_gpt.py, Megatron-Core), or (--no-flash-attention) "
+                         "Megatron-LM 2021's unfused one, its scores through HBM and kept")
     ap.add_argument("--grad-bytes", type=int, choices=[2, 4], default=GRAD_BYTES,
-                    help="bytes per gradient element: 2 (fp16 buffers, 2021) or 4 (fp32 main grads, Megatron-Core)")
+                    help="bytes per gradient element: 4 (fp32 main grads: train_gpt.py, Megatron-Core) or 2 (fp16 "
+                         "buffers, 2021)")
+    ap.add_argument("--dropout", action="store_true",
+                    help="the program keeps dropout masks (Megatron-LM 2021, GPT-3); train_gpt.py has no dropout")
     ap.add_argument("--offload", action="store_true",
                     help="the search also tries activation offloading to host memory (--recompute offload, "
                          "selective+offload) over PCIe at --pcie-gbps")
@@ -3377,6 +4423,79 @@ def _plan_main(argv):
     print(explain(plans, cluster, model.recompute))
 
 
+TRAIN_GPT_RECOMPUTE = ("none", "full", "sqrt", "selective", "offload", "selective+offload")
+CP_IMPLS = ("allgather", "hybrid", "ring", "ulysses")
+
+
+def train_gpt_run(a):
+    """(cluster, model, layout, knobs, program) of the train_gpt.py run that these flags describe (`_memory_main`'s
+    parsed flags, train_gpt.py's names and defaults): its own program (flash attention, FP32 main grads, no dropout,
+    MoE folded over DP x CP)."""
+    cluster = Cluster(gpus=a.world, flash_attention=True, grad_bytes=4, dropout=False, gpu_mem_gb=a.gpu_mem_gb)
+    model = ModelShape(layers=a.layers, hidden=a.hidden, heads=a.heads, seq=a.seq, vocab=a.vocab, global_batch=a.batch,
+                       moe_every=a.moe_every, experts=a.experts, top_k=a.top_k, imbalance=a.imbalance)
+    layout = _Layout(cluster, model, a.tp, a.pp, a.cp, a.ep)
+    u = {"ring": 1, "allgather": 1, "ulysses": a.cp, "hybrid": a.cp_ulysses}[a.cp_impl]
+    knobs = Knobs(a.micro_batch, a.virtual_stages, a.recompute, a.sequence_parallel and a.tp > 1, a.zero,
+                  a.pp_schedule, a.zero_shard_size, u)
+    _check_knobs(model, layout.dp, a.pp, a.micro_batch, a.virtual_stages, 2, a.pp_schedule)
+    program = Program(dtype=a.dtype, device=a.device, optimizer=a.optimizer, cp_impl=a.cp_impl if a.cp > 1 else None,
+                      nvfp4_bf16_last=a.nvfp4_bf16_last)
+    return cluster, model, layout, knobs, program
+
+
+def every_rank_peak(cluster, model, layout, knobs, program):
+    """rank_peaks for every rank of the world, in rank order (Megatron's: a rank's stage is rank // (t c d))."""
+    stages = rank_peaks(cluster, model, layout, knobs, program)
+    per_stage = layout.tp * layout.cp * layout.dp
+    return [{"rank": rank, **{k: v for k, v in stages[rank // per_stage].items() if k != "stage"}}
+            for rank in range(cluster.gpus)]
+
+
+def _memory_main(argv):
+    ap = _OneLineParser(prog="topology.py memory", description="Every rank's peak bytes of live tensors in a training "
+                        "step of train_gpt.py (a step after the first), with its parts and the instant of the peak, "
+                        "from the flags train_gpt.py takes (their names and defaults).")
+    ap.add_argument("--world", type=int, required=True, help="ranks (torchrun's --nproc_per_node x --nnodes)")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="the kernels whose buffers are "
+                    "counted: CUDA (FP32 LayerNorm statistics, foreach AdamW) or CPU (gloo runs, the tests)")
+    ap.add_argument("--gpu-mem-gb", type=float, default=DEFAULT_GPU_MEM_GB, help="GPU memory, GB: a rank fits when "
+                    f"its peak is at most {MEMORY_HEADROOM} of it")
+    ap.add_argument("--imbalance", type=float, default=1.0, help="MoE: the busiest EP rank's routed copies over the "
+                    "uniform share (1: balanced)")
+    ap.add_argument("--json", action="store_true", help="a list of {rank, peak_bytes, parts, instant}")
+    group = ap.add_argument_group("train_gpt.py's flags").add_argument
+    for flag, default in (("--layers", 4), ("--heads", 4), ("--hidden", 64), ("--seq", 64), ("--vocab", 256),
+                          ("--moe-every", 0), ("--experts", 8), ("--top-k", 2), ("--tp", 1), ("--pp", 1), ("--cp", 1),
+                          ("--ep", 1), ("--cp-ulysses", 1), ("--virtual-stages", 1), ("--batch", 16),
+                          ("--micro-batch", 2)):
+        group(flag, type=int, default=default)
+    group("--sequence-parallel", action="store_true")
+    group("--cp-impl", choices=CP_IMPLS, default="ring")
+    group("--pp-schedule", choices=SCHEDULES, default="1f1b")
+    group("--dtype", choices=list(PROGRAM_DTYPES), default="float32")
+    group("--zero", type=int, choices=list(ZERO_LEVELS), default=0)
+    group("--zero-shard-size", type=int, default=None)
+    group("--nvfp4-bf16-last", type=int, default=None)
+    group("--recompute", choices=TRAIN_GPT_RECOMPUTE, default="none")
+    group("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    a = ap.parse_args(argv)
+    if not 1 <= a.world <= MAX_GPUS:
+        raise ValueError(f"--world {a.world} must be between 1 and {MAX_GPUS:,}")
+    ranks = every_rank_peak(*train_gpt_run(a))
+    if a.json:
+        print(json.dumps(ranks, indent=1))
+        return
+    limit = a.gpu_mem_gb * MEMORY_HEADROOM * GB
+    print(f"{'rank':>5s} {'peak MB':>10s}  " + " ".join(f"{p[:10]:>10s}" for p in MEMORY_PARTS) + "  instant")
+    for r in ranks:
+        print(f"{r['rank']:>5d} {r['peak_bytes'] / 1e6:>10.3f}  "
+              + " ".join(f"{r['parts'].get(p, 0) / 1e6:>10.3f}" for p in MEMORY_PARTS) + f"  {r['instant']}")
+    fullest = max(ranks, key=lambda r: r["peak_bytes"])
+    print(f"fullest: rank {fullest['rank']}, {fullest['peak_bytes'] / GB:.3f} GB at {fullest['instant']}; "
+          f"{'fits' if fullest['peak_bytes'] <= limit else 'does NOT fit'} in {a.gpu_mem_gb:g} GB x {MEMORY_HEADROOM}")
+
+
 def _calibrate_main(argv):
     ap = _OneLineParser(prog="topology.py calibrate",
                                  description="Narayanan et al. 2021 Table 1, then published MoE runs "
@@ -3407,6 +4526,8 @@ def main(argv=None):
             _plan_main(argv[1:])
         elif argv[:1] == ["calibrate"]:
             _calibrate_main(argv[1:])
+        elif argv[:1] == ["memory"]:
+            _memory_main(argv[1:])
         elif argv[:1] == ["example"]:
             print_chapter_plans()
             print_chapter_example()

@@ -1280,6 +1280,7 @@ class JobConfig(TrainConfig):
     resume: bool = False              # continue from the latest complete checkpoint in out_dir, if any
     init_from_hf: str = None          # a GPT-2 folder (config.json, model.safetensors): the initial weights
     moe_grouped_gemm: bool = False    # each MoE layer's local experts as one grouped GEMM (moe_ep.GroupedGEMMMoE)
+    memory_report: bool = False       # step 2's peak per rank and part, measured from the live tensors, beside topology's
     # also: data may be a text file, a folder of them, or train.bin/val.bin; recompute offload, selective+offload;
     # zero 2 and 3; dtype nvfp4; cp_impl allgather and hybrid; fp8_recipe rowwise, blockwise, mxfp8
 
@@ -2436,7 +2437,10 @@ import socket
 import stat
 import sys
 import warnings
+import weakref
 from dataclasses import asdict
+
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import grad_accum
 
@@ -2477,6 +2481,9 @@ def train_job(cfg, train_cfg, data=None):
             say_on_rank_0(train_cfg, plan.parallel_state.rank, what_runs(cfg, train_cfg, plan, stage, data))
             start = resume_step(train_cfg, stage, opt)  # 0, or with --resume the step out_dir's checkpoint holds
         parallel_state, device = plan.parallel_state, next(stage.parameters()).device
+        predicted = predicted_memory(cfg, train_cfg, parallel_state.world_size, device)  # every rank's peak, predicted
+        if predicted:
+            say_on_rank_0(train_cfg, parallel_state.rank, memory_line(predicted))
         metrics = open_metrics(train_cfg.metrics, start) if train_cfg.metrics and parallel_state.rank == 0 else None
         records, skipped, step = [], 0, start
         with stalls_in_one_line(train_cfg, lambda: f"step {step}"):
@@ -2489,8 +2496,10 @@ def train_job(cfg, train_cfg, data=None):
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 stage.step = step  # what NVFP4's stochastic rounding draws from (beyond the chapter)
-                loss, aux, grad_norm, stepped, schedule = train_step(stage, pipe, opt, tokens, train_cfg.micro_batch,
-                                                                     train_cfg.grad_clip)
+                measured = step == min(start + 1, train_cfg.steps - 1)  # memory: the second step (its states exist)
+                with MemoryMeter(stage, opt, device, measured, train_cfg.memory_report, [tokens]) as meter:
+                    loss, aux, grad_norm, stepped, schedule = train_step(stage, pipe, opt, tokens,
+                                                                         train_cfg.micro_batch, train_cfg.grad_clip)
                 # train_step ends with a host sync (the loss), so this is the whole step
                 record = step_record(step, lr, loss, aux, grad_norm, stepped, time.perf_counter() - t0, stage, opt,
                                      cfg, train_cfg)
@@ -2499,6 +2508,10 @@ def train_job(cfg, train_cfg, data=None):
                     record["val_loss"] = evaluate(stage, pipe, data, train_cfg, cfg)
                 if step == start:  # this rank's memory, from the live tensors, and what makes the batch
                     record.update(first_step_figures(opt, schedule, plan, train_cfg))
+                if measured and (predicted or meter.measured is not None):  # each rank's peak, predicted and measured
+                    meter.step = step
+                    record.update(memory_figures(meter, predicted, plan, train_cfg))
+                    say_on_rank_0(train_cfg, parallel_state.rank, memory_step_line(record["memory"]))
                 records.append(record)
                 metrics = log_step(metrics, record, skipped, cfg, train_cfg, parallel_state.rank)
                 save_due = train_cfg.save_every and (step + 1) % train_cfg.save_every == 0
@@ -2641,6 +2654,309 @@ def log_step(metrics, record, skipped, cfg, train_cfg, rank):
 def say_on_rank_0(train_cfg, rank, line):
     if train_cfg.log and rank == 0:
         print(line, flush=True)
+
+
+# ---- Memory: each rank's peak, measured, beside topology.py's prediction -----------------------------------
+# CUDA counts it: torch.cuda.max_memory_allocated() after reset_peak_memory_stats() at the measured step's start.
+# On CPU (and for the parts, --memory-report) `LiveTensorBytes` follows every storage a tensor of this rank holds,
+# from its creation to its release: those alive when the step starts (the states) and those the step's ops create
+# (a dispatch mode sees each op's outputs; a weak reference to the storage sees its release; storage resize_, which
+# ZeRO-3's gathers and the pipeline's freed sends call, bypasses the dispatcher and is wrapped). Each storage is
+# tagged when created with the part it belongs to and the instant (action, micro-batch, block) that made it; the
+# peak keeps the parts alive at its instant. Left out, as the planner leaves them: a kernel's scratch, the
+# communication backend's own copies (gloo's reduce-scatter and all-gather stage whole buffers on its threads,
+# NCCL has its buffers), and the host copies of offloaded activations.
+
+MEMORY_PARTS = ("weights", "main grads", "optimizer states", "activations", "LM head and loss", "backward",
+                "receive buffers", "ZeRO gathered", "ZeRO grad buffers", "step temporaries", "other")
+# functions whose new storages belong to a part of their own, whatever the instant (innermost caller first)
+_MADE_BY = {"post_receive": "receive buffers", "reduce_unit_grads": "ZeRO grad buffers", "pack": None}
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """This rank's live tensor bytes through one step, their peak, its parts and its instant (see above).
+    `with LiveTensorBytes(stage, opt, [tokens]) as live: train_step(...)`; then live.peak, live.peak_parts,
+    live.instant. `extra`: the tensors besides the model's and the optimizer's that live at the step's start."""
+
+    def __init__(self, stage, opt, extra=()):
+        super().__init__()
+        self.stage, self.opt, self.extra = stage, opt, extra
+        self.live, self.refs = {}, {}  # id(storage) -> [bytes, part]; -> its weak reference
+        self.parts = dict.fromkeys(MEMORY_PARTS, 0)
+        self.total = self.peak = 0
+        self.peak_parts, self.instant = dict(self.parts), "the step's start"
+        self.action, self.micro, self.chunk, self.where = "start", None, 0, ""
+        self.counts = {}  # (kind, chunk) -> forwards or backwards seen
+        self.undo = []
+
+    # -- the storages --
+    def _add(self, storage, part):
+        key = id(storage)
+        if key in self.live or part is None:
+            return
+        self.live[key] = [storage.nbytes(), part]
+        self.refs[key] = weakref.ref(storage, lambda _, k=key: self._drop(k))
+        self._grew(self.live[key][0], part)
+
+    def _grew(self, nbytes, part):
+        self.parts[part] += nbytes
+        self.total += nbytes
+        if self.total > self.peak:
+            self.peak, self.peak_parts, self.instant = self.total, dict(self.parts), self._instant()
+
+    def _drop(self, key):
+        nbytes, part = self.live.pop(key)
+        self.refs.pop(key, None)
+        self.parts[part] -= nbytes
+        self.total -= nbytes
+
+    def _resized(self, storage):
+        entry = self.live.get(id(storage))
+        if entry is not None and storage.nbytes() != entry[0]:
+            change, entry[0] = storage.nbytes() - entry[0], storage.nbytes()
+            self._grew(change, entry[1])
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out,) if isinstance(out, torch.Tensor) else torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                if id(storage) in self.live:
+                    self._resized(storage)
+                elif not func.is_view:  # a view of a storage never seen: the backend's own (gloo's staging)
+                    self._add(storage, self._part_of_new())
+        return out
+
+    def _part_of_new(self):
+        frame = sys._getframe(2)
+        while frame is not None:
+            name = frame.f_code.co_name
+            if name in _MADE_BY:
+                return _MADE_BY[name]
+            frame = frame.f_back
+        return {"forward": "activations", "head": "LM head and loss", "backward": "backward",
+                "head backward": "LM head and loss", "recompute": "backward", "W": "backward",
+                "gradient sums": "step temporaries", "the optimizer step": "step temporaries"}.get(self.action, "other")
+
+    def _instant(self):
+        """The instant in topology.py's words: "backward of micro-batch 3, block 0, stage 0", "the loss of ..."."""
+        chunk = f", chunk {self.chunk}" if self.stage.plan.virtual_stages > 1 else ""
+        micro = "" if self.micro is None else f" of micro-batch {self.micro}{chunk}"
+        action = {"head": "the loss", "head backward": "backward", "recompute": "backward"}.get(self.action, self.action)
+        where = "" if self.action == "head" else self.where
+        return f"{action}{micro}{where}, stage {self.stage.plan.parallel_state.pp_rank}"
+
+    # -- the states, and the hooks that say where the step is --
+    def _states(self):
+        """What lives when the step starts, by part: the weights (this rank's at rest: ZeRO-3's shards), main grads
+        and optimizer states (the masters, the moments), ZeRO-3's gathered buffers (empty at rest), the model's
+        buffers and the batch (`extra`). Found from these roots, not by a scan of every object: a run's host data
+        (its token corpus) is no device memory."""
+        opt, stage = self.opt, self.stage
+        owned = getattr(opt, "owned_param", lambda p: (None, p))
+        at_rest = [owned(p)[1] for p in opt.params]
+        pieces = [q for group in opt.optimizer.param_groups for q in group["params"]]
+        rest = {id(t.untyped_storage()) for t in at_rest}
+        for part, tensors in (("weights", at_rest),
+                              ("main grads", [q.grad for q in pieces if q.grad is not None]
+                               + [p.main_grad for p in opt.params if hasattr(p, "main_grad")]),
+                              ("optimizer states", pieces + [t for state in opt.optimizer.state.values()
+                                                             for t in state.values() if torch.is_tensor(t)]),
+                              ("ZeRO gathered", [p for p in opt.params if id(p.untyped_storage()) not in rest]),
+                              ("other", list(stage.buffers()) + [p for p in stage.parameters()] + list(self.extra))):
+            for t in tensors:
+                self._add(t.untyped_storage(), part)
+
+    def _set(self, action, micro=None, chunk=0, where=""):
+        self.action, self.micro, self.chunk, self.where = action, micro, chunk, where
+
+    def _count(self, kind, chunk):
+        n = self.counts.get((kind, chunk), 0)
+        self.counts[(kind, chunk)] = n + 1
+        return n
+
+    def _hooks(self):
+        stage, last = self.stage, self.stage.plan.virtual_stages - 1
+
+        def before_stage(module, args, kwargs):
+            chunk = kwargs.get("chunk", 0)
+            self._set("forward", self._count("F", chunk), chunk,
+                      ", embedding" if stage.is_first_chunk(chunk) else "")
+
+        def after_stage(module, args, kwargs, out):
+            chunk, micro = kwargs.get("chunk", 0), self.micro
+            if stage.is_last_chunk(chunk):
+                self._set("head", micro, chunk, ", LM head and loss")
+            top = f", block {stage.chunk_blocks(chunk)[-1].layer}"
+            if out[0].requires_grad and not stage.is_last_chunk(chunk):
+                out[0].register_hook(lambda g: self._set("backward", self._count("B", chunk), chunk, top))
+            elif out[0].requires_grad:
+                out[0].register_hook(lambda g: self._set("head backward", self.micro, chunk, ", LM head"))
+
+        def before_head(module, args):
+            if torch._C._current_graph_task_id() == -1:
+                self._set("head", self.micro, self.chunk, ", LM head and loss")
+
+        def loss_sum(logits, targets, chunk=last):
+            loss = type(stage).loss_sum(stage, logits, targets)
+            if loss.requires_grad:
+                loss.register_hook(lambda g: self._set("head backward", self._count("B", chunk), chunk,
+                                                       ", cross-entropy"))
+            return loss
+
+        def before_block(block, args):
+            if torch._C._current_graph_task_id() != -1:  # a recomputation inside the backward
+                self._set("recompute", self.micro, self.chunk, f", block {block.layer}")
+                return
+            self.where = f", block {block.layer}"
+            if args[0].requires_grad and block is stage.chunk_blocks(self.chunk)[0]:
+                chunk, first = self.chunk, stage.is_first_chunk(self.chunk)
+                args[0].register_hook(lambda g: self._set("backward", self.micro, chunk,
+                                                          ", embedding" if first else ", its input"))
+
+        def after_block(block, args, out):
+            top = block is stage.chunk_blocks(self.chunk)[-1]
+            if torch._C._current_graph_task_id() == -1 and out[0].requires_grad and not top:
+                out[0].register_hook(lambda g: self._set("backward", self.micro, self.chunk, f", block {block.layer}"))
+            elif torch._C._current_graph_task_id() == -1 and out[0].requires_grad and stage.is_last_chunk(self.chunk):
+                chunk = self.chunk
+                out[0].register_hook(lambda g: self._set("backward", self.micro, chunk, f", block {block.layer}"))
+
+        def wrap(obj, name, action):
+            method = getattr(obj, name)
+
+            def run(*a, **k):
+                self._set(action)
+                return method(*a, **k)
+            setattr(obj, name, run)
+            self.undo.append(lambda: delattr(obj, name))
+
+        handles = [stage.register_forward_pre_hook(before_stage, with_kwargs=True),
+                   stage.register_forward_hook(after_stage, with_kwargs=True)]
+        for block in stage.blocks:
+            handles += [block.register_forward_pre_hook(before_block), block.register_forward_hook(after_block)]
+        if stage.last:
+            handles.append(stage.ln_f.register_forward_pre_hook(before_head))
+        self.undo += [h.remove for h in handles]
+        stage.loss_sum = loss_sum
+        self.undo.append(lambda: delattr(stage, "loss_sum"))
+        wrap(self.opt, "all_reduce_grads", "gradient sums")
+        wrap(self.opt, "step", "the optimizer step")
+        resize = torch.UntypedStorage.resize_
+
+        def resize_(storage, size):
+            out = resize(storage, size)
+            self._resized(storage)
+            return out
+        torch.UntypedStorage.resize_ = resize_
+        self.undo.append(lambda: setattr(torch.UntypedStorage, "resize_", resize))
+
+    def __enter__(self):
+        self._states()
+        self.peak, self.peak_parts = self.total, dict(self.parts)
+        self._hooks()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        for undo in reversed(self.undo):
+            undo()
+        return out
+
+
+def predicted_memory(cfg, train_cfg, world, device):
+    """topology.py's prediction for this run (`topology.py memory` with the same flags): every rank's peak bytes,
+    parts and instant; None where the planner does not model the run (it says why)."""
+    flags = argparse.Namespace(
+        world=world, device=device.type, imbalance=1.0, gpu_mem_gb=topology.DEFAULT_GPU_MEM_GB, layers=cfg.n_layer,
+        heads=cfg.n_head, hidden=cfg.n_embd, seq=cfg.seq_len, vocab=cfg.vocab_size, moe_every=cfg.moe_every,
+        experts=cfg.n_experts, top_k=cfg.top_k, **{f.name: getattr(train_cfg, f.name) for f in fields(train_cfg)
+                                                   if f.name in MEMORY_FLAGS})
+    try:
+        return topology.every_rank_peak(*topology.train_gpt_run(flags))
+    except ValueError as e:
+        _warn_on_rank_0(f"memory: no prediction for this run ({e})")
+        return None
+
+
+MEMORY_FLAGS = ("tp", "pp", "cp", "ep", "sequence_parallel", "cp_impl", "cp_ulysses", "pp_schedule", "virtual_stages",
+                "recompute", "dtype", "zero", "zero_shard_size", "batch", "micro_batch", "optimizer", "nvfp4_bf16_last")
+
+
+def memory_line(predicted):
+    """The start-up line: the fullest rank's predicted peak, where it falls, and against this GPU's memory."""
+    fullest = max(predicted, key=lambda r: r["peak_bytes"])
+    where = ""
+    if torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        where = f", {fullest['peak_bytes'] / total:.1%} of this GPU's {total / 2 ** 30:.1f} GiB"
+    return (f"memory: predicted peak {fullest['peak_bytes'] / 2 ** 20:,.1f} MiB on rank {fullest['rank']} (the "
+            f"fullest){where}, at {fullest['instant']}; measured at step 2")
+
+
+class MemoryMeter:
+    """This rank's peak during one step: CUDA's max_memory_allocated (reset at the step's start), and with
+    `report` (always on CPU, where nothing else measures) the live tensors' `LiveTensorBytes`, which gives the
+    parts and the instant. Off (`on` False) it does nothing."""
+
+    def __init__(self, stage, opt, device, on, report, batch=()):
+        self.stage, self.opt, self.device, self.on, self.report, self.batch = stage, opt, device, on, report, batch
+        self.live = self.measured = None
+
+    def __enter__(self):
+        if self.on and self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        if self.on and self.report:
+            self.live = LiveTensorBytes(self.stage, self.opt, self.batch).__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.live is not None:
+            self.live.__exit__(*exc)
+        if self.on and self.device.type == "cuda":
+            self.measured = torch.cuda.max_memory_allocated()
+        elif self.live is not None:
+            self.measured = self.live.peak
+        return False
+
+
+def memory_figures(meter, predicted, plan, train_cfg):
+    """What the measured step's record adds, every rank's: "memory": [{rank, predicted_bytes, measured_bytes,
+    instant (measured, where the live tensors were followed), predicted_instant}], and with --memory-report
+    "memory_parts": {part: [[predicted, measured] per rank]} (the live tensors' parts)."""
+    rank = plan.parallel_state.rank
+    mine = {"measured_bytes": meter.measured, "instant": meter.live.instant if meter.live else None,
+            "parts": dict(meter.live.peak_parts) if meter.live else None}
+    every = [None] * plan.parallel_state.world_size
+    if plan.world is not None:
+        dist.all_gather_object(every, mine, group=plan.world)
+    else:
+        every = [mine]
+    rows = [{"rank": r, "predicted_bytes": None if predicted is None else int(predicted[r]["peak_bytes"]),
+             "measured_bytes": m["measured_bytes"], "instant": m["instant"],
+             "predicted_instant": None if predicted is None else predicted[r]["instant"]} for r, m in enumerate(every)]
+    out = {"memory": rows}
+    if train_cfg.memory_report and rank == 0:
+        say = [f"memory per rank and part, predicted / measured MiB (step {meter.step + 1}):"]
+        parts = [p for p in MEMORY_PARTS if any((m["parts"] or {}).get(p) or (predicted and predicted[r]["parts"].get(p))
+                                               for r, m in enumerate(every))]
+        out["memory_parts"] = {p: [[None if predicted is None else int(predicted[r]["parts"].get(p, 0)),
+                                    (m["parts"] or {}).get(p)] for r, m in enumerate(every)] for p in parts}
+        for r, m in enumerate(every):
+            say.append(f"rank {r}: " + ", ".join(
+                f"{p} {(predicted[r]['parts'].get(p, 0) if predicted else 0) / 2 ** 20:.2f} / "
+                f"{((m['parts'] or {}).get(p) or 0) / 2 ** 20:.2f}" for p in parts))
+        say_on_rank_0(train_cfg, rank, "\n".join(say))
+    return out
+
+
+def memory_step_line(rows):
+    """The measured step's memory, one line: per rank predicted / measured MiB and the instant of the peak."""
+    return "memory (predicted / measured MiB, the peak's instant): " + "; ".join(
+        f"rank {r['rank']} " + ("-" if r["predicted_bytes"] is None else f"{r['predicted_bytes'] / 2 ** 20:.2f}")
+        + " / " + ("-" if r["measured_bytes"] is None else f"{r['measured_bytes'] / 2 ** 20:.2f}")
+        + (f" at {r['instant']}" if r["instant"] else "") for r in rows)
 
 
 # ---- Data: text files and folders, nanoGPT .bin files (the embedded corpus, the synthetic language: the core's) ----
@@ -5016,6 +5332,8 @@ def parse_job_args(argv=None):
               "stay BF16, as the LM head and the experts do (default: the last 15 %%, rounded)")
     group["memory"]("--zero-shard-size", type=int, default=None, help="hybrid sharding: shard over groups of this "
                     "many DP x CP ranks (one node, say), replicate across them (default: all of them)")
+    group["memory"]("--memory-report", action="store_true", help="measure step 2's peak per rank and part from the "
+                    "live tensors (on CUDA also max_memory_allocated) and print it beside topology.py's prediction")
     group["data and optimisation"]("--eval-every", type=int, default=0, help="steps between validation losses (0: "
                                    "none)")
     group["data and optimisation"]("--eval-batches", type=int, default=4, help="batches per validation loss")

@@ -25,6 +25,10 @@
 8. Sharding: ZeRO-3's gather, release and reduction around every block on the device against ZeRO-0 (and on
    four gloo CPU processes, with the interleaved schedule, under 7); ZeRO-3 with FP8 parameter gathers (the
    MXFP8 packing on the device) against BF16 ones.
+9. Memory: GPT-2 small's step-2 peak, torch.cuda.max_memory_allocated() (reset at the step's start), against
+   topology.py's prediction for the same flags (`topology.py memory`, device cuda), and by part (the live tensors'
+   tracker, --memory-report) against the prediction's parts; what max_memory_allocated holds beside the tensors
+   (cuBLAS's workspace, the allocator's 512-byte rounding) stays within the bound.
 Each section reports its own failure (an exception, or a figure outside its stated bound) and the next one still
 runs; the exit code is 1 if any section failed.
 """
@@ -464,6 +468,31 @@ def offload(device, dry):
         + f" (offload adds {times['offload'] / times['none'] - 1:+.1%} to none's step)")
 
 
+def memory(device, dry):
+    """Each rank's peak of a step after the first, predicted before the run (topology.py, from train_gpt.py's flags)
+    against measured (train_job's MemoryMeter: on CUDA max_memory_allocated over step 2; on CPU the live tensors'
+    peak), GPT-2 small in BF16 at world size 1 (tiny shapes with --dry-run); and each part."""
+    cfg = train_gpt.GPTConfig(vocab_size=50304, seq_len=1024, n_layer=12, n_head=12, n_embd=768)
+    batch, micro = 16, 8
+    if dry:
+        cfg = train_gpt.GPTConfig(vocab_size=512, seq_len=64, n_layer=2, n_head=4, n_embd=64)
+        batch, micro = 4, 2
+    run = train_gpt.JobConfig(dtype="bfloat16", batch=batch, micro_batch=micro, steps=2, log=False, data="synthetic",
+                              timeout_s=120, memory_report=True)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    records = train_gpt.train_job(cfg, run)
+    row, parts = records[1]["memory"][0], records[1]["memory_parts"]
+    predicted, measured = row["predicted_bytes"], row["measured_bytes"]
+    say("memory gpt2 step 2 peak", f"predicted {predicted / 2**30:.3f} GiB at {row['predicted_instant']}; measured "
+        f"{measured / 2**30:.3f} GiB ({'max_memory_allocated' if device.type == 'cuda' else 'live tensors'}) at "
+        f"{row['instant']}")
+    say("memory gpt2 parts (MiB, predicted / measured)", ", ".join(
+        f"{part} {p / 2**20:.1f} / {(m or 0) / 2**20:.1f}" for part, ((p, m),) in parts.items()))
+    check("memory gpt2 predicted vs measured", abs(predicted / measured - 1), 0.05 if device.type == "cuda" else 0.03,
+          "relative difference")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budget-s", type=float, default=240.0)
@@ -486,7 +515,8 @@ def main():
                           ("recompute", lambda: recompute_memory(device, a.dry_run)),
                           ("offload", lambda: offload(device, a.dry_run)),
                           ("schedules", lambda: schedules(device, a.dry_run)),
-                          ("sharding", lambda: sharding(device, a.dry_run))):
+                          ("sharding", lambda: sharding(device, a.dry_run)),
+                          ("memory", lambda: memory(device, a.dry_run))):
         if time.monotonic() > deadline:
             say(name, "skipped: time budget spent")
             continue

@@ -2310,7 +2310,8 @@ def _async_unit_reduce(rank, world):
                     mp.sharded_micro_batch(model, opt, inputs, target)
                     in_flight = None
                 opt.step(grad_multiplier=1 / ROWS, max_norm=SHARDED_MAX_NORM, norm_group=dist.group.WORLD)
-                results[path] = {"calls": list(calls), "in_flight": in_flight,
+                last_unit = [any(b is u for u in opt.units[0].buffers) for b in opt._buffers]
+                results[path] = {"calls": list(calls), "in_flight": in_flight, "last_unit": last_unit,
                                  "after_step": [getattr(b, "in_flight", None) is not None for b in opt._buffers],
                                  "params": _gathered_params(model, opt)}
             out[zero] = results
@@ -2323,9 +2324,11 @@ def test_unit_reduce_scatters_overlap_the_backward_and_give_the_blocking_update(
     for rank_out in run_ranks(_async_unit_reduce, 2, timeout=60):
         for zero, r in rank_out.items():
             markers, blocking = r["markers"], r["blocking"]
-            # three units, one reduce-scatter each, issued without waiting; the embedding's at the step
+            # three units, one reduce-scatter each, issued without waiting; the embedding's at the step. Each unit's
+            # reduce_grads first finishes the unit's before it, so when the backward returns only the last one (the
+            # first block's) is in flight: one unit's FP32 copies alive at a time, not every unit's (issue 47)
             assert markers["calls"][:3] == [True, True, True], zero
-            assert sum(markers["in_flight"]) == 3 and not any(markers["after_step"]), zero
+            assert markers["in_flight"] == markers["last_unit"] and not any(markers["after_step"]), zero
             # the same sums in the same order: bit-identical
             for a, b in zip(markers["params"], blocking["params"]):
                 assert torch.equal(a, b), zero

@@ -58,9 +58,9 @@ def test_the_core_alone_builds_megatrons_groups_and_the_full_files_plan_a_and_b(
     for kind in want:
         assert got[kind] == want[kind], kind
     assert got == topology.rank_groups(world, tp=tp, pp=pp, cp=cp, ep=ep)  # every kind, as the full file's
-    # plan A and plan B in closed form equal the planner's rows for the same layouts and knobs, on the core's example
-    # model (B wins) and on the planner's second example, a small batch of wide layers (A wins); both count 18 bytes
-    # a parameter (the planner at grad_bytes 4)
+    # plan A and plan B in closed form agree with the planner's rows for the same layouts and knobs (their times
+    # equal, their memory below), on the core's example model (B wins) and on the planner's second example, a small
+    # batch of wide layers (A wins); both count 18 bytes a parameter (the planner's default, train_gpt.py's)
     for example in topology.chapter_example():
         figures, best = core.chapter_plans({k: example["model"][k] for k in core.EXAMPLE_MODEL})
         assert best == example["preferred"] == {"narrow_layers_big_batch": "B", "wide_layers_small_batch": "A"}[
@@ -69,9 +69,16 @@ def test_the_core_alone_builds_megatrons_groups_and_the_full_files_plan_a_and_b(
             plan = figures[name]
             assert (plan["micro_batches"], plan["in_flight"], plan["params"]) == (
                 row["micro_batches"], row["in_flight"], row["params_per_gpu"])
-            for kind in ("weights", "grads", "optimizer", "activations"):
-                assert plan[f"{kind}_bytes"] / core.GB == pytest.approx(row[f"{kind}_gb"], rel=1e-12), (name, kind)
-            assert plan["memory_bytes"] / core.GB == pytest.approx(row["memory_gb"], rel=1e-12)
+            # the states: the closed form's 18 bytes a parameter of the first stage, where the planner's fullest
+            # rank is; the planner counts each tensor as train_gpt.py holds it (the LayerNorms and the row-parallel
+            # biases whole on every TP rank, not split): a few vectors more
+            assert row["memory_instant"].endswith("stage 0")
+            for kind in ("weights", "grads", "optimizer"):
+                assert 0 <= row[f"{kind}_gb"] / (plan[f"{kind}_bytes"] / core.GB) - 1 < 1e-3, (name, kind)
+            # the rest: the lesson's per-layer closed form (Korthikanti et al.) against the run's bytes at the
+            # fullest rank's largest instant (topology.rank_peaks' model: no dropout masks, flash attention, the
+            # working sets, or the optimizer step's temporaries): the same order of magnitude
+            assert row["memory_gb"] == pytest.approx(plan["memory_bytes"] / core.GB, rel=0.15), name
             for mine, theirs in (("tp_s", "tp_s"), ("pp_s", "pp_p2p_s"), ("dp_s", "dp_s")):
                 assert plan[mine] == pytest.approx(row[theirs], rel=1e-12), (name, mine)
             busy = row["compute_s"] + row["tp_s"] + row["cp_s"] + row["ep_s"] + row["pp_p2p_s"]
@@ -364,8 +371,10 @@ def test_nccl_only_when_every_process_of_the_node_has_a_gpu(monkeypatch):
 GB = 1e9
 # the A100 constants of the module docstring, spelled out so that a later recalibration of the presets
 # does not change what these hand computations check
+# The A100 preset's constants, and the program the by-hand figures describe: Megatron-LM 2021's (16-bit gradient
+# buffers, the unfused attention, dropout; the Cluster's defaults describe train_gpt.py)
 A100 = dict(peak_tflops=312, efficiency=0.71, gemm_half_dim=128, hbm_gbps=1730, nvlink_gbps=230, ib_gbps=23,
-            launch_us=4, collective_latency_us=10, p2p_latency_us=50)
+            launch_us=4, collective_latency_us=10, p2p_latency_us=50, **topology.PROGRAM_2021)
 
 
 def _gemm(M, N, K):
@@ -382,19 +391,30 @@ def test_planner_terms_reproduced_by_hand():
                           zero=False, virtual_stages=1)
     L, h, a, s, V, B, b, t, p, d = 40, 5120, 40, 2048, 51200, 512, 1, 4, 8, 2
     hbm = 1730e9
-    # memory of a first-stage GPU: L/p layers and the token embedding split t ways, positions whole
+    # memory of a first-stage GPU: L/p layers and the token embedding split t ways, positions whole (the closed
+    # form's count); the states count each tensor as held: the LayerNorms and row-parallel biases whole on every rank
     params = ((12 * h * h + 13 * h) * (L // p) + V * h) / t + s * h
     assert r["params_per_gpu"] == pytest.approx(params, rel=1e-12)
-    assert r["weights_gb"] == pytest.approx(2 * params / GB, rel=1e-12)
-    assert r["grads_gb"] == pytest.approx(2 * params / GB, rel=1e-12)
-    assert r["optimizer_gb"] == pytest.approx(16 * params / GB, rel=1e-12)  # fp32 master, 2 moments, fp32 grad
+    held = (12 * h * h / t + 6 * h + 7 * h / t) * (L // p) + V * h / t + s * h
+    assert r["weights_gb"] == pytest.approx(2 * held / GB, rel=1e-12)
+    assert r["grads_gb"] == pytest.approx(2 * held / GB, rel=1e-12)
+    assert r["optimizer_gb"] == pytest.approx(16 * held / GB, rel=1e-12)  # fp32 master, 2 moments, fp32 grad
     m_micro = B // (b * d)
     assert r["micro_batches"] == m_micro == 256 and r["in_flight"] == p  # 1F1B: p micro-batches on stage 0
-    layers_kept = (L // p) * 34 * s * b * h / t * p       # Korthikanti, selective + SP
-    working = 5 * a * s * s * b / t                        # the attention core being recomputed
-    embedding_mask = s * b * h / t * p
-    assert r["activations_gb"] == pytest.approx((layers_kept + working + embedding_mask) / GB, rel=1e-12)
-    assert r["memory_gb"] == pytest.approx(20 * params / GB + r["activations_gb"], rel=1e-12)
+    # the activations (topology.rank_peaks' formulas): per block, with X = s b h / t (the residual under SP), in 16
+    # bits, its LayerNorm inputs and the attention's input, output, Q, K, V and projection input (selective: no
+    # scores), the MLP's 4h/t-wide input and GeLU output, 4 LayerNorm statistics in FP32 and 2 dropout masks
+    X, e, T = s * b * h / t * 2, 2, s * b
+    block = 4 * X + 4 * (T * h / t * e) + 8 * T * h / t * e + 4 * (T / t) * 4 + 2 * (T / t) * h
+    chunk = (L // p) * block + 9 * T + (T / t) * h + 8  # the embedding's output is the first block's input
+    backward = 2 * (a // t) * T * s * e + (a // t) * T * s * (e + 1)  # the attention core's gradients, redone
+    buffers = p * X + X  # each micro-batch's output sent and held, and the gradient received for the B
+    batch = 8 * B * (s + 1) + 16 + 8 * s  # the batch's token ids and the positions
+    assert r["memory_instant"] == f"a backward with {p} chunks in flight, stage 0"
+    assert r["memory_parts"]["activations"] == p * chunk and r["memory_parts"]["backward"] == backward
+    assert r["memory_parts"]["receive buffers"] == buffers and r["memory_parts"]["other"] == batch
+    assert r["activations_gb"] == pytest.approx((p * chunk + backward + buffers + batch) / GB, rel=1e-12)
+    assert r["memory_gb"] == pytest.approx(20 * held / GB + r["activations_gb"], rel=1e-12)
     assert r["fits"] == (r["memory_gb"] <= 0.9 * 80)
     # one layer's forward on one GPU; 4h/t = h for t = 4
     M = b * s
@@ -444,17 +464,25 @@ def test_planner_zero_interleaving_cp_terms_by_hand():
                           zero=True, virtual_stages=2)
     L, h, a, s, V, t, p, cp, d, v = 8, 1024, 16, 4096, 32000, 2, 2, 2, 4, 2
     sl, hbm = s // cp, 1730e9
-    params = ((12 * h * h + 13 * h) * (L // p) + V * h) / t + s * h
-    assert r["optimizer_gb"] == pytest.approx(16 * params / (d * cp) / GB, rel=1e-12)  # sharded over DP x CP
-    assert r["weights_gb"] + r["grads_gb"] == pytest.approx(4 * params / GB, rel=1e-12)
+    params = ((12 * h * h + 13 * h) * (L // p) + V * h) / t + s * h  # the step time's count
+    held = (12 * h * h / t + 6 * h + 7 * h / t) * (L // p) + V * h / t + s * h  # as held (LayerNorms whole)
+    assert r["optimizer_gb"] == pytest.approx(16 * held / (d * cp) / GB, rel=1e-12)  # sharded over DP x CP
+    assert r["weights_gb"] + r["grads_gb"] == pytest.approx(4 * held / GB, rel=1e-12)
     m_micro = 16 // d
     in_flight = p + (p - 1) / v  # interleaved 1F1B (Korthikanti 4.2.3)
     assert r["micro_batches"] == m_micro and r["in_flight"] == pytest.approx(in_flight)
-    full_no_sp = 2 * sl * h                                          # the layer input, whole over TP
-    working = sl * h * (10 + 24 / t + 5 * a * s / (h * t))           # one layer recomputed, no SP
-    embedding_mask = sl * h * in_flight
-    assert r["activations_gb"] == pytest.approx(((L // p) * full_no_sp * in_flight + working + embedding_mask) / GB,
-                                                rel=1e-12)
+    # memory at stage 0's B with k = 2 (p - 1) + (v - 1) p + 1 = 5 chunks (of L / (p v) = 2 blocks) in flight
+    # (in_flight_chunks); X = sl h e, the residual whole over TP; full recomputation keeps each block's input
+    k, X, e, Q = 2 * (p - 1) + (v - 1) * p + 1, sl * h * 2, 2, sl * h // t * 2
+    chunk = (L // (p * v)) * X + 8 + 9 * sl + sl * h  # the embedding's output in, its dropout mask, the CP ids
+    scores = a // t * sl * s  # this rank's queries against every key
+    block = 4 * X + 5 * Q + 5 * scores + 8 * sl * h // t * e + 4 * sl * 4 + 2 * sl * h  # one block, as it runs
+    backward = block - X + sl * 4 * h // t * e + 4 * h // t * h * e  # the top block recomputed, its MLP's backward
+    batch = 8 * 16 * (s + 1) + 16 + 8 * sl + 16 * m_micro * sl  # ids and positions, and CP's zigzag shards
+    assert r["memory_instant"] == f"a backward with {k} chunks in flight, stage 0"
+    assert r["memory_parts"] == {"weights": 2 * held, "main grads": 2 * held,
+                                 "optimizer states": 16 * held / (d * cp), "activations": k * chunk,
+                                 "backward": backward, "receive buffers": (k + 2 + 1) * X, "other": batch}
     # CP ring inside a node (TP x CP = 4 consecutive ranks), overlapped with the attention core
     assert r["intra_node"]["cp"]
     M = sl
@@ -885,7 +913,7 @@ def test_attention_is_memory_bound_below_the_stated_head_size():
     for gpu, c in topology.GPU_PRESETS.items():
         crossover = 13 * c["peak_tflops"] * 1e12 * c["efficiency"] / (4 * c["hbm_gbps"] * 1e9)
         assert crossover > 400, (gpu, crossover)
-        cluster = topology.Cluster.for_gpu(gpu, 8)
+        cluster = topology.Cluster.for_gpu(gpu, 8, flash_attention=False)  # the unfused core
         for head, bound in ((int(crossover) - 8, "memory"), (int(crossover) + 8, "compute")):
             m = topology.ModelShape(layers=2, hidden=head * 4, heads=4, seq=1024, vocab=512, global_batch=8)
             lay = topology._Layout(cluster, m, 1, 1, 1)
@@ -1065,11 +1093,11 @@ _PLAN_64 = ["plan", "--gpus", "64", "--layers", "40", "--hidden", "5120", "--hea
 
 def test_plan_cli_without_knob_flags_is_the_planner_with_every_knob_free(capsys):
     # an absent --zero or --sequence-parallel leaves the knob to the planner (None), not off: here it turns
-    # ZeRO-1 on for 59 of the 60 layouts and sequence parallelism for 41, and the CLI's JSON is plan()'s
+    # ZeRO on for 59 of the 60 layouts (ZeRO-2 for 5) and sequence parallelism for 41, and the CLI's JSON is plan()'s
     import json
     topology.main(_PLAN_64 + ["--json"])
     plans = json.loads(capsys.readouterr().out)
-    assert {p["zero"] for p in plans} == {p["sequence_parallel"] for p in plans} == {True, False}
+    assert {p["zero"] for p in plans} == {0, 1, 2} and {p["sequence_parallel"] for p in plans} == {True, False}
     cluster = topology.Cluster.for_gpu("a100", 64, gpus_per_node=8)
     free = topology.plan(cluster, topology.ModelShape(40, 5120, 40, 2048, 51200, 512))
     assert plans == json.loads(json.dumps(free))
@@ -1122,7 +1150,7 @@ def test_explain_says_which_recomputation_was_tried(capsys):
     for zero, advised in (("0", True), ("1", False)):
         topology.main(two_layers + ["--zero", zero])
         last = capsys.readouterr().out.strip().splitlines()[-1]
-        assert "CP=4" in last and ("use ZeRO-1" in last) == advised, last
+        assert "DP=4 CP=1" in last and ("use ZeRO-1" in last) == advised, last
 
 
 def test_when_nothing_fits_explain_names_the_layout_with_least_memory():
@@ -1191,22 +1219,39 @@ def test_activation_bytes_are_korthikantis_table_2(recompute, sp, cp):
 
 
 def test_first_stage_memory_with_selective_recompute_under_cp_and_logits_without_a_pipeline():
-    c = topology.Cluster(gpus=32)
+    c = topology.Cluster(gpus=32, **topology.PROGRAM_2021)  # the unfused attention, dropout
     L, h, a, s, V, B, t = 8, 1024, 16, 4096, 32000, 16, 2
     m = topology.ModelShape(layers=L, hidden=h, heads=a, seq=s, vocab=V, global_batch=B)
     # TP2 PP2 CP2: the attention core being recomputed holds the scores of s/c queries against s keys
     r = topology.estimate(c, m, tp=2, pp=2, cp=2, micro_batch=1, recompute="selective", sequence_parallel=False,
                           zero=False, virtual_stages=1)
-    sl, p = s // 2, 2
-    kept = (L // p) * sl * h * (10 + 24 / t) * p + 5 * a * sl * s / t + sl * h * p  # layers, working set, mask
-    assert r["activations_gb"] == pytest.approx(kept / GB, rel=1e-12)
-    # TP8 PP1 CP1 on 8 GPUs: the first stage is also the last, and holds the fp32 logits 4 s b V / t
-    c8 = topology.Cluster(gpus=8)
+    sl, p, e = s // 2, 2, 2
+    X, Q = sl * h * e, sl * h // t * e  # the residual (whole over TP without SP), a TP-split projection
+    block = 4 * X + 5 * Q + 8 * sl * h // t * e + 4 * sl * 4 + 2 * sl * h  # no scores kept; 2 dropout masks
+    chunk = (L // p) * block + 8 + 9 * sl + sl * h  # the embedding's output in, its mask, the ids
+    scores = a // t * sl * s
+    working = 2 * scores * e + scores * (e + 1)  # the probabilities and mask redone, their gradients
+    batch = 8 * B * (s + 1) + 16 + 8 * sl + 16 * (B // 4) * sl  # DP 4: 4 micro-batches' zigzag shards
+    assert r["memory_instant"] == "a backward with 2 chunks in flight, stage 0"
+    assert r["activations_gb"] == pytest.approx((p * chunk + working + (p + 1) * X + batch) / GB, rel=1e-12)
+    assert r["memory_parts"]["backward"] == working
+    # TP8 PP1 CP1 on 8 GPUs: the first stage is also the last. Its peak is the top block recomputed in its
+    # backward (its unfused scores), the LM head and loss done: the residual's gradient and the tied embedding's
+    # wait; the loss's moment before it held the FP32 logits 4 s b V / t and their 16-bit gradient
+    c8 = topology.Cluster(gpus=8, **topology.PROGRAM_2021)
     r = topology.estimate(c8, m, tp=8, pp=1, cp=1, micro_batch=1, recompute="full", sequence_parallel=False,
                           zero=False, virtual_stages=1)
-    working = s * h * (10 + 24 / 8 + 5 * a * s / (h * 8))  # one layer in full while it is recomputed
-    kept = L * 2 * s * h + working + s * h + 4 * s * V / 8
-    assert r["activations_gb"] == pytest.approx(kept / GB, rel=1e-12)
+    t, X, Q, scores = 8, s * h * e, s * h // 8 * e, a // 8 * s * s
+    whole = 4 * X + 4 * Q + 5 * scores + 8 * s * h // t * e + 4 * s * 4 + 2 * s * h  # the top block, recomputed
+    working = whole - X + s * 4 * h // t * e + 4 * h // t * h * e  # and its MLP's backward
+    kept = L * X + 8 + 9 * s + s * h  # each block's input, the embedding's mask, the ids
+    assert r["memory_instant"] == "a backward with 1 chunks in flight, stage 0"
+    assert r["memory_parts"]["LM head and loss"] == X + V // t * h * e
+    assert r["memory_parts"]["activations"] == kept and r["memory_parts"]["backward"] == working
+    z = topology._StepBytes(c8, m, topology._Layout(c8, m, 8, 1, 1), topology.Knobs(1, 1, "full", False, 0),
+                            topology.PLANNER_PROGRAM)
+    loss = X + 2 * s * 4 + 4 * s * V // t + 9 * s + 28 + s * V // t * e  # the loss's softmax in FP32, its gradient
+    assert z.head() + z.ce_backward() == loss < r["memory_parts"]["backward"]
 
 
 # ---- the planner's search and what explain says ----------------------------------------------------
@@ -1258,12 +1303,10 @@ def test_explain_names_the_largest_overhead_and_where_the_runner_up_loses():
     assert f"mostly in bubble (+{gaps['bubble_s']:.3f} s)" in text, text
 
 
-def test_when_nothing_fits_the_least_memory_tie_goes_to_the_fastest():
-    # 32 GPUs, s = 32768, TP=1 PP=2: no knob set fits, and several tie on the least memory (another b or v with
-    # as many sequences in flight). The least bad must be the fastest of them: measured 91.3 GB (full
-    # recomputation, ZeRO-1) at v = 1, 2, 4 in 7.52, 6.30, 5.72 s; with recomputation fixed to none 707.4 GB at
-    # b=1 v = 1, 2, 4 in 5.76, 4.83, 4.41 s and b=2 in 7.67 s. The search used to keep the first tied knob set
-    # tried (7.52 s and 5.76 s). Checked against every knob set, each evaluated alone.
+def test_when_nothing_fits_the_least_memory_tie_goes_to_the_fastest(monkeypatch):
+    # 32 GPUs, s = 32768, TP=1 PP=2: no knob set fits. The least bad is the knob set with the least memory, and of
+    # knob sets tied on it the fastest (the search used to keep the first tied knob set tried). Checked against
+    # every knob set, each evaluated alone; then with every knob set's memory made equal (a tie of all of them).
     # the knobs of when this was written (1F1B or interleaved, ZeRO-0 or 1), every combination enumerated below
     c = topology.Cluster(gpus=32, schedules=("1f1b", "interleaved"), zero_levels=(0, 1), **A100)
     m = topology.ModelShape(layers=8, hidden=2048, heads=16, seq=32768, vocab=51200, global_batch=32)
@@ -1278,9 +1321,13 @@ def test_when_nothing_fits_the_least_memory_tie_goes_to_the_fastest():
         assert not any(r["fits"] for r in rows)
         least = min(r["memory_gb"] for r in rows)
         tied = [r["step_time_s"] for r in rows if r["memory_gb"] == least]
-        assert len(set(tied)) > 1
         r = topology.estimate(c, m, 1, 2, 1, recompute=None if len(policies) > 1 else "none")
         assert not r["fits"] and r["memory_gb"] == least and r["step_time_s"] == min(tied), (r["step_time_s"], tied)
+        with monkeypatch.context() as patch:  # every knob set as full as the others: the fastest of all
+            patch.setattr(topology._PlanMemory, "gb", lambda self, zero: 1000.0)
+            patch.setattr(topology._PlanMemory, "first_fit", lambda self, zeros, limit: None)
+            r = topology.estimate(c, m, 1, 2, 1, recompute=None if len(policies) > 1 else "none")
+        assert r["step_time_s"] == min(x["step_time_s"] for x in rows) < max(x["step_time_s"] for x in rows)
 
 
 # ---- the planner's MoE model: all-to-all bytes, parameters and FLOPs against the code that runs ----------
@@ -1408,15 +1455,24 @@ def test_moe_terms_reproduced_by_hand():
     shared = ((12 * h * h + 13 * h) + (4 * h * h + 8 * h + E * h) + V * h) / t + s * h
     experts = (E // ep) * 8 * h * h  # whole experts, E/ep of them
     assert r["params_per_gpu"] == pytest.approx(shared + experts, rel=1e-12)
-    # ZeRO-1: dense states over DP x CP = 4, expert states over their EDP replicas cp*dp/ep = 2
-    assert r["optimizer_gb"] == pytest.approx((16 * shared / 4 + 16 * experts / 2) / GB, rel=1e-12)
+    # ZeRO-1: dense states over DP x CP = 4, expert states over their EDP replicas cp*dp/ep = 2; held as the run
+    # holds them (the LayerNorms, the row-parallel biases and the router whole on every TP rank)
+    held = (12 * h * h / t + 6 * h + 7 * h / t) + (4 * h * h / t + 5 * h + 3 * h / t + E * h) + V * h / t + s * h
+    assert r["optimizer_gb"] == pytest.approx((16 * held / 4 + 16 * experts / 2) / GB, rel=1e-12)
     M, T = s, s // t                       # tokens of a dense GEMM, of this GPU's MoE token shard
     sbh = s * h
     dense_layer = sbh / t * (34 + 5 * a * s / h)
     moe_layer = 15 * sbh / t + 5 * a * s * s / t + (2 * T * h + 4 * T * E + T * h + 4 * T * k * h + 4 * T * k * 4 * h)
     assert topology.moe_activation_bytes_per_layer(m, t, 1, ep, "none", 1) == pytest.approx(moe_layer, rel=1e-12)
-    kept = (dense_layer + moe_layer) * p + sbh / t * p  # two micro-batches in flight, embedding mask
-    assert r["activations_gb"] == pytest.approx(kept / GB, rel=1e-12)
+    # the planner's memory is rank_peaks' (the MoE layer's router, routing, expert and combine buffers: measured
+    # against train_gpt.py in tests/test_memory.py), counted at stage 0's B with p micro-batches in flight
+    layout = topology._Layout(c, m, t, p, 1, ep)
+    knobs = topology.Knobs(1, 1, "none", True, 1)
+    z = topology._StepBytes(c, m, layout, knobs, topology.PLANNER_PROGRAM)
+    # (its top block, layer 1, is MoE: its combined copies are freed before its experts' backward)
+    assert r["memory_parts"]["activations"] == p * sum(z.chunk("first", 1).values()) - z.moe_combined()
+    exact = topology.rank_peaks(c, m, layout, knobs, topology.PLANNER_PROGRAM)
+    assert r["memory_gb"] == pytest.approx(max(x["peak_bytes"] for x in exact) / GB, rel=1e-12)
     # the MoE layer's forward: router, 4 local experts on T k / 4 rows each, permutation and expert activation,
     # 26 launches, one TP pair (attention), dispatch + combine on NVLink and the counts exchange
     rows = T * k / (E // ep)
@@ -1500,7 +1556,8 @@ def test_the_search_covers_ep_beside_every_other_knob():
     assert {r["cp"] for r in plans} >= {1, 2} and {r["virtual_stages"] for r in plans} > {1}
     # the cheapest recomputation that fits, the ZeRO and micro-batch that are fastest, per layout and EP size
     assert {r["zero"] for r in plans} == {False, True} and len({r["micro_batch"] for r in plans}) > 1
-    squeezed = topology.plan(topology.Cluster(gpus=64, gpu_mem_gb=24, zero_levels=(0, 1)), _MOE)  # ZeRO-3 would fit
+    # ZeRO-3 would fit; the unfused attention, where selective recomputation saves the scores
+    squeezed = topology.plan(topology.Cluster(gpus=64, gpu_mem_gb=24, zero_levels=(0, 1), flash_attention=False), _MOE)
     assert {r["recompute"] for r in squeezed if r["fits"]} == {"none", "selective"}
     best = {}
     for r in plans:  # each (tp, pp, cp) appears once per EP size, each with its own knobs
@@ -1526,11 +1583,15 @@ def test_planner_answers_for_16384_gpus_with_moe_in_under_a_second():
     m = topology.ModelShape(layers=64, hidden=7168, heads=128, seq=4096, vocab=129280, global_batch=16384,
                             moe_every=1, experts=256, top_k=8, expert_hidden=2048, swiglu=True,
                             shared_expert_hidden=2048)
+    # Since issue 47 the search prices every knob set's memory at its candidate stages' instants (topology.rank_peaks'
+    # model: the first, the last, zb-h1's and the MoE-busiest stages, each V point), not one closed form of stage 0:
+    # 3.5-3.8 s here against 0.97-0.99 s before it, in the same process and minute (loop 0.116-0.155 s): 23-33 of
+    # the loop's units. The bound keeps a margin over that for the load on the shared cores
     start = time.process_time()
     plans = topology.plan(c, m)
     elapsed = time.process_time() - start
     assert plans[0]["fits"] and len(plans) > 1000 and len({r["ep"] for r in plans}) > 4
-    assert elapsed < _cpu_seconds(1.0), elapsed
+    assert elapsed < _cpu_seconds(5.0), elapsed
 
 
 # ---- the planner against published MoE runs --------------------------------------------------------
@@ -1542,7 +1603,9 @@ def moe_calibration():
 
 def test_published_moe_runs_fit_and_are_predicted_within_15_percent(moe_calibration):
     """Measured (Liu et al. 2025): Mixtral 8x22B 49.3% MFU, Qwen2-57B-A14B 39.0%; predicted for their layouts
-    46.0% (-6.7%) and 39.8% (+2.1%) with the H100 preset, nothing refitted. Memory 69.6 and 63.5 GB of the 72."""
+    46.0% (-6.7%) and 39.8% (+2.1%) with the H100 preset, nothing refitted. Memory 69.2 and 67.2 GB of the 72
+    (topology.rank_peaks' model; 69.6 and 63.5 with the per-layer closed form before it: Qwen's first stage holds 31
+    chunks of 1 layer in flight under the interleaved schedule, and the backward's working set)."""
     errors = {r["name"]: r["error"] for r in moe_calibration}
     assert max(abs(e) for e in errors.values()) < 0.15, errors
     assert max(abs(e) for e in errors.values()) < 0.08, errors  # the measured worst, -6.7%, and a margin
@@ -1553,12 +1616,12 @@ def test_published_moe_runs_fit_and_are_predicted_within_15_percent(moe_calibrat
     # the shapes are the published ones: 141B / 39B and 57B / 14B parameters
     sizes = {r["name"]: (round(r["params_b"]), round(r["active_params_b"])) for r in moe_calibration}
     assert sizes == {"Mixtral 8x22B": (141, 39), "Qwen2-57B-A14B": (57, 14)}
-    # the figures the docstring quotes, and the authors' later Mixtral layout (v 7): +3.1%, but 74.7 GB
+    # the figures the docstring quotes, and the authors' later Mixtral layout (v 7): +3.1%, but 75.6 GB (74.7 before)
     assert [(round(r["error"], 3), round(r["published"]["memory_gb"], 1)) for r in moe_calibration] == \
-        [(-0.067, 69.6), (0.021, 63.5)]
+        [(-0.067, 69.2), (0.021, 67.2)]
     later = topology.calibrate_moe((topology.MIXTRAL_V7,))[0]
     assert round(later["error"], 3) == 0.031 and not later["published"]["fits"]
-    assert round(later["published"]["memory_gb"], 1) == 74.7
+    assert round(later["published"]["memory_gb"], 1) == 75.6
 
 
 def test_megatrons_flop_count_leaves_out_the_router_and_the_weighted_sum():
@@ -1586,12 +1649,14 @@ def test_chapter_moe_example_puts_ep_inside_a_node_and_says_why(capsys):
     a, b, top = ex["inside"], ex["across"], ex["top"]
     assert a["intra_node"]["ep"] and not b["intra_node"]["ep"] and a["fits"] and b["fits"]
     assert (a["ep_members_per_node"], b["ep_members_per_node"]) == (8, 8)
-    # T = 4096 tokens, k = 4, h = 4096, 2 bytes: 117.4 MB at EP 8; at EP 16, 8 of 15 peers remote over 23 GB/s
-    assert a["a2a_bytes"] == 4096 * 4 * 4096 * 2 * 7 / 8 and b["a2a_bytes"] == 4096 * 4 * 4096 * 2 * 15 / 16
+    # micro-batches of 4 (train_gpt.py's flash attention keeps no scores): T = 8192 tokens, k = 4, h = 4096, 2 bytes:
+    # 234.9 MB at EP 8; at EP 16, 8 of 15 peers remote over 23 GB/s
+    assert a["micro_batch"] == b["micro_batch"] == 4
+    assert a["a2a_bytes"] == 8192 * 4 * 4096 * 2 * 7 / 8 and b["a2a_bytes"] == 8192 * 4 * 4096 * 2 * 15 / 16
     assert b["a2a_s"] == pytest.approx(b["a2a_bytes"] * 8 / 15 / 23e9 + 10e-6, rel=1e-12)
-    # B's all-to-alls cost 0.462 s more per step; its other terms 0.140 s less (2 experts per GPU: larger grouped
-    # GEMMs, half the expert gradients to reduce): 0.322 s slower in all
-    assert b["a2a_s"] > 5 * a["a2a_s"] and b["ep_s"] - a["ep_s"] > b["step_time_s"] - a["step_time_s"] > 0.3
+    # B's all-to-alls cost 0.462 s more per step; its other terms 0.280 s less (2 experts per GPU: larger grouped
+    # GEMMs, half the expert gradients to reduce): 0.182 s slower in all
+    assert b["a2a_s"] > 5 * a["a2a_s"] and b["ep_s"] - a["ep_s"] > b["step_time_s"] - a["step_time_s"] > 0.15
     assert b["memory_gb"] < a["memory_gb"]  # EP 16 holds half the experts, but A fits already
     assert top["ep"] > 1 and top["intra_node"]["ep"] and top["step_time_s"] <= a["step_time_s"]
     text = ex["explain"]
@@ -1764,25 +1829,31 @@ def test_zero_bubble_row_by_hand():
     assert zb["bubble_s"] == pytest.approx((p - 1) * (stage - 2 * weight), rel=1e-12)
     # W is 23% of a stage here: the attention core, the elementwise work and TP are B's
     assert 0.5 < zb["bubble_s"] / base["bubble_s"] < 0.6
-    same = ("compute_s", "tp_s", "cp_s", "pp_p2p_s", "dp_s", "optimizer_s", "weights_gb", "grads_gb", "optimizer_gb")
+    same = ("compute_s", "tp_s", "cp_s", "pp_p2p_s", "dp_s", "optimizer_s")
     assert all(zb[k] == base[k] for k in same)
-    # memory: A = L/p layers of 34 s b h/t (selective, SP) per micro-batch, A_w = L/p x s b h (8 + 24/t), more than A
-    # at t = 4: the last rank, 1 micro-batch before B and p - 1 deferred W's, is the most loaded; plus the instant after
-    # a B
-    kept, deferred = (L // p) * 34 * s * h / t, (L // p) * s * h * (8 + 24 / t)
-    working, mask = 5 * a * s * s / t, s * h / t
-    first, last = p * kept + working + p * mask, kept + (p - 1) * deferred + working
-    assert base["activations_gb"] == pytest.approx(first / GB, rel=1e-12)
-    assert last > first and zb["activations_gb"] == pytest.approx((last + deferred - kept) / GB, rel=1e-12)
+    # memory: under 1F1B stage 0 is the fullest (p micro-batches' chunks in flight); under ZB-H1 the last stage, with
+    # 1 chunk before its B and p - 1 deferred W's, each holding every linear's input and output gradient
+    # (waiting_w): more than a chunk's activations at t = 4, beside the LM head
+    layout, X = topology._Layout(c, m, t, p, 1), s * h // t * 2
+    z = topology._StepBytes(c, m, layout, topology.Knobs(1, 1, "selective", True, 0, "zb-h1"), topology.PLANNER_PROGRAM)
+    chunk, wait = sum(z.chunk("last", 0).values()), sum(z.waiting_w("last", 0).values())
+    assert wait > (L // p) * 34 * s * h / t and base["memory_instant"].endswith("stage 0")
+    assert zb["memory_instant"] == "a backward with 1 chunks in flight, stage 7" and zb["memory_gb"] > base["memory_gb"]
+    states = (zb["weights_gb"] + zb["grads_gb"] + zb["optimizer_gb"]) * GB + zb["memory_parts"]["other"]
+    backward = max(sum(x.values()) for x in z.action_parts("B", "last", False))
+    assert zb["memory_gb"] * GB == pytest.approx(states + chunk + (p - 1) * wait + 3 * X + backward, rel=1e-12)
+    # the replay of the lists (rank_peaks) holds at most the 3 sent and received tensors the planner bounds
+    exact = topology.rank_peaks(c, m, layout, topology.Knobs(1, 1, "selective", True, 0, "zb-h1"))[p - 1]
+    assert 0 <= zb["memory_gb"] * GB - exact["peak_bytes"] <= 3 * X
     assert zb["in_flight"] == base["in_flight"] == p and zb["pp_schedule"] == "zb-h1"
 
 
 @pytest.mark.parametrize("d", [2, 3, 4, 8])
 def test_zero_levels_hold_the_formulas_bytes_per_parameter(d):
     # FORMULAS.md: BF16 with fp32 main grads 18, 6 + 12/d, 2 + 16/d, 18/d; 16-bit gradients 20, 4 + 16/d, 2 + 18/d,
-    # 20/d. Measured on the rows of a d-GPU plan (DP = d), plus ZeRO-2/3's working set: the full gradient of the unit
-    # being reduce-scattered, and at ZeRO-3 the 16-bit parameters of two units (the largest: here a layer, 12 h^2 + 13 h
-    # against the embedding's V h + s h)
+    # 20/d. Measured on the rows of a d-GPU plan (DP = d), and beside the states ZeRO-2/3's working set at a backward:
+    # one unit's full gradient and its reduce-scatter output (1/d of it) in flight, and at ZeRO-3 the 16-bit
+    # parameters of the unit gathered (the largest: here a layer, 12 h^2 + 13 h against the embedding's V h + s h)
     formulas = {4: (18, 6 + 12 / d, 2 + 16 / d, 18 / d), 2: (20, 4 + 16 / d, 2 + 18 / d, 20 / d)}
     L, h, s, V = 4, 1024, 512, 8192
     m = topology.ModelShape(layers=L, hidden=h, heads=8, seq=s, vocab=V, global_batch=24)
@@ -1795,9 +1866,16 @@ def test_zero_levels_hold_the_formulas_bytes_per_parameter(d):
             assert sum(topology.state_bytes_per_parameter(c, zero, d)) == pytest.approx(per[zero], rel=1e-12)
             r = topology.estimate(c, m, 1, 1, 1, zero=zero, zero_shard_size=d if zero else None, micro_batch=1,
                                   recompute="full", sequence_parallel=False, virtual_stages=1)
-            working = grad_bytes * unit * (zero >= 2) + 2 * 2 * unit * (zero == 3)
-            held = (r["weights_gb"] + r["grads_gb"] + r["optimizer_gb"]) * GB
-            assert held == pytest.approx(per[zero] * params + working, rel=1e-12), (grad_bytes, zero)
+            # the blocks (ZeRO-2/3's units) at the level's bytes; the rest (the embedding, the positions and the
+            # final LayerNorm's 2 h) outside any unit, at ZeRO-1's, as mixed_precision.ShardedOptimizer holds them
+            held = (r["weights_gb"] + r["grads_gb"] + r["optimizer_gb"]) * GB  # the row's parts: whole bytes
+            outer = params - L * unit + 2 * h
+            want = per[zero] * L * unit + per[min(zero, 1)] * outer
+            assert held == pytest.approx(want, abs=3), (grad_bytes, zero)
+            parts, backward = r["memory_parts"], r["memory_instant"].startswith("a backward")
+            assert parts.get("ZeRO grad buffers", 0) == pytest.approx(
+                grad_bytes * unit * (1 + 1 / d) if zero >= 2 and backward else 0, abs=1), (grad_bytes, zero)
+            assert parts.get("ZeRO gathered", 0) == (2 * unit if zero == 3 and backward else 0)
             assert r["zero"] == zero and r["zero_shard_size"] is None
 
 
@@ -2001,11 +2079,12 @@ def test_the_plan_command_names_what_train_gpt_cannot_run_and_new_knobs_fail_in_
 
 
 def test_calibrate_prints_the_new_knobs_where_they_win(capsys, calibration, moe_calibration):
-    # Table 1 with every knob: zero bubble on the pipelined top choices but the 1T row's (interleaved), ZB-V where two
-    # chunks per GPU in a V pay (18.4B moves to PP 2 with it), ZB-H1 on the others; the published and 2021 columns
-    # never show them (CLUSTER_2021 offers 1F1B and interleaved only)
+    # Table 1 with every knob: zero bubble on every pipelined top choice (the 1T row's too, PP 32 v 4, since the
+    # planner prices each stage's memory: interleaved PP 16 v 8 before), ZB-V where two chunks per GPU in a V pay
+    # (18.4B moves to PP 2 with it), ZB-H1 on the others; the published and 2021 columns never show them
+    # (CLUSTER_2021 offers 1F1B and interleaved only)
     tops = {r["params_b"]: r["today"]["top"] for r in calibration}
-    assert {b for b, t in tops.items() if t["pp_schedule"] == "zb-h1"} == {76.1, 145.6, 529.6}
+    assert {b for b, t in tops.items() if t["pp_schedule"] == "zb-h1"} == {76.1, 145.6, 529.6, 1008.0}
     assert {b for b, t in tops.items() if t["pp_schedule"] == "zbv"} == {18.4, 39.1, 310.1}
     assert all(r["2021"][k]["pp_schedule"] in ("1f1b", "interleaved") for r in calibration
                for k in ("top", "on_published"))
@@ -2044,7 +2123,8 @@ def test_offloaded_bytes_per_layer_are_checkpointings_formula():
     # (1F1B), and under selective+offload as long as with B = 2 F + the recomputed core A (so no longer); zb-h1's B
     # lacks the weight-gradient GEMMs W (so no shorter under offload); the chunk's top layer waits min(C, B) more
     b, s, h, a = 1, 2048, 4096, 32
-    c = topology.Cluster(gpus=1, peak_tflops=400, efficiency=1.0, gemm_half_dim=0, launch_us=0, hbm_gbps=1e12)
+    c = topology.Cluster(gpus=1, peak_tflops=400, efficiency=1.0, gemm_half_dim=0, launch_us=0, hbm_gbps=1e12,
+                         flash_attention=False)  # the attention core's FLOPs as checkpointing.py counts them
     m = topology.ModelShape(layers=1, hidden=h, heads=a, seq=s, vocab=256, global_batch=b)
     forward = topology._layer_forwards(c, m, topology._Layout(c, m, 1, 1, 1), b, False)["dense"]
     core, weight = forward["attention"], forward["gemm"]
@@ -2122,11 +2202,25 @@ def test_offload_memory_and_wait_by_hand_and_at_the_crossover():
         r = rows[policy]
         assert r["offload_copied_bytes"] == pytest.approx(copied, rel=1e-12)
         assert r["offload_kept_bytes"] == 2 * sbh / t
-        # kept: p micro-batches in flight, each the chunk's input and the embedding's dropout mask; once two layers'
-        # copies (+ the attention core recomputed under selective+offload)
-        core = 5 * a * s * s * b / t if policy == "selective+offload" else 0
-        kept = p * 2 * sbh / t + 2 * copied + core + p * sbh / t
-        assert r["activations_gb"] == pytest.approx(kept / GB, rel=1e-12)
+        # on the device (topology.rank_peaks' model, as checkpointing.ActivationOffload runs: every tensor a block
+        # saves is copied out, its input too): per micro-batch in flight its ids and the embedding's dropout mask;
+        # the B brings two blocks' tensors back (the one running, the next prefetched) beside its working set and
+        # the gradients received. Here less than the optimizer step's FP32 temporaries, the peak
+        z = topology._StepBytes(c, m, topology._Layout(c, m, t, p, 1), topology.Knobs(1, 1, policy, True, 0),
+                                topology.PLANNER_PROGRAM)
+        X, mlp = sbh / t * 2, s * b * 4 * h // t * 2 + 4 * h // t * h * 2 + sbh * 2  # SP: the gathered input
+        assert sum(z.chunk("first", 0).values()) == 8 + 9 * s * b + sbh / t
+        assert z.block_backward(False) == mlp + 2 * z.block(False, offloaded=False)
+        backward = max(sum(x.values()) for x in z.action_parts("B", "first", False))
+        # the gradient received and the next block's; or the unfused attention's backward (its scores' gradients;
+        # selective+offload: beside its probabilities and dropout masks, recomputed)
+        scores = a // t * s * b * s
+        attention = 2 * scores * 2 + (scores * 3 if policy == "selective+offload" else 0)
+        assert backward == max(X + z.block_backward(False) + X, X + attention)
+        step = r["memory_parts"]["step temporaries"]
+        assert r["memory_instant"] == "the optimizer step, stage 0"
+        assert step + r["memory_parts"]["other"] == pytest.approx(r["activations_gb"] * GB, rel=1e-12)
+        assert p * sum(z.chunk("first", 0).values()) + (p + 1) * X + backward < step
         # the wait: the copy out against the forward, the copies back as ActivationOffload runs them against the
         # backward (2 F, + the recomputed core)
         back = 2 * f + (forward["attention"] if policy == "selective+offload" else 0)
@@ -2193,14 +2287,15 @@ def test_plan_cli_prints_what_offloading_costs(capsys):
     first = dict(zip(header, row))
     assert first["recomp"] == "offload" and first["fits"] == "True"
     assert "recompute offload" in text, text
-    assert "Offload (offload): a layer copies up to 0.4 MB per micro-batch" in text, text
+    assert "Offload (offload): a layer copies up to 0.6 MB per micro-batch" in text, text  # micro-batches of 4
     assert "s of it exposed" in text and "two layers' copies" in text and "per step at 100 GB/s" in text
-    # less memory still: selective+offload (the table's short name), full where offloading is not allowed
-    topology.main(_SMALL + ["--offload", "--gpu-mem-gb", "0.00385", "--zero", "1", "--command"])
+    # the unfused attention's scores: selective+offload (the table's short name) leaves them on the device, to be
+    # recomputed; full where offloading is not allowed
+    topology.main(_SMALL + ["--offload", "--gpu-mem-gb", "0.004", "--zero", "1", "--command", "--no-flash-attention"])
     assert " --recompute selective+offload " in capsys.readouterr().out
     topology.main(_SMALL + ["--gpu-mem-gb", "0.004", "--zero", "1", "--command"])
     assert " --recompute full " in capsys.readouterr().out
-    topology.main(_SMALL + ["--offload", "--gpu-mem-gb", "0.00385", "--zero", "1", "--limit", "1"])
+    topology.main(_SMALL + ["--offload", "--gpu-mem-gb", "0.004", "--zero", "1", "--limit", "1", "--no-flash-attention"])
     assert " sel+offl " in capsys.readouterr().out
     # fixed without --offload, and on a bus given by its flag; a bad bus is one line
     topology.main(_SMALL + ["--recompute", "offload", "--pcie-gbps", "12.5", "--tp", "1", "--pp", "1", "--json"])
@@ -2228,5 +2323,14 @@ def test_a_moe_stage_offloads_its_larger_layers_copies():
     assert moe["to_host"] == topology.moe_activation_bytes_per_layer(m, 2, 1, 2, "none") > dense["to_host"]
     s, h, p = 1024, 1024, 2
     assert r["offload_copied_bytes"] == moe["to_host"] and r["offload_kept_bytes"] == 2 * s * h / 2
-    assert r["activations_gb"] == pytest.approx((p * 2 * s * h / 2 + 2 * moe["to_host"] + p * s * h / 2) / GB,
-                                                rel=1e-12)
+    # on the device (topology.rank_peaks' model): per micro-batch in flight its ids and the embedding's mask; the
+    # B of the top block (layer 1, MoE) brings two of the larger layers' tensors back beside its experts' working set
+    # and the gradient gathered over TP (SP), and one more gradient while the block below runs
+    z = topology._StepBytes(c, m, topology._Layout(c, m, 2, 2, 1, 2), topology.Knobs(1, 1, "offload", True, 0),
+                            topology.PLANNER_PROGRAM)
+    X = s * h // 2 * 2
+    assert z.block_backward(True) == z.moe_terms()[1] + s * h * 2 + 2 * z.block(True, offloaded=False)
+    assert z.block(True, offloaded=False) > z.block(False, offloaded=False)
+    parts = r["memory_parts"]
+    assert parts["activations"] == p * sum(z.chunk("first", 1).values())
+    assert parts["backward"] == z.block_backward(True) + X and parts["receive buffers"] == (p + 1) * X

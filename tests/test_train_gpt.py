@@ -1084,6 +1084,7 @@ def test_the_gpu_check_script_runs_dry_on_cpu():
     assert "gpt2 tokens/s" in out.stdout and "fp8 _scaled_mm" in out.stdout and "ring float32 fused" in out.stdout
     assert "gpt2 checkpoint and sample: 16 tokens" in out.stdout and "recompute full kept bytes" in out.stdout
     assert "nvfp4 run zb-h1 vs 1f1b on the device" in out.stdout  # --dtype nvfp4's own paths, draws included
+    assert "memory gpt2 predicted vs measured" in out.stdout  # issue 47: max_memory_allocated on CUDA
 
 
 def test_the_speed_benchmark_runs_and_refuses_bad_sizes_in_one_line():

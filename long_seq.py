@@ -312,7 +312,7 @@ class _RingAttention(torch.autograd.Function):
             if step == 0:  # our own KV block, every column: its gradient (2, b, h_kv, n, d) starts here
                 dkv = torch.stack([dk_block, dv_block]).to(acc)
             else:  # the gradient of the block we hold, summed by the ranks it visited before: in flight since
-                dkv = dkv_hop.wait()  # the previous step, so its transfer overlapped this block's compute
+                dkv = dkv_hop.wait()  # (2, b, h_kv, n, d): sent last step, its transfer overlapped this compute
                 dkv[0][:, :, cols] += dk_block
                 dkv[1][:, :, cols] += dv_block
             del dq_block, dk_block, dv_block  # freed before the next buffer is allocated
@@ -321,7 +321,7 @@ class _RingAttention(torch.autograd.Function):
             if step < world - 1:
                 kv = kv_hop.wait()  # (2, b, h_kv, n, d) from rank - 1
         if world > 1:  # the P-th hop brought our own block's gradient (2, b, h_kv, n, d) home, summed over every rank
-            dkv = dkv_hop.wait()
+            dkv = dkv_hop.wait()  # (2, b, h_kv, n, d)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 

@@ -36,8 +36,9 @@ masters; the copy back (ZeRO-1: then the all-gather); zero main grads.
 
 FP16 loss scaling. FP16's smallest subnormal is 2^-24 = 6e-8: smaller gradients flush to zero. The loss is
 multiplied by the loss scale S (2^16 to start), lifting every gradient by S; the FP32 main grads are divided by
-S. An inf or NaN means S was too large: every rank skips the step and S *= 1/2; after growth_interval (2000)
-clean steps S *= 2 (`DynamicLossScaler`, torch.amp.GradScaler's rule; `unscale_and_check` with a torch.optim).
+S. An inf or NaN (also a norm past FP32's range, sum g^2 > 3.4e38: ||g|| > 1.8e19) means S was too large: every
+rank skips the step and S *= 1/2; after growth_interval (2000) clean steps S *= 2 (`DynamicLossScaler`,
+torch.amp.GradScaler's rule; `unscale_and_check` with a torch.optim).
 
 FP8 with per-tensor scaling. E4M3 reaches only 448, so each tensor is scaled into range before the cast:
 
@@ -45,9 +46,10 @@ FP8 with per-tensor scaling. E4M3 reaches only 448, so each tensor is scaled int
 
 and a GEMM multiplies the FP8 operands exactly, accumulates in FP32 and divides by both scales, y = x W^T =
 (x_fp8 W_fp8^T) / (s_x s_W) (torch._scaled_mm, or an emulation with the same arithmetic). Current scaling
-("tensorwise") takes amax from the tensor itself, one extra pass. Delayed scaling (Transformer Engine) takes the
-largest amax of the last L steps: the scale is known before the tensor is seen, but an outlier beyond the
-history saturates, and a recomputed forward records its amax twice (not with activation checkpointing). Under
+("tensorwise") takes amax from the tensor itself, one extra pass. Delayed scaling (Transformer Engine) scales by
+the largest amax of the last L steps, known before the tensor is seen (the current amax is still measured and
+agreed, to join the history): an outlier beyond the history saturates, and a recomputed forward records its
+amax twice (so not with full or sqrt recomputation; selective redoes no linear). Under
 tensor parallelism the amaxes are MAX-reduced over the TP group, so every shard is rounded on the full tensor's
 grid. `FP8Linear` computes its backward in BF16 from the saved high-precision tensors.
 """
@@ -967,8 +969,8 @@ class CheckpointableOptimizer(MixedPrecisionOptimizer):
 # p.grad (e per unit parameter). Zero 2 and 3 also hold one unit's reduce-scatter in flight, the FP32 flat copy it
 # sends and the shard it receives ((4 + 4/d) per unit parameter): a unit's reduce_grads first finishes the one
 # before it, whichever unit that was, so at most one unit's copies live at once (not every unit's until its own
-# next reduction, which would keep 4 + 4/d bytes per parameter: zero 1's memory and more). Padding rule: each flat buffer
-# (one per entry, dtype and device; at zero 2 and 3 also one per unit) is padded to a multiple of its shard
+# next reduction, which would keep 4 + 4/d bytes per parameter: zero 1's memory and more). Padding rule: each flat
+# buffer (one per entry, dtype and device; at zero 2 and 3 also one per unit) is padded to a multiple of its shard
 # count, at most k - 1 elements; the padding is in the parameter, main-grad and master buffers, not in the
 # moments (which belong to the pieces).
 #

@@ -54,7 +54,8 @@ dense weight, the experts over EDP only: an expert's gradient already sums the t
 (`reduce_moe_gradients` SUMS; the caller normalises once, e.g. by the global token count).
 
 The whole file adds, after its BEYOND THE CHAPTER line: DeepSeek-V3 bias balancing (BiasBalancedRouter), the
-experts as one grouped GEMM (GroupedGEMMMoE), a counter of host synchronisations, and the demo:
+experts as one grouped GEMM (GroupedGEMMMoE), all-to-alls posted asynchronously so DualPipeV can overlap them
+with another micro-batch's compute (OverlappedMoE), a counter of host synchronisations, and the demo:
 `torchrun --nproc_per_node=4 moe_ep.py` (or `python moe_ep.py` for one rank).
 """
 import math
@@ -423,8 +424,9 @@ class MoE(nn.Module):
         send_splits, received_matrix = host[:P], [host[P + i * local:P + (i + 1) * local] for i in range(P)]
         recv_splits = [sum(row) for row in received_matrix]                  # P: rows from each rank
         sizes = [sum(column) for column in zip(*received_matrix)]            # E/P: rows per local expert
-        kept = sum(send_splits)
+        kept = sum(send_splits)                                              # copies this rank sends out
         rows = x.index_select(0, order[:kept] // self.top_k)                 # (kept, d): copy j is token j // k
+        # R = sum(recv_splits): the copies this rank's experts receive, from every rank (R != kept in general)
         received = _AllToAllTokens.apply(rows, send_splits, recv_splits, self.ep_group, "dispatch")  # (R, d)
         # 2. received rows are source-major (rank i, then local expert); regroup them expert-major
         cell_of_row = torch.repeat_interleave(recv_counts.reshape(-1), output_size=sum(recv_splits))  # (R,)

@@ -2,7 +2,8 @@
 
 A job on N GPUs splits the work up to five ways. Tensor parallelism (TP) splits every weight matrix of a layer and
 pays 4 collectives per layer and micro-batch (2 forward, 2 backward), each an all-reduce of the whole activation
-b s h (with sequence parallelism, SP, an all-gather and a reduce-scatter: the same bytes); a ring all-reduce over t
+b s h (with sequence parallelism, SP, an all-gather and a reduce-scatter: the same bytes, forward; Megatron-LM's SP
+backward gathers each GEMM's input once more instead of keeping it, 10 halves where 8); a ring all-reduce over t
 ranks sends 2 (t-1)/t b s h e bytes from each GPU (e = 2 bytes per 16-bit element). Inside a DGX A100 node NVLink
 carries about 230 GB/s per GPU; across nodes each GPU has one InfiniBand NIC, about 23 GB/s: ten times less. So TP
 stays inside a node. Pipeline parallelism (PP) splits the layers: a stage sends one activation of b s h/t elements
@@ -2154,8 +2155,8 @@ class _StepBytes:
 
     def nvfp4_instant(self, above):
         """By part, beyond a chunk's kept bytes and what came in: the backward of its highest NVFP4 block, the BF16
-        blocks over it keeping `above` bytes (their backward done: those and the NVFP4 block's output freed), at its first
-        MLP GEMM's weight gradient: the GeLU's input and output and the second GEMM's quantised weight are freed,
+        blocks over it keeping `above` bytes (their backward done: those and the NVFP4 block's output freed), at its
+        first MLP GEMM's weight gradient: the GeLU's input and output and the second GEMM's quantised weight are freed,
         the GeLU's input gradient, the block's output gradient (the block above's input gradient) and the
         emulation's working set are there."""
         h, t, T, e = self.h, self.t, self.T, self.e
@@ -2310,7 +2311,8 @@ class _StepBytes:
         first, last = kind in ("first", "only"), kind in ("last", "only")
         whole = T * h * e  # a whole-token tensor
         ln_in = {"backward": whole} if self.sp else {"activations": X}
-        attention = _add(ln_in, {"activations": T * h // t * e}, {"backward": T * 3 * h // t * e + (whole if self.sp else X)})
+        attention = _add(ln_in, {"activations": T * h // t * e},
+                         {"backward": T * 3 * h // t * e + (whole if self.sp else X)})
         mlp = _add(ln_in, {"activations": T * 4 * h // t * e}, {"backward": T * 4 * h // t * e + X})
         out = _add(_scale(attention, layers), _scale(mlp, layers - moe_layers))
         out["backward"] -= X  # the top block's incoming gradient is the head's or a received one
@@ -2337,7 +2339,8 @@ class _StepBytes:
         (`moe`: a MoE block); a list of parts, one per moment."""
         layers = self.layers if layers is None else layers
         if action == "F":
-            return [{"LM head and loss": self.head_forward()} if kind in ("last", "only") else {"activations": 2 * self.X}]
+            head = kind in ("last", "only")
+            return [{"LM head and loss": self.head_forward()} if head else {"activations": 2 * self.X}]
         if action != "B":
             return [{}]
         out = []
@@ -2668,7 +2671,8 @@ def rank_peaks(cluster, model, layout, knobs, program=Program(), stages=None):
         candidates.append(("the optimizer step", _add(states, {"step temporaries": rank.step(zero, shard)})))
         label, parts = max(candidates, key=lambda c: sum(c[1].values()))
         parts = {p: round(parts[p]) for p in MEMORY_PARTS if round(parts.get(p, 0))}
-        results.append({"stage": r, "peak_bytes": sum(parts.values()), "parts": parts, "instant": f"{label}, stage {r}"})
+        results.append({"stage": r, "peak_bytes": sum(parts.values()), "parts": parts,
+                        "instant": f"{label}, stage {r}"})
     return results
 
 
@@ -3855,7 +3859,8 @@ def table_1_model(row, published_knobs):
 # (CLUSTER_2021, properties of the implementation). The planner still chooses the micro-batch size and the
 # interleaving, as the authors did.
 SOFTWARE_2021 = dict(recompute="full", sequence_parallel=False, zero=False)
-PROGRAM_2021 = dict(grad_bytes=2, flash_attention=False, dropout=True)  # fp16 buffers, unfused attention, GPT-3's dropout
+# fp16 gradient buffers, the unfused attention, GPT-3's dropout
+PROGRAM_2021 = dict(grad_bytes=2, flash_attention=False, dropout=True)
 CLUSTER_2021 = dict(overlap_grad_reduce="without_pp", interleave_min_pp=3, schedules=("1f1b", "interleaved"),
                     **PROGRAM_2021)
 
@@ -4317,8 +4322,8 @@ def _add_cluster_flags(ap):
     ap.add_argument("--interleave-min-pp", type=int, default=2,
                     help="smallest pipeline the interleaved schedule accepts (2 today; 3 for Megatron-LM 2021)")
     ap.add_argument("--flash-attention", action=argparse.BooleanOptionalAction, default=True,
-                    help="the attention core is a flash kernel (train_gpt.py, Megatron-Core), or (--no-flash-attention) "
-                         "Megatron-LM 2021's unfused one, its scores through HBM and kept")
+                    help="the attention core is a flash kernel (train_gpt.py, Megatron-Core), or "
+                         "(--no-flash-attention) Megatron-LM 2021's unfused one, its scores through HBM and kept")
     ap.add_argument("--grad-bytes", type=int, choices=[2, 4], default=GRAD_BYTES,
                     help="bytes per gradient element: 4 (fp32 main grads: train_gpt.py, Megatron-Core) or 2 (fp16 "
                          "buffers, 2021)")

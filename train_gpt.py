@@ -1225,7 +1225,13 @@ def parse_args(argv=None):
                                  "by torchrun: the chapter's run.",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     chapter_flags(ap)
-    return configs_of(ap.parse_args(argv), TrainConfig)
+    cfg, train_cfg = configs_of(ap.parse_args(argv), TrainConfig)
+    if train_cfg.dtype == "fp8" and train_cfg.fp8_recipe == "delayed" and train_cfg.recompute in ("full", "sqrt"):
+        # a recomputed forward runs the block's GEMMs again and would push each amax into the history twice
+        ap.exit(2, f"train_gpt.py: error: --fp8-recipe delayed with --recompute {train_cfg.recompute} records each "
+                "GEMM's amax twice: use --recompute none or selective, or --fp8-recipe tensorwise\n"
+                if os.environ.get("RANK", "0") == "0" else None)
+    return cfg, train_cfg
 
 
 def main(argv=None):
@@ -1280,7 +1286,7 @@ class JobConfig(TrainConfig):
     resume: bool = False              # continue from the latest complete checkpoint in out_dir, if any
     init_from_hf: str = None          # a GPT-2 folder (config.json, model.safetensors): the initial weights
     moe_grouped_gemm: bool = False    # each MoE layer's local experts as one grouped GEMM (moe_ep.GroupedGEMMMoE)
-    memory_report: bool = False       # step 2's peak per rank and part, measured from the live tensors, beside topology's
+    memory_report: bool = False       # step 2's peak per rank and part, measured from live tensors, beside topology's
     # also: data may be a text file, a folder of them, or train.bin/val.bin; recompute offload, selective+offload;
     # zero 2 and 3; dtype nvfp4; cp_impl allgather and hybrid; fp8_recipe rowwise, blockwise, mxfp8
 
@@ -2742,7 +2748,8 @@ class LiveTensorBytes(TorchDispatchMode):
         """The instant in topology.py's words: "backward of micro-batch 3, block 0, stage 0", "the loss of ..."."""
         chunk = f", chunk {self.chunk}" if self.stage.plan.virtual_stages > 1 else ""
         micro = "" if self.micro is None else f" of micro-batch {self.micro}{chunk}"
-        action = {"head": "the loss", "head backward": "backward", "recompute": "backward"}.get(self.action, self.action)
+        action = {"head": "the loss", "head backward": "backward",
+                  "recompute": "backward"}.get(self.action, self.action)
         where = "" if self.action == "head" else self.where
         return f"{action}{micro}{where}, stage {self.stage.plan.parallel_state.pp_rank}"
 
@@ -2939,8 +2946,9 @@ def memory_figures(meter, predicted, plan, train_cfg):
     out = {"memory": rows}
     if train_cfg.memory_report and rank == 0:
         say = [f"memory per rank and part, predicted / measured MiB (step {meter.step + 1}):"]
-        parts = [p for p in MEMORY_PARTS if any((m["parts"] or {}).get(p) or (predicted and predicted[r]["parts"].get(p))
-                                               for r, m in enumerate(every))]
+        parts = [p for p in MEMORY_PARTS
+                 if any((m["parts"] or {}).get(p) or (predicted and predicted[r]["parts"].get(p))
+                        for r, m in enumerate(every))]
         out["memory_parts"] = {p: [[None if predicted is None else int(predicted[r]["parts"].get(p, 0)),
                                     (m["parts"] or {}).get(p)] for r, m in enumerate(every)] for p in parts}
         for r, m in enumerate(every):

@@ -183,3 +183,17 @@ def test_the_cores_cut_at_their_banners_train_as_the_whole_files_do(tmp_path, na
     for a, b in zip(runs["cut"], runs["whole"]):
         print(f"  {a['step']:4d}  {a['loss']!r:20} {b['loss']!r:20} {a['grad_norm']!r:20} {b['grad_norm']!r:20}")
     assert len(runs["cut"]) == steps and runs["cut"] == runs["whole"]
+
+
+def test_the_core_command_line_refuses_delayed_fp8_under_recomputation_in_one_line(capsys, monkeypatch):
+    """The core's own parse_args (the chapter's flags) refuses what its run cannot do right: a recomputed forward
+    would push each GEMM's amax into the delayed history twice. Selective recomputation redoes no GEMM: allowed."""
+    import train_gpt
+    monkeypatch.setenv("RANK", "0")
+    for policy in ("full", "sqrt"):
+        with pytest.raises(SystemExit) as stop:
+            train_gpt.parse_args(["--dtype", "fp8", "--fp8-recipe", "delayed", "--recompute", policy])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.count("\n") == 1 and f"--recompute {policy}" in err, err
+    _, train_cfg = train_gpt.parse_args(["--dtype", "fp8", "--fp8-recipe", "delayed", "--recompute", "selective"])
+    assert (train_cfg.fp8_recipe, train_cfg.recompute) == ("delayed", "selective")

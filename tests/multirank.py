@@ -22,6 +22,7 @@ from datetime import timedelta
 
 import torch
 import torch._dynamo  # noqa: F401
+import torch.distributed.checkpoint  # noqa: F401
 import torch.distributed as dist
 
 # The import above: a process's first TorchDispatchMode (FlopCounterMode, the memory and host-sync counters of the

@@ -978,9 +978,20 @@ def test_planner_answers_for_16384_gpus_in_under_a_second():
         assert elapsed < _cpu_seconds(1.0), elapsed
 
 
-def test_calibrate_cli_prints_every_row(capsys):
-    topology.main(["calibrate"])
-    out = capsys.readouterr().out
+@pytest.fixture(scope="module")
+def calibrate_cli_output():
+    """What `python3 topology.py calibrate` prints, run once for the tests that read it (the planner prices every
+    published run: seconds)."""
+    import contextlib
+    import io
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        topology.main(["calibrate"])
+    return printed.getvalue()
+
+
+def test_calibrate_cli_prints_every_row(calibrate_cli_output):
+    out = calibrate_cli_output
     for row in topology.TABLE_1:
         assert f"{row[0]:.1f}B" in out
     assert "worst error" in out
@@ -1632,9 +1643,8 @@ def test_megatrons_flop_count_leaves_out_the_router_and_the_weighted_sum():
         assert topology.flops_per_token(m) - topology.megatron_flops_per_token(m) == router_and_sum
 
 
-def test_calibrate_cli_prints_the_moe_table_after_the_dense_one(capsys):
-    topology.main(["calibrate"])
-    out = capsys.readouterr().out
+def test_calibrate_cli_prints_the_moe_table_after_the_dense_one(calibrate_cli_output):
+    out = calibrate_cli_output
     dense, moe = out.split("Published MoE runs")
     assert "1008.0B" in dense and "Mixtral" not in dense
     for run in topology.MOE_RUNS:

@@ -4607,7 +4607,8 @@ def _check_metrics_file(path, out_dir=None):
         raise ValueError(f"--metrics {path} is a folder: pass a file path, e.g. {path}/metrics.jsonl")
     check_output_name("--metrics", path)  # a link, a device, a FIFO: refused
     if os.path.exists(path):
-        if not os.access(path, os.R_OK | os.W_OK):
+        # every rank checks, rank 0 alone writes: a file rank 0 has just set aside or replaced is not refused
+        if not os.access(path, os.R_OK | os.W_OK) and os.path.exists(path) and not os.access(path, os.R_OK | os.W_OK):
             raise ValueError(f"--metrics {path} is not readable and writable (its permissions): pass another path")
         if os.path.basename(path) == ".lock" or _locked_by_another(path):
             raise ValueError(f"--metrics {path} is the lock file of a run (a metrics file would move it aside and let "

@@ -1116,6 +1116,17 @@ def step_line(record, skipped, moe):
             + (f", mfu {r['mfu']:.1%}" if "mfu" in r else ""))
 
 
+def begin_step(step, opt, data, cfg, train_cfg, device):
+    """A step's learning rate, set on every parameter group, and its batch: made before the step's clock starts."""
+    lr = lr_at(step, train_cfg)
+    for group in opt.param_groups:
+        group["lr"] = lr
+    tokens = data.batch("train", step, train_cfg.batch, cfg.seq_len, cfg.seed, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # the clock times the step alone
+    return lr, tokens
+
+
 def train(cfg, train_cfg, data=None):
     """nanoGPT's loop: for each step the learning rate, the batch, the step (`train_step`: forward and backward of
     the micro-batches through the schedule, the gradient sums, the optimizer), one line on rank 0, and with --metrics
@@ -1129,12 +1140,7 @@ def train(cfg, train_cfg, data=None):
     metrics = open(train_cfg.metrics, "a") if train_cfg.metrics and rank == 0 else None
     records, skipped = [], 0
     for step in range(train_cfg.steps):
-        lr = lr_at(step, train_cfg)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        tokens = data.batch("train", step, train_cfg.batch, cfg.seq_len, cfg.seed, device)  # before the clock
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        lr, tokens = begin_step(step, opt, data, cfg, train_cfg, device)
         t0 = time.perf_counter()
         loss, aux, grad_norm, stepped, _ = train_step(stage, pipe, opt, tokens, train_cfg.micro_batch,
                                                       train_cfg.grad_clip)
@@ -2494,12 +2500,7 @@ def train_job(cfg, train_cfg, data=None):
         records, skipped, step = [], 0, start
         with stalls_in_one_line(train_cfg, lambda: f"step {step}"):
             for step in range(start, train_cfg.steps):
-                lr = lr_at(step, train_cfg)
-                for group in opt.param_groups:
-                    group["lr"] = lr
-                tokens = data.batch("train", step, train_cfg.batch, cfg.seq_len, cfg.seed, device)  # before the clock
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
+                lr, tokens = begin_step(step, opt, data, cfg, train_cfg, device)
                 t0 = time.perf_counter()
                 stage.step = step  # what NVFP4's stochastic rounding draws from (beyond the chapter)
                 measured = step == min(start + 1, train_cfg.steps - 1)  # memory: the second step (its states exist)

@@ -14,8 +14,10 @@ import ast
 import builtins
 import importlib.util
 import os
+import signal
 import symtable
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BANNER = "# BEYOND THE CHAPTER"
@@ -170,9 +172,7 @@ def run_program(folder, argv, world, cwd, timeout=300, environ=True):
     `folder`'s are imported, and runs the file as __main__). Returns [(exit code, stdout, stderr)] by rank; a rank
     still running after `timeout` seconds is killed."""
     import runpy
-    import signal
     import socket
-    import time
     import torch._dynamo  # noqa: F401 (a process's first optimizer imports it, about 1 s: here once, then inherited)
     with socket.socket() as probe:  # a free port per launch
         probe.bind(("127.0.0.1", 0))
@@ -216,6 +216,13 @@ def run_program(folder, argv, world, cwd, timeout=300, environ=True):
                 sys.stderr.flush()
                 os._exit(code)
         pids.append(pid)
+    codes = exit_codes(pids, timeout)
+    # errors="replace": a text model's sample is the bytes it drew, which need not be UTF-8
+    return [(code, open(out, errors="replace").read(), open(err).read()) for code, (out, err) in zip(codes, outs)]
+
+
+def exit_codes(pids, timeout):
+    """Each forked process's exit code, in order; one still running `timeout` seconds from now is killed (97)."""
     deadline, codes = time.monotonic() + timeout, []
     for pid in pids:
         while True:
@@ -229,6 +236,5 @@ def run_program(folder, argv, world, cwd, timeout=300, environ=True):
                 break
             time.sleep(0.01)
         codes.append(os.waitstatus_to_exitcode(status))
-    # errors="replace": a text model's sample is the bytes it drew, which need not be UTF-8
-    return [(code, open(out, errors="replace").read(), open(err).read()) for code, (out, err) in zip(codes, outs)]
+    return codes
 

@@ -731,9 +731,8 @@ def _main_on_forked_ranks(argv, world, cwd, timeout=60, ranks=None):
     forked process writing stdout and stderr to its own file (only `ranks` of them, if given: the others never
     come). Returns [(exit code, output, initialised)]: a rank that created a process group reports
     initialised=True."""
-    import signal
     import socket
-    import time
+    from chapter_core import exit_codes
     with socket.socket() as probe:  # a free port per call: a fixed one clashes with any other suite on the machine
         probe.bind(("127.0.0.1", 0))
         port = str(probe.getsockname()[1])
@@ -768,19 +767,7 @@ def _main_on_forked_ranks(argv, world, cwd, timeout=60, ranks=None):
                 sys.stderr.flush()
                 os._exit(code + 100 * dist.is_initialized())
         pids.append(pid)
-    deadline, results = time.monotonic() + timeout, []
-    for pid in pids:
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                status = 97 << 8
-                break
-            time.sleep(0.01)
-        results.append(os.waitstatus_to_exitcode(status))
+    results = exit_codes(pids, timeout)
     # errors="replace": a text model's sample is the bytes it drew, which need not be UTF-8
     return [(code % 100, open(out, errors="replace").read(), code >= 100) for code, out in zip(results, outs)]
 

@@ -2290,8 +2290,9 @@ def timeline(kind, p, m, v=1):
         rows.append(f"rank {r}  " + "".join(c.ljust(width) for c in cells).rstrip())
     formula, peaks = schedule_formulas(kind, p, m, v)
     ideal = 3 * m * v
-    rows.append(f"{kind}, p={p} m={m} v={v}: {span} units (formula {formula}), bubble {(span - ideal) / span:.3f} of "
-                f"the step, {(span - ideal) / ideal:.3f} of the ideal {ideal}")
+    holds = ", which holds for m >= p" if kind == "zb-h1" and m < p else ""  # fewer W's than idle slots to fill
+    rows.append(f"{kind}, p={p} m={m} v={v}: {span} units (formula {formula}{holds}), bubble "
+                f"{(span - ideal) / span:.3f} of the step, {(span - ideal) / ideal:.3f} of the ideal {ideal}")
     rows.append("in flight per rank (chunks): " + ", ".join(
         f"{in_flight_peak(o, split)} ({f})" for o, f in zip(orders, peaks)))
     rows.append("legend: a column is one time unit, a forward's time; Fi: the forward of micro-batch i (Fi.c: on "

@@ -976,9 +976,10 @@ def test_a_killed_rank_ends_the_job_and_resume_reproduces_the_run(tmp_path):
     for name in os.listdir(tmp_path / "ckpt"):  # under their final names, complete checkpoints only
         if name != ".lock" and not name.endswith(".tmp"):
             assert {".metadata", "train_state.json"} <= set(os.listdir(tmp_path / "ckpt" / name)), name
-    resumed = _torchrun(4, args + ["--out-dir", "ckpt", "--metrics", "resumed.jsonl", "--resume"], str(tmp_path))
-    assert resumed.wait(timeout=300) == 0, resumed.communicate()[0]
-    # the uninterrupted run, as torchrun would start it, forked from this process (4 interpreter start-ups fewer)
+    # the resumed and the uninterrupted runs, as torchrun would start them, forked from this process (5 interpreter
+    # start-ups fewer each: the launcher's part, ending the job, is the killed run's)
+    resumed = run_program(ROOT, args + ["--out-dir", "ckpt", "--metrics", "resumed.jsonl", "--resume"], 4, tmp_path)
+    assert all(code == 0 for code, *_ in resumed), resumed[0][2]
     full = run_program(ROOT, args + ["--out-dir", "full", "--metrics", "full.jsonl"], 4, tmp_path)
     assert all(code == 0 for code, *_ in full), full[0][2]
     reference, got = _losses(tmp_path / "full.jsonl"), _losses(tmp_path / "resumed.jsonl")
@@ -1648,9 +1649,10 @@ def test_two_runs_on_one_out_dir_one_is_refused_and_the_other_resumes_bit_exactl
     assert first.wait(timeout=300) == 0, first.communicate()[0]
     import shutil
     shutil.rmtree(tmp_path / "out" / "step_000006")  # as if the first run had stopped after step 4
-    again = subprocess.run(args + ["--steps", "6", "--metrics", "again.jsonl", "--resume"], cwd=tmp_path, env=env,
-                           capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0, again
+    from chapter_core import run_program  # the resumed run forked from this process: one interpreter start-up fewer
+    (code, out, err), = run_program(ROOT, args[2:] + ["--steps", "6", "--metrics", "again.jsonl", "--resume"], 1,
+                                    tmp_path, environ=False)
+    assert code == 0, (out, err)
     reference, resumed = _losses(tmp_path / "first.jsonl"), _losses(tmp_path / "again.jsonl")
     assert sorted(resumed) == [4, 5] and all(resumed[s] == reference[s] for s in resumed)  # bit for bit
 
@@ -2001,6 +2003,9 @@ def test_the_timeline_is_printed_without_a_process_group(tmp_path):
     zb = train_gpt.timeline("zb-h1", 4, 8).splitlines()
     assert zb[0].startswith("rank 0  F0 F1 F2 F3 .") and "27 units (formula 27)" in zb[4]
     assert zb[5] == "in flight per rank (chunks): 4 (4), 4 (4), 4 (4), 4 (4)"
+    # fewer micro-batches than stages: ZB-H1's 3 v m + p - 1 does not hold, and the line says when it does
+    assert "11 units (formula 9, which holds for m >= p)" in train_gpt.timeline("zb-h1", 4, 2)
+    assert "holds for" not in train_gpt.timeline("zb-h1", 4, 4) + train_gpt.timeline("1f1b", 4, 2)
 
 
 # ---- FP8 recipes and the FP8 parameter all-gather in the run --------------------------------------------------

@@ -979,13 +979,16 @@ def test_planner_answers_for_16384_gpus_in_under_a_second():
 
 
 @pytest.fixture(scope="module")
-def calibrate_cli_output():
-    """What `python3 topology.py calibrate` prints, run once for the tests that read it (the planner prices every
-    published run: seconds)."""
+def calibrate_cli_output(calibration, moe_calibration):
+    """What `python3 topology.py calibrate` prints, for the tests that read it: its rows are calibrate()'s and
+    calibrate_moe()'s, which the fixtures above computed once already (the planner prices every published run:
+    seconds), so the command prints theirs."""
     import contextlib
     import io
     printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
+        patch.setattr(topology, "calibrate", lambda: calibration)
+        patch.setattr(topology, "calibrate_moe", lambda: moe_calibration)
         topology.main(["calibrate"])
     return printed.getvalue()
 

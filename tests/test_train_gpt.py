@@ -1085,17 +1085,22 @@ def test_the_speed_benchmark_runs_and_refuses_bad_sizes_in_one_line():
     # the refused command lines start beside the benchmark (each an interpreter start-up; no figure is timed)
     refused = [subprocess.Popen(bench + argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
                for argv, _ in refusals]
-    out = subprocess.run(bench + ["--rounds", "2", "--steps-per-round", "1", "--layers", "1", "--hidden", "32",
-                                  "--seq", "32", "--batch", "4", "--micro-batch", "2", "--threads", "1", "--profile"],
-                         capture_output=True, text=True, timeout=120, env=env)
+    try:
+        out = subprocess.run(bench + ["--rounds", "2", "--steps-per-round", "1", "--layers", "1", "--hidden", "32",
+                                      "--seq", "32", "--batch", "4", "--micro-batch", "2", "--threads", "1",
+                                      "--profile"], capture_output=True, text=True, timeout=120, env=env)
+        errors = [process.communicate(timeout=60)[1] for process in refused]
+    finally:
+        for process in refused:  # none outlives the test
+            if process.poll() is None:
+                process.kill()
     assert out.returncode == 0 and "ratio plain / train_gpt.py" in out.stdout, out.stdout + out.stderr
     ratio, lo, hi = map(float, re.search(r"= ([\d.]+) \(95% interval ([\d.]+) to ([\d.]+)", out.stdout).groups())
     assert lo <= ratio <= hi  # the bootstrap's interval holds the ratio it was drawn around
     assert "in 2 micro-batches of 2" in out.stdout
     # the profile: both programs' time by operator (which operators lead, the noise of a 1-step round decides)
     assert "self CPU time per step by operator" in out.stdout and out.stdout.count("      aten::") >= 8
-    for process, (_, line) in zip(refused, refusals):
-        _, err = process.communicate(timeout=60)
+    for process, err, (_, line) in zip(refused, errors, refusals):
         assert process.returncode == 2 and err.startswith(f"train_gpt_vs_plain.py: error: {line}"), err
         assert len(err.strip().splitlines()) == 1, err
 
@@ -1907,7 +1912,8 @@ def test_the_executor_receives_each_input_from_the_action_that_produced_it(kind,
 
 
 def _schedule_stats(rank, world, cfg, kind, v):
-    """This rank's ScheduleStats of one step, and the most sent outputs not yet freed after any action."""
+    """This rank's ScheduleStats of one step (m = 8), the most sent outputs not yet freed after any action, and the
+    V schedules' in-memory handoffs left at the step's end (other executors have none)."""
     torch.set_default_dtype(torch.float64)
     plan, stage, opt, pipe = train_gpt.build_job(cfg, _run(pp=world, micro_batch=1, batch=8, pp_schedule=kind,
                                                        virtual_stages=v))
@@ -1919,7 +1925,7 @@ def _schedule_stats(rank, world, cfg, kind, v):
         unfreed[0] = max(unfreed[0], sum(free for _, _, free, *_ in self.sending))
     train_gpt.Pipeline.collect_sends = watched
     *_, stats = train_gpt.train_step(stage, pipe, opt, tokens, micro_batch=1)
-    return plan.parallel_state.pp_rank, stats, unfreed[0]
+    return plan.parallel_state.pp_rank, stats, unfreed[0], len(getattr(pipe, "local", ()))
 
 
 @pytest.mark.parametrize("kind, p, v, cfg", [("1f1b", 4, 1, CFG), ("interleaved", 4, 2, CFG8), ("zb-h1", 4, 1, CFG),
@@ -1929,7 +1935,7 @@ def test_every_schedule_frees_each_sent_output_and_keeps_what_its_list_keeps_in_
     # keeps, held no output once its send completed, and learnt of each completion by the time that micro-batch's
     # backward came back at the latest: gloo's isend never reports completion unless waited on, so an executor that
     # only polls would hold every output of the step (8 of 8 on 1F1B's first stage, 16 of 16 interleaved)
-    for rank, (peak, held, order), unfreed in run_ranks(_schedule_stats, p, cfg, kind, v, timeout=120):
+    for rank, (peak, held, order), unfreed, _ in run_ranks(_schedule_stats, p, cfg, kind, v, timeout=120):
         assert order == train_gpt.pipeline_schedule(kind, p, 8, v)[rank], (kind, rank)
         assert peak == train_gpt.in_flight_peak(order, split=kind == "zb-h1"), (kind, rank, peak)
         assert held == 0, (kind, rank, held)

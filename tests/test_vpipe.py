@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_gpt  # noqa: E402
 from multirank import run_ranks  # noqa: E402
 from train_gpt import Action, Overlapped  # noqa: E402
-from test_train_gpt import CFG, CFG_MOE, STEPS, TOL, _run  # noqa: E402
+from test_train_gpt import CFG, CFG_MOE, STEPS, TOL, _run, _schedule_stats  # noqa: E402
 
 TORCH_V_SCHEDULES = {"zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
 
@@ -281,28 +281,12 @@ def test_every_layout_trains_the_one_process_model_under_both_v_schedules(one_pr
         assert held == topology.params_on_first_stage(shape, 1, pp, kwargs.get("ep", 1), v_shape=True) + 2 * cfg.n_embd
 
 
-def _v_schedule_stats(rank, world, cfg, kind):
-    """This rank's ScheduleStats of one step (m = 8), and the most sent outputs not yet freed after any action."""
-    torch.set_default_dtype(torch.float64)
-    plan, stage, opt, pipe = train_gpt.build_job(cfg, _run(pp=world, micro_batch=1, batch=8, pp_schedule=kind,
-                                                           virtual_stages=2))
-    tokens = train_gpt.synthetic_batch(0, 8, cfg.seq_len, cfg.vocab_size)
-    unfreed, collect_sends = [0], train_gpt.Pipeline.collect_sends
-
-    def watched(self, wait=False):
-        collect_sends(self, wait)
-        unfreed[0] = max(unfreed[0], sum(free for _, _, free, *_ in self.sending))
-    train_gpt.Pipeline.collect_sends = watched
-    *_, stats = train_gpt.train_step(stage, pipe, opt, tokens, micro_batch=1)
-    return plan.parallel_state.pp_rank, stats, unfreed[0], len(pipe.local)
-
-
 @pytest.mark.parametrize("kind, p, cfg", [("zbv", 2, CFG), ("dualpipev", 4, CFG8)])
 def test_the_executor_runs_each_ranks_list_frees_what_it_sends_and_holds_the_formulas_peak(kind, p, cfg):
     # each rank ran its list in its order and kept alive at most what the list keeps (F to B, or to W where its B is
     # split; an F&B pair's forward beside its backward): the formula's peak, DualPipe's PP + 1 = 2p + 1 chunks
     # under DualPipeV; no output held once sent (rank p - 1's handoff to itself frees its output too)
-    for rank, (peak, held, order), unfreed, left in run_ranks(_v_schedule_stats, p, cfg, kind, timeout=120):
+    for rank, (peak, held, order), unfreed, left in run_ranks(_schedule_stats, p, cfg, kind, 2, timeout=120):
         assert order == train_gpt.pipeline_schedule(kind, p, 8, 2)[rank], (kind, rank)
         assert peak == train_gpt.in_flight_peak(order, True) == train_gpt.schedule_formulas(kind, p, 8, 2)[1][rank]
         assert held == 0 and left == 0 and unfreed <= peak, (kind, rank, held, left, unfreed)

@@ -606,8 +606,8 @@ class BiasBalancedMoE(MoE):
 # The all-to-alls beside other work (DualPipe's overlapped forward and backward)
 # ----------------------------------------------------------------------------------------------------
 # The chapter's all-to-alls block until the rows have arrived. Posted with async_op=True instead, the time the rows
-# travel is left to other work: OverlappedMoE hands each posted dispatch and combine, and in the backward their
-# gradients', to `wait(work)`, which may run whatever else is due (the other half of a pipeline's forward-and-
+# travel is left to other work: OverlappedMoE hands each posted exchange (the counts, dispatch and combine, and in the
+# backward their gradients') to `wait(work)`, which may run whatever else is due (the other half of a pipeline's forward-and-
 # backward pair) before it waits for the rows; the default waits at once, as the chapter's layer does. The same
 # rows travel, so the results are the chapter's bit for bit.
 
@@ -640,15 +640,16 @@ def wait_now(work):
 
 
 class OverlappedMoE(MoE):
-    """The chapter's MoE whose token all-to-alls are posted asynchronously and handed to `self.wait` (wait_now
-    unless the caller sets another): the chapter's steps of _expert_parallel, the two exchanges through
-    _AllToAllTokensAsync."""
+    """The chapter's MoE whose all-to-alls are posted asynchronously and handed to `self.wait` (wait_now unless the
+    caller sets another): the chapter's steps of _expert_parallel, the counts' exchange through _exchange_async, the
+    token rows' two through _AllToAllTokensAsync."""
     wait = staticmethod(wait_now)
 
     def _expert_parallel(self, x, order, counts):
         P, local = self.ep_size, self.local_experts
         send_counts = rearrange(counts, "(p e) -> p e", p=P)
-        recv_counts = _exchange_counts(send_counts, self.ep_group)
+        # the counts travel as a row per rank (logged as the chapter's _exchange_counts logs them), handed to `wait`
+        recv_counts = _exchange_async(send_counts, [1] * P, [1] * P, self.ep_group, "counts_a2a", self.wait)
         host = torch.cat([send_counts.sum(1), recv_counts.reshape(-1)]).tolist()
         send_splits, received_matrix = host[:P], [host[P + i * local:P + (i + 1) * local] for i in range(P)]
         recv_splits = [sum(row) for row in received_matrix]

@@ -1981,18 +1981,19 @@ class Baton:
     """The two halves of an F&B pair, on two threads, one computing at a time (so that a rank issues its collectives
     in one order, the same on every rank of their groups): a half that has posted a transfer hands the turn to the
     other (`switch`), which computes until it posts one of its own or ends, and takes the turn back to wait for its
-    data. `beside` sums the seconds posted transfers travelled while the other half computed (`handovers` times),
-    `exposed` those their half then still waited for them."""
+    data. `beside[kind]` sums the seconds posted transfers ("all-to-all": a MoE layer's; "p2p": a half's input from
+    the neighbouring stage) travelled while the other half computed (`handovers` times), `exposed[kind]` those their
+    half then still waited for."""
 
     def __init__(self):
         self.cond = threading.Condition()
         self.turn, self.running = None, [False, False]  # the half that may compute (None: no pair running)
-        self.beside = self.exposed = 0.0
+        self.beside, self.exposed = {"all-to-all": 0.0, "p2p": 0.0}, {"all-to-all": 0.0, "p2p": 0.0}
         self.handovers = 0
 
-    def switch(self, work):
-        """A half has posted `work` (a moe_ep.OverlappedMoE all-to-all): the other half computes meanwhile, if it is
-        still running; then this one waits for the data."""
+    def switch(self, work, kind="all-to-all"):
+        """A half has posted `work` (a moe_ep.OverlappedMoE all-to-all, or the receive of its input): the other half
+        computes meanwhile, if it is still running; then this one waits for the data."""
         t0 = time.perf_counter()
         with self.cond:
             me = self.turn
@@ -2002,7 +2003,8 @@ class Baton:
                 self.cond.wait_for(lambda: self.turn == me)
         t1 = time.perf_counter()
         work.wait()
-        self.beside, self.exposed = self.beside + t1 - t0, self.exposed + time.perf_counter() - t1
+        self.beside[kind] += t1 - t0
+        self.exposed[kind] += time.perf_counter() - t1
 
     def run(self, forward, backward, device):
         """The pair: `forward` on a thread of its own (on `device`), `backward` on this one; the forward starts."""
@@ -2031,20 +2033,30 @@ class Baton:
             raise errors[0]
 
 
+class HandedWait(NamedTuple):
+    """A posted transfer whose wait hands the turn to the pair's other half first (a gloo receive is waited on once:
+    Baton.switch waits for it)."""
+    baton: Baton
+    work: object
+    kind: str
+
+    def wait(self):
+        self.baton.switch(self.work, self.kind)
+
+
 class VPipeline(ZeroBubblePipeline):
     """The executor of the V schedules (--pp-schedule zbv, dualpipev): chunk 0 of rank r is stage r, chunk 1 stage
     2p - 1 - r (`v_placement` gives the plan those layers). Rank p - 1 hands chunk 0's output to its chunk 1, and
     chunk 1's input gradient back to chunk 0, in memory (`local`): no transfer. A B whose W its list holds computes
     the input gradients only (zero bubble's split); one without is whole. An F&B pair (`Overlapped`) runs its two
-    halves overlapped (`overlap`): each on a thread of its own, taking turns where a MoE layer's all-to-all travels
-    (`baton`, the MoE layers' `wait`), so that one half's all-to-alls and transfers travel while the other computes;
-    with `overlap` False one after the other (`run_pair`)."""
+    halves overlapped (`overlap`): each on a thread of its own, taking turns where a MoE layer's all-to-all or a
+    half's input travels (`baton`, the MoE layers' `wait`), so that one half's transfers travel while the other
+    computes; with `overlap` False one after the other (`run_pair`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.flat = {}  # id(orders): (the orders, kept alive; every rank's actions, pairs' halves one by one)
         self.baton, self.overlap, self.chunk_exchanges = Baton(), True, {}
-        self.p2p_exposed = 0.0  # seconds a pair's halves waited for their inputs' transfers
 
     def orders(self, kind, p, m, v):
         if kind == "forward":  # a validation loss: every micro-batch down the V, then back up
@@ -2124,10 +2136,10 @@ class VPipeline(ZeroBubblePipeline):
 
         def run_half(action):
             received = None
-            if action in self.source:
-                t0 = time.perf_counter()
+            if action in self.source:  # posted with the pair: the other half computes while it travels
+                buf, work = self.receives[action]
+                self.receives[action] = buf, HandedWait(self.baton, work, "p2p")
                 received = self.receive(action).requires_grad_(action.kind == "F" and torch.is_grad_enabled())
-                self.p2p_exposed += time.perf_counter() - t0
             outputs[action] = self.run_action(stage, action, received, saved, *rest)
             for half in pair[len(sent):]:
                 if half not in outputs:

@@ -19,12 +19,14 @@ the two copies' losses over the first steps must agree, else the script stops. T
 times is printed (> 1: ours faster) with a 95% interval (the rounds resampled together) and the spread of the
 per-round ratios, and each rank's median CPU seconds per step (the work each executor does, which a loaded machine's
 waits do not inflate). --breakdown adds, per rank and program, where the step's time goes, in milliseconds per step:
-compute (the actions: F forwards with the loss, B backwards, W weight gradients), waiting on transfers (ours: on
-receives, on sends), posting transfers (the buffers, the irecv and isend calls), the executor's own bookkeeping (the
-rest of its schedule: ours `run_schedule`, torch's `_step_microbatches`) and the step's tail (the gradient
-reductions, the optimizer, the loss's all-reduce; torch's also splits the batch into micro-batches). --overlap
+compute (the actions: F forwards with the loss, B backwards, W weight gradients; ours F&B, DualPipeV's pairs whole,
+their inputs' waits included, as their two threads share one clock; torch runs a pair's F and B one after the other),
+waiting on transfers (ours: on receives, on sends), posting transfers (the buffers, the irecv and isend calls), the
+executor's own bookkeeping (the rest of its schedule: ours `run_schedule`, torch's `_step_microbatches`) and the
+step's tail (the gradient reductions, the optimizer, the loss's all-reduce; torch's also splits the batch into
+micro-batches). --overlap
 first races DualPipeV's pairs overlapped against the same pairs one after the other, with per rank the seconds the
-all-to-alls travelled beside the other half's compute and those still waited for.
+all-to-alls and the halves' inputs travelled beside the other half's compute and those still waited for.
 """
 import argparse
 import collections
@@ -168,7 +170,8 @@ def add_breakdowns(kind, timed):
     runner = next(c for c in runner.__mro__ if "_step_microbatches" in c.__dict__)
     kind_of_action = lambda args: f"compute {args[2].kind}"  # noqa: E731 (pipe.run_action(stage, action, ...))
     timed["ours"] = Breakdown(((pipe, "run_action", kind_of_action), (train_gpt.ZeroBubblePipeline, "run_action",
-                                kind_of_action), (pipe, "receive", "waiting on receives"),
+                                kind_of_action), (train_gpt.VPipeline, "run_pair", "compute F&B"),
+                               (pipe, "receive", "waiting on receives"),
                                (pipe, "collect_sends", "waiting on sends"), (pipe, "post_receive", "posting receives"),
                                (pipe, "send", "posting sends"), (train_gpt, "run_schedule", "schedule")))
     timed["torch"] = Breakdown(((base, "forward_one_chunk", "compute F"), (base, "backward_one_chunk", "compute B"),
@@ -262,20 +265,21 @@ def _compare(a, kind, cfg, run, timed):
 def overlap_race(a):
     """DualPipeV's F&B pairs overlapped against the same pairs run one after the other, in one program (the flag
     toggled between rounds): the ratio of the median steps, and per rank the seconds per step the all-to-alls
-    travelled beside the other half's compute, those still waited for, the handovers, and the waits for the pairs'
-    transfers from the neighbours."""
+    and the halves' inputs from the neighbours travelled beside the other half's compute, those still waited for,
+    and the handovers."""
     cfg, run = model(a), layout(a, "dualpipev")
     _, stage, opt, pipe = train_gpt.build_job(cfg, run)
-    figures = {}  # mode: [beside, exposed, handovers, p2p waits] summed over its counted steps
+    figures = {}  # mode: [all-to-alls beside, waited; inputs beside, waited; handovers] summed over its counted steps
 
     def program(overlap):
         def step(tokens):
             pipe.overlap = overlap
-            before = (pipe.baton.beside, pipe.baton.exposed, pipe.baton.handovers, pipe.p2p_exposed)
+            baton = pipe.baton
+            before = (*baton.beside.values(), *baton.exposed.values(), baton.handovers)
             loss = train_gpt.train_step(stage, pipe, opt, tokens, run.micro_batch, run.grad_clip)[0]
-            after = (pipe.baton.beside, pipe.baton.exposed, pipe.baton.handovers, pipe.p2p_exposed)
+            after = (*baton.beside.values(), *baton.exposed.values(), baton.handovers)
             if counting[0]:
-                total = figures.setdefault(overlap, [0.0] * 4)
+                total = figures.setdefault(overlap, [0.0] * 5)
                 for i, (x, y) in enumerate(zip(before, after)):
                     total[i] += y - x
             return loss
@@ -297,10 +301,10 @@ def overlap_race(a):
     dist.all_gather_object(per_rank, {mode: [x / steps for x in f] for mode, f in figures.items()})
     for rank, f in enumerate(per_rank):
         for mode, name in ((True, "overlapped"), (False, "one after the other")):
-            beside, exposed, handovers, p2p = f[mode]
-            lines.append(f"    rank {rank} {name:20s} per step: all-to-alls beside the other half's compute "
-                         f"{beside * 1000:6.1f} ms, waited for {exposed * 1000:6.1f} ms ({handovers:.0f} handovers); "
-                         f"waits for the pairs' transfers {p2p * 1000:6.1f} ms")
+            a2a_beside, p2p_beside, a2a_exposed, p2p_exposed, handovers = f[mode]
+            lines.append(f"    rank {rank} {name:20s} per step ({handovers:.0f} handovers): all-to-alls beside the other "
+                         f"half's compute {a2a_beside * 1000:6.1f} ms, waited for {a2a_exposed * 1000:6.1f} ms; the "
+                         f"halves' inputs beside {p2p_beside * 1000:6.1f} ms, waited for {p2p_exposed * 1000:6.1f} ms")
     return lines
 
 

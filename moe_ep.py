@@ -607,9 +607,9 @@ class BiasBalancedMoE(MoE):
 # ----------------------------------------------------------------------------------------------------
 # The chapter's all-to-alls block until the rows have arrived. Posted with async_op=True instead, the time the rows
 # travel is left to other work: OverlappedMoE hands each posted exchange (the counts, dispatch and combine, and in the
-# backward their gradients') to `wait(work)`, which may run whatever else is due (the other half of a pipeline's forward-and-
-# backward pair) before it waits for the rows; the default waits at once, as the chapter's layer does. The same
-# rows travel, so the results are the chapter's bit for bit.
+# backward their gradients') to `wait(work)`, which may run whatever else is due (the other half of a pipeline's
+# forward-and-backward pair) before it waits for the rows; the default waits at once, as the chapter's layer does.
+# The same rows travel, so the results are the chapter's bit for bit.
 
 def _exchange_async(x, send_splits, recv_splits, group, kind, wait):
     """_exchange posted asynchronously: `wait(work)` runs before the output is read."""

@@ -1982,14 +1982,14 @@ class Baton:
     in one order, the same on every rank of their groups): a half that has posted a transfer hands the turn to the
     other (`switch`), which computes until it posts one of its own or ends, and takes the turn back to wait for its
     data. `beside[kind]` sums the seconds posted transfers ("all-to-all": a MoE layer's; "p2p": a half's input from
-    the neighbouring stage) travelled while the other half computed (`handovers` times), `exposed[kind]` those their
-    half then still waited for."""
+    the neighbouring stage) travelled while the other half computed (`handovers[kind]` times), `exposed[kind]` those
+    their half then still waited for."""
 
     def __init__(self):
         self.cond = threading.Condition()
         self.turn, self.running = None, [False, False]  # the half that may compute (None: no pair running)
         self.beside, self.exposed = {"all-to-all": 0.0, "p2p": 0.0}, {"all-to-all": 0.0, "p2p": 0.0}
-        self.handovers = 0
+        self.handovers = {"all-to-all": 0, "p2p": 0}
 
     def switch(self, work, kind="all-to-all"):
         """A half has posted `work` (a moe_ep.OverlappedMoE all-to-all, or the receive of its input): the other half
@@ -1998,7 +1998,8 @@ class Baton:
         with self.cond:
             me = self.turn
             if me is not None and self.running[1 - me]:
-                self.turn, self.handovers = 1 - me, self.handovers + 1
+                self.turn = 1 - me
+                self.handovers[kind] += 1
                 self.cond.notify_all()
                 self.cond.wait_for(lambda: self.turn == me)
         t1 = time.perf_counter()

@@ -269,17 +269,17 @@ def overlap_race(a):
     and the handovers."""
     cfg, run = model(a), layout(a, "dualpipev")
     _, stage, opt, pipe = train_gpt.build_job(cfg, run)
-    figures = {}  # mode: [all-to-alls beside, waited; inputs beside, waited; handovers] summed over its counted steps
+    figures = {}  # mode: [beside, waited, handovers: all-to-alls', inputs'] summed over its counted steps
 
     def program(overlap):
         def step(tokens):
             pipe.overlap = overlap
             baton = pipe.baton
-            before = (*baton.beside.values(), *baton.exposed.values(), baton.handovers)
+            before = (*baton.beside.values(), *baton.exposed.values(), *baton.handovers.values())
             loss = train_gpt.train_step(stage, pipe, opt, tokens, run.micro_batch, run.grad_clip)[0]
-            after = (*baton.beside.values(), *baton.exposed.values(), baton.handovers)
+            after = (*baton.beside.values(), *baton.exposed.values(), *baton.handovers.values())
             if counting[0]:
-                total = figures.setdefault(overlap, [0.0] * 5)
+                total = figures.setdefault(overlap, [0.0] * 6)
                 for i, (x, y) in enumerate(zip(before, after)):
                     total[i] += y - x
             return loss
@@ -301,10 +301,12 @@ def overlap_race(a):
     dist.all_gather_object(per_rank, {mode: [x / steps for x in f] for mode, f in figures.items()})
     for rank, f in enumerate(per_rank):
         for mode, name in ((True, "overlapped"), (False, "one after the other")):
-            a2a_beside, p2p_beside, a2a_exposed, p2p_exposed, handovers = f[mode]
-            lines.append(f"    rank {rank} {name:20s} per step ({handovers:.0f} handovers): all-to-alls beside the other "
-                         f"half's compute {a2a_beside * 1000:6.1f} ms, waited for {a2a_exposed * 1000:6.1f} ms; the "
-                         f"halves' inputs beside {p2p_beside * 1000:6.1f} ms, waited for {p2p_exposed * 1000:6.1f} ms")
+            a2a_beside, p2p_beside, a2a_exposed, p2p_exposed, a2a_handovers, p2p_handovers = f[mode]
+            lines.append(f"    rank {rank} {name:20s} per step: all-to-alls beside the other "
+                         f"half's compute {a2a_beside * 1000:6.1f} ms, waited for {a2a_exposed * 1000:6.1f} ms "
+                         f"({a2a_handovers:.0f} handovers); the "
+                         f"halves' inputs beside {p2p_beside * 1000:6.1f} ms, waited for {p2p_exposed * 1000:6.1f} ms "
+                         f"({p2p_handovers:.0f} handovers)")
     return lines
 
 

@@ -1726,33 +1726,53 @@ def test_a_stopped_rank_or_a_killed_launcher_ends_every_process_within_the_timeo
     """SIGSTOP of one rank at TP2 and at DP2 with --timeout-s 10: every worker gone within 10 s + 5 s (the rank
     that waited raises at the timeout, then kills its node's peers, which torchrun would leave 30 s to a stopped
     one). SIGKILL of the torchrun agent: its workers gone within a few seconds (each polls its parent twice a
-    second), with no new checkpoint."""
+    second), with no new checkpoint. The third job starts once the two are stopped: its start-up runs in their wait
+    for the timeout (each job's seconds are counted from its own signal)."""
     import signal
     import time
     long_job = JOB + ["--steps", "100000", "--save-every", "1", "--timeout-s", "10"]
-    jobs = {name: _torchrun(2, long_job + layout + ["--out-dir", name, "--metrics", f"{name}.jsonl"], str(tmp_path))
-            for name, layout in (("tp2", ["--tp", "2"]), ("dp2", []), ("agent", []))}
+
+    def start(name, layout):
+        return _torchrun(2, long_job + layout + ["--out-dir", name, "--metrics", f"{name}.jsonl"], str(tmp_path))
+
+    jobs = {name: start(name, layout) for name, layout in (("tp2", ["--tp", "2"]), ("dp2", []))}
     for name in jobs:
         while not (tmp_path / name / "step_000002").exists():
             assert jobs[name].poll() is None, jobs[name].communicate()[0]
             time.sleep(0.05)
     workers = {name: _worker_pids(job.pid) for name, job in jobs.items()}
     assert all(len(w) == 2 for w in workers.values()), workers
-    t0 = time.monotonic()
+    stopped = time.monotonic()
     os.kill(workers["tp2"][1], signal.SIGSTOP)
     os.kill(workers["dp2"][0], signal.SIGSTOP)
-    os.kill(jobs["agent"].pid, signal.SIGKILL)
-    gone_at = {}
-    while len(gone_at) < 3 and time.monotonic() - t0 < 60:
-        for name in jobs:
-            if name not in gone_at and _gone(workers[name]):
-                gone_at[name] = time.monotonic() - t0
-        time.sleep(0.05)
-    for pid in workers["tp2"] + workers["dp2"] + workers["agent"]:  # whatever is left, so nothing outlives the test
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    signalled = {"tp2": stopped, "dp2": stopped}
+    jobs["agent"] = start("agent", [])
+    gone_at, agent_steps = {}, None
+    try:
+        while len(gone_at) < 3 and time.monotonic() - stopped < 60:
+            if "agent" not in signalled:
+                if (tmp_path / "agent" / "step_000002").exists():
+                    workers["agent"] = _worker_pids(jobs["agent"].pid)
+                    assert len(workers["agent"]) == 2, workers
+                    signalled["agent"] = time.monotonic()
+                    os.kill(jobs["agent"].pid, signal.SIGKILL)
+                else:
+                    assert jobs["agent"].poll() is None, jobs["agent"].communicate()[0]
+            for name in signalled:
+                if name not in gone_at and _gone(workers[name]):
+                    gone_at[name] = time.monotonic() - signalled[name]
+                    if name == "agent":  # what it had written when its workers were gone
+                        agent_steps = (time.monotonic(), sorted(int(n[5:]) for n in os.listdir(tmp_path / "agent")
+                                                                if n.startswith("step_") and n[5:].isdigit()))
+            time.sleep(0.05)
+    finally:
+        for pid in sum(workers.values(), []):  # whatever is left, so nothing outlives the test
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if "agent" not in signalled:
+            jobs["agent"].kill()
     print(f"seconds until every worker was gone: {gone_at}")  # pytest -s shows it
     assert gone_at.get("agent", 99) < 5, gone_at
     assert 9 < gone_at.get("tp2", 99) < 15 and 9 < gone_at.get("dp2", 99) < 15, gone_at
@@ -1761,10 +1781,9 @@ def test_a_stopped_rank_or_a_killed_launcher_ends_every_process_within_the_timeo
         assert jobs[name].returncode != 0
         stalled = [l for l in out.splitlines() if "train_gpt.py: error:" in l]
         assert stalled and all("a collective waited past --timeout-s 10" in l and ", step " in l for l in stalled), out
-    steps = sorted(int(n[5:]) for n in os.listdir(tmp_path / "agent") if n.startswith("step_") and n[5:].isdigit())
-    time.sleep(1)
+    time.sleep(max(0.0, agent_steps[0] + 1 - time.monotonic()))  # a second at least, as long as the others took
     assert sorted(int(n[5:]) for n in os.listdir(tmp_path / "agent")
-                  if n.startswith("step_") and n[5:].isdigit()) == steps  # nothing written after the workers went
+                  if n.startswith("step_") and n[5:].isdigit()) == agent_steps[1]  # nothing written after they went
 
 
 # ---- pipeline schedules: 1F1B, interleaved (virtual stages), zero bubble; one executor, one replay --------------

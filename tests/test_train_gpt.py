@@ -2600,11 +2600,14 @@ def test_a_rank_missing_at_start_or_hung_reading_a_checkpoint_ends_the_job_in_on
     assert "a collective waited past --timeout-s 2" in lines[0] and time.monotonic() - start < 15
     # rank 1 hangs while the ranks verify the checkpoint's checksums together: rank 0 stops at its timeout
     shutil.copytree(two_checkpoints[0], tmp_path / "out", ignore=shutil.ignore_patterns(".lock"))
+    os.remove(tmp_path / "rank0.out")  # the first job's: rank 1 below reads the second's
     real = train_gpt.verify_checksums
 
     def hang_on_rank_1(*args):
-        if os.environ["RANK"] == "1":
-            time.sleep(6)  # past rank 0's timeout; then it finds rank 0 gone
+        if os.environ["RANK"] == "1":  # until rank 0 has said that its timeout passed; then it finds rank 0 gone
+            said, deadline = tmp_path / "rank0.out", time.monotonic() + 30
+            while "train_gpt.py: error:" not in said.read_text() and time.monotonic() < deadline:
+                time.sleep(0.02)
         return real(*args)
     monkeypatch.setattr(train_gpt, "verify_checksums", hang_on_rank_1)
     results = _main_on_forked_ranks(RESUME_ARGV + ["--resume", "--timeout-s", "2"], 2, str(tmp_path), timeout=40)

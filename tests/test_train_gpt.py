@@ -1650,19 +1650,19 @@ def test_two_runs_on_one_out_dir_one_is_refused_and_the_other_resumes_bit_exactl
         time.sleep(0.02)
     # paused while the second starts, so that it still holds the folder then, however slowly the second imports
     # torch (on a slow machine the first run's 6 steps ended before the second looked)
-    os.kill(first.pid, signal.SIGSTOP)
+    from chapter_core import run_program  # the second and the resumed runs forked from this process, started as
+    os.kill(first.pid, signal.SIGSTOP)    # `python3 train_gpt.py ...` would be: an interpreter start-up fewer each
     try:
-        second = subprocess.run(args + ["--steps", "6", "--metrics", "second.jsonl"], cwd=tmp_path, env=env,
-                                capture_output=True, text=True, timeout=120)
+        (code, out, err), = run_program(ROOT, args[2:] + ["--steps", "6", "--metrics", "second.jsonl"], 1, tmp_path,
+                                        timeout=120, environ=False)
     finally:
         os.kill(first.pid, signal.SIGCONT)
-    assert second.returncode == 2 and second.stdout == "", second
-    line, = second.stderr.strip().splitlines()
+    assert code == 2 and out == "", (code, out, err)
+    line, = err.strip().splitlines()
     assert f"--out-dir out is in use by another run (pid {first.pid} on" in line, line
     assert first.wait(timeout=300) == 0, first.communicate()[0]
     import shutil
     shutil.rmtree(tmp_path / "out" / "step_000006")  # as if the first run had stopped after step 4
-    from chapter_core import run_program  # the resumed run forked from this process: one interpreter start-up fewer
     (code, out, err), = run_program(ROOT, args[2:] + ["--steps", "6", "--metrics", "again.jsonl", "--resume"], 1,
                                     tmp_path, environ=False)
     assert code == 0, (out, err)

@@ -726,13 +726,12 @@ def test_building_moe_layers_leaves_the_processs_rng_alone():
     assert run_ranks(_rng_after_building_moe, 1, timeout=60)[0]
 
 
-def _main_on_forked_ranks(argv, world, cwd, timeout=60, ranks=None):
+def _main_on_forked_ranks(argv, world, cwd, timeout=60, ranks=None, wait=True):
     """Run train_gpt.main_job(argv) as `world` torchrun ranks would (RANK, WORLD_SIZE... in the environment), each a
     forked process writing stdout and stderr to its own file (only `ranks` of them, if given: the others never
     come). Returns [(exit code, output, initialised)]: a rank that created a process group reports
-    initialised=True."""
+    initialised=True. Without `wait`, returns at once what _forked_ranks_results awaits."""
     import socket
-    from chapter_core import exit_codes
     with socket.socket() as probe:  # a free port per call: a fixed one clashes with any other suite on the machine
         probe.bind(("127.0.0.1", 0))
         port = str(probe.getsockname()[1])
@@ -767,6 +766,13 @@ def _main_on_forked_ranks(argv, world, cwd, timeout=60, ranks=None):
                 sys.stderr.flush()
                 os._exit(code + 100 * dist.is_initialized())
         pids.append(pid)
+    return _forked_ranks_results((pids, outs), timeout) if wait else (pids, outs)
+
+
+def _forked_ranks_results(started, timeout):
+    """What _main_on_forked_ranks(..., wait=False) started, awaited: [(exit code, output, initialised)]."""
+    from chapter_core import exit_codes
+    pids, outs = started
     results = exit_codes(pids, timeout)
     # errors="replace": a text model's sample is the bytes it drew, which need not be UTF-8
     return [(code % 100, open(out, errors="replace").read(), code >= 100) for code, out in zip(results, outs)]
@@ -2597,14 +2603,11 @@ def test_a_rank_missing_at_start_or_hung_reading_a_checkpoint_ends_the_job_in_on
     import shutil
     import time
     start = time.monotonic()  # rank 1 never comes: rank 0 waits in creating the process group, --timeout-s 2
-    (code, out, _), = _main_on_forked_ranks(JOB + ["--steps", "1", "--timeout-s", "2"], 2, str(tmp_path), ranks=[0],
-                                            timeout=30)
-    lines = out.strip().splitlines()
-    assert code == 1 and len(lines) == 1 and "rank 0, while starting" in lines[0], out
-    assert "a collective waited past --timeout-s 2" in lines[0] and time.monotonic() - start < 15
+    (tmp_path / "missing").mkdir()  # this job's files; it runs beside the second job's (each waits for its timeout)
+    missing = _main_on_forked_ranks(JOB + ["--steps", "1", "--timeout-s", "2"], 2, str(tmp_path / "missing"),
+                                    ranks=[0], wait=False)
     # rank 1 hangs while the ranks verify the checkpoint's checksums together: rank 0 stops at its timeout
     shutil.copytree(two_checkpoints[0], tmp_path / "out", ignore=shutil.ignore_patterns(".lock"))
-    os.remove(tmp_path / "rank0.out")  # the first job's: rank 1 below reads the second's
     real = train_gpt.verify_checksums
 
     def hang_on_rank_1(*args):
@@ -2615,6 +2618,10 @@ def test_a_rank_missing_at_start_or_hung_reading_a_checkpoint_ends_the_job_in_on
         return real(*args)
     monkeypatch.setattr(train_gpt, "verify_checksums", hang_on_rank_1)
     results = _main_on_forked_ranks(RESUME_ARGV + ["--resume", "--timeout-s", "2"], 2, str(tmp_path), timeout=40)
+    (code, out, _), = _forked_ranks_results(missing, 30)
+    lines = out.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and "rank 0, while starting" in lines[0], out
+    assert "a collective waited past --timeout-s 2" in lines[0] and time.monotonic() - start < 15
     (code, out, _), (code_1, out_1, _) = results
     lines = [line for line in out.strip().splitlines() if "error" in line]  # after the start-up banner
     assert code == 1 and len(lines) == 1 and "rank 0, while starting" in lines[0] and "Traceback" not in out, out

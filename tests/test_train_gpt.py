@@ -1085,25 +1085,25 @@ def test_the_gpu_check_script_runs_dry_on_cpu(tmp_path):
     assert "memory gpt2 predicted vs measured" in out.stdout  # issue 47: max_memory_allocated on CUDA
 
 
-def test_the_speed_benchmark_runs_and_refuses_bad_sizes_in_one_line():
-    import subprocess
-    bench = [sys.executable, os.path.join(ROOT, "benchmarks", "train_gpt_vs_plain.py")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def test_the_speed_benchmark_runs_and_refuses_bad_sizes_in_one_line(tmp_path):
+    # each command line runs as `python3 benchmarks/train_gpt_vs_plain.py ...` would (the file as __main__, its argv,
+    # one intra-op thread) in a process forked from this one, which has imported torch already
+    from types import SimpleNamespace
+    from chapter_core import run_program
+    bench = os.path.join("benchmarks", "train_gpt_vs_plain.py")
     refusals = ((["--rounds", "0"], "--rounds 0 must be a positive integer"),
                 (["--heads", "3"], "--hidden 128 must be divisible by --heads 3; e.g. --hidden 129"),
                 (["--micro-batch", "3"], "--batch 8 must be divisible by dp*micro_batch = 1*3"))
-    # the refused command lines start beside the benchmark (each an interpreter start-up; no figure is timed)
-    refused = [subprocess.Popen(bench + argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-               for argv, _ in refusals]
-    try:
-        out = subprocess.run(bench + ["--rounds", "2", "--steps-per-round", "1", "--layers", "1", "--hidden", "32",
-                                      "--seq", "32", "--batch", "4", "--micro-batch", "2", "--threads", "1",
-                                      "--profile"], capture_output=True, text=True, timeout=120, env=env)
-        errors = [process.communicate(timeout=60)[1] for process in refused]
-    finally:
-        for process in refused:  # none outlives the test
-            if process.poll() is None:
-                process.kill()
+    refused, errors = [], []
+    for argv, _ in refusals:
+        (code, _, err), = run_program(ROOT, argv, 1, tmp_path, timeout=60, environ=False, script=bench)
+        refused.append(SimpleNamespace(returncode=code))
+        errors.append(err)
+    (code, stdout, stderr), = run_program(ROOT, ["--rounds", "2", "--steps-per-round", "1", "--layers", "1", "--hidden",
+                                                 "32", "--seq", "32", "--batch", "4", "--micro-batch", "2", "--threads",
+                                                 "1", "--profile"], 1, tmp_path, timeout=120, environ=False,
+                                          script=bench)
+    out = SimpleNamespace(returncode=code, stdout=stdout, stderr=stderr)
     assert out.returncode == 0 and "ratio plain / train_gpt.py" in out.stdout, out.stdout + out.stderr
     ratio, lo, hi = map(float, re.search(r"= ([\d.]+) \(95% interval ([\d.]+) to ([\d.]+)", out.stdout).groups())
     assert lo <= ratio <= hi  # the bootstrap's interval holds the ratio it was drawn around

@@ -16,8 +16,8 @@ import torch
 # with this process's heap, about 300,000 objects of pytest, torch and the tests. Frozen there (gc.freeze: moved to
 # the permanent generation, which no collection scans), a rank's collections, the explicit gc.collect() of the memory
 # measurements and the automatic full ones, walk only the objects the rank itself created, and do not write into
-# (copy) every inherited page. What a rank creates is collected as before (a cycle it inherits stays, as it would
-# in the parent).
+# (copy) every inherited page. What a rank creates is collected as before; garbage it inherited is not (a rank lives
+# for one call of one test).
 os.register_at_fork(after_in_child=gc.freeze)
 
 

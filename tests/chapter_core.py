@@ -165,12 +165,13 @@ def undefined_names(sources):
     return sorted(set(problems))
 
 
-def run_program(folder, argv, world, cwd, timeout=300, environ=True):
+def run_program(folder, argv, world, cwd, timeout=300, environ=True, script="train_gpt.py", env=None):
     """`torchrun --nproc_per_node=world train_gpt.py *argv` (without `environ`: `python3 train_gpt.py *argv`) of the
     train_gpt.py in `folder` (the cut cores, or the repository), run in `cwd` by forked processes (no interpreter
     start-up: each rank gets torchrun's environment, drops this process's copies of the repository's modules so that
     `folder`'s are imported, and runs the file as __main__). Returns [(exit code, stdout, stderr)] by rank; a rank
-    still running after `timeout` seconds is killed."""
+    still running after `timeout` seconds is killed. `script`: another file of `folder` (benchmarks/gpu_check.py,
+    long_seq.py) run the same way; `env`: variables set in each rank's environment last."""
     import runpy
     import socket
     import torch._dynamo  # noqa: F401 (a process's first optimizer imports it, about 1 s: here once, then inherited)
@@ -199,10 +200,11 @@ def run_program(folder, argv, world, cwd, timeout=300, environ=True):
                 else:
                     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
                         os.environ.pop(name, None)
+                os.environ.update(env or {})
                 for name in CORES:
                     sys.modules.pop(name, None)
                 sys.path.insert(0, str(folder))
-                sys.argv = [os.path.join(str(folder), "train_gpt.py")] + list(argv)
+                sys.argv = [os.path.join(str(folder), script)] + list(argv)
                 runpy.run_path(sys.argv[0], run_name="__main__")
                 code = 0
             except SystemExit as e:

@@ -495,12 +495,19 @@ def test_demo_head_counts_split_over_any_world_size():
         assert bool(why) == ((h, h_kv) != (8, 4)), P
 
 
-def test_bench_sizes_below_one_are_one_line_and_exit_code_2(capsys, monkeypatch):
-    import subprocess
+def _command_line(argv, cwd, env=None):
+    """`python3 long_seq.py *argv` (with `env` added to the environment) as the interpreter would run it (the file as
+    __main__, its argv), in a process forked from this one, which has imported torch already: (exit code, stdout,
+    stderr)."""
+    from chapter_core import ROOT, run_program
+    (result,) = run_program(ROOT, argv, 1, cwd, timeout=60, environ=False, script="long_seq.py", env=env)
+    return result
+
+
+def test_bench_sizes_below_one_are_one_line_and_exit_code_2(capsys, monkeypatch, tmp_path):
     import sys
-    out = subprocess.run([sys.executable, "long_seq.py", "--bench", "--seq", "0"], capture_output=True, text=True,
-                         timeout=60, cwd=os.path.dirname(os.path.abspath(ls.__file__)))  # the command line itself
-    assert out.returncode == 2 and out.stderr.strip() == "long_seq.py: error: --seq 0 must be a positive integer"
+    code, _, err = _command_line(["--bench", "--seq", "0"], tmp_path)  # the command line itself
+    assert code == 2 and err.strip() == "long_seq.py: error: --seq 0 must be a positive integer"
     for flag in ["--batch", "--heads", "--kv-heads", "--head-dim", "--repeats", "--cp-ulysses"]:  # the same main
         monkeypatch.setattr(sys, "argv", ["long_seq.py", "--bench", flag, "0"])
         with pytest.raises(SystemExit) as exit_:
@@ -509,14 +516,11 @@ def test_bench_sizes_below_one_are_one_line_and_exit_code_2(capsys, monkeypatch)
         assert capsys.readouterr().err.strip() == f"long_seq.py: error: {flag} 0 must be a positive integer"
 
 
-def test_bench_sequence_that_the_ranks_cannot_zigzag_is_one_line_before_any_group():
-    import subprocess
-    import sys
-    env = {**os.environ, "WORLD_SIZE": "4", "RANK": "0"}  # as torchrun would set them: no group is started
-    out = subprocess.run([sys.executable, "long_seq.py", "--bench", "--seq", "12"], capture_output=True, text=True,
-                         timeout=60, cwd=os.path.dirname(os.path.abspath(ls.__file__)), env=env)
-    assert out.returncode == 2
-    assert out.stderr.strip() == "long_seq.py: error: --seq 12 must be a multiple of 2 x the 4 ranks (zigzag shards)"
+def test_bench_sequence_that_the_ranks_cannot_zigzag_is_one_line_before_any_group(tmp_path):
+    env = {"WORLD_SIZE": "4", "RANK": "0"}  # as torchrun would set them: no group is started
+    code, _, err = _command_line(["--bench", "--seq", "12"], tmp_path, env)
+    assert code == 2
+    assert err.strip() == "long_seq.py: error: --seq 12 must be a multiple of 2 x the 4 ranks (zigzag shards)"
 
 
 def test_bench_hybrid_sizes_are_checked_before_any_group():
@@ -528,15 +532,12 @@ def test_bench_hybrid_sizes_are_checked_before_any_group():
     ls.check_bench_args(8, 1, 4, 2, 64, 1, 4, 2)  # u = 2 of 4 ranks, dividing 2 KV heads: accepted
 
 
-def test_demo_refuses_the_bench_flags_it_would_ignore():
-    import subprocess
-    import sys
-    env = {**os.environ, "WORLD_SIZE": "4", "RANK": "0"}  # as torchrun would set them: no group is started
-    out = subprocess.run([sys.executable, "long_seq.py", "--seq", "0", "--dtype", "float16"], capture_output=True,
-                         text=True, timeout=60, cwd=os.path.dirname(os.path.abspath(ls.__file__)), env=env)
-    assert out.returncode == 2
-    assert out.stderr.strip() == ("long_seq.py: error: --seq, --dtype apply only with --bench "
-                                  "(the demo's sizes are fixed)")
+def test_demo_refuses_the_bench_flags_it_would_ignore(tmp_path):
+    env = {"WORLD_SIZE": "4", "RANK": "0"}  # as torchrun would set them: no group is started
+    code, _, err = _command_line(["--seq", "0", "--dtype", "float16"], tmp_path, env)
+    assert code == 2
+    assert err.strip() == ("long_seq.py: error: --seq, --dtype apply only with --bench "
+                           "(the demo's sizes are fixed)")
 
 
 @pytest.mark.parametrize("impl", ["fused", "reference"])

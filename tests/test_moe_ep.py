@@ -704,13 +704,13 @@ def test_balancing_loss_bounds_uniform_coeff_and_collapsed_coeff_e_over_k(k):
     assert moe_ep.load_balancing_loss(collapsed, k, coeff).item() == pytest.approx(coeff * E / k, rel=1e-12)
 
 
-def test_the_demo_runs_to_its_last_line():
-    import subprocess
-    import sys
-    out = subprocess.run([sys.executable, "moe_ep.py"], capture_output=True, text=True, timeout=120,
-                         cwd=os.path.dirname(os.path.abspath(moe_ep.__file__)))
-    assert out.returncode == 0, out.stderr
-    assert "balancing bias after one update with loads [10, 2, 2, 2]: [-0.001, 0.001, 0.001, 0.001]" in out.stdout
+def test_the_demo_runs_to_its_last_line(tmp_path):
+    # `python3 moe_ep.py` as the interpreter would run it (the file as __main__), in a process forked from this one,
+    # which has imported torch already
+    from chapter_core import ROOT, run_program
+    (code, stdout, stderr), = run_program(ROOT, [], 1, tmp_path, timeout=120, environ=False, script="moe_ep.py")
+    assert code == 0, stderr
+    assert "balancing bias after one update with loads [10, 2, 2, 2]: [-0.001, 0.001, 0.001, 0.001]" in stdout
 
 
 def _core_ep_rank(rank, P, core, capacity_factor):

@@ -726,13 +726,12 @@ def test_building_moe_layers_leaves_the_processs_rng_alone():
     assert run_ranks(_rng_after_building_moe, 1, timeout=60)[0]
 
 
-def _main_on_forked_ranks(argv, world, cwd, timeout=60, ranks=None):
+def _main_on_forked_ranks(argv, world, cwd, timeout=60, ranks=None, wait=True):
     """Run train_gpt.main_job(argv) as `world` torchrun ranks would (RANK, WORLD_SIZE... in the environment), each a
     forked process writing stdout and stderr to its own file (only `ranks` of them, if given: the others never
     come). Returns [(exit code, output, initialised)]: a rank that created a process group reports
-    initialised=True."""
+    initialised=True. Without `wait`, returns at once what _forked_ranks_results awaits."""
     import socket
-    from chapter_core import exit_codes
     with socket.socket() as probe:  # a free port per call: a fixed one clashes with any other suite on the machine
         probe.bind(("127.0.0.1", 0))
         port = str(probe.getsockname()[1])
@@ -767,6 +766,13 @@ def _main_on_forked_ranks(argv, world, cwd, timeout=60, ranks=None):
                 sys.stderr.flush()
                 os._exit(code + 100 * dist.is_initialized())
         pids.append(pid)
+    return _forked_ranks_results((pids, outs), timeout) if wait else (pids, outs)
+
+
+def _forked_ranks_results(started, timeout):
+    """What _main_on_forked_ranks(..., wait=False) started, awaited: [(exit code, output, initialised)]."""
+    from chapter_core import exit_codes
+    pids, outs = started
     results = exit_codes(pids, timeout)
     # errors="replace": a text model's sample is the bytes it drew, which need not be UTF-8
     return [(code % 100, open(out, errors="replace").read(), code >= 100) for code, out in zip(results, outs)]
@@ -1063,11 +1069,15 @@ def test_sharded_cross_entropy_is_stable_far_from_zero():
         assert all(err < 1e-5 for err in run_ranks(_sharded_cross_entropy, 2, shift, timeout=60)), shift
 
 
-def test_the_gpu_check_script_runs_dry_on_cpu():
-    """benchmarks/gpu_check.py is run by hand when a GPU is lent; its --dry-run keeps it from rotting here."""
-    import subprocess
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--dry-run"],
-                         capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+def test_the_gpu_check_script_runs_dry_on_cpu(tmp_path):
+    """benchmarks/gpu_check.py is run by hand when a GPU is lent; its --dry-run keeps it from rotting here. It runs as
+    `python3 benchmarks/gpu_check.py --dry-run` would (the file as __main__, one intra-op thread) in a process forked
+    from this one, which has imported torch already; the four-rank torchrun it starts is a launcher of its own."""
+    from types import SimpleNamespace
+    from chapter_core import run_program
+    (code, stdout, stderr), = run_program(ROOT, ["--dry-run"], 1, tmp_path, timeout=120, environ=False,
+                                          script=os.path.join("benchmarks", "gpu_check.py"))
+    out = SimpleNamespace(returncode=code, stdout=stdout, stderr=stderr)
     assert out.returncode == 0 and "FAILED" not in out.stdout, out.stdout + out.stderr
     assert "gpt2 tokens/s" in out.stdout and "fp8 _scaled_mm" in out.stdout and "ring float32 fused" in out.stdout
     assert "gpt2 checkpoint and sample: 16 tokens" in out.stdout and "recompute full kept bytes" in out.stdout
@@ -1075,25 +1085,25 @@ def test_the_gpu_check_script_runs_dry_on_cpu():
     assert "memory gpt2 predicted vs measured" in out.stdout  # issue 47: max_memory_allocated on CUDA
 
 
-def test_the_speed_benchmark_runs_and_refuses_bad_sizes_in_one_line():
-    import subprocess
-    bench = [sys.executable, os.path.join(ROOT, "benchmarks", "train_gpt_vs_plain.py")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def test_the_speed_benchmark_runs_and_refuses_bad_sizes_in_one_line(tmp_path):
+    # each command line runs as `python3 benchmarks/train_gpt_vs_plain.py ...` would (the file as __main__, its argv,
+    # one intra-op thread) in a process forked from this one, which has imported torch already
+    from types import SimpleNamespace
+    from chapter_core import run_program
+    bench = os.path.join("benchmarks", "train_gpt_vs_plain.py")
     refusals = ((["--rounds", "0"], "--rounds 0 must be a positive integer"),
                 (["--heads", "3"], "--hidden 128 must be divisible by --heads 3; e.g. --hidden 129"),
                 (["--micro-batch", "3"], "--batch 8 must be divisible by dp*micro_batch = 1*3"))
-    # the refused command lines start beside the benchmark (each an interpreter start-up; no figure is timed)
-    refused = [subprocess.Popen(bench + argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-               for argv, _ in refusals]
-    try:
-        out = subprocess.run(bench + ["--rounds", "2", "--steps-per-round", "1", "--layers", "1", "--hidden", "32",
-                                      "--seq", "32", "--batch", "4", "--micro-batch", "2", "--threads", "1",
-                                      "--profile"], capture_output=True, text=True, timeout=120, env=env)
-        errors = [process.communicate(timeout=60)[1] for process in refused]
-    finally:
-        for process in refused:  # none outlives the test
-            if process.poll() is None:
-                process.kill()
+    refused, errors = [], []
+    for argv, _ in refusals:
+        (code, _, err), = run_program(ROOT, argv, 1, tmp_path, timeout=60, environ=False, script=bench)
+        refused.append(SimpleNamespace(returncode=code))
+        errors.append(err)
+    (code, stdout, stderr), = run_program(ROOT, ["--rounds", "2", "--steps-per-round", "1", "--layers", "1", "--hidden",
+                                                 "32", "--seq", "32", "--batch", "4", "--micro-batch", "2", "--threads",
+                                                 "1", "--profile"], 1, tmp_path, timeout=120, environ=False,
+                                          script=bench)
+    out = SimpleNamespace(returncode=code, stdout=stdout, stderr=stderr)
     assert out.returncode == 0 and "ratio plain / train_gpt.py" in out.stdout, out.stdout + out.stderr
     ratio, lo, hi = map(float, re.search(r"= ([\d.]+) \(95% interval ([\d.]+) to ([\d.]+)", out.stdout).groups())
     assert lo <= ratio <= hi  # the bootstrap's interval holds the ratio it was drawn around
@@ -1646,19 +1656,19 @@ def test_two_runs_on_one_out_dir_one_is_refused_and_the_other_resumes_bit_exactl
         time.sleep(0.02)
     # paused while the second starts, so that it still holds the folder then, however slowly the second imports
     # torch (on a slow machine the first run's 6 steps ended before the second looked)
-    os.kill(first.pid, signal.SIGSTOP)
+    from chapter_core import run_program  # the second and the resumed runs forked from this process, started as
+    os.kill(first.pid, signal.SIGSTOP)    # `python3 train_gpt.py ...` would be: an interpreter start-up fewer each
     try:
-        second = subprocess.run(args + ["--steps", "6", "--metrics", "second.jsonl"], cwd=tmp_path, env=env,
-                                capture_output=True, text=True, timeout=120)
+        (code, out, err), = run_program(ROOT, args[2:] + ["--steps", "6", "--metrics", "second.jsonl"], 1, tmp_path,
+                                        timeout=120, environ=False)
     finally:
         os.kill(first.pid, signal.SIGCONT)
-    assert second.returncode == 2 and second.stdout == "", second
-    line, = second.stderr.strip().splitlines()
+    assert code == 2 and out == "", (code, out, err)
+    line, = err.strip().splitlines()
     assert f"--out-dir out is in use by another run (pid {first.pid} on" in line, line
     assert first.wait(timeout=300) == 0, first.communicate()[0]
     import shutil
     shutil.rmtree(tmp_path / "out" / "step_000006")  # as if the first run had stopped after step 4
-    from chapter_core import run_program  # the resumed run forked from this process: one interpreter start-up fewer
     (code, out, err), = run_program(ROOT, args[2:] + ["--steps", "6", "--metrics", "again.jsonl", "--resume"], 1,
                                     tmp_path, environ=False)
     assert code == 0, (out, err)
@@ -1726,33 +1736,53 @@ def test_a_stopped_rank_or_a_killed_launcher_ends_every_process_within_the_timeo
     """SIGSTOP of one rank at TP2 and at DP2 with --timeout-s 10: every worker gone within 10 s + 5 s (the rank
     that waited raises at the timeout, then kills its node's peers, which torchrun would leave 30 s to a stopped
     one). SIGKILL of the torchrun agent: its workers gone within a few seconds (each polls its parent twice a
-    second), with no new checkpoint."""
+    second), with no new checkpoint. The third job starts once the two are stopped: its start-up runs in their wait
+    for the timeout (each job's seconds are counted from its own signal)."""
     import signal
     import time
     long_job = JOB + ["--steps", "100000", "--save-every", "1", "--timeout-s", "10"]
-    jobs = {name: _torchrun(2, long_job + layout + ["--out-dir", name, "--metrics", f"{name}.jsonl"], str(tmp_path))
-            for name, layout in (("tp2", ["--tp", "2"]), ("dp2", []), ("agent", []))}
+
+    def start(name, layout):
+        return _torchrun(2, long_job + layout + ["--out-dir", name, "--metrics", f"{name}.jsonl"], str(tmp_path))
+
+    jobs = {name: start(name, layout) for name, layout in (("tp2", ["--tp", "2"]), ("dp2", []))}
     for name in jobs:
         while not (tmp_path / name / "step_000002").exists():
             assert jobs[name].poll() is None, jobs[name].communicate()[0]
             time.sleep(0.05)
     workers = {name: _worker_pids(job.pid) for name, job in jobs.items()}
     assert all(len(w) == 2 for w in workers.values()), workers
-    t0 = time.monotonic()
+    stopped = time.monotonic()
     os.kill(workers["tp2"][1], signal.SIGSTOP)
     os.kill(workers["dp2"][0], signal.SIGSTOP)
-    os.kill(jobs["agent"].pid, signal.SIGKILL)
-    gone_at = {}
-    while len(gone_at) < 3 and time.monotonic() - t0 < 60:
-        for name in jobs:
-            if name not in gone_at and _gone(workers[name]):
-                gone_at[name] = time.monotonic() - t0
-        time.sleep(0.05)
-    for pid in workers["tp2"] + workers["dp2"] + workers["agent"]:  # whatever is left, so nothing outlives the test
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    signalled = {"tp2": stopped, "dp2": stopped}
+    jobs["agent"] = start("agent", [])
+    gone_at, agent_steps = {}, None
+    try:
+        while len(gone_at) < 3 and time.monotonic() - stopped < 60:
+            if "agent" not in signalled:
+                if (tmp_path / "agent" / "step_000002").exists():
+                    workers["agent"] = _worker_pids(jobs["agent"].pid)
+                    assert len(workers["agent"]) == 2, workers
+                    signalled["agent"] = time.monotonic()
+                    os.kill(jobs["agent"].pid, signal.SIGKILL)
+                else:
+                    assert jobs["agent"].poll() is None, jobs["agent"].communicate()[0]
+            for name in signalled:
+                if name not in gone_at and _gone(workers[name]):
+                    gone_at[name] = time.monotonic() - signalled[name]
+                    if name == "agent":  # what it had written when its workers were gone
+                        agent_steps = (time.monotonic(), sorted(int(n[5:]) for n in os.listdir(tmp_path / "agent")
+                                                                if n.startswith("step_") and n[5:].isdigit()))
+            time.sleep(0.05)
+    finally:
+        for pid in sum(workers.values(), []):  # whatever is left, so nothing outlives the test
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if "agent" not in signalled:
+            jobs["agent"].kill()
     print(f"seconds until every worker was gone: {gone_at}")  # pytest -s shows it
     assert gone_at.get("agent", 99) < 5, gone_at
     assert 9 < gone_at.get("tp2", 99) < 15 and 9 < gone_at.get("dp2", 99) < 15, gone_at
@@ -1761,10 +1791,9 @@ def test_a_stopped_rank_or_a_killed_launcher_ends_every_process_within_the_timeo
         assert jobs[name].returncode != 0
         stalled = [l for l in out.splitlines() if "train_gpt.py: error:" in l]
         assert stalled and all("a collective waited past --timeout-s 10" in l and ", step " in l for l in stalled), out
-    steps = sorted(int(n[5:]) for n in os.listdir(tmp_path / "agent") if n.startswith("step_") and n[5:].isdigit())
-    time.sleep(1)
+    time.sleep(max(0.0, agent_steps[0] + 1 - time.monotonic()))  # a second at least, as long as the others took
     assert sorted(int(n[5:]) for n in os.listdir(tmp_path / "agent")
-                  if n.startswith("step_") and n[5:].isdigit()) == steps  # nothing written after the workers went
+                  if n.startswith("step_") and n[5:].isdigit()) == agent_steps[1]  # nothing written after they went
 
 
 # ---- pipeline schedules: 1F1B, interleaved (virtual stages), zero bubble; one executor, one replay --------------
@@ -2574,21 +2603,25 @@ def test_a_rank_missing_at_start_or_hung_reading_a_checkpoint_ends_the_job_in_on
     import shutil
     import time
     start = time.monotonic()  # rank 1 never comes: rank 0 waits in creating the process group, --timeout-s 2
-    (code, out, _), = _main_on_forked_ranks(JOB + ["--steps", "1", "--timeout-s", "2"], 2, str(tmp_path), ranks=[0],
-                                            timeout=30)
-    lines = out.strip().splitlines()
-    assert code == 1 and len(lines) == 1 and "rank 0, while starting" in lines[0], out
-    assert "a collective waited past --timeout-s 2" in lines[0] and time.monotonic() - start < 15
+    (tmp_path / "missing").mkdir()  # this job's files; it runs beside the second job's (each waits for its timeout)
+    missing = _main_on_forked_ranks(JOB + ["--steps", "1", "--timeout-s", "2"], 2, str(tmp_path / "missing"),
+                                    ranks=[0], wait=False)
     # rank 1 hangs while the ranks verify the checkpoint's checksums together: rank 0 stops at its timeout
     shutil.copytree(two_checkpoints[0], tmp_path / "out", ignore=shutil.ignore_patterns(".lock"))
     real = train_gpt.verify_checksums
 
     def hang_on_rank_1(*args):
-        if os.environ["RANK"] == "1":
-            time.sleep(6)  # past rank 0's timeout; then it finds rank 0 gone
+        if os.environ["RANK"] == "1":  # until rank 0 has said that its timeout passed; then it finds rank 0 gone
+            said, deadline = tmp_path / "rank0.out", time.monotonic() + 30
+            while "train_gpt.py: error:" not in said.read_text() and time.monotonic() < deadline:
+                time.sleep(0.02)
         return real(*args)
     monkeypatch.setattr(train_gpt, "verify_checksums", hang_on_rank_1)
     results = _main_on_forked_ranks(RESUME_ARGV + ["--resume", "--timeout-s", "2"], 2, str(tmp_path), timeout=40)
+    (code, out, _), = _forked_ranks_results(missing, 30)
+    lines = out.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and "rank 0, while starting" in lines[0], out
+    assert "a collective waited past --timeout-s 2" in lines[0] and time.monotonic() - start < 15
     (code, out, _), (code_1, out_1, _) = results
     lines = [line for line in out.strip().splitlines() if "error" in line]  # after the start-up banner
     assert code == 1 and len(lines) == 1 and "rank 0, while starting" in lines[0] and "Traceback" not in out, out

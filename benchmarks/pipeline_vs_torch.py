@@ -24,9 +24,9 @@ their inputs' waits included, as their two threads share one clock; torch runs a
 waiting on transfers (ours: on receives, on sends), posting transfers (the buffers, the irecv and isend calls), the
 executor's own bookkeeping (the rest of its schedule: ours `run_schedule`, torch's `_step_microbatches`) and the
 step's tail (the gradient reductions, the optimizer, the loss's all-reduce; torch's also splits the batch into
-micro-batches). --overlap
-first races DualPipeV's pairs overlapped against the same pairs one after the other, with per rank the seconds the
-all-to-alls and the halves' inputs travelled beside the other half's compute and those still waited for.
+micro-batches). --overlap first races DualPipeV's pairs overlapped against the same pairs one after the other, with
+per rank the seconds the all-to-alls and the halves' inputs travelled beside the other half's compute and those still
+waited for.
 """
 import argparse
 import collections
@@ -37,6 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 from datetime import timedelta
 
 import torch
@@ -269,28 +270,31 @@ def overlap_race(a):
     and the handovers."""
     cfg, run = model(a), layout(a, "dualpipev")
     _, stage, opt, pipe = train_gpt.build_job(cfg, run)
-    figures = {}  # mode: [beside, waited, handovers: all-to-alls', inputs'] summed over its counted steps
+    figures = {}  # mode: [beside, waited, handovers, each of the all-to-alls then the inputs] summed over its steps
+    baton = pipe.baton
+    read = lambda: [table[kind] for table in (baton.beside, baton.exposed, baton.handovers)  # noqa: E731
+                    for kind in ("all-to-all", "p2p")]
 
-    def program(overlap):
+    # race() switches `on` for the steps it counts (not its warm-up round), as it does a Breakdown's
+    counted = {name: types.SimpleNamespace(on=False, total=0.0) for name in ("overlapped", "one after the other")}
+
+    def program(overlap, name):
         def step(tokens):
             pipe.overlap = overlap
-            baton = pipe.baton
-            before = (*baton.beside.values(), *baton.exposed.values(), *baton.handovers.values())
+            before = read()
             loss = train_gpt.train_step(stage, pipe, opt, tokens, run.micro_batch, run.grad_clip)[0]
-            after = (*baton.beside.values(), *baton.exposed.values(), *baton.handovers.values())
-            if counting[0]:
+            if counted[name].on:
                 total = figures.setdefault(overlap, [0.0] * 6)
-                for i, (x, y) in enumerate(zip(before, after)):
+                for i, (x, y) in enumerate(zip(before, read())):
                     total[i] += y - x
             return loss
         return step
-    counting = [False]
-    programs = {"overlapped": program(True), "one after the other": program(False)}
+    programs = {"overlapped": program(True, "overlapped"),
+                "one after the other": program(False, "one after the other")}
     for k in range(a.parity_steps):  # warm-up: both before the clock
         for step in programs.values():
             step(train_gpt.synthetic_batch(1000 + k, a.batch, cfg.seq_len, cfg.vocab_size))
-    counting[0] = True
-    times, _ = race(programs, a, cfg)
+    times, _ = race(programs, a, cfg, counted)
     med = {name: pooled_median(t, range(len(t))) for name, t in times.items()}
     lo, hi = ratio_interval(times, num="one after the other", den="overlapped")
     lines = [f"    {name:20s} median step {t * 1000:7.1f} ms" for name, t in med.items()]
@@ -302,11 +306,10 @@ def overlap_race(a):
     for rank, f in enumerate(per_rank):
         for mode, name in ((True, "overlapped"), (False, "one after the other")):
             a2a_beside, p2p_beside, a2a_exposed, p2p_exposed, a2a_handovers, p2p_handovers = f[mode]
-            lines.append(f"    rank {rank} {name:20s} per step: all-to-alls beside the other "
-                         f"half's compute {a2a_beside * 1000:6.1f} ms, waited for {a2a_exposed * 1000:6.1f} ms "
-                         f"({a2a_handovers:.0f} handovers); the "
-                         f"halves' inputs beside {p2p_beside * 1000:6.1f} ms, waited for {p2p_exposed * 1000:6.1f} ms "
-                         f"({p2p_handovers:.0f} handovers)")
+            lines.append(f"    rank {rank} {name:20s} per step: all-to-alls beside the other half's compute "
+                         f"{a2a_beside * 1000:6.1f} ms, waited for {a2a_exposed * 1000:6.1f} ms ({a2a_handovers:.0f} "
+                         f"handovers); the halves' inputs beside {p2p_beside * 1000:6.1f} ms, waited for "
+                         f"{p2p_exposed * 1000:6.1f} ms ({p2p_handovers:.0f} handovers)")
     return lines
 
 

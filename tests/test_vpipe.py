@@ -400,3 +400,29 @@ def test_overlapping_the_pairs_changes_nothing_but_when_each_half_computes():
     for (overlapped, handovers), (apart, none) in run_ranks(_overlapped_or_not, 4, timeout=180):
         assert overlapped == apart, (overlapped, apart)
         assert min(handovers.values()) > 0 and set(none.values()) == {0}, (handovers, none)
+
+
+def test_the_race_against_torch_runs_both_v_schedules_with_the_overlap_measured(tmp_path):
+    """benchmarks/pipeline_vs_torch.py on a small MoE model (EP 2, 4 ranks), one counted round: parity with torch's
+    schedules first, each ratio inside its own interval, the overlap's figures per rank (handovers at both kinds of
+    transfer overlapped, none one after the other) and the breakdown timing our pairs whole. No figure is timed."""
+    import re
+    from chapter_core import ROOT, run_program
+    argv = ["--schedules", "zbv,dualpipev", "--layers", "4", "--hidden", "32", "--heads", "2", "--seq", "16",
+            "--batch", "16", "--ep", "2", "--moe-every", "1", "--rounds", "1", "--steps-per-round", "1",
+            "--parity-steps", "1", "--overlap", "--breakdown"]
+    (code, out, err), = run_program(ROOT, argv, 1, tmp_path, timeout=180, environ=False,
+                                    script=os.path.join("benchmarks", "pipeline_vs_torch.py"))
+    assert code == 0, out + err
+    for kind, theirs in TORCH_V_SCHEDULES.items():
+        assert f"{kind} against torch's {theirs}:" in out, out
+    assert out.count("parity step 0: loss ours") == 2, out
+    for ratio, lo, hi in re.findall(r"= ([\d.]+) \(95% interval ([\d.]+) to ([\d.]+)", out):
+        assert float(lo) <= float(ratio) <= float(hi), (ratio, lo, hi)
+    for rank in range(4):
+        overlapped = re.search(rf"rank {rank} overlapped .*\((\d+) handovers\).*\((\d+) handovers\)", out)
+        apart = re.search(rf"rank {rank} one after the other .*\((\d+) handovers\).*\((\d+) handovers\)", out)
+        assert min(map(int, overlapped.groups())) > 0 and set(map(int, apart.groups())) == {0}, out
+    ours = [line for line in out.splitlines() if line.strip().startswith("ours rank")]
+    assert len(ours) == 8 and sum("compute F&B" in line for line in ours) == 4, ours  # zbv's 4 have no pair
+    assert all("bookkeeping" in line for line in ours), ours
